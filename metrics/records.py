@@ -1,0 +1,76 @@
+"""What the engine publishes for metrics: plain records, handed to a sink.
+
+The engine loop never calls prometheus-client per token. Once per step it hands the sink a
+``StepRecord`` (a snapshot), and once per finished request a ``RequestRecord``; the
+Prometheus side turns those into histograms/counters and reads the latest snapshot at scrape
+time through a custom Collector.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from scheduler.output import SchedulerStats
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One engine step: the scheduler snapshot after it and where the time went."""
+
+    stats: SchedulerStats
+    kind: str  # "prefill", "decode", "mixed" (both batches in one step) or "idle"
+    step_duration_s: float  # wall time of runner.execute
+    schedule_cpu_s: float  # CPU time of scheduler.schedule() + scheduler.update()
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One finished request (any terminal path), observed once, when it ends.
+
+    Times are ``time.monotonic()`` seconds; a time is None when the request never got there
+    (e.g. aborted while waiting has no first token).
+    """
+
+    request_id: str
+    finish_reason: str  # FinishReason.value: stop, length, abort, error
+    abort_reason: str | None  # AbortReason.value when finish_reason == "abort"
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    arrival_s: float
+    first_scheduled_s: float | None
+    first_token_s: float | None
+    finished_s: float
+    # Gaps between consecutive output tokens (len == num_output_tokens - 1 when complete).
+    inter_token_s: list[float] = field(default_factory=list)
+
+
+class MetricsSink(Protocol):
+    """Where the engine and the gRPC edge report. Calls must be cheap and never raise."""
+
+    def on_step(self, record: StepRecord) -> None: ...
+
+    def on_request_done(self, record: RequestRecord) -> None: ...
+
+    def on_rejected(self, reason: str) -> None:
+        """A request refused before it reached the scheduler ("overload", "invalid")."""
+
+    def on_rpc(self, method: str, code: str) -> None:
+        """One finished RPC with its gRPC status code name ("OK", "INVALID_ARGUMENT", ...)."""
+
+
+class NullSink:
+    """A sink that drops everything (metrics disabled, or tests that do not look)."""
+
+    def on_step(self, record: StepRecord) -> None:
+        pass
+
+    def on_request_done(self, record: RequestRecord) -> None:
+        pass
+
+    def on_rejected(self, reason: str) -> None:
+        pass
+
+    def on_rpc(self, method: str, code: str) -> None:
+        pass

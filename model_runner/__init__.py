@@ -1,0 +1,2 @@
+"""HOW a step is computed. The only package that imports torch, and only in its torch modules:
+``model_runner.base``, ``model_runner.fake`` and ``model_runner.sim`` stay torch-free."""

@@ -1,0 +1,173 @@
+"""The plain-data boundary objects of one engine step.
+
+``schedule() -> SchedulerOutput`` (what to compute), ``runner.execute(plan) -> ModelOutput``
+(what was sampled), ``update(plan, result) -> list[RequestOutput]`` (what clients see).
+The runner reads a ``SchedulerOutput`` and never mutates it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cache_manager.stats import KVCacheStats
+from scheduler.request import FinishReason, SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One request's share of a step, in the prefill batch or in the decode batch.
+
+    ``token_ids`` are the tokens whose keys/values are computed this step, at absolute
+    positions ``start_pos .. start_pos + len(token_ids) - 1``; their KV goes into
+    ``block_ids`` (the whole block table, position p lives in ``block_ids[p // block_size]``
+    at offset ``p % block_size``). A decode entry has exactly one token.
+    ``do_sample`` is True when this chunk ends at the last known token, so the runner samples
+    the next token from the logits of the chunk's last position (a middle chunk of a long
+    prompt samples nothing).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sampling: SamplingParams
+    do_sample: bool
+    # Read-only view of prompt + output tokens so far (for penalties); never mutate.
+    all_token_ids: Sequence[int] = ()
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # output tokens before this step (seeded sampling keys on it)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end_pos(self) -> int:
+        """One past the last position computed this step."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step computes: a prefill batch and a decode batch, either may be empty."""
+
+    step_id: int
+    prefill: list[ScheduledSeq] = field(default_factory=list)
+    decode: list[ScheduledSeq] = field(default_factory=list)
+    # Copy-on-write: copy the KV of block src into block dst before the forward pass.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Requests that ended since the previous plan; the runner drops any per-request state.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @classmethod
+    def make_empty(cls, step_id: int = 0) -> SchedulerOutput:
+        return cls(step_id=step_id)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.prefill)
+
+    @property
+    def num_decode_seqs(self) -> int:
+        return len(self.decode)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return self.num_prefill_tokens + len(self.decode)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Logprob of the sampled token and the top-n alternatives (token_id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    """What the runner computed for one plan.
+
+    ``sampled_token_ids`` has an entry for every scheduled seq with ``do_sample``, except
+    those in ``failed`` (request_id -> error message), which finish with ``ERROR`` while the
+    rest of the batch continues.
+    """
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    prefill_time_s: float = 0.0
+    decode_time_s: float = 0.0
+
+    @classmethod
+    def make_empty(cls) -> ModelOutput:
+        return cls()
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What ``update`` reports for one request after a step: new tokens, and the end."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    parent_id: str | None = None  # for forked samples (n > 1): the request the client sent
+    index: int = 0  # which of the n samples
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """Snapshot after a step; metrics and the gRPC edge read it, never the live scheduler."""
+
+    step_id: int
+    num_running: int  # requests holding a place in the running set (prefilling or decoding)
+    num_waiting: int  # waiting, including preempted ones
+    num_preempted: int  # waiting requests that were preempted at least once and not resumed
+    # This step's batch composition.
+    num_prefill_tokens: int
+    num_prefill_reqs: int
+    num_decode_reqs: int
+    # Cumulative counters.
+    num_steps_prefill_total: int  # steps whose plan had a prefill batch
+    num_steps_decode_total: int  # steps whose plan had a decode batch
+    num_preemptions_total: int
+    num_recomputed_tokens_total: int  # computed tokens discarded by preemption
+    num_prompt_tokens_total: int  # prompt tokens of admitted requests
+    num_generation_tokens_total: int  # output tokens produced
+    num_finished_total: dict[str, int]  # FinishReason.value -> count
+    waiting_tokens: int  # prompt tokens still to compute across the waiting queue
+    kv: KVCacheStats
+
+    @classmethod
+    def make_empty(cls, kv: KVCacheStats | None = None) -> SchedulerStats:
+        return cls(
+            step_id=0,
+            num_running=0,
+            num_waiting=0,
+            num_preempted=0,
+            num_prefill_tokens=0,
+            num_prefill_reqs=0,
+            num_decode_reqs=0,
+            num_steps_prefill_total=0,
+            num_steps_decode_total=0,
+            num_preemptions_total=0,
+            num_recomputed_tokens_total=0,
+            num_prompt_tokens_total=0,
+            num_generation_tokens_total=0,
+            num_finished_total={},
+            waiting_tokens=0,
+            kv=kv if kv is not None else KVCacheStats.make_empty(),
+        )

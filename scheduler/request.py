@@ -1,0 +1,171 @@
+"""Request, its sampling/stopping parameters and its lifecycle status. Plain data only."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Validated once, at construction.
+
+    ``temperature == 0`` means greedy. ``top_k is None`` disables top-k; ``logprobs is None``
+    returns no logprobs (0 returns only the sampled token's logprob).
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 (or unset to disable), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= self.MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (0 <= self.min_tokens <= self.max_tokens):
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    }
+)
+
+
+class FinishReason(enum.Enum):
+    """Why a request ended, as a client sees it."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # cancelled by the client, a deadline, or an Abort call
+    ERROR = "error"  # this request failed; everyone else continues
+
+
+class AbortReason(enum.Enum):
+    """Why an abort happened; metrics count aborts by this label."""
+
+    CLIENT_CANCEL = "client_cancel"
+    DEADLINE = "deadline"
+    ABORT_CALL = "abort_call"
+    SHUTDOWN = "shutdown"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One generation request as the scheduler tracks it.
+
+    ``num_computed_tokens`` is the single measure of progress: tokens of
+    ``all_token_ids`` whose KV is in the cache. Chunked prefill, prefix hits and resumption
+    after preemption are all "computed < total"::
+
+        | prompt ..................... | output ....... |
+        | computed (incl. cached) | to compute         |
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0  # lower value runs first
+    arrival_time_s: float = 0.0
+    cache_salt: str | None = None
+    max_model_len: int | None = None  # the scheduler fills it in at admission
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_preemptions: int = 0
+    parent_id: str | None = None  # set on forked children (n > 1)
+    _all_token_ids: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self._all_token_ids:
+            self._all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then output tokens. Read-only for callers; ``append_output_token`` grows it."""
+        return self._all_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)

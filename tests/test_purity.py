@@ -1,0 +1,22 @@
+"""The pure core stays pure: scheduler/ and cache_manager/ never import torch."""
+
+import subprocess
+import sys
+
+
+def test_core_packages_do_not_import_torch() -> None:
+    """Importing every scheduler and cache_manager module leaves torch out of sys.modules."""
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "for pkg in ('cache_manager', 'scheduler'):\n"
+        "    mod = importlib.import_module(pkg)\n"
+        "    for info in pkgutil.walk_packages(mod.__path__, pkg + '.'):\n"
+        "        importlib.import_module(info.name)\n"
+        "for name in ('model_runner.base', 'model_runner.fake', 'model_runner.sim'):\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except ModuleNotFoundError as e:\n"
+        "        if e.name != name: raise\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
