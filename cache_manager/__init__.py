@@ -1,1 +1,48 @@
-"""kvserve package."""
+"""Paged KV-cache manager: block pool, block tables, prefix cache, eviction, statistics.
+
+Pure Python bookkeeping (no torch, no I/O): which block holds which request's tokens.
+"""
+
+from cache_manager.block import BlockQueue, KVBlock
+from cache_manager.block_pool import BlockPool
+from cache_manager.config import EVICTION_POLICIES, KVCacheConfig
+from cache_manager.eviction import (
+    EvictionPolicy,
+    LFUEviction,
+    LRUEviction,
+    SharedPrefixEviction,
+    make_eviction_policy,
+)
+from cache_manager.hashing import hash_block_tokens
+from cache_manager.manager import Allocation, CacheSequence, KVCacheManager
+from cache_manager.sizing import (
+    ModelShape,
+    block_bytes,
+    kv_memory_bytes,
+    kv_memory_bytes_paged,
+    num_blocks_for_budget,
+)
+from cache_manager.stats import KVCacheStats
+
+__all__ = [
+    "EVICTION_POLICIES",
+    "Allocation",
+    "BlockPool",
+    "BlockQueue",
+    "CacheSequence",
+    "EvictionPolicy",
+    "KVBlock",
+    "KVCacheConfig",
+    "KVCacheManager",
+    "KVCacheStats",
+    "LFUEviction",
+    "LRUEviction",
+    "ModelShape",
+    "SharedPrefixEviction",
+    "block_bytes",
+    "hash_block_tokens",
+    "kv_memory_bytes",
+    "kv_memory_bytes_paged",
+    "make_eviction_policy",
+    "num_blocks_for_budget",
+]

@@ -52,7 +52,9 @@ def num_blocks_for_budget(shape: ModelShape, block_size: int, budget_bytes: int)
 def kv_memory_bytes(shape: ModelShape, context_len: int, batch_size: int = 1) -> int:
     """Exact KV bytes of ``batch_size`` sequences of ``context_len`` tokens (no block rounding)."""
     if context_len < 0 or batch_size < 0:
-        raise ValueError(f"context_len and batch_size must be >= 0, got {context_len}, {batch_size}")
+        raise ValueError(
+            f"context_len and batch_size must be >= 0, got {context_len}, {batch_size}"
+        )
     return shape.kv_bytes_per_token * context_len * batch_size
 
 

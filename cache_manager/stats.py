@@ -32,9 +32,14 @@ class KVCacheStats:
     evictions_total: int  # cached-free blocks whose key was dropped to hand the block out
     cow_copies_total: int  # copy-on-write block copies
     preemptions_total: int = 0  # filled in by the scheduler (the cache manager does not preempt)
+    # Blocks never handed out (the sliding-window null block); used + cached_free + free +
+    # reserved == num_blocks_total.
+    num_blocks_reserved: int = 0
 
     @classmethod
-    def make_empty(cls, num_blocks: int = 0, block_size: int = 16, block_bytes: int = 0) -> KVCacheStats:
+    def make_empty(
+        cls, num_blocks: int = 0, block_size: int = 16, block_bytes: int = 0
+    ) -> KVCacheStats:
         return cls(
             block_size=block_size,
             num_blocks_total=num_blocks,

@@ -37,6 +37,9 @@ class ScheduledSeq:
     all_token_ids: Sequence[int] = ()
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # output tokens before this step (seeded sampling keys on it)
+    # EOS ids of the request (from Request.eos_token_ids): the sampler masks them, and the
+    # stop_token_ids, while num_output_tokens < sampling.min_tokens (unless ignore_eos).
+    eos_token_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

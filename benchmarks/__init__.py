@@ -1,0 +1,1 @@
+"""Benchmarks: programs that print tables (`make bench`)."""

@@ -1,0 +1,319 @@
+"""Model runner vs Hugging Face transformers, side by side in one run (SmolLM2-135M, fp32).
+
+    python -m benchmarks.bench_model_runner [--threads 2] [--steps 8] [--batches 1,8,32,64]
+
+Measures, on the same weights:
+- decode step time at several batch sizes, every request with a ~128-token context
+  (ours: one ``TorchRunner.execute`` of a decode plan, sampling included; transformers: one
+  ``model(next_tokens, past_key_values=...)`` call with a DynamicCache, plus argmax — no
+  ``generate()`` overhead, so the baseline is if anything flattered);
+- prefill throughput of one 512-token prompt (transformers with ``logits_to_keep=1``);
+- fused vs separate prefill + decode: one step with a 32-request decode batch and a
+  128-token prefill chunk, run as one forward pass or as two.
+
+Weights: the embedded SmolLM2-135M-Instruct GGUF through ``model_runner.gguf_loader`` when both
+exist, else random weights of the same shapes (timing does not depend on the values); the
+table says which. Prints a table; asserts nothing. Medians of ``--steps`` timed steps after
+a warm-up step. Timings on a shared machine are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from model_runner.config import ModelConfig
+from model_runner.runner import TorchRunner
+from scheduler.output import ScheduledSeq, SchedulerOutput
+from scheduler.request import SamplingParams
+
+SMOLLM2_135M = ModelConfig(
+    architecture="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+    name="SmolLM2-135M (random weights)",
+)
+GREEDY = SamplingParams(temperature=0.0)
+BLOCK_SIZE = 16
+
+
+def load_weights(force_random: bool) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
+    """The real GGUF weights when the loader and the file exist, else random ones."""
+    reason = "--random-weights"
+    if not force_random:
+        try:
+            from model_runner.gguf_loader import default_model_path, load_gguf
+
+            path = default_model_path()
+            config, state = load_gguf(path, torch.float32)
+            return config, dict(state), f"real weights ({path.name}, dequantized to fp32)"
+        except (ImportError, RuntimeError, OSError) as exc:
+            reason = f"real weights unavailable: {exc}"
+    g = torch.Generator().manual_seed(0)
+    c = SMOLLM2_135M
+    q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.02
+
+    state = {
+        "model.embed_tokens.weight": rand(c.vocab_size, c.hidden_size),
+        "model.norm.weight": torch.ones(c.hidden_size),
+    }
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        state |= {
+            p + "self_attn.q_proj.weight": rand(q_out, c.hidden_size),
+            p + "self_attn.k_proj.weight": rand(kv_out, c.hidden_size),
+            p + "self_attn.v_proj.weight": rand(kv_out, c.hidden_size),
+            p + "self_attn.o_proj.weight": rand(c.hidden_size, q_out),
+            p + "mlp.gate_proj.weight": rand(c.intermediate_size, c.hidden_size),
+            p + "mlp.up_proj.weight": rand(c.intermediate_size, c.hidden_size),
+            p + "mlp.down_proj.weight": rand(c.hidden_size, c.intermediate_size),
+            p + "input_layernorm.weight": torch.ones(c.hidden_size),
+            p + "post_attention_layernorm.weight": torch.ones(c.hidden_size),
+        }
+    return c, state, f"random weights of SmolLM2-135M's shapes ({reason})"
+
+
+def hf_model(config: ModelConfig, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hc = LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_theta=config.rope_theta,
+        rope_scaling=config.rope_scaling,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings,
+    )
+    model = LlamaForCausalLM(hc).to(torch.float32).eval()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
+    return model
+
+
+def median_ms(fn: Callable[[], object], steps: int) -> float:
+    fn()
+    fn()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+class OursDecode:
+    """B requests with ``context`` tokens each, prefilled once; then repeated decode steps
+    at a fixed position (re-writing the same slot each time keeps the context constant)."""
+
+    def __init__(self, runner: TorchRunner, batch: int, context: int, vocab: int) -> None:
+        g = torch.Generator().manual_seed(batch)
+        blocks_per_seq = -(-(context + 1) // BLOCK_SIZE)
+        self.runner = runner
+        self.seqs: list[ScheduledSeq] = []
+        for b in range(batch):
+            ids = torch.randint(0, vocab, (context,), generator=g).tolist()
+            table = list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq))
+            pre = ScheduledSeq(f"r{b}", ids, 0, table, GREEDY, True)
+            runner.execute(SchedulerOutput(0, prefill=[pre]))
+            self.seqs.append(ScheduledSeq(f"r{b}", [ids[-1]], context, table, GREEDY, True))
+
+    def step(self) -> None:
+        self.runner.execute(SchedulerOutput(1, decode=self.seqs))
+
+
+def hf_decode(model: torch.nn.Module, batch: int, context: int, vocab: int) -> Callable[[], None]:
+    from transformers import DynamicCache
+
+    g = torch.Generator().manual_seed(batch)
+    ids = torch.randint(0, vocab, (batch, context), generator=g)
+    cache = DynamicCache()
+    with torch.inference_mode():
+        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    pos = torch.full((batch, 1), context)
+
+    def step() -> None:
+        with torch.inference_mode():
+            logits = model(nxt, past_key_values=cache, position_ids=pos, use_cache=True).logits
+            logits[:, -1].argmax(-1)
+            cache.crop(-1)  # keep the context constant across timed steps
+
+    return step
+
+
+def linear_weight_bytes(config: ModelConfig) -> int:
+    """fp32 bytes of every matrix a decode step streams (all layers + LM head)."""
+    c = config
+    per_layer = c.hidden_size * (
+        (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 3 * c.intermediate_size
+    )
+    return 4 * (c.num_layers * per_layer + c.vocab_size * c.hidden_size)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--random-weights", action="store_true")
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    steps = args.steps
+
+    config, state, source = load_weights(args.random_weights)
+    hf = None if args.no_hf else hf_model(config, state)
+    max_batch = max([*batches, 32])
+    # Decode requests use blocks [0, max_batch * per_seq); prompts use the blocks after them.
+    prompt_base = max_batch * (-(-(args.context + 1) // BLOCK_SIZE))
+    num_blocks = prompt_base + -(-max(args.prefill_len, 128) // BLOCK_SIZE)
+    ours = TorchRunner(config, state, num_blocks, BLOCK_SIZE, torch.float32, "cpu")
+    plain = TorchRunner(
+        config, state, num_blocks, BLOCK_SIZE, torch.float32, "cpu", use_onednn=False
+    )
+    del state
+    vocab = config.vocab_size
+
+    print(
+        f"# kvserve TorchRunner vs transformers {_hf_version()}: {config.name or 'model'}, fp32, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
+    print(f"# weights: {source}")
+    print(
+        f"# kvserve: linear layers via {ours.info.extra['linear_backend']}; "
+        "'kvserve F.linear' = same runner with plain torch F.linear (ablation)"
+    )
+    print(
+        f"# decode: {args.context}-token contexts, median of {steps} steps after 2 warm-up "
+        "steps; a shared machine makes figures noisy\n"
+    )
+    print(
+        f"| {'measurement':<30} | {'kvserve':>9} | {'kvserve F.linear':>16} | "
+        f"{'transformers':>12} | {'kvserve / HF':>12} |"
+    )
+    print(f"|{'-' * 32}|{'-' * 11}|{'-' * 18}|{'-' * 14}|{'-' * 14}|")
+
+    def row(name: str, a: float, b: float, c: float | None, higher: bool) -> None:
+        hf_s = f"{c:12.1f}" if c is not None else f"{'-':>12}"
+        ratio = "-" if c is None else f"{(a / c if higher else c / a):.2f}x"
+        print(f"| {name:<30} | {a:9.1f} | {b:16.1f} | {hf_s} | {ratio:>12} |", flush=True)
+
+    decode_ms: dict[int, float] = {}
+    for batch in batches:
+        ms_ours = median_ms(OursDecode(ours, batch, args.context, vocab).step, steps)
+        ms_plain = median_ms(OursDecode(plain, batch, args.context, vocab).step, steps)
+        ms_hf = None
+        if hf is not None:
+            ms_hf = median_ms(hf_decode(hf, batch, args.context, vocab), steps)
+        decode_ms[batch] = ms_ours
+        row(f"decode step, batch {batch} (ms)", ms_ours, ms_plain, ms_hf, False)
+        tok_hf = batch * 1e3 / ms_hf if ms_hf else None
+        row(
+            f"decode, batch {batch} (tok/s)",
+            batch * 1e3 / ms_ours,
+            batch * 1e3 / ms_plain,
+            tok_hf,
+            True,
+        )
+
+    g = torch.Generator().manual_seed(7)
+    n = args.prefill_len
+    prompt = torch.randint(0, vocab, (n,), generator=g).tolist()
+    table = list(range(prompt_base, prompt_base + -(-n // BLOCK_SIZE)))
+    plan = SchedulerOutput(0, prefill=[ScheduledSeq("p", prompt, 0, table, GREEDY, True)])
+    pre_steps = max(3, steps // 2)
+    ms_prefill = median_ms(lambda: ours.execute(plan), pre_steps)
+    ms_plain = median_ms(lambda: plain.execute(plan), pre_steps)
+    ms_hf = None
+    if hf is not None:
+        ids = torch.tensor([prompt])
+
+        def hf_prefill() -> None:
+            with torch.inference_mode():
+                hf(ids, use_cache=True, logits_to_keep=1).logits.argmax(-1)
+
+        ms_hf = median_ms(hf_prefill, pre_steps)
+    row(
+        f"prefill {n} tokens (tok/s)",
+        n * 1e3 / ms_prefill,
+        n * 1e3 / ms_plain,
+        n * 1e3 / ms_hf if ms_hf else None,
+        True,
+    )
+
+    # Fused vs separate: a 32-request decode batch plus one prefill chunk in the same step.
+    dec = OursDecode(ours, 32, args.context, vocab)
+    print("\n| mixed step (32 decodes + chunk) | fused (ms) | separate (ms) | fused / separate |")
+    print(f"|{'-' * 33}|{'-' * 12}|{'-' * 15}|{'-' * 18}|")
+    for chunk_len in (16, 128):
+        chunk_table = list(range(prompt_base, prompt_base + -(-chunk_len // BLOCK_SIZE)))
+        chunk = ScheduledSeq("c", prompt[:chunk_len], 0, chunk_table, GREEDY, True)
+        mixed = SchedulerOutput(2, prefill=[chunk], decode=dec.seqs)
+        times = {}
+        for fused in (True, False):
+            ours.fuse_batches = fused
+            times[fused] = median_ms(lambda: ours.execute(mixed), steps)  # noqa: B023
+        ours.fuse_batches = True
+        print(
+            f"| {chunk_len:>3}-token chunk{'':<16} | {times[True]:10.1f} | {times[False]:13.1f} "
+            f"| {times[True] / times[False]:16.2f} |"
+        )
+
+    weights = linear_weight_bytes(config)
+    kv_token = config.kv_shape("float32").kv_bytes_per_token
+    flops_token = 2 * weights // 4 - 2 * vocab * config.hidden_size  # LM head: last row only
+    print("\n# what bounds it")
+    if 1 in decode_ms:
+        print(
+            f"# batch 1: {weights / 1e6:.0f} MB of fp32 matrices streamed per step in "
+            f"{decode_ms[1]:.1f} ms = {weights / decode_ms[1] / 1e6:.1f} GB/s effective"
+        )
+    for batch, ms in decode_ms.items():
+        kv = kv_token * (args.context + 1) * batch
+        print(
+            f"# batch {batch}: weights {weights / 1e6:.0f} MB + KV read {kv / 1e6:.0f} MB "
+            f"per step -> {(weights + kv) / ms / 1e6:.1f} GB/s effective"
+        )
+    print(
+        f"# prefill: {flops_token * n / 1e9:.0f} GFLOP of matmuls (+ attention) in "
+        f"{ms_prefill:.0f} ms = {flops_token * n / ms_prefill / 1e6:.0f} GFLOP/s"
+    )
+
+
+def _hf_version() -> str:
+    try:
+        import transformers
+    except ImportError:
+        return "(not installed)"
+    return str(transformers.__version__)
+
+
+if __name__ == "__main__":
+    main()

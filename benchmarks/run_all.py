@@ -1,0 +1,572 @@
+"""``make bench``: the benchmark suite on SmolLM2-135M (fp32) on this machine, ONE table + JSON.
+
+    python -m benchmarks.run_all                 # the full suite (about 15-25 min on 2 cores)
+    python -m benchmarks.run_all --quick         # smoke run: tiny counts, every section
+    python -m benchmarks.run_all --sections chat128,paged --workload-file path/to/chat128.json
+
+Sections, each comparison measured side by side in the same run:
+
+- ``chat128``: the reference workload (``../shared/workloads/chat128.json``: 64 chat prompts of
+  exactly 128 tokens, 128 output tokens with ignore_eos, greedy) in closed loop at 1, 8 and 32
+  users: kvserve through gRPC (a ``kvserve serve --runner torch`` subprocess) against Hugging
+  Face transformers one request at a time and in static batches of the same size (same fp32
+  weights, same thread count). To fit the time budget a level runs fewer than 64 requests
+  (1 user: 4, 8 users: 16, 32 users: 64); the table says how many. llama.cpp figures are
+  quoted from the issue (measured earlier on this machine), not measured here.
+- ``policy``: prefill-first against stall-free on a mix of long and short prompts (same token
+  budget per step): p99 inter-token latency and throughput.
+- ``prefix``: prefix caching on against off on a shared-system-prompt workload: TTFT.
+- ``paged``: paged KV against contiguous max-length preallocation within the same KV memory
+  (scheduler + cache manager + FakeRunner; method in ``benchmarks/bench_paged_kv.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CHAT128 = REPO_ROOT.parent / "shared" / "workloads" / "chat128.json"
+SECTIONS = ("chat128", "policy", "prefix", "paged")
+
+# Quoted, not measured: llama.cpp's server on the same GGUF, 2 threads, flash attention on
+# (issue 7). Output tokens/s by concurrent users, and p99 inter-token latency at 32 users.
+LLAMA_CPP_QUOTED_TOK_S = {1: 80.0, 8: 95.0, 32: 85.0}
+LLAMA_CPP_QUOTED_ITL_P99_MS_32 = 300.0
+# Issue 7's targets for kvserve through gRPC with fp32 weights.
+TARGET_TOK_S = {1: 20.0, 8: 100.0, 32: 250.0}
+TARGET_ITL_P99_MS_32 = 200.0
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    chat_levels: tuple[tuple[int, int], ...]  # (users, requests)
+    chat_output_tokens: int
+    hf_serial_requests: int
+    policy_requests: int
+    policy_users: int
+    policy_long_len: int
+    policy_long_fraction: float
+    policy_output_tokens: int
+    policy_step_tokens: int  # max_num_batched_tokens (and the largest chunk), both policies
+    prefix_requests: int
+    prefix_users: int
+    prefix_num_prefixes: int
+    prefix_len: int
+    prefix_output_tokens: int
+    paged_requests: int
+    paged_budget_tokens: int
+    paged_max_model_len: int
+    run_duration_s: float
+
+
+FULL = Sizes(
+    chat_levels=((1, 4), (8, 16), (32, 64)),
+    chat_output_tokens=128,
+    hf_serial_requests=4,
+    policy_requests=32,
+    policy_users=8,
+    policy_long_len=1024,
+    policy_long_fraction=0.25,
+    policy_output_tokens=64,
+    policy_step_tokens=512,
+    prefix_requests=24,
+    prefix_users=2,
+    prefix_num_prefixes=4,
+    prefix_len=512,
+    prefix_output_tokens=16,
+    paged_requests=64,
+    paged_budget_tokens=16_384,
+    paged_max_model_len=2048,
+    run_duration_s=900.0,
+)
+QUICK = Sizes(
+    chat_levels=((1, 1), (2, 2)),
+    chat_output_tokens=8,
+    hf_serial_requests=1,
+    policy_requests=4,
+    policy_users=2,
+    policy_long_len=256,
+    policy_long_fraction=0.25,
+    policy_output_tokens=8,
+    policy_step_tokens=256,
+    prefix_requests=4,
+    prefix_users=1,
+    prefix_num_prefixes=2,
+    prefix_len=64,
+    prefix_output_tokens=4,
+    paged_requests=16,
+    paged_budget_tokens=4096,
+    paged_max_model_len=1024,
+    run_duration_s=300.0,
+)
+
+
+@dataclass(slots=True)
+class Row:
+    """One line of the table; None prints as '-'."""
+
+    section: str
+    setting: str
+    system: str
+    requests: int | None = None
+    out_tok_s: float | None = None
+    itl_p99_ms: float | None = None
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    peak_concurrent: int | None = None
+    cache_efficiency: float | None = None
+    vs_baseline: str = ""
+    llama_cpp_quoted: str = ""
+    notes: str = ""
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
+def _row_from_report(section: str, setting: str, system: str, report: dict[str, Any]) -> Row:
+    lat = report["latency_s"]
+    return Row(
+        section=section,
+        setting=setting,
+        system=system,
+        requests=report["requests"]["ok"],
+        out_tok_s=report["output_token_throughput_tps"],
+        itl_p99_ms=_ms(lat["itl"]["p99"]),
+        ttft_p50_ms=_ms(lat["ttft"]["p50"]),
+        ttft_p99_ms=_ms(lat["ttft"]["p99"]),
+        raw=report,
+    )
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+# ------------------------------------------------------------------------------ sections
+
+
+def section_chat128(sizes: Sizes, chat_path: Path, threads: int, progress: bool) -> list[Row]:
+    import torch
+
+    from benchmarks import bench_serving, bench_transformers
+    from model_runner.loader import load_model
+
+    prompts_text = json.loads(chat_path.read_text())["prompts"]
+    out_tokens = sizes.chat_output_tokens
+
+    # Transformers baselines first (in this process), then free the model for the servers.
+    torch.set_num_threads(threads)
+    loaded = load_model(None, "float32")
+    model = bench_transformers.build_hf_model(loaded.config, loaded.state_dict)
+    tok_prompts = [loaded.tokenizer.encode(p, add_special_tokens=False) for p in prompts_text]
+    pad_id = (loaded.config.eos_token_ids or (0,))[0]
+    del loaded
+    bench_transformers.warm_up(model, tok_prompts[-1], pad_id)
+
+    def prompts_for(n: int) -> list[list[int]]:
+        return [tok_prompts[i % len(tok_prompts)] for i in range(n)]
+
+    _say(f"[chat128] transformers one at a time: {sizes.hf_serial_requests} requests")
+    serial = bench_transformers.run_batches(
+        model,
+        prompts_for(sizes.hf_serial_requests),
+        batch_size=1,
+        max_new_tokens=out_tokens,
+        pad_id=pad_id,
+    )
+    static: dict[int, bench_transformers.HFRun] = {}
+    for users, num_requests in sizes.chat_levels:
+        if users == 1:
+            continue
+        _say(f"[chat128] transformers static batches of {users}: {num_requests} requests")
+        static[users] = bench_transformers.run_batches(
+            model,
+            prompts_for(num_requests),
+            batch_size=users,
+            max_new_tokens=out_tokens,
+            pad_id=pad_id,
+        )
+    del model
+    gc.collect()
+
+    rows: list[Row] = []
+    for users, num_requests in sizes.chat_levels:
+        _say(f"[chat128] kvserve via gRPC, {users} users: {num_requests} requests")
+        workload = bench_serving.chat128_workload(chat_path, num_requests, out_tokens)
+        report = bench_serving.measure(
+            ["--threads", str(threads)],
+            workload,
+            users=users,
+            num_requests=num_requests,
+            duration_s=sizes.run_duration_s,
+            desc=f"kvserve chat128 {users} users",
+            progress=progress,
+        )
+        setting = f"{users} user{'s' if users > 1 else ''}, {out_tokens} out"
+        kv = _row_from_report("chat128", setting, "kvserve (gRPC, fp32)", report)
+        hf_serial = _hf_row("chat128", setting, "transformers one-at-a-time", serial)
+        hf_serial.notes = f"measured once ({serial.num_requests} req); independent of users"
+        baseline = serial if users == 1 else static[users]
+        if users == 1:
+            hf_static = _hf_row("chat128", setting, "transformers static batch", serial)
+            hf_static.notes = "batch of 1 = one-at-a-time"
+        else:
+            hf_static = _hf_row("chat128", setting, f"transformers static batch {users}", baseline)
+        kv.vs_baseline = (
+            f"{_fmt(_ratio(kv.out_tok_s, baseline.output_tokens_per_s), '.2f')}x tok/s vs static, "
+            f"{_fmt(_ratio(kv.out_tok_s, serial.output_tokens_per_s), '.2f')}x vs 1-at-a-time"
+        )
+        hf_static.vs_baseline = "baseline"
+        quoted = LLAMA_CPP_QUOTED_TOK_S.get(users)
+        if quoted is not None:
+            kv.llama_cpp_quoted = f"{quoted:g}"
+            if users == 32:
+                kv.llama_cpp_quoted += f" (ITL p99 ~{LLAMA_CPP_QUOTED_ITL_P99_MS_32:g} ms)"
+        target = TARGET_TOK_S.get(users)
+        if target is not None and out_tokens == FULL.chat_output_tokens:
+            met = kv.out_tok_s is not None and kv.out_tok_s >= target
+            text = f"target >= {target:g} tok/s: {'met' if met else 'MISSED'}"
+            if users == 32:
+                itl_ok = kv.itl_p99_ms is not None and kv.itl_p99_ms < TARGET_ITL_P99_MS_32
+                text += f"; ITL p99 < {TARGET_ITL_P99_MS_32:g} ms: {'met' if itl_ok else 'MISSED'}"
+            kv.notes = text
+        rows += [kv, hf_static, hf_serial]
+    return rows
+
+
+def _hf_row(section: str, setting: str, system: str, run: Any) -> Row:
+    s = run.summary()
+    return Row(
+        section=section,
+        setting=setting,
+        system=system,
+        requests=run.num_requests,
+        out_tok_s=run.output_tokens_per_s,
+        itl_p99_ms=_ms(s["itl_p99_s"]),
+        ttft_p50_ms=_ms(s["ttft_p50_s"]),
+        ttft_p99_ms=_ms(s["ttft_p99_s"]),
+        notes="TTFT excludes queueing behind earlier batches",
+        raw=s,
+    )
+
+
+def section_policy(sizes: Sizes, threads: int, progress: bool) -> list[Row]:
+    from benchmarks import bench_serving
+
+    workload = bench_serving.long_short_workload(
+        sizes.policy_requests,
+        sizes.policy_long_len,
+        sizes.policy_long_fraction,
+        sizes.policy_output_tokens,
+    )
+    budget = str(sizes.policy_step_tokens)
+    setting = (
+        f"{sizes.policy_users} users; {round(sizes.policy_long_fraction * 100)}% +"
+        f"{sizes.policy_long_len}-token prompts, rest 32-64; {sizes.policy_output_tokens} out; "
+        f"{budget} tokens/step"
+    )
+    rows = []
+    for policy in ("prefill-first", "stall-free"):
+        _say(f"[policy] kvserve {policy}: {sizes.policy_requests} requests")
+        report = bench_serving.measure(
+            [
+                "--threads",
+                str(threads),
+                "--policy",
+                policy,
+                "--max-num-batched-tokens",
+                budget,
+                "--long-prefill-token-threshold",
+                budget,
+            ],
+            workload,
+            users=sizes.policy_users,
+            num_requests=sizes.policy_requests,
+            duration_s=sizes.run_duration_s,
+            desc=f"kvserve {policy}",
+            progress=progress,
+        )
+        rows.append(_row_from_report("policy", setting, f"kvserve {policy}", report))
+    base, sf = rows
+    base.vs_baseline = "baseline"
+    sf.vs_baseline = (
+        f"{_fmt(_ratio(base.itl_p99_ms, sf.itl_p99_ms), '.2f')}x lower ITL p99, "
+        f"{_fmt(_ratio(sf.out_tok_s, base.out_tok_s), '.2f')}x tok/s"
+    )
+    return rows
+
+
+def section_prefix(sizes: Sizes, threads: int, progress: bool) -> list[Row]:
+    from benchmarks import bench_serving
+
+    workload = bench_serving.shared_prefix_workload(
+        sizes.prefix_requests,
+        sizes.prefix_num_prefixes,
+        sizes.prefix_len,
+        sizes.prefix_output_tokens,
+    )
+    setting = (
+        f"{sizes.prefix_users} users; {sizes.prefix_num_prefixes} system prompts x "
+        f"{sizes.prefix_len} tokens + 32-64; {sizes.prefix_output_tokens} out"
+    )
+    rows = []
+    for enabled in (False, True):
+        flag = "--enable-prefix-caching" if enabled else "--no-enable-prefix-caching"
+        name = f"kvserve prefix caching {'on' if enabled else 'off'}"
+        _say(f"[prefix] {name}: {sizes.prefix_requests} requests")
+        report = bench_serving.measure(
+            ["--threads", str(threads), flag],
+            workload,
+            users=sizes.prefix_users,
+            num_requests=sizes.prefix_requests,
+            duration_s=sizes.run_duration_s,
+            desc=name,
+            progress=progress,
+        )
+        row = _row_from_report("prefix", setting, name, report)
+        srv = report.get("server") or {}
+        hit = srv.get("prefix_hit_rate")
+        row.notes = f"server prefix hit rate {'-' if hit is None else f'{hit:.0%}'}"
+        rows.append(row)
+    off, on = rows
+    off.vs_baseline = "baseline"
+    on.vs_baseline = (
+        f"{_fmt(_ratio(off.ttft_p50_ms, on.ttft_p50_ms), '.2f')}x lower TTFT p50, "
+        f"{_fmt(_ratio(off.ttft_p99_ms, on.ttft_p99_ms), '.2f')}x p99"
+    )
+    return rows
+
+
+def section_paged(sizes: Sizes, kv_bytes_per_token: int | None) -> list[Row]:
+    from benchmarks import bench_paged_kv
+
+    results = bench_paged_kv.run(
+        num_requests=sizes.paged_requests,
+        budget_tokens=sizes.paged_budget_tokens,
+        max_model_len=sizes.paged_max_model_len,
+    )
+    memory = (
+        f", {sizes.paged_budget_tokens * kv_bytes_per_token / 2**20:.0f} MiB fp32"
+        if kv_bytes_per_token
+        else ""
+    )
+    names = {
+        "contiguous": f"contiguous ({sizes.paged_max_model_len}-token prealloc)",
+        "paged-reserve": "paged 16, reserve full length",
+        "paged-optimistic": "paged 16, on demand (kvserve)",
+    }
+    shapes = {"chat128": "128 in/128 out", "mixed": "lognormal in/out"}
+    rows = []
+    baseline: dict[str, int] = {}
+    for r in results:
+        row = Row(
+            section="paged",
+            setting=f"{r.num_requests} req {shapes[r.workload]}; {r.budget_tokens} slots{memory}",
+            system=names[r.layout],
+            requests=r.num_requests,
+            peak_concurrent=r.peak_concurrent,
+            cache_efficiency=r.mean_cache_efficiency,
+            notes=f"mean {r.mean_concurrent:.1f} running; {r.num_steps} steps; "
+            f"{r.preemptions} preemptions",
+            raw=r.as_dict(),
+        )
+        if r.layout == "contiguous":
+            baseline[r.workload] = r.peak_concurrent
+            row.vs_baseline = "baseline"
+        else:
+            row.vs_baseline = (
+                f"{_fmt(_ratio(r.peak_concurrent, baseline[r.workload]), '.1f')}x concurrency"
+            )
+        rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------ output
+
+COLUMNS = (
+    ("Section", "section"),
+    ("Setting", "setting"),
+    ("System", "system"),
+    ("Req", "requests"),
+    ("Out tok/s", "out_tok_s"),
+    ("ITL p99 ms", "itl_p99_ms"),
+    ("TTFT p50 ms", "ttft_p50_ms"),
+    ("TTFT p99 ms", "ttft_p99_ms"),
+    ("Peak running", "peak_concurrent"),
+    ("Cache eff.", "cache_efficiency"),
+    ("vs baseline", "vs_baseline"),
+    ("llama.cpp tok/s (quoted†)", "llama_cpp_quoted"),
+    ("Notes", "notes"),
+)
+
+
+def _fmt(value: Any, spec: str = "") -> str:
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, float):
+        return format(value, spec or ".1f")
+    return str(value)
+
+
+def format_table(rows: list[Row]) -> str:
+    """A Markdown table (pastes into the README as is)."""
+    cells = [[h for h, _ in COLUMNS]]
+    for r in rows:
+        line = []
+        for _, attr in COLUMNS:
+            value = getattr(r, attr)
+            line.append(_fmt(value, ".2f" if attr == "cache_efficiency" else ".1f"))
+        cells.append(line)
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    out = []
+    for k, line in enumerate(cells):
+        out.append("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) + " |")
+        if k == 0:
+            out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(out)
+
+
+def machine_info(threads: int) -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions = {}
+    for mod in ("torch", "transformers", "grpc"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except ImportError:
+            versions[mod] = None
+    return {
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "threads": threads,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        **versions,
+    }
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.run_all", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--quick", action="store_true", help="smoke run with tiny counts")
+    p.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS)}",
+    )
+    p.add_argument(
+        "--workload-file",
+        type=Path,
+        default=DEFAULT_CHAT128,
+        help="the chat128 prompt file (default: ../shared/workloads/chat128.json)",
+    )
+    p.add_argument("--threads", type=int, default=2, help="torch threads, both sides (2)")
+    p.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench-results")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        p.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    if "chat128" in sections and not args.workload_file.is_file():
+        p.error(f"chat128 prompt file not found: {args.workload_file}")
+    sizes = QUICK if args.quick else FULL
+    progress = not args.no_progress
+    t0 = time.perf_counter()
+    rows: list[Row] = []
+    if "paged" in sections:
+        rows += section_paged(sizes, _smollm2_kv_bytes_per_token())
+    if "chat128" in sections:
+        rows += section_chat128(sizes, args.workload_file, args.threads, progress)
+    if "policy" in sections:
+        rows += section_policy(sizes, args.threads, progress)
+    if "prefix" in sections:
+        rows += section_prefix(sizes, args.threads, progress)
+    order = {s: i for i, s in enumerate(SECTIONS)}
+    rows.sort(key=lambda r: order[r.section])  # stable: keeps the order within a section
+    elapsed = time.perf_counter() - t0
+
+    machine = machine_info(args.threads)
+    quick_note = " (--quick smoke run: tiny counts, not figures)" if args.quick else ""
+    title = (
+        f"kvserve benchmarks{quick_note}"
+        f" - SmolLM2-135M-Instruct fp32 (dequantized Q4_1), {machine['cpu']}, "
+        f"{machine['logical_cpus']} logical CPUs, {args.threads} torch threads"
+    )
+    print(title)
+    print()
+    print(format_table(rows))
+    print()
+    print(
+        "† llama.cpp figures are QUOTED from issue 7 (llama.cpp server, same GGUF, 2 threads, "
+        "flash attention on, measured earlier on this machine), not measured in this run."
+    )
+    print(
+        "Req = requests measured per configuration (the chat128 levels run fewer than 64 "
+        "requests to fit the time budget). Out tok/s = output tokens / wall time of the run; "
+        "ITL = inter-token latency; percentiles by linear interpolation (numpy's default)."
+    )
+    print(f"Whole suite: {elapsed / 60:.1f} min.")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = args.out_dir / f"bench-{'quick-' if args.quick else ''}{stamp}.json"
+    doc = {
+        "schema": "kvserve.bench/v1",
+        "quick": args.quick,
+        "machine": machine,
+        "sizes": asdict(sizes),
+        "elapsed_s": elapsed,
+        "llama_cpp_quoted": {
+            "output_tokens_per_s_by_users": LLAMA_CPP_QUOTED_TOK_S,
+            "itl_p99_ms_at_32_users": LLAMA_CPP_QUOTED_ITL_P99_MS_32,
+        },
+        "rows": [asdict(r) for r in rows],
+    }
+    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    print(f"JSON: {path}")
+    return 0
+
+
+def _smollm2_kv_bytes_per_token() -> int | None:
+    """fp32 KV bytes per token of the embedded model, from its GGUF metadata (no weights)."""
+    try:
+        from model_runner.gguf_loader import default_model_path, read_metadata
+
+        md = read_metadata(str(default_model_path()))
+        arch = md["general.architecture"]
+        heads = int(md[f"{arch}.attention.head_count"])
+        head_dim = int(
+            md.get(f"{arch}.attention.key_length") or md[f"{arch}.embedding_length"] // heads
+        )
+        kv_heads = int(md.get(f"{arch}.attention.head_count_kv") or heads)
+        layers = int(md[f"{arch}.block_count"])
+    except Exception:  # only a label in the table depends on it
+        return None
+    return 2 * layers * kv_heads * head_dim * 4
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Deterministic prefix-cache keys: the same tokens give the same key in every process."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+KEY_BYTES = 16  # 128-bit BLAKE2b; hits are verified against stored tokens anyway
+
+_NO_PARENT = b"\x00"
+_NO_SALT = b"\x00"
+
+
+def hash_block_tokens(
+    parent_hash: bytes | None, token_ids: Sequence[int], cache_salt: str | None
+) -> bytes:
+    """Key of one full block: BLAKE2b over (parent key, cache_salt, token ids).
+
+    Chaining the parent's key makes a key stand for the whole prefix up to and including this
+    block. The salt is length-prefixed and the tokens are fixed-width little-endian int64, so
+    no two different inputs share an encoding. Python's ``hash()`` is salted per process and
+    is never used here.
+    """
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    h.update(_NO_PARENT if parent_hash is None else b"\x01" + parent_hash)
+    if cache_salt is None:
+        h.update(_NO_SALT)
+    else:
+        salt = cache_salt.encode("utf-8")
+        h.update(b"\x01" + len(salt).to_bytes(8, "little") + salt)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.digest()

@@ -1,0 +1,651 @@
+"""Writes grafana/dashboards/*.json: the kvserve dashboards, as code.
+
+Run ``python grafana/generate_dashboards.py`` after editing; tests/metrics checks that the
+committed JSON equals what this script produces, that it is a valid Grafana dashboard, and
+(with a real Prometheus scraping a live server) that every query returns data.
+
+Every panel and query takes its data source from the ``datasource`` template variable and
+filters on the ``instance`` variable; nothing names a host, a job or a data source uid.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 39
+DS = {"type": "prometheus", "uid": "${datasource}"}
+SEL = 'instance=~"$instance"'  # every selector filters on the instance variable
+RATE = "$__rate_interval"
+NOT_OK = 'code!="OK"'
+
+Panel = dict[str, Any]
+
+
+def rate(metric: str, extra: str = "") -> str:
+    sel = SEL + (", " + extra if extra else "")
+    return f"rate({metric}{{{sel}}}[{RATE}])"
+
+
+def quantile(q: float, histogram: str, by: str = "") -> str:
+    group = f"{by}, le" if by else "le"
+    return f"histogram_quantile({q}, sum by ({group}) ({rate(histogram + '_bucket')}))"
+
+
+def mean(histogram: str, by: str = "") -> str:
+    agg = f"sum by ({by})" if by else "sum"
+    return f"{agg} ({rate(histogram + '_sum')}) / {agg} ({rate(histogram + '_count')})"
+
+
+def target(expr: str, legend: str, ref: str, **extra: Any) -> dict[str, Any]:
+    return {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref, **extra}
+
+
+def targets(*pairs: tuple[str, str]) -> list[dict[str, Any]]:
+    return [target(expr, legend, chr(ord("A") + i)) for i, (expr, legend) in enumerate(pairs)]
+
+
+def timeseries(
+    title: str,
+    description: str,
+    pairs: list[tuple[str, str]],
+    unit: str = "short",
+    stack: bool = False,
+    overrides: list[dict[str, Any]] | None = None,
+    min_zero: bool = True,
+) -> Panel:
+    custom: dict[str, Any] = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10}
+    if stack:
+        custom.update({"stacking": {"mode": "normal", "group": "A"}, "fillOpacity": 40})
+    defaults: dict[str, Any] = {"unit": unit, "custom": custom}
+    if min_zero:
+        defaults["min"] = 0
+    return {
+        "type": "timeseries",
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "targets": targets(*pairs),
+        "fieldConfig": {"defaults": defaults, "overrides": overrides or []},
+        "options": {
+            "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+            "tooltip": {"mode": "multi", "sort": "none"},
+        },
+    }
+
+
+def stat(title: str, description: str, expr: str, unit: str = "short") -> Panel:
+    return {
+        "type": "stat",
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "targets": targets((expr, title)),
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "options": {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "colorMode": "value",
+            "graphMode": "area",
+            "textMode": "auto",
+        },
+    }
+
+
+def percentiles(title: str, description: str, histogram: str) -> Panel:
+    return timeseries(
+        title,
+        description,
+        [
+            (quantile(0.5, histogram), "p50"),
+            (quantile(0.9, histogram), "p90"),
+            (quantile(0.99, histogram), "p99"),
+            (mean(histogram), "mean"),
+        ],
+        unit="s",
+    )
+
+
+def row(title: str) -> Panel:
+    return {"type": "row", "title": title, "collapsed": False, "panels": []}
+
+
+def layout(items: list[Panel | list[Panel]]) -> list[Panel]:
+    """Rows span the width; a list of panels shares one line (24 grid units wide)."""
+    panels: list[Panel] = []
+    y = 0
+    for item in items:
+        if isinstance(item, dict):
+            item["gridPos"] = {"h": 1, "w": 24, "x": 0, "y": y}
+            panels.append(item)
+            y += 1
+            continue
+        height = 4 if all(p["type"] == "stat" for p in item) else 8
+        width = 24 // len(item)
+        for i, panel in enumerate(item):
+            panel["gridPos"] = {"h": height, "w": width, "x": i * width, "y": y}
+            panels.append(panel)
+        y += height
+    for panel_id, panel in enumerate(panels, start=1):
+        panel["id"] = panel_id
+    return panels
+
+
+def templating() -> dict[str, Any]:
+    query = "label_values(kvserve_model_info, instance)"
+    return {
+        "list": [
+            {
+                "name": "datasource",
+                "label": "Data source",
+                "type": "datasource",
+                "query": "prometheus",
+                "current": {},
+                "hide": 0,
+                "refresh": 1,
+                "regex": "",
+                "options": [],
+            },
+            {
+                "name": "instance",
+                "label": "Instance",
+                "type": "query",
+                "datasource": DS,
+                "definition": query,
+                "query": {"query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+                "includeAll": True,
+                "multi": True,
+                "allValue": ".*",
+                "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+                "refresh": 2,
+                "sort": 1,
+                "hide": 0,
+                "regex": "",
+                "options": [],
+            },
+        ]
+    }
+
+
+def dashboard(uid: str, title: str, description: str, panels: list[Panel]) -> dict[str, Any]:
+    return {
+        "uid": uid,
+        "title": title,
+        "description": description,
+        "tags": ["kvserve"],
+        "schemaVersion": SCHEMA_VERSION,
+        "version": 1,
+        "editable": True,
+        "graphTooltip": 1,
+        "timezone": "browser",
+        "refresh": "10s",
+        "time": {"from": "now-30m", "to": "now"},
+        "timepicker": {},
+        "fiscalYearStartMonth": 0,
+        "liveNow": False,
+        "weekStart": "",
+        "annotations": {
+            "list": [
+                {
+                    "builtIn": 1,
+                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                    "enable": True,
+                    "hide": True,
+                    "iconColor": "rgba(0, 211, 255, 1)",
+                    "name": "Annotations & Alerts",
+                    "type": "dashboard",
+                }
+            ]
+        },
+        "links": [
+            {
+                "title": "kvserve dashboards",
+                "type": "dashboards",
+                "tags": ["kvserve"],
+                "asDropdown": True,
+                "includeVars": True,
+                "keepTime": True,
+            }
+        ],
+        "templating": templating(),
+        "panels": panels,
+    }
+
+
+def queue_panels() -> list[Panel]:
+    return [
+        timeseries(
+            "Requests running / waiting / preempted",
+            "Running set and waiting queue sizes from the latest scheduler snapshot.",
+            [
+                (f"sum(kvserve_requests_running{{{SEL}}})", "running"),
+                (f"sum(kvserve_requests_waiting{{{SEL}}})", "waiting"),
+                (f"sum(kvserve_requests_preempted{{{SEL}}})", "preempted (waiting)"),
+            ],
+        ),
+        timeseries(
+            "Waiting queue tokens",
+            "Prompt tokens still to compute across the waiting queue.",
+            [(f"sum(kvserve_waiting_queue_tokens{{{SEL}}})", "waiting tokens")],
+        ),
+    ]
+
+
+def overview() -> dict[str, Any]:
+    panels = layout(
+        [
+            row("Traffic"),
+            [
+                stat(
+                    "Requests running",
+                    "Requests prefilling or decoding now.",
+                    f"sum(kvserve_requests_running{{{SEL}}})",
+                ),
+                stat(
+                    "Requests waiting",
+                    "Requests in the waiting queue now.",
+                    f"sum(kvserve_requests_waiting{{{SEL}}})",
+                ),
+                stat(
+                    "Generation throughput",
+                    "Output tokens per second.",
+                    f"sum({rate('kvserve_generation_tokens_total')})",
+                    unit="none",
+                ),
+                stat(
+                    "KV cache usage",
+                    "Used KV blocks / all blocks (highest instance).",
+                    f"max(kvserve_kv_cache_usage_ratio{{{SEL}}})",
+                    unit="percentunit",
+                ),
+            ],
+            [
+                timeseries(
+                    "Finished requests / s by finish reason",
+                    "stop, length, abort, error (scheduler counter).",
+                    [
+                        (
+                            f"sum by (finish_reason) ({rate('kvserve_requests_finished_total')})",
+                            "{{finish_reason}}",
+                        )
+                    ],
+                    unit="reqps",
+                ),
+                timeseries(
+                    "RPCs / s by method",
+                    "Finished gRPC calls per second.",
+                    [(f"sum by (method) ({rate('kvserve_rpcs_total')})", "{{method}}")],
+                    unit="reqps",
+                ),
+            ],
+            row("Errors"),
+            [
+                timeseries(
+                    "RPC errors / s by code",
+                    "Finished gRPC calls with a status other than OK.",
+                    [
+                        (
+                            f"sum by (code) ({rate('kvserve_rpcs_total', NOT_OK)})",
+                            "{{code}}",
+                        )
+                    ],
+                    unit="reqps",
+                ),
+                timeseries(
+                    "Error ratio",
+                    "Share of RPCs that did not end OK.",
+                    [
+                        (
+                            f"sum({rate('kvserve_rpcs_total', NOT_OK)}) / "
+                            f"sum({rate('kvserve_rpcs_total')})",
+                            "errors / all",
+                        )
+                    ],
+                    unit="percentunit",
+                ),
+                timeseries(
+                    "Aborts and rejections / s by reason",
+                    "Aborts: client_cancel, deadline, abort_call, shutdown, error, overload. "
+                    "Rejections: refused before the scheduler.",
+                    [
+                        (
+                            f"sum by (reason) ({rate('kvserve_request_aborts_total')})",
+                            "abort: {{reason}}",
+                        ),
+                        (
+                            f"sum by (reason) ({rate('kvserve_requests_rejected_total')})",
+                            "rejected: {{reason}}",
+                        ),
+                    ],
+                    unit="reqps",
+                ),
+            ],
+            row("Latency"),
+            [
+                percentiles(
+                    "Time to first token",
+                    "Arrival to first output token.",
+                    "kvserve_request_time_to_first_token_seconds",
+                ),
+                percentiles(
+                    "Inter-token latency",
+                    "Gap between consecutive output tokens.",
+                    "kvserve_request_inter_token_latency_seconds",
+                ),
+                percentiles(
+                    "End-to-end latency",
+                    "Arrival to finish, any finish reason.",
+                    "kvserve_request_e2e_latency_seconds",
+                ),
+            ],
+            [
+                percentiles(
+                    "Time per output token",
+                    "Per request: decode time / (output tokens - 1).",
+                    "kvserve_request_time_per_output_token_seconds",
+                ),
+                percentiles(
+                    "Queue time",
+                    "Arrival to first scheduled.",
+                    "kvserve_request_queue_time_seconds",
+                ),
+                timeseries(
+                    "Prefill vs decode time (p50)",
+                    "Median time a request spends in prefill (first scheduled to first token) "
+                    "and in decode (first token to finish).",
+                    [
+                        (quantile(0.5, "kvserve_request_prefill_time_seconds"), "prefill p50"),
+                        (quantile(0.5, "kvserve_request_decode_time_seconds"), "decode p50"),
+                    ],
+                    unit="s",
+                ),
+            ],
+            row("Throughput"),
+            [
+                timeseries(
+                    "Tokens / s",
+                    "Prompt tokens admitted and output tokens generated per second.",
+                    [
+                        (f"sum({rate('kvserve_prompt_tokens_total')})", "prompt"),
+                        (f"sum({rate('kvserve_generation_tokens_total')})", "generation"),
+                    ],
+                ),
+                timeseries(
+                    "Request length",
+                    "Mean and p90 prompt and output lengths of finished requests.",
+                    [
+                        (mean("kvserve_request_prompt_tokens"), "prompt mean"),
+                        (quantile(0.9, "kvserve_request_prompt_tokens"), "prompt p90"),
+                        (mean("kvserve_request_generation_tokens"), "generation mean"),
+                        (quantile(0.9, "kvserve_request_generation_tokens"), "generation p90"),
+                    ],
+                ),
+            ],
+            row("Queue"),
+            queue_panels(),
+        ]
+    )
+    return dashboard(
+        "kvserve-overview",
+        "kvserve overview",
+        "Traffic, errors, latency percentiles, throughput and queue of kvserve.",
+        panels,
+    )
+
+
+def scheduler_kv() -> dict[str, Any]:
+    right_axis = [
+        {
+            "matcher": {"id": "byName", "options": "decode requests"},
+            "properties": [{"id": "custom.axisPlacement", "value": "right"}],
+        }
+    ]
+    kvstat = "KVCacheStats field, latest snapshot."
+    panels = layout(
+        [
+            row("Batches"),
+            [
+                timeseries(
+                    "Batches / s by kind",
+                    "Prefill and decode batches (a mixed step counts once for each), and "
+                    "steps by the kind of batch they ran.",
+                    [
+                        (
+                            f"sum by (kind) ({rate('kvserve_scheduler_batches_total')})",
+                            "batches: {{kind}}",
+                        ),
+                        (
+                            f"sum by (kind) ({rate('kvserve_step_duration_seconds_count')})",
+                            "steps: {{kind}}",
+                        ),
+                    ],
+                ),
+                timeseries(
+                    "Step time by kind",
+                    "Wall time of runner.execute per step: p50, p99 and mean by batch kind.",
+                    [
+                        (quantile(0.5, "kvserve_step_duration_seconds", "kind"), "p50 {{kind}}"),
+                        (quantile(0.99, "kvserve_step_duration_seconds", "kind"), "p99 {{kind}}"),
+                        (mean("kvserve_step_duration_seconds", "kind"), "mean {{kind}}"),
+                    ],
+                    unit="s",
+                ),
+            ],
+            [
+                timeseries(
+                    "Prefill tokens vs decode requests per step",
+                    "Mean batch composition of a step: prompt tokens in the prefill batch "
+                    "(left axis) and requests in the decode batch (right axis).",
+                    [
+                        (mean("kvserve_step_prefill_tokens"), "prefill tokens"),
+                        (mean("kvserve_step_decode_requests"), "decode requests"),
+                        (mean("kvserve_step_prefill_requests"), "prefill requests"),
+                    ],
+                    overrides=right_axis,
+                ),
+                timeseries(
+                    "Scheduler CPU time per step",
+                    "CPU time of schedule() + update(): p50, p99 and mean.",
+                    [
+                        (quantile(0.5, "kvserve_step_scheduler_cpu_seconds"), "p50"),
+                        (quantile(0.99, "kvserve_step_scheduler_cpu_seconds"), "p99"),
+                        (mean("kvserve_step_scheduler_cpu_seconds"), "mean"),
+                    ],
+                    unit="s",
+                ),
+            ],
+            row("Queue"),
+            queue_panels(),
+            row("KV cache"),
+            [
+                timeseries(
+                    "KV blocks by state",
+                    "used (referenced), cached_free (evictable prefix-cache), free, reserved.",
+                    [(f"sum by (state) (kvserve_kv_cache_blocks{{{SEL}}})", "{{state}}")],
+                    stack=True,
+                ),
+                timeseries(
+                    "KV cache usage",
+                    "Used blocks / all blocks.",
+                    [(f"max(kvserve_kv_cache_usage_ratio{{{SEL}}})", "usage")],
+                    unit="percentunit",
+                ),
+                timeseries(
+                    "Prefix cache hit rate",
+                    "Hit tokens / queried tokens over the window, from the two counters; "
+                    "lifetime ratio for reference.",
+                    [
+                        (
+                            f"sum({rate('kvserve_prefix_cache_hits_tokens_total')}) / "
+                            f"sum({rate('kvserve_prefix_cache_queries_tokens_total')})",
+                            "hit rate (window)",
+                        ),
+                        (
+                            f"max(kvserve_prefix_cache_hit_ratio{{{SEL}}})",
+                            "hit rate (lifetime)",
+                        ),
+                    ],
+                    unit="percentunit",
+                ),
+            ],
+            [
+                timeseries(
+                    "Prefix cache tokens / s",
+                    "Prompt tokens looked up in the prefix cache and tokens found.",
+                    [
+                        (f"sum({rate('kvserve_prefix_cache_queries_tokens_total')})", "queried"),
+                        (f"sum({rate('kvserve_prefix_cache_hits_tokens_total')})", "hit"),
+                    ],
+                ),
+                timeseries(
+                    "Evictions and copy-on-write / s",
+                    "Cached blocks evicted to hand out, and copy-on-write block copies.",
+                    [
+                        (f"sum({rate('kvserve_kv_cache_evictions_total')})", "evictions"),
+                        (f"sum({rate('kvserve_kv_cache_cow_copies_total')})", "cow copies"),
+                    ],
+                ),
+                timeseries(
+                    "Preemptions / s",
+                    "Preemptions, and computed tokens they discarded (to recompute).",
+                    [
+                        (f"sum({rate('kvserve_preemptions_total')})", "preemptions"),
+                        (f"sum({rate('kvserve_recomputed_tokens_total')})", "recomputed tokens"),
+                    ],
+                ),
+            ],
+            row("KVCacheStats"),
+            [
+                stat(
+                    "Sequences",
+                    "total_sequences: " + kvstat,
+                    f"sum(kvserve_kv_cache_sequences{{{SEL}}})",
+                ),
+                stat(
+                    "Tokens held",
+                    "total_tokens: " + kvstat,
+                    f"sum(kvserve_kv_cache_tokens{{{SEL}}})",
+                ),
+                stat(
+                    "Average sequence length",
+                    "average_sequence_length (tokens): " + kvstat,
+                    f"avg(kvserve_kv_cache_average_sequence_length_tokens{{{SEL}}})",
+                ),
+                stat(
+                    "Cache efficiency",
+                    "cache_efficiency (slots used / allocated): " + kvstat,
+                    f"avg(kvserve_kv_cache_efficiency_ratio{{{SEL}}})",
+                    unit="percentunit",
+                ),
+                stat(
+                    "Cache hit rate (lifetime)",
+                    "cache_hit_rate: " + kvstat,
+                    f"max(kvserve_prefix_cache_hit_ratio{{{SEL}}})",
+                    unit="percentunit",
+                ),
+                stat(
+                    "Memory used",
+                    "used_memory_bytes: " + kvstat,
+                    f"sum(kvserve_kv_cache_used_memory_bytes{{{SEL}}})",
+                    unit="bytes",
+                ),
+            ],
+            [
+                stat(
+                    "Memory total",
+                    "total_memory_bytes: " + kvstat,
+                    f"sum(kvserve_kv_cache_memory_bytes{{{SEL}}})",
+                    unit="bytes",
+                ),
+                stat(
+                    "Blocks",
+                    "num_blocks_total: " + kvstat,
+                    f"sum(kvserve_kv_cache_capacity_blocks{{{SEL}}})",
+                ),
+                stat(
+                    "Block size (tokens)",
+                    "block_size: " + kvstat,
+                    f"max(kvserve_kv_cache_block_size_tokens{{{SEL}}})",
+                ),
+                stat(
+                    "Block size (bytes)",
+                    "block_bytes: " + kvstat,
+                    f"max(kvserve_kv_cache_block_size_bytes{{{SEL}}})",
+                    unit="bytes",
+                ),
+                stat(
+                    "Evictions (total)",
+                    "evictions_total: " + kvstat,
+                    f"sum(kvserve_kv_cache_evictions_total{{{SEL}}})",
+                ),
+                stat(
+                    "Copy-on-write copies (total)",
+                    "cow_copies_total: " + kvstat,
+                    f"sum(kvserve_kv_cache_cow_copies_total{{{SEL}}})",
+                ),
+            ],
+            [model_table()],
+        ]
+    )
+    return dashboard(
+        "kvserve-scheduler-kv",
+        "kvserve scheduler & KV cache",
+        "Batch composition, step times, queue, KV blocks by state, prefix cache, evictions, "
+        "preemptions and KVCacheStats.",
+        panels,
+    )
+
+
+def model_table() -> Panel:
+    return {
+        "type": "table",
+        "title": "Model",
+        "description": "kvserve_model_info: model, dtype, device and KV cache geometry.",
+        "datasource": DS,
+        "targets": [
+            target(
+                f"max by (instance, model, dtype, device, block_size, num_blocks) "
+                f"(kvserve_model_info{{{SEL}}})",
+                "",
+                "A",
+                format="table",
+                instant=True,
+            )
+        ],
+        "fieldConfig": {"defaults": {}, "overrides": []},
+        "options": {"showHeader": True},
+        "transformations": [
+            {
+                "id": "organize",
+                "options": {"excludeByName": {"Time": True, "Value": True}},
+            }
+        ],
+    }
+
+
+DASHBOARDS = {
+    "kvserve-overview.json": overview,
+    "kvserve-scheduler-kv.json": scheduler_kv,
+}
+
+
+def render() -> dict[str, str]:
+    """File name -> JSON text (what is committed under grafana/dashboards/)."""
+    return {
+        name: json.dumps(build(), indent=2, ensure_ascii=False) + "\n"
+        for name, build in DASHBOARDS.items()
+    }
+
+
+def main() -> int:
+    out_dir = Path(__file__).resolve().parent / "dashboards"
+    out_dir.mkdir(exist_ok=True)
+    for name, text in render().items():
+        (out_dir / name).write_text(text, encoding="utf-8")
+        print(f"wrote {out_dir / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

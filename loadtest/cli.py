@@ -1,0 +1,185 @@
+"""``kvserve loadtest`` / ``python -m loadtest``: drive a kvserve gRPC server with a workload.
+
+Examples::
+
+    kvserve loadtest --target 127.0.0.1:50051 --workload chat128 --users 8 --num-requests 64
+    kvserve loadtest --target 127.0.0.1:50051 --workload shared_prefix --mode open --rate 4 \\
+        --burstiness 0.5 --metrics-url http://127.0.0.1:9090/metrics --out run.json
+    kvserve loadtest --target 127.0.0.1:50051 --workload mixed --sweep-rates 1,2,4,8 \\
+        --slo-ttft-ms 500 --slo-tpot-ms 100 --plot-dir plots/ --out sweep.json
+
+The workload file schema is in ``loadtest/workload.py``; the JSON report's in
+``loadtest/report.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+WORKLOADS_DIR = Path(__file__).resolve().parent / "workloads"
+
+
+def resolve_workload(name_or_path: str) -> Path:
+    """A path to a workload file, or the name of one shipped in loadtest/workloads/."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = WORKLOADS_DIR / f"{name_or_path}.json"
+    if shipped.is_file():
+        return shipped
+    names = sorted(p.stem for p in WORKLOADS_DIR.glob("*.json"))
+    raise ValueError(f"no workload file {name_or_path!r}; shipped workloads: {', '.join(names)}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvserve loadtest",
+        description="Load-test a kvserve gRPC server (open or closed loop) and report latency, "
+        "throughput and goodput.",
+    )
+    p.add_argument(
+        "--target",
+        default=None,
+        help="server address host:port (default: $KVSERVE_ADDRESS, else 127.0.0.1:50051)",
+    )
+    p.add_argument(
+        "--workload",
+        default="random_128_128",
+        help="workload JSON file, or the name of a shipped one (default: random_128_128)",
+    )
+    p.add_argument("--mode", choices=("open", "closed"), default="closed")
+    p.add_argument(
+        "--rate", type=float, default=math.inf, help="open loop: requests/s (default inf)"
+    )
+    p.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="open loop: gamma shape of inter-arrival gaps; 1 = Poisson, < 1 burstier",
+    )
+    p.add_argument("--users", type=int, default=1, help="closed loop: concurrent users")
+    p.add_argument(
+        "--num-requests", type=int, default=None, help="count bound (default: the workload's)"
+    )
+    p.add_argument("--duration-s", type=float, default=600.0, help="time bound of a run (600)")
+    p.add_argument("--seed", type=int, default=None, help="override the workload's seed")
+    p.add_argument(
+        "--request-timeout-s", type=float, default=None, help="gRPC deadline per request"
+    )
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT limit")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT limit")
+    p.add_argument("--metrics-url", default=None, help="the server's /metrics URL for deltas")
+    p.add_argument("--sample-interval-s", type=float, default=1.0, help="KV usage sampling period")
+    p.add_argument(
+        "--sweep-rates",
+        default=None,
+        help="comma-separated offered rates (req/s): one open-loop run per rate",
+    )
+    p.add_argument(
+        "--out", type=Path, default=Path("loadtest-results/report.json"), help="JSON report path"
+    )
+    p.add_argument("--plot-dir", type=Path, default=None, help="write PNG plots here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def run_once(
+    args: argparse.Namespace, workload: Any, rate: float | None = None
+) -> tuple[Any, dict[str, Any]]:
+    """One run; returns (RunResult, report dict)."""
+    from loadtest.generator import LoadConfig, LoadGenerator
+    from loadtest.report import build_report
+    from loadtest.stats import SLO
+
+    num_requests = args.num_requests or workload.num_requests
+    open_loop = rate is not None or args.mode == "open"
+    config = LoadConfig(
+        target=args.target,
+        mode="open" if open_loop else "closed",
+        rate=rate if rate is not None else args.rate,
+        burstiness=args.burstiness,
+        users=args.users,
+        num_requests=num_requests,
+        duration_s=args.duration_s,
+        seed=workload.seed,
+        request_timeout_s=args.request_timeout_s,
+        slo=SLO(
+            ttft_s=None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000,
+            tpot_s=None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000,
+        ),
+        metrics_url=args.metrics_url,
+        sample_interval_s=args.sample_interval_s,
+        progress=not args.no_progress,
+        progress_desc=f"{workload.name} @ {rate:g} req/s" if rate is not None else workload.name,
+    )
+    run = asyncio.run(LoadGenerator(config, workload).run())
+    return run, build_report(run, workload)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import grpc
+
+    from server.config import client_address
+
+    args.target = client_address(args.target)
+    from loadtest.report import SWEEP_SCHEMA, format_summary, format_sweep
+    from loadtest.workload import Workload
+
+    try:
+        workload = Workload.load(resolve_workload(args.workload))
+        if args.seed is not None:
+            workload = dataclasses.replace(workload, seed=args.seed)
+        rates = (
+            [float(x) for x in args.sweep_rates.split(",") if x.strip()]
+            if args.sweep_rates
+            else None
+        )
+        if rates is not None and (not rates or any(not r > 0 for r in rates)):
+            raise ValueError(f"--sweep-rates needs rates > 0, got {args.sweep_rates!r}")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"kvserve loadtest: {e}", file=sys.stderr)
+        return 2
+
+    runs = []
+    reports = []
+    try:
+        planned: list[float | None] = list(rates) if rates else [None]
+        for rate in planned:
+            run, report = run_once(args, workload, rate)
+            runs.append(run)
+            reports.append(report)
+            print(format_summary(report), flush=True)
+            print(flush=True)
+    except (TimeoutError, OSError, ValueError, grpc.RpcError) as e:
+        print(f"kvserve loadtest: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+    document: dict[str, Any] = (
+        {"schema": SWEEP_SCHEMA, "runs": reports} if rates is not None else reports[0]
+    )
+    if rates is not None:
+        print(format_sweep(reports))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"report: {args.out}")
+    if args.plot_dir is not None:
+        from loadtest.plots import plot_cdf, plot_sweep
+
+        args.plot_dir.mkdir(parents=True, exist_ok=True)
+        paths = [plot_cdf(runs, reports, args.plot_dir / "latency_cdf.png")]
+        if rates is not None:
+            paths += plot_sweep(reports, args.plot_dir)
+        print("plots: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""Paged attention: the step's index tensors, and the prefill and decode attention paths.
+
+One step's tokens are laid out as one flat batch, prefill chunks first, then decode tokens::
+
+    rows:  | chunk of req a (Ta) | chunk of req b (Tb) | dec 0 | dec 1 | ... | dec B-1 |
+             prefill path, one attention call per chunk   decode path, one batched call
+
+Every index tensor (token ids, positions, KV slots, block gathers, masks) is built ONCE per
+step in ``ForwardBatch.build`` and shared by all layers; a layer only runs tensor ops.
+
+Prefill attends causally over the chunk plus the request's cached prefix, which it gathers
+from the pool (``| cached prefix (in pool) | this chunk |``). A chunk that starts at position
+0 attends to its own keys and values directly (no gather, plain causal SDPA).
+
+Decode gathers every request's blocks with one ``index_select`` into
+``[2 * kvh, B, max_blocks * block_size, head_dim]`` (requests padded to the batch's longest
+context), and masks padding and out-of-window keys with an additive ``-inf`` mask.
+
+With a sliding window W a query at position p sees keys k with ``p - W < k <= p`` (Hugging
+Face's Mistral convention); gathers start at the first block that holds a visible key, so
+blocks the cache manager released out of the window are never read.
+
+The query projection carries the ``1/sqrt(head_dim)`` softmax scale (folded in at load
+time), so attention here runs with scale 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from model_runner.kv_pool import KVPool
+from scheduler.output import ScheduledSeq
+
+
+def _sdpa_supports_gqa() -> bool:
+    q = torch.zeros(2, 1, 1)
+    kv = torch.zeros(1, 1, 1)
+    try:
+        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+    except TypeError:
+        return False
+    return True
+
+
+_SDPA_GQA = _sdpa_supports_gqa()
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One request's prefill chunk: rows ``row_start:row_end`` of the flat batch, query
+    positions ``start_pos ..``; keys ``key_start .. end_pos - 1`` (gathered from
+    ``block_index``), or, when ``block_index`` is None, the chunk's own keys (causal)."""
+
+    row_start: int
+    row_end: int
+    num_keys: int
+    block_index: torch.Tensor | None
+    mask: torch.Tensor | None  # bool [T, num_keys], True = attend; None = plain causal
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """The decode rows ``row_start : row_start + num_seqs``: one query each."""
+
+    row_start: int
+    num_seqs: int
+    context_len: int  # padded keys per request (max_blocks * block_size)
+    block_index: torch.Tensor  # [num_seqs * max_blocks]
+    mask: torch.Tensor  # additive [num_seqs, 1, context_len]: 0 = attend, -inf = masked
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """The index tensors of one forward pass, shared by all layers."""
+
+    num_tokens: int
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset
+    prefills: list[PrefillChunk]
+    decode: DecodeBatch | None
+
+    @classmethod
+    def build(
+        cls,
+        prefill: Sequence[ScheduledSeq],
+        decode: Sequence[ScheduledSeq],
+        block_size: int,
+        device: torch.device,
+        mask_dtype: torch.dtype,
+        sliding_window: int | None = None,
+    ) -> ForwardBatch:
+        """Index tensors for ``prefill`` chunks then ``decode`` tokens. Block tables must
+        cover every computed position (the runner validates that before calling)."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        gathers: list[int] = []  # prefill gathers then the padded decode gather
+        chunk_info: list[tuple[int, int, int, int, int, int]] = []
+        for seq in prefill:
+            start, end = seq.start_pos, seq.end_pos
+            input_ids.extend(seq.token_ids)
+            positions.extend(range(start, end))
+            _extend_slots(slots, seq.block_ids, start, end, block_size)
+            key_start = 0
+            if sliding_window is not None:
+                key_start = max(0, start - sliding_window + 1) // block_size * block_size
+            gather_start = len(gathers)
+            if start > 0:
+                gathers.extend(seq.block_ids[key_start // block_size : -(-end // block_size)])
+            chunk_info.append((start, end, key_start, gather_start, len(gathers), len(slots)))
+
+        num_prefill_rows = len(input_ids)
+        dec_rows: list[list[int]] = []
+        dec_key_starts: list[int] = []
+        for seq in decode:
+            pos = seq.start_pos
+            input_ids.append(seq.token_ids[0])
+            positions.append(pos)
+            slots.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
+            first = 0
+            if sliding_window is not None:
+                first = max(0, pos - sliding_window + 1) // block_size
+            dec_rows.append(seq.block_ids[first : pos // block_size + 1])
+            dec_key_starts.append(first * block_size)
+        max_blocks = max((len(r) for r in dec_rows), default=0)
+        dec_gather_start = len(gathers)
+        for r in dec_rows:
+            gathers.extend(r)
+            gathers.extend([0] * (max_blocks - len(r)))
+
+        num_tokens = len(input_ids)
+        flat = torch.tensor(
+            input_ids + positions + slots + gathers + dec_key_starts, dtype=torch.int64
+        ).to(device, non_blocking=True)
+        ids_t = flat[:num_tokens]
+        pos_t = flat[num_tokens : 2 * num_tokens]
+        slot_t = flat[2 * num_tokens : 3 * num_tokens]
+        gather_t = flat[3 * num_tokens : 3 * num_tokens + len(gathers)]
+        key_start_t = flat[3 * num_tokens + len(gathers) :]
+
+        chunks: list[PrefillChunk] = []
+        row = 0
+        for start, end, key_start, g0, g1, _ in chunk_info:
+            n = end - start
+            if start == 0 and (sliding_window is None or n <= sliding_window):
+                chunks.append(PrefillChunk(row, row + n, n, None, None))
+            else:
+                if start == 0:  # window shorter than the chunk: keys are the chunk itself
+                    block_index = None
+                    key_start = 0
+                else:
+                    block_index = gather_t[g0:g1]
+                num_keys = end - key_start
+                q_pos = torch.arange(start, end, device=device).unsqueeze(1)
+                k_pos = torch.arange(key_start, end, device=device).unsqueeze(0)
+                mask = k_pos <= q_pos
+                if sliding_window is not None:
+                    mask &= k_pos > q_pos - sliding_window
+                chunks.append(PrefillChunk(row, row + n, num_keys, block_index, mask))
+            row += n
+
+        dec: DecodeBatch | None = None
+        if decode:
+            context_len = max_blocks * block_size
+            dec_pos = pos_t[num_prefill_rows:].unsqueeze(1)
+            k_pos = key_start_t.unsqueeze(1) + torch.arange(context_len, device=device)
+            visible = k_pos <= dec_pos
+            if sliding_window is not None:
+                visible &= k_pos > dec_pos - sliding_window
+            mask = torch.zeros(len(decode), context_len, dtype=mask_dtype, device=device)
+            mask.masked_fill_(~visible, float("-inf"))
+            dec = DecodeBatch(
+                row_start=num_prefill_rows,
+                num_seqs=len(decode),
+                context_len=context_len,
+                block_index=gather_t[dec_gather_start:],
+                mask=mask.unsqueeze(1),
+            )
+        return cls(num_tokens, ids_t, pos_t, slot_t, chunks, dec)
+
+
+def _extend_slots(
+    slots: list[int], block_ids: Sequence[int], start: int, end: int, block_size: int
+) -> None:
+    """Append the flat slots of positions ``start .. end - 1``: one ``range`` per block."""
+    pos = start
+    while pos < end:
+        block, offset = divmod(pos, block_size)
+        n = min(block_size - offset, end - pos)
+        base = block_ids[block] * block_size + offset
+        slots.extend(range(base, base + n))
+        pos += n
+
+
+def paged_attention(
+    layer: int,
+    qkv: torch.Tensor,
+    batch: ForwardBatch,
+    pool: KVPool,
+    out: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> None:
+    """Attention of one layer for the whole step, written into ``out`` [T, H * head_dim].
+
+    ``qkv`` is ``[T, H + 2 * kvh, head_dim]`` with RoPE applied to Q and K (Q pre-scaled).
+    Stores the step's keys and values into the pool first, so every path reads the current
+    token's own key from wherever it gathers.
+    """
+    head_dim = qkv.shape[-1]
+    kv_new = qkv[:, num_heads:]
+    pool.write(layer, kv_new, batch.slot_mapping)
+    for chunk in batch.prefills:
+        r0, r1 = chunk.row_start, chunk.row_end
+        q = qkv[r0:r1, :num_heads].transpose(0, 1)  # [H, T, D]
+        if chunk.block_index is None:
+            k = qkv[r0:r1, num_heads : num_heads + num_kv_heads].transpose(0, 1)
+            v = qkv[r0:r1, num_heads + num_kv_heads :].transpose(0, 1)
+        else:
+            kv = pool.gather(layer, chunk.block_index)
+            k = kv[:num_kv_heads, : chunk.num_keys]
+            v = kv[num_kv_heads:, : chunk.num_keys]
+        o = _sdpa(q, k, v, chunk.mask, num_heads // num_kv_heads)
+        out[r0:r1].view(r1 - r0, num_heads, head_dim).copy_(o.transpose(0, 1))
+    dec = batch.decode
+    if dec is not None:
+        b = dec.num_seqs
+        d0 = dec.row_start
+        group = num_heads // num_kv_heads
+        kv = pool.gather(layer, dec.block_index).view(2 * num_kv_heads, b, -1, head_dim)
+        q = qkv[d0:, :num_heads].reshape(b, num_kv_heads, group, head_dim).transpose(0, 1)
+        scores = torch.matmul(q, kv[:num_kv_heads].transpose(-1, -2))  # [kvh, B, g, L]
+        scores += dec.mask
+        if scores.dtype == torch.float32:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+        o = torch.matmul(probs, kv[num_kv_heads:])  # [kvh, B, g, D]
+        out[d0:].view(b, num_kv_heads, group, head_dim).copy_(o.transpose(0, 1))
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, group: int
+) -> torch.Tensor:
+    """Scaled-dot-product attention, scale 1 (Q is pre-scaled), [H, T, D] x [kvh, S, D]."""
+    if _SDPA_GQA:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=1.0, enable_gqa=group > 1
+        )
+    if group > 1:
+        k = k.repeat_interleave(group, dim=0)
+        v = v.repeat_interleave(group, dim=0)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=1.0
+    )

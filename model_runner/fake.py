@@ -1,0 +1,251 @@
+"""FakeRunner: a runner without a model, for scheduler and server tests. No torch.
+
+Tokens are deterministic. For a scheduled seq that samples (``do_sample``), the token at
+output index ``i = seq.num_output_tokens`` is, in this order of precedence:
+
+1. ``script[request_id][i]`` when the request has a script and ``i < len(script)``;
+2. otherwise ``default_token(key, i)``::
+
+       h = blake2b(f"{seed}:{key}:{i}", digest_size=8) as a big-endian int
+       token = h % vocab_size, bumped by +1 (mod vocab_size) past any EOS id
+
+   where ``key`` is the request id (``key_by="request_id"``, the default) or the prompt's
+   token ids joined by commas (``key_by="prompt"``, so identical prompts get identical
+   continuations whatever their ids). Default tokens never hit EOS: a request runs to
+   ``max_tokens`` unless its script says otherwise.
+
+Because the token is keyed on the output index, a request preempted and re-prefilled gets the
+same continuation it would have got without preemption.
+
+For tests the runner can also:
+
+- fail one request: ``fail_request(rid, error)`` puts it into ``ModelOutput.failed`` the next
+  time it is scheduled (the rest of the batch continues);
+- die: ``crash_next_step(exc)`` (or ``crash_at_step``) makes ``execute`` raise;
+- sleep ``sleep_s`` per step plus ``sleep_per_token_s`` per scheduled token to emulate compute;
+- verify the plan against a shadow paged KV (``verify_kv_block_size``): every scheduled
+  token is written into ``(block_id, offset)`` slots after applying ``block_copies``, and
+  every position a seq attends to must hold exactly ``all_token_ids[pos]``. This catches a
+  wrong block table, a wrong prefix hit or a missing copy-on-write in the scheduler/cache
+  manager. Positions in ``verify_kv_null_block_id`` (the null block that a sliding window
+  points released table entries at) are not checked and must never be written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal
+
+from cache_manager.sizing import ModelShape
+from model_runner.base import ModelInfo
+from scheduler.output import ModelOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
+
+KeyBy = Literal["request_id", "prompt"]
+
+
+def make_fake_info(
+    vocab_size: int = 32_000,
+    max_model_len: int = 4096,
+    eos_token_ids: tuple[int, ...] = (2,),
+    name: str = "fake",
+) -> ModelInfo:
+    """A small ModelInfo for tests (the shape only sizes KV memory figures)."""
+    return ModelInfo(
+        name=name,
+        vocab_size=vocab_size,
+        max_model_len=max_model_len,
+        shape=ModelShape(num_layers=2, num_kv_heads=2, head_dim=8, dtype_bytes=4, name=name),
+        eos_token_ids=eos_token_ids,
+        bos_token_id=1,
+        dtype="float32",
+        device="cpu",
+    )
+
+
+class FakeRunnerCrash(RuntimeError):
+    """Raised by ``FakeRunner.execute`` when told to emulate runner death."""
+
+
+class FakeRunner:
+    """A deterministic runner without a model; see the module docstring for the token rule."""
+
+    def __init__(
+        self,
+        info: ModelInfo | None = None,
+        script: Mapping[str, Sequence[int]] | None = None,
+        seed: int = 0,
+        *,
+        key_by: KeyBy = "request_id",
+        sleep_s: float = 0.0,
+        sleep_per_token_s: float = 0.0,
+        fail_requests: Mapping[str, str] | None = None,
+        crash_at_step: int | None = None,
+        verify_kv_block_size: int | None = None,
+        verify_kv_null_block_id: int | None = None,
+        record_plans: bool = False,
+    ) -> None:
+        if key_by not in ("request_id", "prompt"):
+            raise ValueError(f"key_by must be 'request_id' or 'prompt', got {key_by!r}")
+        if sleep_s < 0 or sleep_per_token_s < 0:
+            raise ValueError(
+                f"sleep_s and sleep_per_token_s must be >= 0, got {sleep_s}, {sleep_per_token_s}"
+            )
+        if verify_kv_block_size is not None and verify_kv_block_size < 1:
+            raise ValueError(f"verify_kv_block_size must be >= 1, got {verify_kv_block_size}")
+        self._info = info if info is not None else make_fake_info()
+        if self._info.vocab_size <= len(set(self._info.eos_token_ids)):
+            raise ValueError(
+                f"vocab_size {self._info.vocab_size} leaves no non-EOS token "
+                f"(eos ids {list(self._info.eos_token_ids)})"
+            )
+        self.script: dict[str, list[int]] = {k: list(v) for k, v in (script or {}).items()}
+        self.seed = seed
+        self.key_by: KeyBy = key_by
+        self.sleep_s = sleep_s
+        self.sleep_per_token_s = sleep_per_token_s
+        self._fail: dict[str, str] = dict(fail_requests or {})
+        self._crash_at_step = crash_at_step
+        self._crash_next: BaseException | None = None
+        self._eos = frozenset(self._info.eos_token_ids)
+        self._keys: dict[str, str] = {}
+        self._kv_block_size = verify_kv_block_size
+        self._kv_null_block_id = verify_kv_null_block_id
+        self._kv_slots: dict[int, list[int | None]] = {}
+        self.num_steps = 0
+        self.plans: list[SchedulerOutput] | None = [] if record_plans else None
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    # -- test controls ------------------------------------------------------------------
+
+    def set_script(self, request_id: str, token_ids: Iterable[int]) -> None:
+        """Output token ``i`` of ``request_id`` will be ``token_ids[i]`` (default after)."""
+        self.script[request_id] = list(token_ids)
+
+    def fail_request(self, request_id: str, error: str = "injected failure") -> None:
+        """The next time ``request_id`` is scheduled it lands in ``ModelOutput.failed``."""
+        self._fail[request_id] = error
+
+    def crash_next_step(self, exc: BaseException | None = None) -> None:
+        """The next ``execute`` raises ``exc`` (default ``FakeRunnerCrash``)."""
+        self._crash_next = exc if exc is not None else FakeRunnerCrash("fake runner died")
+
+    # -- the token rule -----------------------------------------------------------------
+
+    def default_token(self, key: str, index: int) -> int:
+        """The documented pure function of (key, output index); never an EOS id."""
+        digest = hashlib.blake2b(f"{self.seed}:{key}:{index}".encode(), digest_size=8).digest()
+        vocab = self._info.vocab_size
+        token = int.from_bytes(digest, "big") % vocab
+        while token in self._eos:
+            token = (token + 1) % vocab
+        return token
+
+    def token_for(self, seq: ScheduledSeq) -> int:
+        """The token this runner samples for ``seq`` (index = ``seq.num_output_tokens``)."""
+        index = seq.num_output_tokens
+        scripted = self.script.get(seq.request_id)
+        if scripted is not None and index < len(scripted):
+            return scripted[index]
+        return self.default_token(self._key(seq), index)
+
+    def _key(self, seq: ScheduledSeq) -> str:
+        if self.key_by == "request_id":
+            return seq.request_id
+        key = self._keys.get(seq.request_id)
+        if key is None:
+            prompt = seq.all_token_ids[: seq.num_prompt_tokens]
+            key = ",".join(map(str, prompt))
+            self._keys[seq.request_id] = key
+        return key
+
+    # -- one step -----------------------------------------------------------------------
+
+    def execute(self, plan: SchedulerOutput) -> ModelOutput:
+        """Sample one token per ``do_sample`` seq; never mutates ``plan``."""
+        self.num_steps += 1
+        if self.plans is not None:
+            self.plans.append(plan)
+        for rid in plan.finished_request_ids:
+            self._keys.pop(rid, None)
+        if self._crash_next is not None:
+            exc, self._crash_next = self._crash_next, None
+            raise exc
+        if self._crash_at_step is not None and plan.step_id == self._crash_at_step:
+            raise FakeRunnerCrash(f"fake runner died at step {plan.step_id}")
+        if self._kv_block_size is not None:
+            self._verify_kv(plan, self._kv_block_size)
+
+        out = ModelOutput()
+        start = time.perf_counter()
+        self._run_batch(plan.prefill, out)
+        mid = time.perf_counter()
+        self._run_batch(plan.decode, out)
+        if self.sleep_s or self.sleep_per_token_s:
+            time.sleep(self.sleep_s + self.sleep_per_token_s * plan.num_scheduled_tokens)
+        end = time.perf_counter()
+        out.prefill_time_s = mid - start
+        out.decode_time_s = end - mid
+        return out
+
+    def _run_batch(self, batch: list[ScheduledSeq], out: ModelOutput) -> None:
+        for seq in batch:
+            error = self._fail.pop(seq.request_id, None)
+            if error is not None:
+                out.failed[seq.request_id] = error
+                continue
+            if not seq.do_sample:
+                continue
+            token = self.token_for(seq)
+            out.sampled_token_ids[seq.request_id] = token
+            if seq.sampling.logprobs is not None:
+                out.logprobs[seq.request_id] = self._logprobs(token, seq.sampling.logprobs)
+
+    def _logprobs(self, token: int, num_top: int) -> TokenLogprobs:
+        # The sampled token is the most likely; alternatives are its neighbours in the vocab.
+        vocab = self._info.vocab_size
+        top = tuple(((token + k) % vocab, -0.5 * k) for k in range(num_top))
+        return TokenLogprobs(token_id=token, logprob=0.0, top=top)
+
+    def _verify_kv(self, plan: SchedulerOutput, block_size: int) -> None:
+        slots = self._kv_slots
+        null = self._kv_null_block_id
+        for src, dst in plan.block_copies:
+            slots[dst] = list(slots.get(src, [None] * block_size))
+        for seq in (*plan.prefill, *plan.decode):
+            if seq.end_pos > len(seq.block_ids) * block_size:
+                raise AssertionError(
+                    f"{seq.request_id}: {len(seq.block_ids)} blocks of {block_size} cannot hold "
+                    f"positions up to {seq.end_pos - 1}"
+                )
+            expected = seq.all_token_ids
+            if list(expected[seq.start_pos : seq.end_pos]) != seq.token_ids:
+                raise AssertionError(
+                    f"{seq.request_id}: token_ids {seq.token_ids} != all_token_ids"
+                    f"[{seq.start_pos}:{seq.end_pos}]"
+                )
+            if seq.do_sample != (seq.end_pos == len(expected)):
+                raise AssertionError(
+                    f"{seq.request_id}: do_sample={seq.do_sample} but the chunk ends at "
+                    f"{seq.end_pos} of {len(expected)} known tokens"
+                )
+            for offset, token in enumerate(seq.token_ids):
+                pos = seq.start_pos + offset
+                block_id = seq.block_ids[pos // block_size]
+                if block_id == null:
+                    raise AssertionError(f"{seq.request_id}: writes position {pos} to a null block")
+                slots.setdefault(block_id, [None] * block_size)[pos % block_size] = token
+            for pos in range(seq.end_pos):
+                block_id = seq.block_ids[pos // block_size]
+                if block_id == null:
+                    continue
+                held = slots.get(block_id, [None] * block_size)[pos % block_size]
+                if held != expected[pos]:
+                    raise AssertionError(
+                        f"{seq.request_id}: position {pos} in block {block_id} holds {held}, "
+                        f"expected {expected[pos]}"
+                    )

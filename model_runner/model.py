@@ -1,0 +1,370 @@
+"""The LLaMA-family model (LLaMA, Mistral, Qwen2) as a functional forward pass over a paged
+KV pool.
+
+Hugging Face parameter names come in; at load time the weights are rearranged for speed:
+
+- Q, K, V projections are fused into one ``[(H + 2 * kvh) * D, hidden]`` matrix (one GEMM),
+  with the Qwen2 QKV bias fused alike.
+- The softmax scale ``1/sqrt(D)`` is folded into the Q rows (attention runs with scale 1).
+- Q and K rows are permuted inside each head from Hugging Face's half-split RoPE layout
+  ``(x_0..x_{D/2-1}, x_{D/2}..x_{D-1})`` to interleaved pairs ``(x_0, x_{D/2}, x_1, ...)``, so
+  RoPE is one in-place complex multiply. Q and K get the same permutation, so q.k (and
+  attention) is unchanged; the pool stores keys in this layout.
+- On CPU, every matrix is pre-packed for oneDNN (``torch.ops.mkldnn``), whose skinny GEMM
+  streams fp32 weights near memory bandwidth where MKL's ``F.linear`` reaches about half
+  of it, and which fuses SiLU into the gate GEMM, the ``* up`` product into the up GEMM and
+  the residual add into the output and down GEMMs. Elsewhere (CUDA, or when the self-check
+  fails) plain ``F.linear`` / ``addmm`` with a fused gate+up matrix.
+
+No ``nn.Module``: a step is a loop over plain tensors, so Python overhead per layer is a few
+dozen tensor ops and nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from model_runner.attention import ForwardBatch, paged_attention
+from model_runner.config import ModelConfig
+from model_runner.kv_pool import KVPool
+
+# ---------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [D/2] (fp32) with the checkpoint's theta and scaling.
+
+    Supports no scaling, ``"linear"`` and ``"llama3"`` (Hugging Face's formulas); anything
+    else raises, because the model would silently produce wrong text.
+    """
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling["low_freq_factor"])
+        high_freq_factor = float(scaling["high_freq_factor"])
+        old_context_len = float(scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (
+            high_freq_factor - low_freq_factor
+        )
+        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, inv_freq_llama)
+    raise ValueError(
+        f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3)"
+    )
+
+
+def _interleave_rows(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """Permute each head's rows from half-split (HF) to interleaved RoPE pair order."""
+    half = head_dim // 2
+    order = torch.stack([torch.arange(half), torch.arange(half, head_dim)], dim=1).flatten()
+    shape = w.shape
+    return w.reshape(num_heads, head_dim, -1)[:, order].reshape(shape)
+
+
+# ---------------------------------------------------------------------------- linear
+
+
+def _onednn_available() -> bool:
+    ops = getattr(torch.ops, "mkldnn", None)
+    return bool(
+        torch.backends.mkldnn.is_available()
+        and ops is not None
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    )
+
+
+class Linear:
+    """``y = x @ W.T + b`` with optional fused epilogues; the weight is either a plain tensor
+    or a oneDNN-packed one (CPU)."""
+
+    __slots__ = ("bias", "dense", "out_features", "packed")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
+        self.out_features = weight.shape[0]
+        self.bias = bias
+        if pack:
+            self.packed: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(weight)
+            self.dense: torch.Tensor | None = None
+        else:
+            self.packed = None
+            self.dense = weight.contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.dense, self.bias)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(linear(x))``."""
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "swish", [], "")
+        return F.silu(F.linear(x, self.dense, self.bias))
+
+    def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """``linear(x) * other``."""
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(
+                x, other, self.packed, self.bias, "mul"
+            )
+        return F.linear(x, self.dense, self.bias).mul_(other)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + linear(x)`` (a new tensor; ``residual`` is not modified)."""
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(
+                x, residual, self.packed, self.bias, "add"
+            )
+        assert self.dense is not None
+        if self.bias is None:
+            return torch.addmm(residual, x, self.dense.t())
+        return F.linear(x, self.dense, self.bias).add_(residual)
+
+
+def onednn_works(dtype: torch.dtype) -> bool:
+    """Self-check of the oneDNN path on this machine: every epilogue against ``F.linear``."""
+    if not _onednn_available() or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(24, 16, generator=g).to(dtype)
+        b = torch.randn(24, generator=g).to(dtype)
+        x = torch.randn(3, 16, generator=g).to(dtype)
+        other = torch.randn(3, 24, generator=g).to(dtype)
+        packed = Linear(w, b, pack=True)
+        dense = Linear(w, b, pack=False)
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        return all(
+            torch.allclose(p.float(), d.float(), atol=tol, rtol=tol)
+            for p, d in (
+                (packed(x), dense(x)),
+                (packed.silu(x), dense.silu(x)),
+                (packed.mul(x, other), dense.mul(x, other)),
+                (packed.add(x, other), dense.add(x, other)),
+            )
+        )
+    except RuntimeError:
+        return False
+
+
+# ---------------------------------------------------------------------------- weights
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    post_norm: torch.Tensor
+    gate: Linear | None  # oneDNN path: separate gate (with SiLU) and up (with * gate)
+    up: Linear | None
+    gate_up: Linear | None  # dense path: one fused [2 * I, hidden] GEMM
+    down: Linear
+
+
+class LlamaModel:
+    """Weights plus the forward pass of one step over a ``KVPool``."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        state_dict: Mapping[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int | None = None,
+        use_onednn: bool | None = None,
+    ) -> None:
+        if config.architecture not in ("llama", "mistral", "qwen2"):
+            raise ValueError(
+                f"unsupported architecture {config.architecture!r}: llama, mistral or qwen2"
+            )
+        if config.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {config.head_dim}")
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.max_model_len = max_model_len or config.max_position_embeddings
+        if use_onednn is None:
+            use_onednn = device.type == "cpu" and onednn_works(dtype)
+        elif use_onednn and (device.type != "cpu" or not onednn_works(dtype)):
+            raise ValueError(f"oneDNN linear layers unavailable for {device} / {dtype}")
+        self.use_onednn = use_onednn
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.hidden_size = config.hidden_size
+        self.eps = config.rms_norm_eps
+
+        missing = [k for k in _required_names(config) if k not in state_dict]
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"state dict lacks {len(missing)} weights the config needs: {shown}")
+
+        def get(name: str) -> torch.Tensor:
+            # fp32 for the arithmetic below, then the run dtype on the run device.
+            return state_dict[name].to(device=device, dtype=torch.float32)
+
+        def final(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dtype).contiguous()
+
+        h, kvh, d = config.num_heads, config.num_kv_heads, config.head_dim
+        scale = 1.0 / math.sqrt(d)
+        self.layers: list[LayerWeights] = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            wq = _interleave_rows(get(p + "self_attn.q_proj.weight"), h, d) * scale
+            wk = _interleave_rows(get(p + "self_attn.k_proj.weight"), kvh, d)
+            wv = get(p + "self_attn.v_proj.weight")
+            bias: torch.Tensor | None = None
+            if config.attention_bias:
+                bias = final(
+                    torch.cat(
+                        [
+                            _interleave_rows(get(p + "self_attn.q_proj.bias"), h, d) * scale,
+                            _interleave_rows(get(p + "self_attn.k_proj.bias"), kvh, d),
+                            get(p + "self_attn.v_proj.bias"),
+                        ]
+                    )
+                )
+            qkv = Linear(final(torch.cat([wq, wk, wv])), bias, use_onednn)
+            o = Linear(final(get(p + "self_attn.o_proj.weight")), None, use_onednn)
+            w_gate = final(get(p + "mlp.gate_proj.weight"))
+            w_up = final(get(p + "mlp.up_proj.weight"))
+            if use_onednn:
+                gate, up, gate_up = Linear(w_gate, None, True), Linear(w_up, None, True), None
+            else:
+                gate, up = None, None
+                gate_up = Linear(torch.cat([w_gate, w_up]), None, False)
+            self.layers.append(
+                LayerWeights(
+                    input_norm=final(get(p + "input_layernorm.weight")),
+                    qkv=qkv,
+                    o=o,
+                    post_norm=final(get(p + "post_attention_layernorm.weight")),
+                    gate=gate,
+                    up=up,
+                    gate_up=gate_up,
+                    down=Linear(final(get(p + "mlp.down_proj.weight")), None, use_onednn),
+                )
+            )
+            del wq, wk, wv, w_gate, w_up
+        self.embed = final(get("model.embed_tokens.weight"))
+        self.norm = final(get("model.norm.weight"))
+        head = "lm_head.weight" if "lm_head.weight" in state_dict else "model.embed_tokens.weight"
+        if head == "model.embed_tokens.weight" and not config.tie_word_embeddings:
+            raise ValueError("state dict has no lm_head.weight and the config does not tie it")
+        self.lm_head = Linear(final(get(head)), None, use_onednn)
+        self.vocab_size = self.embed.shape[0]
+
+        inv_freq = rope_inv_freq(config).to(device)
+        angles = torch.outer(torch.arange(self.max_model_len, device=device).float(), inv_freq)
+        # [max_len, 1, D/2]: complex rotations (fp32 runs) or cos / sin (half precision).
+        if dtype == torch.float32:
+            self.rope_cis: torch.Tensor | None = torch.polar(torch.ones_like(angles), angles)
+            self.rope_cis = self.rope_cis.unsqueeze(1)
+            self.rope_cos = self.rope_sin = None
+        else:
+            self.rope_cis = None
+            self.rope_cos = angles.cos().to(dtype).unsqueeze(1)
+            self.rope_sin = angles.sin().to(dtype).unsqueeze(1)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """Hidden states [T, hidden] after the last layer (before the final norm) of every
+        token in ``batch``; writes every layer's K/V of those tokens into ``pool``."""
+        h_heads, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        n_rot = h_heads + kvh
+        num_tokens = batch.num_tokens
+        hidden = F.embedding(batch.input_ids, self.embed)
+        attn_out = torch.empty(num_tokens, h_heads * d, dtype=self.dtype, device=self.device)
+        if self.rope_cis is not None:
+            cis = self.rope_cis.index_select(0, batch.positions)
+        else:
+            assert self.rope_cos is not None and self.rope_sin is not None
+            cos = self.rope_cos.index_select(0, batch.positions)
+            sin = self.rope_sin.index_select(0, batch.positions)
+        normed_shape = (self.hidden_size,)
+        for i, layer in enumerate(self.layers):
+            x = F.rms_norm(hidden, normed_shape, layer.input_norm, self.eps)
+            qkv = layer.qkv(x).view(num_tokens, n_rot + kvh, d)
+            rot = qkv[:, :n_rot].unflatten(-1, (d // 2, 2))
+            if self.rope_cis is not None:
+                torch.view_as_complex(rot).mul_(cis)
+            else:
+                _rope_real_(rot, cos, sin)
+            paged_attention(i, qkv, batch, pool, attn_out, h_heads, kvh)
+            hidden = layer.o.add(attn_out, hidden)
+            x = F.rms_norm(hidden, normed_shape, layer.post_norm, self.eps)
+            if layer.gate_up is not None:
+                gu = layer.gate_up(x)
+                inter = gu.shape[-1] // 2
+                act = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
+            else:
+                assert layer.gate is not None and layer.up is not None
+                act = layer.up.mul(x, layer.gate.silu(x))
+            hidden = layer.down.add(act, hidden)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head on the given rows [R, hidden] -> fp32 logits [R, V]."""
+        x = F.rms_norm(hidden, (self.hidden_size,), self.norm, self.eps)
+        return self.lm_head(x).float()
+
+    @property
+    def weights_bytes(self) -> int:
+        """Bytes of the run weights (packed matrices count their dense size)."""
+        c = self.config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_layer = (
+            (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * c.hidden_size
+            + c.num_heads * c.head_dim * c.hidden_size
+            + 3 * c.intermediate_size * c.hidden_size
+            + 2 * c.hidden_size
+        )
+        total = c.num_layers * per_layer + 2 * c.vocab_size * c.hidden_size + c.hidden_size
+        return total * elem
+
+
+def _rope_real_(rot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In-place RoPE on interleaved pairs ``rot`` [T, n, D/2, 2] (half-precision path)."""
+    x0 = rot[..., 0]
+    x1 = rot[..., 1]
+    r0 = x0 * cos - x1 * sin
+    r1 = x0 * sin + x1 * cos
+    x0.copy_(r0)
+    x1.copy_(r1)
+
+
+def _required_names(config: ModelConfig) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")] + [
+            p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")
+        ]
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        if config.attention_bias:
+            names += [p + f"self_attn.{n}_proj.bias" for n in ("q", "k", "v")]
+    return names

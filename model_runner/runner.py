@@ -1,0 +1,289 @@
+"""TorchRunner: executes one ``SchedulerOutput`` on the real model over the paged KV pool.
+
+One step::
+
+    plan.block_copies  -> pool.copy_blocks            (copy-on-write, before anything reads)
+    plan.prefill/decode -> validate each seq           (a bad seq fails alone, see below)
+                        -> ForwardBatch.build          (all index tensors, once per step)
+                        -> model.forward               (fused: prefill chunks + decodes together)
+                        -> rows that sample -> final norm + LM head -> sampler
+                        -> ModelOutput
+
+Fused or separate: by default both batches of a step go through ONE forward pass (every
+linear layer sees prefill and decode tokens together, so weights are read once per step;
+attention still takes its own path per batch kind). ``fuse_batches=False`` runs two passes,
+which only helps when the timing split between kinds must be exact; with fusion,
+``prefill_time_s``/``decode_time_s`` split the step's time by token share.
+
+Failures that belong to one request go to ``ModelOutput.failed`` and the rest of the batch
+carries on: a seq whose block table or positions are inconsistent, token ids outside the
+vocabulary, non-finite logits (the sampler reports them), or a sampler that raises for one
+row (the batch is then re-sampled row by row to isolate it). An exception from the forward
+pass itself is a runner failure and propagates.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import torch
+
+from model_runner.attention import ForwardBatch
+from model_runner.base import ModelInfo
+from model_runner.config import ModelConfig
+from model_runner.device import dtype_name, resolve_dtype, select_device
+from model_runner.kv_pool import KVPool, default_kv_budget_bytes, num_blocks_for_memory
+from model_runner.model import LlamaModel
+from scheduler.output import ModelOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
+
+
+class SamplerLike(Protocol):
+    def sample(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> object: ...
+
+
+class TorchRunner:
+    """The ``Runner`` protocol on a PyTorch LLaMA-family model (CPU or CUDA)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        state_dict: Mapping[str, torch.Tensor],
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        dtype: torch.dtype | str | None = None,
+        device: torch.device | str | None = None,
+        *,
+        kv_budget_bytes: int | None = None,
+        max_model_len: int | None = None,
+        sampler: SamplerLike | None = None,
+        fuse_batches: bool = True,
+        use_onednn: bool | None = None,
+        name: str | None = None,
+    ) -> None:
+        """``num_blocks=None`` sizes the pool from ``kv_budget_bytes`` (default: see
+        ``kv_pool.default_kv_budget_bytes``), measured after the weights are on the device.
+        ``state_dict`` uses Hugging Face names; it is read, not kept."""
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.device = select_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        max_len = min(
+            max_model_len or config.max_position_embeddings, config.max_position_embeddings
+        )
+        self.config = config
+        self.model = LlamaModel(config, state_dict, self.dtype, self.device, max_len, use_onednn)
+        if num_blocks is None:
+            budget = kv_budget_bytes or default_kv_budget_bytes(self.device)
+            num_blocks = num_blocks_for_memory(config, block_size, self.dtype, budget)
+        self.pool = KVPool.from_config(config, num_blocks, block_size, self.dtype, self.device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_model_len = max_len
+        self.fuse_batches = fuse_batches
+        if sampler is None:
+            from model_runner.sampler import Sampler
+
+            sampler = Sampler()
+        self.sampler = sampler
+        self._info = ModelInfo(
+            name=name or config.name or config.architecture,
+            vocab_size=config.vocab_size,
+            max_model_len=max_len,
+            shape=config.kv_shape(dtype_name(self.dtype)),
+            eos_token_ids=config.eos_token_ids,
+            bos_token_id=config.bos_token_id,
+            dtype=dtype_name(self.dtype),
+            device=str(self.device),
+            extra={
+                "architecture": config.architecture,
+                "num_blocks": str(num_blocks),
+                "block_size": str(block_size),
+                "kv_pool_bytes": str(self.pool.num_bytes),
+                "linear_backend": "onednn" if self.model.use_onednn else "torch",
+                "fuse_batches": str(fuse_batches).lower(),
+            },
+        )
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> ModelOutput:
+        """Compute ``plan``: KV of every scheduled token into the pool, one sampled token
+        for every seq with ``do_sample``. Never mutates ``plan``."""
+        result = ModelOutput()
+        prefill, decode = self._prepare(plan, result.failed)
+        if not prefill and not decode:
+            return result
+        sample_prefill = [s for s in prefill if s.do_sample]
+        sample_decode = [s for s in decode if s.do_sample]
+        if self.fuse_batches or not (prefill and decode):
+            t0 = time.perf_counter()
+            logits = self._forward_logits(prefill, decode)
+            self._sample(logits, sample_prefill + sample_decode, result)
+            elapsed = time.perf_counter() - t0
+            num_prefill = sum(s.num_tokens for s in prefill)
+            share = num_prefill / (num_prefill + len(decode))
+            result.prefill_time_s = elapsed * share
+            result.decode_time_s = elapsed - result.prefill_time_s
+        else:
+            t0 = time.perf_counter()
+            logits_p = self._forward_logits(prefill, [])
+            self._sync()
+            t1 = time.perf_counter()
+            logits_d = self._forward_logits([], decode)
+            self._sync()
+            t2 = time.perf_counter()
+            self._sample(torch.cat([logits_p, logits_d]), sample_prefill + sample_decode, result)
+            t3 = time.perf_counter()
+            rows = len(sample_prefill) + len(sample_decode)
+            share = len(sample_prefill) / rows if rows else 0.0
+            result.prefill_time_s = (t1 - t0) + (t3 - t2) * share
+            result.decode_time_s = (t2 - t1) + (t3 - t2) * (1.0 - share)
+        return result
+
+    @torch.inference_mode()
+    def step_logits(self, plan: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """Run ``plan`` like ``execute`` but return fp32 logits of EVERY computed position,
+        per request (``[num_tokens, V]``), instead of sampling. For tests and tools."""
+        failed: dict[str, str] = {}
+        prefill, decode = self._prepare(plan, failed)
+        if failed:
+            raise ValueError(f"invalid plan: {failed}")
+        seqs = list(prefill) + list(decode)
+        if not seqs:
+            return {}
+        hidden = self._forward_hidden(prefill, decode)
+        logits = self.model.compute_logits(hidden)
+        out: dict[str, torch.Tensor] = {}
+        row = 0
+        for s in seqs:
+            out[s.request_id] = logits[row : row + s.num_tokens]
+            row += s.num_tokens
+        return out
+
+    # ------------------------------------------------------------------ internals
+
+    def _prepare(
+        self, plan: SchedulerOutput, failed: dict[str, str]
+    ) -> tuple[list[ScheduledSeq], list[ScheduledSeq]]:
+        if plan.block_copies:
+            bad = [c for c in plan.block_copies if not all(0 <= b < self.num_blocks for b in c)]
+            if bad:
+                raise ValueError(f"block copies {bad} outside the pool of {self.num_blocks}")
+            self.pool.copy_blocks(plan.block_copies)
+        prefill = [s for s in plan.prefill if self._check(s, False, failed)]
+        decode = [s for s in plan.decode if self._check(s, True, failed)]
+        return prefill, decode
+
+    def _check(self, seq: ScheduledSeq, is_decode: bool, failed: dict[str, str]) -> bool:
+        """Whether ``seq`` can run; if not, records why in ``failed``."""
+        error = self._seq_error(seq, is_decode)
+        if error is not None:
+            failed[seq.request_id] = error
+            return False
+        return True
+
+    def _seq_error(self, seq: ScheduledSeq, is_decode: bool) -> str | None:
+        n = len(seq.token_ids)
+        if n == 0 or (is_decode and n != 1):
+            kind = "decode" if is_decode else "prefill"
+            return f"{kind} entry with {n} tokens"
+        if seq.start_pos < 0 or seq.end_pos > self.max_model_len:
+            return (
+                f"positions {seq.start_pos}..{seq.end_pos - 1} outside the model's "
+                f"max_model_len {self.max_model_len}"
+            )
+        if min(seq.token_ids) < 0 or max(seq.token_ids) >= self.model.vocab_size:
+            return f"token id outside the vocabulary of {self.model.vocab_size}"
+        needed = -(-seq.end_pos // self.block_size)
+        if len(seq.block_ids) < needed:
+            return (
+                f"block table of {len(seq.block_ids)} blocks cannot hold position "
+                f"{seq.end_pos - 1} with block_size {self.block_size}"
+            )
+        first = 0
+        window = self.config.sliding_window
+        if window is not None:
+            first = max(0, seq.start_pos - window + 1) // self.block_size
+        used = seq.block_ids[first:needed]
+        if min(used) < 0 or max(used) >= self.num_blocks:
+            return f"block id outside the pool of {self.num_blocks} blocks in {list(used)}"
+        return None
+
+    def _forward_hidden(
+        self, prefill: Sequence[ScheduledSeq], decode: Sequence[ScheduledSeq]
+    ) -> torch.Tensor:
+        batch = ForwardBatch.build(
+            prefill,
+            decode,
+            self.block_size,
+            self.device,
+            self.dtype,
+            self.config.sliding_window,
+        )
+        return self.model.forward(batch, self.pool)
+
+    def _forward_logits(
+        self, prefill: Sequence[ScheduledSeq], decode: Sequence[ScheduledSeq]
+    ) -> torch.Tensor:
+        """Logits [R, V] of the rows that sample, prefill rows first, in plan order."""
+        hidden = self._forward_hidden(prefill, decode)
+        rows: list[int] = []
+        row = 0
+        for s in prefill:
+            row += s.num_tokens
+            if s.do_sample:
+                rows.append(row - 1)
+        for s in decode:
+            if s.do_sample:
+                rows.append(row)
+            row += 1
+        if len(rows) != row:
+            index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            hidden = hidden.index_select(0, index)
+        return self.model.compute_logits(hidden)
+
+    def _sample(
+        self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq], result: ModelOutput
+    ) -> None:
+        if not seqs:
+            return
+        try:
+            token_ids, logprobs, failed = _unpack(self.sampler.sample(logits, seqs))
+        except Exception:
+            # Isolate the culprit: re-sample row by row; only rows that raise fail.
+            token_ids, logprobs, failed = [], [], {}
+            for i, seq in enumerate(seqs):
+                try:
+                    t, lp, f = _unpack(self.sampler.sample(logits[i : i + 1], [seq]))
+                except Exception as exc:
+                    failed[seq.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
+                    t, lp = [0], [None]
+                else:
+                    failed.update(f)
+                token_ids.extend(t)
+                logprobs.extend(lp)
+        result.failed.update(failed)
+        for seq, token, lp in zip(seqs, token_ids, logprobs, strict=True):
+            if seq.request_id in failed:
+                continue
+            result.sampled_token_ids[seq.request_id] = int(token)
+            if lp is not None:
+                result.logprobs[seq.request_id] = lp
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _unpack(res: object) -> tuple[list[int], list[TokenLogprobs | None], dict[str, str]]:
+    token_ids: list[int] = list(res.token_ids)  # type: ignore[attr-defined]
+    logprobs: list[TokenLogprobs | None] = list(res.logprobs)  # type: ignore[attr-defined]
+    failed: dict[str, str] = dict(getattr(res, "failed", {}) or {})
+    return token_ids, logprobs, failed

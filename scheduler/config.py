@@ -1,0 +1,93 @@
+"""SchedulerConfig: the one frozen, validated configuration of the scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("stall-free", "prefill-first")
+QUEUE_ORDERS = ("fcfs", "priority")
+PREEMPTION_RULES = ("priority", "newest")
+MEMORY_MODES = ("optimistic", "reserve")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits and strategies of the iteration-level scheduler.
+
+    - ``max_num_seqs``: requests in the running set (prefilling or decoding) at once; the
+      decode batch never exceeds it.
+    - ``max_num_batched_tokens``: token budget of one step, prefill chunk tokens plus one per
+      decode. Must be >= ``max_num_seqs`` so a full decode batch always fits.
+    - ``max_model_len``: prompt + ``max_tokens`` must fit in it (checked at admission).
+    - ``long_prefill_token_threshold``: the largest prefill chunk one request gets in one
+      step (0 = the whole step budget); longer prompts are split across steps.
+    - ``policy``: batch formation. ``stall-free`` runs every decode every step and gives the
+      leftover budget to prefill chunks (Sarathi-Serve); ``prefill-first`` runs a prefill
+      batch whenever one fits and decodes otherwise, but never skips the decodes for more
+      than ``max_decode_starvation_steps`` steps in a row.
+    - ``queue_order``: ``fcfs`` (arrival order) or ``priority`` (lower value first, ties by
+      arrival) where a request's effective priority improves by 1 per ``aging_steps``
+      scheduler steps since it arrived (0 disables aging). Under ``priority`` a waiting
+      request may preempt a running one of worse effective priority, whether memory or
+      ``max_num_seqs`` is what binds.
+    - ``preemption``: the victim rule. ``priority``: the worst effective priority, then the
+      fewest computed tokens, then the latest arrival. ``newest``: the latest arrival.
+    - ``max_waiting_requests`` / ``max_waiting_tokens``: admission bounds of the waiting
+      queue (requests / prompt tokens still to compute); over them ``add_request`` raises
+      ``OverloadError``.
+    - ``memory_mode``: ``optimistic`` allocates blocks as tokens arrive and preempts (by
+      recompute) when they run out; ``reserve`` admits a request only when blocks for its
+      whole length (prompt + max_tokens) are free and never preempts.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    long_prefill_token_threshold: int = 512
+    policy: str = "stall-free"
+    max_decode_starvation_steps: int = 4
+    queue_order: str = "fcfs"
+    aging_steps: int = 64
+    preemption: str = "priority"
+    max_waiting_requests: int = 4096
+    max_waiting_tokens: int = 1_000_000
+    memory_mode: str = "optimistic"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}) so that a full decode batch fits a step"
+            )
+        for name in (
+            "long_prefill_token_threshold",
+            "aging_steps",
+            "max_waiting_requests",
+            "max_waiting_tokens",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_decode_starvation_steps < 1:
+            raise ValueError(
+                f"max_decode_starvation_steps must be >= 1, got {self.max_decode_starvation_steps}"
+            )
+        _check_choice("policy", self.policy, POLICIES)
+        _check_choice("queue_order", self.queue_order, QUEUE_ORDERS)
+        _check_choice("preemption", self.preemption, PREEMPTION_RULES)
+        _check_choice("memory_mode", self.memory_mode, MEMORY_MODES)
+
+    @property
+    def max_chunk_tokens(self) -> int:
+        """The largest prefill chunk one request may get in one step."""
+        threshold = self.long_prefill_token_threshold
+        if threshold == 0:
+            return self.max_num_batched_tokens
+        return min(threshold, self.max_num_batched_tokens)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")

@@ -1,0 +1,784 @@
+"""The iteration-level scheduler: every step, who runs and as what (prefill or decode).
+
+One engine step is three calls::
+
+    plan = scheduler.schedule()          # allocate blocks, form the prefill + decode batches
+    result = runner.execute(plan)        # compute; sample a token per do_sample seq
+    outs = scheduler.update(plan, result)  # advance progress, append tokens, finish, free
+
+Progress is one counter per request, ``num_computed_tokens`` (tokens whose KV is in the
+cache). A request needs ``num_tokens - num_computed_tokens`` more tokens computed::
+
+    | prompt ................................ | output ...... |
+    | cached (prefix hit) | computed | chunk this step | rest  |
+                                     ^ start_pos      ^ end_pos (== num_tokens: sample)
+
+A chunk that ends at the last known token samples the next one (``do_sample``). A decode is
+the chunk of exactly that last token. ``schedule`` allocates blocks for every scheduled
+token; ``update`` advances ``num_computed_tokens`` to the chunk's end and registers newly
+full blocks in the prefix cache.
+
+Request states: ``WAITING -> PREFILLING -> DECODING -> FINISHED_*``, and
+``PREFILLING|DECODING -> PREEMPTED`` (back in the waiting queue, at its old place in line)
+``-> PREFILLING``. Preemption is by recompute: the blocks are freed, the output tokens kept,
+and the whole sequence is prefilled again (cheap with the prefix cache).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from cache_manager import Allocation, KVCacheManager
+from scheduler.config import SchedulerConfig
+from scheduler.errors import OverloadError
+from scheduler.output import (
+    ModelOutput,
+    RequestOutput,
+    ScheduledSeq,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from scheduler.policies import (
+    TokenBudget,
+    make_batch_policy,
+    make_queue_order,
+    make_victim_rule,
+)
+from scheduler.request import AbortReason, FinishReason, Request, RequestStatus
+
+_WAITING = RequestStatus.WAITING
+_PREFILLING = RequestStatus.PREFILLING
+_DECODING = RequestStatus.DECODING
+_PREEMPTED = RequestStatus.PREEMPTED
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    """The scheduler's bookkeeping for one request (the Request stays plain data)."""
+
+    request: Request
+    rank: int  # effective priority, fixed at arrival (see QueueOrder)
+    sort_key: int  # waiting-queue key, then (arrival_seq, index)
+    arrival_seq: int
+    index: int = 0  # sample index: 0 for the request the client sent, i for its i-th fork
+    num_full_blocks: int = 0  # full computed blocks already handed to cache_full_blocks
+    child_ids: tuple[str, ...] = ()  # n > 1: ids of the samples forked after the prefill
+    forked: bool = False
+    holds_child_seats: bool = False  # running and not forked yet: seats kept for children
+    blocked_at_num_free: int | None = None  # free blocks when admission last failed for memory
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def arrival(self) -> tuple[int, int]:
+        return (self.arrival_seq, self.index)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens to compute before sampling. A parent of forked samples stops one short of
+        its prompt: the samples fork there and each computes the last prompt token itself,
+        sampling its own first token (n - 1 writes into the shared partial block are copied
+        on write; no keyed, full block is ever written)."""
+        if self.child_ids and not self.forked:
+            return self.request.num_prompt_tokens - 1
+        return self.request.num_tokens
+
+    @property
+    def num_seats(self) -> int:
+        """Running slots admission needs: n for a parent not forked yet, else 1."""
+        return 1 + (0 if self.forked else len(self.child_ids))
+
+
+@dataclass(slots=True)
+class _Step:
+    """One step's plan while it is being built; implements ``policies.StepBuilder``."""
+
+    scheduler: Scheduler
+    step_id: int
+    budget: TokenBudget
+    prefill: dict[str, ScheduledSeq] = field(default_factory=dict)
+    decode: dict[str, ScheduledSeq] = field(default_factory=dict)
+    copies: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+
+    @property
+    def has_pending_decodes(self) -> bool:
+        return self.scheduler._has_decoding()
+
+    def take_decodes(self) -> int:
+        return self.scheduler._take_decodes(self)
+
+    def take_prefills(self) -> int:
+        return self.scheduler._take_prefills(self)
+
+    def add(self, seq: ScheduledSeq, decode: bool, allocation: Allocation) -> None:
+        (self.decode if decode else self.prefill)[seq.request_id] = seq
+        if allocation.block_copies:
+            self.copies[seq.request_id] = allocation.block_copies
+
+    def unschedule(self, request_id: str) -> None:
+        """Take a preempted request out of this step, giving its tokens back to the budget.
+
+        Its copy-on-write copies go too: their destination blocks were just freed.
+        """
+        seq = self.prefill.pop(request_id, None) or self.decode.pop(request_id, None)
+        if seq is not None:
+            self.budget.give_back(seq.num_tokens)
+        self.copies.pop(request_id, None)
+
+    def build(self, finished_request_ids: list[str]) -> SchedulerOutput:
+        copies = [c for seq_copies in self.copies.values() for c in seq_copies]
+        return SchedulerOutput(
+            step_id=self.step_id,
+            prefill=list(self.prefill.values()),
+            decode=list(self.decode.values()),
+            block_copies=copies,
+            finished_request_ids=finished_request_ids,
+        )
+
+
+class Scheduler:
+    """Continuous batching over a paged KV cache; see the module docstring.
+
+    Not thread-safe: the engine loop owns it and calls every method from one thread.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self._block_size = kv.block_size
+        self._sliding_window = kv.sliding_window
+        self._reserve = config.memory_mode == "reserve"
+        self._max_chunk = config.max_chunk_tokens
+        # Every block a request could ever get: the pool minus reserved (null) blocks.
+        kv_stats = kv.make_stats()
+        self._num_usable_blocks = kv.num_free_blocks + kv_stats.num_blocks_used
+        self._policy = make_batch_policy(config)
+        self._order = make_queue_order(config)
+        self._victim = make_victim_rule(config)
+
+        self._entries: dict[str, _Entry] = {}  # every unfinished request
+        self._reserved_ids: set[str] = set()  # ids of children not forked yet (n > 1)
+        self._running: dict[str, _Entry] = {}  # admission order
+        self._waiting: list[tuple[int, int, int, _Entry]] = []  # heap; finished = stale
+        self._num_stale = 0
+        self._num_waiting = 0
+        self._num_preempted_waiting = 0
+        self._waiting_tokens = 0
+        self._num_child_seats = 0  # seats held for children of running, unforked parents
+        self._finished_ids: list[str] = []
+        self._pending_outputs: list[RequestOutput] = []  # finished outside update()
+
+        self._step_id = 0
+        self._arrival_seq = 0
+        self._last_plan = SchedulerOutput.make_empty()
+        self._num_steps_prefill = 0
+        self._num_steps_decode = 0
+        self._num_preemptions = 0
+        self._num_recomputed_tokens = 0
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._num_finished: Counter[str] = Counter()
+        self._num_aborted: Counter[str] = Counter()  # by AbortReason.value
+
+    # -- queries ------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def step_id(self) -> int:
+        return self._step_id
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._entries) or bool(self._pending_outputs)
+
+    def get_request(self, request_id: str) -> Request | None:
+        entry = self._entries.get(request_id)
+        return None if entry is None else entry.request
+
+    def num_aborted_by_reason(self) -> dict[str, int]:
+        """Cumulative ``abort`` calls that ended a request, by ``AbortReason.value``."""
+        return dict(self._num_aborted)
+
+    def running_request_ids(self) -> list[str]:
+        """Running requests in admission order (the decode batch order)."""
+        return list(self._running)
+
+    def waiting_request_ids(self) -> list[str]:
+        """Waiting requests in the order they would be admitted."""
+        return [item[3].request_id for item in sorted(self._waiting) if not _stale(item)]
+
+    # -- admission ----------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request.
+
+        Raises ``ValueError`` (with the numbers) when it can never run: a duplicate id, an
+        empty prompt, prompt + max_tokens beyond max_model_len or beyond the whole KV pool.
+        Raises ``OverloadError`` when the waiting queue is over its bounds (retry later).
+        """
+        rid = request.request_id
+        if rid in self._entries or rid in self._reserved_ids:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if request.status is not _WAITING or request.num_computed_tokens != 0:
+            raise ValueError(
+                f"request {rid!r} must be new (status waiting, 0 computed tokens), got "
+                f"{request.status.value} with {request.num_computed_tokens} computed"
+            )
+        child_ids = self._check_can_ever_run(request)
+        self._check_not_overloaded(request)
+
+        request.max_model_len = min(
+            request.max_model_len or self.config.max_model_len, self.config.max_model_len
+        )
+        rank = self._order.rank(request.priority, self._step_id)
+        entry = _Entry(
+            request=request,
+            rank=rank,
+            sort_key=self._order.sort_key(rank, self._arrival_seq),
+            arrival_seq=self._arrival_seq,
+            child_ids=child_ids,
+        )
+        self._arrival_seq += 1
+        self._entries[rid] = entry
+        self._reserved_ids.update(child_ids)
+        self._num_prompt_tokens += request.num_prompt_tokens
+        self._push_waiting(entry)
+
+    def _check_can_ever_run(self, request: Request) -> tuple[str, ...]:
+        rid = request.request_id
+        sampling = request.sampling
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError(f"request {rid!r} has an empty prompt")
+        max_model_len = min(
+            request.max_model_len or self.config.max_model_len, self.config.max_model_len
+        )
+        num_total = num_prompt + sampling.max_tokens
+        if num_total > max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt ({num_prompt} tokens) + max_tokens "
+                f"({sampling.max_tokens}) = {num_total} tokens exceeds max_model_len "
+                f"({max_model_len})"
+            )
+        n = sampling.n
+        if n > 1 and self._reserve:
+            raise ValueError(f"request {rid!r}: n={n} > 1 is not supported in reserve memory mode")
+        if n > self.config.max_num_seqs:
+            raise ValueError(
+                f"request {rid!r}: n={n} samples exceed max_num_seqs ({self.config.max_num_seqs})"
+            )
+        num_blocks = self._max_blocks_needed(num_prompt, num_total, n)
+        usable = self._num_usable_blocks
+        if num_blocks > usable:
+            raise ValueError(
+                f"request {rid!r}: {num_total} tokens x {n} sample(s) need {num_blocks} KV "
+                f"blocks of {self._block_size} tokens, but the whole pool has {usable}"
+            )
+        child_ids = tuple(f"{rid}#{i}" for i in range(1, n))
+        for cid in child_ids:
+            if cid in self._entries or cid in self._reserved_ids:
+                raise ValueError(f"request {rid!r}: the id of its sample {cid!r} is in use")
+        return child_ids
+
+    def _max_blocks_needed(self, num_prompt: int, num_total: int, n: int) -> int:
+        """Blocks a request holds at its longest: n samples share the prompt's full blocks."""
+        blocks_for = self.kv.num_blocks_for
+        window = self._sliding_window
+        if window is not None and not self._reserve:  # reserve mode reserves every block
+            # Only the window (plus the chunk being written) stays resident.
+            return n * min(blocks_for(num_total), blocks_for(window + self._max_chunk) + 1)
+        shared = num_prompt // self._block_size if n > 1 else 0
+        return shared + n * (blocks_for(num_total) - shared)
+
+    def _check_not_overloaded(self, request: Request) -> None:
+        cfg = self.config
+        if self._num_waiting + 1 > cfg.max_waiting_requests:
+            raise OverloadError(
+                f"waiting queue is full: {self._num_waiting} requests waiting "
+                f"(max_waiting_requests={cfg.max_waiting_requests})"
+            )
+        num_tokens = self._waiting_tokens + request.num_prompt_tokens
+        if num_tokens > cfg.max_waiting_tokens:
+            raise OverloadError(
+                f"waiting queue is full: {self._waiting_tokens} prompt tokens waiting + "
+                f"{request.num_prompt_tokens} new > max_waiting_tokens={cfg.max_waiting_tokens}"
+            )
+
+    # -- ending requests from outside ---------------------------------------------------
+
+    def abort(
+        self, request_id: str, reason: AbortReason = AbortReason.ABORT_CALL
+    ) -> RequestOutput | None:
+        """End a request in any state (and its forked samples) and free its blocks once.
+
+        Returns its final output (finish_reason ABORT), or None if the id is unknown or
+        already finished. Forked samples that end with it report in the next ``update``.
+        """
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return None
+        self._num_aborted[reason.value] += 1
+        out = self._finish(entry, RequestStatus.FINISHED_ABORTED, FinishReason.ABORT)
+        for cid in entry.child_ids if entry.forked else ():
+            child = self._entries.get(cid)
+            if child is not None:
+                self._pending_outputs.append(
+                    self._finish(child, RequestStatus.FINISHED_ABORTED, FinishReason.ABORT)
+                )
+        return out
+
+    def finish(self, request_id: str, stop_reason: str) -> RequestOutput | None:
+        """End a request because a stop string was found (the engine detokenizes)."""
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return None
+        out = self._finish(entry, RequestStatus.FINISHED_STOPPED, FinishReason.STOP)
+        out.stop_reason = stop_reason
+        entry.request.stop_reason = stop_reason
+        return out
+
+    def fail(self, request_id: str, error: str) -> RequestOutput | None:
+        """End one request with an error; everyone else continues."""
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return None
+        out = self._finish(entry, RequestStatus.FINISHED_ERROR, FinishReason.ERROR)
+        out.error = error
+        return out
+
+    # -- one step -----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: the batch policy takes decodes and prefill chunks within the
+        step's token budget, and blocks are allocated for every scheduled token.
+
+        Running requests that cannot get blocks preempt the victim rule's choice (possibly
+        themselves). Waiting requests are admitted in queue order until the budget, the
+        seats (``max_num_seqs``) or the memory run out; under priority order they may
+        preempt running requests of worse effective priority.
+        """
+        self._step_id += 1
+        step = _Step(self, self._step_id, TokenBudget(self.config.max_num_batched_tokens))
+        self._policy.form(step)
+        plan = step.build(self._finished_ids)
+        self._finished_ids = []
+        self._last_plan = plan
+        self._num_steps_prefill += bool(plan.prefill)
+        self._num_steps_decode += bool(plan.decode)
+        return plan
+
+    def update(self, plan: SchedulerOutput, result: ModelOutput) -> list[RequestOutput]:
+        """Apply a step's result: advance progress, append sampled tokens, finish requests
+        on EOS (not before min_tokens, unless ignore_eos) / a stop token / max_tokens /
+        max_model_len, and free finished requests' blocks.
+
+        Returns one output per request that got a token or finished since the last update.
+        """
+        outputs = self._pending_outputs
+        self._pending_outputs = []
+        for seq in plan.prefill:
+            self._apply(seq, result, outputs)
+        for seq in plan.decode:
+            self._apply(seq, result, outputs)
+        return outputs
+
+    def _apply(self, seq: ScheduledSeq, result: ModelOutput, outputs: list[RequestOutput]) -> None:
+        rid = seq.request_id
+        entry = self._running.get(rid)
+        if entry is None:  # ended (aborted, failed) after it was planned
+            return
+        req = entry.request
+        req.num_computed_tokens = seq.end_pos
+        if result.failed and rid in result.failed:
+            out = self._finish(entry, RequestStatus.FINISHED_ERROR, FinishReason.ERROR)
+            out.error = result.failed[rid]
+            outputs.append(out)
+            return
+        if req.num_computed_tokens // self._block_size > entry.num_full_blocks:
+            self.kv.cache_full_blocks(req)
+            entry.num_full_blocks = req.num_computed_tokens // self._block_size
+        if self._sliding_window is not None:
+            self.kv.release_out_of_window(req)
+        if not seq.do_sample:
+            if entry.child_ids and req.num_computed_tokens == entry.prefill_target:
+                self._fork_children(entry)
+            return
+        token = result.sampled_token_ids.get(rid)
+        if token is None:
+            raise RuntimeError(f"runner returned no token for {rid!r}, which was to sample")
+        req.append_output_token(token)
+        req.status = _DECODING
+        self._num_generation_tokens += 1
+        logprobs = result.logprobs.get(rid) if result.logprobs else None
+        new_logprobs = [logprobs] if logprobs is not None else []
+        if self._stops(req, token):
+            out = self._finish(entry, req.status, req.finish_reason or FinishReason.STOP)
+            out.new_token_ids = [token]
+            out.new_logprobs = new_logprobs
+            outputs.append(out)
+            return
+        outputs.append(
+            RequestOutput(
+                request_id=rid,
+                new_token_ids=[token],
+                new_logprobs=new_logprobs,
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_cached_tokens=req.num_cached_tokens,
+                num_output_tokens=len(req.output_token_ids),
+                parent_id=req.parent_id,
+                index=entry.index,
+            )
+        )
+
+    @staticmethod
+    def _stops(req: Request, token: int) -> bool:
+        """Set the finish status/reason if ``token`` ends the request; return whether it did.
+
+        A stop (EOS unless ignore_eos, or a stop token id) only counts once min_tokens are
+        out; it wins over the length limit when both hold.
+        """
+        sampling = req.sampling
+        num_output = len(req.output_token_ids)
+        if num_output >= sampling.min_tokens:
+            if token in sampling.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.finish_reason = FinishReason.STOP
+                req.stop_reason = token
+                return True
+            if not sampling.ignore_eos and token in req.eos_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.finish_reason = FinishReason.STOP
+                return True
+        max_model_len = req.max_model_len
+        if num_output >= sampling.max_tokens or (
+            max_model_len is not None and req.num_tokens >= max_model_len
+        ):
+            req.status = RequestStatus.FINISHED_LENGTH
+            req.finish_reason = FinishReason.LENGTH
+            return True
+        return False
+
+    # -- batch formation (called through _Step by the policy) ---------------------------
+
+    def _has_decoding(self) -> bool:
+        return any(e.request.status is _DECODING for e in self._running.values())
+
+    def _take_decodes(self, step: _Step) -> int:
+        """One token for every decoding request, in admission order."""
+        num_scheduled = 0
+        for entry in list(self._running.values()):
+            if entry.request.status is not _DECODING:  # prefilling, or preempted meanwhile
+                continue
+            if not step.budget.try_take(1):
+                break
+            if self._schedule_running(step, entry, 1, decode=True):
+                num_scheduled += 1
+        return num_scheduled
+
+    def _take_prefills(self, step: _Step) -> int:
+        """Prefill chunks: running prefills first (admission order), then admissions."""
+        num_scheduled = 0
+        for entry in list(self._running.values()):
+            req = entry.request
+            if req.status is not _PREFILLING or req.request_id in step.prefill:
+                continue
+            num_new = min(entry.prefill_target - req.num_computed_tokens, self._max_chunk)
+            chunk = step.budget.take_up_to(num_new)
+            if chunk == 0:
+                return num_scheduled
+            if self._schedule_running(step, entry, chunk, decode=False):
+                num_scheduled += 1
+        while step.budget.remaining > 0:
+            head = self._peek_waiting()
+            if head is None or not self._try_admit(step, head):
+                break
+            num_scheduled += 1
+        return num_scheduled
+
+    def _schedule_running(self, step: _Step, entry: _Entry, num_new: int, decode: bool) -> bool:
+        """Allocate ``num_new`` slots for a running request (its budget already taken),
+        preempting victims while memory is short. False if it was itself the victim."""
+        req = entry.request
+        while (allocation := self.kv.allocate_slots(req, num_new)) is None:
+            if self._reserve:
+                raise RuntimeError(
+                    f"reserve mode: {req.request_id!r} ran out of its reserved blocks at "
+                    f"{req.num_computed_tokens} + {num_new} tokens"
+                )
+            victim = self._victim.choose(self._running.values())
+            if victim is entry:
+                step.budget.give_back(num_new)
+                self._preempt(step, entry)
+                return False
+            self._preempt(step, victim)
+        step.add(self._make_seq(req, num_new), decode, allocation)
+        return True
+
+    def _try_admit(self, step: _Step, entry: _Entry) -> bool:
+        """Admit the head of the waiting queue with a first chunk; False if it must wait."""
+        req = entry.request
+        max_num_seqs = self.config.max_num_seqs
+        while len(self._running) + self._num_child_seats + entry.num_seats > max_num_seqs:
+            if not self._preempt_for(step, entry):
+                return False
+        if not self._may_fit(entry):
+            return False
+        hit_block_ids, num_hit = self.kv.get_computed_blocks(req)
+        # 0 only for a parent of samples whose prompt, but the last token, is cached.
+        chunk = min(entry.prefill_target - num_hit, self._max_chunk, step.budget.remaining)
+        while (allocation := self._allocate_admission(req, chunk, hit_block_ids, num_hit)) is None:
+            if not self._preempt_for(step, entry):
+                entry.blocked_at_num_free = self.kv.num_free_blocks
+                return False
+        entry.blocked_at_num_free = None
+        step.budget.take_up_to(chunk)
+        self._pop_waiting(entry)
+        if req.status is _WAITING:  # first admission (not a resumption after preemption)
+            req.num_cached_tokens = num_hit
+        req.num_computed_tokens = num_hit
+        req.status = _PREFILLING
+        entry.num_full_blocks = num_hit // self._block_size
+        self._running[req.request_id] = entry
+        if not entry.forked and entry.child_ids:
+            entry.holds_child_seats = True
+            self._num_child_seats += len(entry.child_ids)
+        if chunk:
+            step.add(self._make_seq(req, chunk), False, allocation)
+        else:
+            self._fork_children(entry)
+        return True
+
+    def _may_fit(self, entry: _Entry) -> bool:
+        """Whether an admission attempt is worth a prefix query (each query is counted in the
+        cache statistics). Every admission needs at least one fresh block, and one that failed
+        for memory cannot succeed before the free list grows: skip the query until then.
+        Under priority order an attempt may preempt, so it is always made."""
+        if self._order.preempts_for_admission and not self._reserve:
+            return True
+        num_free = self.kv.num_free_blocks
+        blocked_at = entry.blocked_at_num_free
+        return num_free > 0 and (blocked_at is None or num_free > blocked_at)
+
+    def _allocate_admission(
+        self, req: Request, chunk: int, hit_block_ids: Sequence[int], num_hit: int
+    ) -> Allocation | None:
+        """Blocks for the prefix hit and the first chunk; in reserve mode for the whole
+        length (prompt + max_tokens) at once. None (nothing changed) if there is no room."""
+        if not self._reserve:
+            return self.kv.allocate_slots(req, chunk, hit_block_ids)
+        num_total = min(req.num_prompt_tokens + req.sampling.max_tokens, self.config.max_model_len)
+        reserved = self.kv.reserve_slots(req, num_total, hit_block_ids)
+        if reserved is None:
+            return None
+        req.num_computed_tokens = num_hit
+        allocation = self.kv.allocate_slots(req, chunk)
+        assert allocation is not None and not allocation.new_block_ids, "chunk beyond reservation"
+        return Allocation(reserved.new_block_ids, allocation.block_copies)
+
+    def _make_seq(self, req: Request, num_new: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        all_token_ids = req.all_token_ids
+        end = start + num_new
+        return ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=all_token_ids[start:end],
+            start_pos=start,
+            block_ids=self.kv.block_ids(req.request_id),  # a copy
+            sampling=req.sampling,
+            do_sample=end == len(all_token_ids),
+            all_token_ids=all_token_ids,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_output_tokens=len(req.output_token_ids),
+            eos_token_ids=req.eos_token_ids,
+        )
+
+    # -- preemption ---------------------------------------------------------------------
+
+    def _preempt_for(self, step: _Step, entry: _Entry) -> bool:
+        """Under priority order (and not in reserve mode), preempt the victim if it ranks
+        strictly worse than the waiting ``entry``; return whether it did."""
+        if self._reserve or not self._order.preempts_for_admission or not self._running:
+            return False
+        victim = self._victim.choose(self._running.values())
+        if victim.rank <= entry.rank:
+            return False
+        self._preempt(step, victim)
+        return True
+
+    def _preempt(self, step: _Step, entry: _Entry) -> None:
+        """Free the request's blocks, keep its output tokens, and put it back in the waiting
+        queue at its old place (its key is fixed at arrival); it is prefilled again later."""
+        req = entry.request
+        rid = req.request_id
+        step.unschedule(rid)
+        del self._running[rid]
+        self._release_child_seats(entry)
+        self.kv.free(rid)
+        self._num_preemptions += 1
+        self._num_recomputed_tokens += req.num_computed_tokens
+        req.num_preemptions += 1
+        req.num_computed_tokens = 0
+        req.status = _PREEMPTED
+        entry.num_full_blocks = 0
+        self._push_waiting(entry)
+
+    # -- n > 1 --------------------------------------------------------------------------
+
+    def _fork_children(self, parent_entry: _Entry) -> None:
+        """The parent has computed all of its prompt but the last token: fork its n - 1
+        samples, sharing its blocks. The parent and every sample are then decoding: each
+        computes the last prompt token and samples its own first token."""
+        parent = parent_entry.request
+        parent.status = _DECODING
+        sampling = parent.sampling
+        for index, cid in enumerate(parent_entry.child_ids, start=1):
+            child = Request(
+                request_id=cid,
+                prompt_token_ids=parent.prompt_token_ids,
+                sampling=replace(
+                    sampling, n=1, seed=None if sampling.seed is None else sampling.seed + index
+                ),
+                eos_token_ids=parent.eos_token_ids,
+                priority=parent.priority,
+                arrival_time_s=parent.arrival_time_s,
+                cache_salt=parent.cache_salt,
+                max_model_len=parent.max_model_len,
+                num_cached_tokens=parent.num_cached_tokens,
+                parent_id=parent.request_id,
+            )
+            self.kv.fork(parent.request_id, cid)
+            child.num_computed_tokens = parent.num_prompt_tokens - 1
+            child.status = _DECODING
+            entry = _Entry(
+                request=child,
+                rank=parent_entry.rank,
+                sort_key=parent_entry.sort_key,
+                arrival_seq=parent_entry.arrival_seq,
+                index=index,
+                num_full_blocks=child.num_computed_tokens // self._block_size,
+                forked=True,
+            )
+            self._entries[cid] = entry
+            self._running[cid] = entry
+        self._reserved_ids.difference_update(parent_entry.child_ids)
+        self._release_child_seats(parent_entry)
+        parent_entry.forked = True
+
+    def _release_child_seats(self, entry: _Entry) -> None:
+        if entry.holds_child_seats:
+            self._num_child_seats -= len(entry.child_ids)
+            entry.holds_child_seats = False
+
+    # -- ending -------------------------------------------------------------------------
+
+    def _finish(self, entry: _Entry, status: RequestStatus, reason: FinishReason) -> RequestOutput:
+        """Move a request to a finished state and free its blocks (exactly once: only a
+        running request holds blocks, and it leaves the running set here)."""
+        req = entry.request
+        rid = req.request_id
+        if self._running.get(rid) is entry:
+            del self._running[rid]
+            self._release_child_seats(entry)
+            self.kv.free(rid)
+        else:  # waiting: its heap item goes stale, skipped when it reaches the head
+            self._uncount_waiting(req)
+            self._num_stale += 1
+        req.status = status
+        req.finish_reason = reason
+        self._compact_waiting()
+        del self._entries[rid]
+        if not entry.forked:
+            self._reserved_ids.difference_update(entry.child_ids)
+        self._finished_ids.append(rid)
+        self._num_finished[reason.value] += 1
+        return RequestOutput(
+            request_id=rid,
+            new_token_ids=[],
+            finished=True,
+            finish_reason=reason,
+            stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            num_output_tokens=len(req.output_token_ids),
+            parent_id=req.parent_id,
+            index=entry.index,
+        )
+
+    # -- the waiting queue (a heap; aborted entries go stale and are skipped) -------------
+
+    def _push_waiting(self, entry: _Entry) -> None:
+        heapq.heappush(self._waiting, (entry.sort_key, entry.arrival_seq, entry.index, entry))
+        req = entry.request
+        self._num_waiting += 1
+        self._waiting_tokens += req.num_tokens
+        if req.status is _PREEMPTED:
+            self._num_preempted_waiting += 1
+
+    def _peek_waiting(self) -> _Entry | None:
+        waiting = self._waiting
+        while waiting and _stale(waiting[0]):
+            heapq.heappop(waiting)
+            self._num_stale -= 1
+        return waiting[0][3] if waiting else None
+
+    def _pop_waiting(self, entry: _Entry) -> None:
+        item = heapq.heappop(self._waiting)
+        assert item[3] is entry, "admitted a request that is not the head of the queue"
+        self._uncount_waiting(entry.request)
+
+    def _compact_waiting(self) -> None:
+        """Drop stale (finished) items once they are the majority of the heap."""
+        if self._num_stale > 64 and self._num_stale * 2 > len(self._waiting):
+            self._waiting = [item for item in self._waiting if not _stale(item)]
+            heapq.heapify(self._waiting)
+            self._num_stale = 0
+
+    def _uncount_waiting(self, req: Request) -> None:
+        self._num_waiting -= 1
+        self._waiting_tokens -= req.num_tokens
+        if req.status is _PREEMPTED:
+            self._num_preempted_waiting -= 1
+
+    # -- stats --------------------------------------------------------------------------
+
+    def make_stats(self) -> SchedulerStats:
+        """A snapshot after the last step (batch composition of the last plan)."""
+        plan = self._last_plan
+        kv_stats = replace(self.kv.make_stats(), preemptions_total=self._num_preemptions)
+        return SchedulerStats(
+            step_id=self._step_id,
+            num_running=len(self._running),
+            num_waiting=self._num_waiting,
+            num_preempted=self._num_preempted_waiting,
+            num_prefill_tokens=plan.num_prefill_tokens,
+            num_prefill_reqs=len(plan.prefill),
+            num_decode_reqs=len(plan.decode),
+            num_steps_prefill_total=self._num_steps_prefill,
+            num_steps_decode_total=self._num_steps_decode,
+            num_preemptions_total=self._num_preemptions,
+            num_recomputed_tokens_total=self._num_recomputed_tokens,
+            num_prompt_tokens_total=self._num_prompt_tokens,
+            num_generation_tokens_total=self._num_generation_tokens,
+            num_finished_total=dict(self._num_finished),
+            waiting_tokens=self._waiting_tokens,
+            kv=kv_stats,
+        )
+
+
+def _stale(item: tuple[int, int, int, _Entry]) -> bool:
+    return item[3].request.status.is_finished

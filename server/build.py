@@ -1,0 +1,149 @@
+"""Config assembly: ServerConfig -> runner, KV cache manager, scheduler, engine loop.
+
+The torch runner and the model loader are imported only when ``runner == "torch"``, so
+``kvserve serve --runner fake`` starts without torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from cache_manager import KVCacheConfig, KVCacheManager, block_bytes
+from cache_manager.sizing import ModelShape, num_blocks_for_budget
+from metrics.records import MetricsSink
+from model_runner.base import ModelInfo, Runner
+from model_runner.fake import FakeRunner
+from scheduler import Scheduler, SchedulerConfig
+from server.config import ServerConfig
+from server.engine import EngineLoop
+from server.fake_tokenizer import ByteTokenizer
+from server.service import ServedModel, ServerTokenizer
+from server.text import make_text_stream_factory
+
+logger = logging.getLogger(__name__)
+
+FAKE_DEFAULT_NUM_BLOCKS = 4096
+FAKE_DEFAULT_MAX_MODEL_LEN = 4096
+
+
+@dataclass(slots=True)
+class BuiltEngine:
+    """Everything ``serve`` runs, not started yet."""
+
+    engine: EngineLoop
+    runner: Runner
+    scheduler: Scheduler
+    tokenizer: ServerTokenizer
+    model: ServedModel
+    source: str  # where the weights came from ("fake" for the fake runner)
+
+
+def _fake_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]:
+    tokenizer = ByteTokenizer()
+    info = ModelInfo(
+        name="fake",
+        vocab_size=tokenizer.vocab_size,
+        max_model_len=cfg.max_model_len or FAKE_DEFAULT_MAX_MODEL_LEN,
+        shape=ModelShape(num_layers=2, num_kv_heads=2, head_dim=8, dtype_bytes=4, name="fake"),
+        eos_token_ids=tokenizer.eos_token_ids,
+        bos_token_id=tokenizer.bos_token_id,
+        dtype="float32",
+        device="cpu",
+    )
+    runner = FakeRunner(info, sleep_s=cfg.fake_step_sleep_s, crash_at_step=cfg.fake_crash_at_step)
+    if cfg.num_blocks is not None:
+        num_blocks = cfg.num_blocks
+    elif cfg.kv_memory_bytes is not None:
+        num_blocks = num_blocks_for_budget(info.shape, cfg.block_size, cfg.kv_memory_bytes)
+    else:
+        num_blocks = FAKE_DEFAULT_NUM_BLOCKS
+    return runner, tokenizer, num_blocks, "fake"
+
+
+def _torch_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]:
+    import torch
+
+    from model_runner.loader import load_model
+    from model_runner.runner import TorchRunner
+
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    loaded = load_model(cfg.model, cfg.dtype or "float32")
+    runner = TorchRunner(
+        loaded.config,
+        loaded.state_dict,
+        num_blocks=cfg.num_blocks,
+        block_size=cfg.block_size,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        kv_budget_bytes=cfg.kv_memory_bytes,
+        max_model_len=cfg.max_model_len,
+        name=loaded.name,
+    )
+    del loaded.state_dict  # the runner holds its own copy of the weights
+    return runner, loaded.tokenizer, runner.num_blocks, str(loaded.source_path)
+
+
+def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEngine:
+    """Load the model (or the fake runner), size the KV cache and wire up the engine."""
+    if cfg.runner == "fake":
+        runner, tokenizer, num_blocks, source = _fake_runner(cfg)
+    else:
+        runner, tokenizer, num_blocks, source = _torch_runner(cfg)
+    info = runner.info
+    max_model_len = min(info.max_model_len, cfg.max_model_len or info.max_model_len)
+    per_block = block_bytes(info.shape, cfg.block_size)
+    kv = KVCacheManager(
+        KVCacheConfig(
+            num_blocks=num_blocks,
+            block_size=cfg.block_size,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            eviction_policy=cfg.eviction_policy,
+            sliding_window=_sliding_window(runner),
+            block_bytes=per_block,
+        )
+    )
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+            policy=cfg.policy,
+            queue_order=cfg.queue_order,
+            preemption=cfg.preemption,
+            max_waiting_requests=cfg.max_waiting_requests,
+            max_waiting_tokens=cfg.max_waiting_tokens,
+            memory_mode=cfg.memory_mode,
+        ),
+        kv,
+    )
+    engine = EngineLoop(scheduler, runner, make_text_stream_factory(tokenizer), sink=sink)
+    model = ServedModel(
+        name=info.name,
+        max_model_len=max_model_len,
+        vocab_size=info.vocab_size,
+        block_size=cfg.block_size,
+        num_blocks=num_blocks,
+        kv_memory_bytes=num_blocks * per_block,
+        dtype=info.dtype,
+        device=info.device,
+        eos_token_ids=tuple(info.eos_token_ids),
+        max_n=max_n_for(cfg),
+    )
+    return BuiltEngine(engine, runner, scheduler, tokenizer, model, source)
+
+
+def max_n_for(cfg: ServerConfig) -> int:
+    """n > 1 needs the scheduler's fork, which reserve memory mode does not do."""
+    if cfg.memory_mode == "reserve":
+        return 1
+    return min(cfg.max_n, cfg.max_num_seqs)
+
+
+def _sliding_window(runner: Runner) -> int | None:
+    config: Any = getattr(runner, "config", None)
+    window = getattr(config, "sliding_window", None)
+    return int(window) if window else None

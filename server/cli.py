@@ -1,0 +1,299 @@
+"""``kvserve``: serve, generate, simulate, loadtest.
+
+    kvserve serve [--runner torch|fake] [--port 50051] [--metrics-port 9400] [...]
+    kvserve generate [--chat] "What is the capital of France?"
+    kvserve simulate ...      (loadtest.simulate: the scheduler on a simulated GPU)
+    kvserve loadtest ...      (loadtest.cli: drive a running server)
+
+``serve`` settings come from flags, ``KVSERVE_*`` variables and ``--config`` (see
+``server.config``). It exits 0 after a graceful stop (SIGTERM / SIGINT: health NOT_SERVING,
+new calls refused, in-flight requests drain for ``--grace-period-s``) and 1 when the runner
+dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("kvserve")
+
+# Subcommands that hand their arguments to another package's main().
+_DISPATCH = {
+    "simulate": ("loadtest.simulate", "simulate a scheduler on a modelled GPU (no model)"),
+    "loadtest": ("loadtest.cli", "drive a running server with a workload and report"),
+}
+
+
+def _human_bytes(num: int) -> str:
+    value = float(num)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    return f"{num} B"
+
+
+# ---------------------------------------------------------------------------------- serve
+async def _serve(cfg: Any) -> int:
+    from metrics.records import MetricsSink, NullSink
+    from server.build import build_engine
+    from server.service import KVServeServer
+
+    t0 = time.monotonic()
+    loop = asyncio.get_running_loop()
+    try:
+        built = await loop.run_in_executor(None, build_engine, cfg)
+    except Exception as exc:  # a missing/corrupt checkpoint, a bad size: say what and stop
+        logger.debug("start-up failed", exc_info=True)
+        print(f"kvserve serve: cannot start: {exc}", file=sys.stderr)
+        return 1
+    model = built.model
+    sink: MetricsSink = NullSink()
+    registry = None
+    if cfg.metrics:
+        try:
+            from prometheus_client import CollectorRegistry
+
+            from metrics.prometheus import PrometheusSink
+        except ImportError:  # pragma: no cover - metrics/ is part of the distribution
+            logger.warning("metrics.prometheus is unavailable; metrics disabled")
+        else:
+            registry = CollectorRegistry()
+            sink = PrometheusSink(registry, model_info=_model_labels(model))
+    built.engine.sink = sink
+    _say(f"model: {model.name} ({built.source})")
+    _say(f"dtype: {model.dtype}  device: {model.device}  runner: {cfg.runner}")
+    _say(
+        f"kv cache: {model.num_blocks} blocks x {model.block_size} tokens = "
+        f"{model.num_blocks * model.block_size} token slots, {_human_bytes(model.kv_memory_bytes)}"
+        f"; context {model.max_model_len} tokens; prefix caching "
+        f"{'on' if cfg.enable_prefix_caching else 'off'}"
+    )
+    _say(
+        f"scheduler: {cfg.policy}, max_num_seqs={cfg.max_num_seqs}, "
+        f"max_num_batched_tokens={cfg.max_num_batched_tokens}, queue={cfg.queue_order}, "
+        f"memory={cfg.memory_mode}  (loaded in {time.monotonic() - t0:.1f}s)"
+    )
+
+    server = KVServeServer(built.engine, built.tokenizer, model, sink=sink)
+    port = await server.start(cfg.host, cfg.port)
+    metrics_server = None
+    if registry is not None:
+        from metrics.prometheus import start_metrics_server
+
+        metrics_server, metrics_port = start_metrics_server(
+            cfg.metrics_host, cfg.metrics_port, registry
+        )
+        _say(f"metrics on http://{cfg.metrics_host}:{metrics_port}/metrics")
+    _say(f"listening on {cfg.host}:{port}")
+    if cfg.port_file:
+        _write_port_file(cfg.port_file, port)
+    if cfg.metrics_port_file and metrics_server is not None:
+        _write_port_file(cfg.metrics_port_file, metrics_port)
+
+    shutdown_tasks: list[asyncio.Task[None]] = []
+
+    def on_signal(signame: str) -> None:
+        if not shutdown_tasks:
+            _say(f"{signame}: draining in-flight requests (grace {cfg.grace_period_s:g}s)")
+            shutdown_tasks.append(loop.create_task(server.shutdown(cfg.grace_period_s)))
+        else:
+            _say(f"{signame} again: aborting {server.client.num_in_flight} in-flight requests")
+            server.abort_all()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    try:
+        code = await server.wait()
+        if code != 0:
+            _say(f"runner died: {built.engine.dead_error!r}; exiting with status {code}")
+            await server.close_after_death()
+        else:
+            _say("stopped")
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        if metrics_server is not None:
+            from metrics.prometheus import stop_metrics_server
+
+            stop_metrics_server(metrics_server)
+    return code
+
+
+def _write_port_file(path: str, port: int) -> None:
+    tmp = Path(path + ".tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)  # atomic: a reader never sees a partial file
+
+
+def _model_labels(model: Any) -> dict[str, str]:
+    return {
+        "model": model.name,
+        "dtype": model.dtype,
+        "device": model.device,
+        "block_size": str(model.block_size),
+        "num_blocks": str(model.num_blocks),
+    }
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from server.config import build_config
+
+    try:
+        cfg = build_config(args)
+    except (ValueError, OSError) as exc:
+        print(f"kvserve serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return asyncio.run(_serve(cfg))
+    except KeyboardInterrupt:  # a second Ctrl-C while draining
+        return 130
+    except (OSError, ValueError, FileNotFoundError) as exc:
+        print(f"kvserve serve: {exc}", file=sys.stderr)
+        return 1
+
+
+# ---------------------------------------------------------------------------------- generate
+async def _generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from server.client import KVServeClient
+    from server.config import client_address
+    from server.rpc import generation_pb2 as pb
+
+    address = client_address(args.address)
+    prompt = " ".join(args.prompt) if args.prompt else sys.stdin.read()
+    options: dict[str, Any] = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "seed": args.seed,
+        "repetition_penalty": args.repetition_penalty,
+        "stop": args.stop or None,
+        "ignore_eos": args.ignore_eos or None,
+    }
+    if args.request_id:
+        kwargs_id: dict[str, Any] = {"request_id": args.request_id}
+    else:
+        kwargs_id = {}
+    if args.chat:
+        messages = [("system", args.system)] if args.system else []
+        messages.append(("user", prompt))
+        kwargs: dict[str, Any] = {"chat": messages}
+        text_prompt: str | None = None
+    else:
+        kwargs = {}
+        text_prompt = prompt
+    last = pb.GenerateResponse()
+    async with KVServeClient(address) as client:
+        try:
+            async for response in client.generate(
+                text_prompt, timeout_s=args.timeout, **kwargs, **kwargs_id, **options
+            ):
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+                last = response
+        except grpc.aio.AioRpcError as exc:
+            print(f"\nkvserve generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if args.verbose:
+        reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+        u, t = last.usage, last.timings
+        print(
+            f"[{reason}] prompt {u.prompt_tokens} tokens ({u.cached_prompt_tokens} cached), "
+            f"completion {u.completion_tokens} tokens; ttft {t.time_to_first_token_s:.3f}s, "
+            f"total {t.e2e_time_s:.3f}s",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    try:
+        return asyncio.run(_generate(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", nargs="*", help="the prompt (default: read stdin)")
+    p.add_argument(
+        "--address", default=None, help="server address (default: $KVSERVE_ADDRESS or "
+        "127.0.0.1:50051)"
+    )  # fmt: skip
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=256, help="default: 256")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default here)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--request-id", default=None, help="request id (default: server-generated)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print usage and timings")
+
+
+# ---------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    from server.config import add_serve_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="kvserve", description="Continuous-batching LLM server over a paged KV cache."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    serve = sub.add_parser(
+        "serve", help="run the gRPC server",
+        description="Run the kvserve gRPC server. Settings: flags > KVSERVE_* environment "
+        "variables > --config file > defaults.",
+    )  # fmt: skip
+    add_serve_arguments(serve)
+    gen = sub.add_parser("generate", help="stream a generation from a running server")
+    _add_generate_arguments(gen)
+    for name, (_, help_text) in _DISPATCH.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _DISPATCH:
+        module_name = _DISPATCH[argv[0]][0]
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            print(f"kvserve {argv[0]}: {module_name} is not installed", file=sys.stderr)
+            return 2
+        return int(module.main(argv[1:]) or 0)
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return cmd_serve(args)
+    return cmd_generate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

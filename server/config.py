@@ -1,0 +1,307 @@
+"""ServerConfig: every knob of ``kvserve serve``, and the ONE place that reads the environment.
+
+Sources, later wins: defaults < config file (``--config``, TOML or JSON) < ``KVSERVE_*``
+environment variables < command-line flags. Each field of ``ServerConfig`` is one flag
+(``--max-num-seqs``), one variable (``KVSERVE_MAX_NUM_SEQS``) and one file key
+(``max_num_seqs`` or ``max-num-seqs``); the table below is the single source for all three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "KVSERVE_"
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+RUNNERS = ("torch", "fake")
+
+
+def _opt(help_text: str, *, choices: Sequence[str] | None = None, group: str = "server") -> Any:
+    return {"help": help_text, "choices": choices, "group": group}
+
+
+def _f(default: Any, help_text: str, **kw: Any) -> Any:
+    return field(default=default, metadata=_opt(help_text, **kw))
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything ``kvserve serve`` needs; validated at construction."""
+
+    # -- server
+    host: str = _f("127.0.0.1", "address to listen on")
+    port: int = _f(50051, "gRPC port (0 picks a free port)")
+    port_file: str | None = _f(None, "write the bound gRPC port to this file once serving")
+    metrics_host: str = _f("127.0.0.1", "address of the Prometheus /metrics endpoint")
+    metrics: bool = _f(True, "serve Prometheus /metrics on its own port")
+    metrics_port: int = _f(9400, "Prometheus port (0 picks a free port)")
+    metrics_port_file: str | None = _f(
+        None, "write the bound metrics port to this file once serving"
+    )
+    grace_period_s: float = _f(30.0, "on SIGTERM/SIGINT, let in-flight requests finish this long")
+    log_level: str = _f("info", "logging level", choices=("debug", "info", "warning", "error"))
+    # -- model and runner
+    runner: str = _f(
+        "torch",
+        "torch: the real model; fake: scripted tokens (tests)",
+        choices=RUNNERS,
+        group="model",
+    )
+    model: str | None = _f(
+        None, "GGUF file or Hugging Face directory (default: embedded SmolLM2)", group="model"
+    )
+    dtype: str | None = _f(
+        None,
+        "float32 | bfloat16 | float16 (default: the device's best)",
+        choices=("float32", "bfloat16", "float16"),
+        group="model",
+    )
+    device: str | None = _f(
+        None, "cpu | cuda | cuda:N (default: cuda when available)", group="model"
+    )
+    threads: int | None = _f(None, "torch CPU threads (default: torch's choice)", group="model")
+    max_model_len: int | None = _f(None, "context limit (default: the model's)", group="model")
+    fake_step_sleep_s: float = _f(0.0, "fake runner: seconds each step sleeps", group="model")
+    fake_crash_at_step: int | None = _f(
+        None, "fake runner: raise at this engine step (a runner-death drill)", group="model"
+    )
+    # -- scheduler
+    policy: str = _f(
+        "stall-free", "batch formation", choices=("stall-free", "prefill-first"), group="scheduler"
+    )
+    max_num_seqs: int = _f(256, "requests running at once", group="scheduler")
+    max_num_batched_tokens: int = _f(2048, "token budget of one step", group="scheduler")
+    long_prefill_token_threshold: int = _f(
+        512,
+        "largest prefill chunk one request gets per step (0 = the step budget)",
+        group="scheduler",
+    )
+    queue_order: str = _f(
+        "fcfs", "waiting queue order", choices=("fcfs", "priority"), group="scheduler"
+    )
+    preemption: str = _f(
+        "priority", "preemption victim rule", choices=("priority", "newest"), group="scheduler"
+    )
+    memory_mode: str = _f(
+        "optimistic",
+        "optimistic (preempt when full) | reserve (admit at full length)",
+        choices=("optimistic", "reserve"),
+        group="scheduler",
+    )
+    max_waiting_requests: int = _f(
+        4096, "waiting-queue bound; over it: RESOURCE_EXHAUSTED", group="scheduler"
+    )
+    max_waiting_tokens: int = _f(1_000_000, "waiting prompt-token bound", group="scheduler")
+    max_n: int = _f(16, "largest n (parallel samples) a request may ask for", group="scheduler")
+    # -- KV cache
+    block_size: int = _f(16, "tokens per KV block", group="kv cache")
+    enable_prefix_caching: bool = _f(True, "reuse KV of shared prompt prefixes", group="kv cache")
+    eviction_policy: str = _f(
+        "lru",
+        "which cached block to evict first",
+        choices=("lru", "lfu", "shared-prefix"),
+        group="kv cache",
+    )
+    kv_memory: str | None = _f(
+        None, "KV pool budget, e.g. 512MiB, 2GB or bytes (default: the runner's)", group="kv cache"
+    )
+    num_blocks: int | None = _f(
+        None, "KV pool size in blocks (overrides --kv-memory)", group="kv cache"
+    )
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.port <= 65535):
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not (0 <= self.metrics_port <= 65535):
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.grace_period_s < 0:
+            raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s}")
+        for name in ("threads", "max_model_len", "num_blocks", "fake_crash_at_step"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.fake_step_sleep_s < 0:
+            raise ValueError(f"fake_step_sleep_s must be >= 0, got {self.fake_step_sleep_s}")
+        if self.kv_memory is not None:
+            parse_bytes(self.kv_memory)
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value is not None and value not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
+
+    @property
+    def kv_memory_bytes(self) -> int | None:
+        return None if self.kv_memory is None else parse_bytes(self.kv_memory)
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}  # fmt: skip
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"512MiB"`` -> 536870912; ``"2GB"`` -> 2000000000; ``"1000"`` -> 1000."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"not a memory size: {text!r} (use e.g. 512MiB, 2GB or bytes)")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value < 1:
+        raise ValueError(f"memory size must be >= 1 byte, got {text!r}")
+    return value
+
+
+def _base_type(f: dataclasses.Field[Any]) -> type:
+    hint = typing.get_type_hints(ServerConfig)[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return args[0]  # type: ignore[no-any-return]
+    return hint  # type: ignore[no-any-return]
+
+
+def _convert(name: str, raw: Any, typ: type, source: str) -> Any:
+    """A value from a file, the environment or a flag, as the field's type."""
+    if raw is None:
+        return None
+    if isinstance(raw, str) and raw.strip().lower() in ("", "none", "null") and typ is not str:
+        return None
+    try:
+        if typ is bool:
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"expected true/false, got {raw!r}")
+        if typ is int:
+            if isinstance(raw, float) and not raw.is_integer():
+                raise ValueError(f"expected an integer, got {raw!r}")
+            return int(raw)
+        if typ is float:
+            return float(raw)
+        return str(raw)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{source}: {name}: {exc}") from None
+
+
+def env_var(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def read_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The ``KVSERVE_*`` variables (prefix stripped, lower case). The only env reader."""
+    env = os.environ if environ is None else environ
+    return {
+        key[len(ENV_PREFIX) :].lower(): value
+        for key, value in env.items()
+        if key.startswith(ENV_PREFIX)
+    }
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Keys -> values from a TOML (``.toml``) or JSON file; a ``[serve]`` table is used if
+    present, so one file can hold other sections."""
+    path = Path(path)
+    text = path.read_text()
+    data = json.loads(text) if path.suffix.lower() == ".json" else tomllib.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a table of settings, got {type(data).__name__}")
+    if isinstance(data.get("serve"), dict):
+        data = data["serve"]
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per ServerConfig field (default None = "not given on the command line")."""
+    parser.add_argument(
+        "--config", metavar="PATH", default=None,
+        help=f"TOML or JSON settings file (env: {env_var('config')})",
+    )  # fmt: skip
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in dataclasses.fields(ServerConfig):
+        group_name = f.metadata.get("group", "server")
+        group = groups.get(group_name)
+        if group is None:
+            group = groups[group_name] = parser.add_argument_group(group_name)
+        flag = "--" + f.name.replace("_", "-")
+        typ = _base_type(f)
+        if "default" in f.metadata["help"]:  # the help says what the default means
+            help_text = f"{f.metadata['help']} (env: {env_var(f.name)})"
+        else:
+            default = "off" if f.default is None else f.default
+            help_text = f"{f.metadata['help']} (default: {default}; env: {env_var(f.name)})"
+        if typ is bool:
+            group.add_argument(
+                flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
+                help=help_text,
+            )  # fmt: skip
+        else:
+            choices = f.metadata.get("choices")
+            group.add_argument(
+                flag, dest=f.name, default=None, type=typ, choices=choices,
+                metavar=None if choices else f.name.upper(), help=help_text,
+            )  # fmt: skip
+
+
+def build_config(
+    args: argparse.Namespace | Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ServerConfig:
+    """Merge defaults < config file < environment < flags into a validated ServerConfig."""
+    flags = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
+    env = read_environment(environ)
+    known = {f.name: f for f in dataclasses.fields(ServerConfig)}
+    values: dict[str, Any] = {}
+
+    config_path = flags.get("config") or env.get("config")
+    if config_path:
+        for key, raw in read_config_file(config_path).items():
+            if key not in known:
+                raise ValueError(
+                    f"{config_path}: unknown setting {key!r}; known: {', '.join(sorted(known))}"
+                )
+            values[key] = _convert(key, raw, _base_type(known[key]), str(config_path))
+    for key, raw in env.items():
+        if key in ("config", "address"):
+            continue
+        if key not in known:
+            logger.warning("ignoring unknown environment variable %s", env_var(key))
+            continue
+        values[key] = _convert(key, raw, _base_type(known[key]), env_var(key))
+    for key, value in flags.items():
+        if key in known and value is not None:
+            values[key] = value
+    return ServerConfig(**values)
+
+
+def client_address(flag: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """Where ``kvserve generate`` connects: the flag, else ``KVSERVE_ADDRESS``, else default."""
+    if flag:
+        return flag
+    return read_environment(environ).get("address") or DEFAULT_ADDRESS

@@ -1,0 +1,227 @@
+"""Turns API messages into engine requests, or says exactly what is wrong with them.
+
+Every check here is pure and cheap (no tokenizer, no model): it runs on the event loop. The
+tokenizer part (text / chat -> ids) runs in a thread executor in ``server.service``.
+Messages name the field, the value received and the allowed range, because they travel to
+the client verbatim as gRPC ``INVALID_ARGUMENT`` details.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scheduler.request import SamplingParams
+from server.rpc import generation_pb2 as pb
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+DEFAULT_MAX_TOKENS = 16
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_REQUEST_ID_CHARS = 256
+
+
+class InvalidRequestError(ValueError):
+    """The request can never be served as sent (gRPC INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the model and the server allow."""
+
+    vocab_size: int
+    max_model_len: int
+    max_n: int = 1  # 1 when the scheduler cannot fork samples
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+
+
+def input_kind(request: pb.GenerateRequest | pb.TokenizeRequest) -> str:
+    """``text``, ``token_ids`` or ``chat``; raises when the oneof is unset."""
+    kind = request.WhichOneof("input")
+    if kind is None:
+        allowed = (
+            "text, token_ids or chat"
+            if isinstance(request, pb.GenerateRequest)
+            else ("text or chat")
+        )
+        raise InvalidRequestError(f"input is required: set one of {allowed}")
+    return kind
+
+
+def chat_messages(chat: pb.ChatMessages) -> list[dict[str, str]]:
+    """Chat messages as template input; rejects an empty list and unknown roles."""
+    if not chat.messages:
+        raise InvalidRequestError("chat.messages must hold at least one message")
+    messages = []
+    for i, msg in enumerate(chat.messages):
+        if msg.role not in CHAT_ROLES:
+            raise InvalidRequestError(
+                f"chat.messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {msg.role!r}"
+            )
+        messages.append({"role": msg.role, "content": msg.content})
+    return messages
+
+
+def add_generation_prompt(chat: pb.ChatMessages) -> bool:
+    return chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, field: str = "token_ids") -> list[int]:
+    """The ids as a list; every id must be in ``[0, vocab_size)``."""
+    for i, token in enumerate(ids):
+        if token >= vocab_size:
+            raise InvalidRequestError(
+                f"{field}[{i}] = {token} is outside the vocabulary: ids must be in "
+                f"[0, {vocab_size - 1}]"
+            )
+    return list(ids)
+
+
+def check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError(
+            f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}"
+        )
+
+
+def check_prompt_length(num_prompt_tokens: int, limits: Limits) -> None:
+    if num_prompt_tokens == 0:
+        raise InvalidRequestError("the prompt is empty: it must hold at least one token")
+    if num_prompt_tokens >= limits.max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {num_prompt_tokens} tokens but the model's context is "
+            f"{limits.max_model_len} tokens: the prompt must be at most "
+            f"{limits.max_model_len - 1} tokens to leave room for one output token"
+        )
+
+
+def check_stopping_fields(stopping: pb.StoppingOptions, limits: Limits) -> None:
+    """The stopping checks that do not depend on the prompt length."""
+    if stopping.HasField("max_tokens") and stopping.max_tokens < 1:
+        raise InvalidRequestError(
+            f"stopping.max_tokens must be >= 1 (at most {limits.max_model_len - 1}, the context "
+            f"minus the prompt), got {stopping.max_tokens}"
+        )
+    if stopping.HasField("max_tokens") and stopping.max_tokens >= limits.max_model_len:
+        raise InvalidRequestError(
+            f"stopping.max_tokens = {stopping.max_tokens} is beyond the model's context of "
+            f"{limits.max_model_len} tokens (prompt + max_tokens must be <= "
+            f"{limits.max_model_len})"
+        )
+    if stopping.HasField("min_tokens") and stopping.min_tokens < 0:
+        raise InvalidRequestError(f"stopping.min_tokens must be >= 0, got {stopping.min_tokens}")
+    if len(stopping.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(
+            f"stopping.stop holds {len(stopping.stop)} strings; at most {MAX_STOP_STRINGS} "
+            "are allowed"
+        )
+    for i, stop in enumerate(stopping.stop):
+        if not stop:
+            raise InvalidRequestError(f"stopping.stop[{i}] is empty: stop strings need text")
+        if len(stop) > MAX_STOP_STRING_CHARS:
+            raise InvalidRequestError(
+                f"stopping.stop[{i}] has {len(stop)} characters; at most "
+                f"{MAX_STOP_STRING_CHARS} are allowed"
+            )
+    check_token_ids(stopping.stop_token_ids, limits.vocab_size, "stopping.stop_token_ids")
+
+
+def check_sampling_fields(sampling: pb.SamplingOptions) -> None:
+    """Range checks with the proto field names (SamplingParams re-checks the same ranges)."""
+    if sampling.HasField("temperature"):
+        t = sampling.temperature
+        if not (math.isfinite(t) and t >= 0.0):
+            raise InvalidRequestError(f"sampling.temperature must be >= 0 (0 = greedy), got {t:g}")
+    if sampling.HasField("top_p") and not (0.0 < sampling.top_p <= 1.0):
+        raise InvalidRequestError(f"sampling.top_p must be in (0, 1], got {sampling.top_p:g}")
+    if sampling.HasField("top_k") and sampling.top_k < 1:
+        raise InvalidRequestError(
+            f"sampling.top_k must be >= 1 (leave it unset to disable), got {sampling.top_k}"
+        )
+    if sampling.HasField("min_p") and not (0.0 <= sampling.min_p <= 1.0):
+        raise InvalidRequestError(f"sampling.min_p must be in [0, 1], got {sampling.min_p:g}")
+    if sampling.HasField("repetition_penalty"):
+        r = sampling.repetition_penalty
+        if not (math.isfinite(r) and r > 0.0):
+            raise InvalidRequestError(f"sampling.repetition_penalty must be > 0, got {r:g}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if sampling.HasField(name):
+            value = getattr(sampling, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise InvalidRequestError(f"sampling.{name} must be in [-2, 2], got {value:g}")
+    if sampling.HasField("logprobs") and not (
+        0 <= sampling.logprobs <= SamplingParams.MAX_LOGPROBS
+    ):
+        raise InvalidRequestError(
+            f"sampling.logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}], "
+            f"got {sampling.logprobs}"
+        )
+
+
+def check_request_fields(request: pb.GenerateRequest, limits: Limits) -> None:
+    """Everything checkable before tokenizing: runs on the event loop."""
+    input_kind(request)
+    check_request_id(request.request_id)
+    check_sampling_fields(request.sampling)
+    check_stopping_fields(request.stopping, limits)
+    if request.HasField("n"):
+        if request.n < 1:
+            raise InvalidRequestError(f"n must be >= 1, got {request.n}")
+        if request.n > limits.max_n:
+            if limits.max_n == 1:
+                raise InvalidRequestError("n > 1 is not supported by this server")
+            raise InvalidRequestError(f"n must be in [1, {limits.max_n}], got {request.n}")
+    if request.WhichOneof("input") == "token_ids":
+        check_token_ids(request.token_ids.ids, limits.vocab_size, "token_ids.ids")
+    elif request.WhichOneof("input") == "chat":
+        chat_messages(request.chat)
+
+
+def sampling_params(
+    request: pb.GenerateRequest, num_prompt_tokens: int, limits: Limits
+) -> SamplingParams:
+    """SamplingParams for a prompt of ``num_prompt_tokens`` tokens (already length-checked).
+
+    An unset ``max_tokens`` is ``default_max_tokens`` capped by the room left in the context;
+    an explicit one beyond that room is an error (the client asked for something impossible).
+    """
+    check_prompt_length(num_prompt_tokens, limits)
+    room = limits.max_model_len - num_prompt_tokens
+    stopping = request.stopping
+    if stopping.HasField("max_tokens"):
+        max_tokens = stopping.max_tokens
+        if max_tokens > room:
+            raise InvalidRequestError(
+                f"stopping.max_tokens = {max_tokens} is beyond the context: the prompt has "
+                f"{num_prompt_tokens} tokens and the model's context is {limits.max_model_len}, "
+                f"so max_tokens must be in [1, {room}]"
+            )
+    else:
+        max_tokens = min(limits.default_max_tokens, room)
+    min_tokens = stopping.min_tokens if stopping.HasField("min_tokens") else 0
+    if min_tokens > max_tokens:
+        raise InvalidRequestError(
+            f"stopping.min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}"
+        )
+    s = request.sampling
+    try:
+        return SamplingParams(
+            temperature=s.temperature if s.HasField("temperature") else 1.0,
+            top_k=s.top_k if s.HasField("top_k") else None,
+            top_p=s.top_p if s.HasField("top_p") else 1.0,
+            min_p=s.min_p if s.HasField("min_p") else 0.0,
+            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+            presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
+            frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
+            seed=s.seed if s.HasField("seed") else None,
+            logprobs=s.logprobs if s.HasField("logprobs") else None,
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
+            stop_token_ids=tuple(stopping.stop_token_ids),
+            stop=tuple(stopping.stop),
+            ignore_eos=stopping.ignore_eos,
+            n=request.n if request.HasField("n") else 1,
+        )
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from exc

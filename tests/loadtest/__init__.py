@@ -1,0 +1,1 @@
+"""Tests of the load generator and its reports."""

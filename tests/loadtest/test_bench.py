@@ -1,0 +1,86 @@
+"""The benchmark suite's pieces: the paged-KV comparison, the table, and the --quick smoke run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.bench_paged_kv import make_lengths, run_layout
+from benchmarks.run_all import DEFAULT_CHAT128, SECTIONS, Row, format_table
+from loadtest.launch import REPO_ROOT
+
+
+def test_paged_kv_concurrency_follows_the_memory_layout() -> None:
+    """4096 slots, 32 requests of 128+128 tokens: a 1024-token contiguous region per sequence
+    fits 4 at once; paged blocks reserved at full length (16 blocks each) fit 16."""
+    lengths = make_lengths("chat128", 32, max_model_len=1024)
+    kw = {"workload": "chat128", "budget_tokens": 4096, "max_model_len": 1024}
+    contiguous = run_layout("contiguous", lengths, **kw)  # type: ignore[arg-type]
+    reserve = run_layout("paged-reserve", lengths, **kw)  # type: ignore[arg-type]
+    optimistic = run_layout("paged-optimistic", lengths, **kw)  # type: ignore[arg-type]
+    assert contiguous.peak_concurrent == 4
+    assert reserve.peak_concurrent == 16
+    assert optimistic.peak_concurrent >= reserve.peak_concurrent
+    assert contiguous.preemptions == reserve.preemptions == 0
+    # A sequence never holds more than 256 tokens of its 1024-slot region.
+    assert 0 < contiguous.mean_cache_efficiency <= 0.25
+    assert reserve.mean_cache_efficiency > contiguous.mean_cache_efficiency
+    assert all(r.num_requests == 32 for r in (contiguous, reserve, optimistic))
+
+
+def test_mixed_lengths_fit_the_model_length() -> None:
+    """Every (prompt, output) pair of the mixed paged-KV workload fits max_model_len."""
+    for max_model_len in (512, 2048):
+        lengths = make_lengths("mixed", 200, max_model_len=max_model_len)
+        assert all(p >= 1 and o >= 4 and p + o <= max_model_len for p, o in lengths)
+
+
+def test_format_table_is_markdown_with_dashes_for_missing() -> None:
+    """One header, one separator, one line per row; None cells print as '-'."""
+    rows = [
+        Row("paged", "s", "contiguous", requests=4, peak_concurrent=4, cache_efficiency=0.125),
+        Row("chat128", "1 user", "kvserve", requests=4, out_tok_s=21.25, vs_baseline="1.20x"),
+    ]
+    lines = format_table(rows).splitlines()
+    assert len(lines) == 4
+    assert lines[0].startswith("| Section") and "llama.cpp tok/s (quoted†)" in lines[0]
+    assert set(lines[1]) == {"|", "-"}
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells[:5] == ["paged", "s", "contiguous", "4", "-"]
+    assert cells[8:10] == ["4", "0.12"]
+    cells = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert cells[4] == "21.2" and cells[10] == "1.20x"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_run_all_quick_prints_one_table_and_writes_json(tmp_path: Path) -> None:
+    """`python -m benchmarks.run_all --quick` runs every section on the real model and server."""
+    assert DEFAULT_CHAT128.is_file(), f"the reference workload is missing: {DEFAULT_CHAT128}"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run_all", "--quick", "--no-progress",
+         "--out-dir", str(tmp_path)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=1700, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.count("| Section ") == 1
+    (path,) = tmp_path.glob("bench-quick-*.json")
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == "kvserve.bench/v1" and doc["quick"] is True
+    rows = doc["rows"]
+    assert [r["section"] for r in rows] == (
+        ["chat128"] * 6 + ["policy"] * 2 + ["prefix"] * 2 + ["paged"] * 6
+    )
+    assert list(SECTIONS) == ["chat128", "policy", "prefix", "paged"]
+    served = [r for r in rows if r["system"].startswith("kvserve")]
+    assert len(served) == 6
+    for r in served:
+        assert r["raw"]["requests"]["failed"] == 0, r["system"]
+        assert r["raw"]["requests"]["ok"] == r["requests"] > 0
+        assert r["out_tok_s"] > 0
+    kv_chat = [r for r in served if r["section"] == "chat128"]
+    assert [r["raw"]["output_tokens_total"] for r in kv_chat] == [1 * 8, 2 * 8]

@@ -1,0 +1,74 @@
+"""The exposition matches docs/metrics.md exactly and passes `promtool check metrics`."""
+
+from __future__ import annotations
+
+import subprocess
+import urllib.request
+
+from prometheus_client import CollectorRegistry
+
+from metrics.prometheus import PrometheusSink, start_metrics_server, stop_metrics_server
+from metrics.records import StepRecord
+from tests.metrics.helpers import (
+    documented_families,
+    exposition,
+    families,
+    require_binary,
+)
+from tests.metrics.test_sink import make_record, make_stats
+
+
+def busy_sink(registry: CollectorRegistry) -> PrometheusSink:
+    """A sink that saw one of everything, so every family has samples."""
+    sink = PrometheusSink(registry, model_info={"model": "m", "dtype": "float32", "device": "cpu"})
+    for kind in ("prefill", "decode", "mixed", "idle"):
+        sink.on_step(StepRecord(make_stats(), kind=kind, step_duration_s=0.01, schedule_cpu_s=1e-4))
+    sink.on_request_done(make_record())
+    sink.on_request_done(make_record(finish_reason="abort", abort_reason="deadline"))
+    sink.on_rejected("overload")
+    sink.on_rpc("Generate", "OK")
+    sink.on_rpc("Generate", "CANCELLED")
+    return sink
+
+
+def test_exposition_is_exactly_the_documented_metrics() -> None:
+    """Every exposed family is in docs/metrics.md with its type and labels, and vice versa."""
+    registry = CollectorRegistry()
+    busy_sink(registry)
+    exposed = families(exposition(registry))
+    documented = documented_families()
+    assert sorted(set(exposed) - set(documented)) == [], "exposed but not in docs/metrics.md"
+    assert sorted(set(documented) - set(exposed)) == [], "in docs/metrics.md but not exposed"
+    for name, spec in exposed.items():
+        assert documented[name] == spec, f"docs/metrics.md disagrees with the exposition: {name}"
+
+
+def test_names_follow_prometheus_conventions() -> None:
+    """kvserve_ prefix; counters end in _total and nothing else does; units are base units."""
+    registry = CollectorRegistry()
+    busy_sink(registry)
+    for name, spec in families(exposition(registry)).items():
+        assert name.startswith("kvserve_"), name
+        assert name.endswith("_total") == (spec.type == "counter"), name
+        for bad_unit in ("_ms", "_milliseconds", "_percent", "_perc", "_kb", "_mb"):
+            assert bad_unit not in name, name
+        assert "request_id" not in spec.labels, name
+
+
+def test_promtool_check_metrics_passes_on_a_live_exposition() -> None:
+    """`promtool check metrics` finds no problem in what the HTTP server serves."""
+    promtool = require_binary("promtool")
+    registry = CollectorRegistry()
+    busy_sink(registry)
+    server, port = start_metrics_server("127.0.0.1", 0, registry)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            body = resp.read()
+    finally:
+        stop_metrics_server(server)
+    proc = subprocess.run(
+        [promtool, "check", "metrics"], input=body, capture_output=True, timeout=60, check=False
+    )
+    report = (proc.stdout + proc.stderr).decode()
+    assert proc.returncode == 0, f"promtool check metrics failed:\n{report}"
+    assert report.strip() == "", f"promtool reported lint problems:\n{report}"

@@ -1,0 +1,147 @@
+"""Shared pieces of the model-runner oracle tests: tiny random-weight Hugging Face models
+(the reference), our runner on the same weights, and plan builders."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from model_runner.config import ModelConfig
+from model_runner.hf_loader import normalize_hf_config
+from model_runner.runner import TorchRunner
+from scheduler.output import ScheduledSeq, SchedulerOutput
+from scheduler.request import SamplingParams
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ATOL = 1e-4
+GREEDY = SamplingParams(temperature=0.0)
+
+_COMMON = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+
+def tiny_hf(kind: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
+    """A tiny random-weight causal LM in fp32, eval mode, on DEVICE.
+
+    kind: "llama" (4 heads, MHA), "llama-gqa" (4 heads / 2 KV heads, tied embeddings),
+    "qwen2" (GQA + QKV bias), "mistral" (GQA + sliding window of 8 tokens).
+    Weights are drawn wider than Hugging Face's init (std 0.02) so logits are well spread
+    and greedy choices are not near-ties.
+    """
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    torch.manual_seed(seed)
+    common: dict[str, object] = {**_COMMON}
+    if kind == "llama":
+        cfg = LlamaConfig(**common, num_attention_heads=4, num_key_value_heads=4, **overrides)
+        model = LlamaForCausalLM(cfg)
+    elif kind == "llama-gqa":
+        cfg = LlamaConfig(
+            **common,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            **overrides,
+        )
+        model = LlamaForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = Qwen2Config(**common, num_attention_heads=4, num_key_value_heads=2, **overrides)
+        model = Qwen2ForCausalLM(cfg)
+    elif kind == "mistral":
+        cfg = MistralConfig(
+            **common, num_attention_heads=4, num_key_value_heads=2, sliding_window=8, **overrides
+        )
+        model = MistralForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.15)
+    return model.to(DEVICE).eval()
+
+
+def our_config(hf: torch.nn.Module) -> ModelConfig:
+    return ModelConfig.from_hf_config(normalize_hf_config(hf.config.to_dict()), name="tiny")
+
+
+def make_runner(
+    hf: torch.nn.Module, num_blocks: int = 64, block_size: int = 4, **kwargs: object
+) -> TorchRunner:
+    state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
+    return TorchRunner(
+        our_config(hf), state, num_blocks, block_size, torch.float32, DEVICE, **kwargs
+    )
+
+
+def hf_logits(hf: torch.nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
+    """Reference logits [len, V] of a full forward over ``token_ids``."""
+    with torch.no_grad():
+        ids = torch.tensor([list(token_ids)], device=DEVICE)
+        return hf(ids).logits[0].float()
+
+
+def random_ids(n: int, seed: int, vocab: int = 128) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def seq(
+    request_id: str,
+    all_ids: Sequence[int],
+    start: int,
+    end: int,
+    block_ids: Sequence[int],
+    do_sample: bool = True,
+) -> ScheduledSeq:
+    """Entry computing positions ``start .. end - 1`` of ``all_ids``."""
+    return ScheduledSeq(
+        request_id=request_id,
+        token_ids=list(all_ids[start:end]),
+        start_pos=start,
+        block_ids=list(block_ids),
+        sampling=GREEDY,
+        do_sample=do_sample,
+        all_token_ids=list(all_ids[:end]),
+        num_prompt_tokens=end,
+    )
+
+
+def plan(
+    step: int,
+    prefill: Sequence[ScheduledSeq] = (),
+    decode: Sequence[ScheduledSeq] = (),
+    block_copies: Sequence[tuple[int, int]] = (),
+) -> SchedulerOutput:
+    return SchedulerOutput(
+        step_id=step,
+        prefill=list(prefill),
+        decode=list(decode),
+        block_copies=list(block_copies),
+    )
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    assert ours.shape == ref.shape, (ours.shape, ref.shape)
+    err = (ours.to(ref.device) - ref).abs().max().item()
+    assert err <= ATOL, f"max |ours - transformers| = {err:.3e} > {ATOL}"

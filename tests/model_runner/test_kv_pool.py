@@ -1,0 +1,89 @@
+"""KVPool: layout, slot writes, block gathers, copy-on-write and sizing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache_manager.sizing import block_bytes
+from model_runner.config import ModelConfig
+from model_runner.kv_pool import KVPool, kv_block_bytes, num_blocks_for_memory
+from tests.model_runner.oracle import DEVICE
+
+CONFIG = ModelConfig(
+    architecture="llama",
+    vocab_size=100,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+)
+
+
+def make_pool(num_blocks: int = 6, block_size: int = 4) -> KVPool:
+    return KVPool.from_config(CONFIG, num_blocks, block_size, torch.float32, DEVICE)
+
+
+def test_layout_and_size_match_the_cache_manager_sizing() -> None:
+    """One zeroed tensor [layers, 2*kv_heads, blocks, block_size, head_dim] whose bytes are
+    num_blocks x sizing.block_bytes."""
+    pool = make_pool(num_blocks=6, block_size=4)
+    assert tuple(pool.data.shape) == (3, 4, 6, 4, 8)
+    assert not pool.data.any()
+    assert pool.block_bytes == block_bytes(CONFIG.kv_shape("float32"), 4) == 2 * 3 * 2 * 8 * 4 * 4
+    assert pool.num_bytes == 6 * pool.block_bytes
+    assert kv_block_bytes(CONFIG, 4, torch.float16) == pool.block_bytes // 2
+
+
+def test_write_puts_each_token_at_its_slot() -> None:
+    """Token t of a write lands in block slot // block_size at offset slot % block_size, K heads
+    then V heads, in the given layer only."""
+    pool = make_pool()
+    kv = torch.arange(3 * 4 * 8, dtype=torch.float32, device=DEVICE).view(3, 4, 8)
+    slots = torch.tensor([9, 2, 23], device=DEVICE)  # block 2 off 1, block 0 off 2, block 5 off 3
+    pool.write(1, kv, slots)
+    expected = torch.zeros_like(pool.data)
+    for t, (block, offset) in enumerate([(2, 1), (0, 2), (5, 3)]):
+        expected[1, :, block, offset] = kv[t]
+    assert torch.equal(pool.data, expected)
+
+
+def test_gather_returns_blocks_in_table_order() -> None:
+    """gather(layer, [4, 1]) is block 4 then block 1, per head: [2*kvh, 2*block_size, dim]."""
+    pool = make_pool()
+    pool.data.copy_(torch.randn(pool.data.shape, device=DEVICE))
+    out = pool.gather(2, torch.tensor([4, 1], device=DEVICE))
+    assert tuple(out.shape) == (4, 8, 8)
+    assert torch.equal(out[:, :4], pool.data[2, :, 4])
+    assert torch.equal(out[:, 4:], pool.data[2, :, 1])
+
+
+def test_copy_blocks_copies_every_layer_and_nothing_else() -> None:
+    """Copy-on-write (src, dst) pairs copy whole blocks across all layers, K and V."""
+    pool = make_pool()
+    pool.data.copy_(torch.randn(pool.data.shape, device=DEVICE))
+    before = pool.data.clone()
+    pool.copy_blocks([(1, 4), (3, 0)])
+    assert torch.equal(pool.data[:, :, 4], before[:, :, 1])
+    assert torch.equal(pool.data[:, :, 0], before[:, :, 3])
+    for b in (1, 2, 3, 5):
+        assert torch.equal(pool.data[:, :, b], before[:, :, b])
+
+
+def test_num_blocks_for_memory() -> None:
+    """A budget holds floor(budget / block bytes) blocks; less than one block raises."""
+    per_block = kv_block_bytes(CONFIG, 16, torch.float32)
+    assert num_blocks_for_memory(CONFIG, 16, torch.float32, 10 * per_block + per_block - 1) == 10
+    assert num_blocks_for_memory(CONFIG, 16, torch.bfloat16, 10 * per_block) == 20
+    with pytest.raises(ValueError, match=f"needs {per_block} bytes"):
+        num_blocks_for_memory(CONFIG, 16, torch.float32, per_block - 1)
+
+
+def test_invalid_sizes_raise() -> None:
+    """Zero blocks or a zero block size is refused with the offending number."""
+    with pytest.raises(ValueError, match="num_blocks must be >= 1, got 0"):
+        make_pool(num_blocks=0)
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        make_pool(block_size=0)

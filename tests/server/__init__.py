@@ -1,0 +1,1 @@
+"""Tests of server/: engine loop, gRPC service, client and CLI."""

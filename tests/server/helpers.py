@@ -1,0 +1,187 @@
+"""Builders for server tests: a real grpc.aio server on 127.0.0.1:0 over a FakeRunner."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from cache_manager import KVCacheConfig, KVCacheManager, block_bytes
+from metrics.records import RequestRecord, StepRecord
+from model_runner.base import ModelInfo, Runner
+from model_runner.fake import FakeRunner
+from scheduler import Scheduler, SchedulerConfig
+from server.client import KVServeClient
+from server.engine import EngineLoop
+from server.fake_tokenizer import ByteTokenizer
+from server.service import KVServeServer, ServedModel
+from server.text import make_text_stream_factory
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 256
+MAX_MODEL_LEN = 128
+
+
+class RecordingSink:
+    """A MetricsSink that keeps every record (thread-safe appends)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.steps: list[StepRecord] = []
+        self.requests: list[RequestRecord] = []
+        self.rejected: list[str] = []
+        self.rpcs: list[tuple[str, str]] = []
+
+    def on_step(self, record: StepRecord) -> None:
+        with self.lock:
+            self.steps.append(record)
+
+    def on_request_done(self, record: RequestRecord) -> None:
+        with self.lock:
+            self.requests.append(record)
+
+    def on_rejected(self, reason: str) -> None:
+        with self.lock:
+            self.rejected.append(reason)
+
+    def on_rpc(self, method: str, code: str) -> None:
+        with self.lock:
+            self.rpcs.append((method, code))
+
+    def request(self, request_id: str) -> RequestRecord:
+        with self.lock:
+            found = [r for r in self.requests if r.request_id == request_id]
+        assert len(found) == 1, f"{request_id}: {len(found)} records"
+        return found[0]
+
+
+def fake_info(max_model_len: int = MAX_MODEL_LEN) -> ModelInfo:
+    from cache_manager.sizing import ModelShape
+
+    tok = ByteTokenizer()
+    return ModelInfo(
+        name="fake",
+        vocab_size=tok.vocab_size,
+        max_model_len=max_model_len,
+        shape=ModelShape(num_layers=2, num_kv_heads=2, head_dim=8, dtype_bytes=4, name="fake"),
+        eos_token_ids=tok.eos_token_ids,
+        bos_token_id=tok.bos_token_id,
+    )
+
+
+def make_fake_runner(max_model_len: int = MAX_MODEL_LEN, **kwargs: Any) -> FakeRunner:
+    """A FakeRunner over the byte tokenizer's vocabulary (258 ids, EOS 257)."""
+    kwargs.setdefault("verify_kv_block_size", BLOCK_SIZE)
+    return FakeRunner(fake_info(max_model_len), **kwargs)
+
+
+@dataclass
+class Harness:
+    server: KVServeServer
+    engine: EngineLoop
+    scheduler: Scheduler
+    runner: Any
+    sink: RecordingSink
+    client: KVServeClient
+    address: str
+    tokenizer: Any = field(default_factory=ByteTokenizer)
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        return self.client.channel
+
+
+def build_server(
+    runner: Runner,
+    tokenizer: Any,
+    *,
+    num_blocks: int | None = None,
+    block_size: int = BLOCK_SIZE,
+    enable_prefix_caching: bool = True,
+    max_n: int = 8,
+    **scheduler_config: Any,
+) -> tuple[KVServeServer, EngineLoop, Scheduler, RecordingSink]:
+    info = runner.info
+    # A real runner owns a KV pool of a fixed size: the cache manager must match it.
+    num_blocks = num_blocks or getattr(runner, "num_blocks", None) or NUM_BLOCKS
+    scheduler_config.setdefault("max_model_len", info.max_model_len)
+    scheduler_config.setdefault("max_num_seqs", 64)
+    scheduler_config.setdefault("max_num_batched_tokens", 1024)
+    per_block = block_bytes(info.shape, block_size)
+    kv = KVCacheManager(
+        KVCacheConfig(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            block_bytes=per_block,
+        )
+    )
+    scheduler = Scheduler(SchedulerConfig(**scheduler_config), kv)
+    sink = RecordingSink()
+    engine = EngineLoop(scheduler, runner, make_text_stream_factory(tokenizer), sink=sink)
+    model = ServedModel(
+        name=info.name,
+        max_model_len=scheduler_config["max_model_len"],
+        vocab_size=info.vocab_size,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        kv_memory_bytes=num_blocks * per_block,
+        dtype=info.dtype,
+        device=info.device,
+        eos_token_ids=tuple(info.eos_token_ids),
+        max_n=max_n,
+    )
+    server = KVServeServer(engine, tokenizer, model, sink=sink)
+    return server, engine, scheduler, sink
+
+
+@asynccontextmanager
+async def serve(
+    runner: Runner | None = None, tokenizer: Any = None, **kwargs: Any
+) -> AsyncIterator[Harness]:
+    """A started server on 127.0.0.1:0 and a connected client; stopped on exit."""
+    runner = runner if runner is not None else make_fake_runner()
+    tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+    server, engine, scheduler, sink = build_server(runner, tokenizer, **kwargs)
+    port = await server.start("127.0.0.1", 0)
+    address = f"127.0.0.1:{port}"
+    client = KVServeClient(address)
+    try:
+        await client.wait_ready()
+        yield Harness(server, engine, scheduler, runner, sink, client, address, tokenizer)
+    finally:
+        await client.close()
+        await server.shutdown(grace_s=0.5)
+
+
+def expected_tokens(runner: FakeRunner, request_id: str, num_tokens: int) -> list[int]:
+    """The FakeRunner's documented token rule for ``request_id`` (unscripted)."""
+    return [runner.default_token(request_id, i) for i in range(num_tokens)]
+
+
+async def wait_until(
+    predicate: Callable[[], Awaitable[bool]] | Callable[[], bool],
+    timeout_s: float = 1.0,
+    interval_s: float = 0.01,
+) -> float:
+    """Poll until ``predicate()`` is true; returns the seconds it took, raises on timeout."""
+    start = time.monotonic()
+    while True:
+        result = predicate()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"condition not met within {timeout_s}s")
+        await asyncio.sleep(interval_s)
+
+
+async def collect(stream: AsyncIterator[Any]) -> list[Any]:
+    return [item async for item in stream]

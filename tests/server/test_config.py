@@ -1,0 +1,105 @@
+"""ServerConfig assembly: defaults < config file < KVSERVE_* environment < flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from server.build import build_engine
+from server.config import (
+    ServerConfig,
+    add_serve_arguments,
+    build_config,
+    client_address,
+    parse_bytes,
+)
+
+
+def _flags(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_defaults() -> None:
+    """With nothing set: 127.0.0.1:50051, metrics on 9400, the torch runner on the default model."""
+    cfg = build_config(_flags(), environ={})
+    assert (cfg.host, cfg.port, cfg.metrics_port) == ("127.0.0.1", 50051, 9400)
+    assert (cfg.runner, cfg.model, cfg.enable_prefix_caching) == ("torch", None, True)
+
+
+def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
+    """A flag beats the environment, which beats the config file, which beats the default."""
+    toml = tmp_path / "kvserve.toml"
+    toml.write_text(
+        '[serve]\nport = 7000\nmax-num-seqs = 8\npolicy = "prefill-first"\nblock_size = 32\n'
+    )
+    env = {"KVSERVE_PORT": "7100", "KVSERVE_MAX_NUM_SEQS": "16", "KVSERVE_CONFIG": str(toml)}
+    cfg = build_config(_flags("--port", "7200"), environ=env)
+    assert cfg.port == 7200  # flag
+    assert cfg.max_num_seqs == 16  # environment
+    assert (cfg.policy, cfg.block_size) == ("prefill-first", 32)  # file
+    assert cfg.max_num_batched_tokens == 2048  # default
+
+
+def test_json_file_booleans_and_optional_values(tmp_path: Path) -> None:
+    """JSON files work; booleans parse from env text; "none" clears an optional value."""
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"enable_prefix_caching": False, "num_blocks": 99}))
+    cfg = build_config(_flags("--config", str(path)), environ={"KVSERVE_NUM_BLOCKS": "none"})
+    assert cfg.enable_prefix_caching is False and cfg.num_blocks is None
+    cfg = build_config(_flags("--enable-prefix-caching"), environ={})
+    assert cfg.enable_prefix_caching is True
+    assert (
+        build_config(
+            _flags(), environ={"KVSERVE_ENABLE_PREFIX_CACHING": "off"}
+        ).enable_prefix_caching
+        is False
+    )
+
+
+def test_bad_values_name_the_setting(tmp_path: Path) -> None:
+    """Unknown file keys, unparsable env values and out-of-range values raise with the name."""
+    path = tmp_path / "c.toml"
+    path.write_text("max_num_seqz = 3\n")
+    with pytest.raises(ValueError, match="unknown setting 'max_num_seqz'"):
+        build_config(_flags("--config", str(path)), environ={})
+    with pytest.raises(ValueError, match="KVSERVE_PORT: port"):
+        build_config(_flags(), environ={"KVSERVE_PORT": "many"})
+    with pytest.raises(ValueError, match="port must be in"):
+        ServerConfig(port=70000)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        ServerConfig(policy="random")
+    with pytest.raises(ValueError, match="not a memory size"):
+        ServerConfig(kv_memory="lots")
+
+
+def test_parse_bytes_units() -> None:
+    """Memory sizes take decimal and binary units."""
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("2GB") == 2 * 10**9
+    assert parse_bytes("1.5k") == 1536
+    assert parse_bytes("4096") == 4096
+
+
+def test_client_address_flag_env_default() -> None:
+    """generate connects to --address, else KVSERVE_ADDRESS, else 127.0.0.1:50051."""
+    assert client_address("h:1", environ={"KVSERVE_ADDRESS": "e:2"}) == "h:1"
+    assert client_address(None, environ={"KVSERVE_ADDRESS": "e:2"}) == "e:2"
+    assert client_address(None, environ={}) == "127.0.0.1:50051"
+
+
+def test_build_fake_engine_sizes_the_cache_from_the_budget() -> None:
+    """The fake runner's KV pool: kv_memory / block bytes blocks, reported in ServedModel."""
+    cfg = ServerConfig(runner="fake", block_size=8, kv_memory="64KiB", max_model_len=256)
+    built = build_engine(cfg)
+    # block bytes = 2 (K,V) * 2 layers * 2 kv heads * 8 head dim * 4 bytes * 8 tokens = 2048
+    assert built.model.num_blocks == 32
+    assert built.model.kv_memory_bytes == 32 * 2048
+    assert built.model.max_model_len == 256
+    assert built.engine.latest_stats.kv.num_blocks_total == 32
+    assert built.model.max_n == 16
+    assert build_engine(ServerConfig(runner="fake", memory_mode="reserve")).model.max_n == 1
