@@ -63,7 +63,11 @@ class ModelConfig:
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
         eos_ids: tuple[int, ...] = (
-            () if eos is None else tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+            ()
+            if eos is None
+            else tuple(int(e) for e in eos)
+            if isinstance(eos, list)
+            else (int(eos),)
         )
         sliding = cfg.get("sliding_window")
         if model_type == "qwen2" and not cfg.get("use_sliding_window", False):

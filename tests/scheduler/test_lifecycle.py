@@ -207,7 +207,7 @@ def test_runner_failure_ends_one_request_only() -> None:
 
 def test_fail_ends_a_request_in_any_state() -> None:
     """fail() ends a waiting request with ERROR and the message; unknown ids give None."""
-    sched, kv = make_scheduler()
+    sched, _kv = make_scheduler()
     sched.add_request(make_request("r0"))
     out = sched.fail("r0", "tokenizer exploded")
     assert out is not None and (out.finish_reason, out.error) == (

@@ -1,0 +1,31 @@
+"""Quality gates CI enforces: ruff lint + format on the tree, mypy --strict on the pure core."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, check=False
+    )
+
+
+def test_ruff_check_is_clean() -> None:
+    """`ruff check .` reports nothing."""
+    proc = _run("ruff", "check", ".")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_ruff_format_is_clean() -> None:
+    """`ruff format --check .` would change no file."""
+    proc = _run("ruff", "format", "--check", ".")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_mypy_strict_on_pure_core() -> None:
+    """`mypy --strict scheduler cache_manager` reports no error."""
+    proc = _run("mypy", "--strict", "scheduler", "cache_manager")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
