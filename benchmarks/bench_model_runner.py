@@ -8,13 +8,14 @@ Measures, on the same weights:
   ``model(next_tokens, past_key_values=...)`` call with a DynamicCache, plus argmax — no
   ``generate()`` overhead, so the baseline is if anything flattered);
 - prefill throughput of one 512-token prompt (transformers with ``logits_to_keep=1``);
-- fused vs separate prefill + decode: one step with a 32-request decode batch and a
+- fused vs separate prefill + decode: one step with a 32-request decode batch and a 16- or
   128-token prefill chunk, run as one forward pass or as two.
 
 Weights: the embedded SmolLM2-135M-Instruct GGUF through ``model_runner.gguf_loader`` when both
 exist, else random weights of the same shapes (timing does not depend on the values); the
-table says which. Prints a table; asserts nothing. Medians of ``--steps`` timed steps after
-a warm-up step. Timings on a shared machine are noisy.
+table says which. Prints a table; asserts nothing. Each figure is the minimum of ``--steps``
+timed steps after two warm-up steps (``--stat median`` for medians). Timings on a shared
+machine are noisy.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from model_runner.config import ModelConfig
+from model_runner.reference import build_hf_model
 from model_runner.runner import TorchRunner
 from scheduler.output import ScheduledSeq, SchedulerOutput
 from scheduler.request import SamplingParams
@@ -91,30 +93,14 @@ def load_weights(force_random: bool) -> tuple[ModelConfig, dict[str, torch.Tenso
     return c, state, f"random weights of SmolLM2-135M's shapes ({reason})"
 
 
-def hf_model(config: ModelConfig, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hc = LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        rope_theta=config.rope_theta,
-        rope_scaling=config.rope_scaling,
-        max_position_embeddings=config.max_position_embeddings,
-        tie_word_embeddings=config.tie_word_embeddings,
-    )
-    model = LlamaForCausalLM(hc).to(torch.float32).eval()
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
-    return model
+STAT = {"min": min, "median": statistics.median}
+_stat = min
 
 
-def median_ms(fn: Callable[[], object], steps: int) -> float:
+def step_ms(fn: Callable[[], object], steps: int) -> float:
+    """Time of one call in ms: 2 warm-up calls, then ``--stat`` (default: min, timeit's
+    convention: on a shared machine the least-disturbed run is the best estimate) of
+    ``steps`` timed calls."""
     fn()
     fn()
     times = []
@@ -122,7 +108,7 @@ def median_ms(fn: Callable[[], object], steps: int) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return _stat(times) * 1e3
 
 
 class OursDecode:
@@ -183,13 +169,16 @@ def main() -> None:
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--random-weights", action="store_true")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    parser.add_argument("--stat", choices=sorted(STAT), default="min")
     args = parser.parse_args()
+    global _stat
+    _stat = STAT[args.stat]
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     steps = args.steps
 
     config, state, source = load_weights(args.random_weights)
-    hf = None if args.no_hf else hf_model(config, state)
+    hf = None if args.no_hf else build_hf_model(config, state)
     max_batch = max([*batches, 32])
     # Decode requests use blocks [0, max_batch * per_seq); prompts use the blocks after them.
     prompt_base = max_batch * (-(-(args.context + 1) // BLOCK_SIZE))
@@ -211,8 +200,8 @@ def main() -> None:
         "'kvserve F.linear' = same runner with plain torch F.linear (ablation)"
     )
     print(
-        f"# decode: {args.context}-token contexts, median of {steps} steps after 2 warm-up "
-        "steps; a shared machine makes figures noisy\n"
+        f"# decode: {args.context}-token contexts; every figure is the {args.stat} of {steps} "
+        "timed steps after 2 warm-up steps; a shared machine makes figures noisy\n"
     )
     print(
         f"| {'measurement':<30} | {'kvserve':>9} | {'kvserve F.linear':>16} | "
@@ -227,11 +216,11 @@ def main() -> None:
 
     decode_ms: dict[int, float] = {}
     for batch in batches:
-        ms_ours = median_ms(OursDecode(ours, batch, args.context, vocab).step, steps)
-        ms_plain = median_ms(OursDecode(plain, batch, args.context, vocab).step, steps)
+        ms_ours = step_ms(OursDecode(ours, batch, args.context, vocab).step, steps)
+        ms_plain = step_ms(OursDecode(plain, batch, args.context, vocab).step, steps)
         ms_hf = None
         if hf is not None:
-            ms_hf = median_ms(hf_decode(hf, batch, args.context, vocab), steps)
+            ms_hf = step_ms(hf_decode(hf, batch, args.context, vocab), steps)
         decode_ms[batch] = ms_ours
         row(f"decode step, batch {batch} (ms)", ms_ours, ms_plain, ms_hf, False)
         tok_hf = batch * 1e3 / ms_hf if ms_hf else None
@@ -249,8 +238,8 @@ def main() -> None:
     table = list(range(prompt_base, prompt_base + -(-n // BLOCK_SIZE)))
     plan = SchedulerOutput(0, prefill=[ScheduledSeq("p", prompt, 0, table, GREEDY, True)])
     pre_steps = max(3, steps // 2)
-    ms_prefill = median_ms(lambda: ours.execute(plan), pre_steps)
-    ms_plain = median_ms(lambda: plain.execute(plan), pre_steps)
+    ms_prefill = step_ms(lambda: ours.execute(plan), pre_steps)
+    ms_plain = step_ms(lambda: plain.execute(plan), pre_steps)
     ms_hf = None
     if hf is not None:
         ids = torch.tensor([prompt])
@@ -259,7 +248,7 @@ def main() -> None:
             with torch.inference_mode():
                 hf(ids, use_cache=True, logits_to_keep=1).logits.argmax(-1)
 
-        ms_hf = median_ms(hf_prefill, pre_steps)
+        ms_hf = step_ms(hf_prefill, pre_steps)
     row(
         f"prefill {n} tokens (tok/s)",
         n * 1e3 / ms_prefill,
@@ -279,7 +268,7 @@ def main() -> None:
         times = {}
         for fused in (True, False):
             ours.fuse_batches = fused
-            times[fused] = median_ms(lambda: ours.execute(mixed), steps)  # noqa: B023
+            times[fused] = step_ms(lambda: ours.execute(mixed), steps)  # noqa: B023
         ours.fuse_batches = True
         print(
             f"| {chunk_len:>3}-token chunk{'':<16} | {times[True]:10.1f} | {times[False]:13.1f} "

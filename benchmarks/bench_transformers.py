@@ -58,49 +58,6 @@ class HFRun:
         }
 
 
-def build_hf_model(config: Any, state_dict: dict[str, torch.Tensor]) -> Any:
-    """transformers LlamaForCausalLM with our loader's weights (fp32, eval mode)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hf_config = LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        rope_theta=config.rope_theta,
-        rope_scaling=config.rope_scaling,
-        max_position_embeddings=config.max_position_embeddings,
-        tie_word_embeddings=config.tie_word_embeddings,
-        attention_bias=config.attention_bias,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=list(config.eos_token_ids) or None,
-        pad_token_id=(config.eos_token_ids or (0,))[0],
-    )
-    # transformers 5 folds rope_theta / rope_scaling into rope_parameters; check it took them.
-    rope = getattr(hf_config, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    if theta != config.rope_theta:
-        raise RuntimeError(
-            f"LlamaConfig has rope_theta {theta}, the checkpoint {config.rope_theta}"
-        )
-    model = LlamaForCausalLM(hf_config)
-    missing, unexpected = model.load_state_dict(
-        {k: v.to(torch.float32) for k, v in state_dict.items()}, strict=False
-    )
-    allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    if set(missing) - allowed_missing or unexpected:
-        raise RuntimeError(
-            f"weights do not fit LlamaForCausalLM: missing {missing}, unexpected {unexpected}"
-        )
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model.eval()
-
-
 class _StepClock:
     """A streamer that records the time of every decoding step (the prompt put is skipped)."""
 

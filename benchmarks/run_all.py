@@ -162,6 +162,7 @@ def section_chat128(sizes: Sizes, chat_path: Path, threads: int, progress: bool)
 
     from benchmarks import bench_serving, bench_transformers
     from model_runner.loader import load_model
+    from model_runner.reference import build_hf_model
 
     prompts_text = json.loads(chat_path.read_text())["prompts"]
     out_tokens = sizes.chat_output_tokens
@@ -169,7 +170,7 @@ def section_chat128(sizes: Sizes, chat_path: Path, threads: int, progress: bool)
     # Transformers baselines first (in this process), then free the model for the servers.
     torch.set_num_threads(threads)
     loaded = load_model(None, "float32")
-    model = bench_transformers.build_hf_model(loaded.config, loaded.state_dict)
+    model = build_hf_model(loaded.config, loaded.state_dict)
     tok_prompts = [loaded.tokenizer.encode(p, add_special_tokens=False) for p in prompts_text]
     pad_id = (loaded.config.eos_token_ids or (0,))[0]
     del loaded

@@ -4,6 +4,7 @@ One step's tokens are laid out as one flat batch, prefill chunks first, then dec
 
     rows:  | chunk of req a (Ta) | chunk of req b (Tb) | dec 0 | dec 1 | ... | dec B-1 |
              prefill path, one attention call per chunk   decode path, one batched call
+                                                          per group of similar lengths
 
 Every index tensor (token ids, positions, KV slots, block gathers, masks) is built ONCE per
 step in ``ForwardBatch.build`` and shared by all layers; a layer only runs tensor ops.
@@ -12,9 +13,11 @@ Prefill attends causally over the chunk plus the request's cached prefix, which 
 from the pool (``| cached prefix (in pool) | this chunk |``). A chunk that starts at position
 0 attends to its own keys and values directly (no gather, plain causal SDPA).
 
-Decode gathers every request's blocks with one ``index_select`` into
-``[2 * kvh, B, max_blocks * block_size, head_dim]`` (requests padded to the batch's longest
-context), and masks padding and out-of-window keys with an additive ``-inf`` mask.
+Decode gathers a group's blocks with one ``index_select`` into
+``[2 * kvh, B, max_blocks * block_size, head_dim]`` (requests padded to the group's longest
+context), and masks padding and out-of-window keys with an additive ``-inf`` mask. Requests
+come in groups of similar context length (within 2x), so one long request does not make the
+whole batch gather (and the workspace hold) B copies of its length.
 
 With a sliding window W a query at position p sees keys k with ``p - W < k <= p`` (Hugging
 Face's Mistral convention); gathers start at the first block that holds a visible key, so
@@ -47,6 +50,9 @@ def _sdpa_supports_gqa() -> bool:
 
 
 _SDPA_GQA = _sdpa_supports_gqa()
+# Decode contexts up to this many blocks are padded together whatever their spread: below
+# it, one more group (a few ops per layer) costs more than the padding.
+_MIN_SPLIT_BLOCKS = 8
 
 
 @dataclass(slots=True)
@@ -64,7 +70,8 @@ class PrefillChunk:
 
 @dataclass(slots=True)
 class DecodeBatch:
-    """The decode rows ``row_start : row_start + num_seqs``: one query each."""
+    """A group of decode rows ``row_start : row_start + num_seqs``, one query each, padded
+    to the group's longest context."""
 
     row_start: int
     num_seqs: int
@@ -82,7 +89,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset
     prefills: list[PrefillChunk]
-    decode: DecodeBatch | None
+    decodes: list[DecodeBatch]  # decode rows in groups of similar context length
 
     @classmethod
     def build(
@@ -100,7 +107,7 @@ class ForwardBatch:
         positions: list[int] = []
         slots: list[int] = []
         gathers: list[int] = []  # prefill gathers then the padded decode gather
-        chunk_info: list[tuple[int, int, int, int, int, int]] = []
+        chunk_info: list[tuple[int, int, int, int, int]] = []
         for seq in prefill:
             start, end = seq.start_pos, seq.end_pos
             input_ids.extend(seq.token_ids)
@@ -112,12 +119,16 @@ class ForwardBatch:
             gather_start = len(gathers)
             if start > 0:
                 gathers.extend(seq.block_ids[key_start // block_size : -(-end // block_size)])
-            chunk_info.append((start, end, key_start, gather_start, len(gathers), len(slots)))
+            chunk_info.append((start, end, key_start, gather_start, len(gathers)))
 
         num_prefill_rows = len(input_ids)
+        # Decode groups: consecutive seqs whose contexts (in blocks) are within 2x of the
+        # group's longest, so padding wastes at most half of a group's gather. Callers pass
+        # decodes longest first (TorchRunner does), which makes the groups contiguous runs.
+        groups: list[tuple[int, int, int]] = []  # (first seq, end seq, max blocks)
         dec_rows: list[list[int]] = []
         dec_key_starts: list[int] = []
-        for seq in decode:
+        for i, seq in enumerate(decode):
             pos = seq.start_pos
             input_ids.append(seq.token_ids[0])
             positions.append(pos)
@@ -125,13 +136,21 @@ class ForwardBatch:
             first = 0
             if sliding_window is not None:
                 first = max(0, pos - sliding_window + 1) // block_size
-            dec_rows.append(seq.block_ids[first : pos // block_size + 1])
+            row_blocks = seq.block_ids[first : pos // block_size + 1]
+            dec_rows.append(row_blocks)
             dec_key_starts.append(first * block_size)
-        max_blocks = max((len(r) for r in dec_rows), default=0)
-        dec_gather_start = len(gathers)
-        for r in dec_rows:
-            gathers.extend(r)
-            gathers.extend([0] * (max_blocks - len(r)))
+            n = len(row_blocks)
+            if groups and not (2 * n < groups[-1][2] and groups[-1][2] > _MIN_SPLIT_BLOCKS):
+                g0, _, g_max = groups[-1]
+                groups[-1] = (g0, i + 1, max(g_max, n))
+            else:
+                groups.append((i, i + 1, n))
+        dec_gather_starts: list[int] = []
+        for g0, g1, g_max in groups:
+            dec_gather_starts.append(len(gathers))
+            for r in dec_rows[g0:g1]:
+                gathers.extend(r)
+                gathers.extend([0] * (g_max - len(r)))
 
         num_tokens = len(input_ids)
         flat = torch.tensor(
@@ -145,43 +164,42 @@ class ForwardBatch:
 
         chunks: list[PrefillChunk] = []
         row = 0
-        for start, end, key_start, g0, g1, _ in chunk_info:
+        for start, end, key_start, g0, g1 in chunk_info:
             n = end - start
             if start == 0 and (sliding_window is None or n <= sliding_window):
                 chunks.append(PrefillChunk(row, row + n, n, None, None))
             else:
-                if start == 0:  # window shorter than the chunk: keys are the chunk itself
-                    block_index = None
-                    key_start = 0
-                else:
-                    block_index = gather_t[g0:g1]
-                num_keys = end - key_start
+                # start == 0 here means a window shorter than the chunk: keys are the chunk's.
+                block_index = None if start == 0 else gather_t[g0:g1]
                 q_pos = torch.arange(start, end, device=device).unsqueeze(1)
                 k_pos = torch.arange(key_start, end, device=device).unsqueeze(0)
                 mask = k_pos <= q_pos
                 if sliding_window is not None:
                     mask &= k_pos > q_pos - sliding_window
-                chunks.append(PrefillChunk(row, row + n, num_keys, block_index, mask))
+                chunks.append(PrefillChunk(row, row + n, end - key_start, block_index, mask))
             row += n
 
-        dec: DecodeBatch | None = None
-        if decode:
-            context_len = max_blocks * block_size
-            dec_pos = pos_t[num_prefill_rows:].unsqueeze(1)
-            k_pos = key_start_t.unsqueeze(1) + torch.arange(context_len, device=device)
-            visible = k_pos <= dec_pos
+        decodes: list[DecodeBatch] = []
+        for (g0, g1, g_max), gather_start in zip(groups, dec_gather_starts, strict=True):
+            context_len = g_max * block_size
+            rows = slice(num_prefill_rows + g0, num_prefill_rows + g1)
+            k_pos = key_start_t[g0:g1].unsqueeze(1) + torch.arange(context_len, device=device)
+            q_pos = pos_t[rows].unsqueeze(1)
+            visible = k_pos <= q_pos
             if sliding_window is not None:
-                visible &= k_pos > dec_pos - sliding_window
-            mask = torch.zeros(len(decode), context_len, dtype=mask_dtype, device=device)
+                visible &= k_pos > q_pos - sliding_window
+            mask = torch.zeros(g1 - g0, context_len, dtype=mask_dtype, device=device)
             mask.masked_fill_(~visible, float("-inf"))
-            dec = DecodeBatch(
-                row_start=num_prefill_rows,
-                num_seqs=len(decode),
-                context_len=context_len,
-                block_index=gather_t[dec_gather_start:],
-                mask=mask.unsqueeze(1),
+            decodes.append(
+                DecodeBatch(
+                    row_start=num_prefill_rows + g0,
+                    num_seqs=g1 - g0,
+                    context_len=context_len,
+                    block_index=gather_t[gather_start : gather_start + (g1 - g0) * g_max],
+                    mask=mask.unsqueeze(1),
+                )
             )
-        return cls(num_tokens, ids_t, pos_t, slot_t, chunks, dec)
+        return cls(num_tokens, ids_t, pos_t, slot_t, chunks, decodes)
 
 
 def _extend_slots(
@@ -227,34 +245,40 @@ def paged_attention(
             v = kv[num_kv_heads:, : chunk.num_keys]
         o = _sdpa(q, k, v, chunk.mask, num_heads // num_kv_heads)
         out[r0:r1].view(r1 - r0, num_heads, head_dim).copy_(o.transpose(0, 1))
-    dec = batch.decode
-    if dec is not None:
-        b = dec.num_seqs
-        d0 = dec.row_start
-        group = num_heads // num_kv_heads
+    group = num_heads // num_kv_heads
+    for dec in batch.decodes:
+        b, d0 = dec.num_seqs, dec.row_start
         kv = pool.gather(layer, dec.block_index).view(2 * num_kv_heads, b, -1, head_dim)
-        q = qkv[d0:, :num_heads].reshape(b, num_kv_heads, group, head_dim).transpose(0, 1)
-        scores = torch.matmul(q, kv[:num_kv_heads].transpose(-1, -2))  # [kvh, B, g, L]
-        scores += dec.mask
+        q = qkv[d0 : d0 + b, :num_heads].reshape(b, num_kv_heads, group, head_dim)
+        scores = torch.matmul(q.transpose(0, 1), kv[:num_kv_heads].transpose(-1, -2))
+        scores += dec.mask  # [kvh, B, g, L] + [B, 1, L]
         if scores.dtype == torch.float32:
             probs = torch.softmax(scores, dim=-1)
         else:
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
         o = torch.matmul(probs, kv[num_kv_heads:])  # [kvh, B, g, D]
-        out[d0:].view(b, num_kv_heads, group, head_dim).copy_(o.transpose(0, 1))
+        out[d0 : d0 + b].view(b, num_kv_heads, group, head_dim).copy_(o.transpose(0, 1))
 
 
 def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, group: int
 ) -> torch.Tensor:
-    """Scaled-dot-product attention, scale 1 (Q is pre-scaled), [H, T, D] x [kvh, S, D]."""
+    """Scaled-dot-product attention, scale 1 (Q is pre-scaled), [H, T, D] x [kvh, S, D].
+
+    Inputs go in as 4-D ``[1, heads, len, dim]``: on CPU, 3-D inputs fall back to the math
+    kernel (materialised scores, ~3x slower at 512 tokens) while 4-D ones take the flash kernel.
+    """
+    q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    causal = mask is None
     if _SDPA_GQA:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=1.0, enable_gqa=group > 1
+        out = F.scaled_dot_product_attention(
+            q4, k4, v4, attn_mask=mask, is_causal=causal, scale=1.0, enable_gqa=group > 1
         )
-    if group > 1:
-        k = k.repeat_interleave(group, dim=0)
-        v = v.repeat_interleave(group, dim=0)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, scale=1.0
-    )
+    else:
+        if group > 1:
+            k4 = k4.repeat_interleave(group, dim=1)
+            v4 = v4.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(
+            q4, k4, v4, attn_mask=mask, is_causal=causal, scale=1.0
+        )
+    return out[0]

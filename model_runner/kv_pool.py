@@ -150,6 +150,22 @@ class KVPool:
         dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.device)
         self.data[:, :, dst] = self.data[:, :, src]
 
+    def scrub_blocks(self, block_ids: Sequence[int]) -> list[int]:
+        """Zero every listed block that holds a NaN or an infinity; returns their ids.
+
+        Attention reads masked slots too (padding, the unwritten tail of a block) and relies on
+        0 * value == 0, which fails for non-finite values. A request that produced them must
+        not leave them behind for whoever gets its blocks next.
+        """
+        if not block_ids:
+            return []
+        index = torch.tensor(sorted(set(block_ids)), dtype=torch.int64, device=self.device)
+        finite = torch.isfinite(self.data.index_select(2, index)).transpose(0, 2)
+        bad = index[~finite.reshape(index.shape[0], -1).all(dim=1)]
+        if bad.numel():
+            self.data[:, :, bad] = 0
+        return [int(b) for b in bad.tolist()]
+
 
 def num_blocks_for_memory(
     config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -99,47 +100,51 @@ class Linear:
     """``y = x @ W.T + b`` with optional fused epilogues; the weight is either a plain tensor
     or a oneDNN-packed one (CPU)."""
 
-    __slots__ = ("bias", "dense", "out_features", "packed")
+    __slots__ = ("bias", "out_features", "packed", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
         self.out_features = weight.shape[0]
         self.bias = bias
+        self.packed = pack
         if pack:
-            self.packed: torch.Tensor | None = torch.ops.mkldnn._reorder_linear_weight(weight)
-            self.dense: torch.Tensor | None = None
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         else:
-            self.packed = None
-            self.dense = weight.contiguous()
+            self.weight = weight.contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.dense, self.bias)
+        if self.packed:
+            return _onednn_linear(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(linear(x))``."""
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "swish", [], "")
-        return F.silu(F.linear(x, self.dense, self.bias))
+        if self.packed:
+            return _onednn_linear(x, self.weight, self.bias, "swish", [], "")
+        return F.silu(F.linear(x, self.weight, self.bias))
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``linear(x) * other``."""
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(
-                x, other, self.packed, self.bias, "mul"
-            )
-        return F.linear(x, self.dense, self.bias).mul_(other)
+        if self.packed:
+            return _onednn_linear_binary(x, other, self.weight, self.bias, "mul")
+        return F.linear(x, self.weight, self.bias).mul_(other)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + linear(x)`` (a new tensor; ``residual`` is not modified)."""
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(
-                x, residual, self.packed, self.bias, "add"
-            )
-        assert self.dense is not None
+        if self.packed:
+            return _onednn_linear_binary(x, residual, self.weight, self.bias, "add")
         if self.bias is None:
-            return torch.addmm(residual, x, self.dense.t())
-        return F.linear(x, self.dense, self.bias).add_(residual)
+            return torch.addmm(residual, x, self.weight.t())
+        return F.linear(x, self.weight, self.bias).add_(residual)
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor, *args: Any) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, w, *args)
+    return out
+
+
+def _onednn_linear_binary(x: torch.Tensor, other: torch.Tensor, *args: Any) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(x, other, *args)
+    return out
 
 
 def onednn_works(dtype: torch.dtype) -> bool:
@@ -274,6 +279,7 @@ class LlamaModel:
         head = "lm_head.weight" if "lm_head.weight" in state_dict else "model.embed_tokens.weight"
         if head == "model.embed_tokens.weight" and not config.tie_word_embeddings:
             raise ValueError("state dict has no lm_head.weight and the config does not tie it")
+        # Tied + oneDNN: the head is a packed copy of the embedding (the lookup needs it dense).
         self.lm_head = Linear(final(get(head)), None, use_onednn)
         self.vocab_size = self.embed.shape[0]
 
@@ -331,20 +337,6 @@ class LlamaModel:
         """Final norm + LM head on the given rows [R, hidden] -> fp32 logits [R, V]."""
         x = F.rms_norm(hidden, (self.hidden_size,), self.norm, self.eps)
         return self.lm_head(x).float()
-
-    @property
-    def weights_bytes(self) -> int:
-        """Bytes of the run weights (packed matrices count their dense size)."""
-        c = self.config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        per_layer = (
-            (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * c.hidden_size
-            + c.num_heads * c.head_dim * c.hidden_size
-            + 3 * c.intermediate_size * c.hidden_size
-            + 2 * c.hidden_size
-        )
-        total = c.num_layers * per_layer + 2 * c.vocab_size * c.hidden_size + c.hidden_size
-        return total * elem
 
 
 def _rope_real_(rot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

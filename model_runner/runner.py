@@ -18,8 +18,10 @@ which only helps when the timing split between kinds must be exact; with fusion,
 Failures that belong to one request go to ``ModelOutput.failed`` and the rest of the batch
 carries on: a seq whose block table or positions are inconsistent, token ids outside the
 vocabulary, non-finite logits (the sampler reports them), or a sampler that raises for one
-row (the batch is then re-sampled row by row to isolate it). An exception from the forward
-pass itself is a runner failure and propagates.
+row (the batch is then re-sampled row by row to isolate it). A request that failed after its
+forward pass has its blocks scrubbed of non-finite keys/values, so whoever gets those blocks
+next is not poisoned through masked slots. An exception from the forward pass itself is a
+runner failure and propagates.
 """
 
 from __future__ import annotations
@@ -64,7 +66,10 @@ class TorchRunner:
     ) -> None:
         """``num_blocks=None`` sizes the pool from ``kv_budget_bytes`` (default: see
         ``kv_pool.default_kv_budget_bytes``), measured after the weights are on the device.
-        ``state_dict`` uses Hugging Face names; it is read, not kept."""
+        ``max_model_len`` (default and cap: the config's ``max_position_embeddings``) bounds
+        positions and sizes the RoPE table. ``state_dict`` uses Hugging Face names; it is read,
+        not kept. ``use_onednn=None`` uses oneDNN-packed linear layers on CPU when they pass a
+        self-check; ``fuse_batches`` runs prefill and decode in one forward pass."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.device = select_device(device)
@@ -116,6 +121,7 @@ class TorchRunner:
     def execute(self, plan: SchedulerOutput) -> ModelOutput:
         """Compute ``plan``: KV of every scheduled token into the pool, one sampled token
         for every seq with ``do_sample``. Never mutates ``plan``."""
+        t0 = time.perf_counter()
         result = ModelOutput()
         prefill, decode = self._prepare(plan, result.failed)
         if not prefill and not decode:
@@ -123,7 +129,6 @@ class TorchRunner:
         sample_prefill = [s for s in prefill if s.do_sample]
         sample_decode = [s for s in decode if s.do_sample]
         if self.fuse_batches or not (prefill and decode):
-            t0 = time.perf_counter()
             logits = self._forward_logits(prefill, decode)
             self._sample(logits, sample_prefill + sample_decode, result)
             elapsed = time.perf_counter() - t0
@@ -132,7 +137,6 @@ class TorchRunner:
             result.prefill_time_s = elapsed * share
             result.decode_time_s = elapsed - result.prefill_time_s
         else:
-            t0 = time.perf_counter()
             logits_p = self._forward_logits(prefill, [])
             self._sync()
             t1 = time.perf_counter()
@@ -145,6 +149,8 @@ class TorchRunner:
             share = len(sample_prefill) / rows if rows else 0.0
             result.prefill_time_s = (t1 - t0) + (t3 - t2) * share
             result.decode_time_s = (t2 - t1) + (t3 - t2) * (1.0 - share)
+        if result.failed:
+            self._scrub_failed(prefill, decode, result.failed)
         return result
 
     @torch.inference_mode()
@@ -179,6 +185,8 @@ class TorchRunner:
             self.pool.copy_blocks(plan.block_copies)
         prefill = [s for s in plan.prefill if self._check(s, False, failed)]
         decode = [s for s in plan.decode if self._check(s, True, failed)]
+        # Longest context first: ForwardBatch groups decodes of similar length (less padding).
+        decode.sort(key=lambda s: -s.start_pos)
         return prefill, decode
 
     def _check(self, seq: ScheduledSeq, is_decode: bool, failed: dict[str, str]) -> bool:
@@ -244,6 +252,8 @@ class TorchRunner:
             if s.do_sample:
                 rows.append(row)
             row += 1
+        if not rows:
+            return torch.empty(0, self.model.vocab_size, device=self.device)
         if len(rows) != row:
             index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
             hidden = hidden.index_select(0, index)
@@ -261,21 +271,38 @@ class TorchRunner:
             token_ids, logprobs, failed = [], [], {}
             for i, seq in enumerate(seqs):
                 try:
-                    t, lp, f = _unpack(self.sampler.sample(logits[i : i + 1], [seq]))
+                    row_tokens, row_logprobs, row_failed = _unpack(
+                        self.sampler.sample(logits[i : i + 1], [seq])
+                    )
                 except Exception as exc:
                     failed[seq.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
-                    t, lp = [0], [None]
+                    row_tokens, row_logprobs = [0], [None]
                 else:
-                    failed.update(f)
-                token_ids.extend(t)
-                logprobs.extend(lp)
+                    failed.update(row_failed)
+                token_ids.extend(row_tokens)
+                logprobs.extend(row_logprobs)
         result.failed.update(failed)
-        for seq, token, lp in zip(seqs, token_ids, logprobs, strict=True):
+        for seq, token, token_logprobs in zip(seqs, token_ids, logprobs, strict=True):
             if seq.request_id in failed:
                 continue
             result.sampled_token_ids[seq.request_id] = int(token)
-            if lp is not None:
-                result.logprobs[seq.request_id] = lp
+            if token_logprobs is not None:
+                result.logprobs[seq.request_id] = token_logprobs
+
+    def _scrub_failed(
+        self,
+        prefill: Sequence[ScheduledSeq],
+        decode: Sequence[ScheduledSeq],
+        failed: Mapping[str, str],
+    ) -> None:
+        """Zero non-finite KV left by requests that failed in this step's forward pass."""
+        block_ids = [
+            b
+            for s in (*prefill, *decode)
+            if s.request_id in failed
+            for b in s.block_ids[: -(-s.end_pos // self.block_size)]
+        ]
+        self.pool.scrub_blocks(block_ids)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

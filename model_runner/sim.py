@@ -293,11 +293,17 @@ class SimRunner:
             self.profile.model, self.profile.hardware, prefill + decode, num_sampled
         )
 
-    def execute(self, plan: SchedulerOutput) -> ModelOutput:
-        """Sample like FakeRunner, then advance the clock by the step's simulated time."""
+    def execute(
+        self, plan: SchedulerOutput, *, padding: Sequence[tuple[int, int]] = ()
+    ) -> ModelOutput:
+        """Sample like FakeRunner, then advance the clock by the step's simulated time.
+
+        ``padding``: extra decode rows ``(1, context_len)`` the step computes and throws away
+        (static batching keeps finished sequences in the batch until the longest ends).
+        """
         prefill, decode, num_sampled = plan_chunks(plan)
         model, hardware = self.profile.model, self.profile.hardware
-        cost = estimate_step(model, hardware, prefill + decode, num_sampled)
+        cost = estimate_step(model, hardware, [*prefill, *decode, *padding], num_sampled)
         prefill_s = estimate_step(
             model, hardware, prefill, sum(s.do_sample for s in plan.prefill)
         ).time_s

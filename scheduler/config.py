@@ -31,7 +31,8 @@ class SchedulerConfig:
       request may preempt a running one of worse effective priority, whether memory or
       ``max_num_seqs`` is what binds.
     - ``preemption``: the victim rule. ``priority``: the worst effective priority, then the
-      fewest computed tokens, then the latest arrival. ``newest``: the latest arrival.
+      fewest computed tokens (least work lost), then the latest arrival. ``newest``: the worst
+      effective priority, then the latest arrival.
     - ``max_waiting_requests`` / ``max_waiting_tokens``: admission bounds of the waiting
       queue (requests / prompt tokens still to compute); over them ``add_request`` raises
       ``OverloadError``.

@@ -201,10 +201,16 @@ class LowestPriorityVictim:
 
 
 class NewestVictim:
-    """The latest arrival (the last admitted in FCFS terms)."""
+    """The worst effective priority, then the latest arrival (vLLM's rule; with equal
+    priorities, the last admitted in FCFS terms).
+
+    Rank comes first in every rule: a running request must never preempt one of better
+    effective priority, or a waiting request of better rank would preempt it straight back
+    and the two would preempt each other forever.
+    """
 
     def choose(self, running: Iterable[C]) -> C:
-        return max(running, key=lambda c: c.arrival)
+        return max(running, key=lambda c: (c.rank, c.arrival))
 
 
 def make_victim_rule(config: SchedulerConfig) -> VictimRule:

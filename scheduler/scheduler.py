@@ -69,6 +69,19 @@ class _Entry:
     forked: bool = False
     holds_child_seats: bool = False  # running and not forked yet: seats kept for children
     blocked_at_num_free: int | None = None  # free blocks when admission last failed for memory
+    # For the decode hot path: tokens that may stop it, and the length that ends it.
+    stop_ids: frozenset[int] = frozenset()
+    max_num_tokens: int = 0  # min(max_model_len, prompt + max_tokens)
+
+    def __post_init__(self) -> None:
+        req = self.request
+        sampling = req.sampling
+        eos = () if sampling.ignore_eos else req.eos_token_ids
+        self.stop_ids = frozenset((*sampling.stop_token_ids, *eos))
+        max_model_len = req.max_model_len
+        self.max_num_tokens = req.num_prompt_tokens + sampling.max_tokens
+        if max_model_len is not None:
+            self.max_num_tokens = min(self.max_num_tokens, max_model_len)
 
     @property
     def request_id(self) -> str:
@@ -156,6 +169,10 @@ class Scheduler:
         self.kv = kv
         self._block_size = kv.block_size
         self._sliding_window = kv.sliding_window
+        # With a window, a request holds at most the window plus one chunk (plus a partial
+        # block) at a time: blocks out of the window are released after every step.
+        window = kv.sliding_window or 0
+        self._window_blocks = kv.num_blocks_for(window + config.max_chunk_tokens) + 1
         self._reserve = config.memory_mode == "reserve"
         self._max_chunk = config.max_chunk_tokens
         # Every block a request could ever get: the pool minus reserved (null) blocks.
@@ -179,7 +196,11 @@ class Scheduler:
 
         self._step_id = 0
         self._arrival_seq = 0
-        self._last_plan = SchedulerOutput.make_empty()
+        # The last plan's composition. Not the plan itself: holding it would keep thousands
+        # of objects alive into older GC generations and make full collections frequent.
+        self._last_num_prefill_tokens = 0
+        self._last_num_prefill_reqs = 0
+        self._last_num_decode_reqs = 0
         self._num_steps_prefill = 0
         self._num_steps_decode = 0
         self._num_preemptions = 0
@@ -301,7 +322,7 @@ class Scheduler:
         window = self._sliding_window
         if window is not None and not self._reserve:  # reserve mode reserves every block
             # Only the window (plus the chunk being written) stays resident.
-            return n * min(blocks_for(num_total), blocks_for(window + self._max_chunk) + 1)
+            return n * min(blocks_for(num_total), self._window_blocks)
         shared = num_prompt // self._block_size if n > 1 else 0
         return shared + n * (blocks_for(num_total) - shared)
 
@@ -377,7 +398,9 @@ class Scheduler:
         self._policy.form(step)
         plan = step.build(self._finished_ids)
         self._finished_ids = []
-        self._last_plan = plan
+        self._last_num_prefill_tokens = plan.num_prefill_tokens
+        self._last_num_prefill_reqs = len(plan.prefill)
+        self._last_num_decode_reqs = len(plan.decode)
         self._num_steps_prefill += bool(plan.prefill)
         self._num_steps_decode += bool(plan.decode)
         return plan
@@ -393,9 +416,63 @@ class Scheduler:
         self._pending_outputs = []
         for seq in plan.prefill:
             self._apply(seq, result, outputs)
-        for seq in plan.decode:
-            self._apply(seq, result, outputs)
+        if result.failed or result.logprobs or self._sliding_window is not None:
+            for seq in plan.decode:
+                self._apply(seq, result, outputs)
+        else:
+            self._apply_decodes(plan.decode, result.sampled_token_ids, outputs)
         return outputs
+
+    def _apply_decodes(
+        self, batch: list[ScheduledSeq], sampled: dict[str, int], outputs: list[RequestOutput]
+    ) -> None:
+        """``_apply`` for a decode batch without failures, logprobs or a sliding window: the
+        per-token hot path (1,024 decodes a step must cost well under a millisecond here)."""
+        running = self._running
+        block_size = self._block_size
+        cache_full_blocks = self.kv.cache_full_blocks
+        append = outputs.append
+        num_tokens = 0
+        for seq in batch:
+            rid = seq.request_id
+            entry = running.get(rid)
+            if entry is None:  # ended (aborted, failed) after it was planned
+                continue
+            req = entry.request
+            num_computed = seq.start_pos + 1
+            req.num_computed_tokens = num_computed
+            if num_computed // block_size > entry.num_full_blocks:
+                cache_full_blocks(req)
+                entry.num_full_blocks = num_computed // block_size
+            token = sampled.get(rid)
+            if token is None:
+                raise RuntimeError(f"runner returned no token for {rid!r}, which was to sample")
+            req.append_output_token(token)
+            num_tokens += 1
+            if (
+                token in entry.stop_ids or num_computed >= entry.max_num_tokens - 1
+            ) and self._stops(req, token):
+                out = self._finish(entry, req.status, req.finish_reason or FinishReason.STOP)
+                out.new_token_ids = [token]
+                append(out)
+                continue
+            append(
+                RequestOutput(
+                    rid,
+                    [token],
+                    [],
+                    False,
+                    None,
+                    None,
+                    None,
+                    len(req.prompt_token_ids),
+                    req.num_cached_tokens,
+                    len(req.output_token_ids),
+                    req.parent_id,
+                    entry.index,
+                )
+            )
+        self._num_generation_tokens += num_tokens
 
     def _apply(self, seq: ScheduledSeq, result: ModelOutput, outputs: list[RequestOutput]) -> None:
         rid = seq.request_id
@@ -481,13 +558,40 @@ class Scheduler:
     def _take_decodes(self, step: _Step) -> int:
         """One token for every decoding request, in admission order."""
         num_scheduled = 0
+        budget = step.budget
+        allocate_slots = self.kv.allocate_slots
+        block_ids = self.kv.block_ids
+        decode = step.decode
+        decoding = _DECODING
         for entry in list(self._running.values()):
-            if entry.request.status is not _DECODING:  # prefilling, or preempted meanwhile
+            req = entry.request
+            if req.status is not decoding:  # prefilling, or preempted meanwhile
                 continue
-            if not step.budget.try_take(1):
+            if budget.remaining == 0:
                 break
-            if self._schedule_running(step, entry, 1, decode=True):
-                num_scheduled += 1
+            budget.remaining -= 1
+            allocation = allocate_slots(req, 1)
+            if allocation is None or allocation.block_copies:  # preempt, or copy on write
+                if self._schedule_running(step, entry, 1, decode=True, allocation=allocation):
+                    num_scheduled += 1
+                continue
+            # Inlined _make_seq for a decode (the per-token hot path): the last token.
+            rid = req.request_id
+            all_token_ids = req.all_token_ids  # a decoding request lacks only the last
+            output_token_ids = req.output_token_ids
+            decode[rid] = ScheduledSeq(
+                rid,
+                [all_token_ids[-1]],
+                req.num_computed_tokens,
+                block_ids(rid),
+                req.sampling,
+                True,
+                all_token_ids,
+                len(req.prompt_token_ids),
+                len(output_token_ids),
+                req.eos_token_ids,
+            )
+            num_scheduled += 1
         return num_scheduled
 
     def _take_prefills(self, step: _Step) -> int:
@@ -510,11 +614,21 @@ class Scheduler:
             num_scheduled += 1
         return num_scheduled
 
-    def _schedule_running(self, step: _Step, entry: _Entry, num_new: int, decode: bool) -> bool:
+    def _schedule_running(
+        self,
+        step: _Step,
+        entry: _Entry,
+        num_new: int,
+        decode: bool,
+        allocation: Allocation | None = None,
+    ) -> bool:
         """Allocate ``num_new`` slots for a running request (its budget already taken),
-        preempting victims while memory is short. False if it was itself the victim."""
+        preempting victims while memory is short. False if it was itself the victim.
+        ``allocation``: the result of a first ``allocate_slots`` the caller already made."""
         req = entry.request
-        while (allocation := self.kv.allocate_slots(req, num_new)) is None:
+        if allocation is None:
+            allocation = self.kv.allocate_slots(req, num_new)
+        while allocation is None:
             if self._reserve:
                 raise RuntimeError(
                     f"reserve mode: {req.request_id!r} ran out of its reserved blocks at "
@@ -526,6 +640,7 @@ class Scheduler:
                 self._preempt(step, entry)
                 return False
             self._preempt(step, victim)
+            allocation = self.kv.allocate_slots(req, num_new)
         step.add(self._make_seq(req, num_new), decode, allocation)
         return True
 
@@ -539,6 +654,9 @@ class Scheduler:
         if not self._may_fit(entry):
             return False
         hit_block_ids, num_hit = self.kv.get_computed_blocks(req)
+        if self._sliding_window is not None:
+            num_hit = self._num_hits_within_window(entry, num_hit, step.budget.remaining)
+            hit_block_ids = hit_block_ids[: num_hit // self._block_size]
         # 0 only for a parent of samples whose prompt, but the last token, is cached.
         chunk = min(entry.prefill_target - num_hit, self._max_chunk, step.budget.remaining)
         while (allocation := self._allocate_admission(req, chunk, hit_block_ids, num_hit)) is None:
@@ -553,6 +671,8 @@ class Scheduler:
         req.num_computed_tokens = num_hit
         req.status = _PREFILLING
         entry.num_full_blocks = num_hit // self._block_size
+        if self._sliding_window is not None:
+            self.kv.release_out_of_window(req)  # hit blocks the first chunk cannot see
         self._running[req.request_id] = entry
         if not entry.forked and entry.child_ids:
             entry.holds_child_seats = True
@@ -562,6 +682,20 @@ class Scheduler:
         else:
             self._fork_children(entry)
         return True
+
+    def _num_hits_within_window(self, entry: _Entry, num_hit: int, budget: int) -> int:
+        """Prefix-hit tokens to use under a sliding window. Hit blocks are taken whole, even
+        those the window has left behind (released right after admission), so a long hit
+        plus the first chunk could need more blocks than the pool has: use the longest hit
+        prefix with which the admission fits the per-request window bound."""
+        bs = self._block_size
+        blocks_for = self.kv.num_blocks_for
+        while num_hit > 0:
+            chunk = min(entry.prefill_target - num_hit, self._max_chunk, budget)
+            if blocks_for(num_hit + chunk) <= self._window_blocks:
+                break
+            num_hit -= bs
+        return num_hit
 
     def _may_fit(self, entry: _Entry) -> bool:
         """Whether an admission attempt is worth a prefix query (each query is counted in the
@@ -758,16 +892,15 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         """A snapshot after the last step (batch composition of the last plan)."""
-        plan = self._last_plan
         kv_stats = replace(self.kv.make_stats(), preemptions_total=self._num_preemptions)
         return SchedulerStats(
             step_id=self._step_id,
             num_running=len(self._running),
             num_waiting=self._num_waiting,
             num_preempted=self._num_preempted_waiting,
-            num_prefill_tokens=plan.num_prefill_tokens,
-            num_prefill_reqs=len(plan.prefill),
-            num_decode_reqs=len(plan.decode),
+            num_prefill_tokens=self._last_num_prefill_tokens,
+            num_prefill_reqs=self._last_num_prefill_reqs,
+            num_decode_reqs=self._last_num_decode_reqs,
             num_steps_prefill_total=self._num_steps_prefill,
             num_steps_decode_total=self._num_steps_decode,
             num_preemptions_total=self._num_preemptions,

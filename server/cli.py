@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib
 import logging
 import signal
@@ -56,6 +57,10 @@ async def _serve(cfg: Any) -> int:
         print(f"kvserve serve: cannot start: {exc}", file=sys.stderr)
         return 1
     model = built.model
+    # The model, the KV block pool and the block tables are tens of thousands of long-lived
+    # objects: move them out of the collector's view so a GC pass never walks them mid-step.
+    gc.collect()
+    gc.freeze()
     sink: MetricsSink = NullSink()
     registry = None
     if cfg.metrics:

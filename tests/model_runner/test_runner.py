@@ -59,6 +59,18 @@ def test_greedy_tokens_and_sampling_rows(hf: torch.nn.Module) -> None:
 
 
 @pytest.mark.parametrize("fuse", [True, False])
+def test_middle_chunks_alone_sample_nothing(hf: torch.nn.Module, fuse: bool) -> None:
+    """A step whose only work is a middle chunk returns no token and no failure, and still
+    writes the KV the next chunk reads."""
+    runner = make_runner(hf, fuse_batches=fuse)
+    a = random_ids(12, seed=12)
+    result = runner.execute(plan(0, prefill=[seq("a", a, 0, 7, [1, 2, 3], do_sample=False)]))
+    assert result.sampled_token_ids == {} and result.failed == {}
+    result = runner.execute(plan(1, prefill=[seq("a", a, 7, 12, [1, 2, 3])]))
+    assert result.sampled_token_ids == {"a": greedy_next(hf, a)}
+
+
+@pytest.mark.parametrize("fuse", [True, False])
 def test_timings_by_batch_kind(hf: torch.nn.Module, fuse: bool) -> None:
     """prefill_time_s / decode_time_s are positive exactly for the kinds the step ran."""
     runner = make_runner(hf, fuse_batches=fuse)
@@ -105,6 +117,22 @@ def test_nan_in_one_request_fails_only_that_request(hf: torch.nn.Module) -> None
     assert set(result.failed) == {"a"}
     assert "NaN" in result.failed["a"]
     assert result.sampled_token_ids == {"b": greedy_next(hf, b)}
+
+
+def test_failed_request_leaves_no_nan_behind(hf: torch.nn.Module) -> None:
+    """After a fails with NaN, its blocks are scrubbed: c, which gets a's block 11 and
+    decodes with the unwritten (masked) tail of that block in its gather, still matches."""
+    runner = make_runner(hf)
+    a = random_ids(7, seed=7)
+    runner.execute(plan(0, prefill=[seq("a", a, 0, 6, [10, 11])]))
+    runner.pool.data[:, :, 10] = float("nan")
+    result = runner.execute(plan(1, decode=[seq("a", a, 6, 7, [10, 11])]))
+    assert set(result.failed) == {"a"}
+    assert bool(torch.isfinite(runner.pool.data).all())
+    c = random_ids(2, seed=9)
+    runner.execute(plan(2, prefill=[seq("c", c, 0, 1, [11])]))
+    result = runner.execute(plan(3, decode=[seq("c", c, 1, 2, [11])]))
+    assert result.sampled_token_ids == {"c": greedy_next(hf, c)}
 
 
 class RaisingSampler:
@@ -230,3 +258,57 @@ def test_missing_weights_are_named(hf: torch.nn.Module) -> None:
     state = {k: v for k, v in hf.state_dict().items() if "layers.1.mlp.up_proj" not in k}
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
         TorchRunner(our_config(hf), state, 8, 4, torch.float32, DEVICE)
+
+
+def run_sampled(
+    runner: TorchRunner, prompts: dict[str, list[int]], params: dict[str, SamplingParams]
+) -> dict[str, list[int]]:
+    """Prefill every prompt, then decode 5 steps; returns each request's 6 sampled tokens."""
+    tables = {r: [1 + 6 * i + j for j in range(6)] for i, r in enumerate(prompts)}
+    ids = {r: list(p) for r, p in prompts.items()}
+    n_prompt = {r: len(p) for r, p in prompts.items()}
+    out: dict[str, list[int]] = {r: [] for r in prompts}
+    for step in range(6):
+        seqs = []
+        for r in prompts:
+            start = 0 if step == 0 else len(ids[r]) - 1
+            seqs.append(
+                ScheduledSeq(
+                    request_id=r,
+                    token_ids=ids[r][start:],
+                    start_pos=start,
+                    block_ids=tables[r],
+                    sampling=params[r],
+                    do_sample=True,
+                    all_token_ids=list(ids[r]),
+                    num_prompt_tokens=n_prompt[r],
+                    num_output_tokens=len(out[r]),
+                )
+            )
+        result = runner.execute(plan(step, prefill=seqs) if step == 0 else plan(step, decode=seqs))
+        assert not result.failed
+        for r in prompts:
+            token = result.sampled_token_ids[r]
+            out[r].append(token)
+            ids[r].append(token)
+    return out
+
+
+def test_seeded_sampling_is_batch_independent(hf: torch.nn.Module) -> None:
+    """A seeded temperature-1 request samples the same tokens alone as inside a batch of 16
+    others with mixed (seeded, unseeded, greedy, top-k/top-p) sampling settings."""
+    target = SamplingParams(temperature=1.0, seed=1234)
+    prompt = random_ids(9, seed=60)
+    alone = run_sampled(make_runner(hf, num_blocks=110), {"t": prompt}, {"t": target})
+    prompts = {"t": prompt} | {f"o{i}": random_ids(3 + i, seed=61 + i) for i in range(16)}
+    others = [
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.9, seed=7),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+    ]
+    params = {"t": target} | {f"o{i}": others[i % 4] for i in range(16)}
+    batched = run_sampled(
+        make_runner(hf, num_blocks=110, sampler=Sampler(seed=99)), prompts, params
+    )
+    assert batched["t"] == alone["t"]

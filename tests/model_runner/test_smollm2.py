@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from cache_manager import KVCacheConfig, KVCacheManager
-from model_runner.config import ModelConfig
 from model_runner.loader import LoadedModel, load_model
+from model_runner.reference import build_hf_model
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
 pytestmark = pytest.mark.slow
@@ -31,40 +31,10 @@ def smol() -> LoadedModel:
     return load_model(None)
 
 
-def hf_llama(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> Any:
-    """transformers' LlamaForCausalLM built from our ModelConfig and state dict (fp32)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hf_config = LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        rope_theta=config.rope_theta,
-        max_position_embeddings=config.max_position_embeddings,
-        tie_word_embeddings=config.tie_word_embeddings,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=None,  # generate() below runs a fixed number of tokens, like ignore_eos
-        attention_bias=False,
-        mlp_bias=False,
-    )
-    model = LlamaForCausalLM(hf_config)
-    missing, unexpected = model.load_state_dict(state_dict, strict=False)
-    assert unexpected == []
-    assert missing == (["lm_head.weight"] if config.tie_word_embeddings else [])
-    model.tie_weights()
-    model.generation_config.eos_token_id = None
-    return model.float().to(DEVICE).eval()
-
-
 @pytest.fixture(scope="module")
 def hf_model(smol: LoadedModel) -> Any:
     pytest.importorskip("transformers")
-    return hf_llama(smol.config, smol.state_dict)
+    return build_hf_model(smol.config, smol.state_dict, with_eos=False).to(DEVICE)
 
 
 def chat_ids(smol: LoadedModel, question: str) -> list[int]:

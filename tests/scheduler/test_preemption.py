@@ -82,17 +82,26 @@ def test_requester_preempts_itself_when_it_is_the_worst() -> None:
     assert_no_blocks_held(kv)
 
 
-def test_newest_victim_rule_ignores_priority() -> None:
-    """preemption='newest' picks the latest arrival even when it has the best priority."""
-    sched, kv = make_scheduler(num_blocks=5, max_num_batched_tokens=32, preemption="newest")
-    runner = make_runner(kv)
-    sched.add_request(make_request("a", prompt_len=8, max_tokens=2, priority=1))
-    sched.add_request(make_request("b", prompt_len=5, max_tokens=4, priority=2, first_token=200))
-    sched.add_request(make_request("c", prompt_len=3, max_tokens=3, priority=0, first_token=300))
-    step(sched, runner)
-    s2 = step(sched, runner)
-    assert decode_view(s2.plan) == [("a", 8, [0, 1, 4]), ("b", 5, [2, 3])]
-    assert sched.waiting_request_ids() == ["c"]
+def test_newest_and_least_computed_rules_break_ties_differently() -> None:
+    """Among the priority-1 requests b (older, 3 computed) and c (newer, 5 computed), the
+    'priority' rule preempts b (less work lost) and 'newest' preempts c."""
+    for rule, decodes, waiting in (
+        ("priority", [("a", 8, [0, 1, 2]), ("c", 5, [3, 4])], ["b"]),
+        ("newest", [("a", 8, [0, 1, 3]), ("b", 3, [2])], ["c"]),
+    ):
+        sched, kv = make_scheduler(num_blocks=5, max_num_batched_tokens=32, preemption=rule)
+        runner = make_runner(kv)
+        sched.add_request(make_request("a", prompt_len=8, max_tokens=2, priority=0))
+        sched.add_request(
+            make_request("b", prompt_len=3, max_tokens=4, priority=1, first_token=200)
+        )
+        sched.add_request(
+            make_request("c", prompt_len=5, max_tokens=3, priority=1, first_token=300)
+        )
+        step(sched, runner)  # a: [0, 1], b: [2], c: [3, 4]
+        s2 = step(sched, runner)
+        assert decode_view(s2.plan) == decodes, rule
+        assert sched.waiting_request_ids() == waiting, rule
 
 
 def test_recompute_after_preemption_reuses_the_prefix_cache() -> None:

@@ -1,0 +1,523 @@
+"""``kvserve simulate``: replay a workload through the real scheduler on a simulated GPU.
+
+The real ``Scheduler`` and ``KVCacheManager`` run unchanged; the model is a ``SimRunner``
+(a roofline cost model of a named GPU + model, ``model_runner/sim.py``) on a virtual clock,
+so 1,000 requests on an H100 take seconds on a laptop CPU.
+
+    kvserve simulate                                   # 1,000 requests, H100 x Llama-3-8B
+    kvserve simulate --compare --json sim.json         # static vs continuous, both policies
+    kvserve simulate --workload loadtest/workloads/shared_prefix.json --rate 20 --burstiness 0.5
+
+Arrivals are open-loop: Poisson at ``--rate`` requests/s, or bursty (gamma inter-arrival
+times with shape ``--burstiness`` < 1; 1 is Poisson), or all at once (``--rate inf``).
+Prompt/output lengths, shared prefixes, priorities and cancellations come from a workload
+file (``loadtest/workload.py`` schema, random-token prompts) or the built-in mix.
+
+Reported per run: throughput (output tokens/s, requests/s), TTFT, inter-token latency (ITL,
+every gap between two tokens of a request), time per output token, end-to-end latency and
+queueing time percentiles, preemptions and recomputed tokens, steps by kind, KV usage (mean
+over time, max) and the prefix-cache hit rate; as a table and as JSON (``--json``).
+
+``--static-batching`` is the baseline continuous batching replaced: the engine takes up to
+``max_num_seqs`` waiting requests, runs them until the longest ends (finished ones keep
+their row, costed as padding), and only then admits more. ``--compare`` runs static
+batching and continuous batching under ``prefill-first`` and ``stall-free`` on the same
+arrivals, in one invocation, and prints the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cache_manager import KVCacheConfig, KVCacheManager
+from loadtest.workload import RequestSpec, Workload
+from model_runner.sim import PROFILES, SimProfile, SimRunner, get_profile
+from scheduler import (
+    OverloadError,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+)
+
+# A ShareGPT-like mix: lognormal lengths, a third of requests behind one of 8 system prompts,
+# two priority classes.
+DEFAULT_WORKLOAD: dict[str, Any] = {
+    "name": "sim-mix",
+    "description": "lognormal prompts (median 256) and outputs (median 128); 30% share one of "
+    "8 system prompts of 512 tokens; priorities 0:1 = 1:3",
+    "seed": 0,
+    "num_requests": 1000,
+    "prompt": {
+        "source": "random",
+        "len": {"type": "lognormal", "median": 256, "sigma": 0.9, "min": 16, "max": 2048},
+    },
+    "shared_prefix": {"num_prefixes": 8, "len": 512, "fraction": 0.3},
+    "output": {
+        "len": {"type": "lognormal", "median": 128, "sigma": 0.8, "min": 4, "max": 1024},
+        "ignore_eos": True,
+    },
+    "priorities": [{"value": 0, "weight": 1}, {"value": 1, "weight": 3}],
+}
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True, slots=True)
+class RunSpec:
+    """One simulated engine configuration."""
+
+    name: str
+    config: SchedulerConfig
+    static_batching: bool = False
+
+
+@dataclass(slots=True)
+class _Track:
+    """What the simulator records for one request."""
+
+    arrival_s: float
+    num_prompt_tokens: int
+    cancel_after: int | None
+    first_scheduled_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
+    finished_s: float | None = None
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+
+def arrival_times(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Open-loop arrival times (s): gamma inter-arrival gaps with mean 1/rate and shape
+    ``burstiness`` (1 = Poisson, < 1 = bursty); all at 0 when ``rate`` is infinite."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(f"{seed}:sim-arrivals")
+    scale = 1.0 / (rate * burstiness)
+    times = [0.0]
+    for _ in range(n - 1):
+        times.append(times[-1] + rng.gammavariate(burstiness, scale))
+    return times
+
+
+def percentile(samples: Sequence[float], p: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default); None without samples."""
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    k = (len(ordered) - 1) * p / 100.0
+    lo = math.floor(k)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float | int | None]:
+    out: dict[str, float | int | None] = {"count": len(samples)}
+    out["mean"] = sum(samples) / len(samples) if samples else None
+    for p in PERCENTILES:
+        out[f"p{p}"] = percentile(samples, p)
+    out["max"] = max(samples) if samples else None
+    return out
+
+
+def simulate(
+    run: RunSpec,
+    profile: SimProfile,
+    specs: Sequence[RequestSpec],
+    arrivals_s: Sequence[float],
+    *,
+    num_blocks: int,
+    block_size: int = 16,
+    enable_prefix_caching: bool = True,
+    max_steps: int = 2_000_000,
+) -> dict[str, Any]:
+    """Run one configuration over the workload on a fresh scheduler, cache and clock."""
+    kv = KVCacheManager(
+        KVCacheConfig(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            block_bytes=profile.model.kv_bytes_per_token * block_size,
+        )
+    )
+    sched = Scheduler(run.config, kv)
+    runner = SimRunner(profile)
+    clock = runner.clock
+    eos = runner.info.eos_token_ids
+    tracks: dict[str, _Track] = {}
+    rejected: Counter[str] = Counter()
+    order = sorted(range(len(specs)), key=lambda i: (arrivals_s[i], i))
+    next_arrival = 0
+    static_batch: dict[str, int] = {}  # static batching: the batch, id -> its final length
+    num_steps = 0
+    usage_time = 0.0  # integral of KV usage over busy time
+    max_usage = 0.0
+    decode_rows = 0
+    to_cancel: set[str] = set()  # requests the client will cancel after some tokens
+
+    def admit(i: int) -> None:
+        spec = specs[i]
+        assert spec.prompt_token_ids is not None
+        rid = f"req-{spec.index}"
+        request = Request(
+            request_id=rid,
+            prompt_token_ids=list(spec.prompt_token_ids),
+            sampling=SamplingParams(max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos),
+            eos_token_ids=eos,
+            priority=spec.priority,
+            arrival_time_s=arrivals_s[i],
+        )
+        try:
+            sched.add_request(request)
+        except OverloadError:
+            rejected["overload"] += 1
+            return
+        except ValueError:
+            rejected["invalid"] += 1
+            return
+        tracks[rid] = _Track(arrivals_s[i], len(spec.prompt_token_ids), spec.cancel_after_tokens)
+        if spec.cancel_after_tokens is not None:
+            to_cancel.add(rid)
+        if run.static_batching:
+            static_batch[rid] = 0
+
+    def record(out: RequestOutput, now_s: float) -> None:
+        track = tracks[out.request_id]
+        track.token_times_s.extend(now_s for _ in out.new_token_ids)
+        if out.finished:
+            track.finished_s = now_s
+            track.finish_reason = out.finish_reason.value if out.finish_reason else None
+            track.num_cached_tokens = out.num_cached_tokens
+            if out.request_id in static_batch:
+                static_batch[out.request_id] = track.num_prompt_tokens + out.num_output_tokens
+
+    while next_arrival < len(order) or sched.has_unfinished_requests():
+        # Arrivals up to now join the queue; static batching admits a batch only when idle.
+        if not run.static_batching or not sched.has_unfinished_requests():
+            static_batch.clear()
+            cap = run.config.max_num_seqs if run.static_batching else len(order)
+            while (
+                next_arrival < len(order)
+                and arrivals_s[order[next_arrival]] <= clock.now_s
+                and len(static_batch) < cap
+            ):
+                admit(order[next_arrival])
+                next_arrival += 1
+        if not sched.has_unfinished_requests():
+            if next_arrival < len(order):
+                clock.advance_to(arrivals_s[order[next_arrival]])
+            continue
+        num_steps += 1
+        if num_steps > max_steps:
+            raise RuntimeError(f"{run.name}: no end after {max_steps} steps")
+        plan = sched.schedule()
+        if plan.is_empty:
+            raise RuntimeError(
+                f"{run.name}: step {plan.step_id} scheduled nothing with "
+                f"{sched.num_waiting} waiting and {sched.num_running} running"
+            )
+        for seq in plan.prefill:
+            track = tracks[seq.request_id]
+            if track.first_scheduled_s is None:
+                track.first_scheduled_s = clock.now_s
+        padding = [(1, length) for length in static_batch.values() if length]
+        start_s = clock.now_s
+        result = runner.execute(plan, padding=padding)
+        now_s = clock.now_s
+        usage = kv.usage
+        usage_time += usage * (now_s - start_s)
+        max_usage = max(max_usage, usage)
+        decode_rows += len(plan.decode)
+        for out in sched.update(plan, result):
+            record(out, now_s)
+        for rid in list(to_cancel):
+            track = tracks[rid]
+            if track.finished_s is not None:
+                to_cancel.discard(rid)
+            elif track.cancel_after is not None and len(track.token_times_s) >= track.cancel_after:
+                aborted = sched.abort(rid)
+                assert aborted is not None
+                record(aborted, now_s)
+                to_cancel.discard(rid)
+
+    return _report(run, sched, kv, tracks, rejected, num_steps, usage_time, max_usage, decode_rows)
+
+
+def _report(
+    run: RunSpec,
+    sched: Scheduler,
+    kv: KVCacheManager,
+    tracks: dict[str, _Track],
+    rejected: Counter[str],
+    num_steps: int,
+    usage_time: float,
+    max_usage: float,
+    decode_rows: int,
+) -> dict[str, Any]:
+    done = [t for t in tracks.values() if t.finished_s is not None]
+    start_s = min((t.arrival_s for t in tracks.values()), default=0.0)
+    end_s = max((t.finished_s for t in done if t.finished_s is not None), default=start_s)
+    duration_s = end_s - start_s
+    num_output = sum(len(t.token_times_s) for t in done)
+    num_prompt = sum(t.num_prompt_tokens for t in done)
+    ttft = [t.token_times_s[0] - t.arrival_s for t in done if t.token_times_s]
+    itl = [b - a for t in done for a, b in zip(t.token_times_s, t.token_times_s[1:], strict=False)]
+    tpot = [
+        (t.token_times_s[-1] - t.token_times_s[0]) / (len(t.token_times_s) - 1)
+        for t in done
+        if len(t.token_times_s) > 1
+    ]
+    e2e = [t.finished_s - t.arrival_s for t in done if t.finished_s is not None]
+    queue = [t.first_scheduled_s - t.arrival_s for t in done if t.first_scheduled_s is not None]
+    stats = sched.make_stats()
+
+    def per_s(count: int) -> float:
+        return count / duration_s if duration_s > 0 else 0.0
+
+    return {
+        "name": run.name,
+        "mode": "static" if run.static_batching else "continuous",
+        "policy": run.config.policy,
+        "num_requests": len(tracks) + sum(rejected.values()),
+        "num_finished": len(done),
+        "num_rejected": dict(rejected),
+        "finish_reasons": dict(Counter(t.finish_reason for t in done if t.finish_reason)),
+        "duration_s": duration_s,
+        "num_prompt_tokens": num_prompt,
+        "num_output_tokens": num_output,
+        "throughput": {
+            "output_tokens_per_s": per_s(num_output),
+            "total_tokens_per_s": per_s(num_output + num_prompt),
+            "requests_per_s": per_s(len(done)),
+        },
+        "ttft_s": summarize(ttft),
+        "itl_s": summarize(itl),
+        "tpot_s": summarize(tpot),
+        "e2e_s": summarize(e2e),
+        "queue_s": summarize(queue),
+        "preemptions": stats.num_preemptions_total,
+        "recomputed_tokens": stats.num_recomputed_tokens_total,
+        "steps": {
+            "total": num_steps,
+            "with_prefill": stats.num_steps_prefill_total,
+            "with_decode": stats.num_steps_decode_total,
+            "mean_decode_batch": decode_rows / num_steps if num_steps else 0.0,
+        },
+        "kv": {
+            "num_blocks": kv.num_blocks,
+            "block_size": kv.block_size,
+            "mean_usage": usage_time / duration_s if duration_s > 0 else 0.0,
+            "max_usage": max_usage,
+            "prefix_hit_rate": stats.kv.cache_hit_rate,
+            "evictions": stats.kv.evictions_total,
+        },
+    }
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvserve simulate",
+        description="Replay a workload through the real scheduler + KV cache manager on a "
+        "simulated GPU (roofline cost model, virtual clock).",
+    )
+    parser.add_argument("--profile", default="h100-llama3-8b-bf16", choices=sorted(PROFILES))
+    parser.add_argument("--workload", help="workload JSON (loadtest schema); default: built-in")
+    parser.add_argument("--num-requests", type=int, help="default: the workload's count")
+    parser.add_argument("--rate", type=float, default=math.inf, help="requests/s (inf = all at 0)")
+    parser.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="arrival-time seed")
+    parser.add_argument("--policy", default="stall-free", choices=["stall-free", "prefill-first"])
+    parser.add_argument("--queue-order", default="fcfs", choices=["fcfs", "priority"])
+    parser.add_argument("--memory-mode", default="optimistic", choices=["optimistic", "reserve"])
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=512)
+    parser.add_argument("--max-decode-starvation-steps", type=int, default=4)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-gib", type=float, help="KV pool size; default: the profile's")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--static-batching", action="store_true", help="the static baseline")
+    mode.add_argument(
+        "--compare",
+        action="store_true",
+        help="static vs continuous (prefill-first, stall-free) on the same arrivals",
+    )
+    parser.add_argument("--json", dest="json_path", help="write the full report here")
+    return parser
+
+
+def _load_workload(path: str | None) -> Workload:
+    if path is None:
+        return Workload.from_dict(DEFAULT_WORKLOAD)
+    workload = Workload.load(path)
+    if workload.prompt_source != "random":
+        raise ValueError(
+            f"workload {path}: the simulator needs token prompts (prompt.source 'random'); "
+            f"text prompts need a tokenizer"
+        )
+    return workload
+
+
+def _run_specs(args: argparse.Namespace) -> list[RunSpec]:
+    base = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=get_profile(args.profile).model.max_model_len,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        policy=args.policy,
+        max_decode_starvation_steps=args.max_decode_starvation_steps,
+        queue_order=args.queue_order,
+        memory_mode=args.memory_mode,
+        max_waiting_requests=1_000_000,
+        max_waiting_tokens=1_000_000_000,
+    )
+
+    def with_policy(policy: str) -> SchedulerConfig:
+        return SchedulerConfig(**{**_fields(base), "policy": policy})
+
+    if args.compare:
+        return [
+            RunSpec("static", base, static_batching=True),
+            RunSpec("continuous prefill-first", with_policy("prefill-first")),
+            RunSpec("continuous stall-free", with_policy("stall-free")),
+        ]
+    if args.static_batching:
+        return [RunSpec("static", base, static_batching=True)]
+    return [RunSpec(f"continuous {base.policy}", base)]
+
+
+def _fields(config: SchedulerConfig) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in SchedulerConfig.__dataclass_fields__}
+
+
+def _fmt_ms(summary: dict[str, float | int | None], key: str) -> str:
+    value = summary.get(key)
+    return "-" if value is None else f"{float(value) * 1e3:.1f}"
+
+
+def format_table(runs: Sequence[dict[str, Any]]) -> str:
+    columns: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+        ("run", lambda r: str(r["name"])),
+        ("done", lambda r: str(r["num_finished"])),
+        ("tok/s", lambda r: f"{r['throughput']['output_tokens_per_s']:.0f}"),
+        ("req/s", lambda r: f"{r['throughput']['requests_per_s']:.2f}"),
+        ("TTFT p50", lambda r: _fmt_ms(r["ttft_s"], "p50")),
+        ("TTFT p99", lambda r: _fmt_ms(r["ttft_s"], "p99")),
+        ("ITL p50", lambda r: _fmt_ms(r["itl_s"], "p50")),
+        ("ITL p99", lambda r: _fmt_ms(r["itl_s"], "p99")),
+        ("e2e p50", lambda r: _fmt_ms(r["e2e_s"], "p50")),
+        ("e2e p99", lambda r: _fmt_ms(r["e2e_s"], "p99")),
+        ("preempt", lambda r: str(r["preemptions"])),
+        ("KV mean", lambda r: f"{r['kv']['mean_usage']:.0%}"),
+        ("KV max", lambda r: f"{r['kv']['max_usage']:.0%}"),
+        ("hit", lambda r: f"{r['kv']['prefix_hit_rate']:.0%}"),
+    ]
+    rows = [[name for name, _ in columns]] + [[get(r) for _, get in columns] for r in runs]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    lines = []
+    for j, row in enumerate(rows):
+        cells = [
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines) + "\n(latencies in ms; tok/s = output tokens per second)"
+
+
+def compare(runs: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """Continuous/static throughput ratio and stall-free/prefill-first p99 ITL ratio."""
+    by_name = {r["name"]: r for r in runs}
+    static = by_name.get("static")
+    pf = by_name.get("continuous prefill-first")
+    sf = by_name.get("continuous stall-free")
+    out: dict[str, float | None] = {}
+    if static and sf and static["throughput"]["output_tokens_per_s"]:
+        out["continuous_over_static_throughput"] = (
+            sf["throughput"]["output_tokens_per_s"] / static["throughput"]["output_tokens_per_s"]
+        )
+    if static and pf and static["throughput"]["output_tokens_per_s"]:
+        out["prefill_first_over_static_throughput"] = (
+            pf["throughput"]["output_tokens_per_s"] / static["throughput"]["output_tokens_per_s"]
+        )
+    if pf and sf and pf["itl_s"]["p99"]:
+        out["stall_free_over_prefill_first_itl_p99"] = sf["itl_s"]["p99"] / pf["itl_s"]["p99"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        workload = _load_workload(args.workload)
+        profile = get_profile(args.profile)
+        runs = _run_specs(args)
+    except (OSError, ValueError) as exc:
+        print(f"kvserve simulate: {exc}", file=sys.stderr)
+        return 2
+    num_requests = args.num_requests or workload.num_requests
+    specs = workload.build(num_requests, vocab_size=profile.model.vocab_size)
+    arrivals = arrival_times(num_requests, args.rate, args.burstiness, args.seed)
+    if args.kv_gib is not None:
+        num_blocks = int(args.kv_gib * 2**30) // (
+            profile.model.kv_bytes_per_token * args.block_size
+        )
+    else:
+        num_blocks = profile.kv_budget_bytes // (profile.model.kv_bytes_per_token * args.block_size)
+    results = [
+        simulate(
+            run,
+            profile,
+            specs,
+            arrivals,
+            num_blocks=num_blocks,
+            block_size=args.block_size,
+            enable_prefix_caching=not args.no_prefix_caching,
+        )
+        for run in runs
+    ]
+    print(
+        f"profile {profile.name}: {profile.model.name} on {profile.hardware.name}, "
+        f"{num_blocks} KV blocks of {args.block_size} tokens; workload {workload.name}, "
+        f"{num_requests} requests, rate {args.rate:g}/s, burstiness {args.burstiness:g}"
+    )
+    print(format_table(results))
+    ratios = compare(results)
+    for key, value in ratios.items():
+        print(f"{key}: {value:.2f}" if value is not None else f"{key}: -")
+    report = {
+        "profile": profile.name,
+        "workload": workload.describe(),
+        "num_requests": num_requests,
+        "arrivals": {
+            "rate": None if math.isinf(args.rate) else args.rate,  # None: all at time 0
+            "burstiness": args.burstiness,
+            "seed": args.seed,
+        },
+        "kv": {"num_blocks": num_blocks, "block_size": args.block_size},
+        "config": _fields(runs[0].config),
+        "runs": results,
+        "comparison": ratios,
+    }
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

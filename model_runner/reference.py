@@ -1,0 +1,81 @@
+"""The Hugging Face transformers twin of a kvserve model: the correctness oracle and the
+benchmark baseline. transformers is a dev dependency, imported only when a twin is built."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from model_runner.config import ModelConfig
+
+_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+}
+
+
+def build_hf_model(
+    config: ModelConfig,
+    state_dict: dict[str, torch.Tensor],
+    *,
+    dtype: torch.dtype = torch.float32,
+    with_eos: bool = True,
+) -> Any:
+    """transformers' ``*ForCausalLM`` for ``config`` holding ``state_dict`` (eval mode).
+
+    ``with_eos=False`` leaves the EOS id out of the model's generation config, so
+    ``generate()`` runs a fixed number of tokens (as ``ignore_eos`` does on our side).
+    Raises if the weights do not fit the model exactly (tied ``lm_head`` excepted) or if
+    transformers did not take the checkpoint's RoPE theta.
+    """
+    import transformers
+
+    config_name, model_name = _CLASSES[config.architecture]
+    eos = list(config.eos_token_ids) if with_eos and config.eos_token_ids else None
+    kwargs: dict[str, Any] = {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": eos,
+        "pad_token_id": (config.eos_token_ids or (0,))[0],
+    }
+    if config.architecture == "llama":
+        kwargs["attention_bias"] = config.attention_bias
+    if config.sliding_window is not None:
+        kwargs["sliding_window"] = config.sliding_window
+        if config.architecture == "qwen2":
+            kwargs["use_sliding_window"] = True
+    hf_config = getattr(transformers, config_name)(**kwargs)
+    # transformers 5 folds rope_theta / rope_scaling into rope_parameters; check it took them.
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta != config.rope_theta:
+        raise RuntimeError(
+            f"{config_name} has rope_theta {theta}, the checkpoint {config.rope_theta}"
+        )
+    model = getattr(transformers, model_name)(hf_config)
+    missing, unexpected = model.load_state_dict(
+        {k: v.to(torch.float32) for k, v in state_dict.items()}, strict=False
+    )
+    allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - allowed_missing or unexpected:
+        raise RuntimeError(
+            f"weights do not fit {model_name}: missing {missing}, unexpected {unexpected}"
+        )
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    if not with_eos:
+        model.generation_config.eos_token_id = None
+    return model.to(dtype).eval()
