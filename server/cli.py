@@ -21,6 +21,7 @@ import logging
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,12 @@ async def _serve(cfg: Any) -> int:
     t0 = time.monotonic()
     loop = asyncio.get_running_loop()
     try:
-        built = await loop.run_in_executor(None, build_engine, cfg)
+        # Load in a short-lived thread of its own: when it exits, its OpenMP worker pool goes
+        # with it. A second live pool would put more OpenMP threads than cores in play, and
+        # libgomp then throttles its spin-waiting for every pool: the engine thread's steps
+        # measured 1.7x slower on 2 cores (36 vs 21 ms per decode step of SmolLM2).
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-load") as pool:
+            built = await loop.run_in_executor(pool, build_engine, cfg)
     except Exception as exc:  # a missing/corrupt checkpoint, a bad size: say what and stop
         logger.debug("start-up failed", exc_info=True)
         print(f"kvserve serve: cannot start: {exc}", file=sys.stderr)
