@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import random
 import sys
 import time
 import uuid
@@ -26,7 +25,7 @@ from tqdm import tqdm
 
 from loadtest import server_stats
 from loadtest.stats import SLO, Outcome, RequestResult
-from loadtest.workload import RequestSpec, Workload
+from loadtest.workload import RequestSpec, Workload, arrival_offsets
 from server.rpc import generation_pb2 as pb
 from server.rpc import generation_pb2_grpc as pb_grpc
 
@@ -96,18 +95,6 @@ class RunResult:
     start_s: float
     end_s: float
     server: dict[str, Any] | None = None
-
-
-def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
-    """Send times (s from the start) of n open-loop requests; the first is sent at 0."""
-    if math.isinf(rate):
-        return [0.0] * n
-    rng = random.Random(f"{seed}:arrivals")
-    theta = 1.0 / (rate * burstiness)
-    out = [0.0]
-    for _ in range(n - 1):
-        out.append(out[-1] + rng.gammavariate(burstiness, theta))
-    return out
 
 
 def build_request(spec: RequestSpec, request_id: str) -> pb.GenerateRequest:

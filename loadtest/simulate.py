@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -39,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from cache_manager import KVCacheConfig, KVCacheManager
-from loadtest.workload import RequestSpec, Workload
+from loadtest.stats import summarize
+from loadtest.workload import RequestSpec, Workload, arrival_offsets
 from model_runner.sim import PROFILES, SimProfile, SimRunner, get_profile
 from scheduler import (
     OverloadError,
@@ -70,8 +70,6 @@ DEFAULT_WORKLOAD: dict[str, Any] = {
     "priorities": [{"value": 0, "weight": 1}, {"value": 1, "weight": 3}],
 }
 
-PERCENTILES = (50, 90, 99)
-
 
 @dataclass(frozen=True, slots=True)
 class RunSpec:
@@ -94,39 +92,6 @@ class _Track:
     finished_s: float | None = None
     finish_reason: str | None = None
     num_cached_tokens: int = 0
-
-
-def arrival_times(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
-    """Open-loop arrival times (s): gamma inter-arrival gaps with mean 1/rate and shape
-    ``burstiness`` (1 = Poisson, < 1 = bursty); all at 0 when ``rate`` is infinite."""
-    if math.isinf(rate):
-        return [0.0] * n
-    rng = random.Random(f"{seed}:sim-arrivals")
-    scale = 1.0 / (rate * burstiness)
-    times = [0.0]
-    for _ in range(n - 1):
-        times.append(times[-1] + rng.gammavariate(burstiness, scale))
-    return times
-
-
-def percentile(samples: Sequence[float], p: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default); None without samples."""
-    if not samples:
-        return None
-    ordered = sorted(samples)
-    k = (len(ordered) - 1) * p / 100.0
-    lo = math.floor(k)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
-def summarize(samples: Sequence[float]) -> dict[str, float | int | None]:
-    out: dict[str, float | int | None] = {"count": len(samples)}
-    out["mean"] = sum(samples) / len(samples) if samples else None
-    for p in PERCENTILES:
-        out[f"p{p}"] = percentile(samples, p)
-    out["max"] = max(samples) if samples else None
-    return out
 
 
 def simulate(
@@ -472,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     num_requests = args.num_requests or workload.num_requests
     specs = workload.build(num_requests, vocab_size=profile.model.vocab_size)
-    arrivals = arrival_times(num_requests, args.rate, args.burstiness, args.seed)
+    arrivals = arrival_offsets(num_requests, args.rate, args.burstiness, args.seed)
     if args.kv_gib is not None:
         num_blocks = int(args.kv_gib * 2**30) // (
             profile.model.kv_bytes_per_token * args.block_size

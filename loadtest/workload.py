@@ -484,3 +484,15 @@ def _apportion_shuffled(
         out.extend([value] * count)
     rng.shuffle(out)
     return out
+
+
+def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Send times (s from the start) of n open-loop requests; the first is sent at 0."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(f"{seed}:arrivals")
+    theta = 1.0 / (rate * burstiness)
+    out = [0.0]
+    for _ in range(n - 1):
+        out.append(out[-1] + rng.gammavariate(burstiness, theta))
+    return out

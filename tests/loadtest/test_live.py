@@ -14,9 +14,8 @@ import grpc
 import pytest
 
 from loadtest.cli import main
-from loadtest.generator import arrival_offsets
 from loadtest.launch import REPO_ROOT, ServerProcess
-from loadtest.workload import Workload
+from loadtest.workload import Workload, arrival_offsets
 from server.rpc import generation_pb2 as pb
 from server.rpc import generation_pb2_grpc as pb_grpc
 

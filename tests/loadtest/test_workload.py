@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.cli import WORKLOADS_DIR, resolve_workload
-from loadtest.generator import arrival_offsets
-from loadtest.workload import LengthDist, Workload, apportion
+from loadtest.workload import LengthDist, Workload, apportion, arrival_offsets
 
 VOCAB = 32_000
 

@@ -9,16 +9,15 @@ from pathlib import Path
 from loadtest.simulate import (
     DEFAULT_WORKLOAD,
     RunSpec,
-    arrival_times,
     main,
-    percentile,
     simulate,
 )
-from loadtest.workload import RequestSpec, Workload
+from loadtest.stats import percentile
+from loadtest.workload import RequestSpec, Workload, arrival_offsets
 from model_runner.sim import get_profile
 from scheduler import SchedulerConfig
 
-SUMMARY_KEYS = {"count", "mean", "p50", "p90", "p99", "max"}
+SUMMARY_KEYS = {"count", "mean", "p50", "p90", "p99", "min", "max"}
 RUN_KEYS = {
     "name",
     "mode",
@@ -136,10 +135,10 @@ def test_static_batching_admits_nothing_while_a_batch_runs() -> None:
 
 def test_arrivals_and_percentiles() -> None:
     """Infinite rate: all at 0; finite: seeded, increasing; percentiles interpolate."""
-    assert arrival_times(3, math.inf, 1.0, 0) == [0.0, 0.0, 0.0]
-    times = arrival_times(50, 10.0, 0.5, 7)
-    assert times == arrival_times(50, 10.0, 0.5, 7) and times == sorted(times)
-    assert times[0] == 0.0 and times != arrival_times(50, 10.0, 0.5, 8)
+    assert arrival_offsets(3, math.inf, 1.0, 0) == [0.0, 0.0, 0.0]
+    times = arrival_offsets(50, 10.0, 0.5, 7)
+    assert times == arrival_offsets(50, 10.0, 0.5, 7) and times == sorted(times)
+    assert times[0] == 0.0 and times != arrival_offsets(50, 10.0, 0.5, 8)
     assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == 4.6
     assert percentile([], 50) is None
