@@ -142,20 +142,25 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ prefix cache
 
-    def get_computed_blocks(self, seq: CacheSequence) -> tuple[list[int], int]:
+    def get_computed_blocks(
+        self, seq: CacheSequence, *, record: bool = True
+    ) -> tuple[list[int], int]:
         """Longest cached prefix of ``seq.all_token_ids`` in full blocks: (block ids, tokens).
 
         Never covers the last token (its logits must be computed), so at most
         ``(len(tokens) - 1) // block_size`` blocks. Takes no references: pass the ids to
         ``allocate_slots`` (or ``reserve_slots``) before anything else allocates, which
-        verifies them again. Counts one prefix query of ``len(all_token_ids)`` tokens and
-        the hit tokens per call (the scheduler calls it once per (re)admission attempt);
-        counts nothing when prefix caching is off.
+        verifies them again. With ``record`` it counts one prefix query of
+        ``len(all_token_ids)`` tokens and the hit tokens; a caller that may not use the
+        result (an admission that can still fail for room) passes ``record=False`` and calls
+        ``record_prefix_query`` once the lookup was used. Counts nothing when prefix caching
+        is off.
         """
         if not self.enable_prefix_caching:
             return [], 0
         tokens = seq.all_token_ids
-        self._num_prefix_queries_tokens += len(tokens)
+        if record:
+            self._num_prefix_queries_tokens += len(tokens)
         pool = self._pool
         if not pool.cached:
             return [], 0
@@ -172,8 +177,22 @@ class KVCacheManager:
             hit_ids.append(block.block_id)
             parent = key
         num_hit_tokens = len(hit_ids) * bs
-        self._num_prefix_hits_tokens += num_hit_tokens
+        if record:
+            self._num_prefix_hits_tokens += num_hit_tokens
         return hit_ids, num_hit_tokens
+
+    def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Count a prefix lookup made with ``get_computed_blocks(..., record=False)`` once its
+        result was used: ``num_query_tokens`` looked up, ``num_hit_tokens`` of them cached.
+        No-op when prefix caching is off."""
+        if not 0 <= num_hit_tokens <= num_query_tokens:
+            raise ValueError(
+                f"need 0 <= num_hit_tokens ({num_hit_tokens}) <= num_query_tokens "
+                f"({num_query_tokens})"
+            )
+        if self.enable_prefix_caching:
+            self._num_prefix_queries_tokens += num_query_tokens
+            self._num_prefix_hits_tokens += num_hit_tokens
 
     def cache_full_blocks(self, seq: CacheSequence) -> None:
         """Give each newly full, computed block of ``seq`` its prefix-cache key.
@@ -546,7 +565,8 @@ class KVCacheManager:
           the slots of those blocks, ``num_blocks_used * block_size``. Reserved but unwritten
           slots and half-filled tails lower it.
         - ``usage``: referenced blocks over allocatable blocks (the null block excluded).
-        - prefix queries/hits: cumulative tokens, counted per ``get_computed_blocks`` call.
+        - prefix queries/hits: cumulative tokens, counted per recorded
+          ``get_computed_blocks`` call (or ``record_prefix_query``).
         """
         pool = self._pool
         bs = self.block_size

@@ -653,7 +653,9 @@ class Scheduler:
                 return False
         if not self._may_fit(entry):
             return False
-        hit_block_ids, num_hit = self.kv.get_computed_blocks(req)
+        # Counted only once the admission succeeds: a retry after a failed one is not a
+        # second query.
+        hit_block_ids, num_hit = self.kv.get_computed_blocks(req, record=False)
         if self._sliding_window is not None:
             num_hit = self._num_hits_within_window(entry, num_hit, step.budget.remaining)
             hit_block_ids = hit_block_ids[: num_hit // self._block_size]
@@ -664,6 +666,7 @@ class Scheduler:
                 entry.blocked_at_num_free = self.kv.num_free_blocks
                 return False
         entry.blocked_at_num_free = None
+        self.kv.record_prefix_query(req.num_tokens, num_hit)
         step.budget.take_up_to(chunk)
         self._pop_waiting(entry)
         if req.status is _WAITING:  # first admission (not a resumption after preemption)

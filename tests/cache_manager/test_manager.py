@@ -256,6 +256,21 @@ def test_prefix_stats_count_tokens_per_query() -> None:
     assert stats.cache_hit_rate == 16 / 28
 
 
+def test_unrecorded_lookup_counts_only_when_recorded() -> None:
+    """record=False counts nothing; record_prefix_query then counts the used lookup once."""
+    kv = make_kv(num_blocks=8, block_size=4)
+    prefill(kv, make_seq("a", range(10)))  # query 10, hit 0
+    assert kv.get_computed_blocks(make_seq("b", range(9)), record=False) == ([0, 1], 8)
+    assert kv.get_computed_blocks(make_seq("b", range(9)), record=False) == ([0, 1], 8)
+    stats = kv.make_stats()
+    assert (stats.prefix_queries_tokens_total, stats.prefix_hits_tokens_total) == (10, 0)
+    kv.record_prefix_query(9, 8)
+    stats = kv.make_stats()
+    assert (stats.prefix_queries_tokens_total, stats.prefix_hits_tokens_total) == (19, 8)
+    with pytest.raises(ValueError, match="num_hit_tokens"):
+        kv.record_prefix_query(4, 8)
+
+
 def test_prefix_caching_disabled_never_hits_or_counts() -> None:
     """With prefix caching off, lookups return nothing, count nothing and no block gets a key."""
     kv = make_kv(num_blocks=8, block_size=4, enable_prefix_caching=False)
