@@ -150,7 +150,9 @@ class ForwardBatch:
             dec_gather_starts.append(len(gathers))
             for r in dec_rows[g0:g1]:
                 gathers.extend(r)
-                gathers.extend([0] * (g_max - len(r)))
+                # Pad with the row's own last block (masked out): never another request's
+                # data, so non-finite KV elsewhere cannot leak into this row through 0 * NaN.
+                gathers.extend([r[-1]] * (g_max - len(r)))
 
         num_tokens = len(input_ids)
         flat = torch.tensor(

@@ -47,6 +47,17 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     inv_freq = 1.0 / (
         config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     )
+    freq_factors = config.extra.get("rope_freqs")
+    if freq_factors is not None:
+        # llama.cpp's GGUF stores Llama-3.x rope scaling as per-frequency divisors
+        # (``rope_freqs.weight``, ggml's freq_factors) instead of a rope_scaling entry.
+        if len(freq_factors) != dim // 2:
+            raise ValueError(
+                f"rope_freqs has {len(freq_factors)} factors, head_dim {dim} needs {dim // 2}"
+            )
+        if config.rope_scaling and config.rope_scaling.get("rope_type") == "llama3":
+            raise ValueError("rope_freqs and rope_scaling llama3 both scale RoPE: keep one")
+        return inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
     scaling = config.rope_scaling
     if not scaling:
         return inv_freq

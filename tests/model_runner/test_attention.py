@@ -48,7 +48,7 @@ def test_fresh_prompt_attends_to_itself() -> None:
 def test_decodes_are_grouped_by_context_length() -> None:
     """Longest-first decodes of 23, 18, 11, 4 and 1 blocks form groups [23, 18], [11], [4, 1]
     (a group never pads a context to more than twice its length once above 8 blocks); each
-    group pads its gather with block 0 and masks the padding."""
+    group pads its gather with the row's own last block and masks the padding."""
     lengths = [90, 70, 40, 12, 3]  # positions; blocks = pos // 4 + 1
     decode = [
         seq(f"r{i}", [1] * (n + 1), n, n + 1, list(range(100 * i, 100 * i + n // 4 + 1)))
@@ -58,7 +58,7 @@ def test_decodes_are_grouped_by_context_length() -> None:
     shapes = [(d.row_start, d.num_seqs, d.context_len) for d in batch.decodes]
     assert shapes == [(0, 2, 92), (2, 1, 44), (3, 2, 16)]
     last = batch.decodes[2]
-    assert last.block_index.tolist() == [300, 301, 302, 303, 400, 0, 0, 0]
+    assert last.block_index.tolist() == [300, 301, 302, 303, 400, 400, 400, 400]
     assert last.mask.squeeze(1).tolist() == [[0.0] * 13 + [NEG] * 3, [0.0] * 4 + [NEG] * 12]
 
 

@@ -242,6 +242,29 @@ def test_rope_scaling(rope_scaling: dict[str, object]) -> None:
     assert_close(out["a"], hf_logits(hf, ids))
 
 
+def test_gguf_rope_freqs_equal_llama3_scaling() -> None:
+    """llama.cpp stores llama3 RoPE scaling as per-frequency divisors (rope_freqs): dividing
+    the plain frequencies by them gives exactly transformers' llama3 frequencies."""
+    from dataclasses import replace
+
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    hf = tiny_hf("llama", seed=4, rope_scaling=scaling, rope_theta=10000.0)
+    config = our_config(hf)
+    hf_inv_freq = hf.model.rotary_emb.inv_freq.float().cpu()
+    plain = rope_inv_freq(replace(config, rope_scaling=None))
+    factors = (plain / hf_inv_freq).tolist()
+    gguf_like = replace(config, rope_scaling=None, extra={"rope_freqs": factors})
+    assert torch.allclose(rope_inv_freq(gguf_like), hf_inv_freq, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="rope_freqs has 3 factors"):
+        rope_inv_freq(replace(gguf_like, extra={"rope_freqs": factors[:3]}))
+
+
 def test_unsupported_rope_scaling_raises() -> None:
     """A rope type we do not implement is refused at load time, not silently run."""
     hf = tiny_hf("llama", seed=5)

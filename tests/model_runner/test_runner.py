@@ -119,6 +119,20 @@ def test_nan_in_one_request_fails_only_that_request(hf: torch.nn.Module) -> None
     assert result.sampled_token_ids == {"b": greedy_next(hf, b)}
 
 
+def test_decode_padding_never_reads_another_requests_blocks(hf: torch.nn.Module) -> None:
+    """b (1 block) is padded to a's 4 blocks in one decode group; a owns block 0 and its KV is
+    NaN. Padding reads only b's own block, so b still gets its greedy token."""
+    runner = make_runner(hf)
+    a, b = random_ids(14, seed=21), random_ids(3, seed=22)
+    runner.execute(plan(0, prefill=[seq("a", a, 0, 13, [0, 1, 2, 3]), seq("b", b, 0, 2, [9])]))
+    runner.pool.data[:, :, 0] = float("nan")
+    result = runner.execute(
+        plan(1, decode=[seq("a", a, 13, 14, [0, 1, 2, 3]), seq("b", b, 2, 3, [9])])
+    )
+    assert set(result.failed) == {"a"}
+    assert result.sampled_token_ids == {"b": greedy_next(hf, b)}
+
+
 def test_failed_request_leaves_no_nan_behind(hf: torch.nn.Module) -> None:
     """After a fails with NaN, its blocks are scrubbed: c, which gets a's block 11 and
     decodes with the unwritten (masked) tail of that block in its gather, still matches."""
