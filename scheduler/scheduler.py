@@ -323,7 +323,8 @@ class Scheduler:
         if window is not None and not self._reserve:  # reserve mode reserves every block
             # Only the window (plus the chunk being written) stays resident.
             return n * min(blocks_for(num_total), self._window_blocks)
-        shared = num_prompt // self._block_size if n > 1 else 0
+        # Samples fork at num_prompt - 1: a last prompt block still partial then is copied.
+        shared = (num_prompt - 1) // self._block_size if n > 1 else 0
         return shared + n * (blocks_for(num_total) - shared)
 
     def _check_not_overloaded(self, request: Request) -> None:
@@ -396,6 +397,10 @@ class Scheduler:
         self._step_id += 1
         step = _Step(self, self._step_id, TokenBudget(self.config.max_num_batched_tokens))
         self._policy.form(step)
+        if not step.prefill and not step.decode and self._has_decoding():
+            # Samples forked at admission (n > 1 with nothing left to prefill) turned
+            # DECODING after the policy took decodes: run them now, not after an idle wait.
+            step.take_decodes()
         plan = step.build(self._finished_ids)
         self._finished_ids = []
         self._last_num_prefill_tokens = plan.num_prefill_tokens

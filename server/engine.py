@@ -335,11 +335,18 @@ class EngineLoop:
     def _admit(self, msg: _Add) -> None:
         request = msg.request
         rid = request.request_id
+        if rid in self._clients:  # an earlier request of that id has not fully ended yet
+            self._emit(msg.stream, DuplicateRequestError(f"request_id {rid!r} is still ending"))
+            return
         try:
             text = self._make_text(request)
             self._scheduler.add_request(request)
         except (OverloadError, ValueError) as exc:
             self._emit(msg.stream, exc)
+            return
+        except Exception as exc:  # this request's failure, never the engine's
+            logger.exception("admitting %s failed", rid)
+            self._emit(msg.stream, RuntimeError(f"request {rid!r} could not be admitted: {exc}"))
             return
         client = _Client(request=request, stream=msg.stream, open_ids={rid})
         self._clients[rid] = client
@@ -371,8 +378,9 @@ class EngineLoop:
         if client.request.sampling.n > 1 and not client.forked:
             self._discover_samples(client)
         now = time.monotonic()
-        # Aborting sample 0 also ends its forked samples; those report in the next update.
-        for sid in sorted(client.open_ids, key=lambda s: self._samples[s].index):
+        # Forked samples first: aborting sample 0 would end them inside the scheduler and leave
+        # their outputs for the next update, keeping this client open past this call.
+        for sid in sorted(client.open_ids, key=lambda s: self._samples[s].index, reverse=True):
             out = self._scheduler.abort(sid, reason)
             self._flush_needed = True
             self._stalled = False
@@ -514,7 +522,7 @@ class EngineLoop:
         closes = not client.open_ids and (
             client.forked or client.request.sampling.n == 1 or rid == client.client_id
         )
-        if closes:
+        if closes and self._clients.get(client.client_id) is client:
             del self._clients[client.client_id]
         arrival = client.request.arrival_time_s
         reason = out.finish_reason if out.finish_reason is not None else FinishReason.ERROR

@@ -87,14 +87,13 @@ def test_abort_of_the_parent_aborts_its_samples() -> None:
 
 def test_a_one_token_prompt_forks_at_admission() -> None:
     """With nothing to compute before the last prompt token, the samples fork at admission
-    and all compute position 0 in the next step, each into its own block."""
+    and all compute position 0 in that same step, each into its own block."""
     sched, kv = make_scheduler(num_blocks=8)
     runner = make_runner(kv)
     sched.add_request(make_request("r0", prompt_len=1, max_tokens=2, n=2))
     s1 = step(sched, runner)
-    assert s1.plan.is_empty and sched.running_request_ids() == ["r0", "r0#1"]
-    s2 = step(sched, runner)
-    assert decode_view(s2.plan) == [("r0", 0, [0]), ("r0#1", 0, [1])]
+    assert sched.running_request_ids() == ["r0", "r0#1"]
+    assert s1.plan.prefill == [] and decode_view(s1.plan) == [("r0", 0, [0]), ("r0#1", 0, [1])]
     run_until_done(sched, runner)
     assert_no_blocks_held(kv)
 

@@ -109,3 +109,29 @@ async def test_passed_deadline_aborts_and_frees_blocks() -> None:
         await _wait_blocks_free(h)
     record = h.sink.request("dl")
     assert record.finish_reason == "abort" and record.abort_reason == "deadline"
+
+
+async def test_cancel_then_immediate_retry_with_the_same_id_keeps_the_engine_alive() -> None:
+    """An n=2 stream cancelled mid-decode and retried at once with the same id: every round's
+    retry completes, the engine stays alive, and no block stays held."""
+    async with serve(_slow_runner()) as h:
+        for round_ in range(6):
+            call = h.client.stub.Generate(
+                pb.GenerateRequest(text="hold blocks", request_id="same", n=2,
+                                   stopping=pb.StoppingOptions(max_tokens=LONG))
+            )  # fmt: skip
+            first = await call.read()
+            assert list(first.token_ids), round_
+            call.cancel()
+            retry = h.client.stub.Generate(
+                pb.GenerateRequest(text="retry", request_id="same",
+                                   stopping=pb.StoppingOptions(max_tokens=4))
+            )  # fmt: skip
+            try:
+                messages = await collect(retry)
+            except grpc.aio.AioRpcError as exc:  # the cancel had not reached the engine yet
+                assert exc.code() is grpc.StatusCode.ALREADY_EXISTS, exc
+                continue
+            assert messages[-1].finished and messages[-1].usage.completion_tokens == 4
+        assert h.engine.is_alive
+        await _wait_blocks_free(h)

@@ -12,7 +12,7 @@ import pytest
 
 from cache_manager import KVCacheConfig, KVCacheManager
 from scheduler import OverloadError, Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.request import FinishReason
+from scheduler.request import AbortReason, FinishReason
 from server.engine import (
     DeadlineExceededError,
     DuplicateRequestError,
@@ -176,3 +176,27 @@ async def test_stop_strings_and_utf8_through_the_detokenizer() -> None:
     assert "".join(o.text for o in outs) == "café ☕ done. "
     assert all("\ufffd" not in o.text for o in outs)
     assert outs[-1].finish_reason is FinishReason.STOP and outs[-1].stop_reason == "END"
+
+
+async def test_abort_and_resubmit_of_the_same_id_in_one_inbox_drain() -> None:
+    """An n=2 request aborted and re-submitted under the same id before the engine's next
+    drain: the old client closes in the abort itself, so the new request runs to the end and
+    the engine stays alive with every block free."""
+    async with engine_client(make_fake_runner(sleep_s=0.02)) as (_client, engine, _runner, _):
+        loop = asyncio.get_running_loop()
+        for round_ in range(5):
+            old: asyncio.Queue[Any] = asyncio.Queue()
+            engine.submit(request("same", 100, n=2), loop, old)
+            while not isinstance(item := await old.get(), GenerationOutput) or not item.token_ids:
+                pass
+            new: asyncio.Queue[Any] = asyncio.Queue()
+            engine.abort("same", AbortReason.CLIENT_CANCEL)  # both land while a step runs
+            engine.submit(request("same", 3), loop, new)
+            outs: list[GenerationOutput] = []
+            while not outs or not outs[-1].finished:
+                item = await asyncio.wait_for(new.get(), 5)
+                assert isinstance(item, GenerationOutput), (round_, item)
+                outs.append(item)
+            assert outs[-1].finish_reason is FinishReason.LENGTH, round_
+        assert engine.is_alive
+        assert engine.latest_stats.kv.num_blocks_used == 0
