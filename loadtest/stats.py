@@ -9,9 +9,10 @@ Definitions (every figure in a report follows them):
 - **TTFT**: send of the request to arrival of the first message carrying a token.
 - **inter-token latency (ITL)**: the gap between two consecutive token-carrying messages of one
   stream. A message carrying k > 1 tokens contributes k samples of ``gap / k`` (so the ITL
-  samples of a request sum to ``last_token - first_token`` and number ``output_tokens - 1``).
-- **TPOT** (time per output token): per request, ``(last_token - first_token) / (n - 1)`` for a
-  request with n >= 2 output tokens. The mean of its ITL samples.
+  samples of a request sum to ``last_token - first_token`` and number ``output_tokens - k1``,
+  k1 being the tokens of the first message, normally 1).
+- **TPOT** (time per output token): per request, ``(last_token - first_token) / (n - k1)`` for
+  a request with n output tokens, n > k1. The mean of its ITL samples.
 - **e2e**: send to the end of the stream.
 
 Latency distributions are computed over requests that finished OK (cancelled, failed and
@@ -95,10 +96,13 @@ class RequestResult:
 
     @property
     def tpot_s(self) -> float | None:
-        n = self.num_output_tokens
-        if n < 2:
+        if not self.token_arrivals:
             return None
-        return (self.token_arrivals[-1][0] - self.token_arrivals[0][0]) / (n - 1)
+        # Tokens after the first message: the first message's k tokens arrived at TTFT.
+        num_later = self.num_output_tokens - self.token_arrivals[0][1]
+        if num_later < 1:
+            return None
+        return (self.token_arrivals[-1][0] - self.token_arrivals[0][0]) / num_later
 
     def itl_samples(self) -> list[float]:
         """Inter-token gaps; a message with k tokens gives k samples of gap / k."""

@@ -331,8 +331,8 @@ class PrometheusSink:
         yield from hists
         yield _counter(
             "request_aborts_total",
-            "Requests that ended without completing, by reason (client_cancel, deadline, "
-            "abort_call, shutdown, error, overload).",
+            "Requests (each of the n samples counts) that ended without completing, by reason "
+            "(client_cancel, deadline, abort_call, shutdown, error, overload).",
             ["reason"],
             [((k,), v) for k, v in sorted(aborts.items())],
         )

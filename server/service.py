@@ -213,9 +213,10 @@ class GenerationServicer:
         code = grpc.StatusCode.OK
         details = ""
         try:
-            async for response in self._generate(request, context):
-                yield response
-        except asyncio.CancelledError:
+            async with contextlib.aclosing(self._generate(request, context)) as responses:
+                async for response in responses:
+                    yield response
+        except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: closed mid-yield
             code = grpc.StatusCode.CANCELLED
             raise
         except Exception as exc:
@@ -253,13 +254,17 @@ class GenerationServicer:
             cache_salt=request.cache_salt or None,
         )
         want_logprobs = sampling.logprobs is not None
-        async for out in self.client.generate(engine_request, deadline_s=deadline_s):
-            if out.finish_reason is FinishReason.ERROR:
-                raise _RpcError(
-                    grpc.StatusCode.INTERNAL,
-                    f"request {request_id!r} failed: {out.error or 'unknown error'}",
-                )
-            yield self._response(out, want_logprobs)
+        # aclosing: an error in one sample closes the engine stream at once, which aborts the
+        # request's other samples now rather than whenever the generator is collected.
+        outputs = self.client.generate(engine_request, deadline_s=deadline_s)
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                if out.finish_reason is FinishReason.ERROR:
+                    raise _RpcError(
+                        grpc.StatusCode.INTERNAL,
+                        f"request {request_id!r} failed: {out.error or 'unknown error'}",
+                    )
+                yield self._response(out, want_logprobs)
 
     def _response(self, out: GenerationOutput, want_logprobs: bool) -> pb.GenerateResponse:
         response = pb.GenerateResponse(

@@ -129,3 +129,12 @@ def test_slo_requires_ok_and_both_limits() -> None:
     assert SLO().met_by(_result(0.0, [(9.0, 1)], 9.0))
     with pytest.raises(ValueError, match="-1"):
         SLO(ttft_s=-1)
+
+
+def test_tpot_is_the_mean_itl_when_the_first_message_carries_several_tokens() -> None:
+    """First message 3 tokens at 1.0, then 1 token at 1.5 and 2 tokens at 2.5: ITL samples are
+    0.5, 0.5, 0.5 (3 = 6 - 3 of them) and TPOT = (2.5 - 1.0) / 3 = 0.5, their mean."""
+    r = _result(0.0, [(1.0, 3), (1.5, 1), (2.5, 2)], 2.6)
+    assert r.itl_samples() == [0.5, 0.5, 0.5]
+    assert r.tpot_s == 0.5
+    assert _result(0.0, [(1.0, 4)], 1.1).tpot_s is None  # every token in one message
