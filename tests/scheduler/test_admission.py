@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from scheduler import OverloadError, Request, SamplingParams
-from tests.scheduler.helpers import make_request, make_runner, make_scheduler, step
+from tests.scheduler.helpers import (
+    assert_no_blocks_held,
+    make_request,
+    make_runner,
+    make_scheduler,
+    step,
+)
 
 
 def test_prompt_plus_max_tokens_beyond_max_model_len_is_rejected_with_numbers() -> None:
@@ -29,9 +35,21 @@ def test_request_beyond_the_whole_kv_pool_is_rejected_with_numbers() -> None:
 
 
 def test_sliding_window_bounds_the_blocks_a_request_needs() -> None:
-    """With a window, a request longer than the pool is admitted: only the window stays."""
-    sched, _ = make_scheduler(num_blocks=8, sliding_window=8)
+    """With a window of 8 tokens, a 64-token request (16 blocks of 4) runs in a pool of 8:
+    it is admitted, never holds more than the window's 2 blocks plus the one being written,
+    and produces all 60 tokens with no block held at the end."""
+    sched, kv = make_scheduler(num_blocks=8, sliding_window=8)
+    runner = make_runner(kv)
     sched.add_request(make_request("r0", prompt_len=4, max_tokens=60))
+    tokens: list[int] = []
+    for _ in range(100):
+        if not sched.has_unfinished_requests():
+            break
+        s = step(sched, runner)
+        assert kv.make_stats().num_blocks_used <= 8 // 4 + 1
+        tokens += [t for out in s.outputs for t in out.new_token_ids]
+    assert tokens == [runner.default_token("r0", i) for i in range(60)]
+    assert_no_blocks_held(kv)
 
 
 def test_malformed_requests_are_rejected() -> None:
