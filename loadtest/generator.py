@@ -1,4 +1,4 @@
-"""The asyncio gRPC load generator: open loop (Poisson / gamma arrivals) or closed loop (N users).
+"""The asyncio load generator: open loop (Poisson / gamma arrivals) or closed loop (N users).
 
 Both loops are bounded by a request count AND a time limit. At the time limit no new request
 is sent and the requests still in flight are cancelled (recorded as ``interrupted``), so a run
@@ -8,11 +8,20 @@ Arrivals (open loop) are drawn before the run from ``random.Random(f"{seed}:arri
 inter-arrival gaps are gamma distributed with shape ``burstiness`` and mean ``1 / rate``
 (``burstiness == 1`` is a Poisson process; below 1 burstier, above 1 more regular).
 ``rate == inf`` sends everything at once.
+
+Every request of a run carries the run's ``cache_salt``, so a run finds nothing in the prefix
+cache that an earlier run (or an earlier point of a sweep) left there: its hits are its own.
+By default each ``LoadConfig`` draws a fresh salt; ``cache_salt=None`` sends none and lets a
+run reuse what earlier runs cached (``--reuse-cache``).
+
+The wire protocol is a backend's (``loadtest.backend``): kvserve's gRPC service (``api="grpc"``)
+or any OpenAI-compatible HTTP server (``api="openai"``). Loops, clocks and records are the same.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import sys
 import time
@@ -20,24 +29,29 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 from tqdm import tqdm
 
 from loadtest import server_stats
+from loadtest.backend import API_CHOICES, Backend, RequestFailed, make_backend
 from loadtest.stats import SLO, Outcome, RequestResult
 from loadtest.workload import RequestSpec, Workload, arrival_offsets
-from server.rpc import generation_pb2 as pb
-from server.rpc import generation_pb2_grpc as pb_grpc
+from server.client import CONNECT_TIMEOUT_S
 
-_FAILED_FINISH = {
-    pb.FINISH_REASON_ERROR: "FINISH_REASON_ERROR",
-    pb.FINISH_REASON_ABORT: "FINISH_REASON_ABORT",
-}
+
+def new_cache_salt() -> str:
+    """A salt no earlier run used: its requests share no prefix-cache entry with theirs."""
+    return f"loadtest-{uuid.uuid4().hex[:12]}"
 
 
 @dataclass(frozen=True, slots=True)
 class LoadConfig:
-    """How to drive the server. ``mode`` is "open" (``rate``) or "closed" (``users``)."""
+    """How to drive the server. ``mode`` is "open" (``rate``) or "closed" (``users``).
+
+    ``cache_salt`` goes with every request (default: a fresh one per config); None sends no
+    salt, so the run may hit what earlier runs left in the prefix cache.
+    ``api`` picks the backend: "grpc" (``target`` is host:port) or "openai" (``target`` is the
+    server's base URL, ``http://host:port``).
+    """
 
     target: str
     mode: str = "closed"
@@ -53,8 +67,13 @@ class LoadConfig:
     sample_interval_s: float = 1.0
     progress: bool = True
     progress_desc: str = "loadtest"
+    cache_salt: str | None = field(default_factory=new_cache_salt)
+    connect_timeout_s: float = CONNECT_TIMEOUT_S
+    api: str = "grpc"
 
     def __post_init__(self) -> None:
+        if self.api not in API_CHOICES:
+            raise ValueError(f"api must be one of {', '.join(API_CHOICES)}, got {self.api!r}")
         if self.mode not in ("open", "closed"):
             raise ValueError(f"mode must be open|closed, got {self.mode!r}")
         if not self.rate > 0:
@@ -69,9 +88,14 @@ class LoadConfig:
             raise ValueError(f"duration_s must be > 0, got {self.duration_s}")
         if not self.sample_interval_s > 0:
             raise ValueError(f"sample_interval_s must be > 0, got {self.sample_interval_s}")
+        if self.cache_salt == "":
+            raise ValueError("cache_salt must be a non-empty string, or None for no salt")
+        if not self.connect_timeout_s > 0:
+            raise ValueError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s}")
 
     def describe(self) -> dict[str, Any]:
         return {
+            "api": self.api,
             "target": self.target,
             "mode": self.mode,
             "rate": None if self.mode == "closed" or math.isinf(self.rate) else self.rate,
@@ -82,6 +106,8 @@ class LoadConfig:
             "seed": self.seed,
             "request_timeout_s": self.request_timeout_s,
             "metrics_url": self.metrics_url,
+            "reuse_cache": self.cache_salt is None,
+            "cache_salt": self.cache_salt,
         }
 
 
@@ -97,26 +123,18 @@ class RunResult:
     server: dict[str, Any] | None = None
 
 
-def build_request(spec: RequestSpec, request_id: str) -> pb.GenerateRequest:
-    sampling = pb.SamplingOptions(**{k: v for k, v in spec.sampling.items()})
-    stopping = pb.StoppingOptions(max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos)
-    req = pb.GenerateRequest(
-        sampling=sampling, stopping=stopping, request_id=request_id, priority=spec.priority
-    )
-    if spec.prompt_token_ids is not None:
-        req.token_ids.ids.extend(spec.prompt_token_ids)
-    else:
-        assert spec.prompt_text is not None
-        req.text = spec.prompt_text
-    return req
-
-
 class LoadGenerator:
-    """Runs one workload against one server. Use ``asyncio.run(LoadGenerator(...).run())``."""
+    """Runs one workload against one server. Use ``asyncio.run(LoadGenerator(...).run())``.
 
-    def __init__(self, config: LoadConfig, workload: Workload) -> None:
+    ``backend`` defaults to the one ``config.api`` names, at ``config.target``.
+    """
+
+    def __init__(
+        self, config: LoadConfig, workload: Workload, backend: Backend | None = None
+    ) -> None:
         self.config = config
         self.workload = workload
+        self.backend = backend if backend is not None else make_backend(config.api, config.target)
         self.specs: list[RequestSpec] = []  # drawn once the server's vocabulary is known
         self._tag = uuid.uuid4().hex[:8]
         self._results: list[RequestResult] = []
@@ -126,21 +144,13 @@ class LoadGenerator:
 
     async def run(self) -> RunResult:
         cfg = self.config
-        async with grpc.aio.insecure_channel(
-            cfg.target, options=[("grpc.max_receive_message_length", 64 << 20)]
-        ) as channel:
-            stub = pb_grpc.GenerationStub(channel)
-            wait_s = min(30.0, cfg.duration_s)
-            try:
-                await asyncio.wait_for(channel.channel_ready(), timeout=wait_s)
-            except TimeoutError:
-                raise ConnectionError(
-                    f"no server answered at {cfg.target} within {wait_s:g}s"
-                ) from None
-            info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10.0)
-            self.specs = self.workload.build(cfg.num_requests, vocab_size=info.vocab_size)
-            view = await self._server_snapshot(stub, None)
-            sampler = asyncio.create_task(self._sample_usage(stub, view)) if view else None
+        await self.backend.open(wait_s=cfg.connect_timeout_s)
+        try:
+            self.specs = self.workload.build(
+                cfg.num_requests, vocab_size=await self.backend.vocab_size()
+            )
+            view = await self._server_snapshot(None)
+            sampler = asyncio.create_task(self._sample_usage(view)) if view else None
             self._bar = tqdm(
                 total=len(self.specs),
                 desc=cfg.progress_desc,
@@ -153,9 +163,9 @@ class LoadGenerator:
             deadline = start + cfg.duration_s
             try:
                 if cfg.mode == "open":
-                    await self._open_loop(stub, start, deadline)
+                    await self._open_loop(start, deadline)
                 else:
-                    await self._closed_loop(stub, deadline)
+                    await self._closed_loop(deadline)
             finally:
                 self._bar.close()
                 if sampler is not None:
@@ -164,14 +174,16 @@ class LoadGenerator:
             end = max([start, *(r.end_s for r in self._results)])
             server = None
             if view is not None:
-                await self._server_snapshot(stub, view)
+                await self._server_snapshot(view)
                 server = view.report()
+        finally:
+            await self.backend.close()
         self._results.sort(key=lambda r: r.index)
         return RunResult(cfg, self._results, len(self.specs), start, end, server)
 
     # ------------------------------------------------------------------ loops
 
-    async def _open_loop(self, stub: pb_grpc.GenerationStub, start: float, deadline: float) -> None:
+    async def _open_loop(self, start: float, deadline: float) -> None:
         cfg = self.config
         offsets = arrival_offsets(len(self.specs), cfg.rate, cfg.burstiness, cfg.seed)
         tasks: list[asyncio.Task[None]] = []
@@ -182,17 +194,17 @@ class LoadGenerator:
             delay = send_at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(self._one(stub, spec)))
+            tasks.append(asyncio.create_task(self._one(spec)))
         await self._wait_until(tasks, deadline)
 
-    async def _closed_loop(self, stub: pb_grpc.GenerationStub, deadline: float) -> None:
+    async def _closed_loop(self, deadline: float) -> None:
         queue = iter(self.specs)
 
         async def user() -> None:
             for spec in queue:  # a shared iterator: each request is taken by exactly one user
                 if time.perf_counter() >= deadline:
                     return
-                await self._one(stub, spec)
+                await self._one(spec)
 
         users = [asyncio.create_task(user()) for _ in range(self.config.users)]
         await self._wait_until(users, deadline)
@@ -213,7 +225,7 @@ class LoadGenerator:
 
     # ------------------------------------------------------------------ one request
 
-    async def _one(self, stub: pb_grpc.GenerationStub, spec: RequestSpec) -> None:
+    async def _one(self, spec: RequestSpec) -> None:
         request_id = f"lt-{self._tag}-{spec.index}"
         res = RequestResult(
             index=spec.index,
@@ -225,36 +237,38 @@ class LoadGenerator:
             send_s=time.perf_counter(),
         )
         self._results.append(res)
-        call = stub.Generate(build_request(spec, request_id), timeout=self.config.request_timeout_s)
+        stream = self.backend.generate(
+            spec, request_id, self.config.request_timeout_s, cache_salt=self.config.cache_salt
+        )
         finished = False
         try:
-            async for msg in call:
-                now = time.perf_counter()
-                if msg.token_ids:
-                    res.token_arrivals.append((now, len(msg.token_ids)))
-                if msg.finished:
-                    finished = True
-                    res.finish_reason = pb.FinishReason.Name(msg.finish_reason)
-                    if msg.HasField("usage"):
-                        res.num_prompt_tokens = msg.usage.prompt_tokens or res.num_prompt_tokens
-                        res.num_cached_tokens = msg.usage.cached_prompt_tokens
-                    if msg.finish_reason in _FAILED_FINISH:
-                        res.outcome, res.code = Outcome.FAILED, _FAILED_FINISH[msg.finish_reason]
-                    else:
-                        res.outcome, res.code = Outcome.OK, "OK"
-                    break
-                cancel_at = spec.cancel_after_tokens
-                if cancel_at is not None and res.num_output_tokens >= cancel_at:
-                    call.cancel()
-                    res.outcome, res.code = Outcome.CANCELLED, "CANCELLED"
-                    finished = True
-                    break
+            # Leaving the block closes the stream, which stops the request on the server.
+            async with contextlib.aclosing(stream):
+                async for event in stream:
+                    now = time.perf_counter()
+                    if event.num_tokens:
+                        res.token_arrivals.append((now, event.num_tokens))
+                    if event.finish_reason is not None:
+                        finished = True
+                        res.finish_reason = event.finish_reason
+                        res.num_prompt_tokens = event.num_prompt_tokens or res.num_prompt_tokens
+                        if event.num_cached_tokens is not None:
+                            res.num_cached_tokens = event.num_cached_tokens
+                        if event.failed:
+                            res.outcome, res.code = Outcome.FAILED, event.finish_reason
+                        else:
+                            res.outcome, res.code = Outcome.OK, "OK"
+                        break
+                    cancel_at = spec.cancel_after_tokens
+                    if cancel_at is not None and res.num_output_tokens >= cancel_at:
+                        res.outcome, res.code = Outcome.CANCELLED, "CANCELLED"
+                        finished = True
+                        break
             if not finished:
                 res.outcome, res.code = Outcome.FAILED, "INCOMPLETE_STREAM"
-        except grpc.aio.AioRpcError as e:
-            res.outcome, res.code, res.error = Outcome.FAILED, e.code().name, e.details() or ""
+        except RequestFailed as e:
+            res.outcome, res.code, res.error = Outcome.FAILED, e.code, e.error
         except asyncio.CancelledError:
-            call.cancel()
             res.outcome, res.code = Outcome.INTERRUPTED, "INTERRUPTED"
             raise
         finally:
@@ -273,37 +287,31 @@ class LoadGenerator:
     # ------------------------------------------------------------------ server stats
 
     async def _server_snapshot(
-        self, stub: pb_grpc.GenerationStub, view: server_stats.ServerView | None
+        self, view: server_stats.ServerView | None
     ) -> server_stats.ServerView | None:
         """First call: the 'before' view (None when the server offers no stats); then 'after'."""
-        samples = await self._read_server(stub)
+        samples = await self._read_server()
         if samples is None:
             return None
         if view is None:
-            source = "metrics" if self.config.metrics_url else "grpc"
+            source = "metrics" if self.config.metrics_url else self.backend.api
             view = server_stats.ServerView(source=source, before=samples)
         else:
             view.after = samples
         view.sample_usage(samples)
         return view
 
-    async def _read_server(self, stub: pb_grpc.GenerationStub) -> server_stats.Samples | None:
+    async def _read_server(self) -> server_stats.Samples | None:
         url = self.config.metrics_url
         if url:
             return await asyncio.to_thread(server_stats.scrape, url)
-        try:
-            reply = await stub.GetKVCacheStats(pb.GetKVCacheStatsRequest(), timeout=5.0)
-        except grpc.aio.AioRpcError:
-            return None
-        return server_stats.kv_stats_samples(reply)
+        return await self.backend.read_server()
 
-    async def _sample_usage(
-        self, stub: pb_grpc.GenerationStub, view: server_stats.ServerView
-    ) -> None:
+    async def _sample_usage(self, view: server_stats.ServerView) -> None:
         while True:
             await asyncio.sleep(self.config.sample_interval_s)
             try:
-                samples = await self._read_server(stub)
+                samples = await self._read_server()
             except OSError:
                 continue  # a missed scrape lowers the resolution of the peak, nothing else
             if samples is not None:

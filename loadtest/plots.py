@@ -1,4 +1,8 @@
-"""PNG plots of a run or a rate sweep (matplotlib, Agg backend: no display needed)."""
+"""PNG plots of a run or a rate sweep (matplotlib, Agg backend: no display needed).
+
+Each ``*_figure`` builds one figure, titled with its workload; the ``plot_*`` functions save
+them and return the paths written.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
 from loadtest.generator import RunResult
+from loadtest.report import slo_text
 from loadtest.stats import Outcome
 
 
@@ -22,9 +28,21 @@ def _label(report: dict[str, Any]) -> str:
     return f"{load['rate'] or 'inf'} req/s"
 
 
-def plot_cdf(runs: Sequence[RunResult], reports: Sequence[dict[str, Any]], path: Path) -> Path:
+def _workload(reports: Sequence[dict[str, Any]]) -> str:
+    names = list(dict.fromkeys(r["workload"]["name"] for r in reports))
+    return f"workload {', '.join(names)}"
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def cdf_figure(runs: Sequence[RunResult], reports: Sequence[dict[str, Any]]) -> Figure:
     """Empirical CDFs of TTFT and e2e latency, one line per run."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
     for run, report in zip(runs, reports, strict=True):
         ok = [r for r in run.results if r.outcome == Outcome.OK]
         for ax, values in (
@@ -40,19 +58,14 @@ def plot_cdf(runs: Sequence[RunResult], reports: Sequence[dict[str, Any]], path:
         ax.set_ylabel("fraction of requests")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    fig.suptitle(_workload(reports))
+    return fig
 
 
-def plot_sweep(reports: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """Latency percentiles vs offered rate, and goodput / throughput vs offered rate."""
-    rates = [r["load"]["rate"] for r in reports]
-    if any(r is None for r in rates):
-        raise ValueError("a sweep plot needs finite offered rates")
-    paths = []
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+def latency_figure(reports: Sequence[dict[str, Any]]) -> Figure:
+    """TTFT, TPOT and e2e percentiles against offered rate."""
+    rates = _rates(reports)
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.4))
     for ax, (key, title) in zip(
         axes,
         (("ttft", "TTFT"), ("tpot", "time per output token"), ("e2e", "end-to-end")),
@@ -66,23 +79,73 @@ def plot_sweep(reports: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
         ax.set_ylabel("ms")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out_dir / "sweep_latency.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    fig.suptitle(_workload(reports))
+    return fig
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(rates, [r["request_throughput_rps"] for r in reports], marker="o", label="throughput")
-    ax.plot(rates, [r["goodput"]["goodput_rps"] for r in reports], marker="s", label="goodput")
-    ax.plot(rates, rates, linestyle="--", color="grey", label="offered")
-    g = reports[0]["goodput"]
-    ax.set_title(f"goodput (TTFT <= {g['slo_ttft_s']} s, TPOT <= {g['slo_tpot_s']} s)", fontsize=10)
+
+def goodput_figure(reports: Sequence[dict[str, Any]]) -> Figure:
+    """Throughput and goodput against offered rate.
+
+    Goodput never exceeds throughput and often equals it, so throughput is a wide, pale line
+    with hollow markers underneath, and goodput a thin dashed line with small filled markers
+    on top: where they coincide both stay visible.
+    """
+    rates = _rates(reports)
+    fig, ax = plt.subplots(figsize=(6.5, 4.4))
+    ax.plot(rates, rates, linestyle=":", color="grey", label="offered", zorder=1)
+    ax.plot(
+        rates,
+        [r["request_throughput_rps"] for r in reports],
+        color="tab:blue",
+        linestyle="-",
+        linewidth=5,
+        alpha=0.45,
+        marker="o",
+        markersize=11,
+        markerfacecolor="none",
+        label="throughput (ok req/s)",
+        zorder=2,
+    )
+    slo = slo_text(reports[0]["goodput"])
+    if slo is not None:
+        ax.plot(
+            rates,
+            [r["goodput"]["goodput_rps"] for r in reports],
+            color="tab:red",
+            linestyle="--",
+            linewidth=1.5,
+            marker="s",
+            markersize=5,
+            label="goodput (within SLO)",
+            zorder=3,
+        )
+    ax.set_title(
+        f"{_workload(reports)}\n"
+        + (f"goodput: {slo}" if slo is not None else "throughput (no SLO set: no goodput)"),
+        fontsize=10,
+    )
     ax.set_xlabel("offered rate (req/s)")
     ax.set_ylabel("req/s")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out_dir / "sweep_goodput.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    return paths
+    return fig
+
+
+def _rates(reports: Sequence[dict[str, Any]]) -> list[float]:
+    rates = [r["load"]["rate"] for r in reports]
+    if any(r is None for r in rates):
+        raise ValueError("a sweep plot needs finite offered rates")
+    return rates
+
+
+def plot_cdf(runs: Sequence[RunResult], reports: Sequence[dict[str, Any]], path: Path) -> Path:
+    """Writes ``cdf_figure`` to ``path``; returns ``path``."""
+    return _save(cdf_figure(runs, reports), path)
+
+
+def plot_sweep(reports: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Writes sweep_latency.png and sweep_goodput.png to ``out_dir``; returns their paths."""
+    return [
+        _save(latency_figure(reports), out_dir / "sweep_latency.png"),
+        _save(goodput_figure(reports), out_dir / "sweep_goodput.png"),
+    ]

@@ -5,8 +5,9 @@ JSON schema ``kvserve.loadtest/v1`` (one run; every key always present, null whe
     {
       "schema": "kvserve.loadtest/v1",
       "workload": {...Workload.describe()...},
-      "load": {"target", "mode", "rate", "burstiness", "users", "num_requests", "duration_s",
-               "seed", "request_timeout_s", "metrics_url"},
+      "load": {"api", "target", "mode", "rate", "burstiness", "users", "num_requests",
+               "duration_s", "seed", "request_timeout_s", "metrics_url", "reuse_cache",
+               "cache_salt"},
       "requests": {"planned", "sent", "ok", "cancelled", "failed", "interrupted",
                    "not_sent", "by_code": {"OK": n, "RESOURCE_EXHAUSTED": n, ...}},
       "duration_s": float,                 # first send to last stream end
@@ -26,7 +27,13 @@ JSON schema ``kvserve.loadtest/v1`` (one run; every key always present, null whe
 ``by_code`` counts every request sent by how it ended: ``OK``, a gRPC status code name,
 ``CANCELLED`` (cancelled by the load generator on purpose), ``INTERRUPTED`` (cut by the time
 bound), ``FINISH_REASON_ERROR`` / ``FINISH_REASON_ABORT`` (the stream ended with that finish
-reason) or ``INCOMPLETE_STREAM`` (ended without a finish message).
+reason) or ``INCOMPLETE_STREAM`` (ended without a finish message); with ``api`` "openai"
+also ``HTTP_<status>``, ``SERVER_ERROR``, ``DEADLINE_EXCEEDED``, ``UNAVAILABLE`` or
+``BAD_STREAM`` (``loadtest/openai_backend.py``).
+``reuse_cache`` is false when every request of the run carried ``cache_salt`` (the default: a
+salt of its own per run and per sweep point, so no run hits what another cached) and true
+with ``--reuse-cache`` (no salt; ``cache_salt`` null). ``goodput`` counts every OK request
+when neither SLO is set (both limits null); the summary then says "no SLO set".
 A rate sweep writes ``{"schema": "kvserve.loadtest.sweep/v1", "runs": [<run>, ...]}``.
 """
 
@@ -98,6 +105,23 @@ def _ms(x: float | int | None) -> str:
     return "-" if x is None else f"{x * 1000:.1f}"
 
 
+def slo_text(goodput: dict[str, Any]) -> str | None:
+    """The SLO limits that are set, e.g. "TTFT <= 500.0 ms, TPOT <= 50.0 ms"; None if none."""
+    limits = [
+        f"{label} <= {_ms(goodput[key])} ms"
+        for key, label in (("slo_ttft_s", "TTFT"), ("slo_tpot_s", "TPOT"))
+        if goodput[key] is not None
+    ]
+    return ", ".join(limits) if limits else None
+
+
+def cache_text(load: dict[str, Any]) -> str:
+    """Whether the run could hit prefix-cache entries that earlier runs left."""
+    if load["reuse_cache"]:
+        return "prefix cache: shared with earlier runs (--reuse-cache: no cache_salt)"
+    return f"prefix cache: isolated from other runs (cache_salt {load['cache_salt']})"
+
+
 def format_summary(report: dict[str, Any]) -> str:
     """A fixed-width summary of one run (what the CLI prints at the end)."""
     req = report["requests"]
@@ -124,11 +148,16 @@ def format_summary(report: dict[str, Any]) -> str:
             f"{_ms(s['p90']):>10}{_ms(s['p99']):>10}{_ms(s['max']):>10}"
         )
     g = report["goodput"]
+    slo = slo_text(g)
     lines.append("")
-    lines.append(
-        f"goodput (TTFT <= {_ms(g['slo_ttft_s'])} ms, TPOT <= {_ms(g['slo_tpot_s'])} ms): "
-        f"{g['goodput_rps']:.2f} req/s, {g['num_ok_within_slo']}/{req['sent']} within SLO"
-    )
+    if slo is None:
+        lines.append("goodput: no SLO set (--slo-ttft-ms, --slo-tpot-ms)")
+    else:
+        lines.append(
+            f"goodput ({slo}): {g['goodput_rps']:.2f} req/s, "
+            f"{g['num_ok_within_slo']}/{req['sent']} within SLO"
+        )
+    lines.append(cache_text(load))
     srv = report["server"]
     if srv is not None:
         rate = srv["prefix_hit_rate"]
@@ -143,7 +172,8 @@ def format_summary(report: dict[str, Any]) -> str:
 
 
 def format_sweep(reports: list[dict[str, Any]]) -> str:
-    """One line per offered rate."""
+    """One line per offered rate; the goodput column only when an SLO is set."""
+    slo = slo_text(reports[0]["goodput"])
     lines = [
         f"{'rate':>8}{'req/s':>9}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
         f"{'TPOT p50':>10}{'TPOT p99':>10}{'e2e p99':>10}{'goodput':>9}{'failed':>8}"
@@ -151,12 +181,18 @@ def format_sweep(reports: list[dict[str, Any]]) -> str:
     for r in reports:
         lat = r["latency_s"]
         rate = r["load"]["rate"]
+        goodput = "-" if slo is None else f"{r['goodput']['goodput_rps']:.2f}"
         lines.append(
             f"{'inf' if rate is None else f'{rate:g}':>8}{r['request_throughput_rps']:>9.2f}"
             f"{r['output_token_throughput_tps']:>9.1f}{_ms(lat['ttft']['p50']):>10}"
             f"{_ms(lat['ttft']['p99']):>10}{_ms(lat['tpot']['p50']):>10}"
             f"{_ms(lat['tpot']['p99']):>10}{_ms(lat['e2e']['p99']):>10}"
-            f"{r['goodput']['goodput_rps']:>9.2f}{r['requests']['failed']:>8}"
+            f"{goodput:>9}{r['requests']['failed']:>8}"
         )
-    lines.append("(latencies in ms; goodput in req/s within the SLOs)")
+    note = "no SLO set, no goodput" if slo is None else f"goodput: req/s within {slo}"
+    lines.append(f"(latencies in ms; {note})")
+    if reports[0]["load"]["reuse_cache"]:
+        lines.append("(prefix cache shared across rates: --reuse-cache)")
+    else:
+        lines.append("(prefix cache isolated: a cache_salt of its own per rate)")
     return "\n".join(lines)

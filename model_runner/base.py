@@ -21,7 +21,9 @@ class ModelInfo:
     bos_token_id: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
+    kv_dtype: str = "float32"  # how the KV cache stores keys and values (``shape`` follows it)
     extra: dict[str, str] = field(default_factory=dict)
+    sliding_window: int | None = None  # tokens each position attends to (None = all)
 
 
 class Runner(Protocol):

@@ -10,7 +10,10 @@ from typing import Any
 
 from cache_manager.sizing import ModelShape
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+# Bytes of the quantization scale stored per (token, KV head) by a quantized KV cache
+# (``kv_pool.KV_SCALE_DTYPE``, fp32); dtypes not listed store none.
+KV_SCALE_BYTES = {"int8": 4}
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,12 +46,14 @@ class ModelConfig:
             )
 
     def kv_shape(self, dtype: str = "float32") -> ModelShape:
+        """The KV cache's shape with KV stored in ``dtype`` (a ``DTYPE_BYTES`` key)."""
         return ModelShape(
             num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             dtype_bytes=DTYPE_BYTES[dtype],
             name=self.name,
+            scale_bytes=KV_SCALE_BYTES.get(dtype, 0),
         )
 
     @classmethod

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from model_runner.config import DTYPE_BYTES
+
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -21,11 +23,11 @@ _DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
 }
 
-_NAMES: dict[torch.dtype, str] = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-}
+# The canonical names are the keys of model_runner.config.DTYPE_BYTES (torch-free).
+_NAMES: dict[torch.dtype, str] = {_DTYPES[name]: name for name in DTYPE_BYTES if name in _DTYPES}
+# KV cache precisions: the model's dtypes plus int8 (quantized, with per-token scales).
+_KV_NAMES: dict[torch.dtype, str] = {**_NAMES, torch.int8: "int8"}
+KV_DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "int8")
 
 
 def select_device(requested: str | torch.device | None = None) -> torch.device:
@@ -67,10 +69,34 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         ) from None
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """The canonical name (a key of ``model_runner.config.DTYPE_BYTES``)."""
+def resolve_kv_dtype(
+    kv_dtype: str | torch.dtype | None, dtype: torch.dtype, device: torch.device
+) -> torch.dtype:
+    """The KV cache's storage dtype. ``None`` / ``"auto"``: float16 on CPU when the model
+    runs float32 (half the bytes to stream per decode step, for ~1e-3 relative error in
+    attention), else the model's ``dtype``. Otherwise a name from ``KV_DTYPE_CHOICES`` or a
+    ``torch.dtype``."""
+    if kv_dtype is None or kv_dtype == "auto":
+        return torch.float16 if device.type == "cpu" and dtype == torch.float32 else dtype
+    if isinstance(kv_dtype, torch.dtype):
+        if kv_dtype not in _KV_NAMES:
+            raise ValueError(f"KV dtype {kv_dtype} is not supported: use {KV_DTYPE_CHOICES}")
+        return kv_dtype
+    if kv_dtype.lower() == "int8":
+        return torch.int8
     try:
-        return _NAMES[dtype]
+        return _DTYPES[kv_dtype.lower()]
+    except KeyError:
+        raise ValueError(
+            f"unknown KV dtype {kv_dtype!r}: use one of {', '.join(KV_DTYPE_CHOICES)}"
+        ) from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The canonical name (a key of ``model_runner.config.DTYPE_BYTES``); int8 is a KV
+    cache precision only."""
+    try:
+        return _KV_NAMES[dtype]
     except KeyError:
         raise ValueError(f"dtype {dtype} is not supported") from None
 

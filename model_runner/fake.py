@@ -50,6 +50,7 @@ def make_fake_info(
     max_model_len: int = 4096,
     eos_token_ids: tuple[int, ...] = (2,),
     name: str = "fake",
+    bos_token_id: int | None = 1,
 ) -> ModelInfo:
     """A small ModelInfo for tests (the shape only sizes KV memory figures)."""
     return ModelInfo(
@@ -58,7 +59,7 @@ def make_fake_info(
         max_model_len=max_model_len,
         shape=ModelShape(num_layers=2, num_kv_heads=2, head_dim=8, dtype_bytes=4, name=name),
         eos_token_ids=eos_token_ids,
-        bos_token_id=1,
+        bos_token_id=bos_token_id,
         dtype="float32",
         device="cpu",
     )

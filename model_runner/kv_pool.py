@@ -21,6 +21,22 @@ A block's payload for one head is ``block_size * head_dim`` contiguous elements 
 16 x 64 fp32), large enough that gathers stream. The pool is zero-filled: padding slots of a
 batched gather read blocks that may never have been written, and masked-out garbage must
 still be finite (0 * NaN is NaN).
+
+Precision (``dtype``; attention always computes in ``compute_dtype``, the model's):
+
+- float32 / bfloat16 / float16 stored as is; a pool below the compute dtype converts on write
+  and converts the gathered blocks back in one copy per gather (all heads at once). On this
+  project's CPU (Zen3, AVX2 + F16C, no AVX-512-FP16) fp16 matmuls are 2-5x slower than
+  fp32 ones, so attention reads fp32 copies rather than fp16 operands.
+- int8: symmetric, one fp32 scale per (layer, head, token slot) beside the pool::
+
+      scales[layer, head, block, offset]    [L, 2 * kvh, num_blocks, block_size]  fp32
+
+  Per token and head, not per block: decode writes one token at a time into a partly
+  filled block, so a per-block scale would either clip later, larger tokens or requantize
+  the block on every write. A per-token scale depends on that token alone, and costs
+  4 bytes per ``head_dim`` bytes (6 % at head_dim 64). A write quantizes with a handful of
+  ops for all heads; a gather dequantizes with one ``int8 * fp32`` multiply.
 """
 
 from __future__ import annotations
@@ -33,9 +49,17 @@ from cache_manager.sizing import block_bytes, num_blocks_for_budget
 from model_runner.config import ModelConfig
 from model_runner.device import dtype_name
 
+# int8 pools keep one scale per (layer, head, token slot) in this dtype; its size is
+# ``model_runner.config.KV_SCALE_BYTES`` for the sizing arithmetic.
+KV_SCALE_DTYPE = torch.float32
+
 
 class KVPool:
-    """Keys and values of ``num_blocks`` blocks of ``block_size`` tokens for every layer."""
+    """Keys and values of ``num_blocks`` blocks of ``block_size`` tokens for every layer.
+
+    ``dtype`` is how the pool stores KV; ``compute_dtype`` (default: ``dtype``, or float32
+    for int8) is what ``gather`` hands to attention. ``write`` takes the compute dtype.
+    """
 
     def __init__(
         self,
@@ -46,6 +70,7 @@ class KVPool:
         block_size: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -56,32 +81,38 @@ class KVPool:
         ):
             if value < 1:
                 raise ValueError(f"KVPool {name} must be >= 1, got {value}")
+        dtype_name(dtype)  # raises for a dtype the pool cannot store
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
+        self.compute_dtype = compute_dtype or (torch.float32 if dtype == torch.int8 else dtype)
         self.device = torch.device(device)
+        rows = 2 * num_kv_heads
         self.data = torch.zeros(
-            num_layers,
-            2 * num_kv_heads,
-            num_blocks,
-            block_size,
-            head_dim,
-            dtype=dtype,
-            device=self.device,
+            num_layers, rows, num_blocks, block_size, head_dim, dtype=dtype, device=self.device
         )
         # Per-layer views, built once: [2*kvh, num_blocks, block_size * head_dim] for gathers
         # and [2*kvh, num_blocks * block_size, head_dim] for slot writes.
-        self._blocks = [
-            self.data[i].view(2 * num_kv_heads, num_blocks, -1) for i in range(num_layers)
-        ]
-        self._workspace = torch.empty(0, dtype=dtype, device=self.device)
+        self._blocks = [self.data[i].view(rows, num_blocks, -1) for i in range(num_layers)]
         self._slots = [
-            self.data[i].view(2 * num_kv_heads, num_blocks * block_size, head_dim)
-            for i in range(num_layers)
+            self.data[i].view(rows, num_blocks * block_size, head_dim) for i in range(num_layers)
         ]
+        # int8: one fp32 scale per (layer, head, slot), the slot's absmax / 127.
+        self.scales: torch.Tensor | None = None
+        self._scale_blocks: list[torch.Tensor] = []
+        self._scale_slots: list[torch.Tensor] = []
+        if dtype == torch.int8:
+            self.scales = torch.zeros(
+                num_layers, rows, num_blocks, block_size, dtype=KV_SCALE_DTYPE, device=self.device
+            )
+            self._scale_blocks = list(self.scales.unbind(0))
+            self._scale_slots = [s.view(rows, -1) for s in self._scale_blocks]
+        self._workspace = torch.empty(0, dtype=dtype, device=self.device)
+        self._scale_workspace = torch.empty(0, dtype=KV_SCALE_DTYPE, device=self.device)
+        self._read_workspace = torch.empty(0, dtype=self.compute_dtype, device=self.device)
 
     @classmethod
     def from_config(
@@ -91,6 +122,7 @@ class KVPool:
         block_size: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        compute_dtype: torch.dtype | None = None,
     ) -> KVPool:
         return cls(
             config.num_layers,
@@ -100,13 +132,16 @@ class KVPool:
             block_size,
             dtype,
             device,
+            compute_dtype,
         )
 
     # ------------------------------------------------------------------ sizes
 
     @property
     def num_bytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        """Bytes of the pool: KV, plus the scales of an int8 pool."""
+        scales = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
+        return self.data.numel() * self.data.element_size() + scales
 
     @property
     def block_bytes(self) -> int:
@@ -118,15 +153,29 @@ class KVPool:
     def write(self, layer: int, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store the keys and values of T tokens: ``kv`` is ``[T, 2 * kvh, head_dim]`` (K heads
         then V heads), token t goes to flat slot ``slot_mapping[t]``
-        (= ``block_id * block_size + offset``)."""
+        (= ``block_id * block_size + offset``). Converts to the pool's dtype; int8 quantizes
+        each (token, head) vector symmetrically by its own absmax."""
+        if self.scales is not None:
+            # 8 ops for all heads and tokens; amax is clamped so an all-zero vector stays 0.
+            amax = torch.linalg.vector_norm(kv, float("inf"), dim=-1, keepdim=True)
+            scale = amax.clamp_min_(1e-30).mul_(1.0 / 127.0)
+            q = torch.div(kv, scale).round_().to(torch.int8)
+            self._slots[layer].index_copy_(1, slot_mapping, q.transpose(0, 1))
+            self._scale_slots[layer].index_copy_(1, slot_mapping, scale.view(kv.shape[:2]).t())
+            return
+        if kv.dtype != self.dtype:
+            kv = kv.to(self.dtype)
         self._slots[layer].index_copy_(1, slot_mapping, kv.transpose(0, 1))
 
     def gather(self, layer: int, block_index: torch.Tensor) -> torch.Tensor:
-        """Keys and values of the listed blocks, in order: ``[2 * kvh, N * block_size, head_dim]``
-        for N block ids (the caller views the middle axis as ``[B, context]`` for batches).
+        """Keys and values of the listed blocks, in order, in the compute dtype:
+        ``[2 * kvh, N * block_size, head_dim]`` for N block ids (the caller views the middle
+        axis as ``[B, context]`` for batches).
 
         The result lives in a workspace reused by the next ``gather``: use it before gathering
         again. (A fresh multi-MB tensor per layer costs more in page faults than the copy.)
+        A pool stored below the compute dtype converts (fp16) or dequantizes (int8) the
+        gathered blocks in one op for all heads.
         """
         rows = 2 * self.num_kv_heads
         n = block_index.shape[0]
@@ -134,9 +183,23 @@ class KVPool:
         needed = rows * n * per_block
         if self._workspace.numel() < needed:
             self._workspace = torch.empty(needed, dtype=self.dtype, device=self.device)
-        out = self._workspace[:needed].view(rows, n, per_block)
-        torch.index_select(self._blocks[layer], 1, block_index, out=out)
-        return out.view(rows, n * self.block_size, self.head_dim)
+        raw = self._workspace[:needed].view(rows, n, per_block)
+        torch.index_select(self._blocks[layer], 1, block_index, out=raw)
+        if self.dtype == self.compute_dtype:
+            return raw.view(rows, n * self.block_size, self.head_dim)
+        if self._read_workspace.numel() < needed:
+            self._read_workspace = torch.empty(needed, dtype=self.compute_dtype, device=self.device)
+        out = self._read_workspace[:needed].view(rows, n * self.block_size, self.head_dim)
+        if self.scales is None:
+            return out.copy_(raw.view_as(out))
+        n_slots = n * self.block_size
+        if self._scale_workspace.numel() < rows * n_slots:
+            self._scale_workspace = torch.empty(
+                rows * n_slots, dtype=KV_SCALE_DTYPE, device=self.device
+            )
+        scale = self._scale_workspace[: rows * n_slots].view(rows, n, self.block_size)
+        torch.index_select(self._scale_blocks[layer], 1, block_index, out=scale)
+        return torch.mul(raw.view_as(out), scale.view(rows, n_slots, 1), out=out)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: block ``dst`` becomes a copy of block ``src`` in every layer.
@@ -149,21 +212,27 @@ class KVPool:
         src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.device)
         dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.device)
         self.data[:, :, dst] = self.data[:, :, src]
+        if self.scales is not None:
+            self.scales[:, :, dst] = self.scales[:, :, src]
 
     def scrub_blocks(self, block_ids: Sequence[int]) -> list[int]:
         """Zero every listed block that holds a NaN or an infinity; returns their ids.
 
         Attention reads masked slots too (padding, the unwritten tail of a block) and relies on
         0 * value == 0, which fails for non-finite values. A request that produced them must
-        not leave them behind for whoever gets its blocks next.
+        not leave them behind for whoever gets its blocks next. (An int8 pool's values are
+        always finite; a non-finite key or value leaves a non-finite scale.)
         """
         if not block_ids:
             return []
         index = torch.tensor(sorted(set(block_ids)), dtype=torch.int64, device=self.device)
-        finite = torch.isfinite(self.data.index_select(2, index)).transpose(0, 2)
+        values = self.data if self.scales is None else self.scales
+        finite = torch.isfinite(values.index_select(2, index)).transpose(0, 2)
         bad = index[~finite.reshape(index.shape[0], -1).all(dim=1)]
         if bad.numel():
             self.data[:, :, bad] = 0
+            if self.scales is not None:
+                self.scales[:, :, bad] = 0
         return [int(b) for b in bad.tolist()]
 
 

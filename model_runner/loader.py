@@ -17,28 +17,18 @@ from pathlib import Path
 import torch
 
 from model_runner.config import ModelConfig
+from model_runner.device import resolve_dtype
 from model_runner.errors import CheckpointError, CheckpointNotFoundError
 from model_runner.gguf_loader import HOW_TO_GET_DEFAULT, default_model_path, load_gguf_checkpoint
+from model_runner.quant import QuantWeight, quantize_matrices, resolve_weights_mode
 from model_runner.tokenizer import Tokenizer
 
 __all__ = [
-    "DTYPES",
     "CheckpointError",
     "CheckpointNotFoundError",
     "LoadedModel",
     "load_model",
-    "resolve_torch_dtype",
 ]
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
 
 
 @dataclass(slots=True)
@@ -46,31 +36,27 @@ class LoadedModel:
     """What a runner and the engine need from a checkpoint."""
 
     config: ModelConfig
-    state_dict: dict[str, torch.Tensor]
+    state_dict: dict[str, torch.Tensor | QuantWeight]
     tokenizer: Tokenizer
     name: str
     source_path: str
+    weights: str = "float32"  # the resolved --weights mode: float32, native or int8
 
 
-def resolve_torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return DTYPES[dtype.lower()]
-    except KeyError:
-        raise ValueError(
-            f"unknown dtype {dtype!r}; use one of {', '.join(sorted(set(DTYPES)))}"
-        ) from None
-
-
-def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float32") -> LoadedModel:
-    """Load weights (dequantized / cast to ``dtype``, on CPU) and the tokenizer.
+def load_model(
+    path: str | Path | None = None,
+    dtype: str | torch.dtype = "float32",
+    weights: str = "float32",
+    device: str | torch.device | None = "cpu",
+) -> LoadedModel:
+    """Load weights (on CPU) and the tokenizer.
 
     ``None`` is the embedded SmolLM2 GGUF; a ``.gguf`` file (or any file starting with the
     GGUF magic) goes through ``load_gguf``; a directory through ``hf_loader.load_hf_dir``
-    plus its ``tokenizer.json``.
+    plus its ``tokenizer.json``. ``weights`` (``quant.WEIGHT_MODES``) says whether matrices
+    are dequantized / cast to ``dtype`` or kept quantized for ``device``'s kernels.
     """
-    torch_dtype = resolve_torch_dtype(dtype)
+    torch_dtype = resolve_dtype(dtype, torch.device("cpu"))
     source = default_model_path() if path is None else Path(path)
     if not source.exists():
         raise CheckpointNotFoundError(
@@ -79,25 +65,32 @@ def load_model(path: str | Path | None = None, dtype: str | torch.dtype = "float
             f"for the default model ({HOW_TO_GET_DEFAULT})"
         )
     if source.is_dir():
-        return _load_hf_dir(source, torch_dtype)
+        mode = resolve_weights_mode(weights, False, device, torch_dtype)
+        return _load_hf_dir(source, torch_dtype, mode)
     if source.suffix.lower() != ".gguf" and not _has_gguf_magic(source):
         raise CheckpointError(
             f"{str(source)!r} is neither a .gguf file nor a Hugging Face model directory"
         )
-    checkpoint = load_gguf_checkpoint(source, torch_dtype)
+    mode = resolve_weights_mode(weights, True, device, torch_dtype)
+    checkpoint = load_gguf_checkpoint(source, torch_dtype, keep_quantized=mode == "native")
+    state_dict = quantize_matrices(checkpoint.state_dict) if mode == "int8" else None
     name = source.stem
     try:
         tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata, name=name)
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"GGUF file {str(source)!r}: cannot build its tokenizer: {e}") from e
     config = _with_tokenizer_eos(checkpoint.config, tokenizer)
-    return LoadedModel(config, checkpoint.state_dict, tokenizer, name, str(source))
+    weights_dict = state_dict if state_dict is not None else checkpoint.state_dict
+    return LoadedModel(config, weights_dict, tokenizer, name, str(source), mode)
 
 
-def _load_hf_dir(root: Path, dtype: torch.dtype) -> LoadedModel:
+def _load_hf_dir(root: Path, dtype: torch.dtype, mode: str) -> LoadedModel:
     from model_runner import hf_loader
 
-    config, state_dict = hf_loader.load_hf_dir(root, dtype)
+    config, tensors = hf_loader.load_hf_dir(root, dtype)
+    # An fp checkpoint has nothing native to keep: "native" serves it as it is.
+    state_dict = quantize_matrices(tensors) if mode == "int8" else dict(tensors)
+    mode = "int8" if mode == "int8" else "float32"
     try:
         tokenizer = Tokenizer.from_hf_dir(root, name=root.name)
     except FileNotFoundError as e:
@@ -105,7 +98,7 @@ def _load_hf_dir(root: Path, dtype: torch.dtype) -> LoadedModel:
     except ValueError as e:
         raise CheckpointError(str(e)) from e
     config = _with_tokenizer_eos(config, tokenizer)
-    return LoadedModel(config, state_dict, tokenizer, config.name or root.name, str(root))
+    return LoadedModel(config, state_dict, tokenizer, config.name or root.name, str(root), mode)
 
 
 def _with_tokenizer_eos(config: ModelConfig, tokenizer: Tokenizer) -> ModelConfig:

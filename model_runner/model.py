@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from model_runner.attention import ForwardBatch, paged_attention
 from model_runner.config import ModelConfig
 from model_runner.kv_pool import KVPool
+from model_runner.quant import QEmbedding, QLinear, QuantWeight, cat_rows
 
 # ---------------------------------------------------------------------------- RoPE
 
@@ -86,12 +87,65 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     )
 
 
-def _interleave_rows(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+def _interleave_rows(w: Weight, num_heads: int, head_dim: int) -> Weight:
     """Permute each head's rows from half-split (HF) to interleaved RoPE pair order."""
     half = head_dim // 2
     order = torch.stack([torch.arange(half), torch.arange(half, head_dim)], dim=1).flatten()
+    if isinstance(w, QuantWeight):
+        heads = torch.arange(num_heads).unsqueeze(1) * head_dim
+        return w.rows((heads + order.to(heads.device)).flatten())
     shape = w.shape
     return w.reshape(num_heads, head_dim, -1)[:, order].reshape(shape)
+
+
+def _scaled(w: Weight, factor: float) -> Weight:
+    return w.scaled(factor) if isinstance(w, QuantWeight) else w * factor
+
+
+def _dense(w: Weight) -> torch.Tensor:
+    return w.dequantize() if isinstance(w, QuantWeight) else w
+
+
+def _cat_rows(weights: list[Weight]) -> Weight:
+    """Stack row blocks; quantized ones stay quantized when they share a format (else fp32)."""
+    if all(isinstance(w, QuantWeight) for w in weights):
+        quant = [w for w in weights if isinstance(w, QuantWeight)]
+        if len({(w.fmt, w.in_features) for w in quant}) == 1:
+            return cat_rows(quant)
+    return torch.cat([_dense(w) for w in weights])
+
+
+def _describe_formats(state_dict: Mapping[str, Weight]) -> str:
+    """``"Q4_1+Q8_0"``-style list of the quantized formats held, or ``"float"``."""
+    sources = sorted({w.source for w in state_dict.values() if isinstance(w, QuantWeight)})
+    return "+".join(sources) if sources else "float"
+
+
+def _weight_bytes(model: LlamaModel) -> int:
+    """Bytes of every weight tensor the model holds (shared tensors counted once)."""
+    seen: dict[int, int] = {}
+
+    def add(obj: object) -> None:
+        if isinstance(obj, torch.Tensor):
+            if not obj.is_mkldnn:
+                seen[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+            else:  # oneDNN-packed: opaque storage, the logical size
+                seen[id(obj)] = obj.numel() * obj.element_size()
+        elif isinstance(obj, QuantWeight):
+            for t in (obj.qs, obj.d, obj.m):
+                add(t)
+        elif isinstance(obj, (Linear, QLinear)):
+            add(obj.weight)
+            add(obj.bias)
+        elif isinstance(obj, QEmbedding):
+            add(obj.weight)
+
+    for layer in model.layers:
+        for name in LayerWeights.__slots__:
+            add(getattr(layer, name))
+    for obj in (model.embed, model.norm, model.lm_head):
+        add(obj)
+    return sum(seen.values())
 
 
 # ---------------------------------------------------------------------------- linear
@@ -147,6 +201,12 @@ class Linear:
             return torch.addmm(residual, x, self.weight.t())
         return F.linear(x, self.weight, self.bias).add_(residual)
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for a weight holding the gate rows, then the up rows."""
+        gu = self(x)
+        inter = gu.shape[-1] // 2
+        return F.silu(gu[:, :inter]).mul_(gu[:, inter:])
+
 
 def _onednn_linear(x: torch.Tensor, w: torch.Tensor, *args: Any) -> torch.Tensor:
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, w, *args)
@@ -187,16 +247,20 @@ def onednn_works(dtype: torch.dtype) -> bool:
 # ---------------------------------------------------------------------------- weights
 
 
+AnyLinear = Linear | QLinear
+Weight = torch.Tensor | QuantWeight
+
+
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: Linear
-    o: Linear
+    qkv: AnyLinear
+    o: AnyLinear
     post_norm: torch.Tensor
     gate: Linear | None  # oneDNN path: separate gate (with SiLU) and up (with * gate)
     up: Linear | None
-    gate_up: Linear | None  # dense path: one fused [2 * I, hidden] GEMM
-    down: Linear
+    gate_up: AnyLinear | None  # dense and quantized paths: one fused [2 * I, hidden] GEMM
+    down: AnyLinear
 
 
 class LlamaModel:
@@ -205,7 +269,7 @@ class LlamaModel:
     def __init__(
         self,
         config: ModelConfig,
-        state_dict: Mapping[str, torch.Tensor],
+        state_dict: Mapping[str, torch.Tensor | QuantWeight],
         dtype: torch.dtype,
         device: torch.device,
         max_model_len: int | None = None,
@@ -237,21 +301,41 @@ class LlamaModel:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"state dict lacks {len(missing)} weights the config needs: {shown}")
 
+        quantized = [n for n, w in state_dict.items() if isinstance(w, QuantWeight)]
+        if quantized and (device.type != "cpu" or dtype != torch.float32):
+            raise ValueError(
+                f"{len(quantized)} quantized weights ({quantized[0]}, ...) run on the CPU "
+                f"kernels with float32 compute, not {device} / {dtype}"
+            )
+        self.weights_format = _describe_formats(state_dict)
+
         def get(name: str) -> torch.Tensor:
             # fp32 for the arithmetic below, then the run dtype on the run device.
-            return state_dict[name].to(device=device, dtype=torch.float32)
+            w = state_dict[name]
+            if isinstance(w, QuantWeight):
+                w = w.dequantize()
+            return w.to(device=device, dtype=torch.float32)
+
+        def matrix(name: str) -> Weight:
+            w = state_dict[name]
+            return w if isinstance(w, QuantWeight) else get(name)
 
         def final(t: torch.Tensor) -> torch.Tensor:
             return t.to(dtype).contiguous()
+
+        def linear(w: Weight, bias: torch.Tensor | None = None) -> AnyLinear:
+            if isinstance(w, QuantWeight):
+                return QLinear(w, bias)
+            return Linear(final(w), bias, use_onednn)
 
         h, kvh, d = config.num_heads, config.num_kv_heads, config.head_dim
         scale = 1.0 / math.sqrt(d)
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            wq = _interleave_rows(get(p + "self_attn.q_proj.weight"), h, d) * scale
-            wk = _interleave_rows(get(p + "self_attn.k_proj.weight"), kvh, d)
-            wv = get(p + "self_attn.v_proj.weight")
+            wq = _scaled(_interleave_rows(matrix(p + "self_attn.q_proj.weight"), h, d), scale)
+            wk = _interleave_rows(matrix(p + "self_attn.k_proj.weight"), kvh, d)
+            wv = matrix(p + "self_attn.v_proj.weight")
             bias: torch.Tensor | None = None
             if config.attention_bias:
                 bias = final(
@@ -263,15 +347,18 @@ class LlamaModel:
                         ]
                     )
                 )
-            qkv = Linear(final(torch.cat([wq, wk, wv])), bias, use_onednn)
-            o = Linear(final(get(p + "self_attn.o_proj.weight")), None, use_onednn)
-            w_gate = final(get(p + "mlp.gate_proj.weight"))
-            w_up = final(get(p + "mlp.up_proj.weight"))
-            if use_onednn:
-                gate, up, gate_up = Linear(w_gate, None, True), Linear(w_up, None, True), None
+            qkv = linear(_cat_rows([wq, wk, wv]), bias)
+            o = linear(matrix(p + "self_attn.o_proj.weight"))
+            w_gate = matrix(p + "mlp.gate_proj.weight")
+            w_up = matrix(p + "mlp.up_proj.weight")
+            gate: Linear | None = None
+            up: Linear | None = None
+            gate_up: AnyLinear | None = None
+            if use_onednn and not isinstance(w_gate, QuantWeight):
+                gate = Linear(final(_dense(w_gate)), None, True)
+                up = Linear(final(_dense(w_up)), None, True)
             else:
-                gate, up = None, None
-                gate_up = Linear(torch.cat([w_gate, w_up]), None, False)
+                gate_up = linear(_cat_rows([w_gate, w_up]))
             self.layers.append(
                 LayerWeights(
                     input_norm=final(get(p + "input_layernorm.weight")),
@@ -281,18 +368,23 @@ class LlamaModel:
                     gate=gate,
                     up=up,
                     gate_up=gate_up,
-                    down=Linear(final(get(p + "mlp.down_proj.weight")), None, use_onednn),
+                    down=linear(matrix(p + "mlp.down_proj.weight")),
                 )
             )
             del wq, wk, wv, w_gate, w_up
-        self.embed = final(get("model.embed_tokens.weight"))
+        embed = matrix("model.embed_tokens.weight")
+        self.embed: torch.Tensor | QEmbedding = (
+            QEmbedding(embed) if isinstance(embed, QuantWeight) else final(embed)
+        )
         self.norm = final(get("model.norm.weight"))
         head = "lm_head.weight" if "lm_head.weight" in state_dict else "model.embed_tokens.weight"
         if head == "model.embed_tokens.weight" and not config.tie_word_embeddings:
             raise ValueError("state dict has no lm_head.weight and the config does not tie it")
         # Tied + oneDNN: the head is a packed copy of the embedding (the lookup needs it dense).
-        self.lm_head = Linear(final(get(head)), None, use_onednn)
-        self.vocab_size = self.embed.shape[0]
+        # Tied + quantized: the lookup and the head share one QuantWeight.
+        self.lm_head = linear(matrix(head))
+        self.vocab_size = embed.shape[0]
+        self.weight_bytes = _weight_bytes(self)
 
         inv_freq = rope_inv_freq(config).to(device)
         angles = torch.outer(torch.arange(self.max_model_len, device=device).float(), inv_freq)
@@ -314,7 +406,7 @@ class LlamaModel:
         h_heads, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         n_rot = h_heads + kvh
         num_tokens = batch.num_tokens
-        hidden = F.embedding(batch.input_ids, self.embed)
+        hidden = self.embed_rows(batch.input_ids)
         attn_out = torch.empty(num_tokens, h_heads * d, dtype=self.dtype, device=self.device)
         if self.rope_cis is not None:
             cis = self.rope_cis.index_select(0, batch.positions)
@@ -335,14 +427,18 @@ class LlamaModel:
             hidden = layer.o.add(attn_out, hidden)
             x = F.rms_norm(hidden, normed_shape, layer.post_norm, self.eps)
             if layer.gate_up is not None:
-                gu = layer.gate_up(x)
-                inter = gu.shape[-1] // 2
-                act = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
+                act = layer.gate_up.silu_mul(x)
             else:
                 assert layer.gate is not None and layer.up is not None
                 act = layer.up.mul(x, layer.gate.silu(x))
             hidden = layer.down.add(act, hidden)
         return hidden
+
+    def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings [T, hidden] of ``token_ids`` (quantized tables dequantize just these)."""
+        if isinstance(self.embed, QEmbedding):
+            return self.embed(token_ids)
+        return F.embedding(token_ids, self.embed)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the given rows [R, hidden] -> fp32 logits [R, V]."""

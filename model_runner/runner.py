@@ -35,9 +35,11 @@ import torch
 from model_runner.attention import ForwardBatch
 from model_runner.base import ModelInfo
 from model_runner.config import ModelConfig
-from model_runner.device import dtype_name, resolve_dtype, select_device
+from model_runner.device import dtype_name, resolve_dtype, resolve_kv_dtype, select_device
+from model_runner.fused_decode import FusedDecode
 from model_runner.kv_pool import KVPool, default_kv_budget_bytes, num_blocks_for_memory
 from model_runner.model import LlamaModel
+from model_runner.quant import QuantWeight
 from scheduler.output import ModelOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
 
 
@@ -51,29 +53,35 @@ class TorchRunner:
     def __init__(
         self,
         config: ModelConfig,
-        state_dict: Mapping[str, torch.Tensor],
+        state_dict: Mapping[str, torch.Tensor | QuantWeight],
         num_blocks: int | None = None,
         block_size: int = 16,
         dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
         *,
         kv_budget_bytes: int | None = None,
+        kv_dtype: torch.dtype | str | None = None,
         max_model_len: int | None = None,
         sampler: SamplerLike | None = None,
         fuse_batches: bool = True,
         use_onednn: bool | None = None,
         name: str | None = None,
+        fused_decode: bool | None = None,
     ) -> None:
         """``num_blocks=None`` sizes the pool from ``kv_budget_bytes`` (default: see
         ``kv_pool.default_kv_budget_bytes``), measured after the weights are on the device.
         ``max_model_len`` (default and cap: the config's ``max_position_embeddings``) bounds
         positions and sizes the RoPE table. ``state_dict`` uses Hugging Face names; it is read,
         not kept. ``use_onednn=None`` uses oneDNN-packed linear layers on CPU when they pass a
-        self-check; ``fuse_batches`` runs prefill and decode in one forward pass."""
+        self-check; ``fuse_batches`` runs prefill and decode in one forward pass.
+        ``kv_dtype`` is the KV cache's storage precision (``device.resolve_kv_dtype``;
+        default ``"auto"``: float16 on CPU for a float32 model, else the model's dtype); it
+        sizes the pool, and attention still computes in ``dtype``."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.device = select_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(kv_dtype, self.dtype, self.device)
         max_len = min(
             max_model_len or config.max_position_embeddings, config.max_position_embeddings
         )
@@ -81,8 +89,17 @@ class TorchRunner:
         self.model = LlamaModel(config, state_dict, self.dtype, self.device, max_len, use_onednn)
         if num_blocks is None:
             budget = kv_budget_bytes or default_kv_budget_bytes(self.device)
-            num_blocks = num_blocks_for_memory(config, block_size, self.dtype, budget)
-        self.pool = KVPool.from_config(config, num_blocks, block_size, self.dtype, self.device)
+            num_blocks = num_blocks_for_memory(config, block_size, self.kv_dtype, budget)
+        self.pool = KVPool.from_config(
+            config, num_blocks, block_size, self.kv_dtype, self.device, self.dtype
+        )
+        # Decode-only steps in one kernel call (``fused_decode``): None = when supported.
+        self._fused: FusedDecode | None = None
+        unsupported = FusedDecode.unsupported(self.model, self.pool)
+        if fused_decode and unsupported is not None:
+            raise ValueError(f"fused_decode=True but {unsupported}")
+        if fused_decode is not False and unsupported is None:
+            self._fused = FusedDecode(self.model, self.pool)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_len
@@ -96,17 +113,22 @@ class TorchRunner:
             name=name or config.name or config.architecture,
             vocab_size=config.vocab_size,
             max_model_len=max_len,
-            shape=config.kv_shape(dtype_name(self.dtype)),
+            shape=config.kv_shape(dtype_name(self.kv_dtype)),
             eos_token_ids=config.eos_token_ids,
             bos_token_id=config.bos_token_id,
             dtype=dtype_name(self.dtype),
             device=str(self.device),
+            sliding_window=config.sliding_window,
+            kv_dtype=dtype_name(self.kv_dtype),
             extra={
                 "architecture": config.architecture,
                 "num_blocks": str(num_blocks),
                 "block_size": str(block_size),
                 "kv_pool_bytes": str(self.pool.num_bytes),
-                "linear_backend": "onednn" if self.model.use_onednn else "torch",
+                "linear_backend": self._linear_backend(),
+                "weights": self.model.weights_format,
+                "fused_decode": str(self._fused is not None).lower(),
+                "weight_bytes": str(self.model.weight_bytes),
                 "fuse_batches": str(fuse_batches).lower(),
             },
         )
@@ -114,6 +136,13 @@ class TorchRunner:
     @property
     def info(self) -> ModelInfo:
         return self._info
+
+    def _linear_backend(self) -> str:
+        if self.model.weights_format != "float":
+            from model_runner import kernels
+
+            return f"kvserve-{kernels.isa()}"
+        return "onednn" if self.model.use_onednn else "torch"
 
     # ------------------------------------------------------------------ the step
 
@@ -227,6 +256,12 @@ class TorchRunner:
     def _forward_hidden(
         self, prefill: Sequence[ScheduledSeq], decode: Sequence[ScheduledSeq]
     ) -> torch.Tensor:
+        if self._fused is not None and not prefill:
+            return self._fused.forward(
+                [s.token_ids[0] for s in decode],
+                [s.start_pos for s in decode],
+                [s.block_ids for s in decode],
+            )
         batch = ForwardBatch.build(
             prefill,
             decode,

@@ -129,6 +129,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     parent_id: str | None = None  # for forked samples (n > 1): the request the client sent
     index: int = 0  # which of the n samples
+    forked_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

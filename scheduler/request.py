@@ -7,9 +7,23 @@ import math
 from dataclasses import dataclass, field
 
 
+class SamplingParamsError(ValueError):
+    """A ``SamplingParams`` value outside its range; the ranges live only here.
+
+    The message starts with ``field`` (``"temperature must be >= 0 (0 = greedy), got -1"``),
+    so an API edge can name the field its own way: ``field`` + ``detail``.
+    """
+
+    def __init__(self, field: str, detail: str) -> None:
+        super().__init__(field + detail)
+        self.field = field
+        self.detail = detail
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. Validated once, at construction.
+    """How to pick tokens and when to stop. Validated once, at construction
+    (``SamplingParamsError``, a ``ValueError``, naming the field, its range and the value).
 
     ``temperature == 0`` means greedy. ``top_k is None`` disables top-k; ``logprobs is None``
     returns no logprobs (0 returns only the sampled token's logprob).
@@ -35,37 +49,50 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise SamplingParamsError(
+                "temperature", f" must be >= 0 (0 = greedy), got {self.temperature:g}"
+            )
         if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1 (or unset to disable), got {self.top_k}")
+            raise SamplingParamsError(
+                "top_k", f" must be >= 1 (or unset to disable), got {self.top_k}"
+            )
         if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise SamplingParamsError("top_p", f" must be in (0, 1], got {self.top_p:g}")
         if not (0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise SamplingParamsError("min_p", f" must be in [0, 1], got {self.min_p:g}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise SamplingParamsError(
+                "repetition_penalty", f" must be > 0, got {self.repetition_penalty:g}"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (math.isfinite(value) and -2.0 <= value <= 2.0):
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+                raise SamplingParamsError(name, f" must be in [-2, 2], got {value:g}")
         if self.logprobs is not None and not (0 <= self.logprobs <= self.MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not (0 <= self.min_tokens <= self.max_tokens):
-            raise ValueError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            raise SamplingParamsError(
+                "logprobs", f" must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"
             )
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
-        if any(s == "" for s in self.stop):
-            raise ValueError("stop strings must not be empty")
+        if self.max_tokens < 1:
+            raise SamplingParamsError("max_tokens", f" must be >= 1, got {self.max_tokens}")
+        if not (0 <= self.min_tokens <= self.max_tokens):
+            limits = f"[0, max_tokens={self.max_tokens}]"
+            raise SamplingParamsError("min_tokens", f" must be in {limits}, got {self.min_tokens}")
+        for i, token in enumerate(self.stop_token_ids):
+            if token < 0:
+                raise SamplingParamsError("stop_token_ids", f"[{i}] must be >= 0, got {token}")
+        for i, stop in enumerate(self.stop):
+            if not stop:
+                raise SamplingParamsError("stop", f"[{i}] is empty: stop strings need text")
         if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
+            raise SamplingParamsError("n", f" must be >= 1, got {self.n}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def sample_id(request_id: str, index: int) -> str:
+    return f"{request_id}#{index}"
 
 
 class RequestStatus(enum.Enum):

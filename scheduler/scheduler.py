@@ -47,7 +47,7 @@ from scheduler.policies import (
     make_queue_order,
     make_victim_rule,
 )
-from scheduler.request import AbortReason, FinishReason, Request, RequestStatus
+from scheduler.request import AbortReason, FinishReason, Request, RequestStatus, sample_id
 
 _WAITING = RequestStatus.WAITING
 _PREFILLING = RequestStatus.PREFILLING
@@ -310,7 +310,7 @@ class Scheduler:
                 f"request {rid!r}: {num_total} tokens x {n} sample(s) need {num_blocks} KV "
                 f"blocks of {self._block_size} tokens, but the whole pool has {usable}"
             )
-        child_ids = tuple(f"{rid}#{i}" for i in range(1, n))
+        child_ids = tuple(sample_id(rid, i) for i in range(1, n))
         for cid in child_ids:
             if cid in self._entries or cid in self._reserved_ids:
                 raise ValueError(f"request {rid!r}: the id of its sample {cid!r} is in use")
@@ -475,6 +475,7 @@ class Scheduler:
                     len(req.output_token_ids),
                     req.parent_id,
                     entry.index,
+                    entry.child_ids if len(req.output_token_ids) == 1 else (),
                 )
             )
         self._num_generation_tokens += num_tokens
@@ -524,6 +525,7 @@ class Scheduler:
                 num_output_tokens=len(req.output_token_ids),
                 parent_id=req.parent_id,
                 index=entry.index,
+                forked_ids=entry.child_ids if len(req.output_token_ids) == 1 else (),
             )
         )
 
@@ -778,6 +780,8 @@ class Scheduler:
         req.status = _PREEMPTED
         entry.num_full_blocks = 0
         self._push_waiting(entry)
+        if entry.forked and entry.child_ids and not req.output_token_ids:
+            self._pending_outputs.append(RequestOutput(rid, [], forked_ids=entry.child_ids))
 
     # -- n > 1 --------------------------------------------------------------------------
 
@@ -859,6 +863,7 @@ class Scheduler:
             num_output_tokens=len(req.output_token_ids),
             parent_id=req.parent_id,
             index=entry.index,
+            forked_ids=entry.child_ids if entry.forked and len(req.output_token_ids) <= 1 else (),
         )
 
     # -- the waiting queue (a heap; aborted entries go stale and are skipped) -------------

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
-from cache_manager import KVCacheConfig, KVCacheManager, block_bytes
-from cache_manager.sizing import ModelShape, num_blocks_for_budget
+from cache_manager import KVCacheManager, block_bytes
+from cache_manager.sizing import num_blocks_for_budget
 from metrics.records import MetricsSink
-from model_runner.base import ModelInfo, Runner
-from model_runner.fake import FakeRunner
-from scheduler import Scheduler, SchedulerConfig
+from model_runner.base import Runner
+from model_runner.fake import FakeRunner, make_fake_info
+from scheduler import Scheduler
 from server.config import ServerConfig
 from server.engine import EngineLoop
 from server.fake_tokenizer import ByteTokenizer
@@ -42,15 +41,11 @@ class BuiltEngine:
 
 def _fake_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]:
     tokenizer = ByteTokenizer()
-    info = ModelInfo(
-        name="fake",
+    info = make_fake_info(
         vocab_size=tokenizer.vocab_size,
         max_model_len=cfg.max_model_len or FAKE_DEFAULT_MAX_MODEL_LEN,
-        shape=ModelShape(num_layers=2, num_kv_heads=2, head_dim=8, dtype_bytes=4, name="fake"),
         eos_token_ids=tokenizer.eos_token_ids,
         bos_token_id=tokenizer.bos_token_id,
-        dtype="float32",
-        device="cpu",
     )
     runner = FakeRunner(info, sleep_s=cfg.fake_step_sleep_s, crash_at_step=cfg.fake_crash_at_step)
     if cfg.num_blocks is not None:
@@ -63,14 +58,13 @@ def _fake_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]:
 
 
 def _torch_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]:
-    import torch
-
+    from model_runner.device import configure_threads, resolve_dtype, select_device
     from model_runner.loader import load_model
     from model_runner.runner import TorchRunner
 
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
-    loaded = load_model(cfg.model, cfg.dtype or "float32")
+    configure_threads(cfg.threads)
+    dtype = resolve_dtype(cfg.dtype, select_device(cfg.device))
+    loaded = load_model(cfg.model, dtype, weights=cfg.weights, device=cfg.device)
     runner = TorchRunner(
         loaded.config,
         loaded.state_dict,
@@ -79,6 +73,7 @@ def _torch_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]
         dtype=cfg.dtype,
         device=cfg.device,
         kv_budget_bytes=cfg.kv_memory_bytes,
+        kv_dtype=cfg.kv_dtype,
         max_model_len=cfg.max_model_len,
         name=loaded.name,
     )
@@ -95,31 +90,8 @@ def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEng
     info = runner.info
     max_model_len = min(info.max_model_len, cfg.max_model_len or info.max_model_len)
     per_block = block_bytes(info.shape, cfg.block_size)
-    kv = KVCacheManager(
-        KVCacheConfig(
-            num_blocks=num_blocks,
-            block_size=cfg.block_size,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            eviction_policy=cfg.eviction_policy,
-            sliding_window=_sliding_window(runner),
-            block_bytes=per_block,
-        )
-    )
-    scheduler = Scheduler(
-        SchedulerConfig(
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
-            policy=cfg.policy,
-            queue_order=cfg.queue_order,
-            preemption=cfg.preemption,
-            max_waiting_requests=cfg.max_waiting_requests,
-            max_waiting_tokens=cfg.max_waiting_tokens,
-            memory_mode=cfg.memory_mode,
-        ),
-        kv,
-    )
+    kv = KVCacheManager(cfg.cache_config(num_blocks, info.sliding_window, per_block))
+    scheduler = Scheduler(cfg.scheduler_config(max_model_len), kv)
     engine = EngineLoop(scheduler, runner, make_text_stream_factory(tokenizer), sink=sink)
     model = ServedModel(
         name=info.name,
@@ -131,7 +103,10 @@ def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEng
         dtype=info.dtype,
         device=info.device,
         eos_token_ids=tuple(info.eos_token_ids),
+        kv_dtype=info.kv_dtype,
         max_n=max_n_for(cfg),
+        weights=info.extra.get("weights", "float"),
+        weight_bytes=int(info.extra.get("weight_bytes", 0)),
     )
     return BuiltEngine(engine, runner, scheduler, tokenizer, model, source)
 
@@ -140,10 +115,5 @@ def max_n_for(cfg: ServerConfig) -> int:
     """n > 1 needs the scheduler's fork, which reserve memory mode does not do."""
     if cfg.memory_mode == "reserve":
         return 1
-    return min(cfg.max_n, cfg.max_num_seqs)
-
-
-def _sliding_window(runner: Runner) -> int | None:
-    config: Any = getattr(runner, "config", None)
-    window = getattr(config, "sliding_window", None)
-    return int(window) if window else None
+    max_num_seqs: int = cfg.max_num_seqs
+    return min(cfg.max_n, max_num_seqs)

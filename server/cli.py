@@ -82,9 +82,11 @@ async def _serve(cfg: Any) -> int:
     built.engine.sink = sink
     _say(f"model: {model.name} ({built.source})")
     _say(f"dtype: {model.dtype}  device: {model.device}  runner: {cfg.runner}")
+    _say(f"weights: {model.weights}, {_human_bytes(model.weight_bytes)} resident{_backend(built)}")
     _say(
         f"kv cache: {model.num_blocks} blocks x {model.block_size} tokens = "
         f"{model.num_blocks * model.block_size} token slots, {_human_bytes(model.kv_memory_bytes)}"
+        f" in {model.kv_dtype}"
         f"; context {model.max_model_len} tokens; prefix caching "
         f"{'on' if cfg.enable_prefix_caching else 'off'}"
     )
@@ -145,11 +147,19 @@ def _write_port_file(path: str, port: int) -> None:
     tmp.replace(path)  # atomic: a reader never sees a partial file
 
 
+def _backend(built: Any) -> str:
+    backend = built.runner.info.extra.get("linear_backend")
+    return f" (linear layers: {backend})" if backend else ""
+
+
 def _model_labels(model: Any) -> dict[str, str]:
     return {
         "model": model.name,
         "dtype": model.dtype,
         "device": model.device,
+        "weights": model.weights,
+        "weight_bytes": str(model.weight_bytes),
+        "kv_dtype": model.kv_dtype,
         "block_size": str(model.block_size),
         "num_blocks": str(model.num_blocks),
     }
@@ -183,7 +193,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 async def _generate(args: argparse.Namespace) -> int:
     import grpc
 
-    from server.client import KVServeClient
+    from server.client import KVServeClient, NoServerError
     from server.config import client_address
     from server.rpc import generation_pb2 as pb
 
@@ -215,12 +225,16 @@ async def _generate(args: argparse.Namespace) -> int:
     last = pb.GenerateResponse()
     async with KVServeClient(address) as client:
         try:
+            await client.connect()
             async for response in client.generate(
                 text_prompt, timeout_s=args.timeout, **kwargs, **kwargs_id, **options
             ):
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
                 last = response
+        except NoServerError as exc:
+            print(f"kvserve generate: {exc}", file=sys.stderr)
+            return 1
         except grpc.aio.AioRpcError as exc:
             print(f"\nkvserve generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
@@ -246,6 +260,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    from server.client import DEFAULT_TEMPERATURE
+
     p.add_argument("prompt", nargs="*", help="the prompt (default: read stdin)")
     p.add_argument(
         "--address", default=None, help="server address (default: $KVSERVE_ADDRESS or "
@@ -253,8 +269,14 @@ def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     p.add_argument("--system", default=None, help="system message (with --chat)")
-    p.add_argument("--max-tokens", type=int, default=256, help="default: 256")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default here)")
+    p.add_argument("--max-tokens", type=int, default=256, help="(default: %(default)s)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=DEFAULT_TEMPERATURE,
+        help="0 = greedy, > 0 samples (default: %(default)s, as the Python client; a raw gRPC "
+        "request without one samples at 1.0)",
+    )
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--min-p", type=float, default=None)

@@ -8,6 +8,11 @@
 one has ``finished``, ``finish_reason``, ``usage`` and ``timings``). Leaving the loop early
 cancels the call, which aborts the request on the server. Errors arrive as
 ``grpc.aio.AioRpcError`` with the server's status code and message.
+
+Defaults: this client is greedy (``temperature=0``) like ``kvserve generate``; pass a
+temperature > 0 to sample, or ``temperature=None`` for the server's default (1.0, which a raw
+gRPC request with no temperature gets). Every other unset option takes the server's default.
+``connect()`` fails fast with ``NoServerError`` when nothing answers at the address.
 """
 
 from __future__ import annotations
@@ -26,6 +31,19 @@ _SAMPLING_FIELDS = frozenset(pb.SamplingOptions.DESCRIPTOR.fields_by_name)
 _STOPPING_FIELDS = frozenset(pb.StoppingOptions.DESCRIPTOR.fields_by_name)
 
 ChatInput = Sequence[Mapping[str, str] | tuple[str, str]]
+
+# Greedy, as `kvserve generate`: one default for the CLI and this client.
+DEFAULT_TEMPERATURE = 0.0
+# How long connect() waits for a server before it says there is none.
+CONNECT_TIMEOUT_S = 3.0
+
+
+class NoServerError(ConnectionError):
+    """Nothing answers as kvserve at ``address`` (refused, unreachable, or another service)."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(f"no kvserve at {address}: start one with `make serve`, or pass --address")
+        self.address = address
 
 
 def chat_messages(
@@ -49,15 +67,20 @@ def build_generate_request(
     priority: int = 0,
     cache_salt: str = "",
     n: int | None = None,
+    temperature: float | None = DEFAULT_TEMPERATURE,
     **options: Any,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from a text or token-id prompt (or ``chat``) and keyword options.
 
-    Options are the fields of SamplingOptions (temperature, top_k, top_p, min_p, seed,
+    ``temperature`` defaults to 0 (greedy, as ``kvserve generate``); None leaves it unset, so
+    the server samples at its default 1.0. With n > 1 and temperature 0 every sample is the
+    same. Options are the other fields of SamplingOptions (top_k, top_p, min_p, seed,
     logprobs, ...) and StoppingOptions (max_tokens, min_tokens, stop, stop_token_ids,
     ignore_eos); unset ones take the server defaults.
     """
     request = pb.GenerateRequest(request_id=request_id, priority=priority, cache_salt=cache_salt)
+    if temperature is not None:
+        request.sampling.temperature = temperature
     if chat is not None:
         if prompt is not None:
             raise ValueError("give either a prompt or chat messages, not both")
@@ -113,6 +136,25 @@ class KVServeClient:
     async def close(self) -> None:
         if self._own_channel:
             await self.channel.close()
+
+    async def connect(self, timeout_s: float = CONNECT_TIMEOUT_S) -> pb.ModelInfo:
+        """The server's ModelInfo, waiting up to ``timeout_s`` for it to answer.
+
+        Raises ``NoServerError`` when nothing answers in time (no server, a wrong address) or
+        the server there is not kvserve (UNIMPLEMENTED); other errors as they come.
+        """
+        try:
+            return await self.stub.GetModelInfo(
+                pb.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=True
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.UNIMPLEMENTED,
+            ):
+                raise NoServerError(self.address) from exc
+            raise
 
     async def wait_ready(self, timeout_s: float = 10.0) -> None:
         """Wait until the channel connects (raises ``TimeoutError``)."""

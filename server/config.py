@@ -4,6 +4,10 @@ Sources, later wins: defaults < config file (``--config``, TOML or JSON) < ``KVS
 environment variables < command-line flags. Each field of ``ServerConfig`` is one flag
 (``--max-num-seqs``), one variable (``KVSERVE_MAX_NUM_SEQS``) and one file key
 (``max_num_seqs`` or ``max-num-seqs``); the table below is the single source for all three.
+
+The scheduler and KV-cache fields are not written here: they are generated from
+``SchedulerConfig`` and ``KVCacheConfig`` (type, default; choices from the components'
+registries), and those configs validate them. A new component field is a new flag.
 """
 
 from __future__ import annotations
@@ -20,7 +24,17 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from cache_manager.config import EVICTION_POLICIES, KVCacheConfig
+from model_runner.config import DTYPE_BYTES
+from scheduler.config import (
+    MEMORY_MODES,
+    POLICIES,
+    PREEMPTION_RULES,
+    QUEUE_ORDERS,
+    SchedulerConfig,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +42,39 @@ ENV_PREFIX = "KVSERVE_"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 RUNNERS = ("torch", "fake")
+
+# Choices of the component fields, from the registries of the packages that implement them.
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "policy": POLICIES,
+    "queue_order": QUEUE_ORDERS,
+    "preemption": PREEMPTION_RULES,
+    "memory_mode": MEMORY_MODES,
+    "eviction_policy": EVICTION_POLICIES,
+}
+# Flag help of the component fields (their meaning is documented on the component config).
+_HELP = {
+    "max_num_seqs": "requests running at once",
+    "max_num_batched_tokens": "token budget of one step",
+    "long_prefill_token_threshold": (
+        "largest prefill chunk one request gets per step (0 = the step budget)"
+    ),
+    "policy": "batch formation",
+    "max_decode_starvation_steps": "prefill-first: most steps in a row without decodes",
+    "queue_order": "waiting queue order",
+    "aging_steps": "priority order: steps per one level of aging (0 = no aging)",
+    "preemption": "preemption victim rule",
+    "max_waiting_requests": "waiting-queue bound; over it: RESOURCE_EXHAUSTED",
+    "max_waiting_tokens": "waiting prompt-token bound",
+    "memory_mode": "optimistic (preempt when full) | reserve (admit at full length)",
+    "block_size": "tokens per KV block",
+    "enable_prefix_caching": "reuse KV of shared prompt prefixes",
+    "eviction_policy": "which cached block to evict first",
+}
+# Component fields the server derives instead: the context from the model (or
+# --max-model-len), the pool size from a budget (or --num-blocks), the window from the model,
+# the bytes per block from the model's shape.
+_DERIVED = frozenset({"max_model_len", "num_blocks", "sliding_window", "block_bytes"})
+_COMPONENTS = {"scheduler": SchedulerConfig, "kv cache": KVCacheConfig}
 
 
 def _opt(help_text: str, *, choices: Sequence[str] | None = None, group: str = "server") -> Any:
@@ -38,9 +85,33 @@ def _f(default: Any, help_text: str, **kw: Any) -> Any:
     return field(default=default, metadata=_opt(help_text, **kw))
 
 
+T = TypeVar("T")
+
+
+def _with_component_fields(cls: type[T]) -> type[T]:
+    """Add one field per scheduler / KV-cache setting to ``cls`` (before ``@dataclass``):
+    the component's type and default, help from ``_HELP``, choices from ``_CHOICES``."""
+    for group, component in _COMPONENTS.items():
+        for f in dataclasses.fields(component):
+            if f.name in _DERIVED:
+                continue
+            help_text = _HELP.get(f.name, f"see {component.__name__}.{f.name}")
+            cls.__annotations__[f.name] = f.type
+            meta = _opt(help_text, choices=_CHOICES.get(f.name), group=group)
+            setattr(cls, f.name, field(default=f.default, metadata=meta))
+    return cls
+
+
 @dataclass(frozen=True, slots=True)
+@_with_component_fields
 class ServerConfig:
-    """Everything ``kvserve serve`` needs; validated at construction."""
+    """Everything ``kvserve serve`` needs; validated at construction. The scheduler and
+    KV-cache settings are generated fields (see the module docstring): read them as
+    attributes (``cfg.max_num_seqs``) or as the component configs (``scheduler_config``)."""
+
+    if TYPE_CHECKING:  # the generated fields
+
+        def __getattr__(self, name: str) -> Any: ...
 
     # -- server
     host: str = _f("127.0.0.1", "address to listen on")
@@ -66,12 +137,19 @@ class ServerConfig:
     )
     dtype: str | None = _f(
         None,
-        "float32 | bfloat16 | float16 (default: the device's best)",
-        choices=("float32", "bfloat16", "float16"),
+        f"{' | '.join(DTYPE_BYTES)} (default: the device's best)",
+        choices=tuple(DTYPE_BYTES),
         group="model",
     )
     device: str | None = _f(
         None, "cpu | cuda | cuda:N (default: cuda when available)", group="model"
+    )
+    weights: str = _f(
+        "auto",
+        "auto: a GGUF's own quantization on CPU (kvserve's kernels), else float; float32: "
+        "dequantize; native: keep GGUF Q4_0/Q4_1/Q8_0; int8: quantize every matrix per channel",
+        choices=("auto", "float32", "native", "int8"),
+        group="model",
     )
     threads: int | None = _f(None, "torch CPU threads (default: torch's choice)", group="model")
     max_model_len: int | None = _f(None, "context limit (default: the model's)", group="model")
@@ -79,48 +157,20 @@ class ServerConfig:
     fake_crash_at_step: int | None = _f(
         None, "fake runner: raise at this engine step (a runner-death drill)", group="model"
     )
-    # -- scheduler
-    policy: str = _f(
-        "stall-free", "batch formation", choices=("stall-free", "prefill-first"), group="scheduler"
-    )
-    max_num_seqs: int = _f(256, "requests running at once", group="scheduler")
-    max_num_batched_tokens: int = _f(2048, "token budget of one step", group="scheduler")
-    long_prefill_token_threshold: int = _f(
-        512,
-        "largest prefill chunk one request gets per step (0 = the step budget)",
-        group="scheduler",
-    )
-    queue_order: str = _f(
-        "fcfs", "waiting queue order", choices=("fcfs", "priority"), group="scheduler"
-    )
-    preemption: str = _f(
-        "priority", "preemption victim rule", choices=("priority", "newest"), group="scheduler"
-    )
-    memory_mode: str = _f(
-        "optimistic",
-        "optimistic (preempt when full) | reserve (admit at full length)",
-        choices=("optimistic", "reserve"),
-        group="scheduler",
-    )
-    max_waiting_requests: int = _f(
-        4096, "waiting-queue bound; over it: RESOURCE_EXHAUSTED", group="scheduler"
-    )
-    max_waiting_tokens: int = _f(1_000_000, "waiting prompt-token bound", group="scheduler")
+    # -- scheduler (and, generated, every SchedulerConfig field but max_model_len)
     max_n: int = _f(16, "largest n (parallel samples) a request may ask for", group="scheduler")
-    # -- KV cache
-    block_size: int = _f(16, "tokens per KV block", group="kv cache")
-    enable_prefix_caching: bool = _f(True, "reuse KV of shared prompt prefixes", group="kv cache")
-    eviction_policy: str = _f(
-        "lru",
-        "which cached block to evict first",
-        choices=("lru", "lfu", "shared-prefix"),
-        group="kv cache",
-    )
+    # -- KV cache (and, generated, block_size, enable_prefix_caching, eviction_policy)
     kv_memory: str | None = _f(
         None, "KV pool budget, e.g. 512MiB, 2GB or bytes (default: the runner's)", group="kv cache"
     )
     num_blocks: int | None = _f(
         None, "KV pool size in blocks (overrides --kv-memory)", group="kv cache"
+    )
+    kv_dtype: str = _f(
+        "auto",
+        "KV cache precision; auto = float16 on CPU for a float32 model, else the model dtype",
+        choices=("auto", "float32", "float16", "bfloat16", "int8"),
+        group="kv cache",
     )
 
     def __post_init__(self) -> None:
@@ -136,8 +186,6 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.fake_step_sleep_s < 0:
             raise ValueError(f"fake_step_sleep_s must be >= 0, got {self.fake_step_sleep_s}")
         if self.kv_memory is not None:
@@ -147,10 +195,31 @@ class ServerConfig:
             value = getattr(self, f.name)
             if choices and value is not None and value not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
+        # The components validate their own fields (the derived ones get stand-ins here).
+        self.scheduler_config(max_model_len=self.max_model_len or 1)
+        self.cache_config(num_blocks=2, sliding_window=None, block_bytes=0)
 
     @property
     def kv_memory_bytes(self) -> int | None:
         return None if self.kv_memory is None else parse_bytes(self.kv_memory)
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's config: the generated fields and the server's context limit."""
+        values = {name: getattr(self, name) for name in _component_names(SchedulerConfig)}
+        return SchedulerConfig(max_model_len=max_model_len, **values)
+
+    def cache_config(
+        self, num_blocks: int, sliding_window: int | None, block_bytes: int
+    ) -> KVCacheConfig:
+        """The cache manager's config: the generated fields and what the model decides."""
+        values = {name: getattr(self, name) for name in _component_names(KVCacheConfig)}
+        return KVCacheConfig(
+            num_blocks=num_blocks, sliding_window=sliding_window, block_bytes=block_bytes, **values
+        )
+
+
+def _component_names(component: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(component) if f.name not in _DERIVED]
 
 
 _UNITS = {

@@ -38,14 +38,9 @@ from scheduler.errors import OverloadError
 from scheduler.output import TokenLogprobs
 from scheduler.request import AbortReason, FinishReason, Request
 from server import validation
-from server.engine import (
-    DeadlineExceededError,
-    DuplicateRequestError,
-    EngineClient,
-    EngineDeadError,
-    EngineLoop,
-    GenerationOutput,
-)
+from server.engine import EngineDeadError, EngineLoop
+from server.engine_client import DeadlineExceededError, DuplicateRequestError, EngineClient
+from server.outputs import GenerationOutput
 from server.rpc import generation_pb2 as pb
 from server.validation import InvalidRequestError, Limits
 
@@ -87,6 +82,9 @@ class ServedModel:
     device: str
     eos_token_ids: tuple[int, ...]
     max_n: int = 1  # > 1 only when the scheduler forks samples
+    weights: str = "float"  # "float", or the quantized formats held ("Q4_1+Q8_0", "int8")
+    weight_bytes: int = 0
+    kv_dtype: str = "float32"  # KV cache precision (kv_memory_bytes counts it)
 
     @property
     def limits(self) -> Limits:
@@ -342,6 +340,8 @@ class GenerationServicer:
             device=m.device,
             eos_token_ids=list(m.eos_token_ids),
             kv_memory_bytes=m.kv_memory_bytes,
+            weights=m.weights,
+            weight_bytes=m.weight_bytes,
         )
 
     async def GetKVCacheStats(

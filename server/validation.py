@@ -4,15 +4,18 @@ Every check here is pure and cheap (no tokenizer, no model): it runs on the even
 tokenizer part (text / chat -> ids) runs in a thread executor in ``server.service``.
 Messages name the field, the value received and the allowed range, because they travel to
 the client verbatim as gRPC ``INVALID_ARGUMENT`` details.
+
+Value ranges of sampling and stopping parameters live in ``SamplingParams`` alone; this
+module adds what only the server knows (the model's context and vocabulary, ``max_n``, size
+limits on stop strings) and renames ``SamplingParams``' fields to the request's field paths.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler.request import SamplingParams
+from scheduler.request import SamplingParams, SamplingParamsError
 from server.rpc import generation_pb2 as pb
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -109,16 +112,12 @@ def check_stopping_fields(stopping: pb.StoppingOptions, limits: Limits) -> None:
             f"{limits.max_model_len} tokens (prompt + max_tokens must be <= "
             f"{limits.max_model_len})"
         )
-    if stopping.HasField("min_tokens") and stopping.min_tokens < 0:
-        raise InvalidRequestError(f"stopping.min_tokens must be >= 0, got {stopping.min_tokens}")
     if len(stopping.stop) > MAX_STOP_STRINGS:
         raise InvalidRequestError(
             f"stopping.stop holds {len(stopping.stop)} strings; at most {MAX_STOP_STRINGS} "
             "are allowed"
         )
     for i, stop in enumerate(stopping.stop):
-        if not stop:
-            raise InvalidRequestError(f"stopping.stop[{i}] is empty: stop strings need text")
         if len(stop) > MAX_STOP_STRING_CHARS:
             raise InvalidRequestError(
                 f"stopping.stop[{i}] has {len(stop)} characters; at most "
@@ -127,51 +126,15 @@ def check_stopping_fields(stopping: pb.StoppingOptions, limits: Limits) -> None:
     check_token_ids(stopping.stop_token_ids, limits.vocab_size, "stopping.stop_token_ids")
 
 
-def check_sampling_fields(sampling: pb.SamplingOptions) -> None:
-    """Range checks with the proto field names (SamplingParams re-checks the same ranges)."""
-    if sampling.HasField("temperature"):
-        t = sampling.temperature
-        if not (math.isfinite(t) and t >= 0.0):
-            raise InvalidRequestError(f"sampling.temperature must be >= 0 (0 = greedy), got {t:g}")
-    if sampling.HasField("top_p") and not (0.0 < sampling.top_p <= 1.0):
-        raise InvalidRequestError(f"sampling.top_p must be in (0, 1], got {sampling.top_p:g}")
-    if sampling.HasField("top_k") and sampling.top_k < 1:
-        raise InvalidRequestError(
-            f"sampling.top_k must be >= 1 (leave it unset to disable), got {sampling.top_k}"
-        )
-    if sampling.HasField("min_p") and not (0.0 <= sampling.min_p <= 1.0):
-        raise InvalidRequestError(f"sampling.min_p must be in [0, 1], got {sampling.min_p:g}")
-    if sampling.HasField("repetition_penalty"):
-        r = sampling.repetition_penalty
-        if not (math.isfinite(r) and r > 0.0):
-            raise InvalidRequestError(f"sampling.repetition_penalty must be > 0, got {r:g}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if sampling.HasField(name):
-            value = getattr(sampling, name)
-            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
-                raise InvalidRequestError(f"sampling.{name} must be in [-2, 2], got {value:g}")
-    if sampling.HasField("logprobs") and not (
-        0 <= sampling.logprobs <= SamplingParams.MAX_LOGPROBS
-    ):
-        raise InvalidRequestError(
-            f"sampling.logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}], "
-            f"got {sampling.logprobs}"
-        )
-
-
 def check_request_fields(request: pb.GenerateRequest, limits: Limits) -> None:
     """Everything checkable before tokenizing: runs on the event loop."""
     input_kind(request)
     check_request_id(request.request_id)
-    check_sampling_fields(request.sampling)
     check_stopping_fields(request.stopping, limits)
-    if request.HasField("n"):
-        if request.n < 1:
-            raise InvalidRequestError(f"n must be >= 1, got {request.n}")
-        if request.n > limits.max_n:
-            if limits.max_n == 1:
-                raise InvalidRequestError("n > 1 is not supported by this server")
-            raise InvalidRequestError(f"n must be in [1, {limits.max_n}], got {request.n}")
+    if request.HasField("n") and request.n > limits.max_n:
+        if limits.max_n == 1:
+            raise InvalidRequestError("n > 1 is not supported by this server")
+        raise InvalidRequestError(f"n must be in [1, {limits.max_n}], got {request.n}")
     if request.WhichOneof("input") == "token_ids":
         check_token_ids(request.token_ids.ids, limits.vocab_size, "token_ids.ids")
     elif request.WhichOneof("input") == "chat":
@@ -200,10 +163,6 @@ def sampling_params(
     else:
         max_tokens = min(limits.default_max_tokens, room)
     min_tokens = stopping.min_tokens if stopping.HasField("min_tokens") else 0
-    if min_tokens > max_tokens:
-        raise InvalidRequestError(
-            f"stopping.min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}"
-        )
     s = request.sampling
     try:
         return SamplingParams(
@@ -223,5 +182,14 @@ def sampling_params(
             ignore_eos=stopping.ignore_eos,
             n=request.n if request.HasField("n") else 1,
         )
-    except ValueError as exc:
-        raise InvalidRequestError(str(exc)) from exc
+    except SamplingParamsError as exc:
+        raise InvalidRequestError(_REQUEST_FIELDS.get(exc.field, exc.field) + exc.detail) from exc
+
+
+# Where each SamplingParams field travels in a GenerateRequest.
+_REQUEST_FIELDS = {
+    **{f: f"sampling.{f}" for f in ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs")},
+    **{f: f"sampling.{f}" for f in ("repetition_penalty", "presence_penalty", "frequency_penalty")},
+    **{f: f"stopping.{f}" for f in ("max_tokens", "min_tokens", "stop_token_ids", "stop")},
+    "ignore_eos": "stopping.ignore_eos",
+}

@@ -185,7 +185,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "max_context_length", "vocab_size", "kv_block_size", "kv_num_blocks", "dtype", "device", "eos_token_ids", "kv_memory_bytes")
+    __slots__ = ("model", "max_context_length", "vocab_size", "kv_block_size", "kv_num_blocks", "dtype", "device", "eos_token_ids", "kv_memory_bytes", "weights", "weight_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +195,8 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_context_length: int
     vocab_size: int
@@ -204,7 +206,9 @@ class ModelInfo(_message.Message):
     device: str
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_memory_bytes: int
-    def __init__(self, model: _Optional[str] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_memory_bytes: _Optional[int] = ...) -> None: ...
+    weights: str
+    weight_bytes: int
+    def __init__(self, model: _Optional[str] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_memory_bytes: _Optional[int] = ..., weights: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
 
 class GetKVCacheStatsRequest(_message.Message):
     __slots__ = ()

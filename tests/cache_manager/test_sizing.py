@@ -121,3 +121,17 @@ def test_sizing_errors_carry_the_numbers() -> None:
         block_bytes(qwen, 0)
     with pytest.raises(ValueError, match="-1"):
         kv_memory_bytes(qwen, -1)
+
+
+def test_int8_cache_counts_its_scales() -> None:
+    """int8 KV with a 4-byte scale per token per KV head: LLaMA-3-8B stores
+    2 * 32 * 8 * (128 * 1 + 4) = 67,584 B per token, so 16 GiB holds 15,887 blocks of 16
+    (fp16: 8,192, fp32: 4,096)."""
+    shape = ModelShape(32, 8, 128, 1, "llama-3-8b", scale_bytes=4)
+    assert shape.kv_bytes_per_token == 67_584
+    # 16 * 67,584 = 1,081,344 B per block; 1,081,344 * 15,887 = 17,179,312,128 <= 16 GiB
+    # (remainder 557,056 < 1,081,344)
+    assert block_bytes(shape, 16) == 1_081_344
+    assert num_blocks_for_budget(shape, 16, 16 * GIB) == 15_887
+    with pytest.raises(ValueError, match="scale_bytes must be >= 0, got -1"):
+        ModelShape(32, 8, 128, 1, scale_bytes=-1)

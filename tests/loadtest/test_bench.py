@@ -47,7 +47,8 @@ def test_format_table_is_markdown_with_dashes_for_missing() -> None:
     ]
     lines = format_table(rows).splitlines()
     assert len(lines) == 4
-    assert lines[0].startswith("| Section") and "llama.cpp tok/s (quoted†)" in lines[0]
+    assert lines[0].startswith("| Section") and "| llama.cpp tok/s |" in lines[0]
+    assert "quoted" not in lines[0] and "| kvserve / llama.cpp |" in lines[0]
     assert set(lines[1]) == {"|", "-"}
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
     assert cells[:5] == ["paged", "s", "contiguous", "4", "-"]
@@ -63,7 +64,7 @@ def test_run_all_quick_prints_one_table_and_writes_json(tmp_path: Path) -> None:
     assert DEFAULT_CHAT128.is_file(), f"the reference workload is missing: {DEFAULT_CHAT128}"
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.run_all", "--quick", "--no-progress",
-         "--out-dir", str(tmp_path)],
+         "--llama-cpp", "off", "--out-dir", str(tmp_path)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=1700, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
@@ -84,3 +85,5 @@ def test_run_all_quick_prints_one_table_and_writes_json(tmp_path: Path) -> None:
         assert r["out_tok_s"] > 0
     kv_chat = [r for r in served if r["section"] == "chat128"]
     assert [r["raw"]["output_tokens_total"] for r in kv_chat] == [1 * 8, 2 * 8]
+    assert [r["llama_cpp_tok_s"] for r in kv_chat] == ["not measured: --llama-cpp off"] * 2
+    assert doc["llama_cpp"]["reports_by_users"] == {"1": "--llama-cpp off", "2": "--llama-cpp off"}

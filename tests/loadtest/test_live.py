@@ -104,6 +104,7 @@ def test_report_schema_and_counts(server: ServerProcess, tmp_path: Path) -> None
         "by_code": {"CANCELLED": 6, "OK": 18},
     }
     assert report["load"] == {
+        "api": "grpc",
         "target": server.target,
         "mode": "closed",
         "rate": None,
@@ -114,7 +115,10 @@ def test_report_schema_and_counts(server: ServerProcess, tmp_path: Path) -> None
         "seed": 5,
         "request_timeout_s": None,
         "metrics_url": server.metrics_url,
+        "reuse_cache": False,
+        "cache_salt": report["load"]["cache_salt"],
     }
+    assert report["load"]["cache_salt"].startswith("loadtest-")
     assert report["workload"]["name"] == "live"
     assert report["input_tokens_total"] == 24 * 16
     # The fake server streams one token per message; a cancel happens right after token 2.
@@ -175,8 +179,11 @@ def test_priorities_and_cancellations_reach_the_server(
     assert report["server"]["source"] == "grpc"  # no metrics URL: GetKVCacheStats
 
 
-def test_rate_sweep_writes_runs_and_plots(server: ServerProcess, tmp_path: Path) -> None:
-    """--sweep-rates runs one open-loop run per rate into a sweep document with plots."""
+def test_rate_sweep_writes_runs_and_plots(
+    server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--sweep-rates runs one open-loop run per rate into a sweep document with plots, and
+    prints the path of every file it wrote."""
     wl_path = _write(tmp_path, {**WORKLOAD, "cancel": {"fraction": 0.0}})
     out = tmp_path / "sweep.json"
     argv = ["--target", server.target, "--workload", str(wl_path), "--num-requests", "8",
@@ -192,6 +199,47 @@ def test_rate_sweep_writes_runs_and_plots(server: ServerProcess, tmp_path: Path)
     assert [r["requests"]["ok"] for r in doc["runs"]] == [8, 8]
     for name in ("latency_cdf.png", "sweep_latency.png", "sweep_goodput.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    written = [line for line in capsys.readouterr().out.splitlines() if line.startswith("wrote ")]
+    assert written == [
+        f"wrote {(tmp_path / name).resolve()}"
+        for name in ("sweep.json", "latency_cdf.png", "sweep_latency.png", "sweep_goodput.png")
+    ]
+
+
+# 40-token prompts: two full 16-token blocks each can be cached; random prompts share none.
+ISOLATION = {**WORKLOAD, "num_requests": 8, "prompt": {"source": "random", "len": 40},
+             "cancel": {"fraction": 0.0}}  # fmt: skip
+
+
+def _sweep_twice(server: ServerProcess, tmp_path: Path, seed: int, *flags: str) -> list[Any]:
+    """The same workload at the same rate twice, as one sweep; the two run reports."""
+    wl_path = _write(tmp_path, {**ISOLATION, "seed": seed})
+    out = tmp_path / "sweep.json"
+    argv = ["--target", server.target, "--workload", str(wl_path), "--sweep-rates", "200,200",
+            "--out", str(out), "--no-progress", *flags]  # fmt: skip
+    assert main(argv) == 0
+    runs: list[Any] = json.loads(out.read_text())["runs"]
+    return runs
+
+
+def test_each_sweep_point_starts_from_a_cold_prefix_cache(
+    server: ServerProcess, tmp_path: Path
+) -> None:
+    """Two points with the same prompts: each has a salt of its own, so neither hits."""
+    runs = _sweep_twice(server, tmp_path, seed=101)
+    assert [r["cached_prompt_tokens_total"] for r in runs] == [0, 0]
+    salts = [r["load"]["cache_salt"] for r in runs]
+    assert salts[0] != salts[1] and salts[0][:-1] == salts[1][:-1]
+    assert [r["load"]["reuse_cache"] for r in runs] == [False, False]
+
+
+def test_reuse_cache_lets_a_point_hit_what_the_last_one_cached(
+    server: ServerProcess, tmp_path: Path
+) -> None:
+    """--reuse-cache: the second point finds both full blocks of every prompt cached."""
+    runs = _sweep_twice(server, tmp_path, 102, "--reuse-cache")
+    assert [r["cached_prompt_tokens_total"] for r in runs] == [0, 8 * 32]
+    assert [(r["load"]["reuse_cache"], r["load"]["cache_salt"]) for r in runs] == [(True, None)] * 2
 
 
 def _run_cli(args: list[str]) -> subprocess.CompletedProcess[str]:

@@ -20,7 +20,9 @@ from tests.metrics.test_sink import make_record, make_stats
 
 def busy_sink(registry: CollectorRegistry) -> PrometheusSink:
     """A sink that saw one of everything, so every family has samples."""
-    sink = PrometheusSink(registry, model_info={"model": "m", "dtype": "float32", "device": "cpu"})
+    info = {"model": "m", "dtype": "float32", "device": "cpu", "weights": "q4_1+q8_0"}
+    info |= {"weight_bytes": "100", "kv_dtype": "float16"}
+    sink = PrometheusSink(registry, model_info=info)
     for kind in ("prefill", "decode", "mixed", "idle"):
         sink.on_step(StepRecord(make_stats(), kind=kind, step_duration_s=0.01, schedule_cpu_s=1e-4))
     sink.on_request_done(make_record())

@@ -88,6 +88,9 @@ def our_config(hf: torch.nn.Module) -> ModelConfig:
 def make_runner(
     hf: torch.nn.Module, num_blocks: int = 64, block_size: int = 4, **kwargs: object
 ) -> TorchRunner:
+    """Our fp32 runner on ``hf``'s weights. The KV cache is float32 unless ``kv_dtype`` says
+    otherwise: the oracle tests hold logits to ATOL of transformers' fp32 cache."""
+    kwargs.setdefault("kv_dtype", "float32")
     state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
     return TorchRunner(
         our_config(hf), state, num_blocks, block_size, torch.float32, DEVICE, **kwargs

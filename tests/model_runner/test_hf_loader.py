@@ -25,7 +25,7 @@ from tests.model_runner.oracle import (
 
 def run_prefill(path: Path, ids: list[int]) -> torch.Tensor:
     config, state = load_hf_dir(path, torch.float32)
-    runner = TorchRunner(config, state, 16, 4, torch.float32, DEVICE)
+    runner = TorchRunner(config, state, 16, 4, torch.float32, DEVICE, kv_dtype="float32")
     return runner.step_logits(plan(0, prefill=[seq("a", ids, 0, len(ids), list(range(8)))]))["a"]
 
 

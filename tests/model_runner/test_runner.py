@@ -258,13 +258,16 @@ def test_num_blocks_sized_from_a_memory_budget(hf: torch.nn.Module) -> None:
     config = our_config(hf)
     per_block = block_bytes(config.kv_shape("float32"), 4)
     state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
+    kw = {"kv_dtype": "float32"}
     runner = TorchRunner(
-        config, state, None, 4, torch.float32, DEVICE, kv_budget_bytes=7 * per_block + 5
+        config, state, None, 4, torch.float32, DEVICE, kv_budget_bytes=7 * per_block + 5, **kw
     )
     assert runner.num_blocks == 7
     assert runner.pool.num_bytes == 7 * per_block
     with pytest.raises(ValueError, match="holds no block"):
-        TorchRunner(config, state, None, 4, torch.float32, DEVICE, kv_budget_bytes=per_block - 1)
+        TorchRunner(
+            config, state, None, 4, torch.float32, DEVICE, kv_budget_bytes=per_block - 1, **kw
+        )
 
 
 def test_missing_weights_are_named(hf: torch.nn.Module) -> None:

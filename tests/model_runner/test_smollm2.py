@@ -98,7 +98,10 @@ def test_transformers_on_our_weights_answers_paris(smol: LoadedModel, hf_model: 
 
 
 def run_engine(
-    smol: LoadedModel, requests: list[tuple[int, Request]], max_num_seqs: int = 8
+    smol: LoadedModel,
+    requests: list[tuple[int, Request]],
+    max_num_seqs: int = 8,
+    kv_dtype: str | None = None,
 ) -> tuple[dict[str, list[int]], Scheduler]:
     """Drive Scheduler + KVCacheManager + TorchRunner until every (arrival_step, request)
     finished; returns each request's output tokens and the scheduler."""
@@ -106,7 +109,13 @@ def run_engine(
 
     block_size, num_blocks = 16, 96
     runner = TorchRunner(
-        smol.config, smol.state_dict, num_blocks, block_size, torch.float32, DEVICE
+        smol.config,
+        smol.state_dict,
+        num_blocks,
+        block_size,
+        torch.float32,
+        DEVICE,
+        kv_dtype=kv_dtype,
     )
     kv = KVCacheManager(
         KVCacheConfig(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -103,3 +104,31 @@ def test_build_fake_engine_sizes_the_cache_from_the_budget() -> None:
     assert built.engine.latest_stats.kv.num_blocks_total == 32
     assert built.model.max_n == 16
     assert build_engine(ServerConfig(runner="fake", memory_mode="reserve")).model.max_n == 1
+
+
+def test_scheduler_and_cache_settings_are_generated_from_the_component_configs() -> None:
+    """Every SchedulerConfig / KVCacheConfig field the server does not derive is a setting
+    with the component's default, and its choices are the component's registry."""
+    from cache_manager.config import EVICTION_POLICIES, KVCacheConfig
+    from scheduler.config import POLICIES, SchedulerConfig
+
+    settings = {f.name: f for f in dataclasses.fields(ServerConfig)}
+    derived = {"max_model_len", "num_blocks", "sliding_window", "block_bytes"}
+    for component in (SchedulerConfig, KVCacheConfig):
+        for f in dataclasses.fields(component):
+            if f.name not in derived:
+                assert settings[f.name].default == f.default, f.name
+    assert settings["policy"].metadata["choices"] == POLICIES
+    assert settings["eviction_policy"].metadata["choices"] == EVICTION_POLICIES
+
+
+def test_aging_and_starvation_reach_the_scheduler_from_flags() -> None:
+    """--aging-steps and --max-decode-starvation-steps end up in the built SchedulerConfig."""
+    flags = _flags("--runner", "fake", "--aging-steps", "7", "--max-decode-starvation-steps", "2")
+    built = build_engine(build_config(flags, environ={}))
+    assert built.scheduler.config.aging_steps == 7
+    assert built.scheduler.config.max_decode_starvation_steps == 2
+    with pytest.raises(ValueError, match="max_decode_starvation_steps must be >= 1, got 0"):
+        ServerConfig(max_decode_starvation_steps=0)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be >= max_num_seqs"):
+        ServerConfig(max_num_seqs=16, max_num_batched_tokens=8)

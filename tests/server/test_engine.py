@@ -13,15 +13,10 @@ import pytest
 from cache_manager import KVCacheConfig, KVCacheManager
 from scheduler import OverloadError, Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.request import AbortReason, FinishReason
-from server.engine import (
-    DeadlineExceededError,
-    DuplicateRequestError,
-    EngineClient,
-    EngineDeadError,
-    EngineLoop,
-    GenerationOutput,
-)
+from server.engine import EngineDeadError, EngineLoop
+from server.engine_client import DeadlineExceededError, DuplicateRequestError, EngineClient
 from server.fake_tokenizer import ByteTokenizer
+from server.outputs import GenerationOutput
 from server.text import make_text_stream_factory
 from tests.server.helpers import RecordingSink, expected_tokens, make_fake_runner
 

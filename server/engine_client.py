@@ -1,0 +1,118 @@
+"""EngineClient: the asyncio face of an ``EngineLoop``, one ``asyncio.Queue`` per request.
+
+``generate`` submits a request to the engine thread's inbox and yields what the output
+processor publishes for it; leaving early aborts the request there. Its in-flight table is
+the fast duplicate-id check (the scheduler's ``add_request`` is the authoritative one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from scheduler.request import AbortReason, Request
+from server.engine import EngineLoop
+from server.outputs import GenerationOutput, Item
+
+
+class DeadlineExceededError(TimeoutError):
+    """The request's deadline passed before it finished; it was aborted in the engine."""
+
+
+class DuplicateRequestError(ValueError):
+    """A request with this id is already in flight."""
+
+
+class EngineClient:
+    """The asyncio face of an ``EngineLoop``: one ``asyncio.Queue`` per request.
+
+    Use from one event loop. ``generate`` is an async generator; leaving it early (a
+    cancelled task, ``aclose()``, a closed stream) aborts the request in the engine at its
+    next step.
+    """
+
+    def __init__(self, engine: EngineLoop) -> None:
+        self.engine = engine
+        self._active: dict[str, Request] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._active)
+
+    def is_active(self, request_id: str) -> bool:
+        return request_id in self._active
+
+    async def generate(
+        self,
+        request: Request,
+        *,
+        deadline_s: float | None = None,
+    ) -> AsyncIterator[GenerationOutput]:
+        """Submit ``request`` and yield its outputs until every sample finished.
+
+        ``deadline_s`` is an absolute ``time.monotonic()`` time; when it passes the request is
+        aborted (reason DEADLINE) and ``DeadlineExceededError`` is raised. Raises
+        ``OverloadError`` / ``ValueError`` when the scheduler refuses the request and
+        ``EngineDeadError`` when the engine dies.
+        """
+        rid = request.request_id
+        if rid in self._active:
+            raise DuplicateRequestError(f"request_id {rid!r} is already in flight")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Item] = asyncio.Queue()
+        if not request.arrival_time_s:
+            request.arrival_time_s = time.monotonic()
+        self.engine.submit(request, loop, queue)
+        self._active[rid] = request
+        self._idle.clear()
+        done = False
+        try:
+            while True:
+                if deadline_s is None:
+                    item = await queue.get()
+                else:
+                    # loop.time() is time.monotonic() on the default event loops.
+                    try:
+                        async with asyncio.timeout_at(deadline_s - time.monotonic() + loop.time()):
+                            item = await queue.get()
+                    except TimeoutError:
+                        raise DeadlineExceededError(
+                            f"request {rid!r} passed its deadline and was aborted"
+                        ) from None
+                if isinstance(item, BaseException):
+                    done = True  # rejected or the engine died: nothing left to abort
+                    raise item
+                done = item.closes_stream
+                yield item
+                if done:
+                    return
+        finally:
+            self._active.pop(rid, None)
+            if not self._active:
+                self._idle.set()
+            if not done:
+                passed = deadline_s is not None and time.monotonic() >= deadline_s
+                reason = AbortReason.DEADLINE if passed else AbortReason.CLIENT_CANCEL
+                self.engine.abort(rid, reason)
+
+    def abort(self, request_id: str, reason: AbortReason = AbortReason.ABORT_CALL) -> bool:
+        """Abort a request in flight; False when no such request is in flight here."""
+        if request_id not in self._active:
+            return False
+        self.engine.abort(request_id, reason)
+        return True
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight; False when ``timeout_s`` passed first."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def active_request_ids(self) -> list[str]:
+        return list(self._active)
