@@ -41,6 +41,8 @@ Precision (``dtype``; attention always computes in ``compute_dtype``, the model'
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Sequence
 
 import torch
@@ -91,9 +93,7 @@ class KVPool:
         self.compute_dtype = compute_dtype or (torch.float32 if dtype == torch.int8 else dtype)
         self.device = torch.device(device)
         rows = 2 * num_kv_heads
-        self.data = torch.zeros(
-            num_layers, rows, num_blocks, block_size, head_dim, dtype=dtype, device=self.device
-        )
+        self.data = _zeros((num_layers, rows, num_blocks, block_size, head_dim), dtype, self.device)
         # Per-layer views, built once: [2*kvh, num_blocks, block_size * head_dim] for gathers
         # and [2*kvh, num_blocks * block_size, head_dim] for slot writes.
         self._blocks = [self.data[i].view(rows, num_blocks, -1) for i in range(num_layers)]
@@ -105,8 +105,8 @@ class KVPool:
         self._scale_blocks: list[torch.Tensor] = []
         self._scale_slots: list[torch.Tensor] = []
         if dtype == torch.int8:
-            self.scales = torch.zeros(
-                num_layers, rows, num_blocks, block_size, dtype=KV_SCALE_DTYPE, device=self.device
+            self.scales = _zeros(
+                (num_layers, rows, num_blocks, block_size), KV_SCALE_DTYPE, self.device
             )
             self._scale_blocks = list(self.scales.unbind(0))
             self._scale_slots = [s.view(rows, -1) for s in self._scale_blocks]
@@ -274,3 +274,24 @@ def default_kv_budget_bytes(
             )
         return budget
     return cpu_budget_bytes
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose CPU pages become resident only when written.
+
+    ``torch.zeros`` on CPU writes every byte, so an idle server would hold its whole KV budget
+    resident; numpy's ``calloc`` asks for transparent huge pages, so one write per (layer,
+    head) slab makes 2 MiB resident. A private anonymous ``mmap`` of 4 KiB pages grows with
+    the blocks that sequences write (reads of never-written blocks, such as decode padding,
+    map the kernel's shared zero page). The tensor keeps the mapping alive.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # also where THP is "always"
+        buffer.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)

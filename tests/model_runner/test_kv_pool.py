@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -87,3 +89,34 @@ def test_invalid_sizes_raise() -> None:
         make_pool(num_blocks=0)
     with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
         make_pool(block_size=0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_cpu_pool_becomes_resident_only_where_written() -> None:
+    """A 240 MiB fp16 pool adds almost nothing to the process's resident memory until written;
+    writing one token into every layer and head of one block makes a few pages resident, not
+    the budget and not a 2 MiB huge page per (layer, K/V head) slab (all 240 MiB)."""
+
+    def rss_mib() -> float:
+        with open("/proc/self/status") as f:
+            line = next(x for x in f if x.startswith("VmRSS:"))
+        return int(line.split()[1]) / 1024
+
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=64,
+        num_layers=30,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=64,
+    )
+    before = rss_mib()
+    pool = KVPool.from_config(config, 1024, 16, torch.float16, "cpu")
+    assert pool.num_bytes == 240 * 2**20
+    assert rss_mib() - before < 8
+    for layer in range(config.num_layers):
+        pool.write(layer, torch.ones(1, 4, 64, dtype=torch.float16), torch.tensor([5 * 16]))
+    assert rss_mib() - before < 16
+    assert pool.data[:, :, 5, 0].eq(1).all() and pool.data.sum().item() == 30 * 4 * 64
