@@ -1,4 +1,4 @@
-"""``make bench``: the benchmark suite on SmolLM2-135M (fp32) on this machine, ONE table + JSON.
+"""``make bench``: the benchmark suite on SmolLM2-135M on this machine, ONE table + JSON.
 
     python -m benchmarks.run_all                 # the full suite (about 15-25 min on 2 cores)
     python -m benchmarks.run_all --quick         # smoke run: tiny counts, every section
@@ -10,8 +10,9 @@ Sections, each comparison measured side by side in the same run:
 - ``chat128``: the reference workload (``../shared/workloads/chat128.json``: 64 chat prompts of
   exactly 128 tokens, 128 output tokens with ignore_eos, greedy) in closed loop at 1, 8 and 32
   users: kvserve through gRPC (a ``kvserve serve --runner torch`` subprocess) against Hugging
-  Face transformers one request at a time and in static batches of the same size (same fp32
-  weights, same thread count). To fit the time budget a level runs fewer than 64 requests
+  Face transformers one request at a time and in static batches of the same size (the GGUF's
+  weights dequantized to fp32, same thread count). kvserve serves its defaults: the GGUF's own
+  Q4_1/Q8_0 weights on kvserve's kernels (``--weights auto``) and an fp16 KV cache. To fit the time budget a level runs fewer than 64 requests
   (1 user: 4, 8 users: 16, 32 users: 64); the table says how many. At each level llama.cpp's
   ``llama-server`` runs right after kvserve on the same GGUF, the same requests and the same
   load generator (``--api openai``): built once from a PyPI source package and cached outside
@@ -639,7 +640,8 @@ def main(argv: list[str] | None = None) -> int:
     quick_note = " (--quick smoke run: tiny counts, not figures)" if args.quick else ""
     title = (
         f"kvserve benchmarks{quick_note}"
-        f" - SmolLM2-135M-Instruct fp32 (dequantized Q4_1), {machine['cpu']}, "
+        " - SmolLM2-135M-Instruct Q4_1 GGUF (kvserve: its own Q4_1/Q8_0 weights, fp16 KV;"
+        f" transformers: dequantized to fp32), {machine['cpu']}, "
         f"{machine['logical_cpus']} logical CPUs, {args.threads} torch threads"
     )
     print(title)
