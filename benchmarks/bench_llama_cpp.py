@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -42,8 +41,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import Any
+from typing import Any, Self
+
+from loadtest.launch import ChildServer
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendor/llama.cpp we build
 SLOTS = 32
@@ -244,7 +244,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class LlamaServer:
+class LlamaServer(ChildServer):
     """A ``llama-server`` child on 127.0.0.1; a context manager (``target`` is its base URL)."""
 
     def __init__(
@@ -257,18 +257,13 @@ class LlamaServer:
         self.port = 0
         self.args: list[str] = []
         self.metrics_url: str | None = None
-        self._tmp = tempfile.TemporaryDirectory(prefix="llama-server-")
-        self.log_path = Path(self._tmp.name) / "server.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        super().__init__("llama-server-")
 
     @property
     def target(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def start(self) -> LlamaServer:
+    def start(self) -> Self:
         self.port = _free_port()
         self.args = server_args(self.model, self.port, self.threads)
         with self.log_path.open("wb") as log:
@@ -294,31 +289,6 @@ class LlamaServer:
                 return bool(reply.status == 200)
         except (urllib.error.URLError, OSError):
             return False
-
-    def stop(self, timeout_s: float = 30.0) -> int | None:
-        proc = self.proc
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        return proc.returncode
-
-    def __enter__(self) -> LlamaServer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-        self._tmp.cleanup()
 
 
 def measure(

@@ -12,8 +12,9 @@ Sections, each comparison measured side by side in the same run:
   users: kvserve through gRPC (a ``kvserve serve --runner torch`` subprocess) against Hugging
   Face transformers one request at a time and in static batches of the same size (the GGUF's
   weights dequantized to fp32, same thread count). kvserve serves its defaults: the GGUF's own
-  Q4_1/Q8_0 weights on kvserve's kernels (``--weights auto``) and an fp16 KV cache. To fit the time budget a level runs fewer than 64 requests
-  (1 user: 4, 8 users: 16, 32 users: 64); the table says how many. At each level llama.cpp's
+  Q4_1/Q8_0 weights on kvserve's kernels (``--weights auto``) and an fp16 KV cache. To fit
+  the time budget a level runs fewer than 64 requests (1 user: 4, 8 users: 16, 32 users: 64);
+  the table says how many. At each level llama.cpp's
   ``llama-server`` runs right after kvserve on the same GGUF, the same requests and the same
   load generator (``--api openai``): built once from a PyPI source package and cached outside
   the repository (``benchmarks/bench_llama_cpp.py``). When it cannot be built or started, its

@@ -19,11 +19,55 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-class ServerProcess:
+class ChildServer:
+    """A server child process with a private temporary folder and a log file in it; as a
+    context manager ``start()`` on entry, ``stop()`` and the folder's removal on exit.
+    Subclasses set ``proc`` in ``start()``."""
+
+    def __init__(self, prefix: str) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix=prefix)
+        self.log_path = Path(self._tmp.name) / "server.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM (graceful drain), then SIGKILL after ``timeout_s``; returns the exit code."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return proc.returncode
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+        self._tmp.cleanup()
+
+
+class ServerProcess(ChildServer):
     """A ``python -m server.cli serve`` child bound to 127.0.0.1; a context manager."""
 
     def __init__(
@@ -38,11 +82,9 @@ class ServerProcess:
         self.metrics = metrics
         self.startup_timeout_s = startup_timeout_s
         self.env = env
-        self._tmp = tempfile.TemporaryDirectory(prefix="kvserve-server-")
+        super().__init__("kvserve-server-")
         self.port_file = Path(self._tmp.name) / "port"
         self.metrics_port_file = Path(self._tmp.name) / "metrics-port"
-        self.log_path = Path(self._tmp.name) / "server.log"
-        self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.metrics_port = 0
 
@@ -54,10 +96,7 @@ class ServerProcess:
     def metrics_url(self) -> str | None:
         return f"http://127.0.0.1:{self.metrics_port}/metrics" if self.metrics_port else None
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def start(self) -> ServerProcess:
+    def start(self) -> Self:
         metrics_args = (
             ["--metrics-port", "0", "--metrics-port-file", str(self.metrics_port_file)]
             if self.metrics
@@ -103,29 +142,3 @@ class ServerProcess:
         if self.metrics:
             self.metrics_port = int(self.metrics_port_file.read_text().strip())
         return self
-
-    def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGTERM (graceful drain), then SIGKILL after ``timeout_s``; returns the exit code."""
-        proc = self.proc
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        return proc.returncode
-
-    def __enter__(self) -> ServerProcess:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-        self._tmp.cleanup()
