@@ -10,23 +10,13 @@ import torch
 
 from cache_manager.sizing import block_bytes
 from model_runner.attention import ForwardBatch, paged_attention
-from model_runner.config import ModelConfig
 from model_runner.device import resolve_kv_dtype
 from model_runner.kv_pool import KVPool, num_blocks_for_memory
 from model_runner.runner import TorchRunner
 from scheduler.output import ScheduledSeq
 from tests.model_runner.oracle import DEVICE, make_runner, plan, random_ids, seq, tiny_hf
+from tests.model_runner.test_kv_pool import CONFIG
 
-CONFIG = ModelConfig(
-    architecture="llama",
-    vocab_size=100,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-)
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
 # Attention output error, max |out - out_fp32| / max |out_fp32|, over every row of a step.
 # fp16 rounds K and V to 11 significant bits (relative 2^-11 = 4.9e-4 per element); int8 to
