@@ -25,11 +25,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from model_runner import onednn
 from model_runner.attention import ForwardBatch, paged_attention
 from model_runner.config import ModelConfig
 from model_runner.kv_pool import KVPool
@@ -151,16 +151,6 @@ def _weight_bytes(model: LlamaModel) -> int:
 # ---------------------------------------------------------------------------- linear
 
 
-def _onednn_available() -> bool:
-    ops = getattr(torch.ops, "mkldnn", None)
-    return bool(
-        torch.backends.mkldnn.is_available()
-        and ops is not None
-        and hasattr(ops, "_reorder_linear_weight")
-        and hasattr(ops, "_linear_pointwise")
-    )
-
-
 class Linear:
     """``y = x @ W.T + b`` with optional fused epilogues; the weight is either a plain tensor
     or a oneDNN-packed one (CPU)."""
@@ -178,25 +168,25 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            return _onednn_linear(x, self.weight, self.bias, "none", [], "")
+            return onednn.linear(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(linear(x))``."""
         if self.packed:
-            return _onednn_linear(x, self.weight, self.bias, "swish", [], "")
+            return onednn.linear(x, self.weight, self.bias, "swish", [], "")
         return F.silu(F.linear(x, self.weight, self.bias))
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``linear(x) * other``."""
         if self.packed:
-            return _onednn_linear_binary(x, other, self.weight, self.bias, "mul")
+            return onednn.linear_binary(x, other, self.weight, self.bias, "mul")
         return F.linear(x, self.weight, self.bias).mul_(other)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + linear(x)`` (a new tensor; ``residual`` is not modified)."""
         if self.packed:
-            return _onednn_linear_binary(x, residual, self.weight, self.bias, "add")
+            return onednn.linear_binary(x, residual, self.weight, self.bias, "add")
         if self.bias is None:
             return torch.addmm(residual, x, self.weight.t())
         return F.linear(x, self.weight, self.bias).add_(residual)
@@ -208,19 +198,9 @@ class Linear:
         return F.silu(gu[:, :inter]).mul_(gu[:, inter:])
 
 
-def _onednn_linear(x: torch.Tensor, w: torch.Tensor, *args: Any) -> torch.Tensor:
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, w, *args)
-    return out
-
-
-def _onednn_linear_binary(x: torch.Tensor, other: torch.Tensor, *args: Any) -> torch.Tensor:
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(x, other, *args)
-    return out
-
-
 def onednn_works(dtype: torch.dtype) -> bool:
     """Self-check of the oneDNN path on this machine: every epilogue against ``F.linear``."""
-    if not _onednn_available() or dtype not in (torch.float32, torch.bfloat16):
+    if not onednn.available() or dtype not in (torch.float32, torch.bfloat16):
         return False
     try:
         g = torch.Generator().manual_seed(0)

@@ -4,8 +4,8 @@ The reference for every format is dequantize-then-matmul (float64). From 3 rows 
 dequantize each weight block in registers and keep activations fp32: they may differ from the
 reference only by fp32 summation order, |err| <= 1e-5 * max|y|. One or two rows (low-batch
 decode) quantize activations to int16 per 32-block: |err| <= 1e-4 * max|y| (measured ~2.5e-5).
-The panel path (above ``SKINNY_MAX_ROWS`` rows: dequantized panels + torch's GEMM) meets the
-fp32 bound.
+The panel path (above ``SKINNY_MAX_ROWS`` rows: dequantized panels + oneDNN's GEMM, or torch's
+where oneDNN is missing) meets the fp32 bound.
 """
 
 from __future__ import annotations
@@ -79,10 +79,12 @@ ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 31, 40, 64]
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n, k", [(64, 96), (7, 32), (33, 160)])
 def test_skinny_gemm_matches_both_references(
-    fmt: str, n: int, k: int, isa: str, threads: int
+    fmt: str, n: int, k: int, isa: str, threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """y = x W^T for M = 1..64 rows (every kernel path, tile and tail) and N tails (7, 33) equals
+    """y = x W^T for M = 1..64 rows (every kernel path, tile and tail: the fused decode runs
+    them up to its batch size, past QLinear's own SKINNY_MAX_ROWS) and N tails (7, 33) equals
     the dequantized matmul within the stated tolerances."""
+    monkeypatch.setattr(quant, "SKINNY_MAX_ROWS", max(ROWS))
     w = make_weight(fmt, n, k)
     lin = quant.QLinear(w, None)
     for m in ROWS:
@@ -120,6 +122,20 @@ def test_prefill_rows_use_panels_and_match_dequantized(fmt: str, threads: int) -
         assert_close(lin(x), x @ w.dequantize().T + lin.bias, 1e-5)
     finally:
         quant.PANEL_ELEMENTS = old
+
+
+def test_panels_fall_back_to_torch_matmul_without_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where oneDNN cannot run a plain weight, the panel path uses torch.matmul: same result."""
+    from model_runner import onednn
+
+    w = make_weight("Q4_1", 40, 64)
+    lin = quant.QLinear(w, torch.randn(40))
+    x = torch.randn(100, 64)
+    fast = lin(x)
+    monkeypatch.setattr(onednn, "plain_weights_work", lambda: False)
+    slow = lin(x)
+    assert_close(slow, x @ w.dequantize().T + lin.bias, 1e-5)
+    assert_close(fast, slow, 1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
