@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from cache_manager import Allocation, KVCacheManager
+from cache_manager import Allocation, KVCacheManager, PrefixHit
 from scheduler.config import SchedulerConfig
 from scheduler.errors import OverloadError
 from scheduler.output import (
@@ -175,9 +174,7 @@ class Scheduler:
         self._window_blocks = kv.num_blocks_for(window + config.max_chunk_tokens) + 1
         self._reserve = config.memory_mode == "reserve"
         self._max_chunk = config.max_chunk_tokens
-        # Every block a request could ever get: the pool minus reserved (null) blocks.
-        kv_stats = kv.make_stats()
-        self._num_usable_blocks = kv.num_free_blocks + kv_stats.num_blocks_used
+        self._num_usable_blocks = kv.num_usable_blocks
         self._policy = make_batch_policy(config)
         self._order = make_queue_order(config)
         self._victim = make_victim_rule(config)
@@ -660,20 +657,15 @@ class Scheduler:
                 return False
         if not self._may_fit(entry):
             return False
-        # Counted only once the admission succeeds: a retry after a failed one is not a
-        # second query.
-        hit_block_ids, num_hit = self.kv.get_computed_blocks(req, record=False)
-        if self._sliding_window is not None:
-            num_hit = self._num_hits_within_window(entry, num_hit, step.budget.remaining)
-            hit_block_ids = hit_block_ids[: num_hit // self._block_size]
+        hit = self.kv.get_computed_blocks(req, self._max_hit_tokens(entry, step.budget.remaining))
+        num_hit = hit.num_tokens
         # 0 only for a parent of samples whose prompt, but the last token, is cached.
         chunk = min(entry.prefill_target - num_hit, self._max_chunk, step.budget.remaining)
-        while (allocation := self._allocate_admission(req, chunk, hit_block_ids, num_hit)) is None:
+        while (allocation := self._allocate_admission(entry, chunk, hit)) is None:
             if not self._preempt_for(step, entry):
                 entry.blocked_at_num_free = self.kv.num_free_blocks
                 return False
         entry.blocked_at_num_free = None
-        self.kv.record_prefix_query(req.num_tokens, num_hit)
         step.budget.take_up_to(chunk)
         self._pop_waiting(entry)
         if req.status is _WAITING:  # first admission (not a resumption after preemption)
@@ -693,46 +685,35 @@ class Scheduler:
             self._fork_children(entry)
         return True
 
-    def _num_hits_within_window(self, entry: _Entry, num_hit: int, budget: int) -> int:
-        """Prefix-hit tokens to use under a sliding window. Hit blocks are taken whole, even
-        those the window has left behind (released right after admission), so a long hit
-        plus the first chunk could need more blocks than the pool has: use the longest hit
-        prefix with which the admission fits the per-request window bound."""
-        bs = self._block_size
-        blocks_for = self.kv.num_blocks_for
-        while num_hit > 0:
-            chunk = min(entry.prefill_target - num_hit, self._max_chunk, budget)
-            if blocks_for(num_hit + chunk) <= self._window_blocks:
-                break
-            num_hit -= bs
-        return num_hit
+    def _max_hit_tokens(self, entry: _Entry, budget: int) -> int | None:
+        """The longest prefix hit to use under a sliding window (None: no limit). Hit blocks
+        are taken whole, even those the window has left behind (released right after
+        admission), so a long hit plus the first chunk could need more blocks than the pool
+        has: the hit must leave the hit + first chunk within the per-request window bound."""
+        if self._sliding_window is None:
+            return None
+        bound = self._window_blocks
+        if self.kv.num_blocks_for(entry.prefill_target) <= bound:
+            return None
+        return max(0, bound * self._block_size - min(self._max_chunk, budget))
 
     def _may_fit(self, entry: _Entry) -> bool:
-        """Whether an admission attempt is worth a prefix query (each query is counted in the
-        cache statistics). Every admission needs at least one fresh block, and one that failed
-        for memory cannot succeed before the free list grows: skip the query until then.
-        Under priority order an attempt may preempt, so it is always made."""
+        """Whether an admission attempt is worth a prefix lookup (hashing the prompt). Every
+        admission needs at least one fresh block, and one that failed for memory cannot
+        succeed before the free list grows: skip the lookup until then. Under priority order
+        an attempt may preempt, so it is always made."""
         if self._order.preempts_for_admission and not self._reserve:
             return True
         num_free = self.kv.num_free_blocks
         blocked_at = entry.blocked_at_num_free
         return num_free > 0 and (blocked_at is None or num_free > blocked_at)
 
-    def _allocate_admission(
-        self, req: Request, chunk: int, hit_block_ids: Sequence[int], num_hit: int
-    ) -> Allocation | None:
+    def _allocate_admission(self, entry: _Entry, chunk: int, hit: PrefixHit) -> Allocation | None:
         """Blocks for the prefix hit and the first chunk; in reserve mode for the whole
         length (prompt + max_tokens) at once. None (nothing changed) if there is no room."""
-        if not self._reserve:
-            return self.kv.allocate_slots(req, chunk, hit_block_ids)
-        num_total = min(req.num_prompt_tokens + req.sampling.max_tokens, self.config.max_model_len)
-        reserved = self.kv.reserve_slots(req, num_total, hit_block_ids)
-        if reserved is None:
-            return None
-        req.num_computed_tokens = num_hit
-        allocation = self.kv.allocate_slots(req, chunk)
-        assert allocation is not None and not allocation.new_block_ids, "chunk beyond reservation"
-        return Allocation(reserved.new_block_ids, allocation.block_copies)
+        if self._reserve:
+            return self.kv.reserve_slots(entry.request, entry.max_num_tokens, hit, chunk)
+        return self.kv.allocate_slots(entry.request, chunk, hit)
 
     def _make_seq(self, req: Request, num_new: int) -> ScheduledSeq:
         start = req.num_computed_tokens
