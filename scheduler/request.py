@@ -91,10 +91,6 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def sample_id(request_id: str, index: int) -> str:
-    return f"{request_id}#{index}"
-
-
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     PREFILLING = "prefilling"

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from cache_manager import Allocation, KVCacheManager, PrefixHit
 from scheduler.config import SchedulerConfig
 from scheduler.errors import OverloadError
+from scheduler.fork import ForkGroup, ForkTable, make_sample
 from scheduler.output import (
     ModelOutput,
     RequestOutput,
@@ -46,7 +47,7 @@ from scheduler.policies import (
     make_queue_order,
     make_victim_rule,
 )
-from scheduler.request import AbortReason, FinishReason, Request, RequestStatus, sample_id
+from scheduler.request import AbortReason, FinishReason, Request, RequestStatus
 
 _WAITING = RequestStatus.WAITING
 _PREFILLING = RequestStatus.PREFILLING
@@ -64,9 +65,7 @@ class _Entry:
     arrival_seq: int
     index: int = 0  # sample index: 0 for the request the client sent, i for its i-th fork
     num_full_blocks: int = 0  # full computed blocks already handed to cache_full_blocks
-    child_ids: tuple[str, ...] = ()  # n > 1: ids of the samples forked after the prefill
-    forked: bool = False
-    holds_child_seats: bool = False  # running and not forked yet: seats kept for children
+    group: ForkGroup | None = None  # n > 1, on sample 0: its samples (see scheduler.fork)
     blocked_at_num_free: int | None = None  # free blocks when admission last failed for memory
     # For the decode hot path: tokens that may stop it, and the length that ends it.
     stop_ids: frozenset[int] = frozenset()
@@ -100,14 +99,23 @@ class _Entry:
         its prompt: the samples fork there and each computes the last prompt token itself,
         sampling its own first token (n - 1 writes into the shared partial block are copied
         on write; no keyed, full block is ever written)."""
-        if self.child_ids and not self.forked:
+        if self.group is not None and not self.group.forked:
             return self.request.num_prompt_tokens - 1
         return self.request.num_tokens
 
     @property
     def num_seats(self) -> int:
         """Running slots admission needs: n for a parent not forked yet, else 1."""
-        return 1 + (0 if self.forked else len(self.child_ids))
+        return 1 if self.group is None else 1 + self.group.num_unforked
+
+    @property
+    def forked_ids(self) -> tuple[str, ...]:
+        """What the parent's output names in ``forked_ids``: its samples, once they are
+        forked and until its first token is out (a later output need not repeat them)."""
+        group = self.group
+        if group is None or not group.forked or len(self.request.output_token_ids) > 1:
+            return ()
+        return group.child_ids
 
 
 @dataclass(slots=True)
@@ -180,14 +188,13 @@ class Scheduler:
         self._victim = make_victim_rule(config)
 
         self._entries: dict[str, _Entry] = {}  # every unfinished request
-        self._reserved_ids: set[str] = set()  # ids of children not forked yet (n > 1)
+        self._forks = ForkTable()
         self._running: dict[str, _Entry] = {}  # admission order
         self._waiting: list[tuple[int, int, int, _Entry]] = []  # heap; finished = stale
         self._num_stale = 0
         self._num_waiting = 0
         self._num_preempted_waiting = 0
         self._waiting_tokens = 0
-        self._num_child_seats = 0  # seats held for children of running, unforked parents
         self._finished_ids: list[str] = []
         self._pending_outputs: list[RequestOutput] = []  # finished outside update()
 
@@ -250,14 +257,14 @@ class Scheduler:
         Raises ``OverloadError`` when the waiting queue is over its bounds (retry later).
         """
         rid = request.request_id
-        if rid in self._entries or rid in self._reserved_ids:
+        if self._id_in_use(rid):
             raise ValueError(f"request id {rid!r} is already in use")
         if request.status is not _WAITING or request.num_computed_tokens != 0:
             raise ValueError(
                 f"request {rid!r} must be new (status waiting, 0 computed tokens), got "
                 f"{request.status.value} with {request.num_computed_tokens} computed"
             )
-        child_ids = self._check_can_ever_run(request)
+        group = self._check_can_ever_run(request)
         self._check_not_overloaded(request)
 
         request.max_model_len = min(
@@ -269,15 +276,19 @@ class Scheduler:
             rank=rank,
             sort_key=self._order.sort_key(rank, self._arrival_seq),
             arrival_seq=self._arrival_seq,
-            child_ids=child_ids,
+            group=group,
         )
         self._arrival_seq += 1
         self._entries[rid] = entry
-        self._reserved_ids.update(child_ids)
+        if group is not None:
+            self._forks.reserve(group)
         self._num_prompt_tokens += request.num_prompt_tokens
         self._push_waiting(entry)
 
-    def _check_can_ever_run(self, request: Request) -> tuple[str, ...]:
+    def _id_in_use(self, request_id: str) -> bool:
+        return request_id in self._entries or self._forks.is_reserved(request_id)
+
+    def _check_can_ever_run(self, request: Request) -> ForkGroup | None:
         rid = request.request_id
         sampling = request.sampling
         num_prompt = request.num_prompt_tokens
@@ -307,11 +318,11 @@ class Scheduler:
                 f"request {rid!r}: {num_total} tokens x {n} sample(s) need {num_blocks} KV "
                 f"blocks of {self._block_size} tokens, but the whole pool has {usable}"
             )
-        child_ids = tuple(sample_id(rid, i) for i in range(1, n))
-        for cid in child_ids:
-            if cid in self._entries or cid in self._reserved_ids:
+        group = ForkGroup.of(request)
+        for cid in () if group is None else group.child_ids:
+            if self._id_in_use(cid):
                 raise ValueError(f"request {rid!r}: the id of its sample {cid!r} is in use")
-        return child_ids
+        return group
 
     def _max_blocks_needed(self, num_prompt: int, num_total: int, n: int) -> int:
         """Blocks a request holds at its longest: n samples share the prompt's full blocks."""
@@ -353,7 +364,8 @@ class Scheduler:
             return None
         self._num_aborted[reason.value] += 1
         out = self._finish(entry, RequestStatus.FINISHED_ABORTED, FinishReason.ABORT)
-        for cid in entry.child_ids if entry.forked else ():
+        group = entry.group
+        for cid in group.child_ids if group is not None and group.forked else ():
             child = self._entries.get(cid)
             if child is not None:
                 self._pending_outputs.append(
@@ -472,7 +484,7 @@ class Scheduler:
                     len(req.output_token_ids),
                     req.parent_id,
                     entry.index,
-                    entry.child_ids if len(req.output_token_ids) == 1 else (),
+                    entry.forked_ids,
                 )
             )
         self._num_generation_tokens += num_tokens
@@ -495,7 +507,7 @@ class Scheduler:
         if self._sliding_window is not None:
             self.kv.release_out_of_window(req)
         if not seq.do_sample:
-            if entry.child_ids and req.num_computed_tokens == entry.prefill_target:
+            if entry.group is not None and req.num_computed_tokens == entry.prefill_target:
                 self._fork_children(entry)
             return
         token = result.sampled_token_ids.get(rid)
@@ -522,7 +534,7 @@ class Scheduler:
                 num_output_tokens=len(req.output_token_ids),
                 parent_id=req.parent_id,
                 index=entry.index,
-                forked_ids=entry.child_ids if len(req.output_token_ids) == 1 else (),
+                forked_ids=entry.forked_ids,
             )
         )
 
@@ -652,7 +664,7 @@ class Scheduler:
         """Admit the head of the waiting queue with a first chunk; False if it must wait."""
         req = entry.request
         max_num_seqs = self.config.max_num_seqs
-        while len(self._running) + self._num_child_seats + entry.num_seats > max_num_seqs:
+        while len(self._running) + self._forks.num_held_seats + entry.num_seats > max_num_seqs:
             if not self._preempt_for(step, entry):
                 return False
         if not self._may_fit(entry):
@@ -676,9 +688,8 @@ class Scheduler:
         if self._sliding_window is not None:
             self.kv.release_out_of_window(req)  # hit blocks the first chunk cannot see
         self._running[req.request_id] = entry
-        if not entry.forked and entry.child_ids:
-            entry.holds_child_seats = True
-            self._num_child_seats += len(entry.child_ids)
+        if entry.group is not None:
+            self._forks.hold_seats(entry.group)
         if chunk:
             step.add(self._make_seq(req, chunk), False, allocation)
         else:
@@ -752,7 +763,8 @@ class Scheduler:
         rid = req.request_id
         step.unschedule(rid)
         del self._running[rid]
-        self._release_child_seats(entry)
+        if entry.group is not None:
+            self._forks.release_seats(entry.group)
         self.kv.free(rid)
         self._num_preemptions += 1
         self._num_recomputed_tokens += req.num_computed_tokens
@@ -761,8 +773,9 @@ class Scheduler:
         req.status = _PREEMPTED
         entry.num_full_blocks = 0
         self._push_waiting(entry)
-        if entry.forked and entry.child_ids and not req.output_token_ids:
-            self._pending_outputs.append(RequestOutput(rid, [], forked_ids=entry.child_ids))
+        if entry.forked_ids and not req.output_token_ids:
+            # Its samples run on and report: name them now, not at its first token.
+            self._pending_outputs.append(RequestOutput(rid, [], forked_ids=entry.forked_ids))
 
     # -- n > 1 --------------------------------------------------------------------------
 
@@ -771,26 +784,12 @@ class Scheduler:
         samples, sharing its blocks. The parent and every sample are then decoding: each
         computes the last prompt token and samples its own first token."""
         parent = parent_entry.request
+        group = parent_entry.group
+        assert group is not None and not group.forked, "fork of a request without samples"
         parent.status = _DECODING
-        sampling = parent.sampling
-        for index, cid in enumerate(parent_entry.child_ids, start=1):
-            child = Request(
-                request_id=cid,
-                prompt_token_ids=parent.prompt_token_ids,
-                sampling=replace(
-                    sampling, n=1, seed=None if sampling.seed is None else sampling.seed + index
-                ),
-                eos_token_ids=parent.eos_token_ids,
-                priority=parent.priority,
-                arrival_time_s=parent.arrival_time_s,
-                cache_salt=parent.cache_salt,
-                max_model_len=parent.max_model_len,
-                num_cached_tokens=parent.num_cached_tokens,
-                parent_id=parent.request_id,
-            )
+        for index, cid in enumerate(group.child_ids, start=1):
+            child = make_sample(parent, index, cid)
             self.kv.fork(parent.request_id, cid)
-            child.num_computed_tokens = parent.num_prompt_tokens - 1
-            child.status = _DECODING
             entry = _Entry(
                 request=child,
                 rank=parent_entry.rank,
@@ -798,18 +797,10 @@ class Scheduler:
                 arrival_seq=parent_entry.arrival_seq,
                 index=index,
                 num_full_blocks=child.num_computed_tokens // self._block_size,
-                forked=True,
             )
             self._entries[cid] = entry
             self._running[cid] = entry
-        self._reserved_ids.difference_update(parent_entry.child_ids)
-        self._release_child_seats(parent_entry)
-        parent_entry.forked = True
-
-    def _release_child_seats(self, entry: _Entry) -> None:
-        if entry.holds_child_seats:
-            self._num_child_seats -= len(entry.child_ids)
-            entry.holds_child_seats = False
+        self._forks.fork(group)
 
     # -- ending -------------------------------------------------------------------------
 
@@ -820,7 +811,6 @@ class Scheduler:
         rid = req.request_id
         if self._running.get(rid) is entry:
             del self._running[rid]
-            self._release_child_seats(entry)
             self.kv.free(rid)
         else:  # waiting: its heap item goes stale, skipped when it reaches the head
             self._uncount_waiting(req)
@@ -829,8 +819,8 @@ class Scheduler:
         req.finish_reason = reason
         self._compact_waiting()
         del self._entries[rid]
-        if not entry.forked:
-            self._reserved_ids.difference_update(entry.child_ids)
+        if entry.group is not None:
+            self._forks.close(entry.group)
         self._finished_ids.append(rid)
         self._num_finished[reason.value] += 1
         return RequestOutput(
@@ -844,7 +834,7 @@ class Scheduler:
             num_output_tokens=len(req.output_token_ids),
             parent_id=req.parent_id,
             index=entry.index,
-            forked_ids=entry.child_ids if entry.forked and len(req.output_token_ids) <= 1 else (),
+            forked_ids=entry.forked_ids,
         )
 
     # -- the waiting queue (a heap; aborted entries go stale and are skipped) -------------
