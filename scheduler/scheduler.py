@@ -26,7 +26,6 @@ and the whole sequence is prefilled again (cheap with the prefix cache).
 
 from __future__ import annotations
 
-import heapq
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
@@ -42,11 +41,13 @@ from scheduler.output import (
     SchedulerStats,
 )
 from scheduler.policies import (
+    BatchKind,
     TokenBudget,
     make_batch_policy,
     make_queue_order,
     make_victim_rule,
 )
+from scheduler.queue import WaitingQueue
 from scheduler.request import AbortReason, FinishReason, Request, RequestStatus
 
 _WAITING = RequestStatus.WAITING
@@ -119,25 +120,32 @@ class _Entry:
 
 
 @dataclass(slots=True)
-class _Step:
-    """One step's plan while it is being built; implements ``policies.StepBuilder``."""
+class _Counters:
+    """Cumulative counts for ``make_stats``, and the last plan's composition (not the plan
+    itself: holding it would keep thousands of objects alive into older GC generations and
+    make full collections frequent)."""
 
-    scheduler: Scheduler
+    num_prefill_tokens: int = 0  # of the last plan
+    num_prefill_reqs: int = 0  # of the last plan
+    num_decode_reqs: int = 0  # of the last plan
+    num_steps_prefill: int = 0
+    num_steps_decode: int = 0
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_finished: Counter[str] = field(default_factory=Counter)  # by FinishReason.value
+
+
+@dataclass(slots=True)
+class _Step:
+    """One step's plan while it is being built."""
+
     step_id: int
     budget: TokenBudget
     prefill: dict[str, ScheduledSeq] = field(default_factory=dict)
     decode: dict[str, ScheduledSeq] = field(default_factory=dict)
     copies: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
-
-    @property
-    def has_pending_decodes(self) -> bool:
-        return self.scheduler._has_decoding()
-
-    def take_decodes(self) -> int:
-        return self.scheduler._take_decodes(self)
-
-    def take_prefills(self) -> int:
-        return self.scheduler._take_prefills(self)
 
     def add(self, seq: ScheduledSeq, decode: bool, allocation: Allocation) -> None:
         (self.decode if decode else self.prefill)[seq.request_id] = seq
@@ -190,35 +198,20 @@ class Scheduler:
         self._entries: dict[str, _Entry] = {}  # every unfinished request
         self._forks = ForkTable()
         self._running: dict[str, _Entry] = {}  # admission order
-        self._waiting: list[tuple[int, int, int, _Entry]] = []  # heap; finished = stale
-        self._num_stale = 0
-        self._num_waiting = 0
-        self._num_preempted_waiting = 0
-        self._waiting_tokens = 0
+        self._waiting: WaitingQueue[_Entry] = WaitingQueue()
         self._finished_ids: list[str] = []
         self._pending_outputs: list[RequestOutput] = []  # finished outside update()
-
+        self._take = {BatchKind.DECODE: self._take_decodes, BatchKind.PREFILL: self._take_prefills}
         self._step_id = 0
         self._arrival_seq = 0
-        # The last plan's composition. Not the plan itself: holding it would keep thousands
-        # of objects alive into older GC generations and make full collections frequent.
-        self._last_num_prefill_tokens = 0
-        self._last_num_prefill_reqs = 0
-        self._last_num_decode_reqs = 0
-        self._num_steps_prefill = 0
-        self._num_steps_decode = 0
-        self._num_preemptions = 0
-        self._num_recomputed_tokens = 0
-        self._num_prompt_tokens = 0
-        self._num_generation_tokens = 0
-        self._num_finished: Counter[str] = Counter()
+        self._counters = _Counters()
         self._num_aborted: Counter[str] = Counter()  # by AbortReason.value
 
     # -- queries ------------------------------------------------------------------------
 
     @property
     def num_waiting(self) -> int:
-        return self._num_waiting
+        return len(self._waiting)
 
     @property
     def num_running(self) -> int:
@@ -245,7 +238,7 @@ class Scheduler:
 
     def waiting_request_ids(self) -> list[str]:
         """Waiting requests in the order they would be admitted."""
-        return [item[3].request_id for item in sorted(self._waiting) if not _stale(item)]
+        return [entry.request_id for entry in self._waiting.ordered()]
 
     # -- admission ----------------------------------------------------------------------
 
@@ -282,8 +275,8 @@ class Scheduler:
         self._entries[rid] = entry
         if group is not None:
             self._forks.reserve(group)
-        self._num_prompt_tokens += request.num_prompt_tokens
-        self._push_waiting(entry)
+        self._counters.num_prompt_tokens += request.num_prompt_tokens
+        self._waiting.push(entry)
 
     def _id_in_use(self, request_id: str) -> bool:
         return request_id in self._entries or self._forks.is_reserved(request_id)
@@ -337,15 +330,16 @@ class Scheduler:
 
     def _check_not_overloaded(self, request: Request) -> None:
         cfg = self.config
-        if self._num_waiting + 1 > cfg.max_waiting_requests:
+        waiting = self._waiting
+        if waiting.num_requests + 1 > cfg.max_waiting_requests:
             raise OverloadError(
-                f"waiting queue is full: {self._num_waiting} requests waiting "
+                f"waiting queue is full: {waiting.num_requests} requests waiting "
                 f"(max_waiting_requests={cfg.max_waiting_requests})"
             )
-        num_tokens = self._waiting_tokens + request.num_prompt_tokens
+        num_tokens = waiting.num_tokens + request.num_prompt_tokens
         if num_tokens > cfg.max_waiting_tokens:
             raise OverloadError(
-                f"waiting queue is full: {self._waiting_tokens} prompt tokens waiting + "
+                f"waiting queue is full: {waiting.num_tokens} prompt tokens waiting + "
                 f"{request.num_prompt_tokens} new > max_waiting_tokens={cfg.max_waiting_tokens}"
             )
 
@@ -395,8 +389,8 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Plan one step: the batch policy takes decodes and prefill chunks within the
-        step's token budget, and blocks are allocated for every scheduled token.
+        """Plan one step: take the batch kinds in the policy's order (decodes, prefill
+        chunks) within the step's token budget, allocating blocks for every scheduled token.
 
         Running requests that cannot get blocks preempt the victim rule's choice (possibly
         themselves). Waiting requests are admitted in queue order until the budget, the
@@ -404,19 +398,26 @@ class Scheduler:
         preempt running requests of worse effective priority.
         """
         self._step_id += 1
-        step = _Step(self, self._step_id, TokenBudget(self.config.max_num_batched_tokens))
-        self._policy.form(step)
+        step = _Step(self._step_id, TokenBudget(self.config.max_num_batched_tokens))
+        policy = self._policy
+        took_decodes = False
+        for kind in policy.order(self._has_decoding):
+            took_decodes |= kind is BatchKind.DECODE
+            if self._take[kind](step) and policy.exclusive:
+                break
+        policy.observe(took_decodes, self._has_decoding)
         if not step.prefill and not step.decode and self._has_decoding():
             # Samples forked at admission (n > 1 with nothing left to prefill) turned
-            # DECODING after the policy took decodes: run them now, not after an idle wait.
-            step.take_decodes()
+            # DECODING after the decodes were taken: run them now, not after an idle wait.
+            self._take_decodes(step)
         plan = step.build(self._finished_ids)
         self._finished_ids = []
-        self._last_num_prefill_tokens = plan.num_prefill_tokens
-        self._last_num_prefill_reqs = len(plan.prefill)
-        self._last_num_decode_reqs = len(plan.decode)
-        self._num_steps_prefill += bool(plan.prefill)
-        self._num_steps_decode += bool(plan.decode)
+        counters = self._counters
+        counters.num_prefill_tokens = plan.num_prefill_tokens
+        counters.num_prefill_reqs = len(plan.prefill)
+        counters.num_decode_reqs = len(plan.decode)
+        counters.num_steps_prefill += bool(plan.prefill)
+        counters.num_steps_decode += bool(plan.decode)
         return plan
 
     def update(self, plan: SchedulerOutput, result: ModelOutput) -> list[RequestOutput]:
@@ -487,7 +488,7 @@ class Scheduler:
                     entry.forked_ids,
                 )
             )
-        self._num_generation_tokens += num_tokens
+        self._counters.num_generation_tokens += num_tokens
 
     def _apply(self, seq: ScheduledSeq, result: ModelOutput, outputs: list[RequestOutput]) -> None:
         rid = seq.request_id
@@ -515,7 +516,7 @@ class Scheduler:
             raise RuntimeError(f"runner returned no token for {rid!r}, which was to sample")
         req.append_output_token(token)
         req.status = _DECODING
-        self._num_generation_tokens += 1
+        self._counters.num_generation_tokens += 1
         logprobs = result.logprobs.get(rid) if result.logprobs else None
         new_logprobs = [logprobs] if logprobs is not None else []
         if self._stops(req, token):
@@ -566,7 +567,7 @@ class Scheduler:
             return True
         return False
 
-    # -- batch formation (called through _Step by the policy) ---------------------------
+    # -- batch formation (the kinds the policy orders) -----------------------------------
 
     def _has_decoding(self) -> bool:
         return any(e.request.status is _DECODING for e in self._running.values())
@@ -624,7 +625,7 @@ class Scheduler:
             if self._schedule_running(step, entry, chunk, decode=False):
                 num_scheduled += 1
         while step.budget.remaining > 0:
-            head = self._peek_waiting()
+            head = self._waiting.peek()
             if head is None or not self._try_admit(step, head):
                 break
             num_scheduled += 1
@@ -679,7 +680,7 @@ class Scheduler:
                 return False
         entry.blocked_at_num_free = None
         step.budget.take_up_to(chunk)
-        self._pop_waiting(entry)
+        self._waiting.pop(entry)
         if req.status is _WAITING:  # first admission (not a resumption after preemption)
             req.num_cached_tokens = num_hit
         req.num_computed_tokens = num_hit
@@ -766,13 +767,13 @@ class Scheduler:
         if entry.group is not None:
             self._forks.release_seats(entry.group)
         self.kv.free(rid)
-        self._num_preemptions += 1
-        self._num_recomputed_tokens += req.num_computed_tokens
+        self._counters.num_preemptions += 1
+        self._counters.num_recomputed_tokens += req.num_computed_tokens
         req.num_preemptions += 1
         req.num_computed_tokens = 0
         req.status = _PREEMPTED
         entry.num_full_blocks = 0
-        self._push_waiting(entry)
+        self._waiting.push(entry)
         if entry.forked_ids and not req.output_token_ids:
             # Its samples run on and report: name them now, not at its first token.
             self._pending_outputs.append(RequestOutput(rid, [], forked_ids=entry.forked_ids))
@@ -812,17 +813,15 @@ class Scheduler:
         if self._running.get(rid) is entry:
             del self._running[rid]
             self.kv.free(rid)
-        else:  # waiting: its heap item goes stale, skipped when it reaches the head
-            self._uncount_waiting(req)
-            self._num_stale += 1
+        else:
+            self._waiting.discard(entry)
         req.status = status
         req.finish_reason = reason
-        self._compact_waiting()
         del self._entries[rid]
         if entry.group is not None:
             self._forks.close(entry.group)
         self._finished_ids.append(rid)
-        self._num_finished[reason.value] += 1
+        self._counters.num_finished[reason.value] += 1
         return RequestOutput(
             request_id=rid,
             new_token_ids=[],
@@ -837,65 +836,28 @@ class Scheduler:
             forked_ids=entry.forked_ids,
         )
 
-    # -- the waiting queue (a heap; aborted entries go stale and are skipped) -------------
-
-    def _push_waiting(self, entry: _Entry) -> None:
-        heapq.heappush(self._waiting, (entry.sort_key, entry.arrival_seq, entry.index, entry))
-        req = entry.request
-        self._num_waiting += 1
-        self._waiting_tokens += req.num_tokens
-        if req.status is _PREEMPTED:
-            self._num_preempted_waiting += 1
-
-    def _peek_waiting(self) -> _Entry | None:
-        waiting = self._waiting
-        while waiting and _stale(waiting[0]):
-            heapq.heappop(waiting)
-            self._num_stale -= 1
-        return waiting[0][3] if waiting else None
-
-    def _pop_waiting(self, entry: _Entry) -> None:
-        item = heapq.heappop(self._waiting)
-        assert item[3] is entry, "admitted a request that is not the head of the queue"
-        self._uncount_waiting(entry.request)
-
-    def _compact_waiting(self) -> None:
-        """Drop stale (finished) items once they are the majority of the heap."""
-        if self._num_stale > 64 and self._num_stale * 2 > len(self._waiting):
-            self._waiting = [item for item in self._waiting if not _stale(item)]
-            heapq.heapify(self._waiting)
-            self._num_stale = 0
-
-    def _uncount_waiting(self, req: Request) -> None:
-        self._num_waiting -= 1
-        self._waiting_tokens -= req.num_tokens
-        if req.status is _PREEMPTED:
-            self._num_preempted_waiting -= 1
-
     # -- stats --------------------------------------------------------------------------
 
     def make_stats(self) -> SchedulerStats:
         """A snapshot after the last step (batch composition of the last plan)."""
-        kv_stats = replace(self.kv.make_stats(), preemptions_total=self._num_preemptions)
+        c = self._counters
+        waiting = self._waiting
+        kv_stats = replace(self.kv.make_stats(), preemptions_total=c.num_preemptions)
         return SchedulerStats(
             step_id=self._step_id,
             num_running=len(self._running),
-            num_waiting=self._num_waiting,
-            num_preempted=self._num_preempted_waiting,
-            num_prefill_tokens=self._last_num_prefill_tokens,
-            num_prefill_reqs=self._last_num_prefill_reqs,
-            num_decode_reqs=self._last_num_decode_reqs,
-            num_steps_prefill_total=self._num_steps_prefill,
-            num_steps_decode_total=self._num_steps_decode,
-            num_preemptions_total=self._num_preemptions,
-            num_recomputed_tokens_total=self._num_recomputed_tokens,
-            num_prompt_tokens_total=self._num_prompt_tokens,
-            num_generation_tokens_total=self._num_generation_tokens,
-            num_finished_total=dict(self._num_finished),
-            waiting_tokens=self._waiting_tokens,
+            num_waiting=waiting.num_requests,
+            num_preempted=waiting.num_preempted,
+            num_prefill_tokens=c.num_prefill_tokens,
+            num_prefill_reqs=c.num_prefill_reqs,
+            num_decode_reqs=c.num_decode_reqs,
+            num_steps_prefill_total=c.num_steps_prefill,
+            num_steps_decode_total=c.num_steps_decode,
+            num_preemptions_total=c.num_preemptions,
+            num_recomputed_tokens_total=c.num_recomputed_tokens,
+            num_prompt_tokens_total=c.num_prompt_tokens,
+            num_generation_tokens_total=c.num_generation_tokens,
+            num_finished_total=dict(c.num_finished),
+            waiting_tokens=waiting.num_tokens,
             kv=kv_stats,
         )
-
-
-def _stale(item: tuple[int, int, int, _Entry]) -> bool:
-    return item[3].request.status.is_finished
