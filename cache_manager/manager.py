@@ -336,7 +336,8 @@ class KVCacheManager:
         end = start + num_new
         target = end if end > num_total else num_total
         num_have = len(blocks)
-        num_need = -(-target // bs)
+        num_written = -(-end // bs)  # blocks holding the slots written up to end
+        num_need = num_written if target == end else -(-target // bs)
         num_fresh = num_need - num_have if num_need > num_have else 0
         # Existing blocks the range [start, target) will write: [first, last).
         first = start // bs
@@ -348,24 +349,25 @@ class KVCacheManager:
         num_take = num_fresh + num_cow
         if hit is not None:  # hit blocks on the free list leave it
             num_take += sum(1 for b in blocks if b.ref_count == 0)
-        pool = self._pool
         # The usual decode step takes no block: skip the free-list arithmetic then.
-        if num_take and num_take > pool.num_free:
+        if num_take and num_take > self._pool.num_free:
             return None
         if state is None:
             state = self._requests[request_id] = _RequestBlocks()
-        if hit is not None:
-            self._take_hit(state, hit)
-        copies = self._copy_on_write(state, first, last, start) if num_cow else []
+        allocation = _NOTHING_NEW
+        if num_take or hit is not None:
+            if hit is not None:
+                self._take_hit(state, hit)
+            copies = self._copy_on_write(state, first, last, start) if num_cow else []
+            fresh = self._pool.take(num_fresh) if num_fresh else []
+            new_ids = [b.block_id for b in fresh]
+            state.blocks.extend(fresh)
+            state.block_ids.extend(new_ids)
+            # After a hit the table was empty: all of it is new.
+            allocation = Allocation(new_ids if hit is None else list(state.block_ids), copies)
         blocks = state.blocks
-        fresh_ids: list[int] = []
-        if num_fresh:
-            fresh = pool.take(num_fresh)
-            fresh_ids = [b.block_id for b in fresh]
-            blocks.extend(fresh)
-            state.block_ids.extend(fresh_ids)
         used_slots = self._num_used_slots
-        for p in range(first, -(-end // bs)):
+        for p in range(first, num_written):
             block = blocks[p]
             filled = end - p * bs
             if filled > bs:
@@ -377,9 +379,7 @@ class KVCacheManager:
         if end > state.num_slots:
             self._num_held_tokens += end - state.num_slots
             state.num_slots = end
-        if hit is not None:  # the table was empty: all of it is new
-            return Allocation(list(state.block_ids), copies)
-        return Allocation(fresh_ids, copies) if num_take else _NOTHING_NEW
+        return allocation
 
     def _check_new(self, seq: CacheSequence) -> None:
         if seq.num_computed_tokens != 0:
