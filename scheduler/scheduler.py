@@ -27,7 +27,7 @@ and the whole sequence is prefilled again (cheap with the prefix cache).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from cache_manager import Allocation, KVCacheManager, PrefixHit
 from scheduler.config import SchedulerConfig
@@ -808,7 +808,6 @@ class Scheduler:
         """A snapshot after the last step (batch composition of the last plan)."""
         c = self._counters
         waiting = self._waiting
-        kv_stats = replace(self.kv.make_stats(), preemptions_total=c.num_preemptions)
         return SchedulerStats(
             step_id=self._step_id,
             num_running=len(self._running),
@@ -825,5 +824,5 @@ class Scheduler:
             num_generation_tokens_total=c.num_generation_tokens,
             num_finished_total=dict(c.num_finished),
             waiting_tokens=waiting.num_tokens,
-            kv=kv_stats,
+            kv=self.kv.make_stats(),
         )
