@@ -49,7 +49,7 @@ from scheduler.policies import (
     make_victim_rule,
 )
 from scheduler.queue import WaitingQueue
-from scheduler.request import AbortReason, FinishReason, Request, RequestStatus
+from scheduler.request import FinishReason, Request, RequestStatus
 
 _WAITING = RequestStatus.WAITING
 _PREFILLING = RequestStatus.PREFILLING
@@ -239,7 +239,6 @@ class Scheduler:
         self._step_id = 0
         self._arrival_seq = 0
         self._counters = _Counters()
-        self._num_aborted: Counter[str] = Counter()  # by AbortReason.value
 
     # -- queries ------------------------------------------------------------------------
 
@@ -261,10 +260,6 @@ class Scheduler:
     def get_request(self, request_id: str) -> Request | None:
         entry = self._entries.get(request_id)
         return None if entry is None else entry.request
-
-    def num_aborted_by_reason(self) -> dict[str, int]:
-        """Cumulative ``abort`` calls that ended a request, by ``AbortReason.value``."""
-        return dict(self._num_aborted)
 
     def running_request_ids(self) -> list[str]:
         """Running requests in admission order (the decode batch order)."""
@@ -379,18 +374,16 @@ class Scheduler:
 
     # -- ending requests from outside ---------------------------------------------------
 
-    def abort(
-        self, request_id: str, reason: AbortReason = AbortReason.ABORT_CALL
-    ) -> RequestOutput | None:
+    def abort(self, request_id: str) -> RequestOutput | None:
         """End a request in any state (and its forked samples) and free its blocks once.
 
         Returns its final output (finish_reason ABORT), or None if the id is unknown or
         already finished. Forked samples that end with it report in the next ``update``.
+        Why it was aborted is the caller's to record (``AbortReason``, in metrics).
         """
         entry = self._entries.get(request_id)
         if entry is None:
             return None
-        self._num_aborted[reason.value] += 1
         out = self._finish(entry, _FINISHED_ABORTED)
         group = entry.group
         for cid in group.child_ids if group is not None and group.forked else ():

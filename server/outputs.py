@@ -66,9 +66,7 @@ class EndsRequests(Protocol):
     """The scheduler calls that end a request from outside a step; each returns the
     request's final output (None when it had already ended)."""
 
-    def abort(
-        self, request_id: str, reason: AbortReason = AbortReason.ABORT_CALL
-    ) -> RequestOutput | None: ...
+    def abort(self, request_id: str) -> RequestOutput | None: ...
 
     def finish(self, request_id: str, stop_reason: str) -> RequestOutput | None: ...
 
@@ -193,7 +191,7 @@ class OutputProcessor(Generic[StreamT]):
         # Forked samples first: aborting sample 0 would end them inside the scheduler and
         # leave their outputs for the next update, keeping this client open past this call.
         for sid in sorted(client.open_ids, key=lambda s: self._samples[s].index, reverse=True):
-            out = self._scheduler.abort(sid, reason)
+            out = self._scheduler.abort(sid)
             if out is not None:
                 self._process(out, now)
         return True
