@@ -101,7 +101,6 @@ def make_sample(parent: Request, index: int, request_id: str) -> Request:
         priority=parent.priority,
         arrival_time_s=parent.arrival_time_s,
         cache_salt=parent.cache_salt,
-        max_model_len=parent.max_model_len,
         num_cached_tokens=parent.num_cached_tokens,
         parent_id=parent.request_id,
     )

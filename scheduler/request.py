@@ -157,7 +157,6 @@ class Request:
     priority: int = 0  # lower value runs first
     arrival_time_s: float = 0.0
     cache_salt: str | None = None
-    max_model_len: int | None = None  # the scheduler fills it in at admission
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule

@@ -75,17 +75,14 @@ class _Entry:
     blocked_at_num_free: int | None = None  # free blocks when admission last failed for memory
     # For the decode hot path: tokens that may stop it, and the length that ends it.
     stop_ids: frozenset[int] = frozenset()
-    max_num_tokens: int = 0  # min(max_model_len, prompt + max_tokens)
+    max_num_tokens: int = 0  # prompt + max_tokens (within max_model_len: checked at admission)
 
     def __post_init__(self) -> None:
         req = self.request
         sampling = req.sampling
         eos = () if sampling.ignore_eos else req.eos_token_ids
         self.stop_ids = frozenset((*sampling.stop_token_ids, *eos))
-        max_model_len = req.max_model_len
         self.max_num_tokens = req.num_prompt_tokens + sampling.max_tokens
-        if max_model_len is not None:
-            self.max_num_tokens = min(self.max_num_tokens, max_model_len)
 
     @property
     def request_id(self) -> str:
@@ -288,10 +285,6 @@ class Scheduler:
             )
         group = self._check_can_ever_run(request)
         self._check_not_overloaded(request)
-
-        request.max_model_len = min(
-            request.max_model_len or self.config.max_model_len, self.config.max_model_len
-        )
         rank = self._order.rank(request.priority, self._step_id)
         entry = _Entry(
             request=request,
@@ -316,9 +309,7 @@ class Scheduler:
         num_prompt = request.num_prompt_tokens
         if num_prompt == 0:
             raise ValueError(f"request {rid!r} has an empty prompt")
-        max_model_len = min(
-            request.max_model_len or self.config.max_model_len, self.config.max_model_len
-        )
+        max_model_len = self.config.max_model_len  # the scheduler's one check of the limit
         num_total = num_prompt + sampling.max_tokens
         if num_total > max_model_len:
             raise ValueError(
@@ -443,8 +434,9 @@ class Scheduler:
 
     def update(self, plan: SchedulerOutput, result: ModelOutput) -> list[RequestOutput]:
         """Apply a step's result: advance progress, append sampled tokens, finish requests
-        on EOS (not before min_tokens, unless ignore_eos) / a stop token / max_tokens /
-        max_model_len, and free finished requests' blocks.
+        on EOS (not before min_tokens, unless ignore_eos) / a stop token / max_tokens
+        (admission made sure it ends within max_model_len), and free finished requests'
+        blocks.
 
         Returns one output per request that got a token or finished since the last update.
         """
