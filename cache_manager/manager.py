@@ -83,19 +83,17 @@ class PrefixHit:
         return [b.block_id for b in self.blocks]
 
 
+@dataclass(slots=True, eq=False)
 class _RequestBlocks:
     """One request's block table and prefix-cache progress."""
 
-    __slots__ = ("block_ids", "block_keys", "blocks", "num_released", "num_slots")
-
-    def __init__(self) -> None:
-        self.blocks: list[KVBlock] = []
-        self.block_ids: list[int] = []
-        # Keys of the request's first len(block_keys) blocks (the computed, full ones); kept
-        # even for released positions, because later keys chain on them.
-        self.block_keys: list[bytes] = []
-        self.num_released = 0  # leading positions released to the null block (sliding window)
-        self.num_slots = 0  # slots written or being written: num_computed + new of the last step
+    blocks: list[KVBlock] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    # Keys of the request's first len(block_keys) blocks (the computed, full ones); kept even
+    # for released positions, because later keys chain on them.
+    block_keys: list[bytes] = field(default_factory=list)
+    num_released: int = 0  # leading positions released to the null block (sliding window)
+    num_slots: int = 0  # slots written or being written: num_computed + new of the last step
 
 
 class KVCacheManager:
@@ -300,11 +298,8 @@ class KVCacheManager:
         ``allocate_slots``, atomically with the reservation. None (nothing changed) when
         there is no room.
         """
-        if num_total_tokens < 0 or num_new_tokens < 0:
-            raise ValueError(
-                f"num_total_tokens and num_new_tokens must be >= 0, got {num_total_tokens} "
-                f"and {num_new_tokens}"
-            )
+        if min(num_total_tokens, num_new_tokens) < 0:
+            raise ValueError(f"need token counts >= 0, got {num_total_tokens}, {num_new_tokens}")
         return self._grow(seq, num_new_tokens, num_total_tokens, hit)
 
     def _grow(
@@ -326,7 +321,11 @@ class KVCacheManager:
             blocks: Sequence[KVBlock] = hit.blocks
             start = hit.num_tokens
         elif state is None:
-            self._check_new(seq)
+            if seq.num_computed_tokens != 0:
+                raise ValueError(
+                    f"request {request_id!r} holds no blocks but has num_computed_tokens="
+                    f"{seq.num_computed_tokens}; KV without blocks cannot exist"
+                )
             blocks = ()
             start = 0
         else:
@@ -380,13 +379,6 @@ class KVCacheManager:
             self._num_held_tokens += end - state.num_slots
             state.num_slots = end
         return allocation
-
-    def _check_new(self, seq: CacheSequence) -> None:
-        if seq.num_computed_tokens != 0:
-            raise ValueError(
-                f"request {seq.request_id!r} holds no blocks but has "
-                f"num_computed_tokens={seq.num_computed_tokens}; KV without blocks cannot exist"
-            )
 
     def _check_hit(self, seq: CacheSequence, state: _RequestBlocks | None, hit: PrefixHit) -> None:
         """ValueError unless ``hit`` can be taken by ``seq`` now (see ``allocate_slots``).
@@ -484,12 +476,13 @@ class KVCacheManager:
         parent = self._requests[parent_id]
         if child_id in self._requests:
             raise ValueError(f"fork: child {child_id!r} already holds a block table")
-        child = _RequestBlocks()
-        child.blocks = list(parent.blocks)
-        child.block_ids = list(parent.block_ids)
-        child.block_keys = list(parent.block_keys)
-        child.num_released = parent.num_released
-        child.num_slots = parent.num_slots
+        child = _RequestBlocks(
+            list(parent.blocks),
+            list(parent.block_ids),
+            list(parent.block_keys),
+            parent.num_released,
+            parent.num_slots,
+        )
         null = self._null_block
         for block in parent.blocks:
             if block is not null:
@@ -590,7 +583,7 @@ class KVCacheManager:
             used_memory_bytes=num_used * block_bytes,
             average_sequence_length=total_tokens / num_seqs if num_seqs else 0.0,
             cache_efficiency=self._num_used_slots / (num_used * bs) if num_used else 0.0,
-            usage=num_used / (self.num_blocks - num_reserved),
+            usage=num_used / self.num_usable_blocks,
             prefix_queries_tokens_total=queries,
             prefix_hits_tokens_total=hits,
             cache_hit_rate=hits / queries if queries else 0.0,
