@@ -468,7 +468,8 @@ class Scheduler:
         logprobs = result.logprobs
         slow = prefill or window or bool(failed) or bool(logprobs)
         append = outputs.append
-        num_tokens = 0
+        num_outputs_before = len(outputs)
+        num_failed = 0
         for seq in batch:
             rid = seq.request_id
             try:  # dict lookups in try: no method call per token
@@ -481,6 +482,7 @@ class Scheduler:
             req.num_computed_tokens = num_computed
             if slow and rid in failed:
                 append(self._finish(entry, _FINISHED_ERROR, error=failed[rid]))
+                num_failed += 1
                 continue
             if num_computed // block_size > entry.num_full_blocks:
                 kv.cache_full_blocks(req)
@@ -502,7 +504,6 @@ class Scheduler:
                 msg = f"runner returned no token for {rid!r}, which was to sample"
                 raise RuntimeError(msg) from None
             req.append_output_token(token)
-            num_tokens += 1
             # The guard keeps the full check off the usual token (num_computed is one short
             # of the tokens now: this chunk ended at the last one).
             if token in entry.stop_ids or num_computed >= entry.max_num_tokens - 1:
@@ -511,7 +512,8 @@ class Scheduler:
                     append(self._finish(entry, status, [token], new_logprobs))
                     continue
             append(_output(entry, [token], new_logprobs, None))
-        self._counters.num_generation_tokens += num_tokens
+        # Every output since the batch began carries one new token, but a failure's.
+        self._counters.num_generation_tokens += len(outputs) - num_outputs_before - num_failed
 
     @staticmethod
     def _stop_status(entry: _Entry, token: int) -> RequestStatus | None:
