@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch
 
 from model_runner.config import ModelConfig
+from model_runner.device import resolve_kv_dtype
 from model_runner.kv_pool import KVPool
 from model_runner.reference import build_hf_model
 from model_runner.runner import TorchRunner
@@ -170,14 +171,11 @@ def with_kv_dtype(runner: TorchRunner, kv_dtype: str) -> TorchRunner:
         runner.config,
         runner.num_blocks,
         runner.block_size,
-        KV_DTYPES[kv_dtype],
+        resolve_kv_dtype(kv_dtype, runner.dtype, runner.device),
         runner.device,
         runner.dtype,
     )
     return other
-
-
-KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
 
 
 def interleaved_ms(fns: dict[str, Callable[[], object]], steps: int) -> dict[str, float]:

@@ -14,7 +14,7 @@ from cache_manager.eviction import (
     make_eviction_policy,
 )
 from cache_manager.hashing import hash_block_tokens
-from cache_manager.manager import Allocation, CacheSequence, KVCacheManager
+from cache_manager.manager import Allocation, CacheSequence, KVCacheManager, PrefixHit
 from cache_manager.sizing import (
     ModelShape,
     block_bytes,
@@ -38,6 +38,7 @@ __all__ = [
     "LFUEviction",
     "LRUEviction",
     "ModelShape",
+    "PrefixHit",
     "SharedPrefixEviction",
     "block_bytes",
     "hash_block_tokens",

@@ -11,11 +11,13 @@ request's token sequence lives in ``block_ids[p // block_size]`` at offset ``p %
 Progress is the request's ``num_computed_tokens`` (owned by the scheduler). A step of
 ``allocate_slots(seq, n)`` makes the table cover ``num_computed_tokens + n`` slots; after the
 step advanced ``num_computed_tokens``, ``cache_full_blocks(seq)`` gives every newly full,
-computed block its prefix-cache key.
+computed block its prefix-cache key. At admission ``get_computed_blocks(seq)`` returns a
+``PrefixHit`` (verified blocks and their keys) that ``allocate_slots(seq, n, hit)`` consumes.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -42,9 +44,9 @@ class CacheSequence(Protocol):
     def num_prompt_tokens(self) -> int: ...
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Allocation:
-    """What one ``allocate_slots``/``reserve_slots`` call changed in a block table.
+    """What one ``allocate_slots``/``reserve_slots`` call changed in a block table. Read-only.
 
     ``new_block_ids`` were appended to the table (prefix hits first, then fresh blocks).
     ``block_copies`` are copy-on-write pairs ``(src, dst)``: the runner copies the KV of block
@@ -56,19 +58,42 @@ class Allocation:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
+# The usual decode step changes nothing; one shared, never mutated answer for it.
+_NOTHING_NEW = Allocation()
+
+
+@dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
+class PrefixHit:
+    """The cached prefix ``get_computed_blocks`` found for one request: full, verified blocks
+    and their prefix-cache keys (``num_tokens = len(blocks) * block_size``).
+
+    ``allocate_slots`` / ``reserve_slots`` of the same request consume it: they reference the
+    blocks, seed the table's keys with ``keys`` (nothing is hashed twice), and count
+    ``num_query_tokens`` looked up and ``num_tokens`` hit, once. Compared by identity.
+    """
+
+    request_id: str
+    blocks: tuple[KVBlock, ...]
+    keys: tuple[bytes, ...]
+    num_tokens: int
+    num_query_tokens: int  # len(all_token_ids) at lookup; 0 with prefix caching off
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+
+@dataclass(slots=True, eq=False)
 class _RequestBlocks:
     """One request's block table and prefix-cache progress."""
 
-    __slots__ = ("block_ids", "block_keys", "blocks", "num_released", "num_slots")
-
-    def __init__(self) -> None:
-        self.blocks: list[KVBlock] = []
-        self.block_ids: list[int] = []
-        # Keys of the request's first len(block_keys) blocks (the computed, full ones); kept
-        # even for released positions, because later keys chain on them.
-        self.block_keys: list[bytes] = []
-        self.num_released = 0  # leading positions released to the null block (sliding window)
-        self.num_slots = 0  # slots written or being written: num_computed + new of the last step
+    blocks: list[KVBlock] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    # Keys of the request's first len(block_keys) blocks (the computed, full ones); kept even
+    # for released positions, because later keys chain on them.
+    block_keys: list[bytes] = field(default_factory=list)
+    num_released: int = 0  # leading positions released to the null block (sliding window)
+    num_slots: int = 0  # slots written or being written: num_computed + new of the last step
 
 
 class KVCacheManager:
@@ -95,6 +120,7 @@ class KVCacheManager:
         self._requests: dict[str, _RequestBlocks] = {}
         self._num_prefix_queries_tokens = 0
         self._num_prefix_hits_tokens = 0
+        self._consumed_hits: weakref.WeakSet[PrefixHit] = weakref.WeakSet()
         self._num_cow_copies = 0
         self._num_used_slots = 0  # sum of num_filled over referenced blocks
         self._num_held_tokens = 0  # sum over requests of their slots minus released ones
@@ -117,9 +143,14 @@ class KVCacheManager:
         return None if self._null_block is None else self._null_block.block_id
 
     @property
+    def num_usable_blocks(self) -> int:
+        """Every block a request could ever get: the pool minus the reserved null block."""
+        return self.num_blocks - self._pool.num_reserved
+
+    @property
     def usage(self) -> float:
         """Fraction of allocatable blocks referenced by some request."""
-        usable = self.num_blocks - self._pool.num_reserved
+        usable = self.num_usable_blocks
         return (usable - self._pool.num_free) / usable
 
     def num_blocks_for(self, num_tokens: int) -> int:
@@ -143,56 +174,40 @@ class KVCacheManager:
     # ------------------------------------------------------------------ prefix cache
 
     def get_computed_blocks(
-        self, seq: CacheSequence, *, record: bool = True
-    ) -> tuple[list[int], int]:
-        """Longest cached prefix of ``seq.all_token_ids`` in full blocks: (block ids, tokens).
+        self, seq: CacheSequence, max_num_tokens: int | None = None
+    ) -> PrefixHit:
+        """Longest cached prefix of ``seq.all_token_ids`` in full blocks, at most
+        ``max_num_tokens`` tokens.
 
         Never covers the last token (its logits must be computed), so at most
-        ``(len(tokens) - 1) // block_size`` blocks. Takes no references: pass the ids to
-        ``allocate_slots`` (or ``reserve_slots``) before anything else allocates, which
-        verifies them again. With ``record`` it counts one prefix query of
-        ``len(all_token_ids)`` tokens and the hit tokens; a caller that may not use the
-        result (an admission that can still fail for room) passes ``record=False`` and calls
-        ``record_prefix_query`` once the lookup was used. Counts nothing when prefix caching
-        is off.
+        ``(len(tokens) - 1) // block_size`` blocks. Each hit is verified against parent key,
+        salt and tokens (``BlockPool.lookup``). Takes no references and counts nothing: hand
+        the hit to ``allocate_slots`` (or ``reserve_slots``) before anything else allocates;
+        it is counted in the prefix statistics when an allocation consumes it. Empty when
+        prefix caching is off.
         """
-        if not self.enable_prefix_caching:
-            return [], 0
         tokens = seq.all_token_ids
-        if record:
-            self._num_prefix_queries_tokens += len(tokens)
+        if not self.enable_prefix_caching:
+            return PrefixHit(seq.request_id, (), (), 0, 0)
         pool = self._pool
-        if not pool.cached:
-            return [], 0
         bs = self.block_size
+        num_blocks = (len(tokens) - 1) // bs
+        if max_num_tokens is not None:
+            num_blocks = min(num_blocks, max_num_tokens // bs)
+        blocks: list[KVBlock] = []
+        keys: list[bytes] = []
         salt = seq.cache_salt
-        hit_ids: list[int] = []
         parent: bytes | None = None
-        for start in range(0, (len(tokens) - 1) // bs * bs, bs):
+        for start in range(0, num_blocks * bs if pool.cached else 0, bs):
             chunk = tokens[start : start + bs]
             key = hash_block_tokens(parent, chunk, salt)
             block = pool.lookup(key, parent, chunk, salt)
             if block is None:
                 break
-            hit_ids.append(block.block_id)
+            blocks.append(block)
+            keys.append(key)
             parent = key
-        num_hit_tokens = len(hit_ids) * bs
-        if record:
-            self._num_prefix_hits_tokens += num_hit_tokens
-        return hit_ids, num_hit_tokens
-
-    def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
-        """Count a prefix lookup made with ``get_computed_blocks(..., record=False)`` once its
-        result was used: ``num_query_tokens`` looked up, ``num_hit_tokens`` of them cached.
-        No-op when prefix caching is off."""
-        if not 0 <= num_hit_tokens <= num_query_tokens:
-            raise ValueError(
-                f"need 0 <= num_hit_tokens ({num_hit_tokens}) <= num_query_tokens "
-                f"({num_query_tokens})"
-            )
-        if self.enable_prefix_caching:
-            self._num_prefix_queries_tokens += num_query_tokens
-            self._num_prefix_hits_tokens += num_hit_tokens
+        return PrefixHit(seq.request_id, tuple(blocks), tuple(keys), len(blocks) * bs, len(tokens))
 
     def cache_full_blocks(self, seq: CacheSequence) -> None:
         """Give each newly full, computed block of ``seq`` its prefix-cache key.
@@ -244,62 +259,114 @@ class KVCacheManager:
     # ------------------------------------------------------------------ allocation
 
     def allocate_slots(
-        self, seq: CacheSequence, num_new_tokens: int, new_computed_block_ids: Sequence[int] = ()
+        self, seq: CacheSequence, num_new_tokens: int, hit: PrefixHit | None = None
     ) -> Allocation | None:
-        """Make the table cover ``num_computed + hits * block_size + num_new_tokens`` slots.
+        """Make the table cover ``start + num_new_tokens`` slots, where ``start`` is
+        ``num_computed_tokens``, or ``hit.num_tokens`` when a prefix hit is handed over.
 
-        ``new_computed_block_ids`` (from ``get_computed_blocks``) are only accepted for a
-        request without blocks and with ``num_computed_tokens == 0``; they are verified
-        against the request's tokens and salt (ValueError if stale), referenced (a free one
-        leaves the free list) and appended first. Blocks about to be written that another
+        A ``hit`` (from ``get_computed_blocks``) is only taken by the request it was looked
+        up for, while it holds no blocks and ``num_computed_tokens == 0``; its blocks are
+        referenced (a free one leaves the free list) and come first in the table, and the hit
+        is counted in the prefix statistics. A hit is consumed once (ValueError when reused,
+        or stale: one of its blocks lost its key). Blocks about to be written that another
         request also holds are copied on write: the table gets a fresh block, and if it
         already held computed tokens of this request the pair lands in ``block_copies``.
         Returns None, changing nothing, when the free list cannot supply every block.
-        The caller then advances ``num_computed_tokens``.
+        The caller then sets ``num_computed_tokens`` (to the hit's tokens at admission) and
+        advances it after the step.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        if new_computed_block_ids:
-            return self._allocate_with_hits(seq, num_new_tokens, new_computed_block_ids, 0)
+        return self._grow(seq, num_new_tokens, 0, hit)
+
+    def reserve_slots(
+        self,
+        seq: CacheSequence,
+        num_total_tokens: int,
+        hit: PrefixHit | None = None,
+        num_new_tokens: int = 0,
+    ) -> Allocation | None:
+        """Reserve mode: make the table cover ``num_total_tokens`` slots, all private, up front.
+
+        For a scheduler that admits a request at its maximum length and never preempts:
+        afterwards no ``allocate_slots`` call within ``num_total_tokens`` takes a block.
+        Besides appending blocks, every block from ``num_computed_tokens`` on that another
+        request also holds (after ``fork``) is copied on write now: a copy if it holds
+        computed slots of this request (``block_copies``), a plain replacement if not. So
+        after a fork in reserve mode, call ``reserve_slots`` for the parent and each child.
+        A ``hit`` and the first ``num_new_tokens`` to write are taken as in
+        ``allocate_slots``, atomically with the reservation. None (nothing changed) when
+        there is no room.
+        """
+        if min(num_total_tokens, num_new_tokens) < 0:
+            raise ValueError(f"need token counts >= 0, got {num_total_tokens}, {num_new_tokens}")
+        return self._grow(seq, num_new_tokens, num_total_tokens, hit)
+
+    def _grow(
+        self, seq: CacheSequence, num_new: int, num_total: int, hit: PrefixHit | None
+    ) -> Allocation | None:
+        """The one allocation core behind ``allocate_slots`` and ``reserve_slots``::
+
+            | hit blocks | computed | new: written this step | reserved, not yet written |
+                         ^ start    ^                        ^ end      num_total ^
+
+        The table grows to ``max(end, num_total)`` slots; the blocks holding slots
+        ``start ..`` of that range are made private (copy on write); the slots up to ``end``
+        are counted as written. Checks room for everything first, so None changes nothing.
+        """
         request_id = seq.request_id
         state = self._requests.get(request_id)
-        start = seq.num_computed_tokens
-        end = start + num_new_tokens
-        bs = self.block_size
-        if state is None:
-            self._check_new(seq)
-            blocks: list[KVBlock] = []
+        if hit is not None:
+            self._check_hit(seq, state, hit)
+            blocks: Sequence[KVBlock] = hit.blocks
+            start = hit.num_tokens
+        elif state is None:
+            if seq.num_computed_tokens != 0:
+                raise ValueError(
+                    f"request {request_id!r} holds no blocks but has num_computed_tokens="
+                    f"{seq.num_computed_tokens}; KV without blocks cannot exist"
+                )
+            blocks = ()
+            start = 0
         else:
             blocks = state.blocks
+            start = seq.num_computed_tokens
+        bs = self.block_size
+        end = start + num_new
+        target = end if end > num_total else num_total
         num_have = len(blocks)
-        num_need = -(-end // bs)
+        num_written = -(-end // bs)  # blocks holding the slots written up to end
+        num_need = num_written if target == end else -(-target // bs)
         num_fresh = num_need - num_have if num_need > num_have else 0
-        # Blocks this step writes into that already exist: [first_write, last_write).
-        first_write = start // bs
-        last_write = (num_need if num_need < num_have else num_have) if num_new_tokens else 0
+        # Existing blocks the range [start, target) will write: [first, last).
+        first = start // bs
+        last = (num_need if num_need < num_have else num_have) if target > start else 0
         num_cow = 0
-        for p in range(first_write, last_write):
+        for p in range(first, last):
             if blocks[p].ref_count > 1:
                 num_cow += 1
-        pool = self._pool
+        num_take = num_fresh + num_cow
+        if hit is not None:  # hit blocks on the free list leave it
+            num_take += sum(1 for b in blocks if b.ref_count == 0)
         # The usual decode step takes no block: skip the free-list arithmetic then.
-        if (num_fresh or num_cow) and num_fresh + num_cow > pool.num_free:
+        if num_take and num_take > self._pool.num_free:
             return None
         if state is None:
             state = self._requests[request_id] = _RequestBlocks()
-            blocks = state.blocks
-        copies: list[tuple[int, int]] = (
-            self._copy_on_write(state, first_write, last_write, start) if num_cow else []
-        )
-        if num_fresh:
-            fresh = pool.take(num_fresh)
+        allocation = _NOTHING_NEW
+        if num_take or hit is not None:
+            if hit is not None:
+                self._take_hit(state, hit)
+            copies = self._copy_on_write(state, first, last, start) if num_cow else []
+            fresh = self._pool.take(num_fresh) if num_fresh else []
             new_ids = [b.block_id for b in fresh]
-            blocks.extend(fresh)
+            state.blocks.extend(fresh)
             state.block_ids.extend(new_ids)
-        else:
-            new_ids = []
+            # After a hit the table was empty: all of it is new.
+            allocation = Allocation(new_ids if hit is None else list(state.block_ids), copies)
+        blocks = state.blocks
         used_slots = self._num_used_slots
-        for p in range(first_write, num_need):
+        for p in range(first, num_written):
             block = blocks[p]
             filled = end - p * bs
             if filled > bs:
@@ -311,73 +378,23 @@ class KVCacheManager:
         if end > state.num_slots:
             self._num_held_tokens += end - state.num_slots
             state.num_slots = end
-        return Allocation(new_ids, copies)
+        return allocation
 
-    def reserve_slots(
-        self,
-        seq: CacheSequence,
-        num_total_tokens: int,
-        new_computed_block_ids: Sequence[int] = (),
-    ) -> Allocation | None:
-        """Reserve mode: make the table cover ``num_total_tokens`` slots, all private, up front.
+    def _check_hit(self, seq: CacheSequence, state: _RequestBlocks | None, hit: PrefixHit) -> None:
+        """ValueError unless ``hit`` can be taken by ``seq`` now (see ``allocate_slots``).
 
-        For a scheduler that admits a request at its maximum length and never preempts:
-        afterwards no ``allocate_slots`` call within ``num_total_tokens`` takes a block.
-        Besides appending blocks, every block from ``num_computed_tokens`` on that another
-        request also holds (after ``fork``) is copied on write now: a copy if it holds
-        computed slots of this request (``block_copies``), a plain replacement if not. So
-        after a fork in reserve mode, call ``reserve_slots`` for the parent and each child.
-        Prefix hits are accepted as in ``allocate_slots``, atomically with the reservation.
-        None (nothing changed) when there is no room.
+        The blocks were verified against the tokens when the hit was looked up; here only
+        their keys are compared, which a block loses when it is handed out in between.
         """
-        if num_total_tokens < 0:
-            raise ValueError(f"num_total_tokens must be >= 0, got {num_total_tokens}")
-        if new_computed_block_ids:
-            return self._allocate_with_hits(seq, 0, new_computed_block_ids, num_total_tokens)
-        state = self._requests.get(seq.request_id)
-        if state is None:
-            self._check_new(seq)
-            blocks: list[KVBlock] = []
-        else:
-            blocks = state.blocks
-        num_have = len(blocks)
-        num_need = self.num_blocks_for(num_total_tokens)
-        num_fresh = max(0, num_need - num_have)
-        start = seq.num_computed_tokens
-        first = start // self.block_size
-        last = min(num_have, num_need)
-        num_cow = sum(1 for p in range(first, last) if blocks[p].ref_count > 1)
-        if num_fresh + num_cow > self._pool.num_free:
-            return None
-        if state is None:
-            state = self._requests[seq.request_id] = _RequestBlocks()
-        copies = self._copy_on_write(state, first, last, start) if num_cow else []
-        new_ids: list[int] = []
-        if num_fresh:
-            fresh = self._pool.take(num_fresh)
-            new_ids = [b.block_id for b in fresh]
-            state.blocks.extend(fresh)
-            state.block_ids.extend(new_ids)
-        return Allocation(new_ids, copies)
-
-    def _check_new(self, seq: CacheSequence) -> None:
-        if seq.num_computed_tokens != 0:
-            raise ValueError(
-                f"request {seq.request_id!r} holds no blocks but has "
-                f"num_computed_tokens={seq.num_computed_tokens}; KV without blocks cannot exist"
-            )
-
-    def _allocate_with_hits(
-        self,
-        seq: CacheSequence,
-        num_new_tokens: int,
-        hit_ids: Sequence[int],
-        num_reserve_tokens: int,
-    ) -> Allocation | None:
         request_id = seq.request_id
-        state = self._requests.get(request_id)
-        if not self.enable_prefix_caching:
-            raise ValueError("prefix hits passed but prefix caching is disabled")
+        if hit in self._consumed_hits:
+            raise ValueError(f"request {request_id!r}: this prefix hit was already consumed")
+        if hit.request_id != request_id:
+            raise ValueError(
+                f"request {request_id!r}: the prefix hit was looked up for {hit.request_id!r}"
+            )
+        if hit.blocks and not self.enable_prefix_caching:
+            raise ValueError("a prefix hit was passed but prefix caching is disabled")
         if (state is not None and state.blocks) or seq.num_computed_tokens != 0:
             raise ValueError(
                 f"request {request_id!r}: prefix hits are only taken by a request without "
@@ -385,67 +402,40 @@ class KVCacheManager:
                 f"{0 if state is None else len(state.blocks)} blocks, "
                 f"num_computed_tokens={seq.num_computed_tokens})"
             )
-        bs = self.block_size
-        tokens = seq.all_token_ids
-        num_hit_tokens = len(hit_ids) * bs
-        if num_hit_tokens >= len(tokens):
+        num_tokens = len(seq.all_token_ids)
+        if hit.num_tokens >= num_tokens:
             raise ValueError(
-                f"request {request_id!r}: {len(hit_ids)} hit blocks cover {num_hit_tokens} "
-                f"tokens of {len(tokens)}; a hit never covers the last token"
+                f"request {request_id!r}: {len(hit.blocks)} hit blocks cover {hit.num_tokens} "
+                f"tokens of {num_tokens}; a hit never covers the last token"
             )
-        salt = seq.cache_salt
-        hits: list[KVBlock] = []
-        parent: bytes | None = None
-        for i, block_id in enumerate(hit_ids):
-            block = self._blocks[block_id] if 0 <= block_id < self.num_blocks else None
-            chunk = tokens[i * bs : (i + 1) * bs]
-            if (
-                block is None
-                or block.block_hash is None
-                or block.parent_hash != parent
-                or block.cache_salt != salt
-                or block.token_ids != tuple(chunk)
-            ):
+        bs = self.block_size
+        pool_blocks = self._blocks
+        for i, (block, key) in enumerate(zip(hit.blocks, hit.keys, strict=True)):
+            if block.block_hash != key or pool_blocks[block.block_id] is not block:
                 raise ValueError(
-                    f"request {request_id!r}: block {block_id} does not hold its tokens "
+                    f"request {request_id!r}: block {block.block_id} does not hold its tokens "
                     f"{i * bs}..{(i + 1) * bs - 1}; call get_computed_blocks right before "
                     "allocating (a block handed out in between loses its key)"
                 )
-            hits.append(block)
-            parent = block.block_hash
-        end = num_hit_tokens + num_new_tokens
-        num_need = self.num_blocks_for(max(end, num_reserve_tokens))
-        num_fresh = max(0, num_need - len(hits))
-        num_hits_free = sum(1 for b in hits if b.ref_count == 0)
+
+    def _take_hit(self, state: _RequestBlocks, hit: PrefixHit) -> None:
+        """Reference the hit blocks (off the free list first, so the fresh blocks taken next
+        can never evict them), seed the table and its keys, and count the hit once."""
+        bs = self.block_size
         pool = self._pool
-        if num_fresh + num_hits_free > pool.num_free:
-            return None
-        if state is None:
-            state = self._requests[request_id] = _RequestBlocks()
-        # Take the hits off the free list before anything is handed out, so the fresh blocks
-        # below can never evict them.
-        for block in hits:
+        for block in hit.blocks:
             if block.ref_count == 0:
                 block.num_filled = bs
                 self._num_used_slots += bs
             pool.touch(block)
             block.hit_count += 1
             block.is_shared = True
-            assert block.block_hash is not None
-            state.block_keys.append(block.block_hash)
-        fresh = pool.take(num_fresh) if num_fresh else []
-        state.blocks.extend(hits)
-        state.blocks.extend(fresh)
-        new_ids = [b.block_id for b in state.blocks]
-        state.block_ids.extend(new_ids)
-        blocks = state.blocks
-        for p in range(len(hits), self.num_blocks_for(end)):
-            filled = min(bs, end - p * bs)
-            self._num_used_slots += filled
-            blocks[p].num_filled = filled
-        state.num_slots = end
-        self._num_held_tokens += end
-        return Allocation(new_ids, [])
+        state.blocks.extend(hit.blocks)
+        state.block_ids.extend([b.block_id for b in hit.blocks])
+        state.block_keys.extend(hit.keys)
+        self._num_prefix_queries_tokens += hit.num_query_tokens
+        self._num_prefix_hits_tokens += hit.num_tokens
+        self._consumed_hits.add(hit)
 
     def _copy_on_write(
         self, state: _RequestBlocks, first: int, last: int, start: int
@@ -486,12 +476,13 @@ class KVCacheManager:
         parent = self._requests[parent_id]
         if child_id in self._requests:
             raise ValueError(f"fork: child {child_id!r} already holds a block table")
-        child = _RequestBlocks()
-        child.blocks = list(parent.blocks)
-        child.block_ids = list(parent.block_ids)
-        child.block_keys = list(parent.block_keys)
-        child.num_released = parent.num_released
-        child.num_slots = parent.num_slots
+        child = _RequestBlocks(
+            list(parent.blocks),
+            list(parent.block_ids),
+            list(parent.block_keys),
+            parent.num_released,
+            parent.num_slots,
+        )
         null = self._null_block
         for block in parent.blocks:
             if block is not null:
@@ -565,8 +556,8 @@ class KVCacheManager:
           the slots of those blocks, ``num_blocks_used * block_size``. Reserved but unwritten
           slots and half-filled tails lower it.
         - ``usage``: referenced blocks over allocatable blocks (the null block excluded).
-        - prefix queries/hits: cumulative tokens, counted per recorded
-          ``get_computed_blocks`` call (or ``record_prefix_query``).
+        - prefix queries/hits: cumulative tokens, counted once per ``PrefixHit`` consumed by
+          an allocation (a lookup whose admission failed for room counts nothing).
         """
         pool = self._pool
         bs = self.block_size
@@ -592,7 +583,7 @@ class KVCacheManager:
             used_memory_bytes=num_used * block_bytes,
             average_sequence_length=total_tokens / num_seqs if num_seqs else 0.0,
             cache_efficiency=self._num_used_slots / (num_used * bs) if num_used else 0.0,
-            usage=num_used / (self.num_blocks - num_reserved),
+            usage=num_used / self.num_usable_blocks,
             prefix_queries_tokens_total=queries,
             prefix_hits_tokens_total=hits,
             cache_hit_rate=hits / queries if queries else 0.0,

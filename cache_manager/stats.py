@@ -31,7 +31,6 @@ class KVCacheStats:
     cache_hit_rate: float  # prefix_hits_tokens_total / prefix_queries_tokens_total (0.0 if none)
     evictions_total: int  # cached-free blocks whose key was dropped to hand the block out
     cow_copies_total: int  # copy-on-write block copies
-    preemptions_total: int = 0  # filled in by the scheduler (the cache manager does not preempt)
     # Blocks never handed out (the sliding-window null block); used + cached_free + free +
     # reserved == num_blocks_total.
     num_blocks_reserved: int = 0

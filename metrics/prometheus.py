@@ -111,9 +111,6 @@ KV_FIELD_METRICS: dict[str, str] = {
     "cache_hit_rate": "kvserve_prefix_cache_hit_ratio",
     "evictions_total": "kvserve_kv_cache_evictions_total",
     "cow_copies_total": "kvserve_kv_cache_cow_copies_total",
-    # The scheduler's own count (SchedulerStats.num_preemptions_total) is the source; the
-    # cache manager does not preempt and only mirrors it.
-    "preemptions_total": "kvserve_preemptions_total",
 }
 
 

@@ -10,10 +10,33 @@ from typing import Any
 
 from cache_manager.sizing import ModelShape
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
-# Bytes of the quantization scale stored per (token, KV head) by a quantized KV cache
-# (``kv_pool.KV_SCALE_DTYPE``, fp32); dtypes not listed store none.
-KV_SCALE_BYTES = {"int8": 4}
+
+@dataclass(frozen=True, slots=True)
+class DType:
+    """One element type kvserve computes or stores KV in; torch-free (``device`` maps the
+    names to ``torch.dtype``)."""
+
+    name: str  # canonical: a key of DTYPES and torch's attribute name
+    num_bytes: int
+    aliases: tuple[str, ...] = ()
+    kv_only: bool = False  # a KV cache precision only, never a model dtype
+    # Bytes of the quantization scale a quantized KV cache stores per (token, KV head), K and
+    # V each (``kv_pool.KV_SCALE_DTYPE``, fp32); 0 for a plain float cache.
+    scale_bytes: int = 0
+
+
+# The one dtype table: names, sizes, aliases, and which may hold a model or only KV.
+DTYPES: dict[str, DType] = {
+    d.name: d
+    for d in (
+        DType("float32", 4, ("fp32", "float")),
+        DType("float16", 2, ("fp16", "half")),
+        DType("bfloat16", 2, ("bf16",)),
+        DType("int8", 1, kv_only=True, scale_bytes=4),
+    )
+}
+MODEL_DTYPES = tuple(name for name, d in DTYPES.items() if not d.kv_only)
+KV_DTYPE_CHOICES = ("auto", *DTYPES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,14 +69,15 @@ class ModelConfig:
             )
 
     def kv_shape(self, dtype: str = "float32") -> ModelShape:
-        """The KV cache's shape with KV stored in ``dtype`` (a ``DTYPE_BYTES`` key)."""
+        """The KV cache's shape with KV stored in ``dtype`` (a ``DTYPES`` key)."""
+        stored = DTYPES[dtype]
         return ModelShape(
             num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            dtype_bytes=DTYPE_BYTES[dtype],
+            dtype_bytes=stored.num_bytes,
             name=self.name,
-            scale_bytes=KV_SCALE_BYTES.get(dtype, 0),
+            scale_bytes=stored.scale_bytes,
         )
 
     @classmethod

@@ -10,24 +10,19 @@ from __future__ import annotations
 
 import torch
 
-from model_runner.config import DTYPE_BYTES
+from model_runner.config import DTYPES, KV_DTYPE_CHOICES, MODEL_DTYPES
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
 
-# The canonical names are the keys of model_runner.config.DTYPE_BYTES (torch-free).
-_NAMES: dict[torch.dtype, str] = {_DTYPES[name]: name for name in DTYPE_BYTES if name in _DTYPES}
-# KV cache precisions: the model's dtypes plus int8 (quantized, with per-token scales).
-_KV_NAMES: dict[torch.dtype, str] = {**_NAMES, torch.int8: "int8"}
-KV_DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "int8")
+def _by_name_and_alias(names: tuple[str, ...]) -> dict[str, torch.dtype]:
+    return {alias: getattr(torch, n) for n in names for alias in (n, *DTYPES[n].aliases)}
+
+
+# Derived from the one table, model_runner.config.DTYPES: torch's dtype by name and alias, and
+# the canonical name of each. A KV cache may also be int8 (quantized, with scales).
+_DTYPES = _by_name_and_alias(MODEL_DTYPES)
+_KV_DTYPES = _by_name_and_alias(tuple(DTYPES))
+_NAMES = {_DTYPES[name]: name for name in MODEL_DTYPES}
+_KV_NAMES = {_KV_DTYPES[name]: name for name in DTYPES}
 
 
 def select_device(requested: str | torch.device | None = None) -> torch.device:
@@ -82,10 +77,8 @@ def resolve_kv_dtype(
         if kv_dtype not in _KV_NAMES:
             raise ValueError(f"KV dtype {kv_dtype} is not supported: use {KV_DTYPE_CHOICES}")
         return kv_dtype
-    if kv_dtype.lower() == "int8":
-        return torch.int8
     try:
-        return _DTYPES[kv_dtype.lower()]
+        return _KV_DTYPES[kv_dtype.lower()]
     except KeyError:
         raise ValueError(
             f"unknown KV dtype {kv_dtype!r}: use one of {', '.join(KV_DTYPE_CHOICES)}"
@@ -93,8 +86,8 @@ def resolve_kv_dtype(
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """The canonical name (a key of ``model_runner.config.DTYPE_BYTES``); int8 is a KV
-    cache precision only."""
+    """The canonical name (a key of ``model_runner.config.DTYPES``); int8 is a KV cache
+    precision only."""
     try:
         return _KV_NAMES[dtype]
     except KeyError:

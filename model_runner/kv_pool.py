@@ -52,7 +52,7 @@ from model_runner.config import ModelConfig
 from model_runner.device import dtype_name
 
 # int8 pools keep one scale per (layer, head, token slot) in this dtype; its size is
-# ``model_runner.config.KV_SCALE_BYTES`` for the sizing arithmetic.
+# ``DType.scale_bytes`` in ``model_runner.config.DTYPES`` for the sizing arithmetic.
 KV_SCALE_DTYPE = torch.float32
 
 

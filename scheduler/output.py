@@ -129,6 +129,8 @@ class RequestOutput:
     num_output_tokens: int = 0
     parent_id: str | None = None  # for forked samples (n > 1): the request the client sent
     index: int = 0  # which of the n samples
+    # n > 1: samples 1..n-1 in index order, on the parent's first output after the fork
+    # (and on its final output when that comes first); see scheduler.fork.
     forked_ids: tuple[str, ...] = ()
 
 

@@ -1,7 +1,8 @@
 """The scheduler's small strategies, each with one job, chosen by ``SchedulerConfig``.
 
 - ``TokenBudget``: the token budget of one step.
-- Batch formation (``StallFree``, ``PrefillFirst``): which batches run this step, in what order.
+- Batch formation (``StallFree``, ``PrefillFirst``): the order of the batch kinds a step
+  forms (``BatchKind``).
 - Queue order (``FcfsOrder``, ``PriorityOrder``): the order of the waiting queue, and the
   effective priority (``rank``) that preemption decisions compare.
 - Victim rule (``LowestPriorityVictim``, ``NewestVictim``): whom to preempt.
@@ -9,7 +10,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import enum
+from collections.abc import Callable, Iterable
 from typing import Protocol, TypeVar
 
 from scheduler.config import SchedulerConfig
@@ -43,26 +45,30 @@ class TokenBudget:
 # -- batch formation ------------------------------------------------------------------------
 
 
-class StepBuilder(Protocol):
-    """What a batch-formation policy may do while one step's plan is being built."""
+class BatchKind(enum.Enum):
+    """The two batches of a step: one token per decoding request, or prefill chunks
+    (running prefills first, then admissions from the waiting queue)."""
 
-    @property
-    def has_pending_decodes(self) -> bool:
-        """Some running request has finished its prefill and waits for its next token."""
-        ...
+    DECODE = "decode"
+    PREFILL = "prefill"
 
-    def take_decodes(self) -> int:
-        """Schedule one token for every decoding request; return how many were scheduled."""
-        ...
 
-    def take_prefills(self) -> int:
-        """Schedule prefill chunks (running prefills first, then admissions from the waiting
-        queue) within the leftover budget; return how many requests got a chunk."""
-        ...
+# Whether some running request has finished its prefill and waits for its next token.
+PendingDecodes = Callable[[], bool]
 
 
 class BatchPolicy(Protocol):
-    def form(self, step: StepBuilder) -> None: ...
+    """Which batches a step forms, in what order. ``schedule()`` takes the kinds ``order``
+    returns in turn, each within the budget the earlier ones left; with ``exclusive`` it
+    stops after the first kind that scheduled something. Then it calls ``observe``."""
+
+    exclusive: bool
+
+    def order(self, has_pending_decodes: PendingDecodes) -> tuple[BatchKind, ...]: ...
+
+    def observe(self, took_decodes: bool, has_pending_decodes: PendingDecodes) -> None:
+        """The step is formed; ``took_decodes``: the decode batch was taken."""
+        ...
 
 
 class StallFree:
@@ -72,9 +78,13 @@ class StallFree:
     each still get a token every step (Sarathi-Serve's stall-free batching).
     """
 
-    def form(self, step: StepBuilder) -> None:
-        step.take_decodes()
-        step.take_prefills()
+    exclusive = False
+
+    def order(self, has_pending_decodes: PendingDecodes) -> tuple[BatchKind, ...]:
+        return (BatchKind.DECODE, BatchKind.PREFILL)
+
+    def observe(self, took_decodes: bool, has_pending_decodes: PendingDecodes) -> None:
+        pass
 
 
 class PrefillFirst:
@@ -84,22 +94,22 @@ class PrefillFirst:
     pending but not run, the next step runs the decode batch only.
     """
 
+    exclusive = True
+
     def __init__(self, max_starvation_steps: int) -> None:
         self.max_starvation_steps = max_starvation_steps
         self.starved_steps = 0
 
-    def form(self, step: StepBuilder) -> None:
-        if self.starved_steps >= self.max_starvation_steps and step.has_pending_decodes:
-            step.take_decodes()
+    def order(self, has_pending_decodes: PendingDecodes) -> tuple[BatchKind, ...]:
+        if self.starved_steps >= self.max_starvation_steps and has_pending_decodes():
+            return (BatchKind.DECODE,)
+        return (BatchKind.PREFILL, BatchKind.DECODE)
+
+    def observe(self, took_decodes: bool, has_pending_decodes: PendingDecodes) -> None:
+        if took_decodes or not has_pending_decodes():
             self.starved_steps = 0
-            return
-        if step.take_prefills() == 0:
-            step.take_decodes()
-            self.starved_steps = 0
-        elif step.has_pending_decodes:
-            self.starved_steps += 1
         else:
-            self.starved_steps = 0
+            self.starved_steps += 1
 
 
 def make_batch_policy(config: SchedulerConfig) -> BatchPolicy:

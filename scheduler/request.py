@@ -91,10 +91,6 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def sample_id(request_id: str, index: int) -> str:
-    return f"{request_id}#{index}"
-
-
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     PREFILLING = "prefilling"
@@ -107,17 +103,12 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        return self in _FINISH_REASONS
 
-
-_FINISHED = frozenset(
-    {
-        RequestStatus.FINISHED_STOPPED,
-        RequestStatus.FINISHED_LENGTH,
-        RequestStatus.FINISHED_ABORTED,
-        RequestStatus.FINISHED_ERROR,
-    }
-)
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """Why a request in this status ended (None while it runs or waits)."""
+        return _FINISH_REASONS.get(self)
 
 
 class FinishReason(enum.Enum):
@@ -127,6 +118,15 @@ class FinishReason(enum.Enum):
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"  # cancelled by the client, a deadline, or an Abort call
     ERROR = "error"  # this request failed; everyone else continues
+
+
+# A finished status and the reason a client sees: one fact, kept in ``Request.status``.
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
 
 
 class AbortReason(enum.Enum):
@@ -157,12 +157,10 @@ class Request:
     priority: int = 0  # lower value runs first
     arrival_time_s: float = 0.0
     cache_salt: str | None = None
-    max_model_len: int | None = None  # the scheduler fills it in at admission
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
     parent_id: str | None = None  # set on forked children (n > 1)
@@ -192,6 +190,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """Derived from ``status``: never stored twice."""
+        return self.status.finish_reason
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from cache_manager.config import EVICTION_POLICIES, KVCacheConfig
-from model_runner.config import DTYPE_BYTES
+from model_runner.config import KV_DTYPE_CHOICES, MODEL_DTYPES
 from scheduler.config import (
     MEMORY_MODES,
     POLICIES,
@@ -137,8 +137,8 @@ class ServerConfig:
     )
     dtype: str | None = _f(
         None,
-        f"{' | '.join(DTYPE_BYTES)} (default: the device's best)",
-        choices=tuple(DTYPE_BYTES),
+        f"{' | '.join(MODEL_DTYPES)} (default: the device's best)",
+        choices=MODEL_DTYPES,
         group="model",
     )
     device: str | None = _f(
@@ -169,7 +169,7 @@ class ServerConfig:
     kv_dtype: str = _f(
         "auto",
         "KV cache precision; auto = float16 on CPU for a float32 model, else the model dtype",
-        choices=("auto", "float32", "float16", "bfloat16", "int8"),
+        choices=KV_DTYPE_CHOICES,
         group="kv cache",
     )
 

@@ -13,8 +13,8 @@ and end it through ``scheduler.finish``. The final message of a sample is built 
 output that ended it: the one ``update`` returned, or the one ``finish`` / ``fail`` /
 ``abort`` returned. Nothing patches an earlier output.
 
-n > 1: the scheduler forks samples 1..n-1 of a request and names them in ``forked_ids`` on
-the parent's output (ids from ``scheduler.request.sample_id``); only then are they tracked
+n > 1: the scheduler forks samples 1..n-1 of a request and names them, in index order, in
+``forked_ids`` on the parent's output (see ``scheduler.fork``); only then are they tracked
 here. A client's stream closes with the last of its samples to end.
 """
 
@@ -27,7 +27,7 @@ from typing import Generic, Protocol, TypeVar
 
 from metrics.records import RequestRecord
 from scheduler.output import RequestOutput, TokenLogprobs
-from scheduler.request import AbortReason, FinishReason, Request, sample_id
+from scheduler.request import AbortReason, FinishReason, Request
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +66,7 @@ class EndsRequests(Protocol):
     """The scheduler calls that end a request from outside a step; each returns the
     request's final output (None when it had already ended)."""
 
-    def abort(
-        self, request_id: str, reason: AbortReason = AbortReason.ABORT_CALL
-    ) -> RequestOutput | None: ...
+    def abort(self, request_id: str) -> RequestOutput | None: ...
 
     def finish(self, request_id: str, stop_reason: str) -> RequestOutput | None: ...
 
@@ -193,7 +191,7 @@ class OutputProcessor(Generic[StreamT]):
         # Forked samples first: aborting sample 0 would end them inside the scheduler and
         # leave their outputs for the next update, keeping this client open past this call.
         for sid in sorted(client.open_ids, key=lambda s: self._samples[s].index, reverse=True):
-            out = self._scheduler.abort(sid, reason)
+            out = self._scheduler.abort(sid)
             if out is not None:
                 self._process(out, now)
         return True
@@ -258,15 +256,12 @@ class OutputProcessor(Generic[StreamT]):
         return False
 
     def _track_forks(self, client: _Client[StreamT], forked_ids: tuple[str, ...]) -> None:
-        """Track the samples the scheduler forked, once per client."""
+        """Track the samples the scheduler forked (samples 1.. in order), once per client."""
         client.forked = True
-        request = client.request
-        for index in range(1, request.sampling.n):
-            sid = sample_id(request.request_id, index)
-            if sid in forked_ids:
-                text = self._make_text(request)
-                self._samples[sid] = _Sample(client=client, index=index, text=text)
-                client.open_ids.add(sid)
+        for index, sid in enumerate(forked_ids, start=1):
+            text = self._make_text(client.request)
+            self._samples[sid] = _Sample(client=client, index=index, text=text)
+            client.open_ids.add(sid)
 
     @staticmethod
     def _time_tokens(sample: _Sample[StreamT], num_tokens: int, now: float) -> None:

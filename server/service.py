@@ -371,7 +371,7 @@ class GenerationServicer:
             prefix_hits_tokens_total=kv.prefix_hits_tokens_total,
             evictions_total=kv.evictions_total,
             cow_copies_total=kv.cow_copies_total,
-            preemptions_total=max(stats.num_preemptions_total, kv.preemptions_total),
+            preemptions_total=stats.num_preemptions_total,  # the scheduler preempts
             num_blocks_reserved=kv.num_blocks_reserved,
             block_bytes=kv.block_bytes,
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cache_manager import KVCacheConfig, KVCacheManager
+from cache_manager import KVCacheConfig, KVCacheManager, PrefixHit
 
 
 @dataclass(slots=True)
@@ -37,13 +37,19 @@ def make_seq(request_id: str, tokens: list[int] | range, salt: str | None = None
 def prefill(kv: KVCacheManager, seq: Seq, *, use_cache: bool = True) -> list[int]:
     """Admit ``seq`` like the scheduler does: prefix lookup, allocate the rest, run the step,
     register full blocks. Returns the hit block ids."""
-    hits, num_hit_tokens = kv.get_computed_blocks(seq) if use_cache else ([], 0)
-    alloc = kv.allocate_slots(seq, len(seq.tokens) - num_hit_tokens, hits)
+    hit = kv.get_computed_blocks(seq) if use_cache else None
+    num_hit_tokens = 0 if hit is None else hit.num_tokens
+    alloc = kv.allocate_slots(seq, len(seq.tokens) - num_hit_tokens, hit)
     assert alloc is not None, f"no room for {seq.request_id}"
     seq.num_computed_tokens = len(seq.tokens)
     kv.cache_full_blocks(seq)
     kv.check_invariants()
-    return hits
+    return [] if hit is None else hit.block_ids
+
+
+def hit_view(hit: PrefixHit) -> tuple[list[int], int]:
+    """(hit block ids, hit tokens): what a lookup found."""
+    return (hit.block_ids, hit.num_tokens)
 
 
 def decode(kv: KVCacheManager, seq: Seq, token: int) -> object:

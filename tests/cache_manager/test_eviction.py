@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cache_manager import Allocation, KVCacheManager
-from tests.cache_manager.helpers import make_kv, make_seq, prefill
+from tests.cache_manager.helpers import hit_view, make_kv, make_seq, prefill
 
 
 def _history(kv: KVCacheManager) -> None:
@@ -73,4 +73,4 @@ def test_evicted_block_loses_its_key_and_its_hit_count() -> None:
     kv.free("C")
     # C's blocks are all keyed, each with hit count 0: tail first.
     assert kv.free_block_ids() == [0, 2, 1]
-    assert kv.get_computed_blocks(make_seq("D", [1, 2, 5])) == ([], 0)
+    assert hit_view(kv.get_computed_blocks(make_seq("D", [1, 2, 5]))) == ([], 0)

@@ -136,18 +136,19 @@ class CacheManagerMachine(RuleBasedStateMachine):
             tokens = [0]
         seq = Seq(self._new_id(), tokens, cache_salt=salt)
         kv = self.kv
-        hits, num_hit_tokens = kv.get_computed_blocks(seq)
+        hit = kv.get_computed_blocks(seq)
+        hits, num_hit_tokens = hit.block_ids, hit.num_tokens
         self._check_hits(seq, hits, num_hit_tokens)
         num_new = min(chunk, len(tokens) - num_hit_tokens)
         before = self._snapshot()
         if reserve:
-            alloc = kv.reserve_slots(seq, len(tokens) + reserve, hits)
+            alloc = kv.reserve_slots(seq, len(tokens) + reserve, hit)
         else:
-            alloc = kv.allocate_slots(seq, num_new, hits)
+            alloc = kv.allocate_slots(seq, num_new, hit)
         if alloc is None:
             event("admission refused: no room")
             after = self._snapshot()
-            # Only the prefix-query counters, already bumped above, may differ: none here.
+            # A refused allocation changes nothing, not even the prefix-query counters.
             assert after == before
             assert not kv.has_request(seq.request_id)
             return
@@ -251,8 +252,8 @@ class CacheManagerMachine(RuleBasedStateMachine):
     )
     def lookup(self, prefix: int, prefix_len: int, tail: list[int], salt: str | None) -> None:
         seq = Seq("probe", PREFIXES[prefix][:prefix_len] + tail, cache_salt=salt)
-        hits, num_hit_tokens = self.kv.get_computed_blocks(seq)
-        self._check_hits(seq, hits, num_hit_tokens)
+        hit = self.kv.get_computed_blocks(seq)
+        self._check_hits(seq, hit.block_ids, hit.num_tokens)
 
     # ------------------------------------------------------------------ invariants
 

@@ -25,7 +25,6 @@ from metrics.prometheus import PrometheusSink
 from metrics.records import RequestRecord, StepRecord
 from model_runner.fake import FakeRunner, make_fake_info
 from scheduler import (
-    AbortReason,
     Request,
     RequestOutput,
     SamplingParams,
@@ -75,7 +74,7 @@ class Harness:
         self.times[rid] = _Times(arrival_s=self.now)
 
     def abort(self, rid: str) -> None:
-        out = self.scheduler.abort(rid, AbortReason.ABORT_CALL)
+        out = self.scheduler.abort(rid)
         assert out is not None
         self._done(out, abort_reason="abort_call")
 

@@ -42,7 +42,6 @@ def make_kv(**overrides: float) -> KVCacheStats:
         cache_hit_rate=0.25,
         evictions_total=7,
         cow_copies_total=2,
-        preemptions_total=4,
     )
     return dataclasses.replace(base, **overrides)
 
@@ -292,8 +291,7 @@ def test_every_kv_cache_stats_field_is_exported(registry: CollectorRegistry) -> 
     }
     kv = KVCacheStats(**{k: (v if isinstance(v, float) else int(v)) for k, v in distinct.items()})
     sink = PrometheusSink(registry)
-    # The scheduler's preemption count is the exported one; keep them equal as it does.
-    stats = make_stats(kv=kv, num_preemptions_total=kv.preemptions_total)
+    stats = make_stats(kv=kv)
     sink.on_step(StepRecord(stats, kind="idle", step_duration_s=0.0, schedule_cpu_s=0.0))
     for field_name, metric in mapping.items():
         name, _, label = metric.partition("{")

@@ -17,7 +17,7 @@ from scheduler.output import ScheduledSeq
 from tests.model_runner.oracle import DEVICE, make_runner, plan, random_ids, seq, tiny_hf
 from tests.model_runner.test_kv_pool import CONFIG
 
-KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
+KV_DTYPES = {n: resolve_kv_dtype(n, torch.float32, DEVICE) for n in ("float32", "float16", "int8")}
 # Attention output error, max |out - out_fp32| / max |out_fp32|, over every row of a step.
 # fp16 rounds K and V to 11 significant bits (relative 2^-11 = 4.9e-4 per element); int8 to
 # 1/254 of each (token, head) vector's absmax. Measured on the steps below: fp16 <= 1.0e-3,

@@ -120,14 +120,10 @@ def decode_view(plan: SchedulerOutput) -> list[tuple[str, int, list[int]]]:
     return [(s.request_id, s.start_pos, s.block_ids) for s in plan.decode]
 
 
-def num_usable_blocks(kv: KVCacheManager) -> int:
-    return kv.num_blocks - (0 if kv.null_block_id is None else 1)
-
-
 def assert_no_blocks_held(kv: KVCacheManager) -> None:
     """Every block is back on the free list and no request holds a table."""
     kv.check_invariants()
     stats = kv.make_stats()
     assert stats.num_blocks_used == 0
     assert stats.total_sequences == 0
-    assert kv.num_free_blocks == num_usable_blocks(kv)
+    assert kv.num_free_blocks == kv.num_usable_blocks

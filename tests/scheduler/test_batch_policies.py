@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from scheduler import SchedulerOutput
+from scheduler.policies import BatchKind, PrefillFirst, StallFree
 from tests.scheduler.helpers import (
     assert_no_blocks_held,
     make_request,
@@ -12,6 +13,8 @@ from tests.scheduler.helpers import (
     run_until_done,
     step,
 )
+
+DECODE, PREFILL = BatchKind.DECODE, BatchKind.PREFILL
 
 
 def _kind(plan: SchedulerOutput) -> str:
@@ -89,3 +92,20 @@ def test_prefill_first_decodes_when_nothing_waits() -> None:
     sched.add_request(make_request("d0", prompt_len=2, max_tokens=4))
     kinds = [_kind(s.plan) for s in run_until_done(sched, runner)]
     assert kinds == ["P", "D", "D", "D"]
+
+
+def test_policies_return_the_order_of_batch_kinds() -> None:
+    """Stall-free: decodes, then prefill chunks, every step. Prefill-first: prefill chunks,
+    else decodes; after 2 steps with decodes pending but not run, decodes only, once."""
+    stall_free = StallFree()
+    assert (stall_free.order(lambda: True), stall_free.exclusive) == ((DECODE, PREFILL), False)
+    policy = PrefillFirst(max_starvation_steps=2)
+    assert policy.exclusive
+    orders = []
+    for took_decodes in (False, False, True, False):
+        orders.append(policy.order(lambda: True))
+        policy.observe(took_decodes, lambda: True)
+    assert orders == [(PREFILL, DECODE), (PREFILL, DECODE), (DECODE,), (PREFILL, DECODE)]
+    policy.observe(False, lambda: False)  # nothing was pending: no starvation
+    policy.observe(False, lambda: True)
+    assert policy.order(lambda: True) == (PREFILL, DECODE)

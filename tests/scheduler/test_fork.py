@@ -116,3 +116,23 @@ def test_parent_preempted_before_the_fork_forks_after_its_recompute() -> None:
     assert forked == ["p#1", "p#1"]
     assert sched.make_stats().num_preemptions_total == 1
     assert_no_blocks_held(kv)
+
+
+def test_a_parent_ended_before_the_fork_releases_its_seats_and_sample_ids() -> None:
+    """A 3-sample parent mid-prefill holds 3 seats of 3 and the ids 'p#1', 'p#2'; aborting it
+    releases both: a waiting request and two new requests with those ids are admitted."""
+    sched, kv = make_scheduler(num_blocks=16, max_num_seqs=3, long_prefill_token_threshold=4)
+    runner = make_runner(kv)
+    sched.add_request(make_request("p", prompt_len=10, max_tokens=2, n=3))
+    step(sched, runner)  # p's first chunk
+    sched.add_request(make_request("a", prompt_len=2, max_tokens=2, first_token=200))
+    s2 = step(sched, runner)  # p's second chunk; no seat for a
+    assert prefill_view(s2.plan) == [("p", 4, 4, [0, 1], False)]
+    assert sched.waiting_request_ids() == ["a"]
+    sched.abort("p")
+    sched.add_request(make_request("p#1", prompt_len=2, max_tokens=2, first_token=300))
+    sched.add_request(make_request("p#2", prompt_len=2, max_tokens=2, first_token=400))
+    s3 = step(sched, runner)
+    assert [s.request_id for s in s3.plan.prefill] == ["a", "p#1", "p#2"]
+    run_until_done(sched, runner)
+    assert_no_blocks_held(kv)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import FinishReason, ModelOutput, RequestStatus
+from scheduler import FinishReason, ModelOutput, RequestOutput, RequestStatus
 from tests.scheduler.helpers import (
     EOS,
     assert_no_blocks_held,
@@ -225,3 +225,27 @@ def test_missing_sampled_token_is_a_runner_bug() -> None:
     plan = sched.schedule()
     with pytest.raises(RuntimeError, match="no token for 'r0'"):
         sched.update(plan, ModelOutput())
+
+
+def test_the_hot_path_and_its_slow_branch_give_the_same_outputs() -> None:
+    """update() is one loop: a result that sends every seq down the slow branch (a failure
+    of an unknown id) gives outputs equal, field by field, to the plain decode path's."""
+    outputs: list[list[list[RequestOutput]]] = []
+    for slow in (False, True):
+        sched, kv = make_scheduler(num_blocks=16, max_num_batched_tokens=16)
+        runner = make_runner(kv)
+        sched.add_request(make_request("a", prompt_len=5, max_tokens=6, n=2))
+        sched.add_request(make_request("b", prompt_len=3, max_tokens=4, first_token=200))
+        sched.add_request(make_request("c", prompt_len=2, max_tokens=9, first_token=300))
+        steps = []
+        while sched.has_unfinished_requests():
+            plan = sched.schedule()
+            result = runner.execute(plan)
+            if slow:
+                result.failed["nobody"] = "not in this step"
+            steps.append(sched.update(plan, result))
+            kv.check_invariants()
+        outputs.append(steps)
+        assert_no_blocks_held(kv)
+    assert outputs[0] == outputs[1]
+    assert sum(len(step_outs) for step_outs in outputs[0]) == 6 + 6 + 4 + 9

@@ -22,7 +22,7 @@ def test_stats_track_batches_counters_and_the_kv_snapshot() -> None:
     assert (s.num_prompt_tokens_total, s.num_generation_tokens_total) == (14, 1)
     assert (s.waiting_tokens, s.num_finished_total) == (3, {})
     assert (s.kv.num_blocks_used, s.kv.num_blocks_free, s.kv.total_sequences) == (3, 5, 2)
-    assert s.kv.preemptions_total == 0
+    assert s.num_preemptions_total == 0
 
     step(sched, runner)
     s = sched.make_stats()

@@ -206,3 +206,23 @@ def test_aborting_a_forked_client_ends_every_sample_within_the_call() -> None:
         "r#2": "client_cancel",
     }
     assert rig.outputs.num_clients == 0 and not rig.outputs.abort("r", AbortReason.ABORT_CALL, 3.0)
+
+
+def test_aborting_a_waiting_client_records_its_reason_once() -> None:
+    """A client cancelled before its request ever ran: the scheduler ends it with ABORT (its
+    stats count one abort), and the one record, which metrics count aborts from, says
+    client_cancel."""
+    rig = make_rig()
+    rig.add("w", max_tokens=4)
+    assert rig.outputs.abort("w", AbortReason.CLIENT_CANCEL, 1.0)
+    (last,) = rig.outs_of("w")
+    assert (last.finished, last.finish_reason, last.closes_stream) == (
+        True,
+        FinishReason.ABORT,
+        True,
+    )
+    assert [(r.request_id, r.finish_reason, r.abort_reason) for r in rig.records] == [
+        ("w", "abort", "client_cancel")
+    ]
+    assert rig.scheduler.make_stats().num_finished_total == {"abort": 1}
+    assert not rig.scheduler.has_unfinished_requests()

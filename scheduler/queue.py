@@ -1,0 +1,98 @@
+"""The waiting queue: requests not running, in the order they are admitted.
+
+A heap keyed at arrival, ``(sort_key, arrival_seq, index)`` (``policies.QueueOrder`` fixes the
+key once, so no entry ever moves). A request that ends while it waits is discarded lazily::
+
+    heap   [ live | discarded | live | live | discarded ... ]
+    counts   exact at all times: requests, prompt tokens still to compute, preempted ones
+
+Its item stays in the heap and is dropped when it reaches the head, or all at once when such
+items are the majority.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Generic, Protocol, TypeVar
+
+from scheduler.request import Request, RequestStatus
+
+_PREEMPTED = RequestStatus.PREEMPTED
+_COMPACT_MIN_DISCARDED = 64
+
+
+class Waiter(Protocol):
+    """What the queue reads of an entry: its fixed key and its request."""
+
+    @property
+    def sort_key(self) -> int: ...
+    @property
+    def arrival_seq(self) -> int: ...
+    @property
+    def index(self) -> int: ...  # sample index: ties between the samples of one request
+    @property
+    def request(self) -> Request: ...
+
+
+W = TypeVar("W", bound=Waiter)
+
+
+class WaitingQueue(Generic[W]):
+    """Waiting entries in admission order, with exact counts; see the module docstring."""
+
+    __slots__ = ("_discarded", "_heap", "num_preempted", "num_requests", "num_tokens")
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, int, W]] = []
+        self._discarded: set[int] = set()  # id() of discarded entries still in the heap
+        self.num_requests = 0
+        self.num_tokens = 0  # tokens still to compute (all of them: nothing waiting holds KV)
+        self.num_preempted = 0  # waiting again after a preemption
+
+    def __len__(self) -> int:
+        return self.num_requests
+
+    def push(self, entry: W) -> None:
+        """Queue ``entry`` at its fixed place (a preempted request keeps its old one)."""
+        self._compact()
+        heapq.heappush(self._heap, (entry.sort_key, entry.arrival_seq, entry.index, entry))
+        self._count(entry.request, 1)
+
+    def peek(self) -> W | None:
+        """The entry admitted next, or None."""
+        heap = self._heap
+        discarded = self._discarded
+        while heap and id(heap[0][3]) in discarded:
+            discarded.remove(id(heapq.heappop(heap)[3]))
+        return heap[0][3] if heap else None
+
+    def pop(self, entry: W) -> None:
+        """Take ``entry``, the head (``peek``), out of the queue: it is being admitted."""
+        item = heapq.heappop(self._heap)
+        assert item[3] is entry, "admitted a request that is not the head of the queue"
+        self._count(entry.request, -1)
+
+    def discard(self, entry: W) -> None:
+        """``entry`` ends while waiting: it leaves the counts now and the heap lazily. Call
+        before its status changes (a preempted request counts as such until then)."""
+        self._count(entry.request, -1)
+        self._discarded.add(id(entry))
+
+    def ordered(self) -> list[W]:
+        """Every waiting entry, in admission order (O(n log n): for tests and tooling)."""
+        discarded = self._discarded
+        return [item[3] for item in sorted(self._heap) if id(item[3]) not in discarded]
+
+    def _count(self, req: Request, sign: int) -> None:
+        self.num_requests += sign
+        self.num_tokens += sign * req.num_tokens
+        if req.status is _PREEMPTED:
+            self.num_preempted += sign
+
+    def _compact(self) -> None:
+        """Drop discarded items once they are the majority of the heap."""
+        discarded = self._discarded
+        if len(discarded) > _COMPACT_MIN_DISCARDED and len(discarded) * 2 > len(self._heap):
+            self._heap = [item for item in self._heap if id(item[3]) not in discarded]
+            heapq.heapify(self._heap)
+            discarded.clear()
