@@ -232,7 +232,6 @@ class Scheduler:
         self._waiting: WaitingQueue[_Entry] = WaitingQueue()
         self._finished_ids: list[str] = []
         self._pending_outputs: list[RequestOutput] = []  # finished outside update()
-        self._take = {BatchKind.DECODE: self._take_decodes, BatchKind.PREFILL: self._take_prefills}
         self._step_id = 0
         self._arrival_seq = 0
         self._counters = _Counters()
@@ -414,8 +413,12 @@ class Scheduler:
         policy = self._policy
         took_decodes = False
         for kind in policy.order(self._has_decoding):
-            took_decodes |= kind is BatchKind.DECODE
-            if self._take[kind](step) and policy.exclusive:
+            if kind is BatchKind.DECODE:
+                took_decodes = True
+                num_scheduled = self._take_decodes(step)
+            else:
+                num_scheduled = self._take_prefills(step)
+            if num_scheduled and policy.exclusive:
                 break
         policy.observe(took_decodes, self._has_decoding)
         if not step.prefill and not step.decode and self._has_decoding():
