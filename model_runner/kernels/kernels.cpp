@@ -205,6 +205,21 @@ KV_AVX2 inline void load_block_i16(const Weights& w, int64_t blk, __m256i out[2]
   }
 }
 
+// acc[r] += (W block b of row n) . (x block b of row i0 + r) for R rows, wv holding the block.
+template <int R>
+KV_AVX2 inline void block_i16(const Weights& w, const Rows& a, int i0, int b, float wdb,
+                              const __m256i* wv, __m256* acc) {
+  const int KB = w.KB;
+  for (int r = 0; r < R; ++r) {
+    const int16_t* xq = a.q16 + ((int64_t)(i0 + r) * KB + b) * QK;
+    const __m256i p = _mm256_add_epi32(
+        _mm256_madd_epi16(wv[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq))),
+        _mm256_madd_epi16(wv[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16))));
+    const __m256 scale = _mm256_set1_ps(wdb * a.d16[(int64_t)(i0 + r) * KB + b]);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r]);
+  }
+}
+
 // Two accumulators a row, alternating blocks: one FMA a block would otherwise chain on the
 // FMA latency (4 cycles), which is about the whole block's throughput cost.
 template <int R>
@@ -217,34 +232,13 @@ KV_AVX2 inline void tile_i16(const Weights& w, const Rows& a, int64_t n, int i0,
   int b = 0;
   for (; b + 2 <= nfull; b += 2) {
     load_block_i16(w, n * KB + b, wv);
-    for (int r = 0; r < R; ++r) {
-      const int16_t* xq = a.q16 + ((int64_t)(i0 + r) * KB + b) * QK;
-      const __m256i p = _mm256_add_epi32(
-          _mm256_madd_epi16(wv[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq))),
-          _mm256_madd_epi16(wv[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16))));
-      const __m256 scale = _mm256_set1_ps(wd[b] * a.d16[(int64_t)(i0 + r) * KB + b]);
-      acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc0[r]);
-    }
+    block_i16<R>(w, a, i0, b, wd[b], wv, acc0);
     load_block_i16(w, n * KB + b + 1, wv);
-    for (int r = 0; r < R; ++r) {
-      const int16_t* xq = a.q16 + ((int64_t)(i0 + r) * KB + b + 1) * QK;
-      const __m256i p = _mm256_add_epi32(
-          _mm256_madd_epi16(wv[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq))),
-          _mm256_madd_epi16(wv[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16))));
-      const __m256 scale = _mm256_set1_ps(wd[b + 1] * a.d16[(int64_t)(i0 + r) * KB + b + 1]);
-      acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc1[r]);
-    }
+    block_i16<R>(w, a, i0, b + 1, wd[b + 1], wv, acc1);
   }
   for (; b < nfull; ++b) {
     load_block_i16(w, n * KB + b, wv);
-    for (int r = 0; r < R; ++r) {
-      const int16_t* xq = a.q16 + ((int64_t)(i0 + r) * KB + b) * QK;
-      const __m256i p = _mm256_add_epi32(
-          _mm256_madd_epi16(wv[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq))),
-          _mm256_madd_epi16(wv[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16))));
-      const __m256 scale = _mm256_set1_ps(wd[b] * a.d16[(int64_t)(i0 + r) * KB + b]);
-      acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc0[r]);
-    }
+    block_i16<R>(w, a, i0, b, wd[b], wv, acc0);
   }
   for (int r = 0; r < R; ++r) {
     float v = hsum_ps(_mm256_add_ps(acc0[r], acc1[r]));
