@@ -119,9 +119,8 @@ class FusedDecode:
         hidden = self.model.embed_rows(ids).contiguous()
         pos = torch.tensor(positions, dtype=torch.int64)
         width = max(len(t) for t in block_tables)
-        table = torch.zeros(batch, width, dtype=torch.int32)
-        for row, blocks in enumerate(block_tables):
-            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        padded = [[*blocks, *[0] * (width - len(blocks))] for blocks in block_tables]
+        table = torch.tensor(padded, dtype=torch.int32)
         step = self.step
         step.hidden = hidden.data_ptr()
         step.positions = pos.data_ptr()
