@@ -304,12 +304,10 @@ def measure(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Fresh llama-server, the same warm-up as kvserve's, then one closed-loop run; its report."""
-    from benchmarks.bench_serving import WARM_UP, run_load
+    from benchmarks.bench_serving import warm_and_run
 
     with LlamaServer(binary, model, threads) as server:
-        run_load(server, WARM_UP, api="openai", users=2, num_requests=2, duration_s=300,
-                 desc="warm-up", progress=False)  # fmt: skip
-        report = run_load(
+        report = warm_and_run(
             server,
             workload,
             api="openai",

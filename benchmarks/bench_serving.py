@@ -119,6 +119,32 @@ def run_load(
     return build_report(run, workload)
 
 
+def warm_and_run(
+    server: Served,
+    workload: Workload,
+    *,
+    api: str = "grpc",
+    users: int,
+    num_requests: int,
+    duration_s: float,
+    desc: str,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """The warm-up every measured server gets (2 short requests), then one closed-loop run."""
+    run_load(server, WARM_UP, api=api, users=2, num_requests=2, duration_s=300,
+             desc="warm-up", progress=False)  # fmt: skip
+    return run_load(
+        server,
+        workload,
+        api=api,
+        users=users,
+        num_requests=num_requests,
+        duration_s=duration_s,
+        desc=desc,
+        progress=progress,
+    )
+
+
 def measure(
     serve_args: Sequence[str],
     workload: Workload,
@@ -131,10 +157,7 @@ def measure(
 ) -> dict[str, Any]:
     """Fresh server with ``serve_args``, warm-up, then one closed-loop run; its report."""
     with ServerProcess(["--runner", "torch", *serve_args]) as server:
-        run_load(
-            server, WARM_UP, users=2, num_requests=2, duration_s=300, desc="warm-up", progress=False
-        )
-        report = run_load(
+        report = warm_and_run(
             server,
             workload,
             users=users,
