@@ -33,6 +33,17 @@ from scheduler.request import Request
 _US = 1_000_000
 
 
+def attained(
+    ttft_s: float | None, tpot_s: float | None, ttft_target_s: float, itl_target_s: float
+) -> tuple[bool, bool]:
+    """Whether a request met its (TTFT, ITL) targets: the first token within the TTFT
+    target, and the time per output token after it (DistServe's TPOT) within the ITL target
+    (met by a request of one token). No first token: neither."""
+    if ttft_s is None:
+        return False, False
+    return ttft_s <= ttft_target_s, tpot_s is None or tpot_s <= itl_target_s
+
+
 class DeadlineOrder:
     """Earliest TTFT deadline first: the ``slo`` policy's ``QueueOrder``. Waiting requests
     never preempt running ones: the policy defers admission instead."""

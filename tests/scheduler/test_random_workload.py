@@ -128,8 +128,8 @@ class Harness:
             preemption=str(cfg["preemption"]),
             max_waiting_requests=int(cfg["max_waiting_requests"]),  # type: ignore[call-overload]
             memory_mode=str(cfg["memory_mode"]),
-            itl_slo_s=int(cfg["itl_slo_ms"]) / 1e3,  # type: ignore[call-overload]
-            ttft_slo_s=0.2,
+            itl_slo_ms=int(cfg["itl_slo_ms"]),  # type: ignore[call-overload]
+            ttft_slo_ms=200,
         )
         # slo: a real RLS model, fed a linear "machine", with targets tight enough to bind
         # (late moves, deferred admissions, preemptions, the block floor all happen).

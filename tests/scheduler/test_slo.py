@@ -74,7 +74,7 @@ def test_chunks_fill_the_itl_target_left_by_the_decodes() -> None:
     """Target 40 ms; two decodes cost 10 + 2 x 5 = 20 ms, so the 40-token prompt goes in
     chunks of 20 (1 ms each) while d0 and d1 get a token every step; with no decode running
     (the first step) nobody waits and the budget is the only limit."""
-    sched, kv, runner = _slo_scheduler(itl_slo_s=0.040)
+    sched, kv, runner = _slo_scheduler(itl_slo_ms=40)
     sched.add_request(make_request("d0", prompt_len=2, max_tokens=30))
     sched.add_request(make_request("d1", prompt_len=2, max_tokens=30, first_token=200))
     sched.add_request(make_request("w", prompt_len=50, max_tokens=2, first_token=300))
@@ -108,7 +108,7 @@ def test_chunks_fill_the_itl_target_left_by_the_decodes() -> None:
 def test_admission_is_deferred_while_one_more_decode_would_break_the_target() -> None:
     """Target 28 ms: three decodes cost 25 ms, a fourth would cost 30. The waiting request is
     admitted in the step after one of the three finishes, not before."""
-    sched, kv, runner = _slo_scheduler(itl_slo_s=0.028)
+    sched, kv, runner = _slo_scheduler(itl_slo_ms=28)
     sched.add_request(make_request("a", prompt_len=2, max_tokens=3))
     sched.add_request(make_request("b", prompt_len=2, max_tokens=6, first_token=200))
     sched.add_request(make_request("c", prompt_len=2, max_tokens=6, first_token=300))
@@ -128,7 +128,7 @@ def test_admission_is_deferred_while_one_more_decode_would_break_the_target() ->
 
 
 def test_waiting_requests_are_admitted_earliest_ttft_deadline_first() -> None:
-    sched, kv, runner = _slo_scheduler(max_num_seqs=1, ttft_slo_s=5.0)
+    sched, kv, runner = _slo_scheduler(max_num_seqs=1, ttft_slo_ms=5000)
     sched.add_request(_request("A", 4, 2, 100, arrival=0.0, ttft=10.0))  # deadline 10
     sched.add_request(_request("B", 4, 2, 200, arrival=0.1, ttft=1.0))  # 1.1
     sched.add_request(_request("C", 4, 2, 300, arrival=0.2))  # default 5: 5.2
@@ -168,7 +168,7 @@ def test_no_starvation_under_sustained_overload() -> None:
     queue grows without bound. A request moved back once keeps its new key, so it is always
     admitted before every request that arrived more than its TTFT target after it."""
     ttft = 1.0
-    sched, kv, runner = _slo_scheduler(max_num_seqs=1, ttft_slo_s=ttft)
+    sched, kv, runner = _slo_scheduler(max_num_seqs=1, ttft_slo_ms=ttft * 1e3)
     arrivals: dict[str, float] = {}
     admitted_at: dict[str, int] = {}
     now = 0.0
@@ -198,7 +198,7 @@ def test_decodes_are_preempted_only_when_they_alone_break_the_target() -> None:
     tokens, then the latest arrival) is preempted, leaving 46 ms, within the margin. It is
     not admitted back while three decodes would make 58 ms again."""
     cost = ScriptedCost()
-    sched, kv, runner = _slo_scheduler(cost, itl_slo_s=0.040, slo_preempt_margin=1.25)
+    sched, kv, runner = _slo_scheduler(cost, itl_slo_ms=40, slo_preempt_margin=1.25)
     for i, rid in enumerate(["a", "b", "c", "d"]):
         sched.add_request(make_request(rid, prompt_len=4, max_tokens=20, first_token=100 * i + 100))
     step(sched, runner)
@@ -224,7 +224,7 @@ def test_a_running_prefill_moves_a_block_per_step_when_decodes_fill_the_target()
     when they turn out to cost 5 ms: two decodes then take all 20 ms, yet L still moves by
     one block (4 tokens) per step."""
     cost = ScriptedCost(decode_ms=2.0)
-    sched, kv, runner = _slo_scheduler(cost, itl_slo_s=0.020, max_num_batched_tokens=8)
+    sched, kv, runner = _slo_scheduler(cost, itl_slo_ms=20, max_num_batched_tokens=8)
     sched.add_request(make_request("d0", prompt_len=2, max_tokens=30))
     sched.add_request(make_request("d1", prompt_len=2, max_tokens=30, first_token=200))
     sched.add_request(make_request("L", prompt_len=12, max_tokens=2, first_token=500))
