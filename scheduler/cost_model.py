@@ -23,7 +23,8 @@ not excite ("covariance wind-up"), after which one odd step can throw the fit fa
 covariance's trace is therefore capped (``TRACE_CAP`` times the prior's): forgetting pauses
 while the fit is that uncertain.
 
-Features are scaled to be O(1) for typical steps (``SCALES``) so the update is well
+The coefficients are kept >= 0 (each update is projected), since every part of a step
+costs time. Features are scaled to be O(1) for typical steps (``SCALES``) so the update is well
 conditioned in float64.
 """
 
@@ -42,7 +43,7 @@ FEATURES = ("intercept", "prefill_tokens", "decode_seqs", "prefill_attention", "
 SCALES = (1.0, 1024.0, 64.0, 1024.0 * 1024.0, 64.0 * 1024.0)
 _K = len(FEATURES)
 # The covariance's trace may grow to this multiple of the prior's, no further (wind-up).
-TRACE_CAP = 100.0
+TRACE_CAP = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +198,9 @@ class StepCostModel:
         denom = lam + sum(x[i] * px[i] for i in range(_K))
         gain = [v / denom for v in px]
         error = seconds - sum(t * v for t, v in zip(self._theta, x, strict=True))
+        # Projected onto theta >= 0: every part of a step costs time. Unprojected, collinear
+        # features let one coefficient go negative against another, and a step of a shape
+        # seldom seen is then predicted far off (even below zero).
         self._theta = [t + g * error for t, g in zip(self._theta, gain, strict=True)]
         # P = (P - g x^T P) / lambda, with the trace capped (no wind-up; module docstring).
         new_p = [[p[i][j] - gain[i] * px[j] for j in range(_K)] for i in range(_K)]
