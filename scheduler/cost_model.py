@@ -171,11 +171,14 @@ class StepCostModel:
         prior_weight: float = 4.0,
         forgetting: float = 0.98,
     ) -> StepCostModel:
-        """A model whose prior is the least-squares fit of ``samples`` (shape, seconds):
-        calibration steps, or a roofline's predictions over a grid of shapes."""
-        xs = [s.features() for s, _ in samples]
-        ys = [t for _, t in samples]
-        theta = _least_squares(xs, ys)
+        """A model whose prior is the least-squares fit (of relative error) of ``samples``
+        (shape, seconds): calibration steps, or a roofline's predictions over a grid."""
+        # Relative error: each row divided by its time, so a 10 ms decode step counts as much
+        # as a 2 s prefill. (The online updates weigh absolute error: with forgetting, the
+        # steps near the ITL target, the ones that matter, dominate them anyway.)
+        kept = [(s, t) for s, t in samples if t > 0 and not s.is_empty]
+        xs = [tuple(v / t for v in s.features()) for s, t in kept]
+        theta = _least_squares(xs, [1.0] * len(xs))
         prior = [c / scale for c, scale in zip(theta, SCALES, strict=True)]
         return cls(prior, prior_weight=prior_weight, forgetting=forgetting)
 
@@ -191,6 +194,8 @@ class StepCostModel:
         if shape.is_empty or not math.isfinite(seconds) or seconds < 0:
             return 0.0
         predicted = self.predict(shape)
+        if seconds <= 0:
+            return predicted
         x = shape.features()
         p = self._p
         lam = self._lambda
@@ -210,8 +215,7 @@ class StepCostModel:
         self.num_observations += 1
         self.last_predicted_s = predicted
         self.last_actual_s = seconds
-        if seconds > 0:
-            self._errors.append(abs(predicted - seconds) / seconds)
+        self._errors.append(abs(predicted - seconds) / seconds)
         return predicted
 
     @property

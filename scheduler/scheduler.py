@@ -241,6 +241,7 @@ class Scheduler:
         self._cost = cost_model if config.policy == "slo" else None
         self._deadline = self._order if isinstance(self._order, DeadlineOrder) else None
         self._now_s: float | None = None  # of the step being planned (slo: late requests)
+        self._slo_over_steps = 0  # slo: steps in a row with decodes predicted over the margin
 
         self._entries: dict[str, _Entry] = {}  # every unfinished request
         self._forks = ForkTable()
@@ -629,7 +630,8 @@ class Scheduler:
 
     def _size_to_target(self, step: _Step, cost: CostPredictor) -> None:
         """The decodes are taken: start sizing the step to its ITL target, and preempt
-        decodes (victim rule) while the decodes alone are predicted well over it."""
+        decodes (victim rule) while the decodes alone are predicted well over it for a
+        second step in a row (one odd prediction preempts nobody)."""
         running = self._running
         margin = self.config.slo_preempt_margin
         while True:
@@ -639,7 +641,12 @@ class Scheduler:
                 ((running[seq.request_id].request, seq.start_pos) for seq in step.decode.values()),
                 (e.request for e in running.values() if e.request.status is _PREFILLING),
             )
-            if len(step.decode) <= 1 or cost.predict(slo.shape) <= slo.target_s * margin:
+            over = len(step.decode) > 1 and cost.predict(slo.shape) > slo.target_s * margin
+            if not over:
+                self._slo_over_steps = 0
+                break
+            self._slo_over_steps += 1
+            if self._slo_over_steps < 2:
                 break
             self._preempt(
                 step,
