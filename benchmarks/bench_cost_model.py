@@ -62,10 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
     result = measure(args.threads)
+    low, high = result["step_ms_range"]
     print(
-        f"{result['steps']} held-out steps of {result['step_ms_range'][0]}-"
-        f"{result['step_ms_range'][1]} ms: median |error| {result['prior_median_abs_rel_error']:.1%}"
-        f" from the calibrated prior, {result['online_median_abs_rel_error']:.1%} online "
+        f"{result['steps']} held-out steps of {low}-{high} ms: median |error| "
+        f"{result['prior_median_abs_rel_error']:.1%} from the calibrated prior, "
+        f"{result['online_median_abs_rel_error']:.1%} online "
         f"(p90 {result['online_p90_abs_rel_error']:.1%})"
     )
     return 0
