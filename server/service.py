@@ -5,11 +5,17 @@ and streams what ``EngineClient.generate`` yields. Errors map to status codes in
 ``_status_of``::
 
     InvalidRequestError / admission ValueError -> INVALID_ARGUMENT
+    AuthError (no or a wrong API key)          -> UNAUTHENTICATED
     DuplicateRequestError                      -> ALREADY_EXISTS
     OverloadError                              -> RESOURCE_EXHAUSTED
     a request finished with ERROR              -> INTERNAL (that request only)
-    EngineDeadError / shutting down            -> UNAVAILABLE
+    EngineDeadError / shutting down / cut off  -> UNAVAILABLE
+    at the end of the shutdown grace period
+    StalledStreamError (client stopped reading) -> ABORTED
     DeadlineExceededError                      -> DEADLINE_EXCEEDED
+
+Request ids belong to their caller (``server.auth``): the engine sees ``<owner>/<id>``, so
+``Abort`` and the duplicate-id check only ever see the caller's own requests.
 
 Requests are decoded with a lenient deserializer, so a malformed message (e.g. a string field
 that is not UTF-8) is an ``INVALID_ARGUMENT`` instead of gRPC's ``UNKNOWN``.
@@ -38,7 +44,8 @@ from scheduler.errors import OverloadError
 from scheduler.output import TokenLogprobs
 from scheduler.request import AbortReason, FinishReason, Request
 from server import validation
-from server.engine import EngineDeadError, EngineLoop
+from server.auth import AuthError, Security, client_id, grpc_peer_host, scoped_id
+from server.engine import EngineDeadError, EngineLoop, StalledStreamError
 from server.engine_client import DeadlineExceededError, DuplicateRequestError, EngineClient
 from server.outputs import GenerationOutput
 from server.rpc import generation_pb2 as pb
@@ -122,6 +129,8 @@ class _RpcError(Exception):
 def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, _RpcError):
         return exc.code, exc.details
+    if isinstance(exc, AuthError):
+        return grpc.StatusCode.UNAUTHENTICATED, str(exc)
     if isinstance(exc, DuplicateRequestError):
         return grpc.StatusCode.ALREADY_EXISTS, str(exc)
     if isinstance(exc, ValueError):  # InvalidRequestError, or the scheduler's admission check
@@ -132,6 +141,8 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, DeadlineExceededError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
+    if isinstance(exc, StalledStreamError):
+        return grpc.StatusCode.ABORTED, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {exc!r}"
 
 
@@ -146,8 +157,10 @@ class GenerationServicer:
         *,
         sink: MetricsSink | None = None,
         executor: Executor | None = None,
+        security: Security | None = None,
     ) -> None:
         self.client = client
+        self.security = security if security is not None else Security()
         self.tokenizer = tokenizer
         self.model = model
         self.limits = model.limits
@@ -183,6 +196,14 @@ class GenerationServicer:
     def _check_decoded(self, request: Any) -> None:
         if isinstance(request, _Undecodable):
             raise InvalidRequestError(f"malformed request message: {request.error}")
+
+    def _owner(self, context: grpc.aio.ServicerContext) -> str:
+        """Who sent this call (the auth interceptor has already checked the key)."""
+        metadata = dict(context.invocation_metadata() or ())
+        authorization = metadata.get("authorization")
+        if isinstance(authorization, bytes):
+            authorization = authorization.decode(errors="replace")
+        return self.security.owner(authorization, grpc_peer_host(context.peer()))
 
     def _record(self, method: str, code: grpc.StatusCode) -> None:
         self.sink.on_rpc(method, code.name)
@@ -233,40 +254,56 @@ class GenerationServicer:
     async def _generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        if not self.accepting:
-            raise _RpcError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         self._check_decoded(request)
-        validation.check_request_fields(request, self.limits)
-        prompt_ids = await self._prompt_ids(request)
-        sampling = validation.sampling_params(request, len(prompt_ids), self.limits)
-        request_id = request.request_id or uuid.uuid4().hex
+        owner = self._owner(context)
+        engine_request = await self.engine_request(request, owner)
         remaining = context.time_remaining()
         deadline_s = None if remaining is None else time.monotonic() + remaining
-        engine_request = Request(
-            request_id=request_id,
+        want_logprobs = engine_request.sampling.logprobs is not None
+        outputs = self.stream(engine_request, deadline_s)
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                yield self._response(out, want_logprobs)
+
+    async def engine_request(self, request: pb.GenerateRequest, owner: str) -> Request:
+        """Validate, tokenize and build the engine's request: one path for both front ends
+        (the HTTP front translates its JSON into a ``GenerateRequest`` first)."""
+        if not self.accepting:
+            raise _RpcError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        validation.check_request_fields(request, self.limits)
+        cache_salt = validation.cache_salt_digest(request.cache_salt)
+        prompt_ids = await self._prompt_ids(request)
+        sampling = validation.sampling_params(request, len(prompt_ids), self.limits)
+        return Request(
+            request_id=scoped_id(owner, request.request_id or uuid.uuid4().hex),
             prompt_token_ids=prompt_ids,
             sampling=sampling,
             eos_token_ids=self.model.eos_token_ids,
             priority=request.priority,
             arrival_time_s=time.monotonic(),
-            cache_salt=request.cache_salt or None,
+            cache_salt=cache_salt,
         )
-        want_logprobs = sampling.logprobs is not None
+
+    async def stream(
+        self, request: Request, deadline_s: float | None = None
+    ) -> AsyncIterator[GenerationOutput]:
+        """The engine's outputs for ``request``; a sample that failed raises INTERNAL."""
         # aclosing: an error in one sample closes the engine stream at once, which aborts the
         # request's other samples now rather than whenever the generator is collected.
-        outputs = self.client.generate(engine_request, deadline_s=deadline_s)
+        outputs = self.client.generate(request, deadline_s=deadline_s)
         async with contextlib.aclosing(outputs):
             async for out in outputs:
                 if out.finish_reason is FinishReason.ERROR:
                     raise _RpcError(
                         grpc.StatusCode.INTERNAL,
-                        f"request {request_id!r} failed: {out.error or 'unknown error'}",
+                        f"request {client_id(request.request_id)!r} failed: "
+                        f"{out.error or 'unknown error'}",
                     )
-                yield self._response(out, want_logprobs)
+                yield out
 
     def _response(self, out: GenerationOutput, want_logprobs: bool) -> pb.GenerateResponse:
         response = pb.GenerateResponse(
-            request_id=out.request_id,
+            request_id=client_id(out.request_id),
             index=out.index,
             token_ids=out.token_ids,
             text=out.text,
@@ -379,13 +416,16 @@ class GenerationServicer:
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
-        return await self._unary("Abort", context, self._abort(request))
+        return await self._unary("Abort", context, self._abort(request, context))
 
-    async def _abort(self, request: pb.AbortRequest) -> pb.AbortResponse:
+    async def _abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
         self._check_decoded(request)
         if not request.request_id:
             raise InvalidRequestError("request_id is required")
-        found = self.client.abort(request.request_id, AbortReason.ABORT_CALL)
+        rid = scoped_id(self._owner(context), request.request_id)
+        found = self.client.abort(rid, AbortReason.ABORT_CALL)
         return pb.AbortResponse(found=found)
 
 

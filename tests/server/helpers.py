@@ -17,6 +17,7 @@ from metrics.records import RequestRecord, StepRecord
 from model_runner.base import ModelInfo, Runner
 from model_runner.fake import FakeRunner
 from scheduler import Scheduler, SchedulerConfig
+from server.auth import client_id, scoped_id
 from server.client import KVServeClient
 from server.engine import EngineLoop
 from server.fake_tokenizer import ByteTokenizer
@@ -56,7 +57,8 @@ class RecordingSink:
 
     def request(self, request_id: str) -> RequestRecord:
         with self.lock:
-            found = [r for r in self.requests if r.request_id == request_id]
+            # The engine scopes ids by caller ("peer:127.0.0.1/cx"): match the client's part.
+            found = [r for r in self.requests if client_id(r.request_id) == request_id]
         assert len(found) == 1, f"{request_id}: {len(found)} records"
         return found[0]
 
@@ -160,9 +162,22 @@ async def serve(
         await server.shutdown(grace_s=0.5)
 
 
-def expected_tokens(runner: FakeRunner, request_id: str, num_tokens: int) -> list[int]:
-    """The FakeRunner's documented token rule for ``request_id`` (unscripted)."""
-    return [runner.default_token(request_id, i) for i in range(num_tokens)]
+# Who a plaintext, keyless client on this machine is: its requests' engine ids start with it.
+LOCAL_OWNER = "peer:127.0.0.1"
+
+
+def engine_id(request_id: str, owner: str | None = LOCAL_OWNER) -> str:
+    """The engine's (and so the FakeRunner's) id of a client's request; ``owner=None``: the
+    id as it is (a test that drives the engine without a front end)."""
+    return request_id if owner is None else scoped_id(owner, request_id)
+
+
+def expected_tokens(
+    runner: FakeRunner, request_id: str, num_tokens: int, owner: str | None = LOCAL_OWNER
+) -> list[int]:
+    """The FakeRunner's documented token rule for the client request ``request_id``
+    (unscripted), as the engine names it (scoped by ``owner``)."""
+    return [runner.default_token(engine_id(request_id, owner), i) for i in range(num_tokens)]
 
 
 async def wait_until(

@@ -23,7 +23,7 @@ from server import cli
 from server.client import KVServeClient
 from server.fake_tokenizer import ByteTokenizer
 from server.rpc import generation_pb2 as pb
-from tests.server.helpers import collect, fake_info
+from tests.server.helpers import collect, engine_id, fake_info
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -121,7 +121,7 @@ def test_generate_command_streams_from_a_served_process(tmp_path: Path) -> None:
     assert (code, chat_code, bad) == (0, 0, 1)
     # The served fake runner: vocabulary 258 (bytes + BOS/EOS), seed 0.
     runner = FakeRunner(fake_info(max_model_len=4096))
-    tokens = [runner.default_token("cli-1", i) for i in range(5)]
+    tokens = [runner.default_token(engine_id("cli-1"), i) for i in range(5)]
     assert out.getvalue() == ByteTokenizer().decode(tokens, skip_special_tokens=True) + "\n"
     assert chat_out.getvalue().endswith("\n")
     assert 'kvserve_rpcs_total{code="OK",method="Generate"} 2.0' in metrics

@@ -61,7 +61,7 @@ async def test_generate_yields_tokens_then_a_final_output() -> None:
     """EngineClient.generate yields one output per token; the last carries the result."""
     async with engine_client() as (client, _engine, runner, _sink):
         outs = await run(client, request("a", max_tokens=5))
-    assert [o.token_ids for o in outs] == [[t] for t in expected_tokens(runner, "a", 5)]
+    assert [o.token_ids for o in outs] == [[t] for t in expected_tokens(runner, "a", 5, owner=None)]
     last = outs[-1]
     assert last.finished and last.finish_reason is FinishReason.LENGTH and last.closes_stream
     assert (last.num_prompt_tokens, last.num_output_tokens) == (5, 5)
