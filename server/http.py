@@ -197,8 +197,7 @@ def _chat_content(content: Any, i: int) -> str:
             if not isinstance(part, Mapping) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
                 raise InvalidRequestError(
-                    f"messages[{i}].content[{j}] is of type {kind!r}; only text parts are "
-                    "supported"
+                    f"messages[{i}].content[{j}] is of type {kind!r}; only text parts are supported"
                 )
             texts.append(str(part.get("text", "")))
         return "".join(texts)
@@ -522,8 +521,10 @@ class OpenAIFront:
         self, method: str, error: HttpError, exc: BaseException, record: bool = True
     ) -> str:
         code, _ = status_of(exc) if not isinstance(exc, HttpError) else (None, "")
-        name = code.name if code is not None else {401: "UNAUTHENTICATED", 404: "NOT_FOUND"}.get(
-            error.status, "INVALID_ARGUMENT"
+        name = (
+            code.name
+            if code is not None
+            else {401: "UNAUTHENTICATED", 404: "NOT_FOUND"}.get(error.status, "INVALID_ARGUMENT")
         )
         if error.status >= 500 and name == "INTERNAL":
             logger.error("%s failed: %r", method, exc)
@@ -599,10 +600,13 @@ class _Answer:
                         "logprob": lp.logprob,
                         "bytes": list(self._token(lp.token_id).encode()),
                         "top_logprobs": [
-                            {"token": self._token(t), "logprob": p,
-                             "bytes": list(self._token(t).encode())}
+                            {
+                                "token": self._token(t),
+                                "logprob": p,
+                                "bytes": list(self._token(t).encode()),
+                            }
                             for t, p in lp.top
-                        ],  # fmt: skip
+                        ],
                     }
                     for lp in lps
                 ]

@@ -589,7 +589,9 @@ class KVServeServer:
         else:
             cert, key, client_ca = tls.read()
             credentials = grpc.ssl_server_credentials(
-                [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+                [(key, cert)],
+                root_certificates=client_ca,
+                require_client_auth=client_ca is not None,
             )
             bound = server.add_secure_port(address, credentials)
         if bound == 0:

@@ -171,9 +171,7 @@ async def serve(
     try:
         if channel is None:
             await client.wait_ready()
-        yield Harness(
-            server, engine, scheduler, runner, sink, client, address, tokenizer, http_url
-        )
+        yield Harness(server, engine, scheduler, runner, sink, client, address, tokenizer, http_url)
     finally:
         await client.close()
         if channel is not None:
