@@ -18,7 +18,7 @@ import hmac
 import ipaddress
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class TlsFiles:
 class Security:
     """API keys (empty: authentication off) and TLS (None: plaintext)."""
 
-    api_keys: frozenset[str] = frozenset()
+    api_keys: frozenset[str] = field(default=frozenset(), repr=False)  # never logged
     tls: TlsFiles | None = None
     metrics_require_key: bool = True
 
@@ -120,8 +120,8 @@ def read_api_keys(keys: Iterable[str], key_file: str | None) -> frozenset[str]:
 
 
 def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return host == "localhost"
+    if host == "localhost":
+        return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:

@@ -92,7 +92,14 @@ def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEng
     per_block = block_bytes(info.shape, cfg.block_size)
     kv = KVCacheManager(cfg.cache_config(num_blocks, info.sliding_window, per_block))
     scheduler = Scheduler(cfg.scheduler_config(max_model_len), kv)
-    engine = EngineLoop(scheduler, runner, make_text_stream_factory(tokenizer), sink=sink)
+    engine = EngineLoop(
+        scheduler,
+        runner,
+        make_text_stream_factory(tokenizer),
+        sink=sink,
+        max_unread_outputs=cfg.max_unread_outputs,
+        stalled_stream_timeout_s=cfg.stalled_stream_timeout_s,
+    )
     model = ServedModel(
         name=info.name,
         max_model_len=max_model_len,

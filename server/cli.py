@@ -69,6 +69,11 @@ async def _serve(cfg: Any) -> int:
     gc.freeze()
     sink: MetricsSink = NullSink()
     registry = None
+    try:
+        security = cfg.security()
+    except OSError as exc:
+        print(f"kvserve serve: cannot read the API key file: {exc}", file=sys.stderr)
+        return 1
     if cfg.metrics:
         try:
             from prometheus_client import CollectorRegistry
@@ -78,7 +83,10 @@ async def _serve(cfg: Any) -> int:
             logger.warning("metrics.prometheus is unavailable; metrics disabled")
         else:
             registry = CollectorRegistry()
-            sink = PrometheusSink(registry, model_info=_model_labels(model))
+            # The pool's sizes are known now: export them before the first step.
+            sink = PrometheusSink(
+                registry, model_info=_model_labels(model), stats=built.engine.latest_stats
+            )
     built.engine.sink = sink
     _say(f"model: {model.name} ({built.source})")
     _say(f"dtype: {model.dtype}  device: {model.device}  runner: {cfg.runner}")
@@ -96,21 +104,32 @@ async def _serve(cfg: Any) -> int:
         f"memory={cfg.memory_mode}  (loaded in {time.monotonic() - t0:.1f}s)"
     )
 
-    server = KVServeServer(built.engine, built.tokenizer, model, sink=sink)
-    port = await server.start(cfg.host, cfg.port)
+    from server.auth import warn_if_exposed
+    from server.http import METRICS_MAX_CONNECTIONS, metrics_app, start_asgi_server
+
+    server = KVServeServer(built.engine, built.tokenizer, model, sink=sink, security=security)
+    port = await server.start(cfg.host, cfg.port, http_port=cfg.http_port if cfg.http else None)
+    scheme = "https" if security.tls is not None else "http"
     metrics_server = None
     if registry is not None:
-        from metrics.prometheus import start_metrics_server
-
-        metrics_server, metrics_port = start_metrics_server(
-            cfg.metrics_host, cfg.metrics_port, registry
-        )
-        _say(f"metrics on http://{cfg.metrics_host}:{metrics_port}/metrics")
-    _say(f"listening on {cfg.host}:{port}")
+        metrics_server = await start_asgi_server(
+            metrics_app(registry, security), cfg.metrics_host, cfg.metrics_port, security,
+            limit_concurrency=METRICS_MAX_CONNECTIONS, name="metrics",
+        )  # fmt: skip
+        _say(f"metrics on {scheme}://{cfg.metrics_host}:{metrics_server.port}/metrics")
+        warn_if_exposed(cfg.metrics_host, security, "metrics")
+    warn_if_exposed(cfg.host, security, "kvserve")
+    auth = f"{len(security.api_keys)} API keys" if security.api_keys else "no API key"
+    _say(f"security: {'TLS' if security.tls else 'plaintext'}, {auth}")
+    _say(f"listening on {cfg.host}:{port} (gRPC)")
+    if cfg.http:
+        _say(f"OpenAI-compatible API on {scheme}://{cfg.host}:{server.http_port}/v1")
     if cfg.port_file:
         _write_port_file(cfg.port_file, port)
+    if cfg.http_port_file and cfg.http:
+        _write_port_file(cfg.http_port_file, server.http_port)
     if cfg.metrics_port_file and metrics_server is not None:
-        _write_port_file(cfg.metrics_port_file, metrics_port)
+        _write_port_file(cfg.metrics_port_file, metrics_server.port)
 
     shutdown_tasks: list[asyncio.Task[None]] = []
 
@@ -135,9 +154,7 @@ async def _serve(cfg: Any) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         if metrics_server is not None:
-            from metrics.prometheus import stop_metrics_server
-
-            stop_metrics_server(metrics_server)
+            await metrics_server.stop()
     return code
 
 

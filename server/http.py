@@ -764,6 +764,10 @@ async def start_asgi_server(
     return AsgiServer(server, task, int(sock.getsockname()[1]))
 
 
+# Scrapes served at once; over it uvicorn answers 503 instead of taking more work.
+METRICS_MAX_CONNECTIONS = 8
+
+
 class _KeyGate:
     """ASGI middleware: every path but the open ones needs a valid API key."""
 

@@ -41,7 +41,7 @@ def serve_process(tmp_path: Path, *flags: str) -> Iterator[tuple[subprocess.Pope
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")}
     proc = subprocess.Popen(
         [*_kvserve(), "serve", "--runner", "fake", "--port", "0", "--port-file",
-         str(port_file), "--metrics-port", "0", *flags],
+         str(port_file), "--metrics-port", "0", "--http-port", "0", *flags],
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
