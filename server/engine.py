@@ -211,6 +211,11 @@ class EngineLoop:
             self._inbox.append(_Add(request, _Stream(loop, queue, buffer)))
             self._cond.notify()
 
+    @property
+    def resume_unread_outputs(self) -> int:
+        """A parked client that has this many outputs or fewer left unread is resumed."""
+        return self.max_unread_outputs // 2
+
     def resume(self, request_id: str) -> None:
         """A parked client read from its stream: let the engine check it at once."""
         with self._cond:
@@ -354,7 +359,7 @@ class EngineLoop:
             sample_ids = self.outputs.open_sample_ids(client_id)
             if not sample_ids:
                 del self._parked[client_id]
-            elif buffer.num_unread <= self.max_unread_outputs // 2:
+            elif buffer.num_unread <= self.resume_unread_outputs:
                 for sid in sample_ids:
                     self._scheduler.unpark(sid)
                 buffer.parked, buffer.resume_sent = False, False

@@ -93,8 +93,12 @@ class EngineClient:
                             f"request {rid!r} passed its deadline and was aborted"
                         ) from None
                 buffer.num_consumed += 1
-                if buffer.parked and not buffer.resume_sent:
-                    buffer.resume_sent = True
+                if (
+                    buffer.parked
+                    and not buffer.resume_sent
+                    and buffer.num_unread <= self.engine.resume_unread_outputs
+                ):
+                    buffer.resume_sent = True  # one message: the engine unparks it now
                     self.engine.resume(rid)
                 if isinstance(item, BaseException):
                     done = True  # rejected or the engine died: nothing left to abort
