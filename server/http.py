@@ -405,6 +405,8 @@ class OpenAIFront:
                         "created": self.created,
                         "owned_by": "kvserve",
                         "max_model_len": m.max_model_len,
+                        # llama.cpp's extension; kvserve loadtest reads the vocabulary here.
+                        "meta": {"n_vocab": m.vocab_size, "n_ctx": m.max_model_len},
                     }
                 ],
             }

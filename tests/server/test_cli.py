@@ -96,12 +96,24 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _samples(exposition: str) -> dict[str, float]:
+    """Unlabelled samples of a Prometheus exposition: name -> value."""
+    return {
+        name: float(value)
+        for name, _, value in (line.partition(" ") for line in exposition.splitlines())
+        if name and not name.startswith("#") and "{" not in name
+    }
+
+
 @pytest.mark.slow
 def test_generate_command_streams_from_a_served_process(tmp_path: Path) -> None:
     """`kvserve generate` prints the streamed text; --chat sends a chat message; the
     Prometheus endpoint counts the calls."""
     metrics_port = _free_port()
     with serve_process(tmp_path, "--metrics-port", str(metrics_port)) as (proc, port):
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            idle = _samples(response.read().decode())
         out = io.StringIO()
         with redirect_stdout(out):
             code = cli.main(["generate", "--address", f"127.0.0.1:{port}", "--max-tokens", "5",
@@ -113,7 +125,6 @@ def test_generate_command_streams_from_a_served_process(tmp_path: Path) -> None:
                  "What is the capital of France?"]
             )  # fmt: skip
         bad = cli.main(["generate", "--address", f"127.0.0.1:{port}", "--max-tokens", "0", "x"])
-        url = f"http://127.0.0.1:{metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as response:
             metrics = response.read().decode()
         proc.send_signal(signal.SIGINT)
@@ -127,6 +138,12 @@ def test_generate_command_streams_from_a_served_process(tmp_path: Path) -> None:
     assert 'kvserve_rpcs_total{code="OK",method="Generate"} 2.0' in metrics
     assert 'kvserve_rpcs_total{code="INVALID_ARGUMENT",method="Generate"} 1.0' in metrics
     assert 'model="fake"' in metrics
+    # The pool's sizes are exported from start-up, before any request.
+    blocks = idle["kvserve_kv_cache_capacity_blocks"]
+    assert idle["kvserve_kv_cache_block_size_bytes"] > 0 and blocks > 0
+    assert (
+        idle["kvserve_kv_cache_memory_bytes"] == blocks * idle["kvserve_kv_cache_block_size_bytes"]
+    )
 
 
 @pytest.mark.slow
