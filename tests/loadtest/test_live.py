@@ -308,8 +308,9 @@ def test_openai_backend_drives_kvserves_http_front(server: ServerProcess, tmp_pa
         "cancel": {"fraction": 0.25, "after_tokens": 2},
     }  # fmt: skip
     out = tmp_path / "report.json"
-    argv = ["--api", "openai", "--target", server.http_url, "--workload",
-            str(_write(tmp_path, spec)), "--users", "3", "--out", str(out), "--no-progress"]  # fmt: skip
+    workload = str(_write(tmp_path, spec))
+    argv = ["--api", "openai", "--target", server.http_url, "--workload", workload,
+            "--users", "3", "--out", str(out), "--no-progress"]  # fmt: skip
     assert main(argv) == 0
     report = json.loads(out.read_text())
     specs = Workload.from_dict(spec).build(vocab_size=_vocab_size(server.target))

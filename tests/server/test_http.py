@@ -243,3 +243,28 @@ async def test_http_and_grpc_give_the_same_greedy_tokens_on_a_tiny_model() -> No
         assert choice.logprobs is not None
         assert choice.logprobs.tokens == [TOK.id_to_token(t) for t in want[i]]
         assert choice.finish_reason == "length"
+
+
+@pytest.mark.slow
+async def test_openai_sdk_streams_paris_from_the_embedded_model() -> None:
+    """`kvserve serve`'s defaults (the embedded SmolLM2, quantized weights): the openai SDK
+    streams a greedy chat answer to "What is the capital of France?" that names Paris."""
+    from server.build import build_engine
+    from server.config import build_config
+    from server.service import KVServeServer
+
+    built = await asyncio.to_thread(build_engine, build_config({"threads": 2}, environ={}))
+    server = KVServeServer(built.engine, built.tokenizer, built.model)
+    await server.start("127.0.0.1", 0, http_port=0)
+    try:
+        client = sdk(f"http://127.0.0.1:{server.http_port}")
+        stream = await client.chat.completions.create(
+            model=built.model.name,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=32, temperature=0, stream=True,
+        )  # fmt: skip
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        await client.close()
+    finally:
+        await server.shutdown(grace_s=1)
+    assert "Paris" in text, text
