@@ -340,7 +340,7 @@ class PrometheusSink:
         )
         yield _counter(
             "rpcs_total",
-            "Finished gRPC calls by method and status code name.",
+            "Finished calls (gRPC, and the HTTP front's completions) by method and status code name.",
             ["method", "code"],
             [(k, v) for k, v in sorted(rpcs.items())],
         )

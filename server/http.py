@@ -60,6 +60,7 @@ _HTTP_STATUS = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    grpc.StatusCode.UNIMPLEMENTED: (405, "invalid_request_error"),
 }
 _FINISH_REASONS = {
     FinishReason.STOP: "stop",
@@ -89,11 +90,13 @@ _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logpr
 
 
 class HttpError(Exception):
-    """Ends an HTTP request with ``status`` and an OpenAI error body."""
+    """Ends an HTTP request with an OpenAI error body; the status comes from ``code``, the
+    gRPC code the same failure gets (metrics count both front ends by it)."""
 
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.code, self.message, self.param = code, message, param
+        self.status, self.kind = _HTTP_STATUS.get(code, (500, "internal_error"))
 
 
 def error_body(message: str, kind: str, param: str | None = None) -> dict[str, Any]:
@@ -104,11 +107,10 @@ def _http_error(exc: BaseException) -> HttpError:
     if isinstance(exc, HttpError):
         return exc
     code, details = status_of(exc)
-    if isinstance(exc, InvalidRequestError) or code is grpc.StatusCode.INVALID_ARGUMENT:
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
         for grpc_name, http_name in _FIELD_NAMES.items():
             details = details.replace(grpc_name, http_name)
-    status, kind = _HTTP_STATUS.get(code, (500, "internal_error"))
-    return HttpError(status, details, kind)
+    return HttpError(code, details)
 
 
 def _json_error(error: HttpError) -> JSONResponse:
@@ -177,10 +179,9 @@ def _check_fields(body: Mapping[str, Any], allowed: frozenset[str], endpoint: st
         unsupported.append("best_of")
     if unsupported:
         raise HttpError(
-            400,
+            grpc.StatusCode.INVALID_ARGUMENT,
             f"unsupported field(s) for {endpoint}: {', '.join(unsupported)}; this server takes "
             f"{', '.join(sorted(allowed - {'echo', 'best_of'}))}",
-            "invalid_request_error",
             unsupported[0],
         )
 
@@ -223,9 +224,8 @@ def parse_body(body: Any, chat: bool, model_name: str) -> _Parsed:
     model = _str(body, "model")
     if model is not None and model not in (model_name, ""):
         raise HttpError(
-            404,
+            grpc.StatusCode.NOT_FOUND,
             f"the model {model!r} does not exist: this server serves {model_name!r}",
-            "not_found_error",
             "model",
         )
     request = pb.GenerateRequest()
@@ -392,8 +392,8 @@ class OpenAIFront:
     async def models(self, request: HttpRequest) -> Response:
         try:
             self._owner(request)
-        except HttpError as exc:
-            return _json_error(exc)
+        except AuthError as exc:
+            return _json_error(_http_error(exc))
         m = self.model
         return JSONResponse(
             {
@@ -420,22 +420,22 @@ class OpenAIFront:
 
     async def _not_found(self, request: HttpRequest, exc: Exception) -> Response:
         return _json_error(
-            HttpError(404, f"no route {request.url.path}; see GET /v1/models", "not_found_error")
+            HttpError(grpc.StatusCode.NOT_FOUND, f"no route {request.url.path}; see GET /v1/models")
         )
 
     async def _not_allowed(self, request: HttpRequest, exc: Exception) -> Response:
         return _json_error(
-            HttpError(405, f"{request.method} is not allowed on {request.url.path}",
-                      "invalid_request_error")
-        )  # fmt: skip
+            HttpError(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"{request.method} is not allowed on {request.url.path}",
+            )
+        )
 
     # ------------------------------------------------------------------ generation
     def _owner(self, request: HttpRequest) -> str:
+        """Raises ``AuthError`` (401) without a valid key."""
         host = request.client.host if request.client is not None else "unknown"
-        try:
-            return self.security.owner(request.headers.get("authorization"), host)
-        except AuthError as exc:
-            raise HttpError(401, str(exc), "authentication_error") from None
+        return self.security.owner(request.headers.get("authorization"), host)
 
     async def _generate(self, http: HttpRequest, chat: bool) -> Response:
         method = "ChatCompletions" if chat else "Completions"
@@ -522,14 +522,10 @@ class OpenAIFront:
     def _record(
         self, method: str, error: HttpError, exc: BaseException, record: bool = True
     ) -> str:
-        code, _ = status_of(exc) if not isinstance(exc, HttpError) else (None, "")
-        name = (
-            code.name
-            if code is not None
-            else {401: "UNAUTHENTICATED", 404: "NOT_FOUND"}.get(error.status, "INVALID_ARGUMENT")
-        )
-        if error.status >= 500 and name == "INTERNAL":
-            logger.error("%s failed: %r", method, exc)
+        """Count a failed call as gRPC's would be; returns its code name."""
+        name = error.code.name
+        if error.code is grpc.StatusCode.INTERNAL:
+            logger.error("%s failed: %r", method, exc, exc_info=exc)
         if name == "INVALID_ARGUMENT":
             self.sink.on_rejected("invalid")
         elif name == "RESOURCE_EXHAUSTED":
