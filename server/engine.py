@@ -16,6 +16,11 @@ The event loop only enqueues messages and reads queues; a step's outputs for eve
 cross to it in a single ``call_soon_threadsafe``. With nothing to do the thread sleeps on the
 inbox condition (no busy spin).
 
+Backpressure: each stream counts what was emitted and what its client took
+(``StreamBuffer``). A client with ``max_unread_outputs`` unread is parked in the scheduler
+(kept, not scheduled) until it has read half of them, and aborted (reason STALLED) when
+parked for ``stalled_stream_timeout_s``.
+
 If the runner (or the scheduler) raises, the engine is dead: every stream gets
 ``EngineDeadError``, later submissions raise it, and ``on_death`` is called once.
 """
