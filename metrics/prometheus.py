@@ -340,7 +340,7 @@ class PrometheusSink:
         )
         yield _counter(
             "rpcs_total",
-            "Finished calls (gRPC, and the HTTP front's completions) by method and status code name.",
+            "Finished calls (gRPC and HTTP) by method and status code name.",
             ["method", "code"],
             [(k, v) for k, v in sorted(rpcs.items())],
         )
