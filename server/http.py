@@ -28,7 +28,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -455,8 +455,9 @@ class OpenAIFront:
                 )
             parsed.request.request_id = request_id
             engine_request = await self.servicer.engine_request(
-                parsed.request, owner, default_max_tokens=None if not chat else 2**31 - 1
-            )
+                # OpenAI's defaults: 16 tokens for a completion, the rest of the context for chat
+                parsed.request, owner, default_max_tokens=2**31 - 1 if chat else None,
+            )  # fmt: skip
             outputs = self.servicer.stream(engine_request)
             # The first output before any header: a refusal (overload) is still a status.
             try:
@@ -478,8 +479,11 @@ class OpenAIFront:
         try:
             choices = _Choices()
             choices.add(first)
-            if not first.closes_stream:
-                await _collect_unless_disconnected(http, outputs, choices)
+            if not first.closes_stream and not await _collect_unless_disconnected(
+                http, outputs, choices
+            ):
+                self.sink.on_rpc(method, "CANCELLED")
+                return Response(status_code=499)  # nobody is listening any more
         except Exception as exc:
             error = _http_error(exc)
             self._record(method, error, exc)
@@ -493,7 +497,7 @@ class OpenAIFront:
         self,
         answer: _Answer,
         first: GenerationOutput,
-        outputs: AsyncIterator[GenerationOutput],
+        outputs: AsyncGenerator[GenerationOutput, None],
         method: str,
     ) -> AsyncIterator[str]:
         code = "OK"
@@ -515,7 +519,7 @@ class OpenAIFront:
             yield _sse(error_body(error.message, error.kind, error.param))
         finally:
             with contextlib.suppress(Exception):
-                await outputs.aclose()  # type: ignore[attr-defined]
+                await outputs.aclose()
             self.sink.on_rpc(method, code)
         yield "data: [DONE]\n\n"
 
@@ -536,9 +540,10 @@ class OpenAIFront:
 
 
 async def _collect_unless_disconnected(
-    http: HttpRequest, outputs: AsyncIterator[GenerationOutput], choices: _Choices
-) -> None:
-    """Collect the rest of a non-streamed answer; a client that hangs up aborts it."""
+    http: HttpRequest, outputs: AsyncGenerator[GenerationOutput, None], choices: _Choices
+) -> bool:
+    """Collect the rest of a non-streamed answer; False when the client hung up first (the
+    request is then aborted: closing its stream does that)."""
 
     async def collect() -> None:
         async for out in outputs:
@@ -555,11 +560,13 @@ async def _collect_unless_disconnected(
     finally:
         watching.cancel()
         if not collecting.done():
-            collecting.cancel()  # the client left: closing the stream aborts the request
+            collecting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await collecting
-            raise asyncio.CancelledError("client disconnected")
-    collecting.result()
+    if collecting.cancelled():
+        return False
+    collecting.result()  # raises what ended the request
+    return True
 
 
 def _sse(obj: Mapping[str, Any]) -> str:

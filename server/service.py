@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -292,7 +292,7 @@ class GenerationServicer:
 
     async def stream(
         self, request: Request, deadline_s: float | None = None
-    ) -> AsyncIterator[GenerationOutput]:
+    ) -> AsyncGenerator[GenerationOutput, None]:
         """The engine's outputs for ``request``; a sample that failed raises INTERNAL."""
         # aclosing: an error in one sample closes the engine stream at once, which aborts the
         # request's other samples now rather than whenever the generator is collected.

@@ -14,7 +14,7 @@ import pytest
 
 from server.fake_tokenizer import ByteTokenizer
 from tests.model_runner.oracle import make_runner, random_ids, tiny_hf
-from tests.server.helpers import collect, expected_tokens, make_fake_runner, serve
+from tests.server.helpers import collect, expected_tokens, make_fake_runner, serve, wait_until
 
 TOK = ByteTokenizer()
 
@@ -158,11 +158,9 @@ async def test_closed_http_stream_aborts_the_request_and_frees_its_blocks() -> N
             async with http.stream("POST", "/v1/completions", json=body, headers=headers) as r:
                 async for _line in r.aiter_lines():
                     break
-        for _ in range(200):
-            if h.engine.latest_stats.kv.num_blocks_used == 0 and h.sink.requests:
-                break
-            await asyncio.sleep(0.01)
-        assert h.engine.latest_stats.kv.num_blocks_used == 0
+        await wait_until(
+            lambda: bool(h.sink.requests) and h.engine.latest_stats.kv.num_blocks_used == 0, 10
+        )
     record = h.sink.request("gone")
     assert record.abort_reason == "client_cancel" and record.num_output_tokens < 500
 
@@ -268,3 +266,19 @@ async def test_openai_sdk_streams_paris_from_the_embedded_model() -> None:
     finally:
         await server.shutdown(grace_s=1)
     assert "Paris" in text, text
+
+
+async def test_a_client_that_hangs_up_on_a_whole_answer_aborts_it() -> None:
+    """A non-streamed completion whose client times out and closes the connection is
+    aborted (client_cancel) at once, not run to its end."""
+    runner = make_fake_runner(max_model_len=1024, sleep_s=0.01)
+    async with serve(runner, http=True) as h:
+        async with httpx.AsyncClient(base_url=h.http_url, timeout=0.3) as http:
+            body = {"prompt": "long", "max_tokens": 500}
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post("/v1/completions", json=body, headers={"X-Request-Id": "hup"})
+        await wait_until(
+            lambda: bool(h.sink.requests) and h.engine.latest_stats.kv.num_blocks_used == 0, 10
+        )
+    record = h.sink.request("hup")
+    assert record.abort_reason == "client_cancel" and record.num_output_tokens < 500
