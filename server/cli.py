@@ -240,7 +240,8 @@ async def _generate(args: argparse.Namespace) -> int:
         kwargs = {}
         text_prompt = prompt
     last = pb.GenerateResponse()
-    async with KVServeClient(address) as client:
+    tls_ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+    async with KVServeClient(address, api_key=args.api_key, tls_ca=tls_ca) as client:
         try:
             await client.connect()
             async for response in client.generate(
@@ -303,6 +304,8 @@ def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--request-id", default=None, help="request id (default: server-generated)")
+    p.add_argument("--api-key", default=None, help="sent as 'authorization: Bearer KEY'")
+    p.add_argument("--tls-ca", default=None, help="PEM CA: connect over TLS, trusting it")
     p.add_argument("-v", "--verbose", action="store_true", help="print usage and timings")
 
 

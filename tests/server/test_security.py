@@ -4,8 +4,10 @@ requests that belong to their caller (ids scoped per key)."""
 from __future__ import annotations
 
 import asyncio
+import io
 import ssl
 from collections.abc import Callable
+from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +20,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from metrics.prometheus import PrometheusSink
+from server import cli
 from server.auth import Security, TlsFiles, key_owner
+from server.client import KVServeClient
 from server.http import metrics_app, start_asgi_server
 from server.rpc import generation_pb2 as pb
 from server.rpc import generation_pb2_grpc as pb_grpc
@@ -253,3 +257,30 @@ async def test_without_keys_requests_are_scoped_by_peer_host() -> None:
         call.cancel()
         await asyncio.sleep(0)
     assert code == grpc.StatusCode.ALREADY_EXISTS
+
+
+async def test_kvserve_generate_and_the_python_client_take_a_key_and_a_ca(pki: Pki) -> None:
+    """`kvserve generate --api-key --tls-ca` and KVServeClient(api_key=, tls_ca=) are served
+    by a TLS + key server; without the key, generate exits 1 naming UNAUTHENTICATED."""
+    security = Security(api_keys=KEYS, tls=pki.tls())
+    async with serve(security=security, channel=tls_channel(pki, "key-alice")) as h:
+        ca = pki.ca_file.read_bytes()
+        async with KVServeClient(h.address, api_key="key-bob", tls_ca=ca) as client:
+            text, _ = await client.generate_text("hi", request_id="p1", max_tokens=3)
+        argv = ["generate", "--address", h.address, "--tls-ca", str(pki.ca_file),
+                "--max-tokens", "3", "--request-id", "c1", "hi"]  # fmt: skip
+        out, err = io.StringIO(), io.StringIO()
+        with redirect_stdout(out), redirect_stderr(err):
+            code = await asyncio.to_thread(cli.main, [*argv, "--api-key", "key-alice"])
+            denied = await asyncio.to_thread(cli.main, argv)
+    bob, alice = key_owner("key-bob"), key_owner("key-alice")
+    assert text == h.tokenizer.decode(
+        expected_tokens(h.runner, "p1", 3, owner=bob), skip_special_tokens=True
+    )
+    assert (code, denied) == (0, 1)
+    assert out.getvalue().startswith(
+        h.tokenizer.decode(
+            expected_tokens(h.runner, "c1", 3, owner=alice), skip_special_tokens=True
+        )
+    )
+    assert "UNAUTHENTICATED: missing API key" in err.getvalue()
