@@ -216,12 +216,14 @@ def dashboard(uid: str, title: str, description: str, panels: list[Panel]) -> di
 def queue_panels() -> list[Panel]:
     return [
         timeseries(
-            "Requests running / waiting / preempted",
-            "Running set and waiting queue sizes from the latest scheduler snapshot.",
+            "Requests running / waiting / preempted / parked",
+            "Running set and waiting queue sizes from the latest scheduler snapshot; parked: "
+            "requests whose client stopped reading (not scheduled until it reads again).",
             [
                 (f"sum(kvserve_requests_running{{{SEL}}})", "running"),
                 (f"sum(kvserve_requests_waiting{{{SEL}}})", "waiting"),
                 (f"sum(kvserve_requests_preempted{{{SEL}}})", "preempted (waiting)"),
+                (f"sum(kvserve_requests_parked{{{SEL}}})", "parked (client not reading)"),
             ],
         ),
         timeseries(

@@ -249,6 +249,7 @@ class Scheduler:
         self._waiting: WaitingQueue[_Entry] = WaitingQueue()
         self._finished_ids: list[str] = []
         self._pending_outputs: list[RequestOutput] = []  # finished outside update()
+        self._parked: set[str] = set()  # not scheduled until unparked (backpressure)
         self._step_id = 0
         self._arrival_seq = 0
         self._counters = _Counters()
@@ -414,6 +415,20 @@ class Scheduler:
             return None
         return self._finish(entry, _FINISHED_ERROR, error=error)
 
+    # -- backpressure -------------------------------------------------------------------
+
+    def park(self, request_id: str) -> bool:
+        """Stop scheduling a request (its client is not reading): it keeps its blocks and
+        its place, and no step computes tokens for it until ``unpark``. False if unknown."""
+        if request_id not in self._entries:
+            return False
+        self._parked.add(request_id)
+        return True
+
+    def unpark(self, request_id: str) -> None:
+        """Schedule a parked request again (no-op when it is not parked)."""
+        self._parked.discard(request_id)
+
     # -- one step -----------------------------------------------------------------------
 
     def schedule(self, now_s: float | None = None) -> SchedulerOutput:
@@ -573,10 +588,13 @@ class Scheduler:
         decode = step.decode
         num_before = len(decode)
         decoding = _DECODING
+        parked = self._parked
         remaining = budget.remaining  # a local on the hot path; synced around the slow one
         for entry in list(self._running.values()):
             req = entry.request
             if req.status is not decoding:  # prefilling, or preempted meanwhile
+                continue
+            if parked and req.request_id in parked:
                 continue
             if remaining == 0:
                 break
@@ -598,6 +616,8 @@ class Scheduler:
         for entry in list(self._running.values()):
             req = entry.request
             if req.status is not _PREFILLING or req.request_id in step.prefill:
+                continue
+            if req.request_id in self._parked:
                 continue
             start = req.num_computed_tokens
             num_new = min(entry.prefill_target - start, self._max_chunk)
@@ -878,6 +898,7 @@ class Scheduler:
             self._waiting.discard(entry)
         req.status = status
         del self._entries[rid]
+        self._parked.discard(rid)
         if entry.group is not None:
             self._forks.close(entry.group)
         self._finished_ids.append(rid)
@@ -909,4 +930,5 @@ class Scheduler:
             num_finished_total=dict(c.num_finished),
             waiting_tokens=waiting.num_tokens,
             kv=self.kv.make_stats(),
+            num_parked=len(self._parked),
         )

@@ -294,3 +294,27 @@ def test_closed_loop_ends_at_the_time_bound(slow_server: ServerProcess, tmp_path
     req = json.loads(out.read_text())["requests"]
     assert (req["sent"], req["interrupted"], req["not_sent"]) == (2, 2, 22)
     assert req["by_code"] == {"INTERRUPTED": 2}
+
+
+def test_openai_backend_drives_kvserves_http_front(server: ServerProcess, tmp_path: Path) -> None:
+    """`kvserve loadtest --api openai` against kvserve's own OpenAI-compatible front: 12
+    token-id requests (3 cancelled after 2 tokens) all reach it, and the output tokens
+    counted from the SSE chunks and usage are exactly the ones asked for."""
+    spec = {
+        "name": "openai-kvserve", "seed": 3, "num_requests": 12,
+        "prompt": {"source": "random", "len": 16},
+        "output": {"len": {"type": "uniform", "min": 4, "max": 12}, "ignore_eos": True},
+        "sampling": {"temperature": 0.0},
+        "cancel": {"fraction": 0.25, "after_tokens": 2},
+    }  # fmt: skip
+    out = tmp_path / "report.json"
+    workload = str(_write(tmp_path, spec))
+    argv = ["--api", "openai", "--target", server.http_url, "--workload", workload,
+            "--users", "3", "--out", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    specs = Workload.from_dict(spec).build(vocab_size=_vocab_size(server.target))
+    ok = [s for s in specs if s.cancel_after_tokens is None]
+    assert report["requests"]["by_code"] == {"CANCELLED": 3, "OK": 9}
+    assert report["input_tokens_total"] == 12 * 16
+    assert report["output_tokens_total"] == sum(s.max_tokens for s in ok) + 2 * 3
