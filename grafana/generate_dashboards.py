@@ -20,6 +20,7 @@ DS = {"type": "prometheus", "uid": "${datasource}"}
 SEL = 'instance=~"$instance"'  # every selector filters on the instance variable
 RATE = "$__rate_interval"
 NOT_OK = 'code!="OK"'
+BOTH_MET, TTFT_MET, ITL_MET = (f'target="{t}"' for t in ("both", "ttft", "itl"))
 
 Panel = dict[str, Any]
 
@@ -514,6 +515,52 @@ def scheduler_kv() -> dict[str, Any]:
                     [
                         (f"sum({rate('kvserve_preemptions_total')})", "preemptions"),
                         (f"sum({rate('kvserve_recomputed_tokens_total')})", "recomputed tokens"),
+                    ],
+                ),
+            ],
+            row("Latency targets (--policy slo; attainment under any policy)"),
+            [
+                timeseries(
+                    "SLO attainment",
+                    "Share of ended requests (client cancels and Abort calls aside) that met "
+                    "their targets: both (goodput) by priority, and TTFT / ITL alone over all.",
+                    [
+                        (
+                            f"sum by (priority) ({rate('kvserve_slo_attained_total', BOTH_MET)})"
+                            f" / sum by (priority) ({rate('kvserve_slo_requests_total')})",
+                            "both, priority {{priority}}",
+                        ),
+                        (
+                            f"sum({rate('kvserve_slo_attained_total', TTFT_MET)})"
+                            f" / sum({rate('kvserve_slo_requests_total')})",
+                            "TTFT met",
+                        ),
+                        (
+                            f"sum({rate('kvserve_slo_attained_total', ITL_MET)})"
+                            f" / sum({rate('kvserve_slo_requests_total')})",
+                            "ITL met",
+                        ),
+                    ],
+                    unit="percentunit",
+                ),
+                timeseries(
+                    "Predicted vs actual step time",
+                    "The step-cost model's prediction of each iteration against the measured "
+                    "iteration (means over the window), and the median |error| / measured.",
+                    [
+                        (mean("kvserve_step_predicted_seconds"), "predicted"),
+                        (mean("kvserve_step_iteration_seconds"), "actual"),
+                        (quantile(0.5, "kvserve_step_prediction_error_ratio"), "median error"),
+                    ],
+                    unit="s",
+                    overrides=[
+                        {
+                            "matcher": {"id": "byName", "options": "median error"},
+                            "properties": [
+                                {"id": "unit", "value": "percentunit"},
+                                {"id": "custom.axisPlacement", "value": "right"},
+                            ],
+                        }
                     ],
                 ),
             ],

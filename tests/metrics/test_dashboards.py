@@ -115,7 +115,7 @@ def test_no_hard_coded_instance_job_or_host() -> None:
             assert 'instance=~"$instance"' in selector, f"{query.where}: {query.expr}"
         matchers = re.findall(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"', query.expr)
         for label, _op, val in matchers:
-            assert label in {"instance", "code"}, f"{query.where}: matcher on {label}"
+            assert label in {"instance", "code", "target"}, f"{query.where}: matcher on {label}"
             if label == "instance":
                 assert val == "$instance", f"{query.where}: hard-coded instance {val!r}"
     for name, dash in dashboards.items():

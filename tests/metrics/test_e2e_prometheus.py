@@ -59,7 +59,8 @@ def live(
     require_binary("prometheus")
     serve_args = shlex.split(
         "--runner fake --fake-step-sleep-s 0.005 --num-blocks 48 --block-size 16 "
-        "--max-num-seqs 8 --max-num-batched-tokens 256 --grace-period-s 2 --log-level warning"
+        "--max-num-seqs 8 --max-num-batched-tokens 256 --grace-period-s 2 --log-level warning "
+        "--policy slo"
     )
     server = ServerProcess(
         serve_args,
