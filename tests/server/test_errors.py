@@ -76,6 +76,11 @@ BAD_INPUTS: list[tuple[str, pb.GenerateRequest, tuple[str, ...]]] = [
     ("n too large", pb.GenerateRequest(text="hi", n=50), ("n must be in [1, 8]", "50")),
     ("request id too long", pb.GenerateRequest(text="hi", request_id="x" * 300),
      ("request_id", "256")),
+    ("negative TTFT target", pb.GenerateRequest(text="hi", slo=pb.LatencyTargets(ttft_ms=-1)),
+     ("slo.ttft_ms", "milliseconds", "got -1")),
+    ("NaN ITL target",
+     pb.GenerateRequest(text="hi", slo=pb.LatencyTargets(itl_ms=float("nan"))),
+     ("slo.itl_ms", "got nan")),
 ]  # fmt: skip
 
 
