@@ -22,6 +22,8 @@ RUN_KEYS = {
     "name",
     "mode",
     "policy",
+    "budget",
+    "slo",
     "num_requests",
     "num_finished",
     "num_rejected",
@@ -74,7 +76,13 @@ def test_compare_writes_a_json_report_for_every_run(tmp_path: Path) -> None:
         "static",
         "continuous prefill-first",
         "continuous stall-free",
+        "stall-free budget 512",
+        "stall-free budget 2048",
+        "stall-free budget 8192",
+        "continuous slo",
     ]
+    budgets = {r["name"]: r["budget"] for r in report["runs"]}
+    assert budgets["stall-free budget 512"] == 512 and budgets["continuous slo"] == 8192
     for run in report["runs"]:
         assert set(run) == RUN_KEYS
         assert (run["num_requests"], run["num_finished"], run["num_rejected"]) == (12, 12, {})
@@ -85,10 +93,17 @@ def test_compare_writes_a_json_report_for_every_run(tmp_path: Path) -> None:
             assert set(run[key]) == SUMMARY_KEYS
         assert run["ttft_s"]["count"] == 12 and run["itl_s"]["count"] == num_output - 12
         assert run["steps"]["total"] >= run["steps"]["with_decode"] > 0
+        goodput = run["slo"]
+        assert goodput["judged"] == 12 and 0.0 <= goodput["goodput"] <= 1.0
+        assert goodput["goodput"] <= min(goodput["attained"]["ttft"], goodput["attained"]["itl"])
     assert set(report["comparison"]) == {
         "continuous_over_static_throughput",
         "prefill_first_over_static_throughput",
         "stall_free_over_prefill_first_itl_p99",
+        "slo_minus_stall_free_256_goodput",
+        "slo_minus_stall_free_512_goodput",
+        "slo_minus_stall_free_2048_goodput",
+        "slo_minus_stall_free_8192_goodput",
     }
 
 
