@@ -135,6 +135,9 @@ def test_report_schema_and_counts(server: ServerProcess, tmp_path: Path) -> None
         entry = report["by_priority"][str(prio)]
         assert entry["count"] == sum(1 for s in specs if s.priority == prio) == 12
         assert entry["ok"] == sum(1 for s in ok if s.priority == prio)
+        # The SLO is loose: every request that finished OK is within it, cancels are not.
+        assert entry["num_ok_within_slo"] == entry["ok"]
+        assert entry["fraction_within_slo"] == entry["ok"] / entry["count"]
     srv = report["server"]
     assert set(srv) == {
         "source",
