@@ -27,6 +27,7 @@ RUN_KEYS = {
     "num_rejected",
     "finish_reasons",
     "duration_s",
+    "goodput",
     "num_prompt_tokens",
     "num_output_tokens",
     "throughput",
