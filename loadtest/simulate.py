@@ -427,7 +427,11 @@ def build_parser() -> argparse.ArgumentParser:
         "simulated GPU (roofline cost model, virtual clock).",
     )
     parser.add_argument("--profile", default="h100-llama3-8b-bf16", choices=sorted(PROFILES))
-    parser.add_argument("--workload", help="workload JSON (loadtest schema); default: built-in")
+    parser.add_argument(
+        "--workload",
+        help="workload JSON (loadtest schema) or a shipped name (tenants, shared_prefix, ...); "
+        "default: built-in",
+    )
     parser.add_argument("--num-requests", type=int, help="default: the workload's count")
     parser.add_argument("--rate", type=float, default=math.inf, help="requests/s (inf = all at 0)")
     parser.add_argument(
@@ -495,7 +499,9 @@ def _router_list(text: str) -> list[str]:
 def _load_workload(path: str | None) -> Workload:
     if path is None:
         return Workload.from_dict(DEFAULT_WORKLOAD)
-    workload = Workload.load(path)
+    from loadtest.cli import resolve_workload  # a shipped name ("tenants") or a path
+
+    workload = Workload.load(resolve_workload(path))
     if workload.prompt_source != "random":
         raise ValueError(
             f"workload {path}: the simulator needs token prompts (prompt.source 'random'); "
