@@ -16,7 +16,6 @@ stand-in for "which prefixes does my cache hold".
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
@@ -155,7 +154,8 @@ class KVServeReplica:
         return {
             "replica": self.replica,
             "num_ongoing": self.client.num_in_flight,
-            "draining": self.draining,
+            # A dead engine answers UNAVAILABLE until Ray replaces the replica: route around it.
+            "draining": self.draining or not self.built.engine.is_alive,
             "block_size": self.model.block_size,
             "keys": self.arrivals.snapshot(),
             "metrics_url": self.metrics_url,
@@ -167,15 +167,11 @@ class KVServeReplica:
             error = self.built.engine.dead_error
             raise RuntimeError(f"replica {self.replica}: engine died: {error!r}")
 
-    async def drain(self, grace_s: float = 30.0) -> int:
-        """Refuse new requests (UNAVAILABLE) and wait for in-flight ones; the number left."""
+    def __del__(self) -> None:
+        """Ray Serve calls this after the replica drained: it takes no new requests (Ray took
+        it out of routing first) and waited up to ``graceful_shutdown_timeout_s``."""
         self.draining = True
         self.servicer.accepting = False
-        await self.client.wait_idle(grace_s)
-        return self.client.num_in_flight
-
-    def __del__(self) -> None:
-        self.draining = True
         with contextlib.suppress(Exception):
             self.built.engine.stop(timeout_s=1.0)
         if self._metrics_server is not None:
@@ -207,7 +203,3 @@ class KVServeReplica:
         # Ray routes an Abort to any replica: it finds the request only where it runs. Client
         # cancellation (closing the stream) reaches the right replica and is the way to stop.
         return await self.servicer.Abort(request, _RayContext(grpc_context))  # type: ignore[arg-type]
-
-    async def num_in_flight(self) -> int:
-        await asyncio.sleep(0)
-        return self.client.num_in_flight

@@ -58,8 +58,9 @@ async def collect(
 
 
 async def test_generate_streams_and_cancel_reaches_the_replica(cluster: LocalCluster) -> None:
-    """Generate streams the fake runner's exact tokens through the proxy; closing a stream
-    aborts its request in the replica (reason client_cancel) and frees its blocks."""
+    """Generate streams the fake runner's exact tokens through the proxy; a bad request gets
+    the replica's INVALID_ARGUMENT; closing a stream aborts its request in the replica (reason
+    client_cancel) and frees its blocks."""
     engine = {**FAKE, "fake_step_sleep_s": 0.02}
     metrics_port = cluster.deploy("kv-stream", engine=engine, num_replicas=2)
     async with KVServeClient(cluster.address) as client:
@@ -67,6 +68,11 @@ async def test_generate_streams_and_cancel_reaches_the_replica(cluster: LocalClu
         assert [t for r in chunks for t in r.token_ids] == fake_tokens("s-1", 6)
         assert len(chunks) > 1  # streamed, not one reply
         assert chunks[-1].finished and chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await collect(client, "", "empty", 4)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "the prompt is empty" in (bad.value.details() or "")
 
         stream = client.generate("a long one", request_id="c-1", max_tokens=2000)
         received: list[int] = []
