@@ -37,6 +37,16 @@ class LabelledCollector:
             yield out
 
 
+def advertised_host(bind_host: str) -> str:
+    """The address others reach a server bound to ``bind_host`` at (this node's IP for a
+    wildcard), for the ``/targets`` listing."""
+    if bind_host in ("", "0.0.0.0", "::"):
+        from ray.util import get_node_ip_address
+
+        return str(get_node_ip_address())
+    return bind_host
+
+
 def labelled_registry(inner: CollectorRegistry, labels: Mapping[str, str]) -> CollectorRegistry:
     """A registry to serve: ``inner``'s metrics with ``labels`` on every series."""
     outer = CollectorRegistry(auto_describe=False)
@@ -89,7 +99,7 @@ def start_router_metrics_server(
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         if environ.get("PATH_INFO") == "/targets":
-            listed = [f"{host}:{bound['port']}", *targets()]
+            listed = [f"{advertised_host(host)}:{bound['port']}", *targets()]
             body = json.dumps([{"targets": listed, "labels": {"job": "kvserve"}}]).encode()
             start_response("200 OK", [("Content-Type", "application/json")])
             return [body]

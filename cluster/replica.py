@@ -24,7 +24,7 @@ from typing import Any
 
 import grpc
 
-from cluster.metrics import labelled_registry
+from cluster.metrics import advertised_host, labelled_registry
 from cluster.routing import routing_keys
 from scheduler.request import Request
 from server.config import ServerConfig, build_config
@@ -135,7 +135,7 @@ class KVServeReplica:
             built.engine.sink = sink
             served = labelled_registry(inner, {"replica": self.replica})
             self._metrics_server, port = start_metrics_server(metrics_host, metrics_port, served)
-            self.metrics_url = f"{metrics_host}:{port}"
+            self.metrics_url = f"{advertised_host(metrics_host)}:{port}"
         self.client = _ReportingClient(built.engine, self.arrivals)
         self.servicer = GenerationServicer(self.client, built.tokenizer, built.model, sink=sink)
         built.engine.start()

@@ -97,3 +97,13 @@ async def test_other_methods_and_bad_requests_go_to_the_least_loaded() -> None:
     broken = PendingRequest(args=[b"not a pickle"], kwargs={}, metadata=RequestMetadata("r", "i"))
     broken.metadata.call_method = "Generate"
     assert await chosen(router, [a, b], broken) == "b"
+
+
+def test_targets_advertise_a_reachable_address() -> None:
+    """A wildcard bind is listed as this node's IP; a concrete host as itself."""
+    from ray.util import get_node_ip_address
+
+    from cluster.metrics import advertised_host
+
+    assert advertised_host("127.0.0.1") == "127.0.0.1"
+    assert advertised_host("0.0.0.0") == get_node_ip_address() != "0.0.0.0"
