@@ -80,11 +80,18 @@ async def test_two_replicas_of_the_embedded_model_answer_as_one_server(tmp_path:
     proc = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "cluster", "serve", "--replicas", "2",
          "--replica-cpus", "0", "--threads", "1", "--kv-memory", "32MiB", "--router", "round-robin",
-         "--port", str(port), "--metrics-port", str(metrics_port)],
+         "--port", str(port), "--metrics-port", str(metrics_port),
+         "--port-file", str(tmp_path / "port")],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
         await asyncio.to_thread(wait_served, f"127.0.0.1:{port}", 240.0)
+        port_file = tmp_path / "port"
+        for _ in range(100):  # written once the app is up, just after the proxy answers
+            if port_file.exists():
+                break
+            await asyncio.sleep(0.1)
+        assert port_file.read_text() == f"{port}\n"
         got = [await greedy(f"127.0.0.1:{port}", p, f"c-{i}") for i, p in enumerate(PROMPTS)]
         urls = replica_targets(metrics_port, 2)
         finished = [
