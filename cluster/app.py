@@ -7,6 +7,17 @@
 or from a Ray Serve config file (``cluster/kvserve.yaml``; ``serve run`` / ``serve deploy``),
 whose ``args`` reach ``app_builder``. The engine settings are ``kvserve serve``'s
 (``server.config.ServerConfig`` keys), validated here, before any replica starts.
+
+The hook for an HTTP front end (the OpenAI-compatible API): an ingress deployment that takes
+the replicas' handle and streams their ``Generate``, routed by the same router::
+
+    @serve.deployment
+    class HTTPIngress:
+        def __init__(self, replicas: DeploymentHandle) -> None:
+            self.replicas = replicas.options(stream=True, method_name="Generate")
+        ...   # async for response in self.replicas.remote(pb.GenerateRequest(...)): ...
+
+    serve.run(HTTPIngress.bind(build_app(cfg)), name="kvserve")
 """
 
 from __future__ import annotations

@@ -235,3 +235,19 @@ async def test_shipped_yaml_config_deploys(cluster: LocalCluster) -> None:
         assert await collect(client, "from yaml", "y-1", 4) == fake_tokens("y-1", 4)
     with pytest.raises(ValueError, match="unknown kvserve cluster setting"):
         app_builder({"replicas": 2})
+
+
+async def test_a_deployment_handle_streams_generate_for_an_http_ingress(
+    cluster: LocalCluster,
+) -> None:
+    """The hook an HTTP front end uses: the replicas' handle streams Generate from a plain
+    GenerateRequest, routed by the same router, with the fake runner's exact tokens."""
+    from ray import serve
+
+    from server.client import build_generate_request
+
+    cluster.deploy("kv-handle", engine=FAKE, num_replicas=2)
+    handle = serve.get_app_handle("kv-handle").options(stream=True, method_name="Generate")
+    request = build_generate_request("from a handle", request_id="h-1", max_tokens=5)
+    tokens = [t async for response in handle.remote(request) for t in response.token_ids]
+    assert tokens == fake_tokens("h-1", 5)
