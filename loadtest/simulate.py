@@ -41,7 +41,7 @@ from cache_manager import KVCacheConfig, KVCacheManager
 from cluster.routing import ROUTERS, ReplicaLoad, make_router, routing_keys
 from loadtest.stats import summarize
 from loadtest.workload import RequestSpec, Workload, arrival_offsets
-from model_runner.sim import PROFILES, SimProfile, SimRunner, get_profile
+from model_runner.sim import PROFILES, SimProfile, SimRunner, get_profile, roofline_cost_model
 from scheduler import (
     OverloadError,
     Request,
@@ -50,6 +50,9 @@ from scheduler import (
     Scheduler,
     SchedulerConfig,
 )
+from scheduler.config import POLICIES
+from scheduler.cost_model import StepShape
+from scheduler.slo import attained
 
 # A ShareGPT-like mix: lognormal lengths, a third of requests behind one of 8 system prompts,
 # two priority classes.
@@ -118,7 +121,10 @@ class _SimEngine:
                 block_bytes=profile.model.kv_bytes_per_token * block_size,
             )
         )
-        self.sched = Scheduler(run.config, self.kv)
+        # slo: the roofline's least-squares fit as the prior, refitted online from every step
+        # (the simulated device's times are the "measurements").
+        self.cost_model = roofline_cost_model(profile) if run.config.policy == "slo" else None
+        self.sched = Scheduler(run.config, self.kv, self.cost_model)
         self.runner = SimRunner(profile)
         self.clock = self.runner.clock
         self.eos = self.runner.info.eos_token_ids
@@ -178,7 +184,7 @@ class _SimEngine:
         self.num_steps += 1
         if self.num_steps > self.max_steps:
             raise RuntimeError(f"{self.run.name}: no end after {self.max_steps} steps")
-        plan = sched.schedule()
+        plan = sched.schedule(clock.now_s)
         if plan.is_empty:
             raise RuntimeError(
                 f"{self.run.name}: step {plan.step_id} scheduled nothing with "
@@ -192,6 +198,8 @@ class _SimEngine:
         start_s = clock.now_s
         result = self.runner.execute(plan, padding=padding)
         now_s = clock.now_s
+        if self.cost_model is not None:
+            self.cost_model.observe(StepShape.of_plan(plan), now_s - start_s)
         usage = self.kv.usage
         self.usage_time += usage * (now_s - start_s)
         self.max_usage = max(self.max_usage, usage)
@@ -231,7 +239,6 @@ def simulate(
     block_size: int = 16,
     enable_prefix_caching: bool = True,
     max_steps: int = 2_000_000,
-    slo: Slo | None = None,
 ) -> dict[str, Any]:
     """Run one configuration over the workload on a fresh scheduler, cache and clock."""
     engine = _SimEngine(
@@ -263,7 +270,7 @@ def simulate(
                 clock.advance_to(arrivals_s[order[next_arrival]])
             continue
         engine.step()
-    return _report(run, [engine], slo or Slo())
+    return _report(run, [engine])
 
 
 def simulate_cluster(
@@ -278,7 +285,6 @@ def simulate_cluster(
     block_size: int = 16,
     enable_prefix_caching: bool = True,
     max_steps: int = 2_000_000,
-    slo: Slo | None = None,
     seed: int = 0,
 ) -> dict[str, Any]:
     """``num_replicas`` engines (each ``num_blocks`` of KV) behind ``cluster.routing``'s router.
@@ -313,7 +319,7 @@ def simulate_cluster(
         engines[int(decision.replica_id)].admit(spec, t_s)
     for engine in engines:
         engine.finish()
-    report = _report(run, engines, slo or Slo())
+    report = _report(run, engines)
     report["name"] = f"{num_replicas} x {router}"
     report["replicas"] = num_replicas
     report["router"] = router
@@ -321,24 +327,30 @@ def simulate_cluster(
     return report
 
 
-@dataclass(frozen=True, slots=True)
-class Slo:
-    """Goodput counts finished requests within both limits (None: no limit)."""
+def _goodput(done: Sequence[_Track], ttft_target_s: float, itl_target_s: float) -> dict[str, Any]:
+    """The share of finished requests that met both targets (``scheduler.slo.attained``), and
+    of each target alone; cancelled requests are not judged."""
+    judged = [t for t in done if t.finish_reason != "abort"]
+    met = {"ttft": 0, "itl": 0, "both": 0}
+    for t in judged:
+        ttft = t.token_times_s[0] - t.arrival_s if t.token_times_s else None
+        n = len(t.token_times_s)
+        tpot = (t.token_times_s[-1] - t.token_times_s[0]) / (n - 1) if n > 1 else None
+        ttft_ok, itl_ok = attained(ttft, tpot, ttft_target_s, itl_target_s)
+        met["ttft"] += ttft_ok
+        met["itl"] += itl_ok
+        met["both"] += ttft_ok and itl_ok
+    share = {k: v / len(judged) if judged else 0.0 for k, v in met.items()}
+    return {
+        "ttft_target_s": ttft_target_s,
+        "itl_target_s": itl_target_s,
+        "judged": len(judged),
+        "attained": share,
+        "goodput": share["both"],
+    }
 
-    ttft_s: float | None = None
-    tpot_s: float | None = None
 
-    def met(self, track: _Track) -> bool:
-        times = track.token_times_s
-        if not times or track.finished_s is None:
-            return False
-        if self.ttft_s is not None and times[0] - track.arrival_s > self.ttft_s:
-            return False
-        tpot_s = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
-        return self.tpot_s is None or tpot_s <= self.tpot_s
-
-
-def _report(run: RunSpec, engines: Sequence[_SimEngine], slo: Slo) -> dict[str, Any]:
+def _report(run: RunSpec, engines: Sequence[_SimEngine]) -> dict[str, Any]:
     tracks = {rid: t for e in engines for rid, t in e.tracks.items()}
     rejected: Counter[str] = sum((e.rejected for e in engines), Counter())
     num_steps = sum(e.num_steps for e in engines)
@@ -361,7 +373,7 @@ def _report(run: RunSpec, engines: Sequence[_SimEngine], slo: Slo) -> dict[str, 
     all_stats = [e.sched.make_stats() for e in engines]
     hits = sum(s.kv.prefix_hits_tokens_total for s in all_stats)
     queries = sum(s.kv.prefix_queries_tokens_total for s in all_stats)
-    within = sum(1 for t in done if slo.met(t))
+    goodput = _goodput(done, run.config.ttft_slo_s, run.config.itl_slo_s)
 
     def per_s(count: int) -> float:
         return count / duration_s if duration_s > 0 else 0.0
@@ -370,6 +382,7 @@ def _report(run: RunSpec, engines: Sequence[_SimEngine], slo: Slo) -> dict[str, 
         "name": run.name,
         "mode": "static" if run.static_batching else "continuous",
         "policy": run.config.policy,
+        "budget": run.config.max_num_batched_tokens,
         "num_requests": len(tracks) + sum(rejected.values()),
         "num_finished": len(done),
         "num_rejected": dict(rejected),
@@ -382,12 +395,9 @@ def _report(run: RunSpec, engines: Sequence[_SimEngine], slo: Slo) -> dict[str, 
             "total_tokens_per_s": per_s(num_output + num_prompt),
             "requests_per_s": per_s(len(done)),
         },
-        "goodput": {
-            "slo_ttft_s": slo.ttft_s,
-            "slo_tpot_s": slo.tpot_s,
-            "num_within_slo": within,
-            "requests_per_s": per_s(within),
-        },
+        "slo": goodput,
+        # Requests per second that met both targets (the share above times the finish rate).
+        "goodput_requests_per_s": goodput["goodput"] * per_s(goodput["judged"]),
         "ttft_s": summarize(ttft),
         "itl_s": summarize(itl),
         "tpot_s": summarize(tpot),
@@ -438,7 +448,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times"
     )
     parser.add_argument("--seed", type=int, default=0, help="arrival-time seed")
-    parser.add_argument("--policy", default="stall-free", choices=["stall-free", "prefill-first"])
+    parser.add_argument("--policy", default="stall-free", choices=list(POLICIES))
+    parser.add_argument("--itl-slo-ms", type=float, default=150.0, help="ITL target (goodput)")
+    parser.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="TTFT target")
+    parser.add_argument(
+        "--budgets",
+        default="512,2048,8192",
+        help="--compare: the stall-free token budgets the slo policy is held against",
+    )
     parser.add_argument("--queue-order", default="fcfs", choices=["fcfs", "priority"])
     parser.add_argument("--memory-mode", default="optimistic", choices=["optimistic", "reserve"])
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -456,8 +473,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="static vs continuous (prefill-first, stall-free) on the same arrivals",
     )
     parser.add_argument("--json", dest="json_path", help="write the full report here")
-    parser.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT limit")
-    parser.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT limit")
     cluster = parser.add_argument_group(
         "replicas", "many engines behind a router (kvserve cluster serve's routers)"
     )
@@ -522,16 +537,39 @@ def _run_specs(args: argparse.Namespace) -> list[RunSpec]:
         memory_mode=args.memory_mode,
         max_waiting_requests=1_000_000,
         max_waiting_tokens=1_000_000_000,
+        itl_slo_ms=args.itl_slo_ms,
+        ttft_slo_ms=args.ttft_slo_ms,
     )
 
-    def with_policy(policy: str) -> SchedulerConfig:
-        return SchedulerConfig(**{**_fields(base), "policy": policy})
+    def with_policy(policy: str, **changes: Any) -> SchedulerConfig:
+        return SchedulerConfig(**{**_fields(base), "policy": policy, **changes})
 
     if args.compare:
+        budgets = [int(b) for b in str(args.budgets).split(",") if b]
+        # The budget is the slo policy's ceiling only: give it the largest.
+        ceiling = max([base.max_num_batched_tokens, *budgets])
         return [
             RunSpec("static", base, static_batching=True),
             RunSpec("continuous prefill-first", with_policy("prefill-first")),
             RunSpec("continuous stall-free", with_policy("stall-free")),
+            *(
+                RunSpec(
+                    f"stall-free budget {b}",
+                    with_policy(
+                        "stall-free",
+                        max_num_batched_tokens=b,
+                        long_prefill_token_threshold=min(b, base.long_prefill_token_threshold)
+                        if base.long_prefill_token_threshold
+                        else 0,
+                    ),
+                )
+                for b in budgets
+                if b != base.max_num_batched_tokens
+            ),
+            RunSpec(
+                "continuous slo",
+                with_policy("slo", max_num_batched_tokens=ceiling, long_prefill_token_threshold=0),
+            ),
         ]
     if args.static_batching:
         return [RunSpec("static", base, static_batching=True)]
@@ -563,6 +601,7 @@ def format_table(runs: Sequence[dict[str, Any]]) -> str:
         ("KV mean", lambda r: f"{r['kv']['mean_usage']:.0%}"),
         ("KV max", lambda r: f"{r['kv']['max_usage']:.0%}"),
         ("hit", lambda r: f"{r['kv']['prefix_hit_rate']:.0%}"),
+        ("goodput", lambda r: f"{r['slo']['goodput']:.1%}"),
     ]
     rows = [[name for name, _ in columns]] + [[get(r) for _, get in columns] for r in runs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
@@ -595,6 +634,14 @@ def compare(runs: Sequence[dict[str, Any]]) -> dict[str, float | None]:
         )
     if pf and sf and pf["itl_s"]["p99"]:
         out["stall_free_over_prefill_first_itl_p99"] = sf["itl_s"]["p99"] / pf["itl_s"]["p99"]
+    slo = by_name.get("continuous slo")
+    if slo:
+        for r in runs:
+            if r["policy"] == "stall-free" and r["mode"] == "continuous":
+                budget = r["budget"]
+                out[f"slo_minus_stall_free_{budget}_goodput"] = (
+                    slo["slo"]["goodput"] - r["slo"]["goodput"]
+                )
     return out
 
 
@@ -603,7 +650,7 @@ def format_cluster_table(runs: Sequence[dict[str, Any]]) -> str:
     columns: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("replicas", lambda r: str(r["replicas"])),
         ("router", lambda r: str(r["router"])),
-        ("goodput req/s", lambda r: f"{r['goodput']['requests_per_s']:.2f}"),
+        ("goodput req/s", lambda r: f"{r['goodput_requests_per_s']:.2f}"),
         ("req/s", lambda r: f"{r['throughput']['requests_per_s']:.2f}"),
         ("TTFT p50", lambda r: _fmt_ms(r["ttft_s"], "p50")),
         ("TTFT p99", lambda r: _fmt_ms(r["ttft_s"], "p99")),
@@ -643,12 +690,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         num_blocks = profile.kv_budget_bytes // (profile.model.kv_bytes_per_token * args.block_size)
-    slo = Slo(
-        None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
-        None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3,
-    )
     if args.replicas:
-        return _main_cluster(args, workload, profile, runs[0], num_requests, num_blocks, slo)
+        return _main_cluster(args, workload, profile, runs[0], num_requests, num_blocks)
     specs = workload.build(num_requests, vocab_size=profile.model.vocab_size)
     arrivals = arrival_offsets(num_requests, args.rate, args.burstiness, args.seed)
     results = [
@@ -660,7 +703,6 @@ def main(argv: list[str] | None = None) -> int:
             num_blocks=num_blocks,
             block_size=args.block_size,
             enable_prefix_caching=not args.no_prefix_caching,
-            slo=slo,
         )
         for run in runs
     ]
@@ -699,14 +741,13 @@ def _main_cluster(
     run: RunSpec,
     num_requests: int,
     num_blocks: int,
-    slo: Slo,
 ) -> int:
     """``--replicas``: every (replica count, router) on the same arrivals per count."""
     print(
         f"profile {profile.name}: {profile.model.name} on {profile.hardware.name}, "
         f"{num_blocks} KV blocks of {args.block_size} tokens per replica; workload "
         f"{workload.name}, {num_requests} requests and rate {args.rate:g}/s per replica; "
-        f"SLO TTFT {args.slo_ttft_ms or '-'} ms, TPOT {args.slo_tpot_ms or '-'} ms",
+        f"goodput: TTFT <= {args.ttft_slo_ms:g} ms and TPOT <= {args.itl_slo_ms:g} ms",
         flush=True,
     )
     results = []
@@ -726,7 +767,6 @@ def _main_cluster(
                     num_blocks=num_blocks,
                     block_size=args.block_size,
                     enable_prefix_caching=not args.no_prefix_caching,
-                    slo=slo,
                     seed=args.seed,
                 )
             )

@@ -27,7 +27,9 @@ RUN_KEYS = {
     "num_rejected",
     "finish_reasons",
     "duration_s",
-    "goodput",
+    "budget",
+    "slo",
+    "goodput_requests_per_s",
     "num_prompt_tokens",
     "num_output_tokens",
     "throughput",
@@ -44,8 +46,9 @@ RUN_KEYS = {
 
 
 def test_compare_writes_a_json_report_for_every_run(tmp_path: Path) -> None:
-    """--compare on 12 requests: three runs, each finishing all 12 with every output token
-    (ignore_eos: max_tokens each) and one ITL sample per token after the first."""
+    """--compare on 12 requests: five runs (static, both continuous policies, stall-free at
+    the other budget, slo), each finishing all 12 with every output token (ignore_eos:
+    max_tokens each) and one ITL sample per token after the first."""
     path = tmp_path / "sim.json"
     argv = [
         "--profile=cpu-smollm2-135m-fp32",
@@ -54,6 +57,7 @@ def test_compare_writes_a_json_report_for_every_run(tmp_path: Path) -> None:
         "--compare",
         "--max-num-seqs=4",
         "--max-num-batched-tokens=256",
+        "--budgets=512",
         f"--json={path}",
     ]
     assert main(argv) == 0
@@ -75,6 +79,8 @@ def test_compare_writes_a_json_report_for_every_run(tmp_path: Path) -> None:
         "static",
         "continuous prefill-first",
         "continuous stall-free",
+        "stall-free budget 512",
+        "continuous slo",
     ]
     for run in report["runs"]:
         assert set(run) == RUN_KEYS
@@ -90,6 +96,8 @@ def test_compare_writes_a_json_report_for_every_run(tmp_path: Path) -> None:
         "continuous_over_static_throughput",
         "prefill_first_over_static_throughput",
         "stall_free_over_prefill_first_itl_p99",
+        "slo_minus_stall_free_256_goodput",
+        "slo_minus_stall_free_512_goodput",
     }
 
 

@@ -79,7 +79,7 @@ def test_cli_prints_and_writes_one_run_per_count_and_router(tmp_path: Path, caps
         "--router=prefix,round-robin",
         "--num-requests=6",
         "--rate=20",
-        "--slo-ttft-ms=500",
+        "--ttft-slo-ms=500",
         f"--json={path}",
     ]
     assert main(argv) == 0
@@ -91,7 +91,7 @@ def test_cli_prints_and_writes_one_run_per_count_and_router(tmp_path: Path, caps
         (2, "prefix", 12),
         (2, "round-robin", 12),
     ]
-    assert report["runs"][0]["goodput"]["slo_ttft_s"] == 0.5
+    assert report["runs"][0]["slo"]["ttft_target_s"] == 0.5
     out = capsys.readouterr().out
     assert "goodput req/s" in out and "2         round-robin" in out
 

@@ -27,6 +27,7 @@ def make_scheduler(
     *,
     enable_prefix_caching: bool = False,
     sliding_window: int | None = None,
+    cost_model: Any = None,
     **config: Any,
 ) -> tuple[Scheduler, KVCacheManager]:
     """A scheduler over a fresh cache. Small defaults: 4 seqs, 8 tokens per step, no chunk cap."""
@@ -42,7 +43,7 @@ def make_scheduler(
             sliding_window=sliding_window,
         )
     )
-    return Scheduler(SchedulerConfig(**config), kv), kv
+    return Scheduler(SchedulerConfig(**config), kv, cost_model), kv
 
 
 def make_runner(
@@ -90,9 +91,9 @@ class Step:
         return found
 
 
-def step(scheduler: Scheduler, runner: FakeRunner) -> Step:
+def step(scheduler: Scheduler, runner: FakeRunner, now_s: float | None = None) -> Step:
     """One engine step, then the cache manager's invariants."""
-    plan = scheduler.schedule()
+    plan = scheduler.schedule(now_s)
     result = runner.execute(plan)
     outputs = scheduler.update(plan, result)
     scheduler.kv.check_invariants()
