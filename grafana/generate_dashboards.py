@@ -5,7 +5,9 @@ committed JSON equals what this script produces, that it is a valid Grafana dash
 (with a real Prometheus scraping a live server) that every query returns data.
 
 Every panel and query takes its data source from the ``datasource`` template variable and
-filters on the ``instance`` variable; nothing names a host, a job or a data source uid.
+filters on the ``instance`` and ``replica`` variables; nothing names a host, a job or a data
+source uid. ``replica`` is the label ``kvserve cluster serve`` puts on each replica's series; a
+single server has none, and "All" (``.*``) also matches series without the label.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 SCHEMA_VERSION = 39
 DS = {"type": "prometheus", "uid": "${datasource}"}
-SEL = 'instance=~"$instance"'  # every selector filters on the instance variable
+SEL = 'instance=~"$instance", replica=~"$replica"'  # every selector filters on both variables
 RATE = "$__rate_interval"
 NOT_OK = 'code!="OK"'
 BOTH_MET, TTFT_MET, ITL_MET = (f'target="{t}"' for t in ("both", "ttft", "itl"))
@@ -133,8 +135,28 @@ def layout(items: list[Panel | list[Panel]]) -> list[Panel]:
     return panels
 
 
+def _query_variable(name: str, label: str) -> dict[str, Any]:
+    query = f"label_values(kvserve_model_info, {name})"
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": DS,
+        "definition": query,
+        "query": {"query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+        "includeAll": True,
+        "multi": True,
+        "allValue": ".*",
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "refresh": 2,
+        "sort": 1,
+        "hide": 0,
+        "regex": "",
+        "options": [],
+    }
+
+
 def templating() -> dict[str, Any]:
-    query = "label_values(kvserve_model_info, instance)"
     return {
         "list": [
             {
@@ -148,23 +170,8 @@ def templating() -> dict[str, Any]:
                 "regex": "",
                 "options": [],
             },
-            {
-                "name": "instance",
-                "label": "Instance",
-                "type": "query",
-                "datasource": DS,
-                "definition": query,
-                "query": {"query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
-                "includeAll": True,
-                "multi": True,
-                "allValue": ".*",
-                "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-                "refresh": 2,
-                "sort": 1,
-                "hide": 0,
-                "regex": "",
-                "options": [],
-            },
+            _query_variable("instance", "Instance"),
+            _query_variable("replica", "Replica"),
         ]
     }
 
@@ -654,7 +661,7 @@ def model_table() -> Panel:
         "datasource": DS,
         "targets": [
             target(
-                f"max by (instance, model, dtype, device, block_size, num_blocks) "
+                f"max by (instance, replica, model, dtype, device, block_size, num_blocks) "
                 f"(kvserve_model_info{{{SEL}}})",
                 "",
                 "A",

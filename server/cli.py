@@ -4,6 +4,7 @@
     kvserve generate [--chat] "What is the capital of France?"
     kvserve simulate ...      (loadtest.simulate: the scheduler on a simulated GPU)
     kvserve loadtest ...      (loadtest.cli: drive a running server)
+    kvserve cluster serve ... (cluster.cli: N replicas on Ray Serve, prefix-aware routing)
 
 ``serve`` settings come from flags, ``KVSERVE_*`` variables and ``--config`` (see
 ``server.config``). It exits 0 after a graceful stop (SIGTERM / SIGINT: health NOT_SERVING,
@@ -31,6 +32,7 @@ logger = logging.getLogger("kvserve")
 _DISPATCH = {
     "simulate": ("loadtest.simulate", "simulate a scheduler on a modelled GPU (no model)"),
     "loadtest": ("loadtest.cli", "drive a running server with a workload and report"),
+    "cluster": ("cluster.cli", "serve N replicas on Ray Serve (needs kvserve[ray])"),
 }
 
 

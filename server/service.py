@@ -100,6 +100,33 @@ class ServedModel:
         )
 
 
+def encode_chat(
+    tokenizer: ServerTokenizer, chat: pb.ChatMessages, add_special_tokens: bool
+) -> list[int]:
+    """Chat messages rendered with the model's template, then tokenized."""
+    text = tokenizer.apply_chat_template(
+        validation.chat_messages(chat),
+        add_generation_prompt=validation.add_generation_prompt(chat),
+    )
+    return tokenizer.encode(text, add_special_tokens)
+
+
+def prompt_token_ids(tokenizer: ServerTokenizer, request: pb.GenerateRequest) -> list[int]:
+    """A Generate request's prompt as token ids (text, chat or ids); blocking.
+
+    One home for what a prompt means: the servicer runs it in a thread, and the cluster
+    router runs it to find the replica that holds the prompt's prefix.
+    """
+    kind = validation.input_kind(request)
+    if kind == "token_ids":
+        return list(request.token_ids.ids)
+    if kind == "text":
+        if not request.text:
+            raise InvalidRequestError("the prompt is empty: text must not be empty")
+        return list(tokenizer.encode(request.text, True))
+    return list(encode_chat(tokenizer, request.chat, False))
+
+
 @dataclass(slots=True)
 class _Undecodable:
     """Stands in for a request message protobuf could not parse."""
@@ -172,26 +199,13 @@ class GenerationServicer:
     async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def _render_chat(self, chat: pb.ChatMessages) -> str:
-        messages = validation.chat_messages(chat)
-        return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=validation.add_generation_prompt(chat)
-        )
-
     def _encode_chat(self, chat: pb.ChatMessages, add_special_tokens: bool) -> list[int]:
-        return self.tokenizer.encode(self._render_chat(chat), add_special_tokens)
+        return encode_chat(self.tokenizer, chat, add_special_tokens)
 
     async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
-        kind = validation.input_kind(request)
-        if kind == "token_ids":
+        if validation.input_kind(request) == "token_ids":
             return list(request.token_ids.ids)
-        if kind == "text":
-            if not request.text:
-                raise InvalidRequestError("the prompt is empty: text must not be empty")
-            ids = await self._in_thread(self.tokenizer.encode, request.text, True)
-        else:
-            ids = await self._in_thread(self._encode_chat, request.chat, False)
-        return list(ids)
+        return await self._in_thread(prompt_token_ids, self.tokenizer, request)
 
     def _check_decoded(self, request: Any) -> None:
         if isinstance(request, _Undecodable):
