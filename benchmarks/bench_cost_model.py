@@ -13,12 +13,15 @@ online model (refitted after every step, as the engine does).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+from dataclasses import astuple
+from pathlib import Path
 from typing import Any
 
 from scheduler.cost_model import FEATURES
 from server.build import build_engine
-from server.calibration import Round, calibrate, run_rounds
+from server.calibration import ROUNDS, Round, calibrate, run_rounds
 from server.config import ServerConfig
 
 HELD_OUT: tuple[Round, ...] = (
@@ -30,13 +33,22 @@ HELD_OUT: tuple[Round, ...] = (
 )
 
 
-def measure(threads: int | None = None, seed: int = 1) -> dict[str, Any]:
+def measure(threads: int | None = None, seed: int = 1, dump: Path | None = None) -> dict[str, Any]:
     cfg = ServerConfig(policy="slo", threads=threads, metrics=False)
     built = build_engine(cfg)
     runner = built.runner
     cache = built.scheduler.kv.config
     max_model_len = built.model.max_model_len
     prior = calibrate(runner, cache, max_model_len)
+    if dump is not None:
+        calib = run_rounds(runner, cache, max_model_len, ROUNDS, seed=seed)
+        held = run_rounds(runner, cache, max_model_len, HELD_OUT, seed=seed + 1)
+        rows = [("calibration", calib), ("held_out", held)]
+        dump.write_text(
+            json.dumps(
+                {name: [[*astuple(sh), t] for sh, t in data] for name, data in rows}, indent=1
+            )
+        )
     online = calibrate(runner, cache, max_model_len, seed=seed)  # refitted below
     samples = run_rounds(runner, cache, max_model_len, HELD_OUT, seed=seed + 1)
     prior_errors: list[float] = []
@@ -60,8 +72,9 @@ def measure(threads: int | None = None, seed: int = 1) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_cost_model")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dump", type=Path, help="also write raw (shape, seconds) samples here")
     args = p.parse_args(argv)
-    result = measure(args.threads)
+    result = measure(args.threads, dump=args.dump)
     low, high = result["step_ms_range"]
     print(
         f"{result['steps']} held-out steps of {low}-{high} ms: median |error| "

@@ -23,9 +23,12 @@ not excite ("covariance wind-up"), after which one odd step can throw the fit fa
 covariance's trace is therefore capped (``TRACE_CAP`` times the prior's): forgetting pauses
 while the fit is that uncertain.
 
-The coefficients are kept >= 0 (each update is projected), since every part of a step
-costs time. Features are scaled to be O(1) for typical steps (``SCALES``) so the update is well
-conditioned in float64.
+Two variants lost in the simulated comparison (``kvserve simulate --compare``): projecting
+the coefficients onto >= 0 after each update (the fit's covariance no longer matches its
+coefficients, the intercept stays high, admissions stall), and weighting the online updates
+by relative error (the H100 roofline's max(compute, memory) is not linear, and relative
+weights chase the small steps). Features are scaled to be O(1) for typical steps
+(``SCALES``) so the update is well conditioned in float64.
 """
 
 from __future__ import annotations
@@ -203,9 +206,6 @@ class StepCostModel:
         denom = lam + sum(x[i] * px[i] for i in range(_K))
         gain = [v / denom for v in px]
         error = seconds - sum(t * v for t, v in zip(self._theta, x, strict=True))
-        # Projected onto theta >= 0: every part of a step costs time. Unprojected, collinear
-        # features let one coefficient go negative against another, and a step of a shape
-        # seldom seen is then predicted far off (even below zero).
         self._theta = [t + g * error for t, g in zip(self._theta, gain, strict=True)]
         # P = (P - g x^T P) / lambda, with the trace capped (no wind-up; module docstring).
         new_p = [[p[i][j] - gain[i] * px[j] for j in range(_K)] for i in range(_K)]
