@@ -14,13 +14,13 @@ import json
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
-from wsgiref.simple_server import WSGIServer, make_server
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.metrics_core import Metric
 
 from cluster.routing import REASONS, Decision
-from metrics.prometheus import TOKEN_COUNT_BUCKETS, _SilentHandler, _ThreadingWSGIServer
+from metrics.prometheus import TOKEN_COUNT_BUCKETS
 
 
 class LabelledCollector:
@@ -105,10 +105,33 @@ def start_router_metrics_server(
             return [body]
         return metrics_app(environ, start_response)
 
-    httpd = make_server(host, port, app, server_class=_ThreadingWSGIServer,
-                        handler_class=_SilentHandler)  # fmt: skip
-    bound["port"] = int(httpd.server_port)
-    thread = threading.Thread(target=httpd.serve_forever, name="kvserve-router-metrics",
-                              daemon=True)  # fmt: skip
-    thread.start()
+    httpd, bound["port"] = serve_wsgi(host, port, app, "kvserve-router-metrics")
     return httpd, bound["port"]
+
+
+def start_metrics_server(
+    host: str, port: int, registry: CollectorRegistry
+) -> tuple[WSGIServer, int]:
+    """Serve a replica's ``registry`` on ``/metrics`` (Ray actors have no event loop of ours
+    for the server's uvicorn front, so a small WSGI server on its own thread)."""
+    return serve_wsgi(host, port, make_wsgi_app(registry), "kvserve-replica-metrics")
+
+
+def stop_metrics_server(httpd: WSGIServer) -> None:
+    httpd.shutdown()
+    httpd.server_close()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    timeout = 10  # seconds: a client that stops mid-request is dropped, not waited on
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # a scrape every few seconds is not news
+
+
+def serve_wsgi(host: str, port: int, app: Callable[..., Any], name: str) -> tuple[WSGIServer, int]:
+    """Serve ``app`` on a daemon thread, one request at a time (bounded: a slow or idle
+    client holds no more than one connection's worth of the server)."""
+    httpd = make_server(host, port, app, handler_class=_QuietHandler)
+    threading.Thread(target=httpd.serve_forever, name=name, daemon=True).start()
+    return httpd, int(httpd.server_port)

@@ -24,7 +24,12 @@ from typing import Any
 
 import grpc
 
-from cluster.metrics import advertised_host, labelled_registry
+from cluster.metrics import (
+    advertised_host,
+    labelled_registry,
+    start_metrics_server,
+    stop_metrics_server,
+)
 from cluster.routing import routing_keys
 from scheduler.request import Request
 from server.config import ServerConfig, build_config
@@ -48,6 +53,14 @@ class _RayContext:
 
     def time_remaining(self) -> float | None:
         return None  # the proxy holds the client's deadline and cancels the call at it
+
+    def invocation_metadata(self) -> Any:
+        """The client's metadata as the proxy passed it on (its API key, for ownership)."""
+        return () if self._context is None else self._context.invocation_metadata()
+
+    def peer(self) -> str:
+        """The client's address as the proxy saw it (ownership when auth is off)."""
+        return "" if self._context is None else str(self._context.peer())
 
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         if self._context is not None:
@@ -126,7 +139,7 @@ class KVServeReplica:
         if cfg.metrics:
             from prometheus_client import CollectorRegistry
 
-            from metrics.prometheus import PrometheusSink, start_metrics_server
+            from metrics.prometheus import PrometheusSink
 
             inner = CollectorRegistry()
             sink = PrometheusSink(
@@ -175,8 +188,6 @@ class KVServeReplica:
         with contextlib.suppress(Exception):
             self.built.engine.stop(timeout_s=1.0)
         if self._metrics_server is not None:
-            from metrics.prometheus import stop_metrics_server
-
             with contextlib.suppress(Exception):
                 stop_metrics_server(self._metrics_server)
 

@@ -28,7 +28,7 @@ from tests.cluster.helpers import (
     wait_served,
 )
 from tests.metrics.helpers import free_port
-from tests.server.helpers import expected_tokens
+from tests.server.helpers import LOCAL_OWNER, expected_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -41,9 +41,11 @@ def cluster() -> Iterator[LocalCluster]:
     yield from start_local_cluster()
 
 
-def fake_tokens(request_id: str, num_tokens: int) -> list[int]:
+def fake_tokens(request_id: str, num_tokens: int, owner: str = LOCAL_OWNER) -> list[int]:
+    """The fake runner's tokens for a client's request, scoped by its owner (the peer seen
+    through the proxy: this machine)."""
     runner = build_engine(build_config(FAKE, environ={})).runner
-    return expected_tokens(runner, request_id, num_tokens)  # type: ignore[arg-type]
+    return expected_tokens(runner, request_id, num_tokens, owner)  # type: ignore[arg-type]
 
 
 async def collect(
@@ -250,4 +252,5 @@ async def test_a_deployment_handle_streams_generate_for_an_http_ingress(
     handle = serve.get_app_handle("kv-handle").options(stream=True, method_name="Generate")
     request = build_generate_request("from a handle", request_id="h-1", max_tokens=5)
     tokens = [t async for response in handle.remote(request) for t in response.token_ids]
-    assert tokens == fake_tokens("h-1", 5)
+    # No gRPC context on a handle call: the owner is an unknown peer ("peer:").
+    assert tokens == fake_tokens("h-1", 5, owner="peer:")
