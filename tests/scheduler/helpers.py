@@ -27,6 +27,9 @@ def make_scheduler(
     *,
     enable_prefix_caching: bool = False,
     sliding_window: int | None = None,
+    attention_sinks: int = 0,
+    kv_strategy: str = "always",
+    kv_strategy_threshold: int = 512,
     **config: Any,
 ) -> tuple[Scheduler, KVCacheManager]:
     """A scheduler over a fresh cache. Small defaults: 4 seqs, 8 tokens per step, no chunk cap."""
@@ -40,6 +43,9 @@ def make_scheduler(
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,
             sliding_window=sliding_window,
+            attention_sinks=attention_sinks,
+            kv_strategy=kv_strategy,
+            kv_strategy_threshold=kv_strategy_threshold,
         )
     )
     return Scheduler(SchedulerConfig(**config), kv), kv
