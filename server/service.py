@@ -378,6 +378,9 @@ class GenerationServicer:
             preemptions_total=stats.num_preemptions_total,  # the scheduler preempts
             num_blocks_reserved=kv.num_blocks_reserved,
             block_bytes=kv.block_bytes,
+            kv_strategy=kv.kv_strategy,
+            strategy_dropped_tokens_total=kv.strategy_dropped_tokens_total,
+            strategy_windowed_tokens_total=kv.strategy_windowed_tokens_total,
         )
 
     async def Abort(
