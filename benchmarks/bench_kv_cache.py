@@ -40,6 +40,7 @@ class Point:
     length: int  # prompt tokens: the sequence length at the first measured token
     ms_per_token: float
     samples_ms: tuple[float, ...]
+    token_ids: tuple[int, ...]  # the greedy tokens generated (both strategies should agree)
 
 
 def load_runner(max_len: int, threads: int) -> Any:
@@ -84,6 +85,7 @@ def measure(runner: Any, strategy: str, length: int, tokens: int) -> Point:
     sampling = SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True)
     scheduler.add_request(Request(f"{strategy}-{length}", prompt, sampling=sampling))
     samples: list[float] = []
+    token_ids: list[int] = []
     first = True
     while scheduler.has_unfinished_requests():
         t0 = time.perf_counter()
@@ -93,10 +95,11 @@ def measure(runner: Any, strategy: str, length: int, tokens: int) -> Point:
         elapsed = time.perf_counter() - t0
         if not any(o.new_token_ids for o in outs):
             raise RuntimeError(f"{strategy} at {length}: a step produced no token")
+        token_ids.extend(t for o in outs for t in o.new_token_ids)
         if not first:
             samples.append(elapsed * 1e3)
         first = False
-    return Point(strategy, length, statistics.median(samples), tuple(samples))
+    return Point(strategy, length, statistics.median(samples), tuple(samples), tuple(token_ids))
 
 
 def run(lengths: tuple[int, ...], tokens: int, threads: int) -> list[Point]:
@@ -111,17 +114,22 @@ def run(lengths: tuple[int, ...], tokens: int, threads: int) -> list[Point]:
 
 
 def format_table(points: list[Point]) -> str:
-    """Markdown: one row per length, both strategies and their ratio."""
-    by = {(p.strategy, p.length): p.ms_per_token for p in points}
+    """Markdown: one row per length, both strategies, their ratio, and whether both
+    generated the same greedy tokens."""
+    by = {(p.strategy, p.length): p for p in points}
     lengths = sorted({p.length for p in points})
     lines = [
         "| Sequence length (tokens) | With KV cache (ms/token) | Recompute, `disabled` "
-        "(ms/token) | disabled / cache |",
-        "|---|---|---|---|",
+        "(ms/token) | disabled / cache | Same tokens |",
+        "|---|---|---|---|---|",
     ]
     for n in lengths:
         a, d = by[("always", n)], by[("disabled", n)]
-        lines.append(f"| {n:,} | {a:.1f} | {d:.1f} | {d / a:.1f}x |")
+        same = "yes" if a.token_ids == d.token_ids else "no"
+        ratio = d.ms_per_token / a.ms_per_token
+        lines.append(
+            f"| {n:,} | {a.ms_per_token:.1f} | {d.ms_per_token:.1f} | {ratio:.1f}x | {same} |"
+        )
     return "\n".join(lines)
 
 

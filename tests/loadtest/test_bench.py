@@ -84,6 +84,7 @@ def test_run_all_quick_prints_one_table_and_writes_json(tmp_path: Path) -> None:
         (s, n) for n in (64, 128, 256) for s in ("always", "disabled")
     ]
     assert all(len(p["samples_ms"]) == 2 and p["ms_per_token"] > 0 for p in points)
+    assert all(len(p["token_ids"]) == 3 for p in points)
     assert Path(doc["kvcache"]["png"]).stat().st_size > 10_000
     assert "| Sequence length (tokens) |" in done.stdout
     sinks = {r["name"]: r for r in doc["sinks"]}
@@ -109,12 +110,15 @@ def test_kv_cache_table_and_integration() -> None:
     sequence time integrates the per-token times with the trapezoid rule (a flat curve of
     2 ms gives 2 ms x L)."""
     points = [
-        Point("always", 64, 5.0, (5.0,)),
-        Point("disabled", 64, 50.0, (50.0,)),
-        Point("always", 128, 6.0, (6.0,)),
-        Point("disabled", 128, 110.0, (110.0,)),
+        Point("always", 64, 5.0, (5.0,), (7, 8)),
+        Point("disabled", 64, 50.0, (50.0,), (7, 8)),
+        Point("always", 128, 6.0, (6.0,), (7, 8)),
+        Point("disabled", 128, 110.0, (110.0,), (7, 9)),
     ]
     lines = kv_cache_table(points).splitlines()
-    assert lines[2:] == ["| 64 | 5.0 | 50.0 | 10.0x |", "| 128 | 6.0 | 110.0 | 18.3x |"]
+    assert lines[2:] == [
+        "| 64 | 5.0 | 50.0 | 10.0x | yes |",
+        "| 128 | 6.0 | 110.0 | 18.3x | no |",
+    ]
     assert _integrated_s([64, 128, 256], [2.0, 2.0, 2.0]) == [0.128, 0.256, 0.512]
     assert _integrated_s([64, 128], [5.0, 6.0]) == pytest.approx([0.32, 0.32 + 5.5 * 64 / 1e3])
