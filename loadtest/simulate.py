@@ -40,7 +40,7 @@ from typing import Any
 from cache_manager import KVCacheConfig, KVCacheManager
 from loadtest.stats import summarize
 from loadtest.workload import RequestSpec, Workload, arrival_offsets
-from model_runner.sim import PROFILES, SimProfile, SimRunner, get_profile
+from model_runner.sim import PROFILES, SimProfile, SimRunner, get_profile, roofline_cost_model
 from scheduler import (
     OverloadError,
     Request,
@@ -49,6 +49,9 @@ from scheduler import (
     Scheduler,
     SchedulerConfig,
 )
+from scheduler.config import POLICIES
+from scheduler.cost_model import StepShape
+from scheduler.slo import attained
 
 # A ShareGPT-like mix: lognormal lengths, a third of requests behind one of 8 system prompts,
 # two priority classes.
@@ -114,7 +117,10 @@ def simulate(
             block_bytes=profile.model.kv_bytes_per_token * block_size,
         )
     )
-    sched = Scheduler(run.config, kv)
+    # slo: the roofline's least-squares fit as the prior, refitted online from every step
+    # (the simulated device's times are the "measurements").
+    cost_model = roofline_cost_model(profile) if run.config.policy == "slo" else None
+    sched = Scheduler(run.config, kv, cost_model)
     runner = SimRunner(profile)
     clock = runner.clock
     eos = runner.info.eos_token_ids
@@ -184,7 +190,7 @@ def simulate(
         num_steps += 1
         if num_steps > max_steps:
             raise RuntimeError(f"{run.name}: no end after {max_steps} steps")
-        plan = sched.schedule()
+        plan = sched.schedule(clock.now_s)
         if plan.is_empty:
             raise RuntimeError(
                 f"{run.name}: step {plan.step_id} scheduled nothing with "
@@ -198,6 +204,8 @@ def simulate(
         start_s = clock.now_s
         result = runner.execute(plan, padding=padding)
         now_s = clock.now_s
+        if cost_model is not None:
+            cost_model.observe(StepShape.of_plan(plan), now_s - start_s)
         usage = kv.usage
         usage_time += usage * (now_s - start_s)
         max_usage = max(max_usage, usage)
@@ -215,6 +223,29 @@ def simulate(
                 to_cancel.discard(rid)
 
     return _report(run, sched, kv, tracks, rejected, num_steps, usage_time, max_usage, decode_rows)
+
+
+def _goodput(done: Sequence[_Track], ttft_target_s: float, itl_target_s: float) -> dict[str, Any]:
+    """The share of finished requests that met both targets (``scheduler.slo.attained``), and
+    of each target alone; cancelled requests are not judged."""
+    judged = [t for t in done if t.finish_reason != "abort"]
+    met = {"ttft": 0, "itl": 0, "both": 0}
+    for t in judged:
+        ttft = t.token_times_s[0] - t.arrival_s if t.token_times_s else None
+        n = len(t.token_times_s)
+        tpot = (t.token_times_s[-1] - t.token_times_s[0]) / (n - 1) if n > 1 else None
+        ttft_ok, itl_ok = attained(ttft, tpot, ttft_target_s, itl_target_s)
+        met["ttft"] += ttft_ok
+        met["itl"] += itl_ok
+        met["both"] += ttft_ok and itl_ok
+    share = {k: v / len(judged) if judged else 0.0 for k, v in met.items()}
+    return {
+        "ttft_target_s": ttft_target_s,
+        "itl_target_s": itl_target_s,
+        "judged": len(judged),
+        "attained": share,
+        "goodput": share["both"],
+    }
 
 
 def _report(
@@ -242,6 +273,7 @@ def _report(
         if len(t.token_times_s) > 1
     ]
     e2e = [t.finished_s - t.arrival_s for t in done if t.finished_s is not None]
+    goodput = _goodput(done, run.config.ttft_slo_s, run.config.itl_slo_s)
     queue = [t.first_scheduled_s - t.arrival_s for t in done if t.first_scheduled_s is not None]
     stats = sched.make_stats()
 
@@ -252,6 +284,7 @@ def _report(
         "name": run.name,
         "mode": "static" if run.static_batching else "continuous",
         "policy": run.config.policy,
+        "budget": run.config.max_num_batched_tokens,
         "num_requests": len(tracks) + sum(rejected.values()),
         "num_finished": len(done),
         "num_rejected": dict(rejected),
@@ -264,6 +297,7 @@ def _report(
             "total_tokens_per_s": per_s(num_output + num_prompt),
             "requests_per_s": per_s(len(done)),
         },
+        "slo": goodput,
         "ttft_s": summarize(ttft),
         "itl_s": summarize(itl),
         "tpot_s": summarize(tpot),
@@ -305,7 +339,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times"
     )
     parser.add_argument("--seed", type=int, default=0, help="arrival-time seed")
-    parser.add_argument("--policy", default="stall-free", choices=["stall-free", "prefill-first"])
+    parser.add_argument("--policy", default="stall-free", choices=list(POLICIES))
+    parser.add_argument("--itl-slo-ms", type=float, default=150.0, help="ITL target (goodput)")
+    parser.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="TTFT target")
+    parser.add_argument(
+        "--budgets",
+        default="512,2048,8192",
+        help="--compare: the stall-free token budgets the slo policy is held against",
+    )
     parser.add_argument("--queue-order", default="fcfs", choices=["fcfs", "priority"])
     parser.add_argument("--memory-mode", default="optimistic", choices=["optimistic", "reserve"])
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -350,16 +391,39 @@ def _run_specs(args: argparse.Namespace) -> list[RunSpec]:
         memory_mode=args.memory_mode,
         max_waiting_requests=1_000_000,
         max_waiting_tokens=1_000_000_000,
+        itl_slo_ms=args.itl_slo_ms,
+        ttft_slo_ms=args.ttft_slo_ms,
     )
 
-    def with_policy(policy: str) -> SchedulerConfig:
-        return SchedulerConfig(**{**_fields(base), "policy": policy})
+    def with_policy(policy: str, **changes: Any) -> SchedulerConfig:
+        return SchedulerConfig(**{**_fields(base), "policy": policy, **changes})
 
     if args.compare:
+        budgets = [int(b) for b in str(args.budgets).split(",") if b]
+        # The budget is the slo policy's ceiling only: give it the largest.
+        ceiling = max([base.max_num_batched_tokens, *budgets])
         return [
             RunSpec("static", base, static_batching=True),
             RunSpec("continuous prefill-first", with_policy("prefill-first")),
             RunSpec("continuous stall-free", with_policy("stall-free")),
+            *(
+                RunSpec(
+                    f"stall-free budget {b}",
+                    with_policy(
+                        "stall-free",
+                        max_num_batched_tokens=b,
+                        long_prefill_token_threshold=min(b, base.long_prefill_token_threshold)
+                        if base.long_prefill_token_threshold
+                        else 0,
+                    ),
+                )
+                for b in budgets
+                if b != base.max_num_batched_tokens
+            ),
+            RunSpec(
+                "continuous slo",
+                with_policy("slo", max_num_batched_tokens=ceiling, long_prefill_token_threshold=0),
+            ),
         ]
     if args.static_batching:
         return [RunSpec("static", base, static_batching=True)]
@@ -391,6 +455,7 @@ def format_table(runs: Sequence[dict[str, Any]]) -> str:
         ("KV mean", lambda r: f"{r['kv']['mean_usage']:.0%}"),
         ("KV max", lambda r: f"{r['kv']['max_usage']:.0%}"),
         ("hit", lambda r: f"{r['kv']['prefix_hit_rate']:.0%}"),
+        ("goodput", lambda r: f"{r['slo']['goodput']:.1%}"),
     ]
     rows = [[name for name, _ in columns]] + [[get(r) for _, get in columns] for r in runs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
@@ -423,6 +488,14 @@ def compare(runs: Sequence[dict[str, Any]]) -> dict[str, float | None]:
         )
     if pf and sf and pf["itl_s"]["p99"]:
         out["stall_free_over_prefill_first_itl_p99"] = sf["itl_s"]["p99"] / pf["itl_s"]["p99"]
+    slo = by_name.get("continuous slo")
+    if slo:
+        for r in runs:
+            if r["policy"] == "stall-free" and r["mode"] == "continuous":
+                budget = r["budget"]
+                out[f"slo_minus_stall_free_{budget}_goodput"] = (
+                    slo["slo"]["goodput"] - r["slo"]["goodput"]
+                )
     return out
 
 

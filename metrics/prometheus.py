@@ -46,6 +46,7 @@ from cache_manager.stats import KVCacheStats
 from metrics.records import RequestRecord, StepRecord
 from scheduler.output import SchedulerStats
 from scheduler.request import AbortReason, FinishReason
+from scheduler.slo import attained
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,10 @@ STEP_REQUEST_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 # --- bounded label values ---
 STEP_KINDS = ("prefill", "decode", "mixed")  # "idle" steps are not observed
+PREDICTION_ERROR_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+SLO_TARGETS = ("ttft", "itl", "both")
+# Priority label values of the SLO counters (a client picks its priority: bounded series).
+SLO_PRIORITIES = tuple(str(p) for p in range(10))
 ABORT_REASONS = (*(r.value for r in AbortReason), "overload", "error")
 REJECT_REASONS = ("overload", "invalid")
 OTHER = "other"
@@ -208,8 +213,12 @@ class PrometheusSink:
         self,
         registry: CollectorRegistry | None = None,
         model_info: dict[str, str] | None = None,
+        slo_targets_s: tuple[float, float] = (2.0, 0.15),
     ) -> None:
+        """``slo_targets_s``: the server's default (TTFT, ITL) targets, for requests that
+        carry none."""
         self.registry = registry if registry is not None else CollectorRegistry()
+        self._slo_targets_s = slo_targets_s
         self._model_info = {_label_name(k): str(v) for k, v in (model_info or {}).items()}
         self._lock = threading.Lock()
         self._stats: SchedulerStats = SchedulerStats.make_empty(
@@ -234,6 +243,14 @@ class PrometheusSink:
         self._step_prefill_reqs = _Histogram(STEP_REQUEST_BUCKETS)
         self._step_decode_reqs = _Histogram(STEP_REQUEST_BUCKETS)
         self._step_sched_cpu = _Histogram(SCHEDULER_CPU_BUCKETS_S)
+        # The step-cost model (the slo policy): predicted and measured iterations.
+        self._step_predicted = _Histogram(STEP_DURATION_BUCKETS_S)
+        self._step_actual = _Histogram(STEP_DURATION_BUCKETS_S)
+        self._step_error = _Histogram(PREDICTION_ERROR_BUCKETS)
+        # Requests judged against their latency targets, and those that met them, by
+        # priority label (SLO_PRIORITIES or "other").
+        self._slo_requests: dict[str, int] = {}
+        self._slo_attained: dict[tuple[str, str], int] = {}
         # Event counters (not in any snapshot). Known label values start at 0 so the series
         # exist, and rate() over them is 0 rather than empty, from the first scrape on.
         self._aborts = dict.fromkeys(ABORT_REASONS, 0)
@@ -256,6 +273,11 @@ class PrometheusSink:
             self._step_prefill_reqs.observe(stats.num_prefill_reqs)
             self._step_decode_reqs.observe(stats.num_decode_reqs)
             self._step_sched_cpu.observe(_nonneg(record.schedule_cpu_s))
+            if record.predicted_s is not None and record.iteration_s > 0:
+                self._step_predicted.observe(_nonneg(record.predicted_s))
+                self._step_actual.observe(record.iteration_s)
+                error = abs(record.predicted_s - record.iteration_s) / record.iteration_s
+                self._step_error.observe(error)
 
     @_never_raise
     def on_request_done(self, record: RequestRecord) -> None:
@@ -280,7 +302,26 @@ class PrometheusSink:
         elif r.finish_reason == FinishReason.ERROR.value:
             abort_key = "error"
         num_prompt, num_output = int(r.num_prompt_tokens), int(r.num_output_tokens)
+        # Goodput: every request but those its client gave up on is judged on its targets.
+        judged = abort_key not in (AbortReason.CLIENT_CANCEL.value, AbortReason.ABORT_CALL.value)
+        default_ttft, default_itl = self._slo_targets_s
+        ttft_ok, itl_ok = attained(
+            ttft_s,
+            tpot_s,
+            default_ttft if r.ttft_target_s is None else r.ttft_target_s,
+            default_itl if r.itl_target_s is None else r.itl_target_s,
+        )
+        priority = str(r.priority) if str(r.priority) in SLO_PRIORITIES else OTHER
         with self._lock:
+            if judged:
+                self._slo_requests[priority] = self._slo_requests.get(priority, 0) + 1
+                for target, ok in (
+                    ("ttft", ttft_ok),
+                    ("itl", itl_ok),
+                    ("both", ttft_ok and itl_ok),
+                ):
+                    key = (priority, target)
+                    self._slo_attained[key] = self._slo_attained.get(key, 0) + ok
             self._e2e.observe(e2e_s)
             for hist, value in (
                 (self._queue, queue_s),
@@ -326,7 +367,23 @@ class PrometheusSink:
             rejected = dict(self._rejected)
             rpcs = dict(self._rpcs)
             sink_errors = self._sink_errors
+            slo_requests = dict(self._slo_requests)
+            slo_attained = dict(self._slo_attained)
         yield self._info_family(stats.kv)
+        yield _counter(
+            "slo_requests_total",
+            "Requests judged against their latency targets (all but client cancels and Abort "
+            "calls), by priority.",
+            ["priority"],
+            [((p,), v) for p, v in sorted(slo_requests.items())],
+        )
+        yield _counter(
+            "slo_attained_total",
+            "Judged requests that met their targets, by priority and target: ttft (first "
+            "token in time), itl (time per output token in time), both (goodput).",
+            ["priority", "target"],
+            [(k, v) for k, v in sorted(slo_attained.items())],
+        )
         yield from self._scheduler_families(stats)
         yield from self._kv_families(stats.kv)
         yield from hists
@@ -546,6 +603,21 @@ class PrometheusSink:
                 "step_scheduler_cpu_seconds",
                 "CPU time of schedule() + update() per step.",
                 self._step_sched_cpu,
+            ),
+            (
+                "step_predicted_seconds",
+                "The step-cost model's prediction of each iteration (slo policy).",
+                self._step_predicted,
+            ),
+            (
+                "step_iteration_seconds",
+                "Measured iteration (schedule to processed outputs) of the predicted steps.",
+                self._step_actual,
+            ),
+            (
+                "step_prediction_error_ratio",
+                "|predicted - measured| / measured iteration time, per step (slo policy).",
+                self._step_error,
             ),
         ):
             family = HistogramMetricFamily(PREFIX + name, doc, labels=[])

@@ -22,6 +22,10 @@ class StepRecord:
     kind: str  # "prefill", "decode", "mixed" (both batches in one step) or "idle"
     step_duration_s: float  # wall time of runner.execute
     schedule_cpu_s: float  # CPU time of scheduler.schedule() + scheduler.update()
+    # The whole iteration (schedule to processed outputs: what an inter-token gap is), and
+    # what the step-cost model predicted for it (None without one).
+    iteration_s: float = 0.0
+    predicted_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +48,10 @@ class RequestRecord:
     finished_s: float
     # Gaps between consecutive output tokens (len == num_output_tokens - 1 when complete).
     inter_token_s: list[float] = field(default_factory=list)
+    priority: int = 0
+    # The request's own latency targets (None: the server's defaults).
+    ttft_target_s: float | None = None
+    itl_target_s: float | None = None
 
 
 class MetricsSink(Protocol):

@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from cache_manager.sizing import ModelShape
 from model_runner.base import ModelInfo
 from model_runner.fake import FakeRunner
+from scheduler.cost_model import StepCostModel, StepShape
 from scheduler.output import ModelOutput, SchedulerOutput
 
 
@@ -386,3 +387,24 @@ def get_profile(name: str) -> SimProfile:
         raise ValueError(
             f"unknown simulation profile {name!r}; known: {', '.join(sorted(PROFILES))}"
         ) from None
+
+
+def roofline_cost_model(profile: SimProfile | str, **kwargs: float) -> StepCostModel:
+    """A step-cost model whose prior is this profile's roofline, fitted by least squares over
+    a grid of step shapes (decode batches over short and long contexts, prefill chunks after
+    short and long prefixes, and mixes): the ``slo`` policy's prior for a named device."""
+    profile = get_profile(profile) if isinstance(profile, str) else profile
+    samples = []
+    for num_decodes in (0, 1, 8, 32, 128):
+        for context in (128, 2048):
+            for chunk, start in ((0, 0), (64, 0), (512, 0), (512, 2048), (2048, 0)):
+                if num_decodes == 0 and chunk == 0:
+                    continue
+                prefill = [(chunk, start)] if chunk else []
+                decodes = [(1, context)] * num_decodes
+                cost = estimate_step(
+                    profile.model, profile.hardware, prefill + decodes, num_decodes + bool(chunk)
+                )
+                shape = StepShape.of(prefill, (context for _ in range(num_decodes)))
+                samples.append((shape, cost.time_s))
+    return StepCostModel.fit(samples, **kwargs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POLICIES = ("stall-free", "prefill-first")
+POLICIES = ("stall-free", "prefill-first", "slo")
 QUEUE_ORDERS = ("fcfs", "priority")
 PREEMPTION_RULES = ("priority", "newest")
 MEMORY_MODES = ("optimistic", "reserve")
@@ -24,7 +24,14 @@ class SchedulerConfig:
     - ``policy``: batch formation. ``stall-free`` runs every decode every step and gives the
       leftover budget to prefill chunks (Sarathi-Serve); ``prefill-first`` runs a prefill
       batch whenever one fits and decodes otherwise, but never skips the decodes for more
-      than ``max_decode_starvation_steps`` steps in a row.
+      than ``max_decode_starvation_steps`` steps in a row; ``slo`` runs every decode every
+      step and sizes the prefill chunks to a latency target with an online step-cost model
+      (``scheduler.slo``): a step stays under ``itl_slo_ms``, waiting requests are admitted
+      earliest TTFT deadline (arrival + ``ttft_slo_ms``) first, and the token budget is only
+      a ceiling.
+    - ``itl_slo_ms`` / ``ttft_slo_ms``: the default latency targets of the ``slo`` policy
+      (a request may carry its own); ``slo_preempt_margin``: ``slo`` preempts decodes only
+      when decodes alone are predicted over ``itl_slo_ms * slo_preempt_margin``.
     - ``queue_order``: ``fcfs`` (arrival order) or ``priority`` (lower value first, ties by
       arrival) where a request's effective priority improves by 1 per ``aging_steps``
       scheduler steps since it arrived (0 disables aging). Under ``priority`` a waiting
@@ -53,6 +60,9 @@ class SchedulerConfig:
     max_waiting_requests: int = 4096
     max_waiting_tokens: int = 1_000_000
     memory_mode: str = "optimistic"
+    itl_slo_ms: float = 150.0
+    ttft_slo_ms: float = 2000.0
+    slo_preempt_margin: float = 1.25
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -75,10 +85,23 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_decode_starvation_steps must be >= 1, got {self.max_decode_starvation_steps}"
             )
+        for name in ("itl_slo_ms", "ttft_slo_ms"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.slo_preempt_margin >= 1.0:
+            raise ValueError(f"slo_preempt_margin must be >= 1, got {self.slo_preempt_margin}")
         _check_choice("policy", self.policy, POLICIES)
         _check_choice("queue_order", self.queue_order, QUEUE_ORDERS)
         _check_choice("preemption", self.preemption, PREEMPTION_RULES)
         _check_choice("memory_mode", self.memory_mode, MEMORY_MODES)
+
+    @property
+    def itl_slo_s(self) -> float:
+        return self.itl_slo_ms / 1e3
+
+    @property
+    def ttft_slo_s(self) -> float:
+        return self.ttft_slo_ms / 1e3
 
     @property
     def max_chunk_tokens(self) -> int:

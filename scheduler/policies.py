@@ -3,8 +3,9 @@
 - ``TokenBudget``: the token budget of one step.
 - Batch formation (``StallFree``, ``PrefillFirst``): the order of the batch kinds a step
   forms (``BatchKind``).
-- Queue order (``FcfsOrder``, ``PriorityOrder``): the order of the waiting queue, and the
-  effective priority (``rank``) that preemption decisions compare.
+- Queue order (``FcfsOrder``, ``PriorityOrder``; the ``slo`` policy's ``DeadlineOrder``):
+  the order of the waiting queue, and the effective priority (``rank``) that preemption
+  decisions compare.
 - Victim rule (``LowestPriorityVictim``, ``NewestVictim``): whom to preempt.
 """
 
@@ -15,6 +16,8 @@ from collections.abc import Callable, Iterable
 from typing import Protocol, TypeVar
 
 from scheduler.config import SchedulerConfig
+from scheduler.request import Request
+from scheduler.slo import DeadlineOrder
 
 
 class TokenBudget:
@@ -113,7 +116,7 @@ class PrefillFirst:
 
 
 def make_batch_policy(config: SchedulerConfig) -> BatchPolicy:
-    if config.policy == "stall-free":
+    if config.policy in ("stall-free", "slo"):  # slo: stall-free, sized by scheduler.slo
         return StallFree()
     return PrefillFirst(config.max_decode_starvation_steps)
 
@@ -130,7 +133,7 @@ class QueueOrder(Protocol):
         """Effective priority (lower = more important); compared by preemption decisions."""
         ...
 
-    def sort_key(self, rank: int, arrival_seq: int) -> int:
+    def sort_key(self, rank: int, arrival_seq: int, request: Request) -> int:
         """Waiting-queue key (ties broken by arrival); the smallest runs first."""
         ...
 
@@ -143,7 +146,7 @@ class FcfsOrder:
     def rank(self, priority: int, arrival_step: int) -> int:
         return priority
 
-    def sort_key(self, rank: int, arrival_seq: int) -> int:
+    def sort_key(self, rank: int, arrival_seq: int, request: Request) -> int:
         return arrival_seq
 
 
@@ -169,11 +172,13 @@ class PriorityOrder:
             return priority
         return priority + arrival_step // self.aging_steps
 
-    def sort_key(self, rank: int, arrival_seq: int) -> int:
+    def sort_key(self, rank: int, arrival_seq: int, request: Request) -> int:
         return rank
 
 
 def make_queue_order(config: SchedulerConfig) -> QueueOrder:
+    if config.policy == "slo":
+        return DeadlineOrder(config)
     if config.queue_order == "fcfs":
         return FcfsOrder()
     return PriorityOrder(config.aging_steps)

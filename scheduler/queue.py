@@ -7,7 +7,9 @@ key once, so no entry ever moves). A request that ends while it waits is discard
     counts   exact at all times: requests, prompt tokens still to compute, preempted ones
 
 Its item stays in the heap and is dropped when it reaches the head, or all at once when such
-items are the majority.
+items are the majority. The ``slo`` policy moves a late request back once (``requeue`` after
+its key changed): its old item is then stale (its key is not the entry's) and is dropped the
+same way.
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ W = TypeVar("W", bound=Waiter)
 class WaitingQueue(Generic[W]):
     """Waiting entries in admission order, with exact counts; see the module docstring."""
 
-    __slots__ = ("_discarded", "_heap", "num_preempted", "num_requests", "num_tokens")
+    __slots__ = ("_discarded", "_heap", "_num_stale", "num_preempted", "num_requests", "num_tokens")
 
     def __init__(self) -> None:
         self._heap: list[tuple[int, int, int, W]] = []
         self._discarded: set[int] = set()  # id() of discarded entries still in the heap
+        self._num_stale = 0  # items left behind by ``requeue``
         self.num_requests = 0
         self.num_tokens = 0  # tokens still to compute (all of them: nothing waiting holds KV)
         self.num_preempted = 0  # waiting again after a preemption
@@ -58,13 +61,26 @@ class WaitingQueue(Generic[W]):
         heapq.heappush(self._heap, (entry.sort_key, entry.arrival_seq, entry.index, entry))
         self._count(entry.request, 1)
 
+    def requeue(self, entry: W) -> None:
+        """``entry``, waiting, has a new, larger ``sort_key``: queue it at its new place (its
+        old item, keyed differently, is stale from now on)."""
+        self._num_stale += 1
+        heapq.heappush(self._heap, (entry.sort_key, entry.arrival_seq, entry.index, entry))
+
     def peek(self) -> W | None:
         """The entry admitted next, or None."""
         heap = self._heap
         discarded = self._discarded
-        while heap and id(heap[0][3]) in discarded:
-            discarded.remove(id(heapq.heappop(heap)[3]))
-        return heap[0][3] if heap else None
+        while heap:
+            key, _, _, entry = heap[0]
+            if key != entry.sort_key:  # stale (checked first: its entry has a live item)
+                heapq.heappop(heap)
+                self._num_stale -= 1
+            elif id(entry) in discarded:
+                discarded.remove(id(heapq.heappop(heap)[3]))
+            else:
+                return entry
+        return None
 
     def pop(self, entry: W) -> None:
         """Take ``entry``, the head (``peek``), out of the queue: it is being admitted."""
@@ -81,7 +97,11 @@ class WaitingQueue(Generic[W]):
     def ordered(self) -> list[W]:
         """Every waiting entry, in admission order (O(n log n): for tests and tooling)."""
         discarded = self._discarded
-        return [item[3] for item in sorted(self._heap) if id(item[3]) not in discarded]
+        return [
+            item[3]
+            for item in sorted(self._heap)
+            if id(item[3]) not in discarded and item[0] == item[3].sort_key
+        ]
 
     def _count(self, req: Request, sign: int) -> None:
         self.num_requests += sign
@@ -90,9 +110,15 @@ class WaitingQueue(Generic[W]):
             self.num_preempted += sign
 
     def _compact(self) -> None:
-        """Drop discarded items once they are the majority of the heap."""
+        """Drop discarded and stale items once they are the majority of the heap."""
         discarded = self._discarded
-        if len(discarded) > _COMPACT_MIN_DISCARDED and len(discarded) * 2 > len(self._heap):
-            self._heap = [item for item in self._heap if id(item[3]) not in discarded]
+        num_dead = len(discarded) + self._num_stale
+        if num_dead > _COMPACT_MIN_DISCARDED and num_dead * 2 > len(self._heap):
+            self._heap = [
+                item
+                for item in self._heap
+                if id(item[3]) not in discarded and item[0] == item[3].sort_key
+            ]
             heapq.heapify(self._heap)
             discarded.clear()
+            self._num_stale = 0

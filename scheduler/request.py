@@ -157,6 +157,9 @@ class Request:
     priority: int = 0  # lower value runs first
     arrival_time_s: float = 0.0
     cache_salt: str | None = None
+    # The request's own latency targets (the ``slo`` policy; None: the server's defaults).
+    ttft_slo_s: float | None = None
+    itl_slo_s: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule

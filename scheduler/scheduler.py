@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from cache_manager import Allocation, KVCacheManager, PrefixHit
 from scheduler.config import SchedulerConfig
+from scheduler.cost_model import CostPredictor
 from scheduler.errors import OverloadError
 from scheduler.fork import ForkGroup, ForkTable, make_sample
 from scheduler.output import (
@@ -50,6 +51,7 @@ from scheduler.policies import (
 )
 from scheduler.queue import WaitingQueue
 from scheduler.request import FinishReason, Request, RequestStatus
+from scheduler.slo import DeadlineOrder, SloStep
 
 _WAITING = RequestStatus.WAITING
 _PREFILLING = RequestStatus.PREFILLING
@@ -73,6 +75,7 @@ class _Entry:
     num_full_blocks: int = 0  # full computed blocks already handed to cache_full_blocks
     group: ForkGroup | None = None  # n > 1, on sample 0: its samples (see scheduler.fork)
     blocked_at_num_free: int | None = None  # free blocks when admission last failed for memory
+    moved_late: bool = False  # slo: moved back once, found late at the head (scheduler.slo)
     # For the decode hot path: tokens that may stop it, and the length that ends it.
     stop_ids: frozenset[int] = frozenset()
     max_num_tokens: int = 0  # prompt + max_tokens (within max_model_len: checked at admission)
@@ -173,6 +176,7 @@ class _Step:
 
     step_id: int
     budget: TokenBudget
+    slo: SloStep | None = None  # the slo policy's sizing of this step
     prefill: dict[str, ScheduledSeq] = field(default_factory=dict)
     decode: dict[str, ScheduledSeq] = field(default_factory=dict)
     copies: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
@@ -217,7 +221,16 @@ class Scheduler:
     Not thread-safe: the engine loop owns it and calls every method from one thread.
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        cost_model: CostPredictor | None = None,
+    ) -> None:
+        """``cost_model``: the step-cost model the ``slo`` policy sizes steps with (required
+        by it; the engine feeds it measured step times)."""
+        if config.policy == "slo" and cost_model is None:
+            raise ValueError("the slo policy needs a step-cost model (cost_model=...)")
         self.config = config
         self.kv = kv
         self._block_size = kv.block_size
@@ -229,6 +242,9 @@ class Scheduler:
         self._policy = make_batch_policy(config)
         self._order = make_queue_order(config)
         self._victim = make_victim_rule(config)
+        self._cost = cost_model if config.policy == "slo" else None
+        self._deadline = self._order if isinstance(self._order, DeadlineOrder) else None
+        self._now_s: float | None = None  # of the step being planned (slo: late requests)
 
         self._entries: dict[str, _Entry] = {}  # every unfinished request
         self._forks = ForkTable()
@@ -292,7 +308,7 @@ class Scheduler:
         entry = _Entry(
             request=request,
             rank=rank,
-            sort_key=self._order.sort_key(rank, self._arrival_seq),
+            sort_key=self._order.sort_key(rank, self._arrival_seq, request),
             arrival_seq=self._arrival_seq,
             group=group,
         )
@@ -405,16 +421,21 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now_s: float | None = None) -> SchedulerOutput:
         """Plan one step: take the batch kinds in the policy's order (decodes, prefill
         chunks) within the step's token budget, allocating blocks for every scheduled token.
 
         Running requests that cannot get blocks preempt the victim rule's choice (possibly
         themselves). Waiting requests are admitted in queue order until the budget, the
         seats (``max_num_seqs``) or the memory run out; under priority order they may
-        preempt running requests of worse effective priority.
+        preempt running requests of worse effective priority. Under the ``slo`` policy the
+        step is also sized to its ITL target (``scheduler.slo``).
+
+        ``now_s``: the time on the clock of ``Request.arrival_time_s``; the ``slo`` policy
+        moves requests already past their TTFT deadline back (once) when it is given.
         """
         self._step_id += 1
+        self._now_s = now_s
         step = _Step(self._step_id, TokenBudget(self.config.max_num_batched_tokens))
         policy = self._policy
         took_decodes = False
@@ -422,6 +443,8 @@ class Scheduler:
             if kind is BatchKind.DECODE:
                 took_decodes = True
                 num_scheduled = self._take_decodes(step)
+                if self._cost is not None:
+                    self._size_to_target(step, self._cost)
             else:
                 num_scheduled = self._take_prefills(step)
             if num_scheduled and policy.exclusive:
@@ -588,22 +611,77 @@ class Scheduler:
     def _take_prefills(self, step: _Step) -> int:
         """Prefill chunks: running prefills first (admission order), then admissions."""
         num_scheduled = 0
+        slo = step.slo
         for entry in list(self._running.values()):
             req = entry.request
             if req.status is not _PREFILLING or req.request_id in step.prefill:
                 continue
-            num_new = min(entry.prefill_target - req.num_computed_tokens, self._max_chunk)
+            start = req.num_computed_tokens
+            num_new = min(entry.prefill_target - start, self._max_chunk)
+            if slo is not None:
+                # The first running prefill always moves by a block at least: its TTFT is
+                # bounded even when the decodes fill the target.
+                floor = min(num_new, self._block_size) if num_scheduled == 0 else 0
+                num_new = max(slo.chunk_limit(num_new, start), floor)
             chunk = step.budget.take_up_to(num_new)
             if chunk == 0:
                 return num_scheduled
             if self._schedule_running(step, entry, chunk, decode=False):
                 num_scheduled += 1
+                if slo is not None:
+                    slo.add_chunk(chunk, start)
         while step.budget.remaining > 0:
             head = self._waiting.peek()
-            if head is None or not self._try_admit(step, head):
+            if head is None:
+                break
+            if self._move_if_late(head):
+                continue
+            if slo is not None and not slo.admits(head.request):
+                break  # its decodes would break the ITL target: defer admission
+            if not self._try_admit(step, head):
                 break
             num_scheduled += 1
         return num_scheduled
+
+    # -- the slo policy (scheduler.slo) -------------------------------------------------
+
+    def _size_to_target(self, step: _Step, cost: CostPredictor) -> None:
+        """The decodes are taken: start sizing the step to its ITL target, and preempt
+        decodes (victim rule) while the decodes alone are predicted well over it."""
+        running = self._running
+        margin = self.config.slo_preempt_margin
+        while True:
+            slo = SloStep.begin(
+                cost,
+                self.config.itl_slo_s,
+                ((running[seq.request_id].request, seq.start_pos) for seq in step.decode.values()),
+                (e.request for e in running.values() if e.request.status is _PREFILLING),
+            )
+            if len(step.decode) <= 1 or cost.predict(slo.shape) <= slo.target_s * margin:
+                break
+            self._preempt(
+                step,
+                self._victim.choose(e for e in running.values() if e.request_id in step.decode),
+            )
+        step.slo = slo
+
+    def _move_if_late(self, head: _Entry) -> bool:
+        """slo: move the head of the queue back once if it is already past its TTFT
+        deadline and others wait behind it (see scheduler.slo); return whether it moved."""
+        order = self._deadline
+        now_s = self._now_s
+        if order is None or now_s is None or head.moved_late or len(self._waiting) < 2:
+            return False
+        req = head.request
+        if not order.is_late(req, now_s):
+            return False
+        head.moved_late = True
+        key = order.late_key(head.rank, head.arrival_seq, req)
+        if key <= head.sort_key:  # a forked sample: its key came from a moved parent
+            return False
+        head.sort_key = key
+        self._waiting.requeue(head)
+        return True
 
     def _schedule_running(
         self,
@@ -654,6 +732,11 @@ class Scheduler:
         num_hit = hit.num_tokens
         # 0 only for a parent of samples whose prompt, but the last token, is cached.
         chunk = min(entry.prefill_target - num_hit, self._max_chunk, step.budget.remaining)
+        slo = step.slo
+        if slo is not None:
+            chunk = slo.chunk_limit(chunk, num_hit)
+            if chunk == 0 and entry.prefill_target > num_hit:
+                return False  # no time left in this step
         while (allocation := self._allocate_admission(entry, chunk, hit)) is None:
             if not self._preempt_for(step, entry):
                 entry.blocked_at_num_free = self.kv.num_free_blocks
@@ -675,6 +758,9 @@ class Scheduler:
             step.add(self._make_seq(req, chunk), False, allocation)
         else:
             self._fork_children(entry)
+        if slo is not None:
+            slo.add_chunk(chunk, num_hit)
+            slo.admit(req)
         return True
 
     def _max_hit_tokens(self, entry: _Entry, budget: int) -> int | None:
@@ -780,6 +866,7 @@ class Scheduler:
                 sort_key=parent_entry.sort_key,
                 arrival_seq=parent_entry.arrival_seq,
                 index=index,
+                moved_late=parent_entry.moved_late,
                 num_full_blocks=child.num_computed_tokens // self._block_size,
             )
             self._entries[cid] = entry

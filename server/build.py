@@ -15,7 +15,9 @@ from cache_manager.sizing import num_blocks_for_budget
 from metrics.records import MetricsSink
 from model_runner.base import Runner
 from model_runner.fake import FakeRunner, make_fake_info
+from model_runner.sim import roofline_cost_model
 from scheduler import Scheduler
+from server.calibration import calibrate
 from server.config import ServerConfig
 from server.engine import EngineLoop
 from server.fake_tokenizer import ByteTokenizer
@@ -95,9 +97,22 @@ def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEng
     max_model_len = min(info.max_model_len, cfg.max_model_len or info.max_model_len)
     per_block = block_bytes(info.shape, cfg.block_size)
     check_sinks_fit(cfg.attention_sinks, info.sliding_window, max_model_len)
-    kv = KVCacheManager(cfg.cache_config(num_blocks, info.sliding_window, per_block))
-    scheduler = Scheduler(cfg.scheduler_config(max_model_len), kv)
-    engine = EngineLoop(scheduler, runner, make_text_stream_factory(tokenizer), sink=sink)
+    cache_config = cfg.cache_config(num_blocks, info.sliding_window, per_block)
+    kv = KVCacheManager(cache_config)
+    cost_model = None
+    if cfg.policy == "slo":
+        if cfg.cost_model_prior == "calibrate":
+            cost_model = calibrate(runner, cache_config, max_model_len)
+        else:
+            cost_model = roofline_cost_model(cfg.cost_model_prior)
+    scheduler = Scheduler(cfg.scheduler_config(max_model_len), kv, cost_model)
+    engine = EngineLoop(
+        scheduler,
+        runner,
+        make_text_stream_factory(tokenizer),
+        sink=sink,
+        cost_model=cost_model,
+    )
     model = ServedModel(
         name=info.name,
         max_model_len=max_model_len,

@@ -78,7 +78,11 @@ async def _serve(cfg: Any) -> int:
             logger.warning("metrics.prometheus is unavailable; metrics disabled")
         else:
             registry = CollectorRegistry()
-            sink = PrometheusSink(registry, model_info=_model_labels(model))
+            sink = PrometheusSink(
+                registry,
+                model_info=_model_labels(model),
+                slo_targets_s=(cfg.ttft_slo_ms / 1e3, cfg.itl_slo_ms / 1e3),
+            )
     built.engine.sink = sink
     _say(f"model: {model.name} ({built.source})")
     _say(f"dtype: {model.dtype}  device: {model.device}  runner: {cfg.runner}")
@@ -95,6 +99,11 @@ async def _serve(cfg: Any) -> int:
         f"max_num_batched_tokens={cfg.max_num_batched_tokens}, queue={cfg.queue_order}, "
         f"memory={cfg.memory_mode}  (loaded in {time.monotonic() - t0:.1f}s)"
     )
+    if cfg.policy == "slo":
+        _say(
+            f"slo: ITL target {cfg.itl_slo_ms:g} ms, TTFT target {cfg.ttft_slo_ms:g} ms; "
+            f"step-cost model from {cfg.cost_model_prior}"
+        )
 
     server = KVServeServer(built.engine, built.tokenizer, model, sink=sink)
     port = await server.start(cfg.host, cfg.port)

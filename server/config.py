@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from cache_manager.config import EVICTION_POLICIES, KVCacheConfig
 from cache_manager.strategy import KV_STRATEGIES
 from model_runner.config import KV_DTYPE_CHOICES, MODEL_DTYPES
+from model_runner.sim import PROFILES as SIM_PROFILES
 from scheduler.config import (
     MEMORY_MODES,
     POLICIES,
@@ -68,6 +69,9 @@ _HELP = {
     "max_waiting_requests": "waiting-queue bound; over it: RESOURCE_EXHAUSTED",
     "max_waiting_tokens": "waiting prompt-token bound",
     "memory_mode": "optimistic (preempt when full) | reserve (admit at full length)",
+    "itl_slo_ms": "ITL target: slo policy steps stay under it; goodput metrics judge by it",
+    "ttft_slo_ms": "TTFT target: slo policy admits by arrival + it; goodput metrics judge by it",
+    "slo_preempt_margin": "slo: preempt decodes only when they alone exceed ITL x this",
     "block_size": "tokens per KV block",
     "enable_prefix_caching": "reuse KV of shared prompt prefixes",
     "eviction_policy": "which cached block to evict first",
@@ -174,6 +178,13 @@ class ServerConfig:
     )
     # -- scheduler (and, generated, every SchedulerConfig field but max_model_len)
     max_n: int = _f(16, "largest n (parallel samples) a request may ask for", group="scheduler")
+    cost_model_prior: str = _f(
+        "calibrate",
+        "slo: where the step-cost model starts: calibrate (a few seconds of scripted steps at "
+        "start-up) or a simulated device's roofline",
+        choices=("calibrate", *SIM_PROFILES),
+        group="scheduler",
+    )
     # -- KV cache (and, generated, block_size, enable_prefix_caching, eviction_policy)
     kv_memory: str | None = _f(
         None, "KV pool budget, e.g. 512MiB, 2GB or bytes (default: the runner's)", group="kv cache"

@@ -34,6 +34,7 @@ from typing import NamedTuple, Protocol
 
 from metrics.records import MetricsSink, NullSink, StepRecord
 from model_runner.base import Runner
+from scheduler.cost_model import StepCostModel, StepShape
 from scheduler.errors import OverloadError
 from scheduler.output import ModelOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from scheduler.request import AbortReason, Request
@@ -51,7 +52,7 @@ class SchedulerLike(EndsRequests, Protocol):
 
     def add_request(self, request: Request) -> None: ...
 
-    def schedule(self) -> SchedulerOutput: ...
+    def schedule(self, now_s: float | None = None) -> SchedulerOutput: ...
 
     def update(self, plan: SchedulerOutput, result: ModelOutput) -> list[RequestOutput]: ...
 
@@ -107,9 +108,13 @@ class EngineLoop:
         on_death: Callable[[BaseException], None] | None = None,
         idle_wait_s: float = 1.0,
         name: str = "kvserve-engine",
+        cost_model: StepCostModel | None = None,
     ) -> None:
+        """``cost_model``: fed every step's shape and measured iteration time (the slo
+        policy's scheduler holds the same model)."""
         self._scheduler = scheduler
         self._runner = runner
+        self.cost_model = cost_model
         self.sink: MetricsSink = sink if sink is not None else NullSink()  # set before start()
         self.outputs = OutputProcessor(
             scheduler, text_stream_factory, self._emit, lambda r: self.sink.on_request_done(r)
@@ -231,8 +236,9 @@ class EngineLoop:
     def _step(self) -> None:
         """schedule / execute / update / process outputs / stats: one engine step."""
         sched = self._scheduler
+        iter0 = time.perf_counter()
         cpu0 = time.thread_time()
-        plan = sched.schedule()
+        plan = sched.schedule(time.monotonic())
         cpu1 = time.thread_time()
         self.outputs.on_scheduled((seq.request_id for seq in plan.prefill), time.monotonic())
         wall0 = time.perf_counter()
@@ -248,6 +254,10 @@ class EngineLoop:
         self.num_steps += 1
         # A stop string or a detokenizer failure ends a request: the next step reports it.
         self._flush_needed = self.outputs.process(outs, time.monotonic())
+        iteration_s = time.perf_counter() - iter0
+        predicted_s = None
+        if self.cost_model is not None and not plan.is_empty:
+            predicted_s = self.cost_model.observe(StepShape.of_plan(plan), iteration_s)
         stats = sched.make_stats()
         self.latest_stats = stats
         self.sink.on_step(
@@ -256,6 +266,8 @@ class EngineLoop:
                 kind=_STEP_KINDS.get((bool(plan.prefill), bool(plan.decode)), "idle"),
                 step_duration_s=wall1 - wall0,
                 schedule_cpu_s=(cpu1 - cpu0) + (cpu3 - cpu2),
+                iteration_s=iteration_s,
+                predicted_s=predicted_s,
             )
         )
 

@@ -336,6 +336,9 @@ class OutputProcessor(Generic[StreamT]):
                 first_token_s=sample.first_token_s,
                 finished_s=now,
                 inter_token_s=sample.inter_token_s,
+                priority=client.request.priority,
+                ttft_target_s=client.request.ttft_slo_s,
+                itl_target_s=client.request.itl_slo_s,
             )
         )
 

@@ -255,6 +255,9 @@ class GenerationServicer:
             arrival_time_s=time.monotonic(),
             cache_salt=request.cache_salt or None,
         )
+        engine_request.ttft_slo_s, engine_request.itl_slo_s = validation.latency_targets(
+            request.slo
+        )
         want_logprobs = sampling.logprobs is not None
         # aclosing: an error in one sample closes the engine stream at once, which aborts the
         # request's other samples now rather than whenever the generator is collected.

@@ -133,11 +133,31 @@ def check_stopping_fields(stopping: pb.StoppingOptions, limits: Limits) -> None:
     check_token_ids(stopping.stop_token_ids, limits.vocab_size, "stopping.stop_token_ids")
 
 
+MAX_SLO_MS = 86_400_000.0  # a day: beyond it a target means nothing
+
+
+def latency_targets(slo: pb.LatencyTargets) -> tuple[float | None, float | None]:
+    """(ttft, itl) targets in seconds from ``slo`` (None: the server's default)."""
+    targets: list[float | None] = []
+    for name in ("ttft_ms", "itl_ms"):
+        if not slo.HasField(name):
+            targets.append(None)
+            continue
+        value = getattr(slo, name)
+        if not 0.0 < value <= MAX_SLO_MS:  # NaN fails too
+            raise InvalidRequestError(
+                f"slo.{name} must be a number of milliseconds in (0, {MAX_SLO_MS:.0f}], got {value}"
+            )
+        targets.append(value / 1e3)
+    return targets[0], targets[1]
+
+
 def check_request_fields(request: pb.GenerateRequest, limits: Limits) -> None:
     """Everything checkable before tokenizing: runs on the event loop."""
     input_kind(request)
     check_request_id(request.request_id)
     check_stopping_fields(request.stopping, limits)
+    latency_targets(request.slo)
     if request.HasField("n") and request.n > limits.max_n:
         if limits.max_n == 1:
             raise InvalidRequestError("n > 1 is not supported by this server")

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvserve/v1/generation.proto\x12\nkvserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"w\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf7\x02\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xaf\x01\n\x0fStoppingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x17\n\nignore_eos\x18\x05 \x01(\x08H\x02\x88\x01\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eos\"\xad\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.kvserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.kvserve.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.kvserve.v1.SamplingOptions\x12-\n\x08stopping\x18\x05 \x01(\x0b\x32\x1b.kvserve.v1.StoppingOptions\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x0e\n\x01n\x18\t \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05inputB\x04\n\x02_n\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"a\n\rTokenLogprobs\x12)\n\x07sampled\x18\x01 \x01(\x0b\x32\x18.kvserve.v1.TokenLogprob\x12%\n\x03top\x18\x02 \x03(\x0b\x32\x18.kvserve.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"R\n\x07Timings\x12\x14\n\x0cqueue_time_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\x12\n\ne2e_time_s\x18\x03 \x01(\x01\"\xa3\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.kvserve.v1.TokenLogprobs\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12/\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x18.kvserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x08 \x01(\t\x12 \n\x05usage\x18\t \x01(\x0b\x32\x11.kvserve.v1.Usage\x12$\n\x07timings\x18\n \x01(\x0b\x32\x13.kvserve.v1.Timings\"\x8c\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.kvserve.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xee\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rkv_block_size\x18\x04 \x01(\r\x12\x15\n\rkv_num_blocks\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x17\n\x0fkv_memory_bytes\x18\t \x01(\x04\x12\x0f\n\x07weights\x18\n \x01(\t\x12\x14\n\x0cweight_bytes\x18\x0b \x01(\x04\"\x18\n\x16GetKVCacheStatsRequest\"\x81\x05\n\x0cKVCacheStats\x12\x17\n\x0ftotal_sequences\x18\x01 \x01(\r\x12\x1a\n\x12total_memory_bytes\x18\x02 \x01(\x04\x12\x1f\n\x17\x61verage_sequence_length\x18\x03 \x01(\x01\x12\x16\n\x0e\x63\x61\x63he_hit_rate\x18\x04 \x01(\x01\x12\x18\n\x10\x63\x61\x63he_efficiency\x18\x05 \x01(\x01\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x18\n\x10num_blocks_total\x18\x07 \x01(\r\x12\x17\n\x0fnum_blocks_used\x18\x08 \x01(\r\x12\x1e\n\x16num_blocks_cached_free\x18\t \x01(\r\x12\x17\n\x0fnum_blocks_free\x18\n \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x0b \x01(\x04\x12\x19\n\x11used_memory_bytes\x18\x0c \x01(\x04\x12\r\n\x05usage\x18\r \x01(\x01\x12#\n\x1bprefix_queries_tokens_total\x18\x0e \x01(\x04\x12 \n\x18prefix_hits_tokens_total\x18\x0f \x01(\x04\x12\x17\n\x0f\x65victions_total\x18\x10 \x01(\x04\x12\x18\n\x10\x63ow_copies_total\x18\x11 \x01(\x04\x12\x19\n\x11preemptions_total\x18\x12 \x01(\x04\x12\x1b\n\x13num_blocks_reserved\x18\x13 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x14 \x01(\x04\x12\x13\n\x0bkv_strategy\x18\x15 \x01(\t\x12%\n\x1dstrategy_dropped_tokens_total\x18\x16 \x01(\x04\x12&\n\x1estrategy_windowed_tokens_total\x18\x17 \x01(\x04\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xf3\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.kvserve.v1.TokenizeRequest\x1a\x1c.kvserve.v1.TokenizeResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.kvserve.v1.GetModelInfoRequest\x1a\x15.kvserve.v1.ModelInfo\x12O\n\x0fGetKVCacheStats\x12\".kvserve.v1.GetKVCacheStatsRequest\x1a\x18.kvserve.v1.KVCacheStats\x12<\n\x05\x41\x62ort\x12\x18.kvserve.v1.AbortRequest\x1a\x19.kvserve.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvserve/v1/generation.proto\x12\nkvserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"w\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf7\x02\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xaf\x01\n\x0fStoppingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x17\n\nignore_eos\x18\x05 \x01(\x08H\x02\x88\x01\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eos\"\xd6\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.kvserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.kvserve.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.kvserve.v1.SamplingOptions\x12-\n\x08stopping\x18\x05 \x01(\x0b\x32\x1b.kvserve.v1.StoppingOptions\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x0e\n\x01n\x18\t \x01(\rH\x01\x88\x01\x01\x12\'\n\x03slo\x18\x14 \x01(\x0b\x32\x1a.kvserve.v1.LatencyTargetsB\x07\n\x05inputB\x04\n\x02_n\"R\n\x0eLatencyTargets\x12\x14\n\x07ttft_ms\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x06itl_ms\x18\x02 \x01(\x01H\x01\x88\x01\x01\x42\n\n\x08_ttft_msB\t\n\x07_itl_ms\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"a\n\rTokenLogprobs\x12)\n\x07sampled\x18\x01 \x01(\x0b\x32\x18.kvserve.v1.TokenLogprob\x12%\n\x03top\x18\x02 \x03(\x0b\x32\x18.kvserve.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"R\n\x07Timings\x12\x14\n\x0cqueue_time_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\x12\n\ne2e_time_s\x18\x03 \x01(\x01\"\xa3\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.kvserve.v1.TokenLogprobs\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12/\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x18.kvserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x08 \x01(\t\x12 \n\x05usage\x18\t \x01(\x0b\x32\x11.kvserve.v1.Usage\x12$\n\x07timings\x18\n \x01(\x0b\x32\x13.kvserve.v1.Timings\"\x8c\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.kvserve.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xee\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rkv_block_size\x18\x04 \x01(\r\x12\x15\n\rkv_num_blocks\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x17\n\x0fkv_memory_bytes\x18\t \x01(\x04\x12\x0f\n\x07weights\x18\n \x01(\t\x12\x14\n\x0cweight_bytes\x18\x0b \x01(\x04\"\x18\n\x16GetKVCacheStatsRequest\"\x81\x05\n\x0cKVCacheStats\x12\x17\n\x0ftotal_sequences\x18\x01 \x01(\r\x12\x1a\n\x12total_memory_bytes\x18\x02 \x01(\x04\x12\x1f\n\x17\x61verage_sequence_length\x18\x03 \x01(\x01\x12\x16\n\x0e\x63\x61\x63he_hit_rate\x18\x04 \x01(\x01\x12\x18\n\x10\x63\x61\x63he_efficiency\x18\x05 \x01(\x01\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x18\n\x10num_blocks_total\x18\x07 \x01(\r\x12\x17\n\x0fnum_blocks_used\x18\x08 \x01(\r\x12\x1e\n\x16num_blocks_cached_free\x18\t \x01(\r\x12\x17\n\x0fnum_blocks_free\x18\n \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x0b \x01(\x04\x12\x19\n\x11used_memory_bytes\x18\x0c \x01(\x04\x12\r\n\x05usage\x18\r \x01(\x01\x12#\n\x1bprefix_queries_tokens_total\x18\x0e \x01(\x04\x12 \n\x18prefix_hits_tokens_total\x18\x0f \x01(\x04\x12\x17\n\x0f\x65victions_total\x18\x10 \x01(\x04\x12\x18\n\x10\x63ow_copies_total\x18\x11 \x01(\x04\x12\x19\n\x11preemptions_total\x18\x12 \x01(\x04\x12\x1b\n\x13num_blocks_reserved\x18\x13 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x14 \x01(\x04\x12\x13\n\x0bkv_strategy\x18\x15 \x01(\t\x12%\n\x1dstrategy_dropped_tokens_total\x18\x16 \x01(\x04\x12&\n\x1estrategy_windowed_tokens_total\x18\x17 \x01(\x04\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xf3\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.kvserve.v1.TokenizeRequest\x1a\x1c.kvserve.v1.TokenizeResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.kvserve.v1.GetModelInfoRequest\x1a\x15.kvserve.v1.ModelInfo\x12O\n\x0fGetKVCacheStats\x12\".kvserve.v1.GetKVCacheStatsRequest\x1a\x18.kvserve.v1.KVCacheStats\x12<\n\x05\x41\x62ort\x12\x18.kvserve.v1.AbortRequest\x1a\x19.kvserve.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'server.rpc.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2928
-  _globals['_FINISHREASON']._serialized_end=3073
+  _globals['_FINISHREASON']._serialized_start=3053
+  _globals['_FINISHREASON']._serialized_end=3198
   _globals['_CHATMESSAGE']._serialized_start=43
   _globals['_CHATMESSAGE']._serialized_end=87
   _globals['_CHATMESSAGES']._serialized_start=89
@@ -44,33 +44,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPPINGOPTIONS']._serialized_start=614
   _globals['_STOPPINGOPTIONS']._serialized_end=789
   _globals['_GENERATEREQUEST']._serialized_start=792
-  _globals['_GENERATEREQUEST']._serialized_end=1093
-  _globals['_TOKENLOGPROB']._serialized_start=1095
-  _globals['_TOKENLOGPROB']._serialized_end=1159
-  _globals['_TOKENLOGPROBS']._serialized_start=1161
-  _globals['_TOKENLOGPROBS']._serialized_end=1258
-  _globals['_USAGE']._serialized_start=1260
-  _globals['_USAGE']._serialized_end=1347
-  _globals['_TIMINGS']._serialized_start=1349
-  _globals['_TIMINGS']._serialized_end=1431
-  _globals['_GENERATERESPONSE']._serialized_start=1434
-  _globals['_GENERATERESPONSE']._serialized_end=1725
-  _globals['_TOKENIZEREQUEST']._serialized_start=1728
-  _globals['_TOKENIZEREQUEST']._serialized_end=1868
-  _globals['_TOKENIZERESPONSE']._serialized_start=1870
-  _globals['_TOKENIZERESPONSE']._serialized_end=1923
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1925
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1946
-  _globals['_MODELINFO']._serialized_start=1949
-  _globals['_MODELINFO']._serialized_end=2187
-  _globals['_GETKVCACHESTATSREQUEST']._serialized_start=2189
-  _globals['_GETKVCACHESTATSREQUEST']._serialized_end=2213
-  _globals['_KVCACHESTATS']._serialized_start=2216
-  _globals['_KVCACHESTATS']._serialized_end=2857
-  _globals['_ABORTREQUEST']._serialized_start=2859
-  _globals['_ABORTREQUEST']._serialized_end=2893
-  _globals['_ABORTRESPONSE']._serialized_start=2895
-  _globals['_ABORTRESPONSE']._serialized_end=2925
-  _globals['_GENERATION']._serialized_start=3076
-  _globals['_GENERATION']._serialized_end=3447
+  _globals['_GENERATEREQUEST']._serialized_end=1134
+  _globals['_LATENCYTARGETS']._serialized_start=1136
+  _globals['_LATENCYTARGETS']._serialized_end=1218
+  _globals['_TOKENLOGPROB']._serialized_start=1220
+  _globals['_TOKENLOGPROB']._serialized_end=1284
+  _globals['_TOKENLOGPROBS']._serialized_start=1286
+  _globals['_TOKENLOGPROBS']._serialized_end=1383
+  _globals['_USAGE']._serialized_start=1385
+  _globals['_USAGE']._serialized_end=1472
+  _globals['_TIMINGS']._serialized_start=1474
+  _globals['_TIMINGS']._serialized_end=1556
+  _globals['_GENERATERESPONSE']._serialized_start=1559
+  _globals['_GENERATERESPONSE']._serialized_end=1850
+  _globals['_TOKENIZEREQUEST']._serialized_start=1853
+  _globals['_TOKENIZEREQUEST']._serialized_end=1993
+  _globals['_TOKENIZERESPONSE']._serialized_start=1995
+  _globals['_TOKENIZERESPONSE']._serialized_end=2048
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2050
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2071
+  _globals['_MODELINFO']._serialized_start=2074
+  _globals['_MODELINFO']._serialized_end=2312
+  _globals['_GETKVCACHESTATSREQUEST']._serialized_start=2314
+  _globals['_GETKVCACHESTATSREQUEST']._serialized_end=2338
+  _globals['_KVCACHESTATS']._serialized_start=2341
+  _globals['_KVCACHESTATS']._serialized_end=2982
+  _globals['_ABORTREQUEST']._serialized_start=2984
+  _globals['_ABORTREQUEST']._serialized_end=3018
+  _globals['_ABORTRESPONSE']._serialized_start=3020
+  _globals['_ABORTRESPONSE']._serialized_end=3050
+  _globals['_GENERATION']._serialized_start=3201
+  _globals['_GENERATION']._serialized_end=3572
 # @@protoc_insertion_point(module_scope)

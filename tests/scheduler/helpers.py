@@ -30,6 +30,7 @@ def make_scheduler(
     attention_sinks: int = 0,
     kv_strategy: str = "always",
     kv_strategy_threshold: int = 512,
+    cost_model: Any = None,
     **config: Any,
 ) -> tuple[Scheduler, KVCacheManager]:
     """A scheduler over a fresh cache. Small defaults: 4 seqs, 8 tokens per step, no chunk cap."""
@@ -48,7 +49,7 @@ def make_scheduler(
             kv_strategy_threshold=kv_strategy_threshold,
         )
     )
-    return Scheduler(SchedulerConfig(**config), kv), kv
+    return Scheduler(SchedulerConfig(**config), kv, cost_model), kv
 
 
 def make_runner(
@@ -96,9 +97,9 @@ class Step:
         return found
 
 
-def step(scheduler: Scheduler, runner: FakeRunner) -> Step:
+def step(scheduler: Scheduler, runner: FakeRunner, now_s: float | None = None) -> Step:
     """One engine step, then the cache manager's invariants."""
-    plan = scheduler.schedule()
+    plan = scheduler.schedule(now_s)
     result = runner.execute(plan)
     outputs = scheduler.update(plan, result)
     scheduler.kv.check_invariants()

@@ -20,7 +20,10 @@ from scheduler import SchedulerConfig
         ),
         ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold must be >= 0"),
         ({"max_decode_starvation_steps": 0}, "max_decode_starvation_steps must be >= 1, got 0"),
-        ({"policy": "fastest"}, "policy must be one of stall-free, prefill-first; got 'fastest'"),
+        (
+            {"policy": "fastest"},
+            "policy must be one of stall-free, prefill-first, slo; got 'fastest'",
+        ),
         ({"queue_order": "lifo"}, "queue_order must be one of fcfs, priority"),
         ({"preemption": "random"}, "preemption must be one of priority, newest"),
         ({"memory_mode": "yolo"}, "memory_mode must be one of optimistic, reserve"),

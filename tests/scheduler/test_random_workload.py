@@ -19,6 +19,7 @@ from scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from scheduler.cost_model import StepCostModel, StepShape
 from tests.scheduler.helpers import EOS, assert_no_blocks_held
 
 STOP_TOKEN = 3
@@ -86,7 +87,8 @@ configs = st.fixed_dictionaries(
         "max_num_seqs": st.integers(3, 6),
         "extra_budget": st.integers(0, 24),
         "long_prefill_token_threshold": st.integers(0, 12),
-        "policy": st.sampled_from(["stall-free", "prefill-first"]),
+        "policy": st.sampled_from(["stall-free", "prefill-first", "slo"]),
+        "itl_slo_ms": st.integers(2, 12),
         "max_decode_starvation_steps": st.integers(1, 3),
         "queue_order": st.sampled_from(["fcfs", "priority"]),
         "aging_steps": st.integers(0, 8),
@@ -126,8 +128,14 @@ class Harness:
             preemption=str(cfg["preemption"]),
             max_waiting_requests=int(cfg["max_waiting_requests"]),  # type: ignore[call-overload]
             memory_mode=str(cfg["memory_mode"]),
+            itl_slo_ms=int(cfg["itl_slo_ms"]),  # type: ignore[call-overload]
+            ttft_slo_ms=200,
         )
-        self.sched = Scheduler(self.config, self.kv)
+        # slo: a real RLS model, fed a linear "machine", with targets tight enough to bind
+        # (late moves, deferred admissions, preemptions, the block floor all happen).
+        self.cost = StepCostModel((1e-3, 2e-4, 5e-4, 1e-6, 1e-5))
+        self.now_s = 0.0
+        self.sched = Scheduler(self.config, self.kv, self.cost)
         self.runner = FakeRunner(
             make_fake_info(eos_token_ids=(EOS,)),
             verify_kv_block_size=block_size,
@@ -154,6 +162,8 @@ class Harness:
             ),
             eos_token_ids=(EOS,),
             priority=op.priority,
+            arrival_time_s=self.now_s,
+            ttft_slo_s=None if op.priority == 0 else 0.1 * op.priority,
         )
         self.runner.set_script(rid, op.script)
         try:
@@ -175,7 +185,10 @@ class Harness:
 
     def step(self) -> SchedulerOutput:
         sched, kv, config = self.sched, self.kv, self.config
-        plan = sched.schedule()
+        plan = sched.schedule(self.now_s)
+        shape = StepShape.of_plan(plan)
+        self.cost.observe(shape, 1e-3 + 3e-4 * shape.prefill_tokens + 6e-4 * shape.decode_seqs)
+        self.now_s += 0.05
         assert plan.num_prefill_tokens <= config.max_num_batched_tokens
         assert plan.num_scheduled_tokens <= config.max_num_batched_tokens
         assert sched.num_running <= config.max_num_seqs

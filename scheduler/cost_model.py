@@ -1,0 +1,271 @@
+"""An online model of one engine step's wall time, fitted while serving. No torch, no clock.
+
+The scheduler controls a step's shape, and the shape sets its cost::
+
+    time_s ~ c0                       fixed: weights streamed once, launches, sampling
+           + c1 * prefill_tokens      prefill FLOPs (linear layers)
+           + c2 * decode_seqs         one token per decode: its linear layers and logits
+           + c3 * prefill_attention   (query, key) pairs of the prefill chunks
+           + c4 * decode_context      KV positions the decodes read
+
+A chunk of ``n`` new tokens after ``s`` computed ones attends over ``n*s + n*(n+1)/2``
+pairs (causal); a decode reads ``s + 1`` positions. The coefficients are fitted by recursive
+least squares (RLS) with a forgetting factor, one O(k^2) update per step (k = 5): the engine
+feeds it ``observe(shape, seconds)`` after every step, so the model follows the machine it
+runs on (another process taking a core, longer contexts, a different model) within tens of
+steps. It starts from a prior: coefficients fitted to a short calibration run at start-up,
+or to the SimRunner's roofline for a named device (``fit`` does both, by least squares over
+measured or simulated steps).
+
+Decode-only steps make ``decode_seqs`` and ``decode_context`` move together, and a
+forgetting factor lets the covariance grow without bound in directions the recent steps do
+not excite ("covariance wind-up"), after which one odd step can throw the fit far off. The
+covariance's trace is therefore capped (``TRACE_CAP`` times the prior's): forgetting pauses
+while the fit is that uncertain.
+
+The coefficients are kept >= 0 (each update is projected), since every part of a step
+costs time. Features are scaled to be O(1) for typical steps (``SCALES``) so the update is well
+conditioned in float64.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from scheduler.output import SchedulerOutput
+
+FEATURES = ("intercept", "prefill_tokens", "decode_seqs", "prefill_attention", "decode_context")
+# Divisors that bring each feature to O(1) on a typical step.
+SCALES = (1.0, 1024.0, 64.0, 1024.0 * 1024.0, 64.0 * 1024.0)
+_K = len(FEATURES)
+# The covariance's trace may grow to this multiple of the prior's, no further (wind-up).
+TRACE_CAP = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What a step computes, as far as its cost goes (see the module docstring)."""
+
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+    prefill_attention: int = 0
+    decode_context: int = 0
+
+    @staticmethod
+    def chunk_attention(num_new: int, start: int) -> int:
+        """(query, key) pairs of a causal chunk of ``num_new`` tokens after ``start``."""
+        return num_new * start + num_new * (num_new + 1) // 2
+
+    @classmethod
+    def of(cls, prefill: Iterable[tuple[int, int]], decode_starts: Iterable[int]) -> StepShape:
+        """The shape of prefill chunks ``(num_new, start)`` and decodes at ``start``."""
+        tokens = attention = 0
+        for n, s in prefill:
+            tokens += n
+            attention += cls.chunk_attention(n, s)
+        seqs = context = 0
+        for s in decode_starts:
+            seqs += 1
+            context += s + 1
+        return cls(tokens, seqs, attention, context)
+
+    @classmethod
+    def of_plan(cls, plan: SchedulerOutput) -> StepShape:
+        return cls.of(
+            ((len(s.token_ids), s.start_pos) for s in plan.prefill),
+            (s.start_pos for s in plan.decode),
+        )
+
+    def with_chunk(self, num_new: int, start: int) -> StepShape:
+        """This shape plus one prefill chunk."""
+        return StepShape(
+            self.prefill_tokens + num_new,
+            self.decode_seqs,
+            self.prefill_attention + self.chunk_attention(num_new, start),
+            self.decode_context,
+        )
+
+    def with_decode(self, context: int) -> StepShape:
+        """This shape plus one decode over ``context`` positions (its new token included)."""
+        return StepShape(
+            self.prefill_tokens,
+            self.decode_seqs + 1,
+            self.prefill_attention,
+            self.decode_context + context,
+        )
+
+    @property
+    def is_empty(self) -> bool:
+        return self.prefill_tokens == 0 and self.decode_seqs == 0
+
+    def features(self) -> tuple[float, ...]:
+        return (
+            1.0,
+            self.prefill_tokens / SCALES[1],
+            self.decode_seqs / SCALES[2],
+            self.prefill_attention / SCALES[3],
+            self.decode_context / SCALES[4],
+        )
+
+
+class CostPredictor(Protocol):
+    """What the scheduler asks of a cost model (tests script it)."""
+
+    def predict(self, shape: StepShape) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CostModelStats:
+    """The fit's state, for metrics."""
+
+    num_observations: int
+    last_predicted_s: float
+    last_actual_s: float
+    median_abs_rel_error: float  # over the last ``window`` observed steps (0 before any)
+    coefficients_s: tuple[float, ...]  # seconds per unit of each raw feature (FEATURES)
+
+
+class StepCostModel:
+    """Recursive least squares over ``StepShape.features``; see the module docstring.
+
+    ``prior_s``: seconds per unit of each raw feature (``FEATURES`` order).
+    ``prior_weight``: how many steps' worth of evidence the prior counts as (the initial
+    covariance is ``I / prior_weight``).
+    ``forgetting``: RLS forgetting factor; observations ``m`` steps old weigh
+    ``forgetting**m`` (0.98: a half-life of ~34 steps).
+    """
+
+    def __init__(
+        self,
+        prior_s: Sequence[float],
+        *,
+        prior_weight: float = 4.0,
+        forgetting: float = 0.98,
+        window: int = 256,
+    ) -> None:
+        if len(prior_s) != _K:
+            raise ValueError(f"prior_s needs {_K} coefficients ({', '.join(FEATURES)})")
+        if not 0.0 < forgetting <= 1.0:
+            raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
+        if prior_weight <= 0:
+            raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
+        self._theta = [c * scale for c, scale in zip(prior_s, SCALES, strict=True)]
+        p0 = 1.0 / prior_weight
+        self._p = [[p0 if i == j else 0.0 for j in range(_K)] for i in range(_K)]
+        self._max_trace = p0 * _K * TRACE_CAP
+        self._lambda = forgetting
+        self._errors: deque[float] = deque(maxlen=window)
+        self.num_observations = 0
+        self.last_predicted_s = 0.0
+        self.last_actual_s = 0.0
+
+    @classmethod
+    def fit(
+        cls,
+        samples: Sequence[tuple[StepShape, float]],
+        *,
+        prior_weight: float = 4.0,
+        forgetting: float = 0.98,
+    ) -> StepCostModel:
+        """A model whose prior is the least-squares fit of ``samples`` (shape, seconds):
+        calibration steps, or a roofline's predictions over a grid of shapes."""
+        xs = [s.features() for s, _ in samples]
+        ys = [t for _, t in samples]
+        theta = _least_squares(xs, ys)
+        prior = [c / scale for c, scale in zip(theta, SCALES, strict=True)]
+        return cls(prior, prior_weight=prior_weight, forgetting=forgetting)
+
+    def predict(self, shape: StepShape) -> float:
+        """Predicted wall time of a step of ``shape`` (0 for an empty step)."""
+        if shape.is_empty:
+            return 0.0
+        x = shape.features()
+        return max(0.0, sum(t * v for t, v in zip(self._theta, x, strict=True)))
+
+    def observe(self, shape: StepShape, seconds: float) -> float:
+        """Fold one measured step into the fit; return what was predicted for it."""
+        if shape.is_empty or not math.isfinite(seconds) or seconds < 0:
+            return 0.0
+        predicted = self.predict(shape)
+        x = shape.features()
+        p = self._p
+        lam = self._lambda
+        px = [sum(p[i][j] * x[j] for j in range(_K)) for i in range(_K)]
+        denom = lam + sum(x[i] * px[i] for i in range(_K))
+        gain = [v / denom for v in px]
+        error = seconds - sum(t * v for t, v in zip(self._theta, x, strict=True))
+        # Projected onto theta >= 0: every part of a step costs time. Unprojected, collinear
+        # features let one coefficient go negative against another, and a step of a shape
+        # seldom seen is then predicted far off (even below zero).
+        self._theta = [t + g * error for t, g in zip(self._theta, gain, strict=True)]
+        # P = (P - g x^T P) / lambda, with the trace capped (no wind-up; module docstring).
+        new_p = [[p[i][j] - gain[i] * px[j] for j in range(_K)] for i in range(_K)]
+        trace = sum(new_p[i][i] for i in range(_K))
+        scale = 1.0 / lam if trace / lam <= self._max_trace else 1.0
+        self._p = [[v * scale for v in row] for row in new_p]
+        self.num_observations += 1
+        self.last_predicted_s = predicted
+        self.last_actual_s = seconds
+        if seconds > 0:
+            self._errors.append(abs(predicted - seconds) / seconds)
+        return predicted
+
+    @property
+    def coefficients_s(self) -> tuple[float, ...]:
+        return tuple(t / scale for t, scale in zip(self._theta, SCALES, strict=True))
+
+    def median_abs_rel_error(self) -> float:
+        errors = sorted(self._errors)
+        if not errors:
+            return 0.0
+        mid = len(errors) // 2
+        return errors[mid] if len(errors) % 2 else (errors[mid - 1] + errors[mid]) / 2
+
+    def make_stats(self) -> CostModelStats:
+        return CostModelStats(
+            num_observations=self.num_observations,
+            last_predicted_s=self.last_predicted_s,
+            last_actual_s=self.last_actual_s,
+            median_abs_rel_error=self.median_abs_rel_error(),
+            coefficients_s=self.coefficients_s,
+        )
+
+
+def _least_squares(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
+    """argmin ||X theta - y||^2 + 1e-9 ||theta||^2, by the normal equations (k = 5)."""
+    if not xs:
+        raise ValueError("a fit needs at least one sample")
+    a = [
+        [sum(x[i] * x[j] for x in xs) + (1e-9 if i == j else 0.0) for j in range(_K)]
+        for i in range(_K)
+    ]
+    b = [sum(x[i] * y for x, y in zip(xs, ys, strict=True)) for i in range(_K)]
+    return _solve(a, b)
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (a is k x k, symmetric positive definite
+    up to the ridge term)."""
+    n = len(b)
+    m = [[*row, rhs] for row, rhs in zip(a, b, strict=True)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        lead = m[col][col]
+        if lead == 0.0:
+            continue
+        for r in range(col + 1, n):
+            factor = m[r][col] / lead
+            if factor:
+                for c in range(col, n + 1):
+                    m[r][c] -= factor * m[col][c]
+    theta = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        lead = m[r][r]
+        acc = m[r][n] - sum(m[r][c] * theta[c] for c in range(r + 1, n))
+        theta[r] = acc / lead if lead else 0.0
+    return theta

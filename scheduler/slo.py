@@ -1,0 +1,141 @@
+"""The ``slo`` policy's parts: a step sized to a latency target, and EDF admission.
+
+A fixed token budget is right on one machine for one context length. The ``slo`` policy
+asks a step-cost model (``scheduler.cost_model``) instead::
+
+    every decode runs (stall-free)             predicted(decodes) = d
+    prefill chunks are added while             predicted(decodes + chunks) <= ITL target
+    a waiting request is admitted only if      predicted(decodes after it joins) <= target
+    decodes are preempted only if              d > target * slo_preempt_margin
+
+With no decode running nobody waits on the step, so prefill takes the whole token budget.
+The ITL target of a step is the tightest of its decodes' targets (a request may carry its
+own). The token budget (``max_num_batched_tokens``) stays a ceiling.
+
+Admission is earliest deadline first: the waiting queue is keyed by ``arrival + TTFT
+target``, which EDF fixes at arrival, so the queue stays a heap. Plain EDF is optimal while
+every deadline can be met and collapses under overload (a request already late is served
+first and makes the next one late too). A request found late at the head of the queue is
+therefore moved back once, by its own TTFT target: requests that can still make their
+deadline go first. Moved once, its key stays finite and every later arrival's key beyond it
+is larger, so it cannot starve: that is the aging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from scheduler.config import SchedulerConfig
+from scheduler.cost_model import CostPredictor, StepShape
+from scheduler.request import Request
+
+_US = 1_000_000
+
+
+def attained(
+    ttft_s: float | None, tpot_s: float | None, ttft_target_s: float, itl_target_s: float
+) -> tuple[bool, bool]:
+    """Whether a request met its (TTFT, ITL) targets: the first token within the TTFT
+    target, and the time per output token after it (DistServe's TPOT) within the ITL target
+    (met by a request of one token). No first token: neither."""
+    if ttft_s is None:
+        return False, False
+    return ttft_s <= ttft_target_s, tpot_s is None or tpot_s <= itl_target_s
+
+
+class DeadlineOrder:
+    """Earliest TTFT deadline first: the ``slo`` policy's ``QueueOrder``. Waiting requests
+    never preempt running ones: the policy defers admission instead."""
+
+    preempts_for_admission = False
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.default_ttft_s = config.ttft_slo_s
+
+    def rank(self, priority: int, arrival_step: int) -> int:
+        return priority
+
+    def ttft_target_s(self, request: Request) -> float:
+        target = request.ttft_slo_s
+        return self.default_ttft_s if target is None else target
+
+    def sort_key(self, rank: int, arrival_seq: int, request: Request) -> int:
+        """The TTFT deadline, ``arrival + target``, in whole microseconds."""
+        return round((request.arrival_time_s + self.ttft_target_s(request)) * _US)
+
+    def is_late(self, request: Request, now_s: float) -> bool:
+        return now_s > request.arrival_time_s + self.ttft_target_s(request)
+
+    def late_key(self, rank: int, arrival_seq: int, request: Request) -> int:
+        """Where a request found late moves to: its deadline plus its TTFT target again."""
+        return self.sort_key(rank, arrival_seq, request) + round(self.ttft_target_s(request) * _US)
+
+
+@dataclass(slots=True)
+class SloStep:
+    """One step being sized to its ITL target.
+
+    ``shape``: what the step computes so far (decodes, then chunks as they are added).
+    ``future``: the decode-only shape of the next steps: this step's decodes, plus every
+    running prefill and every admission, each as one decode over its prompt.
+    """
+
+    cost: CostPredictor
+    target_s: float
+    has_decodes: bool
+    shape: StepShape
+    future: StepShape
+
+    @classmethod
+    def begin(
+        cls,
+        cost: CostPredictor,
+        default_target_s: float,
+        decodes: Iterable[tuple[Request, int]],
+        prefills: Iterable[Request],
+    ) -> SloStep:
+        """``decodes``: (request, start position) of this step's decodes; ``prefills``: the
+        running requests still prefilling."""
+        target = default_target_s
+        shape = StepShape()
+        for req, start in decodes:
+            shape = shape.with_decode(start + 1)
+            if req.itl_slo_s is not None and req.itl_slo_s < target:
+                target = req.itl_slo_s
+        future = shape
+        for req in prefills:
+            future = future.with_decode(req.num_prompt_tokens + 1)
+        return cls(cost, target, shape.decode_seqs > 0, shape, future)
+
+    def chunk_limit(self, num_new: int, start: int) -> int:
+        """The longest chunk of at most ``num_new`` tokens at ``start`` that keeps the step
+        under its target (``num_new`` when no decode waits on the step)."""
+        if not self.has_decodes or num_new == 0:
+            return num_new
+        predict = self.cost.predict
+        shape = self.shape
+        target = self.target_s
+        if predict(shape.with_chunk(num_new, start)) <= target:
+            return num_new
+        lo, hi = 0, num_new  # predict is monotone in the chunk length: bisect
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if predict(shape.with_chunk(mid, start)) <= target:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def add_chunk(self, num_new: int, start: int) -> None:
+        self.shape = self.shape.with_chunk(num_new, start)
+
+    def admits(self, request: Request) -> bool:
+        """Whether ``request``, once decoding, keeps the decode-only step under target."""
+        if not self.has_decodes and self.future.decode_seqs == 0:
+            return True  # nothing runs: always admit
+        joined = self.future.with_decode(request.num_prompt_tokens + 1)
+        return self.cost.predict(joined) <= self.target_s
+
+    def admit(self, request: Request) -> None:
+        self.future = self.future.with_decode(request.num_prompt_tokens + 1)

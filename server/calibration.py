@@ -1,0 +1,82 @@
+"""The step-cost model's start: a few seconds of scripted steps on the real runner.
+
+The ``slo`` policy sizes every step with ``scheduler.cost_model.StepCostModel``, which the
+engine refits online. Its prior comes from here (``--cost-model-prior calibrate``, the
+default) or from a simulated device's roofline (``model_runner.sim.roofline_cost_model``).
+
+Calibration runs before the server accepts requests, on a throwaway scheduler and cache
+manager over the runner's own KV pool (the served cache manager has nothing in it yet):
+prefill chunks after short and long prefixes, decode batches of 1 to 16 over short and long
+contexts. Each step's shape and ``runner.execute`` time is one sample; the first step (a
+cold start) is dropped, and the least-squares fit is the prior.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import replace
+
+from cache_manager import KVCacheConfig, KVCacheManager
+from model_runner.base import Runner
+from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+from scheduler.cost_model import StepCostModel, StepShape
+
+logger = logging.getLogger(__name__)
+
+# (requests, prompt tokens, prefill chunk, output tokens): each round runs to its end.
+ROUNDS = (
+    (1, 512, 128, 4),  # chunks after 0, 128, 256, 384 tokens: attention grows
+    (1, 64, 64, 6),  # short prefill, batch-1 decodes
+    (4, 96, 384, 6),  # one 384-token prefill step, batch-4 decodes
+    (16, 24, 384, 6),  # many short prompts, batch-16 decodes
+    (8, 200, 128, 4),  # mixed steps: chunks beside decodes
+)
+
+
+def calibrate(
+    runner: Runner, cache: KVCacheConfig, max_model_len: int, *, seed: int = 0
+) -> StepCostModel:
+    """Fit a step-cost model to scripted steps on ``runner`` (see the module docstring)."""
+    rng = random.Random(seed)
+    vocab = runner.info.vocab_size
+    samples: list[tuple[StepShape, float]] = []
+    started = time.perf_counter()
+    for round_id, (num_reqs, prompt_len, chunk, num_out) in enumerate(ROUNDS):
+        prompt_len = min(prompt_len, max_model_len - num_out)
+        kv = KVCacheManager(replace(cache, enable_prefix_caching=False))
+        sched = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=num_reqs,
+                max_num_batched_tokens=max(chunk, num_reqs),
+                max_model_len=max_model_len,
+                long_prefill_token_threshold=chunk,
+            ),
+            kv,
+        )
+        for i in range(num_reqs):
+            sched.add_request(
+                Request(
+                    request_id=f"kvserve-calibration-{round_id}-{i}",
+                    prompt_token_ids=[rng.randrange(1, vocab) for _ in range(prompt_len)],
+                    sampling=SamplingParams(max_tokens=num_out, ignore_eos=True, temperature=0),
+                )
+            )
+        while sched.has_unfinished_requests():
+            plan = sched.schedule()
+            t0 = time.perf_counter()
+            result = runner.execute(plan)
+            elapsed = time.perf_counter() - t0
+            sched.update(plan, result)
+            if not plan.is_empty:
+                samples.append((StepShape.of_plan(plan), elapsed))
+    samples = samples[1:]  # the cold first step
+    model = StepCostModel.fit(samples)
+    logger.info(
+        "step-cost model calibrated on %d steps in %.1f s: %s",
+        len(samples),
+        time.perf_counter() - started,
+        ", ".join(f"{c:.3g}" for c in model.coefficients_s),
+    )
+    return model

@@ -1,0 +1,136 @@
+"""The online step-cost model: exact shapes, least-squares priors, RLS tracking, no wind-up."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from scheduler.cost_model import FEATURES, StepCostModel, StepShape
+from tests.scheduler.helpers import make_request, make_runner, make_scheduler
+
+TRUE_S = (4e-3, 0.8e-3, 1.5e-3, 2e-9, 3e-7)  # per unit of each raw feature
+
+
+def _truth(shape: StepShape) -> float:
+    raw = (
+        1.0,
+        shape.prefill_tokens,
+        shape.decode_seqs,
+        shape.prefill_attention,
+        shape.decode_context,
+    )
+    return sum(c * v for c, v in zip(TRUE_S, raw, strict=True))
+
+
+def _random_shape(rng: random.Random) -> StepShape:
+    prefill = [(rng.randint(1, 512), rng.randint(0, 2048)) for _ in range(rng.randint(0, 3))]
+    decodes = [rng.randint(1, 4096) for _ in range(rng.randint(0, 64))]
+    if not prefill and not decodes:
+        decodes = [10]
+    return StepShape.of(prefill, decodes)
+
+
+def test_shape_counts_tokens_seqs_attention_pairs_and_context() -> None:
+    shape = StepShape.of([(4, 0), (3, 10)], [5, 7])
+    # Causal pairs: 4*0 + 4*5/2 = 10; 3*10 + 3*4/2 = 36. Decodes read start + 1 positions.
+    assert shape == StepShape(
+        prefill_tokens=7, decode_seqs=2, prefill_attention=46, decode_context=14
+    )
+    assert shape.with_chunk(2, 1) == StepShape(9, 2, 46 + 2 + 3, 14)
+    assert shape.with_decode(9) == StepShape(7, 3, 46, 23)
+    assert StepShape().is_empty and not shape.is_empty
+
+
+def test_shape_of_a_real_plan() -> None:
+    sched, kv = make_scheduler(num_blocks=16, max_num_batched_tokens=16)
+    runner = make_runner(kv)
+    sched.add_request(make_request("a", prompt_len=5, max_tokens=3))
+    first = sched.schedule()
+    assert StepShape.of_plan(first) == StepShape(5, 0, 15, 0)
+    sched.update(first, runner.execute(first))
+    sched.add_request(make_request("b", prompt_len=3, max_tokens=3, first_token=300))
+    plan = sched.schedule()
+    # a decodes at position 5 (6 positions read); b prefills 3 tokens.
+    assert StepShape.of_plan(plan) == StepShape(3, 1, 6, 6)
+
+
+def test_fit_recovers_a_linear_truth_exactly() -> None:
+    rng = random.Random(0)
+    samples = [(s, _truth(s)) for s in (_random_shape(rng) for _ in range(200))]
+    model = StepCostModel.fit(samples)
+    for got, want in zip(model.coefficients_s, TRUE_S, strict=True):
+        assert got == pytest.approx(want, rel=1e-4)
+    shape = StepShape.of([(100, 50)], [300] * 8)
+    assert model.predict(shape) == pytest.approx(_truth(shape), rel=1e-6)
+    assert model.predict(StepShape()) == 0.0
+
+
+def test_rls_converges_from_a_wrong_prior_and_reports_its_error() -> None:
+    rng = random.Random(1)
+    model = StepCostModel([c * 3.0 for c in TRUE_S], forgetting=0.98)
+    first_errors = []
+    for i in range(400):
+        shape = _random_shape(rng)
+        predicted = model.observe(shape, _truth(shape))
+        if i < 5:
+            first_errors.append(abs(predicted - _truth(shape)) / _truth(shape))
+    assert first_errors[0] == pytest.approx(2.0)  # the prior was 3x off
+    # The prior's weight decays as 0.98^n: after 400 steps the fit is within 1 %.
+    assert model.median_abs_rel_error() < 0.01
+    stats = model.make_stats()
+    assert stats.num_observations == 400
+    assert len(stats.coefficients_s) == len(FEATURES)
+    assert stats.last_predicted_s == pytest.approx(stats.last_actual_s, rel=1e-3)
+
+
+def test_rls_follows_a_machine_that_slows_down() -> None:
+    """The same shapes suddenly take twice as long (another process took a core): within 200
+    steps the predictions are within 3 % again (old steps weigh 0.98^200 = 2 %)."""
+    rng = random.Random(2)
+    model = StepCostModel(TRUE_S)
+    for _ in range(100):
+        shape = _random_shape(rng)
+        model.observe(shape, _truth(shape))
+    for _ in range(200):
+        shape = _random_shape(rng)
+        model.observe(shape, 2 * _truth(shape))
+    shape = StepShape.of([(64, 0)], [512] * 16)
+    assert model.predict(shape) == pytest.approx(2 * _truth(shape), rel=0.03)
+
+
+def test_no_covariance_wind_up_on_decode_only_steps() -> None:
+    """Thousands of decode-only steps excite two directions; the forgotten ones must not blow
+    up: the covariance trace stays within its cap, and a prefill step afterwards is
+    still predicted sensibly (the prior's prefill coefficient survives)."""
+    model = StepCostModel(TRUE_S, prior_weight=4.0, forgetting=0.9)
+    for i in range(5000):
+        shape = StepShape.of([], [1000 + i % 7] * 8)
+        model.observe(shape, _truth(shape))
+    trace = sum(model._p[i][i] for i in range(len(FEATURES)))
+    assert trace <= model._max_trace * (1 + 1e-9)
+    prefill = StepShape.of([(512, 0)], [])
+    assert model.predict(prefill) == pytest.approx(_truth(prefill), rel=0.05)
+
+
+def test_bad_measurements_are_ignored() -> None:
+    model = StepCostModel(TRUE_S)
+    shape = StepShape.of([], [10])
+    for bad in (float("nan"), float("inf"), -1.0):
+        assert model.observe(shape, bad) == 0.0
+    assert model.observe(StepShape(), 1.0) == 0.0
+    assert model.num_observations == 0
+    assert model.coefficients_s == pytest.approx(TRUE_S)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"prior_s": (1.0,)}, "needs 5 coefficients"),
+        ({"prior_s": TRUE_S, "forgetting": 0.0}, "forgetting"),
+        ({"prior_s": TRUE_S, "prior_weight": 0.0}, "prior_weight"),
+    ],
+)
+def test_invalid_parameters(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        StepCostModel(**kwargs)  # type: ignore[arg-type]
