@@ -26,11 +26,12 @@ Sections, each comparison measured side by side in the same run:
   (scheduler + cache manager + FakeRunner; method in ``benchmarks/bench_paged_kv.py``).
 - ``kvcache``: per-token decode latency against sequence length (64 ... 4,096 tokens) with
   the KV cache (``--kv-strategy always``) and recomputing every step (``disabled``), side by
-  side; a table and a PNG (``benchmarks/bench_kv_cache.py``). It runs with
-  ``--kv-cache-threads`` (1): on a shared machine a 2-thread OpenMP team waits on a
-  descheduled thread and the curve shows the neighbours, not the cache.
+  side; a table and a PNG (``benchmarks/bench_kv_cache.py``).
 - ``sinks``: perplexity of a long text under attention sinks + window against the window
   alone and full attention (``benchmarks/bench_sinks.py``).
+
+Both run with ``--kv-threads`` (1) torch threads: on a shared machine a 2-thread OpenMP team
+waits on a descheduled thread, and the curve shows the neighbours, not the cache.
 
 The ``kvcache`` and ``sinks`` sections print their own tables under the main one.
 """
@@ -613,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
         "(default: $KVSERVE_CACHE_DIR or ~/.cache/kvserve, then llama.cpp/<version>)",
     )
     p.add_argument(
-        "--kv-cache-threads", type=int, default=1, help="torch threads of the kvcache section"
+        "--kv-threads", type=int, default=1, help="torch threads of kvcache and sinks (1)"
     )
     p.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench-results")
     p.add_argument("--no-progress", action="store_true")
@@ -661,16 +662,14 @@ def main(argv: list[str] | None = None) -> int:
     if "kvcache" in sections:
         from benchmarks import bench_kv_cache
 
-        _say(f"[kvcache] lengths {sizes.kvcache_lengths}, {args.kv_cache_threads} thread(s)")
-        points = bench_kv_cache.run(
-            sizes.kvcache_lengths, sizes.kvcache_tokens, args.kv_cache_threads
-        )
+        _say(f"[kvcache] lengths {sizes.kvcache_lengths}, {args.kv_threads} thread(s)")
+        points = bench_kv_cache.run(sizes.kvcache_lengths, sizes.kvcache_tokens, args.kv_threads)
         png = args.out_dir / f"kv-cache-{'quick-' if args.quick else ''}{stamp}.png"
         bench_kv_cache.plot(
             points,
             png,
             f"SmolLM2-135M Q4_1 GGUF on kvserve's kernels, fp16 KV, "
-            f"{args.kv_cache_threads} thread(s); median of {sizes.kvcache_tokens} tokens",
+            f"{args.kv_threads} thread(s); median of {sizes.kvcache_tokens} tokens",
         )
         extra["kvcache"] = {"points": bench_kv_cache.as_dicts(points), "png": str(png)}
         extra_tables.append(
@@ -683,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
 
         _say(f"[sinks] {sizes.sinks_tokens} tokens, cache {sizes.sinks_cache}")
         results = bench_sinks.run(
-            bench_sinks.DEFAULT_TEXT, sizes.sinks_tokens, sizes.sinks_cache, 4, 64, args.threads
+            bench_sinks.DEFAULT_TEXT, sizes.sinks_tokens, sizes.sinks_cache, 4, 64, args.kv_threads
         )
         extra["sinks"] = bench_sinks.as_dicts(results)
         extra_tables.append(
