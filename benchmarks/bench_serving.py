@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from loadtest.generator import LoadConfig, LoadGenerator
 from loadtest.launch import ServerProcess
 from loadtest.report import build_report
+from loadtest.stats import SLO
 from loadtest.workload import Workload
 
 WARM_UP = Workload.from_dict(
@@ -103,6 +104,7 @@ def run_load(
     duration_s: float,
     desc: str,
     progress: bool = True,
+    slo: SLO | None = None,
 ) -> dict[str, Any]:
     config = LoadConfig(
         target=server.target,
@@ -114,6 +116,7 @@ def run_load(
         progress=progress,
         progress_desc=desc,
         api=api,
+        slo=slo or SLO(),
     )
     run = asyncio.run(LoadGenerator(config, workload).run())
     return build_report(run, workload)
@@ -129,6 +132,7 @@ def warm_and_run(
     duration_s: float,
     desc: str,
     progress: bool = True,
+    slo: SLO | None = None,
 ) -> dict[str, Any]:
     """The warm-up every measured server gets (2 short requests), then one closed-loop run."""
     run_load(server, WARM_UP, api=api, users=2, num_requests=2, duration_s=300,
@@ -142,6 +146,7 @@ def warm_and_run(
         duration_s=duration_s,
         desc=desc,
         progress=progress,
+        slo=slo,
     )
 
 
@@ -154,6 +159,7 @@ def measure(
     duration_s: float,
     desc: str,
     progress: bool = True,
+    slo: SLO | None = None,
 ) -> dict[str, Any]:
     """Fresh server with ``serve_args``, warm-up, then one closed-loop run; its report."""
     with ServerProcess(["--runner", "torch", *serve_args]) as server:
@@ -165,6 +171,7 @@ def measure(
             duration_s=duration_s,
             desc=desc,
             progress=progress,
+            slo=slo,
         )
         report["serve_args"] = list(serve_args)
         return report

@@ -52,7 +52,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CHAT128 = REPO_ROOT.parent / "shared" / "workloads" / "chat128.json"
-SECTIONS = ("chat128", "policy", "prefix", "paged", "kvcache", "sinks")
+SECTIONS = ("chat128", "policy", "slo", "prefix", "paged", "kvcache", "sinks")
 
 LLAMA_CPP_MODES = ("build", "cached", "off")
 # Issue 10's targets, kvserve against llama.cpp measured in the same run: output tok/s ratio by
@@ -75,6 +75,8 @@ class Sizes:
     policy_long_fraction: float
     policy_output_tokens: int
     policy_step_tokens: int  # max_num_batched_tokens (and the largest chunk), both policies
+    slo_requests: int
+    slo_users: int
     prefix_requests: int
     prefix_users: int
     prefix_num_prefixes: int
@@ -100,6 +102,8 @@ FULL = Sizes(
     policy_long_fraction=0.25,
     policy_output_tokens=64,
     policy_step_tokens=512,
+    slo_requests=32,
+    slo_users=8,
     prefix_requests=24,
     prefix_users=2,
     prefix_num_prefixes=4,
@@ -120,6 +124,8 @@ QUICK = Sizes(
     policy_long_fraction=0.25,
     policy_output_tokens=8,
     policy_step_tokens=256,
+    slo_requests=4,
+    slo_users=2,
     prefix_requests=4,
     prefix_users=1,
     prefix_num_prefixes=2,
@@ -368,6 +374,74 @@ def _hf_row(section: str, setting: str, system: str, run: Any) -> Row:
         notes="TTFT excludes queueing behind earlier batches",
         raw=s,
     )
+
+
+# The slo section's targets (issue 12's example): ITL 150 ms, TTFT 2 s.
+SLO_ITL_MS = 150.0
+SLO_TTFT_MS = 2000.0
+
+
+def section_slo(sizes: Sizes, threads: int, progress: bool) -> list[Row]:
+    """stall-free at the default budget (2,048 tokens a step, chunks of 512) against the slo
+    policy at the same targets, on bursty mixed traffic: lognormal prompts and outputs, and
+    one request in eight with a distinct 1,024-token document in front (a closed loop of
+    ``slo_users`` users: arrivals come in waves as answers finish)."""
+    from benchmarks import bench_serving
+    from loadtest.stats import SLO
+    from loadtest.workload import Workload
+
+    workload = Workload.from_dict(
+        {
+            "name": "slo_mix_cpu",
+            "seed": 2,
+            "num_requests": sizes.slo_requests,
+            "prompt": {
+                "source": "random",
+                "len": {"type": "lognormal", "median": 96, "sigma": 0.8, "min": 16, "max": 768},
+            },
+            "shared_prefix": {
+                "num_prefixes": sizes.slo_requests,
+                "len": 1024,
+                "fraction": 0.125,
+            },
+            "output": {
+                "len": {"type": "lognormal", "median": 64, "sigma": 0.6, "min": 8, "max": 192},
+                "ignore_eos": True,
+            },
+            "sampling": {"temperature": 0.0},
+        }
+    )
+    slo = SLO(ttft_s=SLO_TTFT_MS / 1e3, tpot_s=SLO_ITL_MS / 1e3)
+    setting = (
+        f"{sizes.slo_users} users; lognormal prompts, 1 in 8 +1024 tokens; "
+        f"targets ITL {SLO_ITL_MS:g} ms, TTFT {SLO_TTFT_MS / 1e3:g} s"
+    )
+    rows = []
+    for policy in ("stall-free", "slo"):
+        _say(f"[slo] kvserve {policy}: {sizes.slo_requests} requests")
+        args = ["--threads", str(threads), "--policy", policy]
+        args += ["--itl-slo-ms", str(SLO_ITL_MS), "--ttft-slo-ms", str(SLO_TTFT_MS)]
+        report = bench_serving.measure(
+            args,
+            workload,
+            users=sizes.slo_users,
+            num_requests=sizes.slo_requests,
+            duration_s=sizes.run_duration_s,
+            desc=f"kvserve {policy}",
+            progress=progress,
+            slo=slo,
+        )
+        row = _row_from_report("slo", setting, f"kvserve {policy}", report)
+        row.notes = f"goodput {report['goodput']['fraction_within_slo']:.0%}"
+        rows.append(row)
+    base, ours = rows
+    base.vs_baseline = "baseline"
+    goodput = [r.raw["goodput"]["fraction_within_slo"] for r in rows]
+    ours.vs_baseline = (
+        f"{_fmt(_ratio(ours.itl_p99_ms, base.itl_p99_ms), '.2f')}x ITL p99, "
+        f"{_fmt(_ratio(goodput[1], goodput[0]), '.2f')}x goodput"
+    )
+    return rows
 
 
 def section_policy(sizes: Sizes, threads: int, progress: bool) -> list[Row]:
@@ -652,6 +726,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += chat_rows
     if "policy" in sections:
         rows += section_policy(sizes, args.threads, progress)
+    if "slo" in sections:
+        rows += section_slo(sizes, args.threads, progress)
     if "prefix" in sections:
         rows += section_prefix(sizes, args.threads, progress)
     order = {s: i for i, s in enumerate(SECTIONS)}

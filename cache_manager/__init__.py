@@ -13,7 +13,7 @@ from cache_manager.eviction import (
     SharedPrefixEviction,
     make_eviction_policy,
 )
-from cache_manager.hashing import hash_block_tokens
+from cache_manager.hashing import hash_block_tokens, prefix_block_keys
 from cache_manager.manager import Allocation, CacheSequence, KVCacheManager, PrefixHit
 from cache_manager.sizing import (
     ModelShape,
@@ -46,4 +46,5 @@ __all__ = [
     "kv_memory_bytes_paged",
     "make_eviction_policy",
     "num_blocks_for_budget",
+    "prefix_block_keys",
 ]

@@ -31,3 +31,19 @@ def hash_block_tokens(
         h.update(b"\x01" + len(salt).to_bytes(8, "little") + salt)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return h.digest()
+
+
+def prefix_block_keys(
+    token_ids: Sequence[int], block_size: int, cache_salt: str | None
+) -> list[bytes]:
+    """Chained keys of every full block of ``token_ids``, as the prefix cache computes them.
+
+    Key i stands for tokens ``[0, (i + 1) * block_size)``. The cluster router scores replicas
+    with these, so a prefix means the same thing in the router and in every replica's cache.
+    """
+    keys: list[bytes] = []
+    parent: bytes | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], cache_salt)
+        keys.append(parent)
+    return keys

@@ -5,7 +5,9 @@ committed JSON equals what this script produces, that it is a valid Grafana dash
 (with a real Prometheus scraping a live server) that every query returns data.
 
 Every panel and query takes its data source from the ``datasource`` template variable and
-filters on the ``instance`` variable; nothing names a host, a job or a data source uid.
+filters on the ``instance`` and ``replica`` variables; nothing names a host, a job or a data
+source uid. ``replica`` is the label ``kvserve cluster serve`` puts on each replica's series; a
+single server has none, and "All" (``.*``) also matches series without the label.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from typing import Any
 
 SCHEMA_VERSION = 39
 DS = {"type": "prometheus", "uid": "${datasource}"}
-SEL = 'instance=~"$instance"'  # every selector filters on the instance variable
+SEL = 'instance=~"$instance", replica=~"$replica"'  # every selector filters on both variables
 RATE = "$__rate_interval"
 NOT_OK = 'code!="OK"'
+BOTH_MET, TTFT_MET, ITL_MET = (f'target="{t}"' for t in ("both", "ttft", "itl"))
 
 Panel = dict[str, Any]
 
@@ -132,8 +135,28 @@ def layout(items: list[Panel | list[Panel]]) -> list[Panel]:
     return panels
 
 
+def _query_variable(name: str, label: str) -> dict[str, Any]:
+    query = f"label_values(kvserve_model_info, {name})"
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": DS,
+        "definition": query,
+        "query": {"query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+        "includeAll": True,
+        "multi": True,
+        "allValue": ".*",
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "refresh": 2,
+        "sort": 1,
+        "hide": 0,
+        "regex": "",
+        "options": [],
+    }
+
+
 def templating() -> dict[str, Any]:
-    query = "label_values(kvserve_model_info, instance)"
     return {
         "list": [
             {
@@ -147,23 +170,8 @@ def templating() -> dict[str, Any]:
                 "regex": "",
                 "options": [],
             },
-            {
-                "name": "instance",
-                "label": "Instance",
-                "type": "query",
-                "datasource": DS,
-                "definition": query,
-                "query": {"query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
-                "includeAll": True,
-                "multi": True,
-                "allValue": ".*",
-                "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-                "refresh": 2,
-                "sort": 1,
-                "hide": 0,
-                "regex": "",
-                "options": [],
-            },
+            _query_variable("instance", "Instance"),
+            _query_variable("replica", "Replica"),
         ]
     }
 
@@ -216,12 +224,14 @@ def dashboard(uid: str, title: str, description: str, panels: list[Panel]) -> di
 def queue_panels() -> list[Panel]:
     return [
         timeseries(
-            "Requests running / waiting / preempted",
-            "Running set and waiting queue sizes from the latest scheduler snapshot.",
+            "Requests running / waiting / preempted / parked",
+            "Running set and waiting queue sizes from the latest scheduler snapshot; parked: "
+            "requests whose client stopped reading (not scheduled until it reads again).",
             [
                 (f"sum(kvserve_requests_running{{{SEL}}})", "running"),
                 (f"sum(kvserve_requests_waiting{{{SEL}}})", "waiting"),
                 (f"sum(kvserve_requests_preempted{{{SEL}}})", "preempted (waiting)"),
+                (f"sum(kvserve_requests_parked{{{SEL}}})", "parked (client not reading)"),
             ],
         ),
         timeseries(
@@ -525,6 +535,52 @@ def scheduler_kv() -> dict[str, Any]:
                     ],
                 ),
             ],
+            row("Latency targets (--policy slo; attainment under any policy)"),
+            [
+                timeseries(
+                    "SLO attainment",
+                    "Share of ended requests (client cancels and Abort calls aside) that met "
+                    "their targets: both (goodput) by priority, and TTFT / ITL alone over all.",
+                    [
+                        (
+                            f"sum by (priority) ({rate('kvserve_slo_attained_total', BOTH_MET)})"
+                            f" / sum by (priority) ({rate('kvserve_slo_requests_total')})",
+                            "both, priority {{priority}}",
+                        ),
+                        (
+                            f"sum({rate('kvserve_slo_attained_total', TTFT_MET)})"
+                            f" / sum({rate('kvserve_slo_requests_total')})",
+                            "TTFT met",
+                        ),
+                        (
+                            f"sum({rate('kvserve_slo_attained_total', ITL_MET)})"
+                            f" / sum({rate('kvserve_slo_requests_total')})",
+                            "ITL met",
+                        ),
+                    ],
+                    unit="percentunit",
+                ),
+                timeseries(
+                    "Predicted vs actual step time",
+                    "The step-cost model's prediction of each iteration against the measured "
+                    "iteration (means over the window), and the median |error| / measured.",
+                    [
+                        (mean("kvserve_step_predicted_seconds"), "predicted"),
+                        (mean("kvserve_step_iteration_seconds"), "actual"),
+                        (quantile(0.5, "kvserve_step_prediction_error_ratio"), "median error"),
+                    ],
+                    unit="s",
+                    overrides=[
+                        {
+                            "matcher": {"id": "byName", "options": "median error"},
+                            "properties": [
+                                {"id": "unit", "value": "percentunit"},
+                                {"id": "custom.axisPlacement", "value": "right"},
+                            ],
+                        }
+                    ],
+                ),
+            ],
             row("KVCacheStats"),
             [
                 stat(
@@ -615,7 +671,7 @@ def model_table() -> Panel:
         "datasource": DS,
         "targets": [
             target(
-                f"max by (instance, model, dtype, device, block_size, num_blocks) "
+                f"max by (instance, replica, model, dtype, device, block_size, num_blocks) "
                 f"(kvserve_model_info{{{SEL}}})",
                 "",
                 "A",

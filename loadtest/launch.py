@@ -85,12 +85,18 @@ class ServerProcess(ChildServer):
         super().__init__("kvserve-server-")
         self.port_file = Path(self._tmp.name) / "port"
         self.metrics_port_file = Path(self._tmp.name) / "metrics-port"
+        self.http_port_file = Path(self._tmp.name) / "http-port"
         self.port = 0
         self.metrics_port = 0
+        self.http_port = 0  # the OpenAI-compatible front, on a free port of its own
 
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
 
     @property
     def metrics_url(self) -> str | None:
@@ -115,6 +121,10 @@ class ServerProcess(ChildServer):
             str(self.port_file),
             "--metrics-host",
             "127.0.0.1",
+            "--http-port",
+            "0",
+            "--http-port-file",
+            str(self.http_port_file),
             *metrics_args,
             *self.serve_args,
         ]
@@ -125,7 +135,11 @@ class ServerProcess(ChildServer):
                 cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env
             )
         deadline = time.monotonic() + self.startup_timeout_s
-        while not self.port_file.exists() or (self.metrics and not self.metrics_port_file.exists()):
+        while (
+            not self.port_file.exists()
+            or not self.http_port_file.exists()
+            or (self.metrics and not self.metrics_port_file.exists())
+        ):
             if self.proc.poll() is not None:
                 code = self.proc.returncode
                 raise RuntimeError(
@@ -139,6 +153,7 @@ class ServerProcess(ChildServer):
                 )
             time.sleep(0.05)
         self.port = int(self.port_file.read_text().strip())
+        self.http_port = int(self.http_port_file.read_text().strip())
         if self.metrics:
             self.metrics_port = int(self.metrics_port_file.read_text().strip())
         return self

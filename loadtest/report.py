@@ -18,7 +18,8 @@ JSON schema ``kvserve.loadtest/v1`` (one run; every key always present, null whe
                     {"count", "mean", "p50", "p90", "p99", "min", "max"}},
       "goodput": {"slo_ttft_s", "slo_tpot_s", "num_ok_within_slo", "fraction_within_slo",
                   "goodput_rps"},
-      "by_priority": {"<priority>": {"count", "ok", "ttft_p50_s", "ttft_p99_s"}},
+      "by_priority": {"<priority>": {"count", "ok", "ttft_p50_s", "ttft_p99_s",
+                                     "num_ok_within_slo", "fraction_within_slo"}},
       "server": null | {"source", "prefix_queries_tokens", "prefix_hits_tokens",
                         "prefix_hit_rate", "preemptions", "kv_usage_peak",
                         "num_usage_samples", "counter_deltas"}
@@ -62,11 +63,14 @@ def build_report(run: RunResult, workload: Workload) -> dict[str, Any]:
     for prio in sorted({r.priority for r in results}):
         group = [r for r in results if r.priority == prio]
         ttfts = [t for r in group if r.outcome == Outcome.OK and (t := r.ttft_s) is not None]
+        group_within = sum(1 for r in group if slo.met_by(r))
         by_priority[str(prio)] = {
             "count": len(group),
             "ok": sum(1 for r in group if r.outcome == Outcome.OK),
             "ttft_p50_s": percentile(ttfts, 50.0),
             "ttft_p99_s": percentile(ttfts, 99.0),
+            "num_ok_within_slo": group_within,
+            "fraction_within_slo": group_within / len(group),
         }
     return {
         "schema": SCHEMA,
@@ -157,6 +161,15 @@ def format_summary(report: dict[str, Any]) -> str:
             f"goodput ({slo}): {g['goodput_rps']:.2f} req/s, "
             f"{g['num_ok_within_slo']}/{req['sent']} within SLO"
         )
+        by_priority = report["by_priority"]
+        if len(by_priority) > 1:
+            lines.append(
+                "  by priority: "
+                + ", ".join(
+                    f"{prio}: {e['num_ok_within_slo']}/{e['count']}"
+                    for prio, e in by_priority.items()
+                )
+            )
     lines.append(cache_text(load))
     srv = report["server"]
     if srv is not None:

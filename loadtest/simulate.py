@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from cache_manager import KVCacheConfig, KVCacheManager
+from cluster.routing import ROUTERS, ReplicaLoad, make_router, routing_keys
 from loadtest.stats import summarize
 from loadtest.workload import RequestSpec, Workload, arrival_offsets
 from model_runner.sim import PROFILES, SimProfile, SimRunner, get_profile, roofline_cost_model
@@ -97,6 +98,137 @@ class _Track:
     num_cached_tokens: int = 0
 
 
+class _SimEngine:
+    """One simulated engine: a fresh scheduler, cache manager, SimRunner and virtual clock,
+    and what the simulator records for its requests. ``step()`` is one engine step."""
+
+    def __init__(
+        self,
+        run: RunSpec,
+        profile: SimProfile,
+        *,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        max_steps: int,
+    ) -> None:
+        self.run = run
+        self.kv = KVCacheManager(
+            KVCacheConfig(
+                num_blocks=num_blocks,
+                block_size=block_size,
+                enable_prefix_caching=enable_prefix_caching,
+                block_bytes=profile.model.kv_bytes_per_token * block_size,
+            )
+        )
+        # slo: the roofline's least-squares fit as the prior, refitted online from every step
+        # (the simulated device's times are the "measurements").
+        self.cost_model = roofline_cost_model(profile) if run.config.policy == "slo" else None
+        self.sched = Scheduler(run.config, self.kv, self.cost_model)
+        self.runner = SimRunner(profile)
+        self.clock = self.runner.clock
+        self.eos = self.runner.info.eos_token_ids
+        self.max_steps = max_steps
+        self.tracks: dict[str, _Track] = {}
+        self.rejected: Counter[str] = Counter()
+        self.static_batch: dict[str, int] = {}  # static batching: the batch, id -> final length
+        self.num_steps = 0
+        self.usage_time = 0.0  # integral of KV usage over busy time
+        self.max_usage = 0.0
+        self.decode_rows = 0
+        self.to_cancel: set[str] = set()  # requests the client will cancel after some tokens
+
+    @property
+    def num_load(self) -> int:
+        """Requests queued or running here (what a router balances)."""
+        return self.sched.num_waiting + self.sched.num_running
+
+    def admit(self, spec: RequestSpec, arrival_s: float) -> None:
+        assert spec.prompt_token_ids is not None
+        rid = f"req-{spec.index}"
+        request = Request(
+            request_id=rid,
+            prompt_token_ids=list(spec.prompt_token_ids),
+            sampling=SamplingParams(max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos),
+            eos_token_ids=self.eos,
+            priority=spec.priority,
+            arrival_time_s=arrival_s,
+        )
+        try:
+            self.sched.add_request(request)
+        except OverloadError:
+            self.rejected["overload"] += 1
+            return
+        except ValueError:
+            self.rejected["invalid"] += 1
+            return
+        self.tracks[rid] = _Track(arrival_s, len(spec.prompt_token_ids), spec.cancel_after_tokens)
+        if spec.cancel_after_tokens is not None:
+            self.to_cancel.add(rid)
+        if self.run.static_batching:
+            self.static_batch[rid] = 0
+
+    def _record(self, out: RequestOutput, now_s: float) -> None:
+        track = self.tracks[out.request_id]
+        track.token_times_s.extend(now_s for _ in out.new_token_ids)
+        if out.finished:
+            track.finished_s = now_s
+            track.finish_reason = out.finish_reason.value if out.finish_reason else None
+            track.num_cached_tokens = out.num_cached_tokens
+            if out.request_id in self.static_batch:
+                self.static_batch[out.request_id] = track.num_prompt_tokens + out.num_output_tokens
+
+    def step(self) -> None:
+        """One step: schedule, execute on the cost model (the clock advances), update."""
+        sched, clock, tracks = self.sched, self.clock, self.tracks
+        self.num_steps += 1
+        if self.num_steps > self.max_steps:
+            raise RuntimeError(f"{self.run.name}: no end after {self.max_steps} steps")
+        plan = sched.schedule(clock.now_s)
+        if plan.is_empty:
+            raise RuntimeError(
+                f"{self.run.name}: step {plan.step_id} scheduled nothing with "
+                f"{sched.num_waiting} waiting and {sched.num_running} running"
+            )
+        for seq in plan.prefill:
+            track = tracks[seq.request_id]
+            if track.first_scheduled_s is None:
+                track.first_scheduled_s = clock.now_s
+        padding = [(1, length) for length in self.static_batch.values() if length]
+        start_s = clock.now_s
+        result = self.runner.execute(plan, padding=padding)
+        now_s = clock.now_s
+        if self.cost_model is not None:
+            self.cost_model.observe(StepShape.of_plan(plan), now_s - start_s)
+        usage = self.kv.usage
+        self.usage_time += usage * (now_s - start_s)
+        self.max_usage = max(self.max_usage, usage)
+        self.decode_rows += len(plan.decode)
+        for out in sched.update(plan, result):
+            self._record(out, now_s)
+        for rid in list(self.to_cancel):
+            track = tracks[rid]
+            if track.finished_s is not None:
+                self.to_cancel.discard(rid)
+            elif track.cancel_after is not None and len(track.token_times_s) >= track.cancel_after:
+                aborted = sched.abort(rid)
+                assert aborted is not None
+                self._record(aborted, now_s)
+                self.to_cancel.discard(rid)
+
+    def run_until(self, t_s: float) -> None:
+        """Step while there is work and the clock is before ``t_s``; then idle up to it."""
+        while self.sched.has_unfinished_requests() and self.clock.now_s < t_s:
+            self.step()
+        if self.clock.now_s < t_s:
+            self.clock.advance_to(t_s)
+
+    def finish(self) -> None:
+        """Step until every admitted request has ended."""
+        while self.sched.has_unfinished_requests():
+            self.step()
+
+
 def simulate(
     run: RunSpec,
     profile: SimProfile,
@@ -109,120 +241,90 @@ def simulate(
     max_steps: int = 2_000_000,
 ) -> dict[str, Any]:
     """Run one configuration over the workload on a fresh scheduler, cache and clock."""
-    kv = KVCacheManager(
-        KVCacheConfig(
-            num_blocks=num_blocks,
-            block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching,
-            block_bytes=profile.model.kv_bytes_per_token * block_size,
-        )
+    engine = _SimEngine(
+        run,
+        profile,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        enable_prefix_caching=enable_prefix_caching,
+        max_steps=max_steps,
     )
-    # slo: the roofline's least-squares fit as the prior, refitted online from every step
-    # (the simulated device's times are the "measurements").
-    cost_model = roofline_cost_model(profile) if run.config.policy == "slo" else None
-    sched = Scheduler(run.config, kv, cost_model)
-    runner = SimRunner(profile)
-    clock = runner.clock
-    eos = runner.info.eos_token_ids
-    tracks: dict[str, _Track] = {}
-    rejected: Counter[str] = Counter()
+    sched, clock = engine.sched, engine.clock
     order = sorted(range(len(specs)), key=lambda i: (arrivals_s[i], i))
     next_arrival = 0
-    static_batch: dict[str, int] = {}  # static batching: the batch, id -> its final length
-    num_steps = 0
-    usage_time = 0.0  # integral of KV usage over busy time
-    max_usage = 0.0
-    decode_rows = 0
-    to_cancel: set[str] = set()  # requests the client will cancel after some tokens
-
-    def admit(i: int) -> None:
-        spec = specs[i]
-        assert spec.prompt_token_ids is not None
-        rid = f"req-{spec.index}"
-        request = Request(
-            request_id=rid,
-            prompt_token_ids=list(spec.prompt_token_ids),
-            sampling=SamplingParams(max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos),
-            eos_token_ids=eos,
-            priority=spec.priority,
-            arrival_time_s=arrivals_s[i],
-        )
-        try:
-            sched.add_request(request)
-        except OverloadError:
-            rejected["overload"] += 1
-            return
-        except ValueError:
-            rejected["invalid"] += 1
-            return
-        tracks[rid] = _Track(arrivals_s[i], len(spec.prompt_token_ids), spec.cancel_after_tokens)
-        if spec.cancel_after_tokens is not None:
-            to_cancel.add(rid)
-        if run.static_batching:
-            static_batch[rid] = 0
-
-    def record(out: RequestOutput, now_s: float) -> None:
-        track = tracks[out.request_id]
-        track.token_times_s.extend(now_s for _ in out.new_token_ids)
-        if out.finished:
-            track.finished_s = now_s
-            track.finish_reason = out.finish_reason.value if out.finish_reason else None
-            track.num_cached_tokens = out.num_cached_tokens
-            if out.request_id in static_batch:
-                static_batch[out.request_id] = track.num_prompt_tokens + out.num_output_tokens
-
     while next_arrival < len(order) or sched.has_unfinished_requests():
         # Arrivals up to now join the queue; static batching admits a batch only when idle.
         if not run.static_batching or not sched.has_unfinished_requests():
-            static_batch.clear()
+            engine.static_batch.clear()
             cap = run.config.max_num_seqs if run.static_batching else len(order)
             while (
                 next_arrival < len(order)
                 and arrivals_s[order[next_arrival]] <= clock.now_s
-                and len(static_batch) < cap
+                and len(engine.static_batch) < cap
             ):
-                admit(order[next_arrival])
+                i = order[next_arrival]
+                engine.admit(specs[i], arrivals_s[i])
                 next_arrival += 1
         if not sched.has_unfinished_requests():
             if next_arrival < len(order):
                 clock.advance_to(arrivals_s[order[next_arrival]])
             continue
-        num_steps += 1
-        if num_steps > max_steps:
-            raise RuntimeError(f"{run.name}: no end after {max_steps} steps")
-        plan = sched.schedule(clock.now_s)
-        if plan.is_empty:
-            raise RuntimeError(
-                f"{run.name}: step {plan.step_id} scheduled nothing with "
-                f"{sched.num_waiting} waiting and {sched.num_running} running"
-            )
-        for seq in plan.prefill:
-            track = tracks[seq.request_id]
-            if track.first_scheduled_s is None:
-                track.first_scheduled_s = clock.now_s
-        padding = [(1, length) for length in static_batch.values() if length]
-        start_s = clock.now_s
-        result = runner.execute(plan, padding=padding)
-        now_s = clock.now_s
-        if cost_model is not None:
-            cost_model.observe(StepShape.of_plan(plan), now_s - start_s)
-        usage = kv.usage
-        usage_time += usage * (now_s - start_s)
-        max_usage = max(max_usage, usage)
-        decode_rows += len(plan.decode)
-        for out in sched.update(plan, result):
-            record(out, now_s)
-        for rid in list(to_cancel):
-            track = tracks[rid]
-            if track.finished_s is not None:
-                to_cancel.discard(rid)
-            elif track.cancel_after is not None and len(track.token_times_s) >= track.cancel_after:
-                aborted = sched.abort(rid)
-                assert aborted is not None
-                record(aborted, now_s)
-                to_cancel.discard(rid)
+        engine.step()
+    return _report(run, [engine])
 
-    return _report(run, sched, kv, tracks, rejected, num_steps, usage_time, max_usage, decode_rows)
+
+def simulate_cluster(
+    run: RunSpec,
+    profile: SimProfile,
+    specs: Sequence[RequestSpec],
+    arrivals_s: Sequence[float],
+    *,
+    num_replicas: int,
+    router: str,
+    num_blocks: int,
+    block_size: int = 16,
+    enable_prefix_caching: bool = True,
+    max_steps: int = 2_000_000,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """``num_replicas`` engines (each ``num_blocks`` of KV) behind ``cluster.routing``'s router.
+
+    Before each arrival every replica runs up to the arrival time (a replica mid-step
+    finishes that step first); the router then sees each replica's queued + running count
+    and picks one, as ``kvserve cluster serve`` does with in-flight counts.
+    """
+    if run.static_batching:
+        raise ValueError("--replicas simulates continuous batching only")
+    engines = [
+        _SimEngine(
+            run,
+            profile,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            max_steps=max_steps,
+        )
+        for _ in range(num_replicas)
+    ]
+    chooser = make_router(router, capacity_blocks=num_blocks, seed=seed)
+    decisions: Counter[str] = Counter()
+    for i in sorted(range(len(specs)), key=lambda i: (arrivals_s[i], i)):
+        spec, t_s = specs[i], arrivals_s[i]
+        assert spec.prompt_token_ids is not None
+        for engine in engines:
+            engine.run_until(t_s)
+        loads = [ReplicaLoad(f"{k:02d}", e.num_load) for k, e in enumerate(engines)]
+        decision = chooser.choose(loads, routing_keys(spec.prompt_token_ids, block_size, None))
+        decisions[decision.reason] += 1
+        engines[int(decision.replica_id)].admit(spec, t_s)
+    for engine in engines:
+        engine.finish()
+    report = _report(run, engines)
+    report["name"] = f"{num_replicas} x {router}"
+    report["replicas"] = num_replicas
+    report["router"] = router
+    report["router_decisions"] = dict(sorted(decisions.items()))
+    return report
 
 
 def _goodput(done: Sequence[_Track], ttft_target_s: float, itl_target_s: float) -> dict[str, Any]:
@@ -248,17 +350,11 @@ def _goodput(done: Sequence[_Track], ttft_target_s: float, itl_target_s: float) 
     }
 
 
-def _report(
-    run: RunSpec,
-    sched: Scheduler,
-    kv: KVCacheManager,
-    tracks: dict[str, _Track],
-    rejected: Counter[str],
-    num_steps: int,
-    usage_time: float,
-    max_usage: float,
-    decode_rows: int,
-) -> dict[str, Any]:
+def _report(run: RunSpec, engines: Sequence[_SimEngine]) -> dict[str, Any]:
+    tracks = {rid: t for e in engines for rid, t in e.tracks.items()}
+    rejected: Counter[str] = sum((e.rejected for e in engines), Counter())
+    num_steps = sum(e.num_steps for e in engines)
+    decode_rows = sum(e.decode_rows for e in engines)
     done = [t for t in tracks.values() if t.finished_s is not None]
     start_s = min((t.arrival_s for t in tracks.values()), default=0.0)
     end_s = max((t.finished_s for t in done if t.finished_s is not None), default=start_s)
@@ -273,9 +369,11 @@ def _report(
         if len(t.token_times_s) > 1
     ]
     e2e = [t.finished_s - t.arrival_s for t in done if t.finished_s is not None]
-    goodput = _goodput(done, run.config.ttft_slo_s, run.config.itl_slo_s)
     queue = [t.first_scheduled_s - t.arrival_s for t in done if t.first_scheduled_s is not None]
-    stats = sched.make_stats()
+    all_stats = [e.sched.make_stats() for e in engines]
+    hits = sum(s.kv.prefix_hits_tokens_total for s in all_stats)
+    queries = sum(s.kv.prefix_queries_tokens_total for s in all_stats)
+    goodput = _goodput(done, run.config.ttft_slo_s, run.config.itl_slo_s)
 
     def per_s(count: int) -> float:
         return count / duration_s if duration_s > 0 else 0.0
@@ -298,26 +396,33 @@ def _report(
             "requests_per_s": per_s(len(done)),
         },
         "slo": goodput,
+        # Requests per second that met both targets (the share above times the finish rate).
+        "goodput_requests_per_s": goodput["goodput"] * per_s(goodput["judged"]),
         "ttft_s": summarize(ttft),
         "itl_s": summarize(itl),
         "tpot_s": summarize(tpot),
         "e2e_s": summarize(e2e),
         "queue_s": summarize(queue),
-        "preemptions": stats.num_preemptions_total,
-        "recomputed_tokens": stats.num_recomputed_tokens_total,
+        "preemptions": sum(s.num_preemptions_total for s in all_stats),
+        "recomputed_tokens": sum(s.num_recomputed_tokens_total for s in all_stats),
         "steps": {
             "total": num_steps,
-            "with_prefill": stats.num_steps_prefill_total,
-            "with_decode": stats.num_steps_decode_total,
+            "with_prefill": sum(s.num_steps_prefill_total for s in all_stats),
+            "with_decode": sum(s.num_steps_decode_total for s in all_stats),
             "mean_decode_batch": decode_rows / num_steps if num_steps else 0.0,
         },
         "kv": {
-            "num_blocks": kv.num_blocks,
-            "block_size": kv.block_size,
-            "mean_usage": usage_time / duration_s if duration_s > 0 else 0.0,
-            "max_usage": max_usage,
-            "prefix_hit_rate": stats.kv.cache_hit_rate,
-            "evictions": stats.kv.evictions_total,
+            "num_blocks": engines[0].kv.num_blocks,
+            "block_size": engines[0].kv.block_size,
+            # Per replica, averaged over replicas.
+            "mean_usage": (
+                sum(e.usage_time for e in engines) / len(engines) / duration_s
+                if duration_s > 0
+                else 0.0
+            ),
+            "max_usage": max(e.max_usage for e in engines),
+            "prefix_hit_rate": hits / queries if queries else 0.0,
+            "evictions": sum(s.kv.evictions_total for s in all_stats),
         },
     }
 
@@ -332,7 +437,11 @@ def build_parser() -> argparse.ArgumentParser:
         "simulated GPU (roofline cost model, virtual clock).",
     )
     parser.add_argument("--profile", default="h100-llama3-8b-bf16", choices=sorted(PROFILES))
-    parser.add_argument("--workload", help="workload JSON (loadtest schema); default: built-in")
+    parser.add_argument(
+        "--workload",
+        help="workload JSON (loadtest schema) or a shipped name (tenants, shared_prefix, ...); "
+        "default: built-in",
+    )
     parser.add_argument("--num-requests", type=int, help="default: the workload's count")
     parser.add_argument("--rate", type=float, default=math.inf, help="requests/s (inf = all at 0)")
     parser.add_argument(
@@ -364,13 +473,50 @@ def build_parser() -> argparse.ArgumentParser:
         help="static vs continuous (prefill-first, stall-free) on the same arrivals",
     )
     parser.add_argument("--json", dest="json_path", help="write the full report here")
+    cluster = parser.add_argument_group(
+        "replicas", "many engines behind a router (kvserve cluster serve's routers)"
+    )
+    cluster.add_argument(
+        "--replicas",
+        type=_int_list,
+        help="replica counts to simulate, e.g. 1,2,4,8,16; --rate and --num-requests are then "
+        "per replica (the offered load grows with the replicas)",
+    )
+    cluster.add_argument(
+        "--router",
+        type=_router_list,
+        default=list(ROUTERS),
+        help=f"routers to compare, comma-separated (default: {','.join(ROUTERS)})",
+    )
     return parser
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected counts like 1,2,4, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"replica counts must be >= 1, got {text!r}")
+    return values
+
+
+def _router_list(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in ROUTERS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown router {', '.join(unknown) or text!r}; choose from {', '.join(ROUTERS)}"
+        )
+    return names
 
 
 def _load_workload(path: str | None) -> Workload:
     if path is None:
         return Workload.from_dict(DEFAULT_WORKLOAD)
-    workload = Workload.load(path)
+    from loadtest.cli import resolve_workload  # a shipped name ("tenants") or a path
+
+    workload = Workload.load(resolve_workload(path))
     if workload.prompt_source != "random":
         raise ValueError(
             f"workload {path}: the simulator needs token prompts (prompt.source 'random'); "
@@ -499,24 +645,55 @@ def compare(runs: Sequence[dict[str, Any]]) -> dict[str, float | None]:
     return out
 
 
+def format_cluster_table(runs: Sequence[dict[str, Any]]) -> str:
+    """One row per (replicas, router): goodput, TTFT, prefix-hit rate, throughput."""
+    columns: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+        ("replicas", lambda r: str(r["replicas"])),
+        ("router", lambda r: str(r["router"])),
+        ("goodput req/s", lambda r: f"{r['goodput_requests_per_s']:.2f}"),
+        ("req/s", lambda r: f"{r['throughput']['requests_per_s']:.2f}"),
+        ("TTFT p50", lambda r: _fmt_ms(r["ttft_s"], "p50")),
+        ("TTFT p99", lambda r: _fmt_ms(r["ttft_s"], "p99")),
+        ("TPOT p50", lambda r: _fmt_ms(r["tpot_s"], "p50")),
+        ("hit", lambda r: f"{r['kv']['prefix_hit_rate']:.0%}"),
+        ("evictions", lambda r: str(r["kv"]["evictions"])),
+    ]
+    rows = [[name for name, _ in columns]] + [[get(r) for _, get in columns] for r in runs]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    lines = []
+    for j, row in enumerate(rows):
+        cells = [
+            c.ljust(w) if i < 2 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines) + "\n(latencies in ms; hit = prefix-cache hit rate over all replicas)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         workload = _load_workload(args.workload)
         profile = get_profile(args.profile)
         runs = _run_specs(args)
+        if args.replicas and (args.compare or args.static_batching):
+            raise ValueError("--replicas simulates continuous batching: drop --compare/--static")
     except (OSError, ValueError) as exc:
         print(f"kvserve simulate: {exc}", file=sys.stderr)
         return 2
     num_requests = args.num_requests or workload.num_requests
-    specs = workload.build(num_requests, vocab_size=profile.model.vocab_size)
-    arrivals = arrival_offsets(num_requests, args.rate, args.burstiness, args.seed)
     if args.kv_gib is not None:
         num_blocks = int(args.kv_gib * 2**30) // (
             profile.model.kv_bytes_per_token * args.block_size
         )
     else:
         num_blocks = profile.kv_budget_bytes // (profile.model.kv_bytes_per_token * args.block_size)
+    if args.replicas:
+        return _main_cluster(args, workload, profile, runs[0], num_requests, num_blocks)
+    specs = workload.build(num_requests, vocab_size=profile.model.vocab_size)
+    arrivals = arrival_offsets(num_requests, args.rate, args.burstiness, args.seed)
     results = [
         simulate(
             run,
@@ -553,6 +730,57 @@ def main(argv: list[str] | None = None) -> int:
         "comparison": ratios,
     }
     if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    return 0
+
+
+def _main_cluster(
+    args: argparse.Namespace,
+    workload: Workload,
+    profile: SimProfile,
+    run: RunSpec,
+    num_requests: int,
+    num_blocks: int,
+) -> int:
+    """``--replicas``: every (replica count, router) on the same arrivals per count."""
+    print(
+        f"profile {profile.name}: {profile.model.name} on {profile.hardware.name}, "
+        f"{num_blocks} KV blocks of {args.block_size} tokens per replica; workload "
+        f"{workload.name}, {num_requests} requests and rate {args.rate:g}/s per replica; "
+        f"goodput: TTFT <= {args.ttft_slo_ms:g} ms and TPOT <= {args.itl_slo_ms:g} ms",
+        flush=True,
+    )
+    results = []
+    for n in args.replicas:
+        total = num_requests * n
+        specs = workload.build(total, vocab_size=profile.model.vocab_size)
+        arrivals = arrival_offsets(total, args.rate * n, args.burstiness, args.seed)
+        for router in args.router:
+            results.append(
+                simulate_cluster(
+                    run,
+                    profile,
+                    specs,
+                    arrivals,
+                    num_replicas=n,
+                    router=router,
+                    num_blocks=num_blocks,
+                    block_size=args.block_size,
+                    enable_prefix_caching=not args.no_prefix_caching,
+                    seed=args.seed,
+                )
+            )
+    print(format_cluster_table(results))
+    if args.json_path:
+        report = {
+            "profile": profile.name,
+            "workload": workload.describe(),
+            "num_requests_per_replica": num_requests,
+            "rate_per_replica": None if math.isinf(args.rate) else args.rate,
+            "kv": {"num_blocks_per_replica": num_blocks, "block_size": args.block_size},
+            "config": _fields(run.config),
+            "runs": results,
+        }
         Path(args.json_path).write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
     return 0
 

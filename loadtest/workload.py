@@ -22,7 +22,9 @@ Schema (every key optional except where said; lengths are tokens)::
         "num_prefixes": 4,                # K
         "len": <dist>,                    # random source: each prefix's length, drawn once
         "texts": ["You are ...", ...],    # file source: the prefixes themselves (K = len)
-        "fraction": 1.0                   # share of requests that get a prefix (exact count)
+        "fraction": 1.0,                  # share of requests that get a prefix (exact count)
+        "order": "cycle"                  # "cycle" (k-th such request: prefix k % K) or
+                                          #   "random" (seeded uniform: tenants in any order)
       },
       "output": {"len": <dist>, "ignore_eos": true},   # max_tokens per request (128, true)
       "sampling": {"temperature": 0.0, "top_p": 1.0, "top_k": 50, "seed": 1},
@@ -177,6 +179,7 @@ class Workload:
     prefix_len: LengthDist = field(default_factory=lambda: LengthDist(value=DEFAULT_PROMPT_LEN))
     prefix_texts: tuple[str, ...] = ()
     prefix_fraction: float = 1.0
+    prefix_order: str = "cycle"
     output_len: LengthDist = field(default_factory=lambda: LengthDist(value=DEFAULT_OUTPUT_LEN))
     ignore_eos: bool = True
     sampling: Mapping[str, Any] = field(default_factory=lambda: {"temperature": 0.0})
@@ -199,6 +202,8 @@ class Workload:
                 raise ValueError(
                     f"prompt.token_id_range must be [lo, hi) with 0 <= lo < hi, got {lo}, {hi}"
                 )
+        if self.prefix_order not in ("cycle", "random"):
+            raise ValueError(f"shared_prefix.order must be cycle|random, got {self.prefix_order!r}")
         if self.num_prefixes < 0:
             raise ValueError(f"shared_prefix.num_prefixes must be >= 0, got {self.num_prefixes}")
         if self.prompt_source == "file" and self.num_prefixes and not self.prefix_texts:
@@ -250,7 +255,7 @@ class Workload:
                 raise ValueError("prompt.source 'file' needs prompt.path")
             texts = load_prompt_file(_resolve(prompt["path"], base_dir))
         prefix = dict(spec.get("shared_prefix", {}))
-        _check_keys(prefix, {"num_prefixes", "len", "texts", "fraction"}, "shared_prefix")
+        _check_keys(prefix, {"num_prefixes", "len", "texts", "fraction", "order"}, "shared_prefix")
         prefix_texts = tuple(str(t) for t in prefix.get("texts", ()))
         num_prefixes = int(prefix.get("num_prefixes", len(prefix_texts)))
         if prefix_texts and num_prefixes != len(prefix_texts):
@@ -281,6 +286,7 @@ class Workload:
             prefix_len=LengthDist.parse(prefix.get("len"), DEFAULT_PROMPT_LEN),
             prefix_texts=prefix_texts,
             prefix_fraction=float(prefix.get("fraction", 1.0)),
+            prefix_order=str(prefix.get("order", "cycle")),
             output_len=LengthDist.parse(output.get("len"), DEFAULT_OUTPUT_LEN),
             ignore_eos=bool(output.get("ignore_eos", True)),
             sampling=dict(spec.get("sampling", {"temperature": 0.0})),
@@ -411,7 +417,11 @@ class Workload:
             return out
         with_prefix = _shuffled(range(n), rng)[: _exact_count(self.prefix_fraction, n)]
         for k, i in enumerate(sorted(with_prefix)):
-            out[i] = k % self.num_prefixes
+            out[i] = (
+                rng.randrange(self.num_prefixes)
+                if self.prefix_order == "random"
+                else k % self.num_prefixes
+            )
         return out
 
 

@@ -23,16 +23,13 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import socket
 import threading
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import fields
-from socketserver import ThreadingMixIn
 from typing import Any, TypeVar
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -213,6 +210,7 @@ class PrometheusSink:
         self,
         registry: CollectorRegistry | None = None,
         model_info: dict[str, str] | None = None,
+        stats: SchedulerStats | None = None,
         slo_targets_s: tuple[float, float] = (2.0, 0.15),
     ) -> None:
         """``slo_targets_s``: the server's default (TTFT, ITL) targets, for requests that
@@ -221,7 +219,8 @@ class PrometheusSink:
         self._slo_targets_s = slo_targets_s
         self._model_info = {_label_name(k): str(v) for k, v in (model_info or {}).items()}
         self._lock = threading.Lock()
-        self._stats: SchedulerStats = SchedulerStats.make_empty(
+        # ``stats``: the engine's snapshot at start-up (pool sizes known before any step).
+        self._stats: SchedulerStats = stats or SchedulerStats.make_empty(
             KVCacheStats.make_empty(
                 num_blocks=_int_or(self._model_info.get("num_blocks"), 0),
                 block_size=_int_or(self._model_info.get("block_size"), 16),
@@ -390,7 +389,7 @@ class PrometheusSink:
         yield _counter(
             "request_aborts_total",
             "Requests (each of the n samples counts) that ended without completing, by reason "
-            "(client_cancel, deadline, abort_call, shutdown, error, overload).",
+            "(client_cancel, deadline, abort_call, shutdown, stalled, error, overload).",
             ["reason"],
             [((k,), v) for k, v in sorted(aborts.items())],
         )
@@ -402,7 +401,7 @@ class PrometheusSink:
         )
         yield _counter(
             "rpcs_total",
-            "Finished gRPC calls by method and status code name.",
+            "Finished calls (gRPC and HTTP) by method and status code name.",
             ["method", "code"],
             [(k, v) for k, v in sorted(rpcs.items())],
         )
@@ -436,6 +435,11 @@ class PrometheusSink:
                 "requests_preempted",
                 "Waiting requests that were preempted and not yet resumed.",
                 s.num_preempted,
+            ),
+            (
+                "requests_parked",
+                "Requests not scheduled because their client stopped reading its stream.",
+                s.num_parked,
             ),
             (
                 "waiting_queue_tokens",
@@ -670,37 +674,3 @@ def kv_field_metrics() -> dict[str, str]:
     if missing:
         raise RuntimeError(f"KVCacheStats fields without a metric: {missing}")
     return dict(KV_FIELD_METRICS)
-
-
-# ----------------------------------------------------------------------- HTTP server
-class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True  # a slow scraper never blocks shutdown
-
-
-class _SilentHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-def start_metrics_server(
-    host: str, port: int, registry: CollectorRegistry
-) -> tuple[WSGIServer, int]:
-    """Serve ``registry`` over HTTP (``GET /metrics``) from a daemon thread.
-
-    ``port=0`` binds a free port; the actual port is returned. Stop it with
-    ``stop_metrics_server(server)``.
-    """
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-    server_class = type("MetricsWSGIServer", (_ThreadingWSGIServer,), {"address_family": family})
-    httpd: WSGIServer = make_server(
-        host, port, make_wsgi_app(registry), server_class=server_class, handler_class=_SilentHandler
-    )
-    thread = threading.Thread(target=httpd.serve_forever, name="kvserve-metrics", daemon=True)
-    thread.start()
-    return httpd, int(httpd.server_port)
-
-
-def stop_metrics_server(server: WSGIServer) -> None:
-    """Stop serving and close the socket (idempotent enough for tests' finally blocks)."""
-    server.shutdown()
-    server.server_close()

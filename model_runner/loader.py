@@ -19,7 +19,12 @@ import torch
 from model_runner.config import ModelConfig
 from model_runner.device import resolve_dtype
 from model_runner.errors import CheckpointError, CheckpointNotFoundError
-from model_runner.gguf_loader import HOW_TO_GET_DEFAULT, default_model_path, load_gguf_checkpoint
+from model_runner.gguf_loader import (
+    HOW_TO_GET_DEFAULT,
+    default_model_path,
+    load_gguf_checkpoint,
+    read_metadata,
+)
 from model_runner.quant import QuantWeight, quantize_matrices, resolve_weights_mode
 from model_runner.tokenizer import Tokenizer
 
@@ -28,6 +33,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "LoadedModel",
     "load_model",
+    "load_tokenizer",
 ]
 
 
@@ -82,6 +88,17 @@ def load_model(
     config = _with_tokenizer_eos(checkpoint.config, tokenizer)
     weights_dict = state_dict if state_dict is not None else checkpoint.state_dict
     return LoadedModel(config, weights_dict, tokenizer, name, str(source), mode)
+
+
+def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
+    """The tokenizer of a checkpoint (``None``: the embedded SmolLM2), without its weights.
+
+    The cluster router tokenizes prompts with it to find the replica holding their prefix.
+    """
+    source = default_model_path() if path is None else Path(path)
+    if source.is_dir():
+        return Tokenizer.from_hf_dir(source, name=source.name)
+    return Tokenizer.from_gguf_metadata(read_metadata(source), name=source.stem)
 
 
 def _load_hf_dir(root: Path, dtype: torch.dtype, mode: str) -> LoadedModel:

@@ -62,7 +62,7 @@ class SchedulerConfig:
     memory_mode: str = "optimistic"
     itl_slo_ms: float = 150.0
     ttft_slo_ms: float = 2000.0
-    slo_preempt_margin: float = 1.25
+    slo_preempt_margin: float = 1.5
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -23,9 +23,12 @@ not excite ("covariance wind-up"), after which one odd step can throw the fit fa
 covariance's trace is therefore capped (``TRACE_CAP`` times the prior's): forgetting pauses
 while the fit is that uncertain.
 
-The coefficients are kept >= 0 (each update is projected), since every part of a step
-costs time. Features are scaled to be O(1) for typical steps (``SCALES``) so the update is well
-conditioned in float64.
+Two variants lost in the simulated comparison (``kvserve simulate --compare``): projecting
+the coefficients onto >= 0 after each update (the fit's covariance no longer matches its
+coefficients, the intercept stays high, admissions stall), and weighting the online updates
+by relative error (the H100 roofline's max(compute, memory) is not linear, and relative
+weights chase the small steps). Features are scaled to be O(1) for typical steps
+(``SCALES``) so the update is well conditioned in float64.
 """
 
 from __future__ import annotations
@@ -171,11 +174,14 @@ class StepCostModel:
         prior_weight: float = 4.0,
         forgetting: float = 0.98,
     ) -> StepCostModel:
-        """A model whose prior is the least-squares fit of ``samples`` (shape, seconds):
-        calibration steps, or a roofline's predictions over a grid of shapes."""
-        xs = [s.features() for s, _ in samples]
-        ys = [t for _, t in samples]
-        theta = _least_squares(xs, ys)
+        """A model whose prior is the least-squares fit (of relative error) of ``samples``
+        (shape, seconds): calibration steps, or a roofline's predictions over a grid."""
+        # Relative error: each row divided by its time, so a 10 ms decode step counts as much
+        # as a 2 s prefill. (The online updates weigh absolute error: with forgetting, the
+        # steps near the ITL target, the ones that matter, dominate them anyway.)
+        kept = [(s, t) for s, t in samples if t > 0 and not s.is_empty]
+        xs = [tuple(v / t for v in s.features()) for s, t in kept]
+        theta = _least_squares(xs, [1.0] * len(xs))
         prior = [c / scale for c, scale in zip(theta, SCALES, strict=True)]
         return cls(prior, prior_weight=prior_weight, forgetting=forgetting)
 
@@ -191,6 +197,8 @@ class StepCostModel:
         if shape.is_empty or not math.isfinite(seconds) or seconds < 0:
             return 0.0
         predicted = self.predict(shape)
+        if seconds <= 0:
+            return predicted
         x = shape.features()
         p = self._p
         lam = self._lambda
@@ -198,9 +206,6 @@ class StepCostModel:
         denom = lam + sum(x[i] * px[i] for i in range(_K))
         gain = [v / denom for v in px]
         error = seconds - sum(t * v for t, v in zip(self._theta, x, strict=True))
-        # Projected onto theta >= 0: every part of a step costs time. Unprojected, collinear
-        # features let one coefficient go negative against another, and a step of a shape
-        # seldom seen is then predicted far off (even below zero).
         self._theta = [t + g * error for t, g in zip(self._theta, gain, strict=True)]
         # P = (P - g x^T P) / lambda, with the trace capped (no wind-up; module docstring).
         new_p = [[p[i][j] - gain[i] * px[j] for j in range(_K)] for i in range(_K)]
@@ -210,8 +215,7 @@ class StepCostModel:
         self.num_observations += 1
         self.last_predicted_s = predicted
         self.last_actual_s = seconds
-        if seconds > 0:
-            self._errors.append(abs(predicted - seconds) / seconds)
+        self._errors.append(abs(predicted - seconds) / seconds)
         return predicted
 
     @property

@@ -159,6 +159,7 @@ class SchedulerStats:
     num_finished_total: dict[str, int]  # FinishReason.value -> count
     waiting_tokens: int  # prompt tokens still to compute across the waiting queue
     kv: KVCacheStats
+    num_parked: int = 0  # requests not scheduled because their client stopped reading
 
     @classmethod
     def make_empty(cls, kv: KVCacheStats | None = None) -> SchedulerStats:

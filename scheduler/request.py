@@ -136,6 +136,7 @@ class AbortReason(enum.Enum):
     DEADLINE = "deadline"
     ABORT_CALL = "abort_call"
     SHUTDOWN = "shutdown"
+    STALLED = "stalled"  # the client stopped reading its stream (backpressure timeout)
 
 
 @dataclass(slots=True, eq=False)

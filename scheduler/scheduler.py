@@ -245,6 +245,7 @@ class Scheduler:
         self._cost = cost_model if config.policy == "slo" else None
         self._deadline = self._order if isinstance(self._order, DeadlineOrder) else None
         self._now_s: float | None = None  # of the step being planned (slo: late requests)
+        self._slo_over_steps = 0  # slo: steps in a row with decodes predicted over the margin
 
         self._entries: dict[str, _Entry] = {}  # every unfinished request
         self._forks = ForkTable()
@@ -252,6 +253,7 @@ class Scheduler:
         self._waiting: WaitingQueue[_Entry] = WaitingQueue()
         self._finished_ids: list[str] = []
         self._pending_outputs: list[RequestOutput] = []  # finished outside update()
+        self._parked: set[str] = set()  # not scheduled until unparked (backpressure)
         self._step_id = 0
         self._arrival_seq = 0
         self._counters = _Counters()
@@ -418,6 +420,20 @@ class Scheduler:
         if entry is None:
             return None
         return self._finish(entry, _FINISHED_ERROR, error=error)
+
+    # -- backpressure -------------------------------------------------------------------
+
+    def park(self, request_id: str) -> bool:
+        """Stop scheduling a request (its client is not reading): it keeps its blocks and
+        its place, and no step computes tokens for it until ``unpark``. False if unknown."""
+        if request_id not in self._entries:
+            return False
+        self._parked.add(request_id)
+        return True
+
+    def unpark(self, request_id: str) -> None:
+        """Schedule a parked request again (no-op when it is not parked)."""
+        self._parked.discard(request_id)
 
     # -- one step -----------------------------------------------------------------------
 
@@ -590,10 +606,13 @@ class Scheduler:
         decode = step.decode
         num_before = len(decode)
         decoding = _DECODING
+        parked = self._parked
         remaining = budget.remaining  # a local on the hot path; synced around the slow one
         for entry in list(self._running.values()):
             req = entry.request
             if req.status is not decoding:  # prefilling, or preempted meanwhile
+                continue
+            if parked and req.request_id in parked:
                 continue
             if remaining == 0:
                 break
@@ -615,6 +634,8 @@ class Scheduler:
         for entry in list(self._running.values()):
             req = entry.request
             if req.status is not _PREFILLING or req.request_id in step.prefill:
+                continue
+            if req.request_id in self._parked:
                 continue
             start = req.num_computed_tokens
             num_new = min(entry.prefill_target - start, self._max_chunk)
@@ -647,7 +668,8 @@ class Scheduler:
 
     def _size_to_target(self, step: _Step, cost: CostPredictor) -> None:
         """The decodes are taken: start sizing the step to its ITL target, and preempt
-        decodes (victim rule) while the decodes alone are predicted well over it."""
+        decodes (victim rule) while the decodes alone are predicted well over it for a
+        second step in a row (one odd prediction preempts nobody)."""
         running = self._running
         margin = self.config.slo_preempt_margin
         while True:
@@ -657,7 +679,12 @@ class Scheduler:
                 ((running[seq.request_id].request, seq.start_pos) for seq in step.decode.values()),
                 (e.request for e in running.values() if e.request.status is _PREFILLING),
             )
-            if len(step.decode) <= 1 or cost.predict(slo.shape) <= slo.target_s * margin:
+            over = len(step.decode) > 1 and cost.predict(slo.shape) > slo.target_s * margin
+            if not over:
+                self._slo_over_steps = 0
+                break
+            self._slo_over_steps += 1
+            if self._slo_over_steps < 2:
                 break
             self._preempt(
                 step,
@@ -895,6 +922,7 @@ class Scheduler:
             self._waiting.discard(entry)
         req.status = status
         del self._entries[rid]
+        self._parked.discard(rid)
         if entry.group is not None:
             self._forks.close(entry.group)
         self._finished_ids.append(rid)
@@ -926,4 +954,5 @@ class Scheduler:
             num_finished_total=dict(c.num_finished),
             waiting_tokens=waiting.num_tokens,
             kv=self.kv.make_stats(),
+            num_parked=len(self._parked),
         )

@@ -118,7 +118,9 @@ class SloStep:
         target = self.target_s
         if predict(shape.with_chunk(num_new, start)) <= target:
             return num_new
-        lo, hi = 0, num_new  # predict is monotone in the chunk length: bisect
+        # Bisect: predict grows with the chunk while the fitted coefficients are >= 0 (and
+        # the answer fits the target whatever they are).
+        lo, hi = 0, num_new
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if predict(shape.with_chunk(mid, start)) <= target:

@@ -112,6 +112,8 @@ def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEng
         make_text_stream_factory(tokenizer),
         sink=sink,
         cost_model=cost_model,
+        max_unread_outputs=cfg.max_unread_outputs,
+        stalled_stream_timeout_s=cfg.stalled_stream_timeout_s,
     )
     model = ServedModel(
         name=info.name,

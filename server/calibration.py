@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 
 from cache_manager import KVCacheConfig, KVCacheManager
@@ -25,8 +26,10 @@ from scheduler.cost_model import StepCostModel, StepShape
 
 logger = logging.getLogger(__name__)
 
+Round = tuple[int, int, int, int]  # requests, prompt tokens, prefill chunk, output tokens
+
 # (requests, prompt tokens, prefill chunk, output tokens): each round runs to its end.
-ROUNDS = (
+ROUNDS: tuple[Round, ...] = (
     (1, 512, 128, 4),  # chunks after 0, 128, 256, 384 tokens: attention grows
     (1, 64, 64, 6),  # short prefill, batch-1 decodes
     (4, 96, 384, 6),  # one 384-token prefill step, batch-4 decodes
@@ -39,11 +42,32 @@ def calibrate(
     runner: Runner, cache: KVCacheConfig, max_model_len: int, *, seed: int = 0
 ) -> StepCostModel:
     """Fit a step-cost model to scripted steps on ``runner`` (see the module docstring)."""
+    started = time.perf_counter()
+    samples = run_rounds(runner, cache, max_model_len, ROUNDS, seed=seed)[1:]  # cold first
+    model = StepCostModel.fit(samples)
+    logger.info(
+        "step-cost model calibrated on %d steps in %.1f s: %s",
+        len(samples),
+        time.perf_counter() - started,
+        ", ".join(f"{c:.3g}" for c in model.coefficients_s),
+    )
+    return model
+
+
+def run_rounds(
+    runner: Runner,
+    cache: KVCacheConfig,
+    max_model_len: int,
+    rounds: Sequence[Round],
+    *,
+    seed: int = 0,
+) -> list[tuple[StepShape, float]]:
+    """Run each round (random prompts, greedy, to its end) on a throwaway scheduler and
+    cache manager over ``runner``'s pool; every non-empty step's (shape, execute seconds)."""
     rng = random.Random(seed)
     vocab = runner.info.vocab_size
     samples: list[tuple[StepShape, float]] = []
-    started = time.perf_counter()
-    for round_id, (num_reqs, prompt_len, chunk, num_out) in enumerate(ROUNDS):
+    for round_id, (num_reqs, prompt_len, chunk, num_out) in enumerate(rounds):
         prompt_len = min(prompt_len, max_model_len - num_out)
         kv = KVCacheManager(replace(cache, enable_prefix_caching=False))
         sched = Scheduler(
@@ -71,12 +95,4 @@ def calibrate(
             sched.update(plan, result)
             if not plan.is_empty:
                 samples.append((StepShape.of_plan(plan), elapsed))
-    samples = samples[1:]  # the cold first step
-    model = StepCostModel.fit(samples)
-    logger.info(
-        "step-cost model calibrated on %d steps in %.1f s: %s",
-        len(samples),
-        time.perf_counter() - started,
-        ", ".join(f"{c:.3g}" for c in model.coefficients_s),
-    )
-    return model
+    return samples

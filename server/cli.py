@@ -4,6 +4,7 @@
     kvserve generate [--chat] "What is the capital of France?"
     kvserve simulate ...      (loadtest.simulate: the scheduler on a simulated GPU)
     kvserve loadtest ...      (loadtest.cli: drive a running server)
+    kvserve cluster serve ... (cluster.cli: N replicas on Ray Serve, prefix-aware routing)
 
 ``serve`` settings come from flags, ``KVSERVE_*`` variables and ``--config`` (see
 ``server.config``). It exits 0 after a graceful stop (SIGTERM / SIGINT: health NOT_SERVING,
@@ -31,6 +32,7 @@ logger = logging.getLogger("kvserve")
 _DISPATCH = {
     "simulate": ("loadtest.simulate", "simulate a scheduler on a modelled GPU (no model)"),
     "loadtest": ("loadtest.cli", "drive a running server with a workload and report"),
+    "cluster": ("cluster.cli", "serve N replicas on Ray Serve (needs kvserve[ray])"),
 }
 
 
@@ -69,6 +71,11 @@ async def _serve(cfg: Any) -> int:
     gc.freeze()
     sink: MetricsSink = NullSink()
     registry = None
+    try:
+        security = cfg.security()
+    except OSError as exc:
+        print(f"kvserve serve: cannot read the API key file: {exc}", file=sys.stderr)
+        return 1
     if cfg.metrics:
         try:
             from prometheus_client import CollectorRegistry
@@ -78,9 +85,11 @@ async def _serve(cfg: Any) -> int:
             logger.warning("metrics.prometheus is unavailable; metrics disabled")
         else:
             registry = CollectorRegistry()
+            # The pool's sizes are known now: export them before the first step.
             sink = PrometheusSink(
                 registry,
                 model_info=_model_labels(model),
+                stats=built.engine.latest_stats,
                 slo_targets_s=(cfg.ttft_slo_ms / 1e3, cfg.itl_slo_ms / 1e3),
             )
     built.engine.sink = sink
@@ -105,21 +114,32 @@ async def _serve(cfg: Any) -> int:
             f"step-cost model from {cfg.cost_model_prior}"
         )
 
-    server = KVServeServer(built.engine, built.tokenizer, model, sink=sink)
-    port = await server.start(cfg.host, cfg.port)
+    from server.auth import warn_if_exposed
+    from server.http import METRICS_MAX_CONNECTIONS, metrics_app, start_asgi_server
+
+    server = KVServeServer(built.engine, built.tokenizer, model, sink=sink, security=security)
+    port = await server.start(cfg.host, cfg.port, http_port=cfg.http_port if cfg.http else None)
+    scheme = "https" if security.tls is not None else "http"
     metrics_server = None
     if registry is not None:
-        from metrics.prometheus import start_metrics_server
-
-        metrics_server, metrics_port = start_metrics_server(
-            cfg.metrics_host, cfg.metrics_port, registry
-        )
-        _say(f"metrics on http://{cfg.metrics_host}:{metrics_port}/metrics")
-    _say(f"listening on {cfg.host}:{port}")
+        metrics_server = await start_asgi_server(
+            metrics_app(registry, security), cfg.metrics_host, cfg.metrics_port, security,
+            limit_concurrency=METRICS_MAX_CONNECTIONS, name="metrics",
+        )  # fmt: skip
+        _say(f"metrics on {scheme}://{cfg.metrics_host}:{metrics_server.port}/metrics")
+        warn_if_exposed(cfg.metrics_host, security, "metrics")
+    warn_if_exposed(cfg.host, security, "kvserve")
+    auth = f"{len(security.api_keys)} API keys" if security.api_keys else "no API key"
+    _say(f"security: {'TLS' if security.tls else 'plaintext'}, {auth}")
+    _say(f"listening on {cfg.host}:{port} (gRPC)")
+    if cfg.http:
+        _say(f"OpenAI-compatible API on {scheme}://{cfg.host}:{server.http_port}/v1")
     if cfg.port_file:
         _write_port_file(cfg.port_file, port)
+    if cfg.http_port_file and cfg.http:
+        _write_port_file(cfg.http_port_file, server.http_port)
     if cfg.metrics_port_file and metrics_server is not None:
-        _write_port_file(cfg.metrics_port_file, metrics_port)
+        _write_port_file(cfg.metrics_port_file, metrics_server.port)
 
     shutdown_tasks: list[asyncio.Task[None]] = []
 
@@ -144,9 +164,7 @@ async def _serve(cfg: Any) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         if metrics_server is not None:
-            from metrics.prometheus import stop_metrics_server
-
-            stop_metrics_server(metrics_server)
+            await metrics_server.stop()
     return code
 
 
@@ -232,7 +250,8 @@ async def _generate(args: argparse.Namespace) -> int:
         kwargs = {}
         text_prompt = prompt
     last = pb.GenerateResponse()
-    async with KVServeClient(address) as client:
+    tls_ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+    async with KVServeClient(address, api_key=args.api_key, tls_ca=tls_ca) as client:
         try:
             await client.connect()
             async for response in client.generate(
@@ -295,6 +314,8 @@ def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--request-id", default=None, help="request id (default: server-generated)")
+    p.add_argument("--api-key", default=None, help="sent as 'authorization: Bearer KEY'")
+    p.add_argument("--tls-ca", default=None, help="PEM CA: connect over TLS, trusting it")
     p.add_argument("-v", "--verbose", action="store_true", help="print usage and timings")
 
 

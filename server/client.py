@@ -117,15 +117,20 @@ class KVServeClient:
         *,
         channel: grpc.aio.Channel | None = None,
         options: Iterable[tuple[str, Any]] | None = None,
+        api_key: str | None = None,
+        tls_ca: bytes | None = None,
     ) -> None:
+        """``api_key`` goes with every call as ``authorization: Bearer KEY``; ``tls_ca`` (PEM)
+        connects over TLS, trusting that CA."""
         self.address = address
         self._own_channel = channel is None
-        self.channel = (
-            channel
-            if channel is not None
-            else grpc.aio.insecure_channel(address, options=list(options or ()))
-        )
+        opts = list(options or ())
+        if channel is None and tls_ca is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=tls_ca)
+            channel = grpc.aio.secure_channel(address, creds, options=opts)
+        self.channel = channel if channel is not None else grpc.aio.insecure_channel(address, opts)
         self.stub = pb_grpc.GenerationStub(self.channel)
+        self._metadata = None if api_key is None else (("authorization", f"Bearer {api_key}"),)
 
     async def __aenter__(self) -> KVServeClient:
         return self
@@ -145,7 +150,10 @@ class KVServeClient:
         """
         try:
             return await self.stub.GetModelInfo(
-                pb.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=True
+                pb.GetModelInfoRequest(),
+                timeout=timeout_s,
+                wait_for_ready=True,
+                metadata=self._metadata,
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (
@@ -171,7 +179,7 @@ class KVServeClient:
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream a generation; see ``build_generate_request`` for the options."""
         request = build_generate_request(prompt, chat=chat, **options)
-        call = self.stub.Generate(request, timeout=timeout_s)
+        call = self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
         try:
             async for response in call:
                 yield response
@@ -204,13 +212,17 @@ class KVServeClient:
             request.text = text
         if add_special_tokens is not None:
             request.add_special_tokens = add_special_tokens
-        return await self.stub.Tokenize(request, timeout=timeout_s)
+        return await self.stub.Tokenize(request, timeout=timeout_s, metadata=self._metadata)
 
     async def model_info(self, timeout_s: float | None = 10.0) -> pb.ModelInfo:
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s)
+        return await self.stub.GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=timeout_s, metadata=self._metadata
+        )
 
     async def kv_cache_stats(self, timeout_s: float | None = 10.0) -> pb.KVCacheStats:
-        return await self.stub.GetKVCacheStats(pb.GetKVCacheStatsRequest(), timeout=timeout_s)
+        return await self.stub.GetKVCacheStats(
+            pb.GetKVCacheStatsRequest(), timeout=timeout_s, metadata=self._metadata
+        )
 
     async def health(self, service: str = "", timeout_s: float | None = 10.0) -> str:
         """The grpc.health.v1 status name: "SERVING", "NOT_SERVING", ..."""
@@ -222,5 +234,7 @@ class KVServeClient:
 
     async def abort(self, request_id: str, timeout_s: float | None = 10.0) -> bool:
         """Abort a request by id; False when the server had no such request in flight."""
-        response = await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout_s)
+        response = await self.stub.Abort(
+            pb.AbortRequest(request_id=request_id), timeout=timeout_s, metadata=self._metadata
+        )
         return response.found

@@ -37,6 +37,7 @@ from scheduler.config import (
     QUEUE_ORDERS,
     SchedulerConfig,
 )
+from server.auth import Security, TlsFiles, read_api_keys
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +97,14 @@ _DERIVED = frozenset({"max_model_len", "num_blocks", "sliding_window", "block_by
 _COMPONENTS = {"scheduler": SchedulerConfig, "kv cache": KVCacheConfig}
 
 
-def _opt(help_text: str, *, choices: Sequence[str] | None = None, group: str = "server") -> Any:
-    return {"help": help_text, "choices": choices, "group": group}
+def _opt(
+    help_text: str,
+    *,
+    choices: Sequence[str] | None = None,
+    group: str = "server",
+    repeat: bool = False,
+) -> Any:
+    return {"help": help_text, "choices": choices, "group": group, "repeat": repeat}
 
 
 def _f(default: Any, help_text: str, **kw: Any) -> Any:
@@ -144,6 +151,41 @@ class ServerConfig:
     )
     grace_period_s: float = _f(30.0, "on SIGTERM/SIGINT, let in-flight requests finish this long")
     log_level: str = _f("info", "logging level", choices=("debug", "info", "warning", "error"))
+    # -- HTTP front, TLS, API keys, backpressure (server.http, server.auth)
+    http: bool = _f(True, "serve the OpenAI-compatible HTTP API", group="http and security")
+    http_port: int = _f(
+        8000, "OpenAI-compatible HTTP port (0 picks a free port)", group="http and security"
+    )
+    http_port_file: str | None = _f(
+        None, "write the bound HTTP port to this file once serving", group="http and security"
+    )
+    tls_cert: str | None = _f(
+        None, "PEM certificate chain: serve gRPC, HTTP and metrics over TLS",
+        group="http and security",
+    )  # fmt: skip
+    tls_key: str | None = _f(None, "PEM private key of --tls-cert", group="http and security")
+    tls_client_ca: str | None = _f(
+        None, "PEM CA bundle: require client certificates signed by it (mutual TLS)",
+        group="http and security",
+    )  # fmt: skip
+    api_key: tuple[str, ...] = _f(
+        (), "API key clients send as 'Authorization: Bearer KEY' (repeatable; env: comma list)",
+        group="http and security", repeat=True,
+    )  # fmt: skip
+    api_key_file: str | None = _f(
+        None, "file of API keys, one per line (# comments)", group="http and security"
+    )
+    metrics_require_key: bool = _f(
+        True, "with API keys, /metrics needs one too", group="http and security"
+    )
+    stalled_stream_timeout_s: float = _f(
+        30.0, "abort a request whose client read nothing for this long (its stream is parked)",
+        group="http and security",
+    )  # fmt: skip
+    max_unread_outputs: int = _f(
+        64, "outputs a stream may hold unread before its request is parked",
+        group="http and security",
+    )  # fmt: skip
     # -- model and runner
     runner: str = _f(
         "torch",
@@ -209,6 +251,20 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not (0 <= self.metrics_port <= 65535):
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if not (0 <= self.http_port <= 65535):
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: pass both, or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError(
+                "tls_client_ca needs tls_cert and tls_key (client certificates need TLS)"
+            )
+        if self.stalled_stream_timeout_s <= 0:
+            raise ValueError(
+                f"stalled_stream_timeout_s must be > 0, got {self.stalled_stream_timeout_s}"
+            )
+        if self.max_unread_outputs < 2:
+            raise ValueError(f"max_unread_outputs must be >= 2, got {self.max_unread_outputs}")
         if self.grace_period_s < 0:
             raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s}")
         for name in (
@@ -235,6 +291,17 @@ class ServerConfig:
         # The components validate their own fields (the derived ones get stand-ins here).
         self.scheduler_config(max_model_len=self.max_model_len or 1)
         self.cache_config(num_blocks=2, sliding_window=self.sliding_window or 1, block_bytes=0)
+
+    def security(self) -> Security:
+        """TLS files and API keys (reads ``api_key_file``)."""
+        tls = None
+        if self.tls_cert is not None and self.tls_key is not None:
+            tls = TlsFiles(self.tls_cert, self.tls_key, self.tls_client_ca)
+        return Security(
+            api_keys=read_api_keys(self.api_key, self.api_key_file),
+            tls=tls,
+            metrics_require_key=self.metrics_require_key,
+        )
 
     @property
     def kv_memory_bytes(self) -> int | None:
@@ -311,6 +378,9 @@ def _convert(name: str, raw: Any, typ: type, source: str) -> Any:
             return int(raw)
         if typ is float:
             return float(raw)
+        if typing.get_origin(typ) is tuple:  # a repeatable flag: a list, or "a,b" in the env
+            items = raw.split(",") if isinstance(raw, str) else list(raw)
+            return tuple(str(x).strip() for x in items if str(x).strip())
         return str(raw)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{source}: {name}: {exc}") from None
@@ -367,6 +437,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                 flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
                 help=help_text,
             )  # fmt: skip
+        elif f.metadata.get("repeat"):
+            group.add_argument(
+                flag, dest=f.name, default=None, action="append", metavar=f.name.upper(),
+                help=help_text,
+            )  # fmt: skip
         else:
             choices = f.metadata.get("choices")
             group.add_argument(
@@ -402,7 +477,7 @@ def build_config(
         values[key] = _convert(key, raw, _base_type(known[key]), env_var(key))
     for key, value in flags.items():
         if key in known and value is not None:
-            values[key] = value
+            values[key] = tuple(value) if isinstance(value, list) else value
     return ServerConfig(**values)
 
 

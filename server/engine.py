@@ -16,6 +16,11 @@ The event loop only enqueues messages and reads queues; a step's outputs for eve
 cross to it in a single ``call_soon_threadsafe``. With nothing to do the thread sleeps on the
 inbox condition (no busy spin).
 
+Backpressure: each stream counts what was emitted and what its client took
+(``StreamBuffer``). A client with ``max_unread_outputs`` unread is parked in the scheduler
+(kept, not scheduled) until it has read half of them, and aborted (reason STALLED) when
+parked for ``stalled_stream_timeout_s``.
+
 If the runner (or the scheduler) raises, the engine is dead: every stream gets
 ``EngineDeadError``, later submissions raise it, and ``on_death`` is called once.
 """
@@ -60,12 +65,38 @@ class SchedulerLike(EndsRequests, Protocol):
 
     def has_unfinished_requests(self) -> bool: ...
 
+    def park(self, request_id: str) -> bool: ...
+
+    def unpark(self, request_id: str) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class StreamBuffer:
+    """How far a client has read its stream: the backpressure state of one client request.
+
+    The engine thread counts what it emits, the event loop counts what the client took; the
+    difference is what waits unread. Each side writes only its own counter (and the engine
+    only ``parked``), so no lock is needed: a stale read delays a decision by one iteration.
+    """
+
+    client_id: str
+    num_emitted: int = 0  # engine thread
+    num_consumed: int = 0  # event loop
+    parked: bool = False  # engine thread: its samples are not scheduled
+    parked_since_s: float = 0.0
+    resume_sent: bool = False  # event loop: a resume message is on its way
+
+    @property
+    def num_unread(self) -> int:
+        return self.num_emitted - self.num_consumed
+
 
 class _Stream(NamedTuple):
     """Where one client request's items go: an asyncio.Queue owned by ``loop``."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[Item]
+    buffer: StreamBuffer
 
 
 @dataclass(slots=True)
@@ -78,6 +109,15 @@ class _Add:
 class _Abort:
     request_id: str  # the client's id: aborts every sample of it
     reason: AbortReason
+
+
+@dataclass(slots=True)
+class _Resume:
+    request_id: str  # a parked client read some of its stream: check it now
+
+
+class StalledStreamError(RuntimeError):
+    """The client read nothing for the stalled-stream timeout; its request was aborted."""
 
 
 _Batch = list[tuple[asyncio.Queue[Item], Item]]  # one event loop's items of one iteration
@@ -107,6 +147,8 @@ class EngineLoop:
         sink: MetricsSink | None = None,
         on_death: Callable[[BaseException], None] | None = None,
         idle_wait_s: float = 1.0,
+        max_unread_outputs: int = 64,
+        stalled_stream_timeout_s: float = 30.0,
         name: str = "kvserve-engine",
         cost_model: StepCostModel | None = None,
     ) -> None:
@@ -122,7 +164,13 @@ class EngineLoop:
         self._on_death = on_death
         self._idle_wait_s = idle_wait_s
         self._cond = threading.Condition()
-        self._inbox: deque[_Add | _Abort] = deque()
+        self._inbox: deque[_Add | _Abort | _Resume] = deque()
+        # Backpressure: a client with this many outputs unread is parked (not scheduled) until
+        # it has read half of them; parked this long, it is aborted (reason STALLED).
+        self.max_unread_outputs = max_unread_outputs
+        self.stalled_stream_timeout_s = stalled_stream_timeout_s
+        self._to_park: list[StreamBuffer] = []
+        self._parked: dict[str, StreamBuffer] = {}
         self._stopping = False
         self._dead: BaseException | None = None
         # Engine-thread state.
@@ -155,16 +203,33 @@ class EngineLoop:
         return self._dead
 
     def submit(
-        self, request: Request, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Item]
+        self,
+        request: Request,
+        loop: asyncio.AbstractEventLoop,
+        queue: asyncio.Queue[Item],
+        buffer: StreamBuffer | None = None,
     ) -> None:
-        """Queue ``request`` for admission; its outputs (or an error) arrive on ``queue``.
+        """Queue ``request`` for admission; its outputs (or an error) arrive on ``queue``,
+        and ``buffer.num_consumed`` says how many of them the client has read.
         Raises ``EngineDeadError`` at once when the engine is dead or stopping."""
+        buffer = buffer if buffer is not None else StreamBuffer(request.request_id)
         with self._cond:
             if self._dead is not None:
                 raise EngineDeadError(f"engine is dead: {self._dead!r}")
             if self._stopping:
                 raise EngineDeadError("engine is shutting down")
-            self._inbox.append(_Add(request, _Stream(loop, queue)))
+            self._inbox.append(_Add(request, _Stream(loop, queue, buffer)))
+            self._cond.notify()
+
+    @property
+    def resume_unread_outputs(self) -> int:
+        """A parked client that has this many outputs or fewer left unread is resumed."""
+        return self.max_unread_outputs // 2
+
+    def resume(self, request_id: str) -> None:
+        """A parked client read from its stream: let the engine check it at once."""
+        with self._cond:
+            self._inbox.append(_Resume(request_id))
             self._cond.notify()
 
     def abort(self, request_id: str, reason: AbortReason = AbortReason.ABORT_CALL) -> None:
@@ -189,13 +254,19 @@ class EngineLoop:
                 for msg in messages:
                     if isinstance(msg, _Add):
                         self._admit(msg)
+                    elif isinstance(msg, _Resume):
+                        continue  # _check_parked below looks at every parked client
                     elif self.outputs.abort(msg.request_id, msg.reason, time.monotonic()):
                         self._flush_needed, self._stalled = True, False
                 if stopping:
                     self._shutdown()
                     return
+                if self._parked:
+                    self._check_parked(time.monotonic())
                 if self._has_work():
                     self._step()
+                if self._to_park:
+                    self._park_unread()
                 self._publish()
         except BaseException as exc:
             self._die(exc)
@@ -203,12 +274,16 @@ class EngineLoop:
     def _has_work(self) -> bool:
         return self._flush_needed or self._scheduler.has_unfinished_requests()
 
-    def _wait_for_work(self) -> tuple[list[_Add | _Abort], bool]:
+    def _wait_for_work(self) -> tuple[list[_Add | _Abort | _Resume], bool]:
         with self._cond:
             while not self._inbox and not self._stopping:
                 if self._stalled:
-                    # Unfinished requests but an empty plan: only a message can change that.
-                    self._cond.wait(self._idle_wait_s)
+                    # Unfinished requests but an empty plan: only a message (or a parked
+                    # stream's timeout) can change that.
+                    wait_s = self._idle_wait_s
+                    if self._parked:
+                        wait_s = min(wait_s, self.stalled_stream_timeout_s / 4)
+                    self._cond.wait(wait_s)
                     break
                 if self._has_work():
                     break
@@ -273,6 +348,50 @@ class EngineLoop:
 
     def _emit(self, stream: _Stream, item: Item) -> None:
         self._pending.setdefault(stream.loop, []).append((stream.queue, item))
+        buffer = stream.buffer
+        buffer.num_emitted += 1
+        if not buffer.parked and buffer.num_unread >= self.max_unread_outputs:
+            self._to_park.append(buffer)
+
+    # ------------------------------------------------------------------ backpressure
+    def _park_unread(self) -> None:
+        """Park the clients whose unread outputs reached the bound this iteration: their
+        samples keep their blocks but are not scheduled, so they stop growing."""
+        to_park, self._to_park = self._to_park, []
+        now = time.monotonic()
+        for buffer in to_park:
+            sample_ids = self.outputs.open_sample_ids(buffer.client_id)
+            if buffer.parked or not sample_ids or buffer.num_unread < self.max_unread_outputs:
+                continue  # ended meanwhile, or the client caught up
+            for sid in sample_ids:
+                self._scheduler.park(sid)
+            buffer.parked, buffer.parked_since_s = True, now
+            self._parked[buffer.client_id] = buffer
+            logger.debug("parked %s: %d outputs unread", buffer.client_id, buffer.num_unread)
+
+    def _check_parked(self, now: float) -> None:
+        """Resume parked clients that read half of their backlog; abort (reason STALLED) those
+        parked for longer than the stalled-stream timeout, which frees their blocks."""
+        for client_id, buffer in list(self._parked.items()):
+            sample_ids = self.outputs.open_sample_ids(client_id)
+            if not sample_ids:
+                del self._parked[client_id]
+            elif buffer.num_unread <= self.resume_unread_outputs:
+                for sid in sample_ids:
+                    self._scheduler.unpark(sid)
+                buffer.parked, buffer.resume_sent = False, False
+                del self._parked[client_id]
+                self._stalled = False
+            elif now - buffer.parked_since_s >= self.stalled_stream_timeout_s:
+                del self._parked[client_id]
+                logger.warning(
+                    "aborting %s: its client read nothing for %.1fs (%d outputs unread)",
+                    client_id,
+                    now - buffer.parked_since_s,
+                    buffer.num_unread,
+                )
+                self.outputs.abort(client_id, AbortReason.STALLED, now)
+                self._flush_needed, self._stalled = True, False
 
     def _publish(self) -> None:
         """Hand this iteration's items to their event loops: one call per loop."""

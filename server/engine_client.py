@@ -12,8 +12,13 @@ import time
 from collections.abc import AsyncIterator
 
 from scheduler.request import AbortReason, Request
-from server.engine import EngineLoop
+from server.auth import client_id
+from server.engine import EngineDeadError, EngineLoop, StalledStreamError, StreamBuffer
 from server.outputs import GenerationOutput, Item
+
+# gRPC's core cancels a call at its deadline on its own clock; the cancel may reach us a hair
+# before ``time.monotonic()`` passes the deadline computed from ``time_remaining()``.
+DEADLINE_SLACK_S = 0.05
 
 
 class DeadlineExceededError(TimeoutError):
@@ -22,6 +27,10 @@ class DeadlineExceededError(TimeoutError):
 
 class DuplicateRequestError(ValueError):
     """A request with this id is already in flight."""
+
+
+class ShutdownAbortError(EngineDeadError):
+    """The server's shutdown grace period ended before the request did (retry elsewhere)."""
 
 
 class EngineClient:
@@ -60,12 +69,13 @@ class EngineClient:
         """
         rid = request.request_id
         if rid in self._active:
-            raise DuplicateRequestError(f"request_id {rid!r} is already in flight")
+            raise DuplicateRequestError(f"request_id {client_id(rid)!r} is already in flight")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Item] = asyncio.Queue()
+        buffer = StreamBuffer(rid)
         if not request.arrival_time_s:
             request.arrival_time_s = time.monotonic()
-        self.engine.submit(request, loop, queue)
+        self.engine.submit(request, loop, queue, buffer)
         self._active[rid] = request
         self._idle.clear()
         done = False
@@ -82,10 +92,30 @@ class EngineClient:
                         raise DeadlineExceededError(
                             f"request {rid!r} passed its deadline and was aborted"
                         ) from None
+                buffer.num_consumed += 1
+                if (
+                    buffer.parked
+                    and not buffer.resume_sent
+                    and buffer.num_unread <= self.engine.resume_unread_outputs
+                ):
+                    buffer.resume_sent = True  # one message: the engine unparks it now
+                    self.engine.resume(rid)
                 if isinstance(item, BaseException):
                     done = True  # rejected or the engine died: nothing left to abort
                     raise item
                 done = item.closes_stream
+                if item.abort_reason is AbortReason.SHUTDOWN:
+                    raise ShutdownAbortError(
+                        f"request {client_id(rid)!r} was cut off: the server shut down before "
+                        "it finished; retry on another server"
+                    )
+                if item.abort_reason is AbortReason.STALLED:
+                    timeout_s = self.engine.stalled_stream_timeout_s
+                    raise StalledStreamError(
+                        f"request {client_id(rid)!r} was aborted: its client read nothing for "
+                        f"{timeout_s:g}s while {self.engine.max_unread_outputs} outputs waited "
+                        "(--stalled-stream-timeout-s); its KV blocks were freed"
+                    )
                 yield item
                 if done:
                     return
@@ -94,7 +124,9 @@ class EngineClient:
             if not self._active:
                 self._idle.set()
             if not done:
-                passed = deadline_s is not None and time.monotonic() >= deadline_s
+                passed = (
+                    deadline_s is not None and time.monotonic() >= deadline_s - DEADLINE_SLACK_S
+                )
                 reason = AbortReason.DEADLINE if passed else AbortReason.CLIENT_CANCEL
                 self.engine.abort(rid, reason)
 

@@ -90,6 +90,7 @@ class GenerationOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    abort_reason: AbortReason | None = None  # why, when finish_reason is ABORT
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
@@ -154,6 +155,11 @@ class OutputProcessor(Generic[StreamT]):
     @property
     def num_clients(self) -> int:
         return len(self._clients)
+
+    def open_sample_ids(self, client_id: str) -> list[str]:
+        """The scheduler ids of a client request's samples still running (empty: ended)."""
+        client = self._clients.get(client_id)
+        return [] if client is None else sorted(client.open_ids)
 
     def text_stream(self, request: Request) -> TextStream:
         """A new request's text stream; raises when the request's text cannot be handled."""
@@ -301,6 +307,7 @@ class OutputProcessor(Generic[StreamT]):
             del self._clients[client_id]
         arrival = client.request.arrival_time_s
         reason = final.finish_reason if final.finish_reason is not None else FinishReason.ERROR
+        abort_reason = client.abort_reason or AbortReason.ABORT_CALL
         self._emit(
             client.stream,
             GenerationOutput(
@@ -313,6 +320,7 @@ class OutputProcessor(Generic[StreamT]):
                 finish_reason=reason,
                 stop_reason=final.stop_reason,
                 error=final.error,
+                abort_reason=abort_reason if reason is FinishReason.ABORT else None,
                 num_prompt_tokens=final.num_prompt_tokens,
                 num_cached_tokens=final.num_cached_tokens,
                 num_output_tokens=final.num_output_tokens,
@@ -322,7 +330,6 @@ class OutputProcessor(Generic[StreamT]):
                 closes_stream=closes,
             ),
         )
-        abort_reason = client.abort_reason or AbortReason.ABORT_CALL
         self._on_request_done(
             RequestRecord(
                 request_id=rid,

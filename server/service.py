@@ -2,14 +2,20 @@
 
 The servicer is thin: it validates (``server.validation``), tokenizes in a thread executor,
 and streams what ``EngineClient.generate`` yields. Errors map to status codes in one place,
-``_status_of``::
+``status_of``::
 
     InvalidRequestError / admission ValueError -> INVALID_ARGUMENT
+    AuthError (no or a wrong API key)          -> UNAUTHENTICATED
     DuplicateRequestError                      -> ALREADY_EXISTS
     OverloadError                              -> RESOURCE_EXHAUSTED
     a request finished with ERROR              -> INTERNAL (that request only)
-    EngineDeadError / shutting down            -> UNAVAILABLE
+    EngineDeadError / shutting down / cut off  -> UNAVAILABLE
+    at the end of the shutdown grace period
+    StalledStreamError (client stopped reading) -> ABORTED
     DeadlineExceededError                      -> DEADLINE_EXCEEDED
+
+Request ids belong to their caller (``server.auth``): the engine sees ``<owner>/<id>``, so
+``Abort`` and the duplicate-id check only ever see the caller's own requests.
 
 Requests are decoded with a lenient deserializer, so a malformed message (e.g. a string field
 that is not UTF-8) is an ``INVALID_ARGUMENT`` instead of gRPC's ``UNKNOWN``.
@@ -22,9 +28,9 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import grpc
@@ -38,7 +44,8 @@ from scheduler.errors import OverloadError
 from scheduler.output import TokenLogprobs
 from scheduler.request import AbortReason, FinishReason, Request
 from server import validation
-from server.engine import EngineDeadError, EngineLoop
+from server.auth import AuthError, Security, client_id, grpc_peer_host, scoped_id
+from server.engine import EngineDeadError, EngineLoop, StalledStreamError
 from server.engine_client import DeadlineExceededError, DuplicateRequestError, EngineClient
 from server.outputs import GenerationOutput
 from server.rpc import generation_pb2 as pb
@@ -97,6 +104,33 @@ class ServedModel:
         )
 
 
+def encode_chat(
+    tokenizer: ServerTokenizer, chat: pb.ChatMessages, add_special_tokens: bool
+) -> list[int]:
+    """Chat messages rendered with the model's template, then tokenized."""
+    text = tokenizer.apply_chat_template(
+        validation.chat_messages(chat),
+        add_generation_prompt=validation.add_generation_prompt(chat),
+    )
+    return tokenizer.encode(text, add_special_tokens)
+
+
+def prompt_token_ids(tokenizer: ServerTokenizer, request: pb.GenerateRequest) -> list[int]:
+    """A Generate request's prompt as token ids (text, chat or ids); blocking.
+
+    One home for what a prompt means: the servicer runs it in a thread, and the cluster
+    router runs it to find the replica that holds the prompt's prefix.
+    """
+    kind = validation.input_kind(request)
+    if kind == "token_ids":
+        return list(request.token_ids.ids)
+    if kind == "text":
+        if not request.text:
+            raise InvalidRequestError("the prompt is empty: text must not be empty")
+        return list(tokenizer.encode(request.text, True))
+    return list(encode_chat(tokenizer, request.chat, False))
+
+
 @dataclass(slots=True)
 class _Undecodable:
     """Stands in for a request message protobuf could not parse."""
@@ -123,9 +157,11 @@ class _RpcError(Exception):
         self.details = details
 
 
-def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, _RpcError):
         return exc.code, exc.details
+    if isinstance(exc, AuthError):
+        return grpc.StatusCode.UNAUTHENTICATED, str(exc)
     if isinstance(exc, DuplicateRequestError):
         return grpc.StatusCode.ALREADY_EXISTS, str(exc)
     if isinstance(exc, ValueError):  # InvalidRequestError, or the scheduler's admission check
@@ -136,6 +172,8 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, DeadlineExceededError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
+    if isinstance(exc, StalledStreamError):
+        return grpc.StatusCode.ABORTED, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {exc!r}"
 
 
@@ -150,8 +188,10 @@ class GenerationServicer:
         *,
         sink: MetricsSink | None = None,
         executor: Executor | None = None,
+        security: Security | None = None,
     ) -> None:
         self.client = client
+        self.security = security if security is not None else Security()
         self.tokenizer = tokenizer
         self.model = model
         self.limits = model.limits
@@ -163,30 +203,25 @@ class GenerationServicer:
     async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def _render_chat(self, chat: pb.ChatMessages) -> str:
-        messages = validation.chat_messages(chat)
-        return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=validation.add_generation_prompt(chat)
-        )
-
     def _encode_chat(self, chat: pb.ChatMessages, add_special_tokens: bool) -> list[int]:
-        return self.tokenizer.encode(self._render_chat(chat), add_special_tokens)
+        return encode_chat(self.tokenizer, chat, add_special_tokens)
 
     async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
-        kind = validation.input_kind(request)
-        if kind == "token_ids":
+        if validation.input_kind(request) == "token_ids":
             return list(request.token_ids.ids)
-        if kind == "text":
-            if not request.text:
-                raise InvalidRequestError("the prompt is empty: text must not be empty")
-            ids = await self._in_thread(self.tokenizer.encode, request.text, True)
-        else:
-            ids = await self._in_thread(self._encode_chat, request.chat, False)
-        return list(ids)
+        return await self._in_thread(prompt_token_ids, self.tokenizer, request)
 
     def _check_decoded(self, request: Any) -> None:
         if isinstance(request, _Undecodable):
             raise InvalidRequestError(f"malformed request message: {request.error}")
+
+    def _owner(self, context: grpc.aio.ServicerContext) -> str:
+        """Who sent this call (the auth interceptor has already checked the key)."""
+        metadata = dict(context.invocation_metadata() or ())
+        authorization = metadata.get("authorization")
+        if isinstance(authorization, bytes):
+            authorization = authorization.decode(errors="replace")
+        return self.security.owner(authorization, grpc_peer_host(context.peer()))
 
     def _record(self, method: str, code: grpc.StatusCode) -> None:
         self.sink.on_rpc(method, code.name)
@@ -200,7 +235,7 @@ class GenerationServicer:
             self._record(method, grpc.StatusCode.CANCELLED)
             raise
         except Exception as exc:
-            code, details = _status_of(exc)
+            code, details = status_of(exc)
             if code is grpc.StatusCode.INTERNAL:
                 logger.exception("%s failed", method)
             self._record(method, code)
@@ -222,7 +257,7 @@ class GenerationServicer:
             code = grpc.StatusCode.CANCELLED
             raise
         except Exception as exc:
-            code, details = _status_of(exc)
+            code, details = status_of(exc)
             if code is grpc.StatusCode.INTERNAL and not isinstance(exc, _RpcError):
                 logger.exception("Generate failed")
             if code is grpc.StatusCode.INVALID_ARGUMENT:
@@ -237,43 +272,65 @@ class GenerationServicer:
     async def _generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        if not self.accepting:
-            raise _RpcError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         self._check_decoded(request)
-        validation.check_request_fields(request, self.limits)
-        prompt_ids = await self._prompt_ids(request)
-        sampling = validation.sampling_params(request, len(prompt_ids), self.limits)
-        request_id = request.request_id or uuid.uuid4().hex
+        owner = self._owner(context)
+        engine_request = await self.engine_request(request, owner)
         remaining = context.time_remaining()
         deadline_s = None if remaining is None else time.monotonic() + remaining
-        engine_request = Request(
-            request_id=request_id,
+        want_logprobs = engine_request.sampling.logprobs is not None
+        outputs = self.stream(engine_request, deadline_s)
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                yield self._response(out, want_logprobs)
+
+    async def engine_request(
+        self, request: pb.GenerateRequest, owner: str, default_max_tokens: int | None = None
+    ) -> Request:
+        """Validate, tokenize and build the engine's request: one path for both front ends
+        (the HTTP front translates its JSON into a ``GenerateRequest`` first).
+        ``default_max_tokens``: for an unset ``max_tokens`` (always capped by the context)."""
+        if not self.accepting:
+            raise _RpcError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        limits = self.limits
+        if default_max_tokens is not None:
+            limits = replace(limits, default_max_tokens=default_max_tokens)
+        validation.check_request_fields(request, limits)
+        cache_salt = validation.cache_salt_digest(request.cache_salt)
+        prompt_ids = await self._prompt_ids(request)
+        sampling = validation.sampling_params(request, len(prompt_ids), limits)
+        ttft_slo_s, itl_slo_s = validation.latency_targets(request.slo)
+        return Request(
+            request_id=scoped_id(owner, request.request_id or uuid.uuid4().hex),
             prompt_token_ids=prompt_ids,
             sampling=sampling,
             eos_token_ids=self.model.eos_token_ids,
             priority=request.priority,
             arrival_time_s=time.monotonic(),
-            cache_salt=request.cache_salt or None,
+            cache_salt=cache_salt,
+            ttft_slo_s=ttft_slo_s,
+            itl_slo_s=itl_slo_s,
         )
-        engine_request.ttft_slo_s, engine_request.itl_slo_s = validation.latency_targets(
-            request.slo
-        )
-        want_logprobs = sampling.logprobs is not None
+
+    async def stream(
+        self, request: Request, deadline_s: float | None = None
+    ) -> AsyncGenerator[GenerationOutput, None]:
+        """The engine's outputs for ``request``; a sample that failed raises INTERNAL."""
         # aclosing: an error in one sample closes the engine stream at once, which aborts the
         # request's other samples now rather than whenever the generator is collected.
-        outputs = self.client.generate(engine_request, deadline_s=deadline_s)
+        outputs = self.client.generate(request, deadline_s=deadline_s)
         async with contextlib.aclosing(outputs):
             async for out in outputs:
                 if out.finish_reason is FinishReason.ERROR:
                     raise _RpcError(
                         grpc.StatusCode.INTERNAL,
-                        f"request {request_id!r} failed: {out.error or 'unknown error'}",
+                        f"request {client_id(request.request_id)!r} failed: "
+                        f"{out.error or 'unknown error'}",
                     )
-                yield self._response(out, want_logprobs)
+                yield out
 
     def _response(self, out: GenerationOutput, want_logprobs: bool) -> pb.GenerateResponse:
         response = pb.GenerateResponse(
-            request_id=out.request_id,
+            request_id=client_id(out.request_id),
             index=out.index,
             token_ids=out.token_ids,
             text=out.text,
@@ -389,14 +446,71 @@ class GenerationServicer:
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
-        return await self._unary("Abort", context, self._abort(request))
+        return await self._unary("Abort", context, self._abort(request, context))
 
-    async def _abort(self, request: pb.AbortRequest) -> pb.AbortResponse:
+    async def _abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
         self._check_decoded(request)
         if not request.request_id:
             raise InvalidRequestError("request_id is required")
-        found = self.client.abort(request.request_id, AbortReason.ABORT_CALL)
+        rid = scoped_id(self._owner(context), request.request_id)
+        found = self.client.abort(rid, AbortReason.ABORT_CALL)
         return pb.AbortResponse(found=found)
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Every method but health needs ``authorization: Bearer <key>`` when keys are set;
+    without a valid one the call ends with UNAUTHENTICATED before its handler runs."""
+
+    def __init__(self, security: Security, sink: MetricsSink) -> None:
+        self.security = security
+        self.sink = sink
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(_HEALTH_PREFIX):
+            return handler
+        metadata = dict(details.invocation_metadata or ())
+        authorization = metadata.get("authorization")
+        if isinstance(authorization, bytes):
+            authorization = authorization.decode(errors="replace")
+        try:
+            self.security.authenticate(authorization)
+        except AuthError as exc:
+            self.sink.on_rpc(details.method, grpc.StatusCode.UNAUTHENTICATED.name)
+            return _deny(handler, str(exc))
+        return handler
+
+
+_HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that ends the call with UNAUTHENTICATED."""
+
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - abort raises
+
+    codec = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny_stream, **codec)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny, **codec)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(deny_stream, **codec)
+    return grpc.unary_unary_rpc_method_handler(deny, **codec)
 
 
 def generation_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
@@ -434,9 +548,10 @@ def generation_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
 class KVServeServer:
     """A grpc.aio server around one engine: Generation + health + reflection.
 
-    Lifecycle: ``await start(host, port)`` (returns the bound port) ->
-    ``await wait()`` (returns the exit code: 0 after a graceful ``shutdown``, 1 when the engine
-    died) and ``await shutdown(grace_s)`` from a signal handler or a test.
+    Lifecycle: ``await start(host, port, http_port=...)`` (returns the bound gRPC port; the
+    HTTP front's is ``http_port``) -> ``await wait()`` (returns the exit code: 0 after a
+    graceful ``shutdown``, 1 when the engine died) and ``await shutdown(grace_s)`` from a
+    signal handler or a test. ``security`` sets TLS and API keys for both front ends.
     """
 
     def __init__(
@@ -448,13 +563,18 @@ class KVServeServer:
         sink: MetricsSink | None = None,
         executor: Executor | None = None,
         death_grace_s: float = 1.0,
+        security: Security | None = None,
     ) -> None:
         self.engine = engine
         self.model = model
+        self.security = security if security is not None else Security()
+        self.sink: MetricsSink = sink if sink is not None else NullSink()
         self.client = EngineClient(engine)
         self.servicer = GenerationServicer(
-            self.client, tokenizer, model, sink=sink, executor=executor
+            self.client, tokenizer, model, sink=sink, executor=executor, security=self.security
         )
+        self.http: Any = None  # server.http.AsgiServer once started
+        self.http_port = 0
         self.health = health_aio.HealthServicer()
         self._death_grace_s = death_grace_s
         self._server: grpc.aio.Server | None = None
@@ -464,11 +584,18 @@ class KVServeServer:
         self._stopping = False
         self.port = 0
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Bind, start the engine thread and the server; health SERVING. Returns the port."""
+    async def start(
+        self, host: str = "127.0.0.1", port: int = 0, *, http_port: int | None = None
+    ) -> int:
+        """Bind, start the engine thread and the server; health SERVING. Returns the gRPC
+        port. ``http_port`` (0: a free one; None: no HTTP) starts the OpenAI-compatible front
+        on the same host and engine."""
         self._loop = asyncio.get_running_loop()
         self._done = asyncio.Event()
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(
+            options=[("grpc.so_reuseport", 0)],
+            interceptors=[AuthInterceptor(self.security, self.sink)],
+        )
         server.add_generic_rpc_handlers((generation_handler(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -480,11 +607,27 @@ class KVServeServer:
             server,
         )
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        bound = server.add_insecure_port(address)
+        tls = self.security.tls
+        if tls is None:
+            bound = server.add_insecure_port(address)
+        else:
+            cert, key, client_ca = tls.read()
+            credentials = grpc.ssl_server_credentials(
+                [(key, cert)],
+                root_certificates=client_ca,
+                require_client_auth=client_ca is not None,
+            )
+            bound = server.add_secure_port(address, credentials)
         if bound == 0:
             raise OSError(f"could not bind {address}")
         self.port = bound
         self._server = server
+        if http_port is not None:
+            from server.http import OpenAIFront, start_asgi_server
+
+            front = OpenAIFront(self.servicer, self.security, self.sink)
+            self.http = await start_asgi_server(front.app, host, http_port, self.security)
+            self.http_port = self.http.port
         self.engine.set_on_death(self._on_engine_death_threadsafe)
         if not self.engine.started:
             self.engine.start()
@@ -537,6 +680,8 @@ class KVServeServer:
             )
             self.abort_all()
             await self.client.wait_idle(self._death_grace_s)
+        if self.http is not None:
+            await self.http.stop(self._death_grace_s)
         if self._server is not None:
             await self._server.stop(self._death_grace_s)
         await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
@@ -544,12 +689,15 @@ class KVServeServer:
             self._done.set()
 
     def abort_all(self) -> None:
-        """Abort every in-flight request (reason SHUTDOWN); their streams end with ABORT."""
+        """Abort every in-flight request (reason SHUTDOWN); their calls end with UNAVAILABLE
+        (an HTTP stream with an error event)."""
         for rid in self.client.active_request_ids():
             self.client.abort(rid, AbortReason.SHUTDOWN)
 
     async def close_after_death(self) -> None:
         """After the engine died: let in-flight calls get UNAVAILABLE, then stop serving."""
+        if self.http is not None:
+            await self.http.stop(self._death_grace_s)
         if self._server is not None:
             await self._server.stop(self._death_grace_s)
         self.engine.stop(timeout_s=0.5)

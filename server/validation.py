@@ -12,6 +12,7 @@ limits on stop strings) and renames ``SamplingParams``' fields to the request's 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ DEFAULT_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_REQUEST_ID_CHARS = 256
+MAX_CACHE_SALT_BYTES = 256
 
 
 class InvalidRequestError(ValueError):
@@ -89,6 +91,22 @@ def check_request_id(request_id: str) -> None:
         raise InvalidRequestError(
             f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}"
         )
+
+
+def cache_salt_digest(cache_salt: str) -> str | None:
+    """What the cache keeps of a ``cache_salt``: a 128-bit BLAKE2b digest (None: no salt).
+
+    The salt is capped, so a client cannot make the engine hash megabytes per block, and only
+    its fixed-size digest travels on: cached blocks never hold a client's string."""
+    if not cache_salt:
+        return None
+    size = len(cache_salt.encode("utf-8"))
+    if size > MAX_CACHE_SALT_BYTES:
+        raise InvalidRequestError(
+            f"cache_salt has {size} bytes; at most {MAX_CACHE_SALT_BYTES} are allowed (a tenant "
+            "or session id, e.g. a UUID, is enough: the server keeps only its digest)"
+        )
+    return hashlib.blake2b(cache_salt.encode("utf-8"), digest_size=16).hexdigest()
 
 
 def check_prompt_length(num_prompt_tokens: int, limits: Limits) -> None:

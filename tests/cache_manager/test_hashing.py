@@ -63,3 +63,17 @@ def test_hash_collision_never_returns_wrong_blocks(monkeypatch: pytest.MonkeyPat
     assert prefill(kv, e) == [0]
     assert hit_view(kv.get_computed_blocks(make_seq("f", [1, 2, 3, 4, 1, 2, 3, 4, 7]))) == ([0], 4)
     kv.check_invariants()
+
+
+def test_prefix_block_keys_are_the_keys_the_cache_manager_hits() -> None:
+    """prefix_block_keys(tokens) equals the keys a later lookup of the same prompt hits."""
+    from cache_manager import prefix_block_keys
+
+    kv = make_kv(num_blocks=8, block_size=4)
+    prefill(kv, make_seq("a", range(13), salt="t1"))
+    hit = kv.get_computed_blocks(make_seq("b", range(13), salt="t1"))
+    assert list(hit.keys) == prefix_block_keys(list(range(12)), 4, "t1")
+    assert len(prefix_block_keys(list(range(13)), 4, "t1")) == 3  # the partial block: no key
+    assert prefix_block_keys(list(range(12)), 4, "t2") != prefix_block_keys(
+        list(range(12)), 4, "t1"
+    )

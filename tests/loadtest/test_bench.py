@@ -76,9 +76,11 @@ def test_run_all_quick_prints_one_table_and_writes_json(tmp_path: Path) -> None:
     assert doc["schema"] == "kvserve.bench/v1" and doc["quick"] is True
     rows = doc["rows"]
     assert [r["section"] for r in rows] == (
-        ["chat128"] * 6 + ["policy"] * 2 + ["prefix"] * 2 + ["paged"] * 6
+        ["chat128"] * 6 + ["policy"] * 2 + ["slo"] * 2 + ["prefix"] * 2 + ["paged"] * 6
     )
-    assert list(SECTIONS) == ["chat128", "policy", "prefix", "paged", "kvcache", "sinks"]
+    assert list(SECTIONS) == [
+        "chat128", "policy", "slo", "prefix", "paged", "kvcache", "sinks"
+    ]  # fmt: skip
     points = doc["kvcache"]["points"]
     assert [(p["strategy"], p["length"]) for p in points] == [
         (s, n) for n in (64, 128, 256) for s in ("always", "disabled")
@@ -94,7 +96,7 @@ def test_run_all_quick_prints_one_table_and_writes_json(tmp_path: Path) -> None:
     assert sinks["window 128 alone"]["peak_kv_slots"] <= 128 + 64 + 16
     assert sinks["sinks 4 + window 124"]["peak_kv_slots"] <= 16 + 124 + 64 + 16
     served = [r for r in rows if r["system"].startswith("kvserve")]
-    assert len(served) == 6
+    assert len(served) == 8  # chat128, policy, slo and prefix: 2 each
     for r in served:
         assert r["raw"]["requests"]["failed"] == 0, r["system"]
         assert r["raw"]["requests"]["ok"] == r["requests"] > 0

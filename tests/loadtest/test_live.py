@@ -135,6 +135,9 @@ def test_report_schema_and_counts(server: ServerProcess, tmp_path: Path) -> None
         entry = report["by_priority"][str(prio)]
         assert entry["count"] == sum(1 for s in specs if s.priority == prio) == 12
         assert entry["ok"] == sum(1 for s in ok if s.priority == prio)
+        # The SLO is loose: every request that finished OK is within it, cancels are not.
+        assert entry["num_ok_within_slo"] == entry["ok"]
+        assert entry["fraction_within_slo"] == entry["ok"] / entry["count"]
     srv = report["server"]
     assert set(srv) == {
         "source",
@@ -294,3 +297,27 @@ def test_closed_loop_ends_at_the_time_bound(slow_server: ServerProcess, tmp_path
     req = json.loads(out.read_text())["requests"]
     assert (req["sent"], req["interrupted"], req["not_sent"]) == (2, 2, 22)
     assert req["by_code"] == {"INTERRUPTED": 2}
+
+
+def test_openai_backend_drives_kvserves_http_front(server: ServerProcess, tmp_path: Path) -> None:
+    """`kvserve loadtest --api openai` against kvserve's own OpenAI-compatible front: 12
+    token-id requests (3 cancelled after 2 tokens) all reach it, and the output tokens
+    counted from the SSE chunks and usage are exactly the ones asked for."""
+    spec = {
+        "name": "openai-kvserve", "seed": 3, "num_requests": 12,
+        "prompt": {"source": "random", "len": 16},
+        "output": {"len": {"type": "uniform", "min": 4, "max": 12}, "ignore_eos": True},
+        "sampling": {"temperature": 0.0},
+        "cancel": {"fraction": 0.25, "after_tokens": 2},
+    }  # fmt: skip
+    out = tmp_path / "report.json"
+    workload = str(_write(tmp_path, spec))
+    argv = ["--api", "openai", "--target", server.http_url, "--workload", workload,
+            "--users", "3", "--out", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    specs = Workload.from_dict(spec).build(vocab_size=_vocab_size(server.target))
+    ok = [s for s in specs if s.cancel_after_tokens is None]
+    assert report["requests"]["by_code"] == {"CANCELLED": 3, "OK": 9}
+    assert report["input_tokens_total"] == 12 * 16
+    assert report["output_tokens_total"] == sum(s.max_tokens for s in ok) + 2 * 3

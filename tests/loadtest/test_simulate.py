@@ -22,11 +22,14 @@ RUN_KEYS = {
     "name",
     "mode",
     "policy",
+    "budget",
+    "slo",
     "num_requests",
     "num_finished",
     "num_rejected",
     "finish_reasons",
     "duration_s",
+    "goodput_requests_per_s",
     "num_prompt_tokens",
     "num_output_tokens",
     "throughput",
@@ -43,8 +46,9 @@ RUN_KEYS = {
 
 
 def test_compare_writes_a_json_report_for_every_run(tmp_path: Path) -> None:
-    """--compare on 12 requests: three runs, each finishing all 12 with every output token
-    (ignore_eos: max_tokens each) and one ITL sample per token after the first."""
+    """--compare on 12 requests: five runs (static, both continuous policies, stall-free at
+    the other budget, slo), each finishing all 12 with every output token (ignore_eos:
+    max_tokens each) and one ITL sample per token after the first."""
     path = tmp_path / "sim.json"
     argv = [
         "--profile=cpu-smollm2-135m-fp32",
@@ -53,6 +57,7 @@ def test_compare_writes_a_json_report_for_every_run(tmp_path: Path) -> None:
         "--compare",
         "--max-num-seqs=4",
         "--max-num-batched-tokens=256",
+        "--budgets=512",
         f"--json={path}",
     ]
     assert main(argv) == 0
@@ -74,7 +79,11 @@ def test_compare_writes_a_json_report_for_every_run(tmp_path: Path) -> None:
         "static",
         "continuous prefill-first",
         "continuous stall-free",
+        "stall-free budget 512",
+        "continuous slo",
     ]
+    budgets = {r["name"]: r["budget"] for r in report["runs"]}
+    assert budgets["stall-free budget 512"] == 512 and budgets["continuous slo"] == 512
     for run in report["runs"]:
         assert set(run) == RUN_KEYS
         assert (run["num_requests"], run["num_finished"], run["num_rejected"]) == (12, 12, {})
@@ -85,10 +94,15 @@ def test_compare_writes_a_json_report_for_every_run(tmp_path: Path) -> None:
             assert set(run[key]) == SUMMARY_KEYS
         assert run["ttft_s"]["count"] == 12 and run["itl_s"]["count"] == num_output - 12
         assert run["steps"]["total"] >= run["steps"]["with_decode"] > 0
+        goodput = run["slo"]
+        assert goodput["judged"] == 12 and 0.0 <= goodput["goodput"] <= 1.0
+        assert goodput["goodput"] <= min(goodput["attained"]["ttft"], goodput["attained"]["itl"])
     assert set(report["comparison"]) == {
         "continuous_over_static_throughput",
         "prefill_first_over_static_throughput",
         "stall_free_over_prefill_first_itl_p99",
+        "slo_minus_stall_free_256_goodput",
+        "slo_minus_stall_free_512_goodput",
     }
 
 

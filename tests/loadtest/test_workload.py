@@ -163,3 +163,25 @@ def test_default_token_id_range_comes_from_the_vocabulary() -> None:
     assert len(ids) > 150  # the range is used, not a corner of it
     with pytest.raises(ValueError, match="vocab_size"):
         w.build()
+
+
+def test_shared_prefix_order_random_draws_tenants_in_seeded_random_order() -> None:
+    """order "random": each request's prefix is a seeded uniform draw (not k % K), the same
+    on every build; an unknown order names the two choices."""
+    spec = {
+        "name": "t",
+        "seed": 5,
+        "prompt": {"source": "random", "len": 4},
+        "shared_prefix": {"num_prefixes": 4, "len": 8, "fraction": 1.0, "order": "random"},
+    }
+    ids = [r.prefix_id for r in Workload.from_dict(spec).build(40, vocab_size=100)]
+    assert ids == [r.prefix_id for r in Workload.from_dict(spec).build(40, vocab_size=100)]
+    assert ids != [k % 4 for k in range(40)]
+    assert set(ids) == {0, 1, 2, 3}
+    cyclic = {**spec, "shared_prefix": {**spec["shared_prefix"], "order": "cycle"}}
+    assert [r.prefix_id for r in Workload.from_dict(cyclic).build(8, vocab_size=100)] == [
+        0, 1, 2, 3, 0, 1, 2, 3
+    ]  # fmt: skip
+    bad = {**spec, "shared_prefix": {**spec["shared_prefix"], "order": "zipf"}}
+    with pytest.raises(ValueError, match=r"order must be cycle\|random"):
+        Workload.from_dict(bad)

@@ -108,16 +108,20 @@ def _strings(node: Any) -> list[str]:
 
 
 def test_no_hard_coded_instance_job_or_host() -> None:
-    """Selectors filter only on the $instance variable; no job, host, port or datasource uid."""
+    """Selectors filter only on the $instance and $replica variables; no job, host, port or
+    datasource uid."""
     dashboards = load_dashboards()
     for query in queries(dashboards):
         for selector in re.findall(r"kvserve_[a-z0-9_]+(\{[^}]*\})?", query.expr):
             assert 'instance=~"$instance"' in selector, f"{query.where}: {query.expr}"
+            assert 'replica=~"$replica"' in selector, f"{query.where}: {query.expr}"
         matchers = re.findall(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"', query.expr)
         for label, _op, val in matchers:
-            assert label in {"instance", "code"}, f"{query.where}: matcher on {label}"
-            if label == "instance":
-                assert val == "$instance", f"{query.where}: hard-coded instance {val!r}"
+            assert label in {"instance", "replica", "code", "target"}, (
+                f"{query.where}: matcher on {label}"
+            )
+            if label in ("instance", "replica"):
+                assert val == f"${label}", f"{query.where}: hard-coded {label} {val!r}"
     for name, dash in dashboards.items():
         for text in _strings(dash):
             assert not re.search(r"localhost|127\.0\.0\.1|:\d{4,5}\b|job\s*=", text), (

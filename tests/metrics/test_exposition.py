@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import subprocess
-import urllib.request
 
+import httpx
 from prometheus_client import CollectorRegistry
 
-from metrics.prometheus import PrometheusSink, start_metrics_server, stop_metrics_server
+from metrics.prometheus import PrometheusSink
 from metrics.records import StepRecord
+from server.http import metrics_app, start_asgi_server
 from tests.metrics.helpers import (
     documented_families,
     exposition,
@@ -57,17 +58,17 @@ def test_names_follow_prometheus_conventions() -> None:
         assert "request_id" not in spec.labels, name
 
 
-def test_promtool_check_metrics_passes_on_a_live_exposition() -> None:
+async def test_promtool_check_metrics_passes_on_a_live_exposition() -> None:
     """`promtool check metrics` finds no problem in what the HTTP server serves."""
     promtool = require_binary("promtool")
     registry = CollectorRegistry()
     busy_sink(registry)
-    server, port = start_metrics_server("127.0.0.1", 0, registry)
+    server = await start_asgi_server(metrics_app(registry), "127.0.0.1", 0, name="metrics")
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-            body = resp.read()
+        async with httpx.AsyncClient() as client:
+            body = (await client.get(f"http://127.0.0.1:{server.port}/metrics")).content
     finally:
-        stop_metrics_server(server)
+        await server.stop()
     proc = subprocess.run(
         [promtool, "check", "metrics"], input=body, capture_output=True, timeout=60, check=False
     )

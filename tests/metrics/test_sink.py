@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import urllib.request
 
+import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -14,11 +14,10 @@ from metrics.prometheus import (
     MAX_RPC_SERIES,
     PrometheusSink,
     kv_field_metrics,
-    start_metrics_server,
-    stop_metrics_server,
 )
 from metrics.records import MetricsSink, RequestRecord, StepRecord
 from scheduler.output import SchedulerStats
+from server.http import metrics_app, start_asgi_server
 from tests.metrics.helpers import value
 
 
@@ -342,20 +341,21 @@ def test_two_sinks_cannot_share_a_registry(registry: CollectorRegistry) -> None:
         PrometheusSink(registry)
 
 
-def test_metrics_server_on_port_zero(registry: CollectorRegistry) -> None:
-    """start_metrics_server binds port 0, returns the real port, and serves /metrics."""
+async def test_metrics_server_on_port_zero(registry: CollectorRegistry) -> None:
+    """The metrics app on the ASGI server binds port 0, returns the real port, and serves
+    /metrics."""
     sink = PrometheusSink(registry, model_info={"model": "m"})
     sink.on_rpc("Generate", "OK")
-    server, port = start_metrics_server("127.0.0.1", 0, registry)
+    server = await start_asgi_server(metrics_app(registry), "127.0.0.1", 0, name="metrics")
     try:
-        assert port > 0
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-            assert resp.status == 200
-            assert resp.headers["Content-Type"].startswith("text/plain")
-            body = resp.read().decode()
-        assert 'kvserve_rpcs_total{code="OK",method="Generate"} 1.0' in body
+        assert server.port > 0
+        async with httpx.AsyncClient() as client:
+            resp = await client.get(f"http://127.0.0.1:{server.port}/metrics")
+        assert resp.status_code == 200
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        assert 'kvserve_rpcs_total{code="OK",method="Generate"} 1.0' in resp.text
     finally:
-        stop_metrics_server(server)
+        await server.stop()
 
 
 def test_histogram_edges_nan_and_overflow(registry: CollectorRegistry) -> None:

@@ -17,6 +17,7 @@ from metrics.records import RequestRecord, StepRecord
 from model_runner.base import ModelInfo, Runner
 from model_runner.fake import FakeRunner
 from scheduler import Scheduler, SchedulerConfig
+from server.auth import Security, client_id, scoped_id
 from server.client import KVServeClient
 from server.engine import EngineLoop
 from server.fake_tokenizer import ByteTokenizer
@@ -56,7 +57,8 @@ class RecordingSink:
 
     def request(self, request_id: str) -> RequestRecord:
         with self.lock:
-            found = [r for r in self.requests if r.request_id == request_id]
+            # The engine scopes ids by caller ("peer:127.0.0.1/cx"): match the client's part.
+            found = [r for r in self.requests if client_id(r.request_id) == request_id]
         assert len(found) == 1, f"{request_id}: {len(found)} records"
         return found[0]
 
@@ -91,6 +93,7 @@ class Harness:
     client: KVServeClient
     address: str
     tokenizer: Any = field(default_factory=ByteTokenizer)
+    http_url: str = ""  # http://127.0.0.1:PORT when started with http=True
 
     @property
     def channel(self) -> grpc.aio.Channel:
@@ -105,6 +108,8 @@ def build_server(
     block_size: int = BLOCK_SIZE,
     enable_prefix_caching: bool = True,
     max_n: int = 8,
+    security: Security | None = None,
+    engine_options: dict[str, Any] | None = None,
     **scheduler_config: Any,
 ) -> tuple[KVServeServer, EngineLoop, Scheduler, RecordingSink]:
     info = runner.info
@@ -124,7 +129,9 @@ def build_server(
     )
     scheduler = Scheduler(SchedulerConfig(**scheduler_config), kv)
     sink = RecordingSink()
-    engine = EngineLoop(scheduler, runner, make_text_stream_factory(tokenizer), sink=sink)
+    engine = EngineLoop(
+        scheduler, runner, make_text_stream_factory(tokenizer), sink=sink, **(engine_options or {})
+    )
     model = ServedModel(
         name=info.name,
         max_model_len=scheduler_config["max_model_len"],
@@ -137,32 +144,57 @@ def build_server(
         eos_token_ids=tuple(info.eos_token_ids),
         max_n=max_n,
     )
-    server = KVServeServer(engine, tokenizer, model, sink=sink)
+    server = KVServeServer(engine, tokenizer, model, sink=sink, security=security)
     return server, engine, scheduler, sink
 
 
 @asynccontextmanager
 async def serve(
-    runner: Runner | None = None, tokenizer: Any = None, **kwargs: Any
+    runner: Runner | None = None,
+    tokenizer: Any = None,
+    *,
+    http: bool = False,
+    channel: Callable[[str], grpc.aio.Channel] | None = None,
+    **kwargs: Any,
 ) -> AsyncIterator[Harness]:
-    """A started server on 127.0.0.1:0 and a connected client; stopped on exit."""
+    """A started server on 127.0.0.1:0 (and its HTTP front on another free port with
+    ``http=True``) and a connected client (over ``channel(address)`` when given); stopped on
+    exit."""
     runner = runner if runner is not None else make_fake_runner()
     tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
     server, engine, scheduler, sink = build_server(runner, tokenizer, **kwargs)
-    port = await server.start("127.0.0.1", 0)
+    port = await server.start("127.0.0.1", 0, http_port=0 if http else None)
     address = f"127.0.0.1:{port}"
-    client = KVServeClient(address)
+    client = KVServeClient(address, channel=None if channel is None else channel(address))
+    scheme = "https" if server.security.tls is not None else "http"
+    http_url = f"{scheme}://127.0.0.1:{server.http_port}" if http else ""
     try:
-        await client.wait_ready()
-        yield Harness(server, engine, scheduler, runner, sink, client, address, tokenizer)
+        if channel is None:
+            await client.wait_ready()
+        yield Harness(server, engine, scheduler, runner, sink, client, address, tokenizer, http_url)
     finally:
         await client.close()
+        if channel is not None:
+            await client.channel.close()
         await server.shutdown(grace_s=0.5)
 
 
-def expected_tokens(runner: FakeRunner, request_id: str, num_tokens: int) -> list[int]:
-    """The FakeRunner's documented token rule for ``request_id`` (unscripted)."""
-    return [runner.default_token(request_id, i) for i in range(num_tokens)]
+# Who a plaintext, keyless client on this machine is: its requests' engine ids start with it.
+LOCAL_OWNER = "peer:127.0.0.1"
+
+
+def engine_id(request_id: str, owner: str | None = LOCAL_OWNER) -> str:
+    """The engine's (and so the FakeRunner's) id of a client's request; ``owner=None``: the
+    id as it is (a test that drives the engine without a front end)."""
+    return request_id if owner is None else scoped_id(owner, request_id)
+
+
+def expected_tokens(
+    runner: FakeRunner, request_id: str, num_tokens: int, owner: str | None = LOCAL_OWNER
+) -> list[int]:
+    """The FakeRunner's documented token rule for the client request ``request_id``
+    (unscripted), as the engine names it (scoped by ``owner``)."""
+    return [runner.default_token(engine_id(request_id, owner), i) for i in range(num_tokens)]
 
 
 async def wait_until(

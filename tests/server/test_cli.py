@@ -23,7 +23,7 @@ from server import cli
 from server.client import KVServeClient
 from server.fake_tokenizer import ByteTokenizer
 from server.rpc import generation_pb2 as pb
-from tests.server.helpers import collect, fake_info
+from tests.server.helpers import collect, engine_id, fake_info
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,7 +41,7 @@ def serve_process(tmp_path: Path, *flags: str) -> Iterator[tuple[subprocess.Pope
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")}
     proc = subprocess.Popen(
         [*_kvserve(), "serve", "--runner", "fake", "--port", "0", "--port-file",
-         str(port_file), "--metrics-port", "0", *flags],
+         str(port_file), "--metrics-port", "0", "--http-port", "0", *flags],
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
@@ -96,12 +96,24 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _samples(exposition: str) -> dict[str, float]:
+    """Unlabelled samples of a Prometheus exposition: name -> value."""
+    return {
+        name: float(value)
+        for name, _, value in (line.partition(" ") for line in exposition.splitlines())
+        if name and not name.startswith("#") and "{" not in name
+    }
+
+
 @pytest.mark.slow
 def test_generate_command_streams_from_a_served_process(tmp_path: Path) -> None:
     """`kvserve generate` prints the streamed text; --chat sends a chat message; the
     Prometheus endpoint counts the calls."""
     metrics_port = _free_port()
     with serve_process(tmp_path, "--metrics-port", str(metrics_port)) as (proc, port):
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            idle = _samples(response.read().decode())
         out = io.StringIO()
         with redirect_stdout(out):
             code = cli.main(["generate", "--address", f"127.0.0.1:{port}", "--max-tokens", "5",
@@ -113,7 +125,6 @@ def test_generate_command_streams_from_a_served_process(tmp_path: Path) -> None:
                  "What is the capital of France?"]
             )  # fmt: skip
         bad = cli.main(["generate", "--address", f"127.0.0.1:{port}", "--max-tokens", "0", "x"])
-        url = f"http://127.0.0.1:{metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as response:
             metrics = response.read().decode()
         proc.send_signal(signal.SIGINT)
@@ -121,12 +132,18 @@ def test_generate_command_streams_from_a_served_process(tmp_path: Path) -> None:
     assert (code, chat_code, bad) == (0, 0, 1)
     # The served fake runner: vocabulary 258 (bytes + BOS/EOS), seed 0.
     runner = FakeRunner(fake_info(max_model_len=4096))
-    tokens = [runner.default_token("cli-1", i) for i in range(5)]
+    tokens = [runner.default_token(engine_id("cli-1"), i) for i in range(5)]
     assert out.getvalue() == ByteTokenizer().decode(tokens, skip_special_tokens=True) + "\n"
     assert chat_out.getvalue().endswith("\n")
     assert 'kvserve_rpcs_total{code="OK",method="Generate"} 2.0' in metrics
     assert 'kvserve_rpcs_total{code="INVALID_ARGUMENT",method="Generate"} 1.0' in metrics
     assert 'model="fake"' in metrics
+    # The pool's sizes are exported from start-up, before any request.
+    blocks = idle["kvserve_kv_cache_capacity_blocks"]
+    assert idle["kvserve_kv_cache_block_size_bytes"] > 0 and blocks > 0
+    assert (
+        idle["kvserve_kv_cache_memory_bytes"] == blocks * idle["kvserve_kv_cache_block_size_bytes"]
+    )
 
 
 @pytest.mark.slow

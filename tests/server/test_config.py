@@ -158,3 +158,44 @@ def test_sink_window_and_strategy_flags_reach_the_cache_manager() -> None:
         )
     with pytest.raises(SystemExit):
         _flags("--kv-strategy", "sometimes")
+
+
+def test_http_and_security_settings(tmp_path: Path) -> None:
+    """HTTP on 8000 by default (--no-http turns it off); --api-key repeats (the environment
+    takes a comma list) and adds to --api-key-file; TLS files go in pairs; the key never
+    appears in the config's repr."""
+    assert (build_config(_flags(), environ={}).http_port, ServerConfig().http) == (8000, True)
+    assert build_config(_flags("--no-http"), environ={}).http is False
+    keys = tmp_path / "keys"
+    keys.write_text("# team keys\nkey-c\n\nkey-d\n")
+    cfg = build_config(
+        _flags("--api-key", "key-a", "--api-key", "key-b", "--api-key-file", str(keys)),
+        environ={},
+    )
+    security = cfg.security()
+    assert security.api_keys == {"key-a", "key-b", "key-c", "key-d"}
+    assert "key-a" not in repr(security)
+    assert build_config({}, environ={"KVSERVE_API_KEY": "x, y"}).api_key == ("x", "y")
+    with pytest.raises(ValueError, match="tls_cert and tls_key go together"):
+        build_config(_flags("--tls-cert", "c.pem"), environ={})
+    with pytest.raises(ValueError, match="tls_client_ca needs tls_cert"):
+        build_config(_flags("--tls-client-ca", "ca.pem"), environ={})
+    with pytest.raises(ValueError, match="stalled_stream_timeout_s must be > 0"):
+        build_config(_flags("--stalled-stream-timeout-s", "0"), environ={})
+    tls = build_config(_flags("--tls-cert", "c.pem", "--tls-key", "k.pem"), environ={}).security()
+    assert tls.tls is not None and (tls.tls.cert, tls.tls.key) == ("c.pem", "k.pem")
+
+
+def test_exposed_bind_without_tls_or_key_warns(caplog: pytest.LogCaptureFixture) -> None:
+    """Binding a non-loopback address with neither TLS nor a key logs a warning; loopback,
+    or a key, does not."""
+    from server.auth import Security, warn_if_exposed
+
+    with caplog.at_level("WARNING"):
+        warn_if_exposed("127.0.0.1", Security(), "kvserve")
+        warn_if_exposed("::1", Security(), "kvserve")
+        warn_if_exposed("0.0.0.0", Security(api_keys=frozenset({"k"})), "kvserve")
+        assert caplog.records == []
+        warn_if_exposed("0.0.0.0", Security(), "kvserve")
+    assert len(caplog.records) == 1
+    assert "listens on 0.0.0.0 without TLS or an API key" in caplog.records[0].getMessage()

@@ -14,7 +14,12 @@ from cache_manager import KVCacheConfig, KVCacheManager
 from scheduler import OverloadError, Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.request import AbortReason, FinishReason
 from server.engine import EngineDeadError, EngineLoop
-from server.engine_client import DeadlineExceededError, DuplicateRequestError, EngineClient
+from server.engine_client import (
+    DEADLINE_SLACK_S,
+    DeadlineExceededError,
+    DuplicateRequestError,
+    EngineClient,
+)
 from server.fake_tokenizer import ByteTokenizer
 from server.outputs import GenerationOutput
 from server.text import make_text_stream_factory
@@ -61,7 +66,7 @@ async def test_generate_yields_tokens_then_a_final_output() -> None:
     """EngineClient.generate yields one output per token; the last carries the result."""
     async with engine_client() as (client, _engine, runner, _sink):
         outs = await run(client, request("a", max_tokens=5))
-    assert [o.token_ids for o in outs] == [[t] for t in expected_tokens(runner, "a", 5)]
+    assert [o.token_ids for o in outs] == [[t] for t in expected_tokens(runner, "a", 5, owner=None)]
     last = outs[-1]
     assert last.finished and last.finish_reason is FinishReason.LENGTH and last.closes_stream
     assert (last.num_prompt_tokens, last.num_output_tokens) == (5, 5)
@@ -195,3 +200,21 @@ async def test_abort_and_resubmit_of_the_same_id_in_one_inbox_drain() -> None:
             assert outs[-1].finish_reason is FinishReason.LENGTH, round_
         assert engine.is_alive
         assert engine.latest_stats.kv.num_blocks_used == 0
+
+
+async def test_a_cancel_at_the_deadline_counts_as_deadline() -> None:
+    """A gRPC client's own timer fires before the server's copy of its deadline (which
+    started later, by the request's transit time): a cancel within DEADLINE_SLACK_S of the
+    deadline is counted as ``deadline``; one well before it as ``client_cancel``."""
+    runner = make_fake_runner(max_model_len=1024, sleep_s=0.005)
+    async with engine_client(runner, num_blocks=256, max_model_len=1024) as (client, _, _, sink):
+        for rid, early_s in (("at-deadline", DEADLINE_SLACK_S / 2), ("early", 0.5)):
+            deadline_s = time.monotonic() + 0.8
+            outputs = client.generate(request(rid, 500), deadline_s=deadline_s)
+            await anext(outputs)
+            await asyncio.sleep(deadline_s - early_s - time.monotonic())
+            await outputs.aclose()  # what a cancelled call does
+        while len(sink.requests) < 2:
+            await asyncio.sleep(0.01)
+    assert sink.request("at-deadline").abort_reason == "deadline"
+    assert sink.request("early").abort_reason == "client_cancel"

@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from server.rpc import generation_pb2 as pb
-from tests.server.helpers import collect, expected_tokens, make_fake_runner, serve
+from tests.server.helpers import collect, engine_id, expected_tokens, make_fake_runner, serve
 
 S = pb.SamplingOptions
 T = pb.StoppingOptions
@@ -76,6 +76,11 @@ BAD_INPUTS: list[tuple[str, pb.GenerateRequest, tuple[str, ...]]] = [
     ("n too large", pb.GenerateRequest(text="hi", n=50), ("n must be in [1, 8]", "50")),
     ("request id too long", pb.GenerateRequest(text="hi", request_id="x" * 300),
      ("request_id", "256")),
+    ("negative TTFT target", pb.GenerateRequest(text="hi", slo=pb.LatencyTargets(ttft_ms=-1)),
+     ("slo.ttft_ms", "milliseconds", "got -1")),
+    ("NaN ITL target",
+     pb.GenerateRequest(text="hi", slo=pb.LatencyTargets(itl_ms=float("nan"))),
+     ("slo.itl_ms", "got nan")),
 ]  # fmt: skip
 
 
@@ -163,7 +168,7 @@ async def test_overload_gets_resource_exhausted() -> None:
 async def test_failing_request_gets_internal_while_neighbours_finish() -> None:
     """A request the runner fails ends with INTERNAL; the others in its batch complete."""
     runner = make_fake_runner(sleep_s=0.005)
-    runner.fail_request("bad", "sampler blew up")
+    runner.fail_request(engine_id("bad"), "sampler blew up")
     async with serve(runner) as h:
         results = await asyncio.gather(
             *(_status(h.client.generate("p", request_id=rid, max_tokens=10))
@@ -225,13 +230,15 @@ async def test_graceful_shutdown_drains_in_flight_and_refuses_new_calls() -> Non
 
 
 async def test_shutdown_grace_period_aborts_what_is_left() -> None:
-    """In-flight requests still running when the grace period ends finish with ABORT."""
+    """In-flight requests still running when the grace period ends are aborted (SHUTDOWN)
+    and their calls end with UNAVAILABLE, so the client knows to retry elsewhere."""
     runner = make_fake_runner(max_model_len=1024, sleep_s=0.01)
     async with serve(runner) as h:
         stream = h.client.generate("x", request_id="cut", max_tokens=500)
         await anext(stream)
-        rest_task = asyncio.create_task(collect(stream))
+        rest_task = asyncio.create_task(_status(stream))
         await h.server.shutdown(grace_s=0.1)
-        rest = await rest_task
-    assert rest[-1].finish_reason == pb.FINISH_REASON_ABORT
+        code, details = await rest_task
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert "'cut' was cut off: the server shut down" in details
     assert h.sink.request("cut").abort_reason == "shutdown"

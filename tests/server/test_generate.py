@@ -8,7 +8,7 @@ import grpc
 
 from server.fake_tokenizer import EOS_TOKEN_ID, ByteTokenizer
 from server.rpc import generation_pb2 as pb
-from tests.server.helpers import collect, expected_tokens, make_fake_runner, serve
+from tests.server.helpers import collect, engine_id, expected_tokens, make_fake_runner, serve
 
 
 async def test_stream_carries_exact_fake_tokens_and_final_usage() -> None:
@@ -32,7 +32,7 @@ async def test_text_deltas_concatenate_to_the_decoded_output() -> None:
     tok = ByteTokenizer()
     # "é" and "€" are multi-byte: the stream must never split them.
     script = list("né € ok".encode())
-    runner = make_fake_runner(script={"t": script})
+    runner = make_fake_runner(script={engine_id("t"): script})
     async with serve(runner) as h:
         msgs = await collect(h.client.generate("x", request_id="t", max_tokens=len(script)))
     ids = [t for m in msgs for t in m.token_ids]
@@ -86,7 +86,7 @@ async def test_64_concurrent_streams_all_complete_with_their_tokens() -> None:
 async def test_stop_string_ends_the_stream_before_it() -> None:
     """A stop string split over tokens ends the request with STOP; its text is not sent."""
     script = list(b"one two STOP three")
-    runner = make_fake_runner(script={"s": script})
+    runner = make_fake_runner(script={engine_id("s"): script})
     async with serve(runner) as h:
         msgs = await collect(h.client.generate("x", request_id="s", max_tokens=30, stop=["STOP"]))
         stats = await h.client.kv_cache_stats()
@@ -101,7 +101,9 @@ async def test_stop_string_ends_the_stream_before_it() -> None:
 
 async def test_eos_and_stop_token_ids_finish_with_stop() -> None:
     """EOS (not shown as text) and a stop token id both end the stream with STOP."""
-    runner = make_fake_runner(script={"e": [65, 66, EOS_TOKEN_ID, 67], "k": [65, 66, 67, 68]})
+    runner = make_fake_runner(
+        script={engine_id("e"): [65, 66, EOS_TOKEN_ID, 67], engine_id("k"): [65, 66, 67, 68]}
+    )
     async with serve(runner) as h:
         eos = await collect(h.client.generate("x", request_id="e", max_tokens=10))
         stop_id = await collect(

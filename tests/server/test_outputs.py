@@ -83,7 +83,9 @@ def test_n3_samples_are_tracked_from_forked_ids_and_each_finishes_once() -> None
     outs = rig.outs_of("r")
     for index, sid in enumerate(["r", "r#1", "r#2"]):
         mine = [o for o in outs if o.index == index]
-        assert [t for o in mine for t in o.token_ids] == expected_tokens(rig.runner, sid, 4)
+        assert [t for o in mine for t in o.token_ids] == expected_tokens(
+            rig.runner, sid, 4, owner=None
+        )
         assert [(o.finished, o.finish_reason) for o in mine if o.finished] == [
             (True, FinishReason.LENGTH)
         ]

@@ -1,0 +1,142 @@
+"""``kvserve cluster serve``: N kvserve replicas on Ray Serve behind one gRPC address.
+
+    kvserve cluster serve --replicas 2 --router prefix [...the engine flags of kvserve serve]
+
+Every ``kvserve serve`` flag configures each replica's engine; ``--port`` is the gRPC proxy's
+port (default 50051) and ``--metrics-port`` the router's ``/metrics`` + ``/targets``
+(Prometheus HTTP service discovery of every replica's metrics). Joins the Ray cluster at
+``--ray-address`` (default: a running one if there is, else a local one), runs until SIGINT /
+SIGTERM, then shuts the application down (replicas drain for ``--grace-period-s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import Any
+
+from cluster.routing import ROUTERS
+
+APP_NAME = "kvserve"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from server.config import add_serve_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="kvserve cluster", description="kvserve on Ray Serve: many replicas, one address."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    serve = sub.add_parser(
+        "serve",
+        help="serve N replicas behind Ray Serve's gRPC proxy",
+        description="Serve N kvserve replicas on Ray Serve. The engine flags are kvserve "
+        "serve's; --port is the gRPC proxy's, --metrics-port the router's /metrics and "
+        "/targets.",
+    )
+    cluster = serve.add_argument_group("cluster")
+    cluster.add_argument("--replicas", type=int, default=2, help="(default: %(default)s)")
+    cluster.add_argument(
+        "--router", choices=ROUTERS, default="prefix",
+        help="how requests pick a replica (default: %(default)s)",
+    )  # fmt: skip
+    cluster.add_argument(
+        "--imbalance-abs", type=int, default=8,
+        help="prefix router load guard: busiest - idlest replica, in requests "
+        "(default: %(default)s)",
+    )  # fmt: skip
+    cluster.add_argument(
+        "--imbalance-rel", type=float, default=1.5,
+        help="... and busiest / idlest above this -> power of two choices (default: %(default)s)",
+    )  # fmt: skip
+    cluster.add_argument(
+        "--replica-cpus", type=float, default=1.0,
+        help="Ray CPUs each replica reserves (default: %(default)s)",
+    )  # fmt: skip
+    cluster.add_argument(
+        "--ray-address", default=None,
+        help="Ray cluster to join, e.g. auto or ray://head:10001 (default: a running one, "
+        "else a local one)",
+    )  # fmt: skip
+    add_serve_arguments(serve)
+    return parser
+
+
+def cluster_config(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(ClusterConfig, the resolved ServerConfig) from the parsed flags."""
+    import dataclasses
+
+    from cluster.app import ClusterConfig
+    from server.config import build_config
+
+    engine = build_config(args)  # flags > KVSERVE_* > --config > defaults, validated
+    cfg = ClusterConfig(
+        engine={f.name: getattr(engine, f.name) for f in dataclasses.fields(engine)},
+        num_replicas=args.replicas,
+        router=args.router,
+        imbalance_abs=args.imbalance_abs,
+        imbalance_rel=args.imbalance_rel,
+        router_metrics_port=engine.metrics_port if engine.metrics else None,
+        metrics_host=engine.metrics_host,
+        replica_num_cpus=args.replica_cpus,
+        graceful_shutdown_timeout_s=engine.grace_period_s,
+    )
+    return cfg, engine
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        cfg, engine = cluster_config(args)
+        from cluster.app import build_app, grpc_options
+
+        options = grpc_options(engine.port)
+    except (ValueError, OSError) as exc:
+        print(f"kvserve cluster serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import ray
+        from ray import serve
+    except ModuleNotFoundError:
+        print(
+            "kvserve cluster serve: Ray is not installed: pip install 'kvserve[ray]'",
+            file=sys.stderr,
+        )
+        return 2
+    ray.init(address=args.ray_address, include_dashboard=False)
+    serve.start(grpc_options=options, http_options={"host": engine.host, "port": 0})
+    serve.run(build_app(cfg), name=APP_NAME)
+    print(
+        f"kvserve cluster: {cfg.num_replicas} replicas ({engine.runner}), router {cfg.router}, "
+        f"gRPC on :{engine.port}"
+        + (
+            f", metrics + targets on http://{cfg.metrics_host}:{cfg.router_metrics_port}"
+            if cfg.router_metrics_port is not None
+            else ""
+        ),
+        flush=True,
+    )
+    from server.cli import _write_port_file
+
+    if engine.port_file:
+        _write_port_file(engine.port_file, engine.port)
+    if engine.metrics_port_file and cfg.router_metrics_port is not None:
+        _write_port_file(engine.metrics_port_file, cfg.router_metrics_port)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    print("kvserve cluster: stopping (replicas drain in-flight requests)", flush=True)
+    serve.delete(APP_NAME)
+    serve.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return cmd_serve(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,172 @@
+"""The Ray Serve request router that runs ``cluster.routing``'s routers.
+
+Ray Serve builds one per deployment handle, in the process that routes (the gRPC proxy):
+``RequestRouterConfig(request_router_class="cluster.ray_router:KVServeRequestRouter",
+request_router_kwargs={...})``. For each pending Generate call it decodes the request (the
+proxy hands over a pickled ``GenerateRequest``), tokenizes the prompt exactly as a replica
+would (``server.service.prompt_token_ids``), hashes its blocks (``routing.routing_keys``)
+and asks the router. Other methods (GetModelInfo, ...) go to the least loaded replica.
+
+Load is counted here, per replica: requests sent and not yet completed. Each replica's
+report (``KVServeReplica.record_routing_stats``) adds the block keys it admitted, so the
+index also learns what other proxies sent, and marks a draining replica, which gets no new
+requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections import Counter
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from cluster.routing import (
+    PrefixRouter,
+    ReplicaLoad,
+    make_router,
+    routing_keys,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _tokenizer_for(engine: dict[str, Any]) -> Any:
+    """The tokenizer a replica with these engine settings uses (no weights are loaded)."""
+    if engine.get("runner") == "fake":
+        from server.fake_tokenizer import ByteTokenizer
+
+        return ByteTokenizer()
+    from model_runner.loader import load_tokenizer
+
+    return load_tokenizer(engine.get("model"))
+
+
+class KVServeRequestRouter(RequestRouter):
+    """``--router {round-robin,power-of-two,prefix}`` inside Ray Serve."""
+
+    def initialize_state(
+        self,
+        router: str = "prefix",
+        engine: dict[str, Any] | None = None,
+        block_size: int = 16,
+        capacity_blocks: int = 4096,
+        imbalance_abs: int = 8,
+        imbalance_rel: float = 1.5,
+        metrics_host: str = "127.0.0.1",
+        metrics_port: int | None = None,
+        seed: int | None = None,
+        **_: Any,
+    ) -> None:
+        self.router_name = router
+        self.router = make_router(
+            router,
+            capacity_blocks=capacity_blocks,
+            imbalance_abs=imbalance_abs,
+            imbalance_rel=imbalance_rel,
+            seed=seed,
+        )
+        self.block_size = block_size
+        self._engine = dict(engine or {})
+        self._tokenizer: Any = None
+        self._in_flight: Counter[str] = Counter()
+        self._sent: dict[str, str] = {}  # internal request id -> replica id
+        self._learned: dict[str, Any] = {}  # replica id -> the last report learned
+        self.metrics: Any = None
+        if metrics_port is not None:
+            self._start_metrics(metrics_host, metrics_port)
+
+    def _start_metrics(self, host: str, port: int) -> None:
+        from prometheus_client import CollectorRegistry
+
+        from cluster.metrics import RouterMetrics, start_router_metrics_server
+
+        registry = CollectorRegistry()
+        self.metrics = RouterMetrics(registry, self.router_name)
+        try:
+            self._metrics_server, bound = start_router_metrics_server(
+                host, port, registry, self._replica_metrics_urls
+            )
+        except OSError as exc:  # a second proxy on this node: the first one serves them
+            logger.warning("router metrics not served on %s:%d: %s", host, port, exc)
+        else:
+            logger.info("router metrics and targets on http://%s:%d", host, bound)
+
+    def _replica_metrics_urls(self) -> list[str]:
+        urls = [r.routing_stats.get("metrics_url", "") for r in list(self._replicas.values())]
+        return sorted(u for u in urls if u)
+
+    # ------------------------------------------------------------------ prompt -> keys
+    def _prompt_keys(self, pending: PendingRequest | None) -> tuple[list[int], int]:
+        """The request's block keys and prompt length; empty for non-Generate calls."""
+        if pending is None or not pending.args or pending.metadata.call_method != "Generate":
+            return [], 0
+        from server.rpc import generation_pb2 as pb
+        from server.service import prompt_token_ids
+
+        arg = pending.args[0]
+        try:
+            request = pickle.loads(arg).user_request_proto if isinstance(arg, bytes) else arg
+            if not isinstance(request, pb.GenerateRequest):
+                return [], 0
+            if self._tokenizer is None:
+                self._tokenizer = _tokenizer_for(self._engine)
+            ids = prompt_token_ids(self._tokenizer, request)
+        except Exception:  # an invalid request: the replica answers it with a clear status
+            logger.debug("no routing keys for request", exc_info=True)
+            return [], 0
+        return routing_keys(ids, self.block_size, request.cache_salt or None), len(ids)
+
+    # ------------------------------------------------------------------ RequestRouter
+    def _learn_reports(self, replicas: list[RunningReplica]) -> None:
+        if not isinstance(self.router, PrefixRouter):
+            return
+        index = self.router.index
+        index.retain(r.replica_id.unique_id for r in replicas)
+        for r in replicas:
+            rid = r.replica_id.unique_id
+            reported = r.routing_stats.get("keys")
+            if reported and self._learned.get(rid) is not reported:  # each report once
+                index.add(rid, reported)
+                self._learned[rid] = reported
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        live = [
+            ReplicaLoad(rid, self._in_flight[rid]) for rid, r in by_id.items()
+            if not r.routing_stats.get("draining", False)
+        ]  # fmt: skip
+        if not live:
+            return []
+        self._learn_reports(candidate_replicas)
+        keys, num_prompt_tokens = self._prompt_keys(pending_request)
+        if pending_request is None or not num_prompt_tokens:
+            least = min(live, key=lambda r: (r.num_ongoing, r.replica_id))
+            return [[by_id[least.replica_id]]]
+        decision = self.router.choose(live, keys)
+        if self.metrics is not None:
+            self.metrics.record(decision, self.block_size, num_prompt_tokens)
+        return [[by_id[decision.replica_id]]]
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
+        rid = replica_id.unique_id
+        self._in_flight[rid] += 1
+        self._sent[pending_request.metadata.internal_request_id] = rid
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        rid = self._sent.pop(internal_request_id, replica_id.unique_id)
+        if self._in_flight[rid] > 0:
+            self._in_flight[rid] -= 1
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._in_flight.pop(replica_id.unique_id, None)
+        if isinstance(self.router, PrefixRouter):
+            self.router.index.drop(replica_id.unique_id)

@@ -1,0 +1,205 @@
+"""One kvserve engine as a Ray Serve replica, serving ``kvserve.v1.Generation``.
+
+A replica is today's server started from code: ``server.build.build_engine`` makes the
+runner, scheduler, cache manager and engine loop, and ``server.service.GenerationServicer``
+answers the RPCs that Ray Serve's gRPC proxy hands over. Only the gRPC status plumbing
+differs: a Ray replica sets the code on Ray's context object instead of aborting a call.
+
+    proxy --(pickled GenerateRequest)--> KVServeReplica.Generate --> GenerationServicer
+                                              | record_routing_stats(): load, draining,
+                                              v recent block keys -> the router
+
+The replica also reports, through ``record_routing_stats`` (Ray polls it), the chained block
+keys of the prompts it admitted recently: a bounded LRU as large as its KV pool, the cheap
+stand-in for "which prefixes does my cache hold".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from cluster.metrics import advertised_host, labelled_registry
+from cluster.routing import routing_keys
+from scheduler.request import Request
+from server.config import ServerConfig, build_config
+from server.engine_client import EngineClient
+from server.outputs import GenerationOutput
+from server.rpc import generation_pb2 as pb
+from server.service import GenerationServicer
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaRpcError(Exception):
+    """Ends a replica's RPC; the code is already set on Ray's gRPC context."""
+
+
+class _RayContext:
+    """What ``GenerationServicer`` reads from a grpc.aio context, over Ray's context."""
+
+    def __init__(self, grpc_context: Any) -> None:
+        self._context = grpc_context
+
+    def time_remaining(self) -> float | None:
+        return None  # the proxy holds the client's deadline and cancels the call at it
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        if self._context is not None:
+            self._context.set_code(code)
+            self._context.set_details(details)
+        raise ReplicaRpcError(f"{code.name}: {details}")
+
+
+class _ArrivalKeys:
+    """Block keys of recently admitted prompts, most recent last, at most ``capacity``."""
+
+    def __init__(self, capacity: int, block_size: int) -> None:
+        self.capacity = capacity
+        self.block_size = block_size
+        self._keys: OrderedDict[int, None] = OrderedDict()
+
+    def add(self, request: Request) -> None:
+        keys = self._keys
+        for key in routing_keys(request.prompt_token_ids, self.block_size, request.cache_salt):
+            keys[key] = None
+            keys.move_to_end(key)
+        while len(keys) > self.capacity:
+            keys.popitem(last=False)
+
+    def snapshot(self) -> list[int]:
+        return list(self._keys)
+
+
+class _ReportingClient(EngineClient):
+    """An ``EngineClient`` that notes each admitted prompt's block keys for the router."""
+
+    def __init__(self, engine: Any, arrivals: _ArrivalKeys) -> None:
+        super().__init__(engine)
+        self.arrivals = arrivals
+
+    async def generate(
+        self, request: Request, *, deadline_s: float | None = None
+    ) -> AsyncIterator[GenerationOutput]:
+        self.arrivals.add(request)
+        async for out in super().generate(request, deadline_s=deadline_s):
+            yield out
+
+
+class KVServeReplica:
+    """The Ray Serve deployment class (``cluster.app`` wraps it with ``serve.deployment``).
+
+    ``engine`` holds ``ServerConfig`` settings (the same keys as ``kvserve serve``'s flags);
+    ``metrics_host`` / ``metrics_port`` say where this replica serves ``/metrics`` (port 0:
+    a free one, reported to the router, which lists it at ``/targets``).
+    """
+
+    def __init__(
+        self,
+        engine: dict[str, Any] | None = None,
+        *,
+        metrics_host: str = "127.0.0.1",
+        metrics_port: int = 0,
+    ) -> None:
+        from ray import serve
+
+        from server.build import build_engine
+
+        cfg: ServerConfig = build_config(engine or {}, environ={})
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        rank = getattr(context, "rank", None)
+        self.replica = str(getattr(rank, "rank", rank) if rank is not None else self.replica_id)
+        built = build_engine(cfg)
+        self.built = built
+        self.model = built.model
+        self.arrivals = _ArrivalKeys(built.model.num_blocks, built.model.block_size)
+        self.draining = False
+        self._metrics_server: Any = None
+        self.metrics_url = ""
+        sink = None
+        if cfg.metrics:
+            from prometheus_client import CollectorRegistry
+
+            from metrics.prometheus import PrometheusSink, start_metrics_server
+
+            inner = CollectorRegistry()
+            sink = PrometheusSink(
+                inner, model_info={"model": built.model.name, "replica_id": self.replica_id}
+            )
+            built.engine.sink = sink
+            served = labelled_registry(inner, {"replica": self.replica})
+            self._metrics_server, port = start_metrics_server(metrics_host, metrics_port, served)
+            self.metrics_url = f"{advertised_host(metrics_host)}:{port}"
+        self.client = _ReportingClient(built.engine, self.arrivals)
+        self.servicer = GenerationServicer(self.client, built.tokenizer, built.model, sink=sink)
+        built.engine.start()
+        logger.info(
+            "replica %s (%s): %s, %d KV blocks, metrics %s",
+            self.replica,
+            self.replica_id,
+            built.model.name,
+            built.model.num_blocks,
+            self.metrics_url or "off",
+        )
+
+    # ------------------------------------------------------------------ Ray Serve hooks
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What the router reads (Ray polls it every ``request_routing_stats_period_s``)."""
+        return {
+            "replica": self.replica,
+            "num_ongoing": self.client.num_in_flight,
+            # A dead engine answers UNAVAILABLE until Ray replaces the replica: route around it.
+            "draining": self.draining or not self.built.engine.is_alive,
+            "block_size": self.model.block_size,
+            "keys": self.arrivals.snapshot(),
+            "metrics_url": self.metrics_url,
+        }
+
+    def check_health(self) -> None:
+        """Ray restarts a replica whose engine thread died."""
+        if not self.built.engine.is_alive:
+            error = self.built.engine.dead_error
+            raise RuntimeError(f"replica {self.replica}: engine died: {error!r}")
+
+    def __del__(self) -> None:
+        """Ray Serve calls this after the replica drained: it takes no new requests (Ray took
+        it out of routing first) and waited up to ``graceful_shutdown_timeout_s``."""
+        self.draining = True
+        self.servicer.accepting = False
+        with contextlib.suppress(Exception):
+            self.built.engine.stop(timeout_s=1.0)
+        if self._metrics_server is not None:
+            from metrics.prometheus import stop_metrics_server
+
+            with contextlib.suppress(Exception):
+                stop_metrics_server(self._metrics_server)
+
+    # ------------------------------------------------------------------ kvserve.v1.Generation
+    async def Generate(
+        self, request: pb.GenerateRequest, grpc_context: Any = None
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        context = _RayContext(grpc_context)
+        async for response in self.servicer.Generate(request, context):  # type: ignore[arg-type]
+            yield response
+
+    async def Tokenize(self, request: pb.TokenizeRequest, grpc_context: Any = None) -> Any:
+        return await self.servicer.Tokenize(request, _RayContext(grpc_context))  # type: ignore[arg-type]
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context: Any = None) -> Any:
+        return await self.servicer.GetModelInfo(request, _RayContext(grpc_context))  # type: ignore[arg-type]
+
+    async def GetKVCacheStats(
+        self, request: pb.GetKVCacheStatsRequest, grpc_context: Any = None
+    ) -> Any:
+        return await self.servicer.GetKVCacheStats(request, _RayContext(grpc_context))  # type: ignore[arg-type]
+
+    async def Abort(self, request: pb.AbortRequest, grpc_context: Any = None) -> Any:
+        # Ray routes an Abort to any replica: it finds the request only where it runs. Client
+        # cancellation (closing the stream) reaches the right replica and is the way to stop.
+        return await self.servicer.Abort(request, _RayContext(grpc_context))  # type: ignore[arg-type]

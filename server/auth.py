@@ -1,0 +1,139 @@
+"""Who a caller is: API keys, TLS files, and the owner that scopes a caller's request ids.
+
+One home for the rules both front ends (gRPC, HTTP) and the metrics endpoint apply::
+
+    Authorization: Bearer <key>   ->  owner "key:<digest of the key>"   (keys configured)
+    no keys configured            ->  owner "peer:<client host>"
+    a request id the client sends ->  engine id "<owner>/<request id>"
+
+Request ids are scoped by owner: ``Abort`` and the duplicate-id check only ever see the
+caller's own requests. The key itself is never kept in an id, a log line or a metric: only a
+short BLAKE2b digest of it. Keys are compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_BEARER = "bearer "
+_OWNER_SEP = "/"
+
+
+class AuthError(PermissionError):
+    """The caller gave no API key or a wrong one (gRPC UNAUTHENTICATED, HTTP 401)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """PEM files: the server's certificate chain and key, and optionally a CA that client
+    certificates must chain to (then a client without a valid certificate is refused)."""
+
+    cert: str
+    key: str
+    client_ca: str | None = None
+
+    def read(self) -> tuple[bytes, bytes, bytes | None]:
+        ca = None if self.client_ca is None else Path(self.client_ca).read_bytes()
+        return Path(self.cert).read_bytes(), Path(self.key).read_bytes(), ca
+
+
+@dataclass(frozen=True, slots=True)
+class Security:
+    """API keys (empty: authentication off) and TLS (None: plaintext)."""
+
+    api_keys: frozenset[str] = field(default=frozenset(), repr=False)  # never logged
+    tls: TlsFiles | None = None
+    metrics_require_key: bool = True
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.api_keys)
+
+    def authenticate(self, authorization: str | None) -> str | None:
+        """The owner for an ``Authorization`` header value; None when auth is off.
+        Raises ``AuthError`` when keys are configured and this one is missing or wrong."""
+        if not self.api_keys:
+            return None
+        if not authorization:
+            raise AuthError(
+                "missing API key: send the header 'Authorization: Bearer <key>' (gRPC: "
+                "'authorization' metadata)"
+            )
+        if not authorization.lower().startswith(_BEARER):
+            raise AuthError("malformed Authorization header: expected 'Bearer <key>'")
+        given = authorization[len(_BEARER) :].strip().encode()
+        # Every key is compared, so the time taken does not say which prefix matched.
+        ok = False
+        for key in self.api_keys:
+            ok |= hmac.compare_digest(given, key.encode())
+        if not ok:
+            raise AuthError("invalid API key")
+        return key_owner(given.decode())
+
+    def owner(self, authorization: str | None, peer_host: str) -> str:
+        """Who owns a request: the key's owner, or the peer's host when auth is off."""
+        owner = self.authenticate(authorization)
+        return owner if owner is not None else f"peer:{peer_host}"
+
+
+def key_owner(key: str) -> str:
+    return "key:" + hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+
+
+def scoped_id(owner: str, request_id: str) -> str:
+    """The engine's id of a client's request: unique across owners."""
+    return f"{owner}{_OWNER_SEP}{request_id}"
+
+
+def client_id(engine_id: str) -> str:
+    """The id the client sent, from an engine id (``scoped_id``'s inverse)."""
+    return engine_id.split(_OWNER_SEP, 1)[-1]
+
+
+def grpc_peer_host(peer: str) -> str:
+    """The host part of a grpc peer string (``ipv4:127.0.0.1:5555``, ``ipv6:[::1]:5555``)."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv6":
+        return rest.rpartition(":")[0].strip("[]")
+    if kind == "ipv4":
+        return rest.rpartition(":")[0]
+    return peer  # unix sockets and others: the whole string
+
+
+def read_api_keys(keys: Iterable[str], key_file: str | None) -> frozenset[str]:
+    """Keys from flags and from a file (one per line; blank lines and ``#`` comments skipped)."""
+    found = {k.strip() for k in keys if k.strip()}
+    if key_file:
+        for line in Path(key_file).read_text().splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                found.add(line)
+    return frozenset(found)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_exposed(host: str, security: Security, what: str) -> None:
+    """A non-loopback bind with neither TLS nor keys is open to anyone who can reach it."""
+    if not is_loopback(host) and security.tls is None and not security.api_keys:
+        logger.warning(
+            "%s listens on %s without TLS or an API key: anyone who can reach it can use it "
+            "(pass --tls-cert/--tls-key and --api-key)",
+            what,
+            host,
+        )

@@ -1,0 +1,109 @@
+"""cluster.ray_router.KVServeRequestRouter's own logic, on stand-ins for Ray's replicas: what it
+decodes from the proxy's pickled request, load from its own in-flight counts, reports learned,
+draining replicas skipped. (The end-to-end behaviour is in test_ray_serve.py.)"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.serve._private.common import RequestMetadata, gRPCRequest
+from ray.serve.request_router import PendingRequest
+
+from cluster.ray_router import KVServeRequestRouter
+from cluster.routing import routing_keys
+from server.fake_tokenizer import ByteTokenizer
+from server.rpc import generation_pb2 as pb
+
+
+@dataclass(frozen=True)
+class _Id:
+    unique_id: str
+
+
+@dataclass
+class StubReplica:
+    """What the router reads of Ray's RunningReplica."""
+
+    replica_id: _Id
+    routing_stats: dict[str, Any] = field(default_factory=dict)
+
+
+def replica(name: str, **stats: Any) -> StubReplica:
+    return StubReplica(_Id(name), dict(stats))
+
+
+def make_router(**kwargs: Any) -> KVServeRequestRouter:
+    router = KVServeRequestRouter.__new__(KVServeRequestRouter)  # Ray's __init__ needs a cluster
+    router.initialize_state(engine={"runner": "fake"}, block_size=4, **kwargs)
+    return router
+
+
+def generate(text: str, n: int = 0, method: str = "Generate") -> PendingRequest:
+    arg = pickle.dumps(gRPCRequest(user_request_proto=pb.GenerateRequest(text=text)))
+    return PendingRequest(args=[arg], kwargs={}, metadata=RequestMetadata(f"r{n}", f"i{n}", method))
+
+
+async def chosen(
+    router: KVServeRequestRouter, replicas: list[StubReplica], pr: PendingRequest
+) -> str:
+    (rank,) = await router.choose_replicas(replicas, pr)  # type: ignore[arg-type]
+    (one,) = rank
+    return str(one.replica_id.unique_id)
+
+
+async def test_prefix_routing_follows_the_prompt_and_counts_load() -> None:
+    """The same system prompt follows its replica; a new prompt goes to the idler one, by the
+    router's own in-flight count."""
+    router = make_router(router="prefix")
+    a, b = replica("a"), replica("b")
+    system = "You are a helpful pirate. " * 2
+    assert await chosen(router, [a, b], generate(system + "hi", 1)) == "a"
+    router.on_request_routed(generate("", 1), a.replica_id, None)  # type: ignore[arg-type]
+    assert await chosen(router, [a, b], generate(system + "ahoy", 2)) == "a"  # held prefix
+    assert await chosen(router, [a, b], generate("something else entirely", 3)) == "b"
+    router.on_request_completed(a.replica_id, "i1")  # type: ignore[arg-type]
+    assert router._in_flight["a"] == 0
+
+
+async def test_draining_replicas_get_no_new_requests() -> None:
+    """A replica whose report says draining is skipped, even holding the prefix; with every
+    replica draining there is no choice (Ray retries)."""
+    router = make_router(router="prefix")
+    prompt = "shared prefix shared prefix"
+    keys = routing_keys(ByteTokenizer().encode(prompt), 4, None)
+    a, b = replica("a", keys=keys, draining=True), replica("b")
+    assert await chosen(router, [a, b], generate(prompt, 1)) == "b"
+    assert await router.choose_replicas([a], generate(prompt, 2)) == []  # type: ignore[list-item]
+
+
+async def test_reported_keys_are_learned_once() -> None:
+    """A replica's report of admitted prompts' keys sends the next such prompt there."""
+    router = make_router(router="prefix")
+    prompt = "what another proxy sent to b, long enough for blocks"
+    keys = routing_keys(ByteTokenizer().encode(prompt), 4, None)
+    a, b = replica("a"), replica("b", keys=keys)
+    assert await chosen(router, [a, b], generate(prompt, 1)) == "b"
+    assert router.router.index.num_prefix_blocks("b", keys) == len(keys)  # type: ignore[attr-defined]
+
+
+async def test_other_methods_and_bad_requests_go_to_the_least_loaded() -> None:
+    """GetModelInfo and an undecodable prompt are not routed by prefix: least loaded wins."""
+    router = make_router(router="prefix")
+    a, b = replica("a"), replica("b")
+    router.on_request_routed(generate("", 9), a.replica_id, None)  # type: ignore[arg-type]
+    assert await chosen(router, [a, b], generate("x", 1, method="GetModelInfo")) == "b"
+    broken = PendingRequest(args=[b"not a pickle"], kwargs={}, metadata=RequestMetadata("r", "i"))
+    broken.metadata.call_method = "Generate"
+    assert await chosen(router, [a, b], broken) == "b"
+
+
+def test_targets_advertise_a_reachable_address() -> None:
+    """A wildcard bind is listed as this node's IP; a concrete host as itself."""
+    from ray.util import get_node_ip_address
+
+    from cluster.metrics import advertised_host
+
+    assert advertised_host("127.0.0.1") == "127.0.0.1"
+    assert advertised_host("0.0.0.0") == get_node_ip_address() != "0.0.0.0"
