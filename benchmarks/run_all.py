@@ -24,6 +24,16 @@ Sections, each comparison measured side by side in the same run:
 - ``prefix``: prefix caching on against off on a shared-system-prompt workload: TTFT.
 - ``paged``: paged KV against contiguous max-length preallocation within the same KV memory
   (scheduler + cache manager + FakeRunner; method in ``benchmarks/bench_paged_kv.py``).
+- ``kvcache``: per-token decode latency against sequence length (64 ... 4,096 tokens) with
+  the KV cache (``--kv-strategy always``) and recomputing every step (``disabled``), side by
+  side; a table and a PNG (``benchmarks/bench_kv_cache.py``).
+- ``sinks``: perplexity of a long text under attention sinks + window against the window
+  alone and full attention (``benchmarks/bench_sinks.py``).
+
+Both run with ``--kv-threads`` (1) torch threads: on a shared machine a 2-thread OpenMP team
+waits on a descheduled thread, and the curve shows the neighbours, not the cache.
+
+The ``kvcache`` and ``sinks`` sections print their own tables under the main one.
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CHAT128 = REPO_ROOT.parent / "shared" / "workloads" / "chat128.json"
-SECTIONS = ("chat128", "policy", "slo", "prefix", "paged")
+SECTIONS = ("chat128", "policy", "slo", "prefix", "paged", "kvcache", "sinks")
 
 LLAMA_CPP_MODES = ("build", "cached", "off")
 # Issue 10's targets, kvserve against llama.cpp measured in the same run: output tok/s ratio by
@@ -76,6 +86,10 @@ class Sizes:
     paged_budget_tokens: int
     paged_max_model_len: int
     run_duration_s: float
+    kvcache_lengths: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096)
+    kvcache_tokens: int = 4  # measured tokens per length and strategy
+    sinks_tokens: int = 4096  # tokens of the text scored
+    sinks_cache: int = 256  # visible keys per query (sinks + window, or window alone)
 
 
 FULL = Sizes(
@@ -121,6 +135,10 @@ QUICK = Sizes(
     paged_budget_tokens=4096,
     paged_max_model_len=1024,
     run_duration_s=300.0,
+    kvcache_lengths=(64, 128, 256),
+    kvcache_tokens=2,
+    sinks_tokens=512,
+    sinks_cache=128,
 )
 
 
@@ -669,6 +687,9 @@ def main(argv: list[str] | None = None) -> int:
         help="where llama-server is built and cached "
         "(default: $KVSERVE_CACHE_DIR or ~/.cache/kvserve, then llama.cpp/<version>)",
     )
+    p.add_argument(
+        "--kv-threads", type=int, default=1, help="torch threads of kvcache and sinks (1)"
+    )
     p.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench-results")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -711,6 +732,40 @@ def main(argv: list[str] | None = None) -> int:
         rows += section_prefix(sizes, args.threads, progress)
     order = {s: i for i, s in enumerate(SECTIONS)}
     rows.sort(key=lambda r: order[r.section])  # stable: keeps the order within a section
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    extra: dict[str, Any] = {}
+    extra_tables: list[str] = []
+    if "kvcache" in sections:
+        from benchmarks import bench_kv_cache
+
+        _say(f"[kvcache] lengths {sizes.kvcache_lengths}, {args.kv_threads} thread(s)")
+        points = bench_kv_cache.run(sizes.kvcache_lengths, sizes.kvcache_tokens, args.kv_threads)
+        png = args.out_dir / f"kv-cache-{'quick-' if args.quick else ''}{stamp}.png"
+        bench_kv_cache.plot(
+            points,
+            png,
+            f"SmolLM2-135M Q4_1 GGUF on kvserve's kernels, fp16 KV, "
+            f"{args.kv_threads} thread(s); median of {sizes.kvcache_tokens} tokens",
+        )
+        extra["kvcache"] = {"points": bench_kv_cache.as_dicts(points), "png": str(png)}
+        extra_tables.append(
+            "KV cache against recompute (kvcache), per generated token, median of "
+            f"{sizes.kvcache_tokens} tokens:\n\n{bench_kv_cache.format_table(points)}\n\n"
+            f"PNG: {png}"
+        )
+    if "sinks" in sections:
+        from benchmarks import bench_sinks
+
+        _say(f"[sinks] {sizes.sinks_tokens} tokens, cache {sizes.sinks_cache}")
+        results = bench_sinks.run(
+            bench_sinks.DEFAULT_TEXT, sizes.sinks_tokens, sizes.sinks_cache, 4, 64, args.kv_threads
+        )
+        extra["sinks"] = bench_sinks.as_dicts(results)
+        extra_tables.append(
+            f"Attention sinks (sinks), perplexity of {sizes.sinks_tokens} tokens of "
+            f"{bench_sinks.DEFAULT_TEXT.name}:\n\n"
+            f"{bench_sinks.format_table(results, sizes.sinks_cache)}"
+        )
     elapsed = time.perf_counter() - t0
 
     machine = machine_info(args.threads)
@@ -731,9 +786,11 @@ def main(argv: list[str] | None = None) -> int:
         "requests to fit the time budget). Out tok/s = output tokens / wall time of the run; "
         "ITL = inter-token latency; percentiles by linear interpolation (numpy's default)."
     )
+    for table in extra_tables:
+        print()
+        print(table)
     print(f"Whole suite: {elapsed / 60:.1f} min.")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = args.out_dir / f"bench-{'quick-' if args.quick else ''}{stamp}.json"
     doc = {
         "schema": "kvserve.bench/v1",
@@ -748,6 +805,7 @@ def main(argv: list[str] | None = None) -> int:
             "reports_by_users": peers,  # a loadtest report, or the reason for that level
         },
         "rows": [asdict(r) for r in rows],
+        **extra,
     }
     path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     print(f"JSON: {path}")

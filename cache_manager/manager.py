@@ -28,6 +28,7 @@ from cache_manager.config import KVCacheConfig
 from cache_manager.eviction import make_eviction_policy
 from cache_manager.hashing import hash_block_tokens
 from cache_manager.stats import KVCacheStats
+from cache_manager.strategy import make_kv_strategy
 
 
 class CacheSequence(Protocol):
@@ -92,7 +93,9 @@ class _RequestBlocks:
     # Keys of the request's first len(block_keys) blocks (the computed, full ones); kept even
     # for released positions, because later keys chain on them.
     block_keys: list[bytes] = field(default_factory=list)
-    num_released: int = 0  # leading positions released to the null block (sliding window)
+    # Positions released to the null block (sliding window, adaptive strategy): the
+    # ``num_released`` positions after the sink blocks, ``[num_sink_blocks, + num_released)``.
+    num_released: int = 0
     num_slots: int = 0  # slots written or being written: num_computed + new of the last step
 
 
@@ -108,12 +111,19 @@ class KVCacheManager:
         self.config = config
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks
-        self.enable_prefix_caching = config.enable_prefix_caching
+        self.strategy = make_kv_strategy(config.kv_strategy, config.kv_strategy_threshold)
+        # Disabled keeps nothing, not even prefixes for later requests.
+        self.enable_prefix_caching = (
+            config.enable_prefix_caching and config.kv_strategy != "disabled"
+        )
         self.sliding_window = config.sliding_window
+        self.attention_sinks = config.attention_sinks
+        # Sinks are kept as whole blocks: the first ceil(sinks / block_size) of a table.
+        self.num_sink_blocks = -(-config.attention_sinks // config.block_size)
         self._pool = BlockPool(
             config.num_blocks,
             make_eviction_policy(config.eviction_policy),
-            reserve_null=config.sliding_window is not None,
+            reserve_null=config.reserves_null_block,
         )
         self._blocks = self._pool.blocks
         self._null_block = self._pool.null_block
@@ -124,6 +134,8 @@ class KVCacheManager:
         self._num_cow_copies = 0
         self._num_used_slots = 0  # sum of num_filled over referenced blocks
         self._num_held_tokens = 0  # sum over requests of their slots minus released ones
+        self._num_dropped_tokens = 0  # KV dropped after a step by the strategy (recomputed)
+        self._num_windowed_tokens = 0  # KV released by the adaptive strategy under pressure
 
     # ------------------------------------------------------------------ queries
 
@@ -152,6 +164,27 @@ class KVCacheManager:
         """Fraction of allocatable blocks referenced by some request."""
         usable = self.num_usable_blocks
         return (usable - self._pool.num_free) / usable
+
+    @property
+    def streams_past_context(self) -> bool:
+        """Whether a request may run past the model's context: with attention sinks, its
+        cache holds the sinks and the window, with positions within the cache."""
+        return self.attention_sinks > 0
+
+    def max_resident_blocks(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        """The most blocks one request of ``num_tokens`` tokens holds at a time when its
+        chunks are at most ``max_chunk_tokens``: all of them, or under a sliding window the
+        sink blocks, the window plus one chunk, and one partial block."""
+        num_all = self.num_blocks_for(num_tokens)
+        if self.sliding_window is None:
+            return num_all
+        window = self.num_blocks_for(self.sliding_window + max_chunk_tokens) + 1
+        return min(num_all, self.num_sink_blocks + window)
+
+    def keeps_kv(self, seq: CacheSequence) -> bool:
+        """Whether the strategy lets ``seq`` keep its KV for its next step (else call
+        ``drop_kv`` after the step and recompute it from position 0)."""
+        return self.strategy.retains(len(seq.all_token_ids))
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` token slots."""
@@ -500,28 +533,87 @@ class KVCacheManager:
         self._num_held_tokens -= self._held_tokens(state)
         blocks = state.blocks
         num_released = state.num_released
-        live = blocks[num_released:] if num_released else blocks
-        self._release(live[::-1])
+        if num_released:
+            sinks = self.num_sink_blocks
+            blocks = blocks[:sinks] + blocks[sinks + num_released :]
+        self._release(blocks[::-1])
+
+    def drop_kv(self, request_id: str) -> None:
+        """Free the request's table because the strategy keeps no KV for it between steps
+        (``keeps_kv`` said no); the caller recomputes it from position 0. Counted in
+        ``strategy_dropped_tokens_total``. KeyError as ``free``."""
+        state = self._requests.get(request_id)
+        if state is not None:
+            self._num_dropped_tokens += self._held_tokens(state)
+        self.free(request_id)
 
     def release_out_of_window(self, seq: CacheSequence) -> int:
         """Sliding window: release the blocks no future query can attend to; return how many.
 
         The next query is at position ``num_computed_tokens`` and attends at most
-        ``sliding_window`` positions back, so a block whose slots all lie below
-        ``num_computed_tokens - sliding_window`` is dead. Released positions keep their place
-        in the table but point at the null block (``null_block_id``, block 0, never handed
-        out), so ``block_ids[p // block_size]`` stays valid for every position p: the runner
-        may gather from it, and must mask it out as it masks everything beyond the window.
-        Returns 0 without a window. KeyError if the request holds no table.
+        ``sliding_window`` positions back (and to the attention sinks), so a block after the
+        sink blocks whose slots all lie below ``num_computed_tokens - sliding_window`` is
+        dead. Released positions keep their place in the table but point at the null block
+        (``null_block_id``, block 0, never handed out), so ``block_ids[p // block_size]``
+        stays valid for every position p::
+
+            | sink blocks | null ... null | window blocks ........ | being written |
+              kept          released        p > computed - window
+
+        The runner never reads a null block: it gathers the sinks, then from the first
+        block that holds a visible key. Returns 0 without a window. KeyError if the request
+        holds no table.
         """
-        null = self._null_block
-        if null is None:
+        window = self.sliding_window
+        if window is None:
             return 0
-        assert self.sliding_window is not None
         state = self._requests[seq.request_id]
-        limit = seq.num_computed_tokens - self.sliding_window
-        num_dead = min(limit // self.block_size if limit > 0 else 0, len(state.blocks))
-        first = state.num_released
+        limit = seq.num_computed_tokens - window
+        return self._release_up_to(state, limit // self.block_size if limit > 0 else 0)
+
+    def shrink_retention(self, seqs: Sequence[CacheSequence]) -> str | None:
+        """Adaptive strategy under memory pressure (the free list, cached prefixes included,
+        is empty): window the longest request of ``seqs`` that has something to give.
+
+        It keeps its sink blocks and the blocks holding its last ``kv_strategy_threshold``
+        computed tokens; the older ones are released to the null block (see
+        ``release_out_of_window``) and counted in ``strategy_windowed_tokens_total``. The
+        longest is the one with the most computed tokens, ties by the order given. Returns
+        its id (the caller re-reads its block table), or None when no request can give
+        anything (or the strategy is not adaptive): then the caller preempts.
+        """
+        if not self.strategy.windows_under_pressure:
+            return None
+        bs = self.block_size
+        keep = self.strategy.threshold
+        best: CacheSequence | None = None
+        best_dead = 0
+        for seq in seqs:
+            state = self._requests.get(seq.request_id)
+            if state is None:
+                continue
+            limit = seq.num_computed_tokens - keep
+            num_dead = min(limit // bs if limit > 0 else 0, len(state.blocks))
+            if num_dead <= self.num_sink_blocks + state.num_released:
+                continue
+            if best is None or seq.num_computed_tokens > best.num_computed_tokens:
+                best, best_dead = seq, num_dead
+        if best is None:
+            return None
+        state = self._requests[best.request_id]
+        held_before = self._held_tokens(state)
+        self._release_up_to(state, best_dead)
+        self._num_windowed_tokens += held_before - self._held_tokens(state)
+        return best.request_id
+
+    def _release_up_to(self, state: _RequestBlocks, num_dead: int) -> int:
+        """Release table positions from the first live one after the sinks up to
+        ``num_dead`` (exclusive) to the null block; return how many were released."""
+        null = self._null_block
+        assert null is not None, "releasing positions needs the null block"
+        sinks = self.num_sink_blocks
+        first = sinks + state.num_released
+        num_dead = min(num_dead, len(state.blocks))
         if num_dead <= first:
             return 0
         blocks = state.blocks
@@ -529,7 +621,7 @@ class KVCacheManager:
         for p in range(first, num_dead):
             blocks[p] = null
             state.block_ids[p] = null.block_id
-        state.num_released = num_dead
+        state.num_released = num_dead - sinks
         self._num_held_tokens -= (num_dead - first) * self.block_size
         self._release(released[::-1])
         return num_dead - first
@@ -590,6 +682,9 @@ class KVCacheManager:
             evictions_total=pool.num_evictions,
             cow_copies_total=self._num_cow_copies,
             num_blocks_reserved=num_reserved,
+            kv_strategy=self.strategy.name,
+            strategy_dropped_tokens_total=self._num_dropped_tokens,
+            strategy_windowed_tokens_total=self._num_windowed_tokens,
         )
 
     def check_invariants(self) -> None:
@@ -599,6 +694,7 @@ class KVCacheManager:
         free_ids, _ = pool.check()
         null = self._null_block
         bs = self.block_size
+        sinks = self.num_sink_blocks
         holders = [0] * self.num_blocks
         held_tokens = 0
         for request_id, state in self._requests.items():
@@ -613,10 +709,11 @@ class KVCacheManager:
                         f"request {request_id!r}: block_ids[{p}]={state.block_ids[p]} but the "
                         f"table holds block {block.block_id}"
                     )
-                if (block is null) != (p < state.num_released):
+                released = sinks <= p < sinks + state.num_released
+                if (block is null) != released:
                     raise RuntimeError(
                         f"request {request_id!r}: position {p} null={block is null} but "
-                        f"{state.num_released} positions are released"
+                        f"{state.num_released} positions after {sinks} sink blocks are released"
                     )
                 if block is null:
                     continue

@@ -34,6 +34,13 @@ class KVCacheStats:
     # Blocks never handed out (the sliding-window null block); used + cached_free + free +
     # reserved == num_blocks_total.
     num_blocks_reserved: int = 0
+    # The KV strategy (``cache_manager.strategy``) and what it took away: KV dropped after a
+    # step to be recomputed (disabled, long-sequence-only), and old tokens released from the
+    # longest requests under memory pressure (adaptive; cached prefixes it evicted first are
+    # in ``evictions_total``).
+    kv_strategy: str = "always"
+    strategy_dropped_tokens_total: int = 0
+    strategy_windowed_tokens_total: int = 0
 
     @classmethod
     def make_empty(

@@ -509,11 +509,21 @@ def scheduler_kv() -> dict[str, Any]:
                     ],
                 ),
                 timeseries(
-                    "Evictions and copy-on-write / s",
-                    "Cached blocks evicted to hand out, and copy-on-write block copies.",
+                    "Evictions, copy-on-write and KV strategy / s",
+                    "Cached blocks evicted to hand out, copy-on-write block copies, and the KV "
+                    "strategy's token slots: dropped to recompute (disabled, "
+                    "long-sequence-only) or windowed out of the longest requests (adaptive).",
                     [
                         (f"sum({rate('kvserve_kv_cache_evictions_total')})", "evictions"),
                         (f"sum({rate('kvserve_kv_cache_cow_copies_total')})", "cow copies"),
+                        (
+                            f"sum({rate('kvserve_kv_cache_strategy_dropped_tokens_total')})",
+                            "strategy dropped tokens",
+                        ),
+                        (
+                            f"sum({rate('kvserve_kv_cache_strategy_windowed_tokens_total')})",
+                            "strategy windowed tokens",
+                        ),
                     ],
                 ),
                 timeseries(

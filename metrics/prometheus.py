@@ -93,6 +93,7 @@ MAX_RPC_SERIES = 256
 INFO_LABELS = ("model", "dtype", "device", "block_size", "num_blocks")
 
 # Every KVCacheStats field -> the metric that exports it (tests check this covers all fields).
+# A text field is an info metric's label: ``name{label}``, the sample with that label = 1.
 KV_FIELD_METRICS: dict[str, str] = {
     "block_size": "kvserve_kv_cache_block_size_tokens",
     "num_blocks_total": "kvserve_kv_cache_capacity_blocks",
@@ -113,6 +114,9 @@ KV_FIELD_METRICS: dict[str, str] = {
     "cache_hit_rate": "kvserve_prefix_cache_hit_ratio",
     "evictions_total": "kvserve_kv_cache_evictions_total",
     "cow_copies_total": "kvserve_kv_cache_cow_copies_total",
+    "kv_strategy": "kvserve_kv_cache_strategy_info{strategy}",
+    "strategy_dropped_tokens_total": "kvserve_kv_cache_strategy_dropped_tokens_total",
+    "strategy_windowed_tokens_total": "kvserve_kv_cache_strategy_windowed_tokens_total",
 }
 
 
@@ -490,6 +494,12 @@ class PrometheusSink:
         blocks.add_metric(["free"], kv.num_blocks_free)
         blocks.add_metric(["reserved"], kv.num_blocks_reserved)
         yield blocks
+        strategy = InfoMetricFamily(
+            PREFIX + "kv_cache_strategy",
+            "The KV cache strategy: always, long-sequence-only, adaptive or disabled.",
+        )
+        strategy.add_metric(["strategy"], {"strategy": kv.kv_strategy})
+        yield strategy
         for name, doc, value in (
             ("kv_cache_block_size_tokens", "Tokens per KV block.", kv.block_size),
             ("kv_cache_capacity_blocks", "KV blocks in the pool.", kv.num_blocks_total),
@@ -546,6 +556,18 @@ class PrometheusSink:
                 kv.evictions_total,
             ),
             ("kv_cache_cow_copies_total", "Copy-on-write block copies.", kv.cow_copies_total),
+            (
+                "kv_cache_strategy_dropped_tokens_total",
+                "KV token slots the strategy dropped after a step, to recompute them "
+                "(disabled, long-sequence-only).",
+                kv.strategy_dropped_tokens_total,
+            ),
+            (
+                "kv_cache_strategy_windowed_tokens_total",
+                "Old KV token slots the adaptive strategy released from the longest requests "
+                "under memory pressure.",
+                kv.strategy_windowed_tokens_total,
+            ),
         ):
             yield _counter(name, doc, [], [((), value)])
 

@@ -21,7 +21,23 @@ whole batch gather (and the workspace hold) B copies of its length.
 
 With a sliding window W a query at position p sees keys k with ``p - W < k <= p`` (Hugging
 Face's Mistral convention); gathers start at the first block that holds a visible key, so
-blocks the cache manager released out of the window are never read.
+blocks the cache manager released out of the window are never read. Positions the adaptive
+KV strategy released (they point at the null block) are skipped the same way.
+
+Attention sinks S (StreamingLLM) add the keys ``k < S``: the gather is the sink blocks, then
+the window's blocks (``| sinks | window |``). StreamingLLM gives positions *within the cache*:
+the sinks at 0..S-1, the window right after them, the query last. We keep every key rotated
+at its absolute position in the pool and re-rotate on the fly instead. RoPE makes a score
+depend only on ``q_pos - k_pos``; the window is contiguous and ends at the query, so its
+distances in the cache equal the absolute ones. Only the sinks differ: the gap
+``d = max(0, p - W + 1 - S)`` of evicted tokens lies between them and the query, so their
+scores use the query rotated back by ``d`` (``R(-d) q``, the same as re-rotating the sink keys
+forward by ``d``), which is exactly the query at its cache position ``p - d``. Why not
+re-rotate the stored keys as Hugging Face's SinkCache does: the pool is paged and shared
+(prefix cache, forks) and fp16/int8 keys would gather rounding error with every shift. Why
+not store keys un-rotated: every path (SDPA prefill, the fused C++ decode) and every prefix
+block shared with requests without sinks would change. Sink steps take the chunk path (one
+attention call per sequence, decodes included).
 
 The query projection carries the ``1/sqrt(head_dim)`` softmax scale (folded in at load
 time), so attention here runs with scale 1.
@@ -29,6 +45,7 @@ time), so attention here runs with scale 1.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,13 +76,18 @@ _MIN_SPLIT_BLOCKS = 8
 class PrefillChunk:
     """One request's prefill chunk: rows ``row_start:row_end`` of the flat batch, query
     positions ``start_pos ..``; keys ``key_start .. end_pos - 1`` (gathered from
-    ``block_index``), or, when ``block_index`` is None, the chunk's own keys (causal)."""
+    ``block_index``), or, when ``block_index`` is None, the chunk's own keys (causal).
+    With attention sinks the keys are the sink blocks' then the window's, and
+    ``sink_rotation`` (cos, sin ``[T, D/2]`` of ``-d`` per query, see the module docstring)
+    scores the first ``num_sink_keys`` keys with the query at its cache position."""
 
     row_start: int
     row_end: int
     num_keys: int
     block_index: torch.Tensor | None
     mask: torch.Tensor | None  # bool [T, num_keys], True = attend; None = plain causal
+    num_sink_keys: int = 0
+    sink_rotation: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -90,6 +112,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset
     prefills: list[PrefillChunk]
     decodes: list[DecodeBatch]  # decode rows in groups of similar context length
+    max_position: int = 0  # the largest position in ``positions``
 
     @classmethod
     def build(
@@ -100,26 +123,44 @@ class ForwardBatch:
         device: torch.device,
         mask_dtype: torch.dtype,
         sliding_window: int | None = None,
+        *,
+        attention_sinks: int = 0,
+        null_block_id: int | None = None,
+        rope_inv_freq: torch.Tensor | None = None,
     ) -> ForwardBatch:
         """Index tensors for ``prefill`` chunks then ``decode`` tokens. Block tables must
-        cover every computed position (the runner validates that before calling)."""
+        cover every computed position (the runner validates that before calling).
+        ``attention_sinks`` needs ``sliding_window`` and ``rope_inv_freq``; then decodes
+        run as one-token chunks. Table positions at ``null_block_id`` are never gathered."""
+        sinks = attention_sinks
+        num_sink_blocks = -(-sinks // block_size)
+        if sinks:
+            assert sliding_window is not None and rope_inv_freq is not None
+            prefill, decode = [*prefill, *decode], []
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         gathers: list[int] = []  # prefill gathers then the padded decode gather
-        chunk_info: list[tuple[int, int, int, int, int]] = []
+        # (start, end, key_start, gather start, gather end, sink blocks gathered apart,
+        # first window block)
+        chunk_info: list[tuple[int, int, int, int, int, int, int]] = []
         for seq in prefill:
             start, end = seq.start_pos, seq.end_pos
             input_ids.extend(seq.token_ids)
             positions.extend(range(start, end))
             _extend_slots(slots, seq.block_ids, start, end, block_size)
-            key_start = 0
-            if sliding_window is not None:
-                key_start = max(0, start - sliding_window + 1) // block_size * block_size
+            first = first_key_block(
+                seq.block_ids, start, block_size, sliding_window, num_sink_blocks, null_block_id
+            )
+            if sinks and first <= num_sink_blocks:
+                first = 0  # no gap yet: the sinks and the window are one run from 0
+            num_apart = num_sink_blocks if first else 0
             gather_start = len(gathers)
             if start > 0:
-                gathers.extend(seq.block_ids[key_start // block_size : -(-end // block_size)])
-            chunk_info.append((start, end, key_start, gather_start, len(gathers)))
+                gathers.extend(seq.block_ids[:num_apart])
+                gathers.extend(seq.block_ids[first : -(-end // block_size)])
+            key_start = 0 if sinks else first * block_size
+            chunk_info.append((start, end, key_start, gather_start, len(gathers), num_apart, first))
 
         num_prefill_rows = len(input_ids)
         # Decode groups: consecutive seqs whose contexts (in blocks) are within 2x of the
@@ -133,9 +174,9 @@ class ForwardBatch:
             input_ids.append(seq.token_ids[0])
             positions.append(pos)
             slots.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
-            first = 0
-            if sliding_window is not None:
-                first = max(0, pos - sliding_window + 1) // block_size
+            first = first_key_block(
+                seq.block_ids, pos, block_size, sliding_window, 0, null_block_id
+            )
             row_blocks = seq.block_ids[first : pos // block_size + 1]
             dec_rows.append(row_blocks)
             dec_key_starts.append(first * block_size)
@@ -166,19 +207,38 @@ class ForwardBatch:
 
         chunks: list[PrefillChunk] = []
         row = 0
-        for start, end, key_start, g0, g1 in chunk_info:
+        for start, end, key_start, g0, g1, num_apart, first in chunk_info:
             n = end - start
             if start == 0 and (sliding_window is None or n <= sliding_window):
                 chunks.append(PrefillChunk(row, row + n, n, None, None))
-            else:
-                # start == 0 here means a window shorter than the chunk: keys are the chunk's.
-                block_index = None if start == 0 else gather_t[g0:g1]
-                q_pos = torch.arange(start, end, device=device).unsqueeze(1)
-                k_pos = torch.arange(key_start, end, device=device).unsqueeze(0)
-                mask = k_pos <= q_pos
-                if sliding_window is not None:
-                    mask &= k_pos > q_pos - sliding_window
-                chunks.append(PrefillChunk(row, row + n, end - key_start, block_index, mask))
+                row += n
+                continue
+            # start == 0 here means a window shorter than the chunk: keys are the chunk's.
+            block_index = None if start == 0 else gather_t[g0:g1]
+            q_pos = torch.arange(start, end, device=device).unsqueeze(1)
+            k_pos = torch.arange(key_start, end, device=device)
+            if num_apart:  # | sink blocks | window blocks |
+                k_pos = torch.cat(
+                    [
+                        torch.arange(num_apart * block_size, device=device),
+                        torch.arange(first * block_size, end, device=device),
+                    ]
+                )
+            k_pos = k_pos.unsqueeze(0)
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                visible = k_pos > q_pos - sliding_window
+                if sinks:
+                    visible |= k_pos < sinks
+                mask &= visible
+            rotation = None
+            if sinks and sliding_window is not None and end > sliding_window + sinks:
+                assert rope_inv_freq is not None
+                gap = (q_pos.squeeze(1) - (sliding_window - 1 + sinks)).clamp_(min=0)
+                angles = -gap.double().unsqueeze(1) * rope_inv_freq.double().unsqueeze(0)
+                rotation = (angles.cos().to(mask_dtype), angles.sin().to(mask_dtype))
+            num_keys = k_pos.shape[1]
+            chunks.append(PrefillChunk(row, row + n, num_keys, block_index, mask, sinks, rotation))
             row += n
 
         decodes: list[DecodeBatch] = []
@@ -201,7 +261,38 @@ class ForwardBatch:
                     mask=mask.unsqueeze(1),
                 )
             )
-        return cls(num_tokens, ids_t, pos_t, slot_t, chunks, decodes)
+        max_position = max(positions) if positions else 0
+        return cls(num_tokens, ids_t, pos_t, slot_t, chunks, decodes, max_position)
+
+
+def first_key_block(
+    block_ids: Sequence[int],
+    pos: int,
+    block_size: int,
+    sliding_window: int | None,
+    num_sink_blocks: int,
+    null_block_id: int | None,
+) -> int:
+    """The first table position after the sink blocks holding a key the query at ``pos``
+    sees: the window's first block, or the first block not released to the null block
+    (released positions follow the sink blocks, in one run), whichever is later."""
+    first = 0
+    if sliding_window is not None:
+        first = max(0, pos - sliding_window + 1) // block_size
+    if (
+        null_block_id is not None
+        and len(block_ids) > num_sink_blocks
+        and block_ids[num_sink_blocks] == null_block_id
+    ):
+        live = bisect_left(
+            block_ids,
+            True,
+            lo=num_sink_blocks,
+            hi=pos // block_size + 1,
+            key=lambda b: b != null_block_id,
+        )
+        first = max(first, live)
+    return first
 
 
 def _extend_slots(
@@ -245,7 +336,10 @@ def paged_attention(
             kv = pool.gather(layer, chunk.block_index)
             k = kv[:num_kv_heads, : chunk.num_keys]
             v = kv[num_kv_heads:, : chunk.num_keys]
-        o = _sdpa(q, k, v, chunk.mask, num_heads // num_kv_heads)
+        if chunk.num_sink_keys and chunk.mask is not None:
+            o = _sink_attention(q, k, v, chunk, num_heads // num_kv_heads)
+        else:
+            o = _sdpa(q, k, v, chunk.mask, num_heads // num_kv_heads)
         out[r0:r1].view(r1 - r0, num_heads, head_dim).copy_(o.transpose(0, 1))
     group = num_heads // num_kv_heads
     for dec in batch.decodes:
@@ -260,6 +354,35 @@ def paged_attention(
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
         o = torch.matmul(probs, kv[num_kv_heads:])  # [kvh, B, g, D]
         out[d0 : d0 + b].view(b, num_kv_heads, group, head_dim).copy_(o.transpose(0, 1))
+
+
+def _sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk, group: int
+) -> torch.Tensor:
+    """Attention of a chunk with attention sinks, [H, T, D] x [kvh, S, D] -> [H, T, D].
+
+    The first ``num_sink_keys`` keys are scored with the query at its cache position (the
+    query rotated back by the gap, see the module docstring), the rest with the query as
+    is; then one masked softmax over both.
+    """
+    assert chunk.mask is not None
+    num_heads, num_q, head_dim = q.shape
+    num_kv_heads = k.shape[0]
+    qg = q.reshape(num_kv_heads, group * num_q, head_dim)
+    scores = torch.matmul(qg, k.transpose(-1, -2))  # [kvh, g * T, L]
+    if chunk.sink_rotation is not None:
+        cos, sin = chunk.sink_rotation  # [T, D/2]
+        pairs = q.unflatten(-1, (head_dim // 2, 2))
+        x0, x1 = pairs[..., 0], pairs[..., 1]
+        q_sink = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+        s = chunk.num_sink_keys
+        q_sink = q_sink.reshape(num_kv_heads, group * num_q, head_dim)
+        scores[..., :s] = torch.matmul(q_sink, k[:, :s].transpose(-1, -2))
+    scores = scores.view(num_kv_heads, group, num_q, -1)
+    scores = scores.masked_fill(~chunk.mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    o = torch.matmul(probs.view(num_kv_heads, group * num_q, -1), v)
+    return o.view(num_heads, num_q, head_dim)
 
 
 def _sdpa(

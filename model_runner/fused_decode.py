@@ -49,7 +49,7 @@ class FusedDecode:
     """Binds a ``LlamaModel`` and its ``KVPool`` to ``kv_decode_layers`` (pointers taken once:
     both own their tensors for the runner's lifetime)."""
 
-    def __init__(self, model: LlamaModel, pool: KVPool) -> None:
+    def __init__(self, model: LlamaModel, pool: KVPool, sliding_window: int | None) -> None:
         reason = self.unsupported(model, pool)
         if reason is not None:
             raise ValueError(f"fused decode unavailable: {reason}")
@@ -88,7 +88,7 @@ class FusedDecode:
             ("kv_dtype", _KV_DTYPES[pool.dtype]),
             ("num_blocks", pool.num_blocks),
             ("block_size", pool.block_size),
-            ("window", config.sliding_window or 0),
+            ("window", sliding_window or 0),
         ):
             setattr(self.step, name, value)
         self.step.eps = model.eps

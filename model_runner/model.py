@@ -367,6 +367,7 @@ class LlamaModel:
         self.weight_bytes = _weight_bytes(self)
 
         inv_freq = rope_inv_freq(config).to(device)
+        self.inv_freq = inv_freq
         angles = torch.outer(torch.arange(self.max_model_len, device=device).float(), inv_freq)
         # [max_len, 1, D/2]: complex rotations (fp32 runs) or cos / sin (half precision).
         if dtype == torch.float32:
@@ -388,7 +389,16 @@ class LlamaModel:
         num_tokens = batch.num_tokens
         hidden = self.embed_rows(batch.input_ids)
         attn_out = torch.empty(num_tokens, h_heads * d, dtype=self.dtype, device=self.device)
-        if self.rope_cis is not None:
+        if batch.max_position >= self.max_model_len:
+            # Past the table (attention sinks stream past the context): the same product
+            # as the table's rows, computed for this step's positions only.
+            angles = batch.positions.float().unsqueeze(1) * self.inv_freq
+            if self.rope_cis is not None:
+                cis = torch.polar(torch.ones_like(angles), angles).unsqueeze(1)
+            else:
+                cos = angles.cos().to(self.dtype).unsqueeze(1)
+                sin = angles.sin().to(self.dtype).unsqueeze(1)
+        elif self.rope_cis is not None:
             cis = self.rope_cis.index_select(0, batch.positions)
         else:
             assert self.rope_cos is not None and self.rope_sin is not None

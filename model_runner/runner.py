@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from model_runner.attention import ForwardBatch
+from model_runner.attention import ForwardBatch, first_key_block
 from model_runner.base import ModelInfo
 from model_runner.config import ModelConfig
 from model_runner.device import dtype_name, resolve_dtype, resolve_kv_dtype, select_device
@@ -67,6 +67,8 @@ class TorchRunner:
         use_onednn: bool | None = None,
         name: str | None = None,
         fused_decode: bool | None = None,
+        sliding_window: int | None = None,
+        attention_sinks: int = 0,
     ) -> None:
         """``num_blocks=None`` sizes the pool from ``kv_budget_bytes`` (default: see
         ``kv_pool.default_kv_budget_bytes``), measured after the weights are on the device.
@@ -76,9 +78,19 @@ class TorchRunner:
         self-check; ``fuse_batches`` runs prefill and decode in one forward pass.
         ``kv_dtype`` is the KV cache's storage precision (``device.resolve_kv_dtype``;
         default ``"auto"``: float16 on CPU for a float32 model, else the model's dtype); it
-        sizes the pool, and attention still computes in ``dtype``."""
+        sizes the pool, and attention still computes in ``dtype``. ``sliding_window``
+        (tokens) overrides the config's window; ``attention_sinks`` (tokens, needs a window)
+        keeps the first tokens visible and lets positions run past ``max_model_len``
+        (see ``model_runner.attention``)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.sliding_window = sliding_window or config.sliding_window
+        self.attention_sinks = attention_sinks
+        if attention_sinks < 0 or (attention_sinks and self.sliding_window is None):
+            raise ValueError(
+                f"attention_sinks={attention_sinks} needs a sliding window and must be >= 0"
+            )
+        self._null_block_id: int | None = None  # of the plan being run
         self.device = select_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(kv_dtype, self.dtype, self.device)
@@ -96,10 +108,12 @@ class TorchRunner:
         # Decode-only steps in one kernel call (``fused_decode``): None = when supported.
         self._fused: FusedDecode | None = None
         unsupported = FusedDecode.unsupported(self.model, self.pool)
+        if attention_sinks:
+            unsupported = "attention sinks take the chunk path"
         if fused_decode and unsupported is not None:
             raise ValueError(f"fused_decode=True but {unsupported}")
         if fused_decode is not False and unsupported is None:
-            self._fused = FusedDecode(self.model, self.pool)
+            self._fused = FusedDecode(self.model, self.pool, self.sliding_window)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_len
@@ -118,7 +132,7 @@ class TorchRunner:
             bos_token_id=config.bos_token_id,
             dtype=dtype_name(self.dtype),
             device=str(self.device),
-            sliding_window=config.sliding_window,
+            sliding_window=self.sliding_window,
             kv_dtype=dtype_name(self.kv_dtype),
             extra={
                 "architecture": config.architecture,
@@ -152,6 +166,7 @@ class TorchRunner:
         for every seq with ``do_sample``. Never mutates ``plan``."""
         t0 = time.perf_counter()
         result = ModelOutput()
+        self._null_block_id = plan.null_block_id
         prefill, decode = self._prepare(plan, result.failed)
         if not prefill and not decode:
             return result
@@ -187,6 +202,7 @@ class TorchRunner:
         """Run ``plan`` like ``execute`` but return fp32 logits of EVERY computed position,
         per request (``[num_tokens, V]``), instead of sampling. For tests and tools."""
         failed: dict[str, str] = {}
+        self._null_block_id = plan.null_block_id
         prefill, decode = self._prepare(plan, failed)
         if failed:
             raise ValueError(f"invalid plan: {failed}")
@@ -231,7 +247,7 @@ class TorchRunner:
         if n == 0 or (is_decode and n != 1):
             kind = "decode" if is_decode else "prefill"
             return f"{kind} entry with {n} tokens"
-        if seq.start_pos < 0 or seq.end_pos > self.max_model_len:
+        if seq.start_pos < 0 or (seq.end_pos > self.max_model_len and not self.attention_sinks):
             return (
                 f"positions {seq.start_pos}..{seq.end_pos - 1} outside the model's "
                 f"max_model_len {self.max_model_len}"
@@ -245,7 +261,7 @@ class TorchRunner:
                 f"{seq.end_pos - 1} with block_size {self.block_size}"
             )
         first = 0
-        window = self.config.sliding_window
+        window = self.sliding_window
         if window is not None:
             first = max(0, seq.start_pos - window + 1) // self.block_size
         used = seq.block_ids[first:needed]
@@ -256,7 +272,7 @@ class TorchRunner:
     def _forward_hidden(
         self, prefill: Sequence[ScheduledSeq], decode: Sequence[ScheduledSeq]
     ) -> torch.Tensor:
-        if self._fused is not None and not prefill:
+        if self._fused is not None and not prefill and not self._skips_released(decode):
             return self._fused.forward(
                 [s.token_ids[0] for s in decode],
                 [s.start_pos for s in decode],
@@ -268,9 +284,29 @@ class TorchRunner:
             self.block_size,
             self.device,
             self.dtype,
-            self.config.sliding_window,
+            self.sliding_window,
+            attention_sinks=self.attention_sinks,
+            null_block_id=self._null_block_id,
+            rope_inv_freq=self.model.inv_freq,
         )
         return self.model.forward(batch, self.pool)
+
+    def _skips_released(self, decode: Sequence[ScheduledSeq]) -> bool:
+        """Whether a decode must skip positions released inside its window (the adaptive
+        KV strategy): the fused kernel reads every block of the window, so the torch path
+        runs such a step."""
+        null = self._null_block_id
+        if null is None:
+            return False
+        bs, window = self.block_size, self.sliding_window
+        for s in decode:
+            if s.block_ids[0] != null:
+                continue
+            pos = s.start_pos
+            live = first_key_block(s.block_ids, pos, bs, None, 0, null)
+            if live > first_key_block(s.block_ids, pos, bs, window, 0, None):
+                return True
+        return False
 
     def _forward_logits(
         self, prefill: Sequence[ScheduledSeq], decode: Sequence[ScheduledSeq]

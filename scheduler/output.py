@@ -62,6 +62,9 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Requests that ended since the previous plan; the runner drops any per-request state.
     finished_request_ids: list[str] = field(default_factory=list)
+    # The block that released table positions point at (sliding window, attention sinks,
+    # adaptive KV strategy); never read: attention skips it. None when none is reserved.
+    null_block_id: int | None = None
 
     @classmethod
     def make_empty(cls, step_id: int = 0) -> SchedulerOutput:

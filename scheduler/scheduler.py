@@ -196,7 +196,14 @@ class _Step:
             self.budget.give_back(seq.num_tokens)
         self.copies.pop(request_id, None)
 
-    def build(self, finished_request_ids: list[str]) -> SchedulerOutput:
+    def refresh_block_ids(self, request_id: str, block_ids: list[int]) -> None:
+        """A request of this step had old blocks released (adaptive strategy): its planned
+        seq reads the new table, so no freed block is read."""
+        seq = self.prefill.get(request_id) or self.decode.get(request_id)
+        if seq is not None:
+            seq.block_ids = block_ids
+
+    def build(self, finished_request_ids: list[str], null_block_id: int | None) -> SchedulerOutput:
         copies = [c for seq_copies in self.copies.values() for c in seq_copies]
         return SchedulerOutput(
             step_id=self.step_id,
@@ -204,6 +211,7 @@ class _Step:
             decode=list(self.decode.values()),
             block_copies=copies,
             finished_request_ids=finished_request_ids,
+            null_block_id=null_block_id,
         )
 
 
@@ -227,10 +235,6 @@ class Scheduler:
         self.kv = kv
         self._block_size = kv.block_size
         self._sliding_window = kv.sliding_window
-        # With a window, a request holds at most the window plus one chunk (plus a partial
-        # block) at a time: blocks out of the window are released after every step.
-        window = kv.sliding_window or 0
-        self._window_blocks = kv.num_blocks_for(window + config.max_chunk_tokens) + 1
         self._reserve = config.memory_mode == "reserve"
         self._max_chunk = config.max_chunk_tokens
         self._num_usable_blocks = kv.num_usable_blocks
@@ -328,7 +332,9 @@ class Scheduler:
             raise ValueError(f"request {rid!r} has an empty prompt")
         max_model_len = self.config.max_model_len  # the scheduler's one check of the limit
         num_total = num_prompt + sampling.max_tokens
-        if num_total > max_model_len:
+        if num_prompt > max_model_len or (
+            num_total > max_model_len and not self.kv.streams_past_context
+        ):
             raise ValueError(
                 f"request {rid!r}: prompt ({num_prompt} tokens) + max_tokens "
                 f"({sampling.max_tokens}) = {num_total} tokens exceeds max_model_len "
@@ -360,7 +366,7 @@ class Scheduler:
         window = self._sliding_window
         if window is not None and not self._reserve:  # reserve mode reserves every block
             # Only the window (plus the chunk being written) stays resident.
-            return n * min(blocks_for(num_total), self._window_blocks)
+            return n * self.kv.max_resident_blocks(num_total, self._max_chunk)
         # Samples fork at num_prompt - 1: a last prompt block still partial then is copied.
         shared = (num_prompt - 1) // self._block_size if n > 1 else 0
         return shared + n * (blocks_for(num_total) - shared)
@@ -464,7 +470,7 @@ class Scheduler:
             # Samples forked at admission (n > 1 with nothing left to prefill) turned
             # DECODING after the decodes were taken: run them now, not after an idle wait.
             self._take_decodes(step)
-        plan = step.build(self._finished_ids)
+        plan = step.build(self._finished_ids, self.kv.null_block_id)
         self._finished_ids = []
         counters = self._counters
         counters.num_prefill_tokens = plan.num_prefill_tokens
@@ -505,10 +511,11 @@ class Scheduler:
         block_size = self._block_size
         kv = self.kv
         window = self._sliding_window is not None
+        drop = not kv.strategy.always_retains  # the strategy may drop KV after a token
         sampled = result.sampled_token_ids
         failed = result.failed
         logprobs = result.logprobs
-        slow = prefill or window or bool(failed) or bool(logprobs)
+        slow = prefill or window or bool(failed) or bool(logprobs) or drop
         append = outputs.append
         num_outputs_before = len(outputs)
         num_failed = 0
@@ -554,8 +561,19 @@ class Scheduler:
                     append(self._finish(entry, status, [token], new_logprobs))
                     continue
             append(_output(entry, [token], new_logprobs, None))
+            if drop and not kv.keeps_kv(req):
+                self._recompute_next_step(entry)
         # Every output since the batch began carries one new token, but a failure's.
         self._counters.num_generation_tokens += len(outputs) - num_outputs_before - num_failed
+
+    def _recompute_next_step(self, entry: _Entry) -> None:
+        """The KV strategy keeps no KV for this request between steps: free its blocks now,
+        and the next step prefills its whole sequence again (the full-recompute baseline)."""
+        req = entry.request
+        self.kv.drop_kv(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = _PREFILLING
+        entry.num_full_blocks = 0
 
     @staticmethod
     def _stop_status(entry: _Entry, token: int) -> RequestStatus | None:
@@ -701,7 +719,8 @@ class Scheduler:
         allocation: Allocation | None = None,
     ) -> bool:
         """Allocate ``num_new`` slots for a running request (its budget already taken),
-        preempting victims while memory is short. False if it was itself the victim.
+        preempting victims while memory is short (the adaptive KV strategy first windows
+        the longest requests). False if it was itself the victim.
         ``allocation``: the result of a first ``allocate_slots`` the caller already made."""
         req = entry.request
         if allocation is None:
@@ -712,6 +731,11 @@ class Scheduler:
                     f"reserve mode: {req.request_id!r} ran out of its reserved blocks at "
                     f"{req.num_computed_tokens} + {num_new} tokens"
                 )
+            windowed = self.kv.shrink_retention([e.request for e in self._running.values()])
+            if windowed is not None:
+                step.refresh_block_ids(windowed, self._block_ids(windowed))
+                allocation = self.kv.allocate_slots(req, num_new)
+                continue
             victim = self._victim.choose(self._running.values())
             if victim is entry:
                 step.budget.give_back(num_new)
@@ -773,7 +797,7 @@ class Scheduler:
         has: the hit must leave the hit + first chunk within the per-request window bound."""
         if self._sliding_window is None:
             return None
-        bound = self._window_blocks
+        bound = self.kv.max_resident_blocks(entry.prefill_target, self._max_chunk)
         if self.kv.num_blocks_for(entry.prefill_target) <= bound:
             return None
         return max(0, bound * self._block_size - min(self._max_chunk, budget))

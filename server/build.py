@@ -6,6 +6,7 @@ The torch runner and the model loader are imported only when ``runner == "torch"
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -49,6 +50,7 @@ def _fake_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]:
         eos_token_ids=tokenizer.eos_token_ids,
         bos_token_id=tokenizer.bos_token_id,
     )
+    info = dataclasses.replace(info, sliding_window=cfg.sliding_window)
     runner = FakeRunner(info, sleep_s=cfg.fake_step_sleep_s, crash_at_step=cfg.fake_crash_at_step)
     if cfg.num_blocks is not None:
         num_blocks = cfg.num_blocks
@@ -78,6 +80,8 @@ def _torch_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]
         kv_dtype=cfg.kv_dtype,
         max_model_len=cfg.max_model_len,
         name=loaded.name,
+        sliding_window=cfg.sliding_window,
+        attention_sinks=cfg.attention_sinks,
     )
     del loaded.state_dict  # the runner holds its own copy of the weights
     return runner, loaded.tokenizer, runner.num_blocks, str(loaded.source_path)
@@ -92,6 +96,7 @@ def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEng
     info = runner.info
     max_model_len = min(info.max_model_len, cfg.max_model_len or info.max_model_len)
     per_block = block_bytes(info.shape, cfg.block_size)
+    check_sinks_fit(cfg.attention_sinks, info.sliding_window, max_model_len)
     cache_config = cfg.cache_config(num_blocks, info.sliding_window, per_block)
     kv = KVCacheManager(cache_config)
     cost_model = None
@@ -124,8 +129,27 @@ def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEng
         max_n=max_n_for(cfg),
         weights=info.extra.get("weights", "float"),
         weight_bytes=int(info.extra.get("weight_bytes", 0)),
+        streams_past_context=kv.streams_past_context,
     )
     return BuiltEngine(engine, runner, scheduler, tokenizer, model, source)
+
+
+def check_sinks_fit(attention_sinks: int, sliding_window: int | None, max_model_len: int) -> None:
+    """With attention sinks, positions within the cache run up to sinks + window: they must
+    stay inside the context the model was trained on."""
+    if attention_sinks and sliding_window is None:
+        raise ValueError(
+            f"--attention-sinks {attention_sinks} needs a window: set --sliding-window "
+            "(this model has none of its own)"
+        )
+    if attention_sinks and sliding_window is not None:
+        num_cached = attention_sinks + sliding_window
+        if num_cached > max_model_len:
+            raise ValueError(
+                f"--attention-sinks {attention_sinks} + --sliding-window {sliding_window} = "
+                f"{num_cached} tokens exceed the context of {max_model_len}: the cache's "
+                "positions must stay within it"
+            )
 
 
 def max_n_for(cfg: ServerConfig) -> int:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from cache_manager.config import EVICTION_POLICIES, KVCacheConfig
+from cache_manager.strategy import KV_STRATEGIES
 from model_runner.config import KV_DTYPE_CHOICES, MODEL_DTYPES
 from model_runner.sim import PROFILES as SIM_PROFILES
 from scheduler.config import (
@@ -52,6 +53,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "preemption": PREEMPTION_RULES,
     "memory_mode": MEMORY_MODES,
     "eviction_policy": EVICTION_POLICIES,
+    "kv_strategy": KV_STRATEGIES,
 }
 # Flag help of the component fields (their meaning is documented on the component config).
 _HELP = {
@@ -74,10 +76,23 @@ _HELP = {
     "block_size": "tokens per KV block",
     "enable_prefix_caching": "reuse KV of shared prompt prefixes",
     "eviction_policy": "which cached block to evict first",
+    "attention_sinks": (
+        "StreamingLLM: keep the first N tokens with the --sliding-window; a request may then "
+        "generate past the context (0 = off)"
+    ),
+    "kv_strategy": (
+        "always: keep KV; disabled: recompute the whole sequence every step; "
+        "long-sequence-only: recompute below --kv-strategy-threshold; adaptive: under memory "
+        "pressure window the longest requests before preempting"
+    ),
+    "kv_strategy_threshold": (
+        "tokens: long-sequence-only keeps KV from this length; adaptive keeps at least the "
+        "last this many"
+    ),
 }
 # Component fields the server derives instead: the context from the model (or
-# --max-model-len), the pool size from a budget (or --num-blocks), the window from the model,
-# the bytes per block from the model's shape.
+# --max-model-len), the pool size from a budget (or --num-blocks), the window from the model
+# (or --sliding-window), the bytes per block from the model's shape.
 _DERIVED = frozenset({"max_model_len", "num_blocks", "sliding_window", "block_bytes"})
 _COMPONENTS = {"scheduler": SchedulerConfig, "kv cache": KVCacheConfig}
 
@@ -219,6 +234,11 @@ class ServerConfig:
     num_blocks: int | None = _f(
         None, "KV pool size in blocks (overrides --kv-memory)", group="kv cache"
     )
+    sliding_window: int | None = _f(
+        None,
+        "attention window in tokens (default: the model's own, if any)",
+        group="kv cache",
+    )
     kv_dtype: str = _f(
         "auto",
         "KV cache precision; auto = float16 on CPU for a float32 model, else the model dtype",
@@ -247,7 +267,13 @@ class ServerConfig:
             raise ValueError(f"max_unread_outputs must be >= 2, got {self.max_unread_outputs}")
         if self.grace_period_s < 0:
             raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s}")
-        for name in ("threads", "max_model_len", "num_blocks", "fake_crash_at_step"):
+        for name in (
+            "threads",
+            "max_model_len",
+            "num_blocks",
+            "fake_crash_at_step",
+            "sliding_window",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -264,7 +290,7 @@ class ServerConfig:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
         # The components validate their own fields (the derived ones get stand-ins here).
         self.scheduler_config(max_model_len=self.max_model_len or 1)
-        self.cache_config(num_blocks=2, sliding_window=None, block_bytes=0)
+        self.cache_config(num_blocks=2, sliding_window=self.sliding_window or 1, block_bytes=0)
 
     def security(self) -> Security:
         """TLS files and API keys (reads ``api_key_file``)."""

@@ -92,11 +92,15 @@ class ServedModel:
     weights: str = "float"  # "float", or the quantized formats held ("Q4_1+Q8_0", "int8")
     weight_bytes: int = 0
     kv_dtype: str = "float32"  # KV cache precision (kv_memory_bytes counts it)
+    streams_past_context: bool = False  # attention sinks: max_tokens may pass the context
 
     @property
     def limits(self) -> Limits:
         return Limits(
-            vocab_size=self.vocab_size, max_model_len=self.max_model_len, max_n=self.max_n
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            max_n=self.max_n,
+            streams_past_context=self.streams_past_context,
         )
 
 
@@ -434,6 +438,9 @@ class GenerationServicer:
             preemptions_total=stats.num_preemptions_total,  # the scheduler preempts
             num_blocks_reserved=kv.num_blocks_reserved,
             block_bytes=kv.block_bytes,
+            kv_strategy=kv.kv_strategy,
+            strategy_dropped_tokens_total=kv.strategy_dropped_tokens_total,
+            strategy_windowed_tokens_total=kv.strategy_windowed_tokens_total,
         )
 
     async def Abort(

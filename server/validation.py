@@ -39,6 +39,9 @@ class Limits:
     max_model_len: int
     max_n: int = 1  # 1 when the scheduler cannot fork samples
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    # Attention sinks (--attention-sinks): the cache holds the sinks and the window, so
+    # prompt + max_tokens may exceed the context (the prompt itself must still fit).
+    streams_past_context: bool = False
 
 
 def input_kind(request: pb.GenerateRequest | pb.TokenizeRequest) -> str:
@@ -124,7 +127,11 @@ def check_stopping_fields(stopping: pb.StoppingOptions, limits: Limits) -> None:
             f"stopping.max_tokens must be >= 1 (at most {limits.max_model_len - 1}, the context "
             f"minus the prompt), got {stopping.max_tokens}"
         )
-    if stopping.HasField("max_tokens") and stopping.max_tokens >= limits.max_model_len:
+    if (
+        stopping.HasField("max_tokens")
+        and stopping.max_tokens >= limits.max_model_len
+        and not limits.streams_past_context
+    ):
         raise InvalidRequestError(
             f"stopping.max_tokens = {stopping.max_tokens} is beyond the model's context of "
             f"{limits.max_model_len} tokens (prompt + max_tokens must be <= "
@@ -192,11 +199,12 @@ def sampling_params(
     stopping = request.stopping
     if stopping.HasField("max_tokens"):
         max_tokens = stopping.max_tokens
-        if max_tokens > room:
+        if max_tokens > room and not limits.streams_past_context:
             raise InvalidRequestError(
                 f"stopping.max_tokens = {max_tokens} is beyond the context: the prompt has "
                 f"{num_prompt_tokens} tokens and the model's context is {limits.max_model_len}, "
-                f"so max_tokens must be in [1, {room}]"
+                f"so max_tokens must be in [1, {room}] (only a server started with "
+                "--attention-sinks and --sliding-window generates past the context)"
             )
     else:
         max_tokens = min(limits.default_max_tokens, room)

@@ -225,7 +225,7 @@ class GetKVCacheStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KVCacheStats(_message.Message):
-    __slots__ = ("total_sequences", "total_memory_bytes", "average_sequence_length", "cache_hit_rate", "cache_efficiency", "block_size", "num_blocks_total", "num_blocks_used", "num_blocks_cached_free", "num_blocks_free", "total_tokens", "used_memory_bytes", "usage", "prefix_queries_tokens_total", "prefix_hits_tokens_total", "evictions_total", "cow_copies_total", "preemptions_total", "num_blocks_reserved", "block_bytes")
+    __slots__ = ("total_sequences", "total_memory_bytes", "average_sequence_length", "cache_hit_rate", "cache_efficiency", "block_size", "num_blocks_total", "num_blocks_used", "num_blocks_cached_free", "num_blocks_free", "total_tokens", "used_memory_bytes", "usage", "prefix_queries_tokens_total", "prefix_hits_tokens_total", "evictions_total", "cow_copies_total", "preemptions_total", "num_blocks_reserved", "block_bytes", "kv_strategy", "strategy_dropped_tokens_total", "strategy_windowed_tokens_total")
     TOTAL_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     AVERAGE_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,9 @@ class KVCacheStats(_message.Message):
     PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_RESERVED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_DROPPED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_WINDOWED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     total_sequences: int
     total_memory_bytes: int
     average_sequence_length: float
@@ -266,7 +269,10 @@ class KVCacheStats(_message.Message):
     preemptions_total: int
     num_blocks_reserved: int
     block_bytes: int
-    def __init__(self, total_sequences: _Optional[int] = ..., total_memory_bytes: _Optional[int] = ..., average_sequence_length: _Optional[float] = ..., cache_hit_rate: _Optional[float] = ..., cache_efficiency: _Optional[float] = ..., block_size: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_cached_free: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., total_tokens: _Optional[int] = ..., used_memory_bytes: _Optional[int] = ..., usage: _Optional[float] = ..., prefix_queries_tokens_total: _Optional[int] = ..., prefix_hits_tokens_total: _Optional[int] = ..., evictions_total: _Optional[int] = ..., cow_copies_total: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., num_blocks_reserved: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    kv_strategy: str
+    strategy_dropped_tokens_total: int
+    strategy_windowed_tokens_total: int
+    def __init__(self, total_sequences: _Optional[int] = ..., total_memory_bytes: _Optional[int] = ..., average_sequence_length: _Optional[float] = ..., cache_hit_rate: _Optional[float] = ..., cache_efficiency: _Optional[float] = ..., block_size: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_cached_free: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., total_tokens: _Optional[int] = ..., used_memory_bytes: _Optional[int] = ..., usage: _Optional[float] = ..., prefix_queries_tokens_total: _Optional[int] = ..., prefix_hits_tokens_total: _Optional[int] = ..., evictions_total: _Optional[int] = ..., cow_copies_total: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., num_blocks_reserved: _Optional[int] = ..., block_bytes: _Optional[int] = ..., kv_strategy: _Optional[str] = ..., strategy_dropped_tokens_total: _Optional[int] = ..., strategy_windowed_tokens_total: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

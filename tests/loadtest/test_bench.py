@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.bench_kv_cache import Point, _integrated_s
+from benchmarks.bench_kv_cache import format_table as kv_cache_table
 from benchmarks.bench_paged_kv import make_lengths, run_layout
 from benchmarks.run_all import DEFAULT_CHAT128, SECTIONS, Row, format_table
 from loadtest.launch import REPO_ROOT
@@ -74,11 +76,27 @@ def test_run_all_quick_prints_one_table_and_writes_json(tmp_path: Path) -> None:
     assert doc["schema"] == "kvserve.bench/v1" and doc["quick"] is True
     rows = doc["rows"]
     assert [r["section"] for r in rows] == (
-        ["chat128"] * 6 + ["policy"] * 2 + ["prefix"] * 2 + ["paged"] * 6
+        ["chat128"] * 6 + ["policy"] * 2 + ["slo"] * 2 + ["prefix"] * 2 + ["paged"] * 6
     )
-    assert list(SECTIONS) == ["chat128", "policy", "prefix", "paged"]
+    assert list(SECTIONS) == [
+        "chat128", "policy", "slo", "prefix", "paged", "kvcache", "sinks"
+    ]  # fmt: skip
+    points = doc["kvcache"]["points"]
+    assert [(p["strategy"], p["length"]) for p in points] == [
+        (s, n) for n in (64, 128, 256) for s in ("always", "disabled")
+    ]
+    assert all(len(p["samples_ms"]) == 2 and p["ms_per_token"] > 0 for p in points)
+    assert all(len(p["token_ids"]) == 3 for p in points)
+    assert Path(doc["kvcache"]["png"]).stat().st_size > 10_000
+    assert "| Sequence length (tokens) |" in done.stdout
+    sinks = {r["name"]: r for r in doc["sinks"]}
+    assert list(sinks) == ["sinks 4 + window 124", "window 128 alone", "full attention"]
+    assert all(r["num_scored"] == 511 and r["perplexity"] > 1 for r in sinks.values())
+    # The window holds at most 124 + a 64-token chunk + a block; sinks add their block.
+    assert sinks["window 128 alone"]["peak_kv_slots"] <= 128 + 64 + 16
+    assert sinks["sinks 4 + window 124"]["peak_kv_slots"] <= 16 + 124 + 64 + 16
     served = [r for r in rows if r["system"].startswith("kvserve")]
-    assert len(served) == 6
+    assert len(served) == 8  # chat128, policy, slo and prefix: 2 each
     for r in served:
         assert r["raw"]["requests"]["failed"] == 0, r["system"]
         assert r["raw"]["requests"]["ok"] == r["requests"] > 0
@@ -87,3 +105,22 @@ def test_run_all_quick_prints_one_table_and_writes_json(tmp_path: Path) -> None:
     assert [r["raw"]["output_tokens_total"] for r in kv_chat] == [1 * 8, 2 * 8]
     assert [r["llama_cpp_tok_s"] for r in kv_chat] == ["not measured: --llama-cpp off"] * 2
     assert doc["llama_cpp"]["reports_by_users"] == {"1": "--llama-cpp off", "2": "--llama-cpp off"}
+
+
+def test_kv_cache_table_and_integration() -> None:
+    """The kvcache table pairs both strategies per length with their ratio; the whole-
+    sequence time integrates the per-token times with the trapezoid rule (a flat curve of
+    2 ms gives 2 ms x L)."""
+    points = [
+        Point("always", 64, 5.0, (5.0,), (7, 8)),
+        Point("disabled", 64, 50.0, (50.0,), (7, 8)),
+        Point("always", 128, 6.0, (6.0,), (7, 8)),
+        Point("disabled", 128, 110.0, (110.0,), (7, 9)),
+    ]
+    lines = kv_cache_table(points).splitlines()
+    assert lines[2:] == [
+        "| 64 | 5.0 | 50.0 | 10.0x | yes |",
+        "| 128 | 6.0 | 110.0 | 18.3x | no |",
+    ]
+    assert _integrated_s([64, 128, 256], [2.0, 2.0, 2.0]) == [0.128, 0.256, 0.512]
+    assert _integrated_s([64, 128], [5.0, 6.0]) == pytest.approx([0.32, 0.32 + 5.5 * 64 / 1e3])

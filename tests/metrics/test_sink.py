@@ -285,17 +285,24 @@ def test_every_kv_cache_stats_field_is_exported(registry: CollectorRegistry) -> 
     """Each KVCacheStats field, set to a distinct value, appears in its mapped metric."""
     mapping = kv_field_metrics()
     distinct = {
-        f.name: (i + 1) * 3 + (0.5 if f.type == "float" else 0)
+        f.name: f"text-{i}" if f.type == "str" else (i + 1) * 3 + (0.5 if f.type == "float" else 0)
         for i, f in enumerate(dataclasses.fields(KVCacheStats))
     }
-    kv = KVCacheStats(**{k: (v if isinstance(v, float) else int(v)) for k, v in distinct.items()})
+    kv = KVCacheStats(
+        **{k: (v if isinstance(v, (float, str)) else int(v)) for k, v in distinct.items()}
+    )
     sink = PrometheusSink(registry)
     stats = make_stats(kv=kv)
     sink.on_step(StepRecord(stats, kind="idle", step_duration_s=0.0, schedule_cpu_s=0.0))
     for field_name, metric in mapping.items():
         name, _, label = metric.partition("{")
-        labels = dict([label.rstrip("}").replace('"', "").split("=")]) if label else {}
-        assert value(registry, name, **labels) == getattr(kv, field_name), field_name
+        label = label.rstrip("}").replace('"', "")
+        field_value = getattr(kv, field_name)
+        if isinstance(field_value, str):  # an info metric: the text is the label
+            assert value(registry, name, **{label: field_value}) == 1.0, field_name
+            continue
+        labels = dict([label.split("=")]) if label else {}
+        assert value(registry, name, **labels) == field_value, field_name
 
 
 def test_model_info_labels(registry: CollectorRegistry) -> None:

@@ -49,6 +49,8 @@ def tiny_hf(kind: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     common: dict[str, object] = {**_COMMON}
+    for key in [k for k in overrides if k in common]:  # e.g. num_hidden_layers
+        common[key] = overrides.pop(key)
     if kind == "llama":
         cfg = LlamaConfig(**common, num_attention_heads=4, num_key_value_heads=4, **overrides)
         model = LlamaForCausalLM(cfg)

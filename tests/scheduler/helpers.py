@@ -27,6 +27,9 @@ def make_scheduler(
     *,
     enable_prefix_caching: bool = False,
     sliding_window: int | None = None,
+    attention_sinks: int = 0,
+    kv_strategy: str = "always",
+    kv_strategy_threshold: int = 512,
     cost_model: Any = None,
     **config: Any,
 ) -> tuple[Scheduler, KVCacheManager]:
@@ -41,6 +44,9 @@ def make_scheduler(
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,
             sliding_window=sliding_window,
+            attention_sinks=attention_sinks,
+            kv_strategy=kv_strategy,
+            kv_strategy_threshold=kv_strategy_threshold,
         )
     )
     return Scheduler(SchedulerConfig(**config), kv, cost_model), kv

@@ -134,6 +134,32 @@ def test_aging_and_starvation_reach_the_scheduler_from_flags() -> None:
         ServerConfig(max_num_seqs=16, max_num_batched_tokens=8)
 
 
+def test_sink_window_and_strategy_flags_reach_the_cache_manager() -> None:
+    """--sliding-window, --attention-sinks, --kv-strategy and --kv-strategy-threshold end up
+    in the built KV cache manager; with sinks the served limits let max_tokens pass the
+    context. Sinks without a window, or sinks + window past the context, are refused."""
+    flags = _flags(
+        "--runner", "fake", "--max-model-len", "256", "--sliding-window", "64",
+        "--attention-sinks", "4", "--kv-strategy", "adaptive", "--kv-strategy-threshold", "32",
+    )  # fmt: skip
+    built = build_engine(build_config(flags, environ={}))
+    kv = built.scheduler.kv
+    assert (kv.sliding_window, kv.attention_sinks) == (64, 4)
+    assert (kv.strategy.name, kv.strategy.threshold) == ("adaptive", 32)
+    assert built.model.limits.streams_past_context
+    assert built.engine.latest_stats.kv.kv_strategy == "adaptive"
+    plain = build_engine(ServerConfig(runner="fake", max_model_len=256, sliding_window=64))
+    assert not plain.model.limits.streams_past_context
+    with pytest.raises(ValueError, match="needs a window: set --sliding-window"):
+        build_engine(ServerConfig(runner="fake", attention_sinks=4))
+    with pytest.raises(ValueError, match="= 260 tokens exceed the context of 256"):
+        build_engine(
+            ServerConfig(runner="fake", max_model_len=256, sliding_window=256, attention_sinks=4)
+        )
+    with pytest.raises(SystemExit):
+        _flags("--kv-strategy", "sometimes")
+
+
 def test_http_and_security_settings(tmp_path: Path) -> None:
     """HTTP on 8000 by default (--no-http turns it off); --api-key repeats (the environment
     takes a comma list) and adds to --api-key-file; TLS files go in pairs; the key never

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from server.rpc import generation_pb2 as pb
-from server.validation import InvalidRequestError, Limits, sampling_params
+from server.validation import (
+    InvalidRequestError,
+    Limits,
+    check_stopping_fields,
+    sampling_params,
+)
 
 LIMITS = Limits(vocab_size=258, max_model_len=128, max_n=4)
 
@@ -39,3 +46,26 @@ def test_sampling_params_errors_name_the_request_field(
     with pytest.raises(InvalidRequestError) as exc:
         sampling_params(request_, num_prompt_tokens=5, limits=LIMITS)
     assert str(exc.value) == message
+
+
+def test_max_tokens_past_the_context_only_with_attention_sinks() -> None:
+    """Without sinks max_tokens past the context is INVALID_ARGUMENT with the allowed range
+    and how to get more; a server with sinks accepts it (the prompt must still fit)."""
+    request = pb.GenerateRequest(stopping=pb.StoppingOptions(max_tokens=300))
+    with pytest.raises(InvalidRequestError) as exc:
+        check_stopping_fields(request.stopping, LIMITS)
+    assert "beyond the model's context of 128 tokens" in str(exc.value)
+    request = pb.GenerateRequest(stopping=pb.StoppingOptions(max_tokens=100))
+    with pytest.raises(InvalidRequestError) as exc:
+        sampling_params(request, num_prompt_tokens=40, limits=LIMITS)
+    assert str(exc.value) == (
+        "stopping.max_tokens = 100 is beyond the context: the prompt has 40 tokens and the "
+        "model's context is 128, so max_tokens must be in [1, 88] (only a server started with "
+        "--attention-sinks and --sliding-window generates past the context)"
+    )
+    sinks = dataclasses.replace(LIMITS, streams_past_context=True)
+    check_stopping_fields(pb.StoppingOptions(max_tokens=300), sinks)
+    long = pb.GenerateRequest(stopping=pb.StoppingOptions(max_tokens=300))
+    assert sampling_params(long, num_prompt_tokens=40, limits=sinks).max_tokens == 300
+    with pytest.raises(InvalidRequestError, match="the prompt has 128 tokens"):
+        sampling_params(long, num_prompt_tokens=128, limits=sinks)
