@@ -33,6 +33,7 @@ from scheduler.config import (
     POLICIES,
     PREEMPTION_RULES,
     QUEUE_ORDERS,
+    SPECULATIVE_MODES,
     SchedulerConfig,
 )
 
@@ -49,6 +50,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "queue_order": QUEUE_ORDERS,
     "preemption": PREEMPTION_RULES,
     "memory_mode": MEMORY_MODES,
+    "speculative": SPECULATIVE_MODES,
     "eviction_policy": EVICTION_POLICIES,
 }
 # Flag help of the component fields (their meaning is documented on the component config).
@@ -66,6 +68,10 @@ _HELP = {
     "max_waiting_requests": "waiting-queue bound; over it: RESOURCE_EXHAUSTED",
     "max_waiting_tokens": "waiting prompt-token bound",
     "memory_mode": "optimistic (preempt when full) | reserve (admit at full length)",
+    "speculative": "speculative decoding: off | ngram (drafts by prompt lookup)",
+    "num_speculative_tokens": "speculative: draft tokens verified per decode step",
+    "ngram_max": "speculative ngram: longest suffix matched in the request's own tokens",
+    "ngram_min": "speculative ngram: shortest suffix that may draft",
     "block_size": "tokens per KV block",
     "enable_prefix_caching": "reuse KV of shared prompt prefixes",
     "eviction_policy": "which cached block to evict first",
