@@ -149,3 +149,49 @@ def test_runs_with_drafts_equal_runs_without(
     assert 0 < stats.num_spec_accepted_tokens_total < stats.num_spec_draft_tokens_total
     assert sched_off.make_stats().num_spec_draft_tokens_total == 0
     assert stats.num_generation_tokens_total == 24 * len(PROMPTS)
+
+
+@pytest.mark.slow
+def test_embedded_model_greedy_tokens_equal_with_and_without_drafts() -> None:
+    """SmolLM2 on its own Q4 weights (the fused decode path, the server's default): greedy
+    tokens with n-gram speculation equal those without, on chat128 and edit128 prompts run
+    one at a time (k + 1 fused rows) and all together (verify chunks next to prefills);
+    drafts were accepted and rejected."""
+    import json
+    from pathlib import Path
+
+    from model_runner import kernels
+    from model_runner.loader import load_model
+
+    if not kernels.available():
+        pytest.skip("kernels not built")
+    model = load_model(None, weights="native")
+    root = Path(__file__).resolve().parents[2]
+    chat = json.loads((root.parent / "shared/workloads/chat128.json").read_text())["prompts"]
+    edit = json.loads((root / "loadtest/workloads/edit128_prompts.json").read_text())["prompts"]
+    texts = [chat[0], *edit[:2]]
+    prompts = [model.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    sampling = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+    def greedy(speculative: str, together: bool) -> tuple[list[list[int]], Scheduler]:
+        runner = TorchRunner(model.config, model.state_dict, 160, 16, torch.float32, "cpu")
+        kv = KVCacheManager(KVCacheConfig(num_blocks=160, block_size=16))
+        config = SchedulerConfig(max_model_len=1024, speculative=speculative)
+        scheduler = Scheduler(config, kv)
+        outputs: dict[str, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            scheduler.add_request(Request(f"r{i}", list(prompt), sampling=sampling))
+            outputs[f"r{i}"] = []
+            while scheduler.has_unfinished_requests() and (not together or i == len(prompts) - 1):
+                plan_ = scheduler.schedule()
+                for out in scheduler.update(plan_, runner.execute(plan_)):
+                    outputs[out.request_id].extend(out.new_token_ids)
+                kv.check_invariants()
+        return [outputs[f"r{i}"] for i in range(len(prompts))], scheduler
+
+    off, _ = greedy("off", together=False)
+    for together in (False, True):
+        on, scheduler = greedy("ngram", together)
+        assert on == off, f"together={together}"
+        stats = scheduler.make_stats()
+        assert 0 < stats.num_spec_accepted_tokens_total < stats.num_spec_draft_tokens_total
