@@ -59,7 +59,7 @@ class SchedulerConfig:
     max_waiting_tokens: int = 1_000_000
     memory_mode: str = "optimistic"
     speculative: str = "off"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 3
     ngram_max: int = 4
     ngram_min: int = 2
 
