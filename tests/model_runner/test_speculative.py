@@ -76,7 +76,8 @@ def run(
     num_blocks: int,
 ) -> tuple[dict[str, list[int]], Scheduler]:
     """Every prompt through Scheduler + KVCacheManager + ``runner``, two arriving per step;
-    invariants checked after every step. Returns the output tokens per request."""
+    invariants checked after every step. Request ``ABORTED`` is aborted once it has 6 output
+    tokens (a verify step may overshoot that). Returns the output tokens per request."""
     kv = KVCacheManager(
         KVCacheConfig(
             num_blocks=num_blocks,
@@ -110,12 +111,15 @@ def run(
         assert not result.failed, result.failed
         for out in scheduler.update(plan_, result):
             outputs[out.request_id].extend(out.new_token_ids)
+            if out.request_id == ABORTED and not out.finished and len(outputs[ABORTED]) >= 6:
+                assert scheduler.abort(ABORTED) is not None
         kv.check_invariants()
         steps += 1
         assert steps < 500, "the run did not finish"
     return outputs, scheduler
 
 
+ABORTED = "r1"
 # Prompts that repeat themselves, so prompt lookup finds drafts; 0 and 2 share 8 tokens.
 _A, _B = random_ids(8, seed=20), random_ids(6, seed=21)
 PROMPTS = [
@@ -137,18 +141,23 @@ def test_runs_with_drafts_equal_runs_without(
 ) -> None:
     """Greedy, and seeded sampling: the tokens with n-gram speculation on equal those with
     it off, on a pool small enough to preempt, with prefix hits; drafts were accepted and
-    rejected (rolled back) along the way."""
+    rejected (rolled back) along the way. The request aborted midway has the same tokens
+    as far as both runs got."""
     hf = tiny_hf(kind, seed=11)
     sampling = SamplingParams(temperature=temperature, seed=5, max_tokens=24, ignore_eos=True)
     off, sched_off = run(make_runner(hf, 64, BLOCK_SIZE), PROMPTS, sampling, "off", num_blocks)
     on, sched_on = run(make_runner(hf, 64, BLOCK_SIZE), PROMPTS, sampling, "ngram", num_blocks)
+    aborted_on, aborted_off = on.pop(ABORTED), off.pop(ABORTED)
+    n = min(len(aborted_on), len(aborted_off))
+    assert n >= 6 and aborted_on[:n] == aborted_off[:n]
     assert on == off
     stats = sched_on.make_stats()
     assert stats.num_preemptions_total > 0, "no preemption"
     assert stats.kv.prefix_hits_tokens_total > 0, "no prefix hit"
     assert 0 < stats.num_spec_accepted_tokens_total < stats.num_spec_draft_tokens_total
     assert sched_off.make_stats().num_spec_draft_tokens_total == 0
-    assert stats.num_generation_tokens_total == 24 * len(PROMPTS)
+    assert stats.num_generation_tokens_total == 24 * (len(PROMPTS) - 1) + len(aborted_on)
+    assert stats.num_finished_total["abort"] == 1
 
 
 @pytest.mark.slow
