@@ -1,4 +1,4 @@
-"""Writes ``edit128_prompts.json``: 64 "rewrite this with a small change" chat prompts.
+"""Writes ``prompts/edit128.json``: 64 "rewrite this with a small change" chat prompts.
 
     .venv/bin/python loadtest/workloads/make_edit128.py      # from the repository root
 
@@ -51,7 +51,7 @@ CODE_FILES = (
 TEXT_FILES = ("README.md", "docs/metrics.md", "grafana/README.md")
 NUM_CODE, NUM_TEXT = 32, 32
 MIN_TOKENS, MAX_TOKENS = 128, 512
-OUT = Path(__file__).resolve().parent / "edit128_prompts.json"
+OUT = Path(__file__).resolve().parent / "prompts" / "edit128.json"
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 # Word replacements for the text prompts: the first that occurs in a paragraph is used.
 WORDS = {

@@ -177,7 +177,7 @@ def test_embedded_model_greedy_tokens_equal_with_and_without_drafts() -> None:
     model = load_model(None, weights="native")
     root = Path(__file__).resolve().parents[2]
     chat = json.loads((root.parent / "shared/workloads/chat128.json").read_text())["prompts"]
-    edit = json.loads((root / "loadtest/workloads/edit128_prompts.json").read_text())["prompts"]
+    edit = json.loads((root / "loadtest/workloads/prompts/edit128.json").read_text())["prompts"]
     texts = [chat[0], *edit[:2]]
     prompts = [model.tokenizer.encode(t, add_special_tokens=False) for t in texts]
     sampling = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
