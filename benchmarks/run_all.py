@@ -24,14 +24,23 @@ Sections, each comparison measured side by side in the same run:
 - ``prefix``: prefix caching on against off on a shared-system-prompt workload: TTFT.
 - ``paged``: paged KV against contiguous max-length preallocation within the same KV memory
   (scheduler + cache manager + FakeRunner; method in ``benchmarks/bench_paged_kv.py``).
+- ``slo``: stall-free at the default token budget against ``--policy slo`` at the same
+  latency targets (ITL 150 ms, TTFT 2 s) on bursty mixed traffic: ITL p99 and goodput.
+- ``spec``: n-gram speculative decoding off against on (``--speculative ngram``), 1 user, on
+  an input-grounded workload (``loadtest/workloads/edit128.json``: rewrite code or text with
+  a small change) and on chat128, with the default Q4 weights; then edit128 again with
+  ``--weights float32``, where a decode step is bound by streaming the weights. Off and on
+  alternate in rounds, each on a fresh server, so a drift in the machine's load hits both;
+  the figures sum the rounds.
 - ``kvcache``: per-token decode latency against sequence length (64 ... 4,096 tokens) with
   the KV cache (``--kv-strategy always``) and recomputing every step (``disabled``), side by
   side; a table and a PNG (``benchmarks/bench_kv_cache.py``).
 - ``sinks``: perplexity of a long text under attention sinks + window against the window
   alone and full attention (``benchmarks/bench_sinks.py``).
 
-Both run with ``--kv-threads`` (1) torch threads: on a shared machine a 2-thread OpenMP team
-waits on a descheduled thread, and the curve shows the neighbours, not the cache.
+``kvcache`` and ``sinks`` run with ``--kv-threads`` (1) torch threads: on a shared machine
+a 2-thread OpenMP team waits on a descheduled thread, and the curve shows the neighbours,
+not the cache.
 
 The ``kvcache`` and ``sinks`` sections print their own tables under the main one.
 """
@@ -52,7 +61,13 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CHAT128 = REPO_ROOT.parent / "shared" / "workloads" / "chat128.json"
-SECTIONS = ("chat128", "policy", "slo", "prefix", "paged", "kvcache", "sinks")
+SECTIONS = ("chat128", "policy", "slo", "prefix", "paged", "spec", "kvcache", "sinks")
+EDIT128 = REPO_ROOT / "loadtest" / "workloads" / "edit128.json"
+# Issue 13's targets, 1 user, off vs on in the same run: edit128 >= 1.5x output tok/s, and
+# chat128 loses at most 5 %.
+TARGET_SPEC_EDIT = 1.5
+TARGET_SPEC_CHAT = 0.95
+F32 = ["--weights", "float32"]
 
 LLAMA_CPP_MODES = ("build", "cached", "off")
 # Issue 10's targets, kvserve against llama.cpp measured in the same run: output tok/s ratio by
@@ -85,6 +100,9 @@ class Sizes:
     paged_requests: int
     paged_budget_tokens: int
     paged_max_model_len: int
+    spec_requests: int  # per round and configuration
+    spec_rounds: int
+    spec_output_tokens: int
     run_duration_s: float
     kvcache_lengths: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096)
     kvcache_tokens: int = 4  # measured tokens per length and strategy
@@ -112,6 +130,9 @@ FULL = Sizes(
     paged_requests=64,
     paged_budget_tokens=16_384,
     paged_max_model_len=2048,
+    spec_requests=4,
+    spec_rounds=2,
+    spec_output_tokens=128,
     run_duration_s=900.0,
 )
 QUICK = Sizes(
@@ -134,6 +155,9 @@ QUICK = Sizes(
     paged_requests=16,
     paged_budget_tokens=4096,
     paged_max_model_len=1024,
+    spec_requests=1,
+    spec_rounds=1,
+    spec_output_tokens=8,
     run_duration_s=300.0,
     kvcache_lengths=(64, 128, 256),
     kvcache_tokens=2,
@@ -531,6 +555,80 @@ def section_prefix(sizes: Sizes, threads: int, progress: bool) -> list[Row]:
     return rows
 
 
+def section_spec(sizes: Sizes, chat_path: Path, threads: int, progress: bool) -> list[Row]:
+    from benchmarks import bench_serving
+    from loadtest.workload import LengthDist, Workload
+
+    n, out = sizes.spec_requests, sizes.spec_output_tokens
+    edit = Workload.load(EDIT128)
+    edit = replace(edit, num_requests=n, output_len=LengthDist(value=out))
+    chat = bench_serving.chat128_workload(chat_path, n, out)
+    # (name, workload, serve flags of both sides): the defaults (Q4 weights, fused decode),
+    # then fp32 weights, where a decode step is bound by streaming the weights.
+    runs = [("edit128", edit, []), ("chat128", chat, []), ("edit128", edit, F32)]
+    configs = {"off": ["--speculative", "off"], "on": ["--speculative", "ngram"]}
+    rows = []
+    for name, workload, extra in runs:
+        reports: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+        for r in range(sizes.spec_rounds):
+            for config, flags in configs.items():
+                _say(f"[spec] {name} speculation {config}, round {r + 1}: {n} requests")
+                reports[config].append(
+                    bench_serving.measure(
+                        ["--threads", str(threads), *extra, *flags],
+                        workload,
+                        users=1,
+                        num_requests=n,
+                        duration_s=sizes.run_duration_s,
+                        desc=f"kvserve {name} spec {config}",
+                        progress=progress,
+                    )
+                )
+        setting = f"1 user, {name}, {out} out, {sizes.spec_rounds} x {n} req alternating"
+        if extra:
+            setting += ", " + " ".join(extra)
+        pair = [_spec_row(name, setting, config, reports[config]) for config in configs]
+        off, on = pair
+        off.vs_baseline = "baseline"
+        ratio = _ratio(on.out_tok_s, off.out_tok_s)
+        target = TARGET_SPEC_EDIT if name == "edit128" else TARGET_SPEC_CHAT
+        on.vs_baseline = f"{_fmt(ratio, '.2f')}x tok/s"
+        if out == FULL.spec_output_tokens and not extra:  # the targets are for the defaults
+            met = ratio is not None and ratio >= target
+            on.vs_baseline += f" (target >= {target:g}x: {'met' if met else 'MISSED'})"
+        rows += pair
+    return rows
+
+
+def _spec_row(name: str, setting: str, config: str, reports: list[dict[str, Any]]) -> Row:
+    """One configuration's rounds summed: tokens / time; latencies: mean TTFT p50, max ITL
+    p99 over the rounds; the acceptance rate from the server's counters."""
+    tokens = sum(r["output_tokens_total"] for r in reports)
+    duration = sum(r["duration_s"] for r in reports)
+    deltas: dict[str, float] = {}
+    for r in reports:
+        for key, value in ((r.get("server") or {}).get("counter_deltas") or {}).items():
+            deltas[key] = deltas.get(key, 0.0) + value
+    drafts = deltas.get("kvserve_spec_draft_tokens_total", 0.0)
+    accepted = deltas.get("kvserve_spec_accepted_tokens_total", 0.0)
+    ttft = [r["latency_s"]["ttft"]["p50"] for r in reports]
+    itl = [r["latency_s"]["itl"]["p99"] for r in reports]
+    notes = "no drafts"
+    if drafts:
+        notes = f"{drafts:.0f} drafts, {accepted / drafts:.0%} accepted"
+    return Row(
+        section="spec",
+        setting=setting,
+        system=f"kvserve speculation {config}",
+        requests=sum(r["requests"]["ok"] for r in reports),
+        out_tok_s=tokens / duration if duration else None,
+        itl_p99_ms=_ms(max(itl)) if None not in itl else None,
+        ttft_p50_ms=_ms(sum(ttft) / len(ttft)) if None not in ttft else None,
+        notes=notes,
+        raw={"rounds": reports},
+    )
+
+
 def section_paged(sizes: Sizes, kv_bytes_per_token: int | None) -> list[Row]:
     from benchmarks import bench_paged_kv
 
@@ -697,7 +795,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         p.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
-    if "chat128" in sections and not args.workload_file.is_file():
+    if {"chat128", "spec"} & set(sections) and not args.workload_file.is_file():
         p.error(f"chat128 prompt file not found: {args.workload_file}")
     sizes = QUICK if args.quick else FULL
     if args.chat_levels:
@@ -730,6 +828,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += section_slo(sizes, args.threads, progress)
     if "prefix" in sections:
         rows += section_prefix(sizes, args.threads, progress)
+    if "spec" in sections:
+        rows += section_spec(sizes, args.workload_file, args.threads, progress)
     order = {s: i for i, s in enumerate(SECTIONS)}
     rows.sort(key=lambda r: order[r.section])  # stable: keeps the order within a section
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")

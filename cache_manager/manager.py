@@ -547,6 +547,58 @@ class KVCacheManager:
             self._num_dropped_tokens += self._held_tokens(state)
         self.free(request_id)
 
+    def rollback_slots(self, seq: CacheSequence) -> int:
+        """Speculative decoding: shrink the request's written slots back to
+        ``seq.num_computed_tokens``, dropping the KV of rejected draft tokens; return how
+        many blocks were freed::
+
+            | computed (accepted) | rejected drafts: slots dropped | whole blocks freed |
+                                  ^ num_computed_tokens
+
+        The partial block keeps its computed slots (the next step writes the rest again);
+        whole blocks past it go back to the free list, tail first, unless blocks reserved
+        beyond them (``reserve_slots``) must keep their place in the table: then they stay,
+        empty, as reserved blocks. Every block past the computed tokens was written this
+        step, so it is private and keyless: a prefix-cached block is never touched (keys
+        cover full, computed blocks only). No-op when nothing was written past
+        ``num_computed_tokens``. KeyError if the request holds no table; ValueError if the
+        shrink would cut a keyed block or a position released out of the window.
+        """
+        state = self._requests[seq.request_id]
+        num_keep = seq.num_computed_tokens
+        num_slots = state.num_slots
+        if num_keep >= num_slots:
+            return 0
+        bs = self.block_size
+        if num_keep < max(len(state.block_keys), state.num_released) * bs:
+            raise ValueError(
+                f"request {seq.request_id!r}: rollback to {num_keep} slots would cut its "
+                f"{len(state.block_keys)} keyed / {state.num_released} released blocks of {bs}"
+            )
+        blocks = state.blocks
+        num_blocks = -(-num_keep // bs)  # blocks still holding computed slots
+        num_written = -(-num_slots // bs)
+        used_slots = self._num_used_slots
+        for p in range(num_keep // bs, num_written):
+            block = blocks[p]
+            assert block.ref_count == 1 and block.block_hash is None, (
+                f"block {block.block_id} holds rejected slots yet is shared or keyed"
+            )
+            filled = min(bs, max(0, num_keep - p * bs))
+            if block.num_filled > filled:
+                used_slots -= block.num_filled - filled
+                block.num_filled = filled
+        self._num_used_slots = used_slots
+        self._num_held_tokens -= num_slots - num_keep
+        state.num_slots = num_keep
+        if len(blocks) > num_written:  # reserved blocks follow: the table keeps its length
+            return 0
+        tail = blocks[num_blocks:]
+        del blocks[num_blocks:]
+        del state.block_ids[num_blocks:]
+        self._release(tail[::-1])
+        return len(tail)
+
     def release_out_of_window(self, seq: CacheSequence) -> int:
         """Sliding window: release the blocks no future query can attend to; return how many.
 

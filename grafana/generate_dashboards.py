@@ -465,6 +465,32 @@ def scheduler_kv() -> dict[str, Any]:
                     unit="s",
                 ),
             ],
+            row("Speculative decoding"),
+            [
+                timeseries(
+                    "Draft acceptance rate",
+                    "Accepted / verified n-gram draft tokens over the window (--speculative "
+                    "ngram), from the two counters. Each accepted draft is an output token "
+                    "without a step of its own.",
+                    [
+                        (
+                            f"sum({rate('kvserve_spec_accepted_tokens_total')}) / "
+                            f"sum({rate('kvserve_spec_draft_tokens_total')})",
+                            "acceptance rate",
+                        ),
+                    ],
+                    unit="percentunit",
+                ),
+                timeseries(
+                    "Draft tokens / s",
+                    "Draft tokens verified and accepted, against all output tokens.",
+                    [
+                        (f"sum({rate('kvserve_spec_draft_tokens_total')})", "drafted"),
+                        (f"sum({rate('kvserve_spec_accepted_tokens_total')})", "accepted"),
+                        (f"sum({rate('kvserve_generation_tokens_total')})", "output tokens"),
+                    ],
+                ),
+            ],
             row("Queue"),
             queue_panels(),
             row("KV cache"),

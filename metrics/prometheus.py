@@ -465,6 +465,16 @@ class PrometheusSink:
                 "Computed tokens discarded by preemption (to be computed again).",
                 s.num_recomputed_tokens_total,
             ),
+            (
+                "spec_draft_tokens_total",
+                "Speculative draft tokens verified (n-gram drafts, --speculative ngram).",
+                s.num_spec_draft_tokens_total,
+            ),
+            (
+                "spec_accepted_tokens_total",
+                "Speculative draft tokens accepted: output tokens that cost no step of their own.",
+                s.num_spec_accepted_tokens_total,
+            ),
         ):
             yield _counter(name, doc, [], [((), value)])
         finished = dict.fromkeys((f.value for f in FinishReason), 0)

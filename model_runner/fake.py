@@ -17,6 +17,10 @@ output index ``i = seq.num_output_tokens`` is, in this order of precedence:
 Because the token is keyed on the output index, a request preempted and re-prefilled gets the
 same continuation it would have got without preemption.
 
+Speculative drafts (``seq.num_draft_tokens``) are verified greedily against the same rule:
+draft i is accepted while it equals the token at output index ``num_output_tokens + i``, and
+the token after the accepted ones is sampled as usual; so output never depends on drafts.
+
 For tests the runner can also:
 
 - fail one request: ``fail_request(rid, error)`` puts it into ``ModelOutput.failed`` the next
@@ -146,9 +150,10 @@ class FakeRunner:
             token = (token + 1) % vocab
         return token
 
-    def token_for(self, seq: ScheduledSeq) -> int:
-        """The token this runner samples for ``seq`` (index = ``seq.num_output_tokens``)."""
-        index = seq.num_output_tokens
+    def token_for(self, seq: ScheduledSeq, offset: int = 0) -> int:
+        """The token this runner samples for ``seq`` (index = ``seq.num_output_tokens``,
+        plus ``offset`` for the position after ``offset`` drafts)."""
+        index = seq.num_output_tokens + offset
         scripted = self.script.get(seq.request_id)
         if scripted is not None and index < len(scripted):
             return scripted[index]
@@ -201,7 +206,14 @@ class FakeRunner:
                 continue
             if not seq.do_sample:
                 continue
-            token = self.token_for(seq)
+            num_accepted = 0
+            for draft in seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens :]:
+                if draft != self.token_for(seq, num_accepted):
+                    break
+                num_accepted += 1
+            if seq.num_draft_tokens:
+                out.num_accepted_drafts[seq.request_id] = num_accepted
+            token = self.token_for(seq, num_accepted)
             out.sampled_token_ids[seq.request_id] = token
             if seq.sampling.logprobs is not None:
                 out.logprobs[seq.request_id] = self._logprobs(token, seq.sampling.logprobs)
@@ -223,13 +235,17 @@ class FakeRunner:
                     f"{seq.request_id}: {len(seq.block_ids)} blocks of {block_size} cannot hold "
                     f"positions up to {seq.end_pos - 1}"
                 )
-            expected = seq.all_token_ids
-            if list(expected[seq.start_pos : seq.end_pos]) != seq.token_ids:
+            expected = list(seq.all_token_ids)
+            if seq.num_draft_tokens:
+                expected += seq.token_ids[-seq.num_draft_tokens :]
+            if expected[seq.start_pos : seq.end_pos] != seq.token_ids:
                 raise AssertionError(
                     f"{seq.request_id}: token_ids {seq.token_ids} != all_token_ids"
                     f"[{seq.start_pos}:{seq.end_pos}]"
                 )
-            if seq.do_sample != (seq.end_pos == len(expected)):
+            if seq.do_sample != (seq.end_pos == len(expected)) or (
+                seq.num_draft_tokens and not seq.do_sample
+            ):
                 raise AssertionError(
                     f"{seq.request_id}: do_sample={seq.do_sample} but the chunk ends at "
                     f"{seq.end_pos} of {len(expected)} known tokens"

@@ -15,6 +15,14 @@ attention still takes its own path per batch kind). ``fuse_batches=False`` runs 
 which only helps when the timing split between kinds must be exact; with fusion,
 ``prefill_time_s``/``decode_time_s`` split the step's time by token share.
 
+Speculative decoding: a decode with drafts (``ScheduledSeq.num_draft_tokens``) is verified
+in the same pass. Its k + 1 positions are computed like a short prefill chunk attending to the
+request's cached KV (``ForwardBatch``'s chunk path), or, on the fused decode path, as k + 1
+decode rows sharing one block table (every row's K/V is written before any row attends, and
+each attends up to its own position). Every position samples (``_verify_rows``: position i
+as output token ``num_output_tokens + i``, with the drafts before it as history), and the
+drafts are accepted while they equal the sampled tokens (``_accept``).
+
 Failures that belong to one request go to ``ModelOutput.failed`` and the rest of the batch
 carries on: a seq whose block table or positions are inconsistent, token ids outside the
 vocabulary, non-finite logits (the sampler reports them), or a sampler that raises for one
@@ -26,6 +34,7 @@ runner failure and propagates.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from typing import Protocol
@@ -177,7 +186,7 @@ class TorchRunner:
             self._sample(logits, sample_prefill + sample_decode, result)
             elapsed = time.perf_counter() - t0
             num_prefill = sum(s.num_tokens for s in prefill)
-            share = num_prefill / (num_prefill + len(decode))
+            share = num_prefill / (num_prefill + sum(s.num_tokens for s in decode))
             result.prefill_time_s = elapsed * share
             result.decode_time_s = elapsed - result.prefill_time_s
         else:
@@ -189,7 +198,7 @@ class TorchRunner:
             t2 = time.perf_counter()
             self._sample(torch.cat([logits_p, logits_d]), sample_prefill + sample_decode, result)
             t3 = time.perf_counter()
-            rows = len(sample_prefill) + len(sample_decode)
+            rows = len(sample_prefill) + sum(s.num_tokens for s in sample_decode)
             share = len(sample_prefill) / rows if rows else 0.0
             result.prefill_time_s = (t1 - t0) + (t3 - t2) * share
             result.decode_time_s = (t2 - t1) + (t3 - t2) * (1.0 - share)
@@ -213,7 +222,7 @@ class TorchRunner:
         logits = self.model.compute_logits(hidden)
         out: dict[str, torch.Tensor] = {}
         row = 0
-        for s in seqs:
+        for s in seqs:  # rows: prefill chunks, then decodes (drafts included) in _prepare order
             out[s.request_id] = logits[row : row + s.num_tokens]
             row += s.num_tokens
         return out
@@ -230,8 +239,9 @@ class TorchRunner:
             self.pool.copy_blocks(plan.block_copies)
         prefill = [s for s in plan.prefill if self._check(s, False, failed)]
         decode = [s for s in plan.decode if self._check(s, True, failed)]
-        # Longest context first: ForwardBatch groups decodes of similar length (less padding).
-        decode.sort(key=lambda s: -s.start_pos)
+        # Decodes with drafts first (their rows follow the prefill rows on every path), then
+        # longest context first: ForwardBatch groups decodes of similar length (less padding).
+        decode.sort(key=lambda s: (not s.num_draft_tokens, -s.start_pos))
         return prefill, decode
 
     def _check(self, seq: ScheduledSeq, is_decode: bool, failed: dict[str, str]) -> bool:
@@ -244,9 +254,12 @@ class TorchRunner:
 
     def _seq_error(self, seq: ScheduledSeq, is_decode: bool) -> str | None:
         n = len(seq.token_ids)
-        if n == 0 or (is_decode and n != 1):
+        num_drafts = seq.num_draft_tokens
+        if n == 0 or (is_decode and n != 1 + num_drafts) or (num_drafts and not is_decode):
             kind = "decode" if is_decode else "prefill"
-            return f"{kind} entry with {n} tokens"
+            return f"{kind} entry with {n} tokens and {num_drafts} drafts"
+        if num_drafts and not seq.do_sample:
+            return f"decode entry with {num_drafts} drafts that does not sample"
         if seq.start_pos < 0 or (seq.end_pos > self.max_model_len and not self.attention_sinks):
             return (
                 f"positions {seq.start_pos}..{seq.end_pos - 1} outside the model's "
@@ -272,15 +285,20 @@ class TorchRunner:
     def _forward_hidden(
         self, prefill: Sequence[ScheduledSeq], decode: Sequence[ScheduledSeq]
     ) -> torch.Tensor:
+        """Hidden states of every computed position: prefill chunks, then the decodes in
+        order, a decode with drafts taking 1 + k rows."""
         if self._fused is not None and not prefill and not self._skips_released(decode):
-            return self._fused.forward(
-                [s.token_ids[0] for s in decode],
-                [s.start_pos for s in decode],
-                [s.block_ids for s in decode],
-            )
+            # A decode with drafts is k + 1 rows at consecutive positions, one block table.
+            token_ids = [t for s in decode for t in s.token_ids]
+            positions = [p for s in decode for p in range(s.start_pos, s.end_pos)]
+            tables = [s.block_ids for s in decode for _ in s.token_ids]
+            return self._fused.forward(token_ids, positions, tables)
+        # Drafts are verified as chunks attending to the request's cached KV (they come
+        # first among the decodes, see _prepare, so rows stay in order).
+        num_verify = sum(1 for s in decode if s.num_draft_tokens)
         batch = ForwardBatch.build(
-            prefill,
-            decode,
+            [*prefill, *decode[:num_verify]],
+            decode[num_verify:],
             self.block_size,
             self.device,
             self.dtype,
@@ -321,8 +339,8 @@ class TorchRunner:
                 rows.append(row - 1)
         for s in decode:
             if s.do_sample:
-                rows.append(row)
-            row += 1
+                rows.extend(range(row, row + s.num_tokens))  # a row per draft position too
+            row += s.num_tokens
         if not rows:
             return torch.empty(0, self.model.vocab_size, device=self.device)
         if len(rows) != row:
@@ -333,13 +351,43 @@ class TorchRunner:
     def _sample(
         self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq], result: ModelOutput
     ) -> None:
+        """Sample the rows of ``logits`` (one per seq, k + 1 per seq with drafts; see
+        ``_verify_rows``) and put one token per seq into ``result``, after the drafts it
+        accepted (``_accept``)."""
         if not seqs:
             return
+        rows: Sequence[ScheduledSeq] = seqs
+        if any(s.num_draft_tokens for s in seqs):
+            rows = [r for s in seqs for r in (_verify_rows(s) if s.num_draft_tokens else (s,))]
+        token_ids, logprobs, failed = self._sample_rows(logits, rows)
+        result.failed.update(failed)
+        row = 0
+        for seq in seqs:
+            rid = seq.request_id
+            num_rows = 1 + seq.num_draft_tokens
+            if rid not in failed:
+                if seq.num_draft_tokens:
+                    num_accepted = _accept(seq, token_ids[row : row + num_rows])
+                    result.num_accepted_drafts[rid] = num_accepted
+                    result.sampled_token_ids[rid] = int(token_ids[row + num_accepted])
+                else:
+                    result.sampled_token_ids[rid] = int(token_ids[row])
+                    token_logprobs = logprobs[row]
+                    if token_logprobs is not None:
+                        result.logprobs[rid] = token_logprobs
+            row += num_rows
+
+    def _sample_rows(
+        self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]
+    ) -> tuple[list[int], list[TokenLogprobs | None], dict[str, str]]:
+        """A token (and logprobs) per row; a row that fails fails its request."""
         try:
-            token_ids, logprobs, failed = _unpack(self.sampler.sample(logits, seqs))
+            return _unpack(self.sampler.sample(logits, seqs))
         except Exception:
             # Isolate the culprit: re-sample row by row; only rows that raise fail.
-            token_ids, logprobs, failed = [], [], {}
+            token_ids: list[int] = []
+            logprobs: list[TokenLogprobs | None] = []
+            failed: dict[str, str] = {}
             for i, seq in enumerate(seqs):
                 try:
                     row_tokens, row_logprobs, row_failed = _unpack(
@@ -352,13 +400,7 @@ class TorchRunner:
                     failed.update(row_failed)
                 token_ids.extend(row_tokens)
                 logprobs.extend(row_logprobs)
-        result.failed.update(failed)
-        for seq, token, token_logprobs in zip(seqs, token_ids, logprobs, strict=True):
-            if seq.request_id in failed:
-                continue
-            result.sampled_token_ids[seq.request_id] = int(token)
-            if token_logprobs is not None:
-                result.logprobs[seq.request_id] = token_logprobs
+            return token_ids, logprobs, failed
 
     def _scrub_failed(
         self,
@@ -378,6 +420,49 @@ class TorchRunner:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _verify_rows(seq: ScheduledSeq) -> list[ScheduledSeq]:
+    """What the sampler sees at each of the k + 1 positions of a decode with drafts: row i
+    samples output token ``num_output_tokens + i`` (min_tokens and a seeded draw key on it),
+    with the i drafts before it as history (penalties), as if they had been generated."""
+    drafts = seq.token_ids[1:]
+    sampling = seq.sampling
+    history = (
+        sampling.repetition_penalty != 1.0
+        or sampling.presence_penalty != 0.0
+        or sampling.frequency_penalty != 0.0
+    )
+    return [
+        dataclasses.replace(
+            seq,
+            token_ids=[token],
+            start_pos=seq.start_pos + i,
+            all_token_ids=[*seq.all_token_ids, *drafts[:i]] if history and i else seq.all_token_ids,
+            num_output_tokens=seq.num_output_tokens + i,
+            num_draft_tokens=0,
+        )
+        for i, token in enumerate(seq.token_ids)
+    ]
+
+
+def _accept(seq: ScheduledSeq, tokens: Sequence[int]) -> int:
+    """How many drafts of ``seq`` are accepted, given the tokens sampled at its k + 1
+    positions: the longest prefix of drafts equal to the tokens sampled before them.
+
+    For greedy rows that is the longest matching prefix. For sampled rows it is rejection
+    sampling with a point-mass draft q (the n-gram drafter proposes one token, q(d) = 1):
+    the standard rule accepts d with probability min(1, p(d) / q(d)) = p(d) and otherwise
+    draws from norm(max(0, p - q)), which is p without d, renormalised. Drawing x ~ p and
+    accepting iff x == d has exactly that law, with x as the correction token. So every
+    emitted token is distributed as the target model says, and a seeded request draws the
+    same uniforms (keyed on its output index) and emits the same tokens as without drafts.
+    """
+    drafts = seq.token_ids[1:]
+    num_accepted = 0
+    while num_accepted < len(drafts) and tokens[num_accepted] == drafts[num_accepted]:
+        num_accepted += 1
+    return num_accepted
 
 
 def _unpack(res: object) -> tuple[list[int], list[TokenLogprobs | None], dict[str, str]]:

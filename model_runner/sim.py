@@ -224,10 +224,13 @@ def estimate_step(
 
 
 def plan_chunks(plan: SchedulerOutput) -> tuple[list[tuple[int, int]], list[tuple[int, int]], int]:
-    """(prefill chunks, decode chunks, number of sampling seqs) of a plan."""
+    """(prefill chunks, decode chunks, number of sampled rows) of a plan; a decode with
+    speculative drafts is a chunk of 1 + k tokens, each of which samples."""
     prefill = [(len(s.token_ids), s.start_pos) for s in plan.prefill]
-    decode = [(1, s.start_pos) for s in plan.decode]
-    num_sampled = sum(s.do_sample for s in plan.prefill) + len(plan.decode)
+    decode = [(len(s.token_ids), s.start_pos) for s in plan.decode]
+    num_sampled = sum(s.do_sample for s in plan.prefill) + sum(
+        len(s.token_ids) for s in plan.decode
+    )
     return prefill, decode, num_sampled
 
 

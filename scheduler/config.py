@@ -8,6 +8,7 @@ POLICIES = ("stall-free", "prefill-first", "slo")
 QUEUE_ORDERS = ("fcfs", "priority")
 PREEMPTION_RULES = ("priority", "newest")
 MEMORY_MODES = ("optimistic", "reserve")
+SPECULATIVE_MODES = ("off", "ngram")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,10 @@ class SchedulerConfig:
     - ``memory_mode``: ``optimistic`` allocates blocks as tokens arrive and preempts (by
       recompute) when they run out; ``reserve`` admits a request only when blocks for its
       whole length (prompt + max_tokens) are free and never preempts.
+    - ``speculative``: ``ngram`` drafts up to ``num_speculative_tokens`` tokens per decode
+      by prompt lookup (the request's last ``ngram_max`` down to ``ngram_min`` tokens,
+      matched earlier in its own prompt and output; ``scheduler.spec``). The runner verifies
+      them in the decode's forward pass; drafts count in the step's token budget.
     """
 
     max_num_seqs: int = 256
@@ -63,6 +68,10 @@ class SchedulerConfig:
     itl_slo_ms: float = 150.0
     ttft_slo_ms: float = 2000.0
     slo_preempt_margin: float = 1.5
+    speculative: str = "off"
+    num_speculative_tokens: int = 3
+    ngram_max: int = 4
+    ngram_min: int = 2
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -81,6 +90,13 @@ class SchedulerConfig:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("num_speculative_tokens", "ngram_max", "ngram_min"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(
+                f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})"
+            )
         if self.max_decode_starvation_steps < 1:
             raise ValueError(
                 f"max_decode_starvation_steps must be >= 1, got {self.max_decode_starvation_steps}"
@@ -94,6 +110,7 @@ class SchedulerConfig:
         _check_choice("queue_order", self.queue_order, QUEUE_ORDERS)
         _check_choice("preemption", self.preemption, PREEMPTION_RULES)
         _check_choice("memory_mode", self.memory_mode, MEMORY_MODES)
+        _check_choice("speculative", self.speculative, SPECULATIVE_MODES)
 
     @property
     def itl_slo_s(self) -> float:

@@ -25,6 +25,18 @@ class ScheduledSeq:
     ``do_sample`` is True when this chunk ends at the last known token, so the runner samples
     the next token from the logits of the chunk's last position (a middle chunk of a long
     prompt samples nothing).
+
+    Speculative decoding: a decode entry may carry ``num_draft_tokens`` drafts after its one
+    known token; they are the last ``num_draft_tokens`` of ``token_ids`` and not yet in
+    ``all_token_ids``::
+
+        token_ids = [ last known token | draft 0 | draft 1 | ... | draft k-1 ]
+        positions   start_pos            + 1       + 2             + k
+
+    The runner computes all k + 1 positions in one pass, samples a token at each (position
+    i as output token ``num_output_tokens + i``), accepts the drafts while they equal the
+    sampled tokens, and reports how many (``ModelOutput.num_accepted_drafts``) and the
+    sampled token after them (``sampled_token_ids``).
     """
 
     request_id: str
@@ -40,6 +52,7 @@ class ScheduledSeq:
     # EOS ids of the request (from Request.eos_token_ids): the sampler masks them, and the
     # stop_token_ids, while num_output_tokens < sampling.min_tokens (unless ignore_eos).
     eos_token_ids: tuple[int, ...] = ()
+    num_draft_tokens: int = 0  # speculative drafts at the end of token_ids (decode only)
 
     @property
     def num_tokens(self) -> int:
@@ -83,8 +96,13 @@ class SchedulerOutput:
         return len(self.decode)
 
     @property
+    def num_draft_tokens(self) -> int:
+        """Speculative drafts in the decode batch (each decode has 1 token plus its drafts)."""
+        return sum(s.num_draft_tokens for s in self.decode)
+
+    @property
     def num_scheduled_tokens(self) -> int:
-        return self.num_prefill_tokens + len(self.decode)
+        return self.num_prefill_tokens + len(self.decode) + self.num_draft_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,10 +120,12 @@ class ModelOutput:
 
     ``sampled_token_ids`` has an entry for every scheduled seq with ``do_sample``, except
     those in ``failed`` (request_id -> error message), which finish with ``ERROR`` while the
-    rest of the batch continues.
+    rest of the batch continues. For a seq with drafts, ``num_accepted_drafts`` says how
+    many of its drafts were accepted (absent: none), and its sampled token follows them.
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    num_accepted_drafts: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     prefill_time_s: float = 0.0
@@ -160,6 +180,8 @@ class SchedulerStats:
     waiting_tokens: int  # prompt tokens still to compute across the waiting queue
     kv: KVCacheStats
     num_parked: int = 0  # requests not scheduled because their client stopped reading
+    num_spec_draft_tokens_total: int = 0  # speculative drafts verified
+    num_spec_accepted_tokens_total: int = 0  # of them, accepted (became output tokens)
 
     @classmethod
     def make_empty(cls, kv: KVCacheStats | None = None) -> SchedulerStats:

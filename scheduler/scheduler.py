@@ -18,6 +18,16 @@ the chunk of exactly that last token. ``schedule`` allocates blocks for every sc
 token; ``update`` advances ``num_computed_tokens`` to the chunk's end and registers newly
 full blocks in the prefix cache.
 
+Speculative decoding (``speculative="ngram"``): a decode carries up to k drafts from
+``scheduler.spec.NgramDrafter``, counted in the step's token budget and given KV slots like
+any token (drafts never preempt: without room the decode runs alone). ``update`` appends the
+accepted drafts and the token sampled after them, then ``kv.rollback_slots`` drops the KV of
+the rejected ones::
+
+    | computed ........ | last | draft 0 | draft 1 | draft 2 |     scheduled: 1 + k tokens
+    | computed ...................... | accepted | rejected  |     + the sampled token
+                                      ^ num_computed_tokens: slots past it are rolled back
+
 Request states: ``WAITING -> PREFILLING -> DECODING -> FINISHED_*``, and
 ``PREFILLING|DECODING -> PREEMPTED`` (back in the waiting queue, at its old place in line)
 ``-> PREFILLING``. Preemption is by recompute: the blocks are freed, the output tokens kept,
@@ -52,6 +62,7 @@ from scheduler.policies import (
 from scheduler.queue import WaitingQueue
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.slo import DeadlineOrder, SloStep
+from scheduler.spec import NgramDrafter
 
 _WAITING = RequestStatus.WAITING
 _PREFILLING = RequestStatus.PREFILLING
@@ -167,6 +178,8 @@ class _Counters:
     num_recomputed_tokens: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
     num_finished: Counter[str] = field(default_factory=Counter)  # by FinishReason.value
 
 
@@ -246,6 +259,11 @@ class Scheduler:
         self._deadline = self._order if isinstance(self._order, DeadlineOrder) else None
         self._now_s: float | None = None  # of the step being planned (slo: late requests)
         self._slo_over_steps = 0  # slo: steps in a row with decodes predicted over the margin
+        self._drafter: NgramDrafter | None = None
+        if config.speculative == "ngram":
+            self._drafter = NgramDrafter(
+                config.num_speculative_tokens, config.ngram_max, config.ngram_min
+            )
 
         self._entries: dict[str, _Entry] = {}  # every unfinished request
         self._forks = ForkTable()
@@ -518,7 +536,7 @@ class Scheduler:
         slow = prefill or window or bool(failed) or bool(logprobs) or drop
         append = outputs.append
         num_outputs_before = len(outputs)
-        num_failed = 0
+        num_uncounted = 0  # outputs not of one generated token: failures, verified drafts
         for seq in batch:
             rid = seq.request_id
             try:  # dict lookups in try: no method call per token
@@ -526,12 +544,16 @@ class Scheduler:
             except KeyError:  # ended (aborted, failed) after it was planned
                 continue
             req = entry.request
+            if seq.num_draft_tokens:
+                append(self._apply_verified(entry, seq, result))
+                num_uncounted += 1
+                continue
             # The chunk's end; a decode is one token.
             num_computed = seq.start_pos + (len(seq.token_ids) if prefill else 1)
             req.num_computed_tokens = num_computed
             if slow and rid in failed:
                 append(self._finish(entry, _FINISHED_ERROR, error=failed[rid]))
-                num_failed += 1
+                num_uncounted += 1
                 continue
             if num_computed // block_size > entry.num_full_blocks:
                 kv.cache_full_blocks(req)
@@ -563,8 +585,58 @@ class Scheduler:
             append(_output(entry, [token], new_logprobs, None))
             if drop and not kv.keeps_kv(req):
                 self._recompute_next_step(entry)
-        # Every output since the batch began carries one new token, but a failure's.
-        self._counters.num_generation_tokens += len(outputs) - num_outputs_before - num_failed
+        # Every output since the batch began carries one new token, but those uncounted.
+        self._counters.num_generation_tokens += len(outputs) - num_outputs_before - num_uncounted
+
+    def _apply_verified(
+        self, entry: _Entry, seq: ScheduledSeq, result: ModelOutput
+    ) -> RequestOutput:
+        """A decode with drafts: append the accepted drafts and the token sampled after them
+        (each checked for a stop like any token), advance to the tokens whose KV is now
+        computed, and roll back the KV slots of the rejected drafts."""
+        req = entry.request
+        rid = req.request_id
+        if rid in result.failed:
+            return self._finish(entry, _FINISHED_ERROR, error=result.failed[rid])
+        num_drafts = seq.num_draft_tokens
+        num_accepted = result.num_accepted_drafts.get(rid, 0)
+        if not 0 <= num_accepted <= num_drafts:
+            msg = f"runner accepted {num_accepted} of {num_drafts} drafts for {rid!r}"
+            raise RuntimeError(msg)
+        try:
+            sampled = result.sampled_token_ids[rid]
+        except KeyError:
+            msg = f"runner returned no token for {rid!r}, which was to sample"
+            raise RuntimeError(msg) from None
+        counters = self._counters
+        counters.num_spec_draft_tokens += num_drafts
+        counters.num_spec_accepted_tokens += num_accepted
+        new_token_ids: list[int] = []
+        status: RequestStatus | None = None
+        for token in [*seq.token_ids[1 : 1 + num_accepted], sampled]:
+            req.append_output_token(token)
+            new_token_ids.append(token)
+            if token in entry.stop_ids or req.num_tokens >= entry.max_num_tokens:
+                status = self._stop_status(entry, token)
+                if status is not None:
+                    break
+        counters.num_generation_tokens += len(new_token_ids)
+        # KV is computed for the scheduled token and the accepted drafts: every new token
+        # but the last.
+        req.num_computed_tokens = seq.start_pos + len(new_token_ids)
+        if status is not None:
+            return self._finish(entry, status, new_token_ids)
+        kv = self.kv
+        num_full = req.num_computed_tokens // self._block_size
+        if num_full > entry.num_full_blocks:
+            kv.cache_full_blocks(req)
+            entry.num_full_blocks = num_full
+        kv.rollback_slots(req)
+        if self._sliding_window is not None:
+            kv.release_out_of_window(req)
+        if not kv.strategy.always_retains and not kv.keeps_kv(req):
+            self._recompute_next_step(entry)
+        return _output(entry, new_token_ids, [], None)
 
     def _recompute_next_step(self, entry: _Entry) -> None:
         """The KV strategy keeps no KV for this request between steps: free its blocks now,
@@ -616,6 +688,11 @@ class Scheduler:
                 continue
             if remaining == 0:
                 break
+            if self._drafter is not None:
+                budget.remaining = remaining
+                self._take_speculative_decode(step, entry)
+                remaining = budget.remaining
+                continue
             remaining -= 1
             allocation = allocate_slots(req, 1)
             if allocation is None or allocation.block_copies:  # preempt, or copy on write
@@ -626,6 +703,28 @@ class Scheduler:
                 decode[req.request_id] = make_seq(req, 1)
         budget.remaining = remaining
         return len(decode) - num_before
+
+    def _take_speculative_decode(self, step: _Step, entry: _Entry) -> None:
+        """One decode with up to k drafts, within the budget (at least 1 token is left),
+        ``max_tokens`` and the chunk limit. Drafts never preempt: without room for them the
+        decode runs alone. No drafts for a request that wants logprobs (one per token)."""
+        req = entry.request
+        budget = step.budget
+        budget.remaining -= 1
+        drafts: list[int] = []
+        room = min(budget.remaining, entry.max_num_tokens - req.num_tokens - 1, self._max_chunk - 1)
+        if room > 0 and req.sampling.logprobs is None:
+            assert self._drafter is not None
+            drafts = self._drafter.propose(req.all_token_ids, room)
+        allocation = self.kv.allocate_slots(req, 1 + len(drafts)) if drafts else None
+        if allocation is None:
+            drafts = []
+            allocation = self.kv.allocate_slots(req, 1)
+            if allocation is None:
+                self._schedule_running(step, entry, 1, decode=True)
+                return
+        budget.remaining -= len(drafts)
+        step.add(self._make_seq(req, 1, drafts), True, allocation)
 
     def _take_prefills(self, step: _Step) -> int:
         """Prefill chunks: running prefills first (admission order), then admissions."""
@@ -820,16 +919,19 @@ class Scheduler:
             return self.kv.reserve_slots(entry.request, entry.max_num_tokens, hit, chunk)
         return self.kv.allocate_slots(entry.request, chunk, hit)
 
-    def _make_seq(self, req: Request, num_new: int) -> ScheduledSeq:
-        """The next ``num_new`` tokens of ``req`` to compute, with its current block table.
-        The one ``ScheduledSeq`` constructor: positional, as it runs for every decode."""
+    def _make_seq(
+        self, req: Request, num_new: int, drafts: list[int] | None = None
+    ) -> ScheduledSeq:
+        """The next ``num_new`` tokens of ``req`` to compute (then its speculative
+        ``drafts``, if any), with its current block table. The one ``ScheduledSeq``
+        constructor: positional, as it runs for every decode."""
         start = req.num_computed_tokens
         end = start + num_new
         all_token_ids = req.all_token_ids
         rid = req.request_id
         return ScheduledSeq(
             rid,
-            all_token_ids[start:end],
+            all_token_ids[start:end] + drafts if drafts else all_token_ids[start:end],
             start,
             self._block_ids(rid),  # a copy
             req.sampling,
@@ -838,6 +940,7 @@ class Scheduler:
             len(req.prompt_token_ids),
             len(req.output_token_ids),
             req.eos_token_ids,
+            len(drafts) if drafts else 0,
         )
 
     # -- preemption ---------------------------------------------------------------------
@@ -955,4 +1058,6 @@ class Scheduler:
             waiting_tokens=waiting.num_tokens,
             kv=self.kv.make_stats(),
             num_parked=len(self._parked),
+            num_spec_draft_tokens_total=c.num_spec_draft_tokens,
+            num_spec_accepted_tokens_total=c.num_spec_accepted_tokens,
         )

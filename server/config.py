@@ -35,6 +35,7 @@ from scheduler.config import (
     POLICIES,
     PREEMPTION_RULES,
     QUEUE_ORDERS,
+    SPECULATIVE_MODES,
     SchedulerConfig,
 )
 from server.auth import Security, TlsFiles, read_api_keys
@@ -52,6 +53,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "queue_order": QUEUE_ORDERS,
     "preemption": PREEMPTION_RULES,
     "memory_mode": MEMORY_MODES,
+    "speculative": SPECULATIVE_MODES,
     "eviction_policy": EVICTION_POLICIES,
     "kv_strategy": KV_STRATEGIES,
 }
@@ -73,6 +75,10 @@ _HELP = {
     "itl_slo_ms": "ITL target: slo policy steps stay under it; goodput metrics judge by it",
     "ttft_slo_ms": "TTFT target: slo policy admits by arrival + it; goodput metrics judge by it",
     "slo_preempt_margin": "slo: preempt decodes only when they alone exceed ITL x this",
+    "speculative": "speculative decoding: off | ngram (drafts by prompt lookup)",
+    "num_speculative_tokens": "speculative: draft tokens verified per decode step",
+    "ngram_max": "speculative ngram: longest suffix matched in the request's own tokens",
+    "ngram_min": "speculative ngram: shortest suffix that may draft",
     "block_size": "tokens per KV block",
     "enable_prefix_caching": "reuse KV of shared prompt prefixes",
     "eviction_policy": "which cached block to evict first",

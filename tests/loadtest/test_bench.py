@@ -76,10 +76,15 @@ def test_run_all_quick_prints_one_table_and_writes_json(tmp_path: Path) -> None:
     assert doc["schema"] == "kvserve.bench/v1" and doc["quick"] is True
     rows = doc["rows"]
     assert [r["section"] for r in rows] == (
-        ["chat128"] * 6 + ["policy"] * 2 + ["slo"] * 2 + ["prefix"] * 2 + ["paged"] * 6
+        ["chat128"] * 6
+        + ["policy"] * 2
+        + ["slo"] * 2
+        + ["prefix"] * 2
+        + ["paged"] * 6
+        + ["spec"] * 6
     )
     assert list(SECTIONS) == [
-        "chat128", "policy", "slo", "prefix", "paged", "kvcache", "sinks"
+        "chat128", "policy", "slo", "prefix", "paged", "spec", "kvcache", "sinks"
     ]  # fmt: skip
     points = doc["kvcache"]["points"]
     assert [(p["strategy"], p["length"]) for p in points] == [
@@ -95,7 +100,14 @@ def test_run_all_quick_prints_one_table_and_writes_json(tmp_path: Path) -> None:
     # The window holds at most 124 + a 64-token chunk + a block; sinks add their block.
     assert sinks["window 128 alone"]["peak_kv_slots"] <= 128 + 64 + 16
     assert sinks["sinks 4 + window 124"]["peak_kv_slots"] <= 16 + 124 + 64 + 16
-    served = [r for r in rows if r["system"].startswith("kvserve")]
+    spec = [r for r in rows if r["section"] == "spec"]
+    assert [r["system"] for r in spec] == ["kvserve speculation off", "kvserve speculation on"] * 3
+    for r in spec:
+        (report,) = r["raw"]["rounds"]
+        assert report["requests"]["ok"] == r["requests"] == 1
+        assert report["output_tokens_total"] == 8 and r["out_tok_s"] > 0
+    assert [r["notes"] == "no drafts" for r in spec] == [True, False] * 3
+    served = [r for r in rows if r["system"].startswith("kvserve") and r["section"] != "spec"]
     assert len(served) == 8  # chat128, policy, slo and prefix: 2 each
     for r in served:
         assert r["raw"]["requests"]["failed"] == 0, r["system"]

@@ -60,7 +60,9 @@ def live(
     serve_args = shlex.split(
         "--runner fake --fake-step-sleep-s 0.005 --num-blocks 48 --block-size 16 "
         "--max-num-seqs 8 --max-num-batched-tokens 256 --grace-period-s 2 --log-level warning "
-        "--policy slo"
+        # slo: the cost-model panels have data; n-gram speculation with 1-gram matches drafts
+        # often, so its panels have data too.
+        "--policy slo --speculative ngram --ngram-min 1"
     )
     server = ServerProcess(
         serve_args,

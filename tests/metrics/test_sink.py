@@ -63,6 +63,8 @@ def make_stats(kv: KVCacheStats | None = None, **overrides: object) -> Scheduler
         num_finished_total={"stop": 2, "length": 8},
         waiting_tokens=77,
         kv=kv if kv is not None else make_kv(),
+        num_spec_draft_tokens_total=40,
+        num_spec_accepted_tokens_total=30,
     )
     return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
 
@@ -227,6 +229,8 @@ def test_step_snapshot_gauges_and_counters(registry: CollectorRegistry) -> None:
     assert value(registry, "kvserve_generation_tokens_total") == 321.0
     assert value(registry, "kvserve_preemptions_total") == 4.0
     assert value(registry, "kvserve_recomputed_tokens_total") == 64.0
+    assert value(registry, "kvserve_spec_draft_tokens_total") == 40.0
+    assert value(registry, "kvserve_spec_accepted_tokens_total") == 30.0
     finished = "kvserve_requests_finished_total"
     assert value(registry, finished, finish_reason="stop") == 2.0
     assert value(registry, finished, finish_reason="length") == 8.0

@@ -97,6 +97,8 @@ configs = st.fixed_dictionaries(
         "prefix_caching": st.booleans(),
         "sliding_window": st.sampled_from([None, None, 6, 12]),
         "max_waiting_requests": st.integers(4, 40),
+        "speculative": st.sampled_from(["off", "ngram"]),
+        "num_speculative_tokens": st.integers(1, 5),
     }
 )
 
@@ -130,6 +132,10 @@ class Harness:
             memory_mode=str(cfg["memory_mode"]),
             itl_slo_ms=int(cfg["itl_slo_ms"]),  # type: ignore[call-overload]
             ttft_slo_ms=200,
+            speculative=str(cfg["speculative"]),
+            num_speculative_tokens=int(cfg["num_speculative_tokens"]),  # type: ignore[call-overload]
+            ngram_max=3,
+            ngram_min=1,
         )
         # slo: a real RLS model, fed a linear "machine", with targets tight enough to bind
         # (late moves, deferred admissions, preemptions, the block floor all happen).
@@ -195,7 +201,7 @@ class Harness:
         assert len(plan.decode) <= config.max_num_seqs
         ids = [s.request_id for s in (*plan.prefill, *plan.decode)]
         assert len(ids) == len(set(ids)), f"a request is scheduled twice: {ids}"
-        assert all(len(s.token_ids) == 1 for s in plan.decode)
+        assert all(len(s.token_ids) == 1 + s.num_draft_tokens for s in plan.decode)
         self.record(sched.update(plan, self.runner.execute(plan)))
         kv.check_invariants()
         stats = sched.make_stats()
