@@ -78,10 +78,16 @@ class StepShape:
 
     @classmethod
     def of_plan(cls, plan: SchedulerOutput) -> StepShape:
-        return cls.of(
+        """A plan's shape. A decode with k speculative drafts is a decode plus a k-token
+        chunk right after it (its verification rows)."""
+        shape = cls.of(
             ((len(s.token_ids), s.start_pos) for s in plan.prefill),
             (s.start_pos for s in plan.decode),
         )
+        for s in plan.decode:
+            if len(s.token_ids) > 1:
+                shape = shape.with_chunk(len(s.token_ids) - 1, s.start_pos + 1)
+        return shape
 
     def with_chunk(self, num_new: int, start: int) -> StepShape:
         """This shape plus one prefill chunk."""

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from cache_manager import Allocation, KVCacheManager, PrefixHit
 from scheduler.config import SchedulerConfig
-from scheduler.cost_model import CostPredictor
+from scheduler.cost_model import CostPredictor, StepShape
 from scheduler.errors import OverloadError
 from scheduler.fork import ForkGroup, ForkTable, make_sample
 from scheduler.output import (
@@ -775,10 +775,16 @@ class Scheduler:
             slo = SloStep.begin(
                 cost,
                 self.config.itl_slo_s,
-                ((running[seq.request_id].request, seq.start_pos) for seq in step.decode.values()),
+                (
+                    (running[seq.request_id].request, seq.start_pos, len(seq.token_ids))
+                    for seq in step.decode.values()
+                ),
                 (e.request for e in running.values() if e.request.status is _PREFILLING),
             )
-            over = len(step.decode) > 1 and cost.predict(slo.shape) > slo.target_s * margin
+            decodes = StepShape(  # without their drafts: those go before any decode does
+                decode_seqs=slo.shape.decode_seqs, decode_context=slo.shape.decode_context
+            )
+            over = len(step.decode) > 1 and cost.predict(decodes) > slo.target_s * margin
             if not over:
                 self._slo_over_steps = 0
                 break

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -53,6 +54,14 @@ def test_shape_of_a_real_plan() -> None:
     plan = sched.schedule()
     # a decodes at position 5 (6 positions read); b prefills 3 tokens.
     assert StepShape.of_plan(plan) == StepShape(3, 1, 6, 6)
+
+
+def test_shape_of_a_plan_costs_speculative_drafts_as_a_chunk_after_the_decode() -> None:
+    """A decode at position 9 with 3 drafts: one decode over 10 positions, and a 3-token
+    chunk after 10 computed positions (its verification rows)."""
+    seq = SimpleNamespace(token_ids=[5, 6, 7, 8], start_pos=9)
+    plan = SimpleNamespace(prefill=[], decode=[seq])
+    assert StepShape.of_plan(plan) == StepShape(3, 1, 3 * 10 + 6, 10)  # type: ignore[arg-type]
 
 
 def test_fit_recovers_a_linear_truth_exactly() -> None:
