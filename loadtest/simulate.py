@@ -585,8 +585,11 @@ def _fmt_ms(summary: dict[str, float | int | None], key: str) -> str:
     return "-" if value is None else f"{float(value) * 1e3:.1f}"
 
 
+Column = tuple[str, Callable[[dict[str, Any]], str]]  # a header and how to show a run
+
+
 def format_table(runs: Sequence[dict[str, Any]]) -> str:
-    columns: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+    columns: list[Column] = [
         ("run", lambda r: str(r["name"])),
         ("done", lambda r: str(r["num_finished"])),
         ("tok/s", lambda r: f"{r['throughput']['output_tokens_per_s']:.0f}"),
@@ -603,18 +606,24 @@ def format_table(runs: Sequence[dict[str, Any]]) -> str:
         ("hit", lambda r: f"{r['kv']['prefix_hit_rate']:.0%}"),
         ("goodput", lambda r: f"{r['slo']['goodput']:.1%}"),
     ]
+    return _render(columns, runs, 1) + "\n(latencies in ms; tok/s = output tokens per second)"
+
+
+def _render(columns: Sequence[Column], runs: Sequence[dict[str, Any]], num_left: int) -> str:
+    """A fixed-width table: a header, a rule, a row per run; the first ``num_left`` columns
+    left-aligned, the rest right-aligned."""
     rows = [[name for name, _ in columns]] + [[get(r) for _, get in columns] for r in runs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = []
     for j, row in enumerate(rows):
         cells = [
-            c.ljust(w) if i == 0 else c.rjust(w)
+            c.ljust(w) if i < num_left else c.rjust(w)
             for i, (c, w) in enumerate(zip(row, widths, strict=True))
         ]
         lines.append("  ".join(cells))
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines) + "\n(latencies in ms; tok/s = output tokens per second)"
+    return "\n".join(lines)
 
 
 def compare(runs: Sequence[dict[str, Any]]) -> dict[str, float | None]:
@@ -647,7 +656,7 @@ def compare(runs: Sequence[dict[str, Any]]) -> dict[str, float | None]:
 
 def format_cluster_table(runs: Sequence[dict[str, Any]]) -> str:
     """One row per (replicas, router): goodput, TTFT, prefix-hit rate, throughput."""
-    columns: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+    columns: list[Column] = [
         ("replicas", lambda r: str(r["replicas"])),
         ("router", lambda r: str(r["router"])),
         ("goodput req/s", lambda r: f"{r['goodput_requests_per_s']:.2f}"),
@@ -658,18 +667,8 @@ def format_cluster_table(runs: Sequence[dict[str, Any]]) -> str:
         ("hit", lambda r: f"{r['kv']['prefix_hit_rate']:.0%}"),
         ("evictions", lambda r: str(r["kv"]["evictions"])),
     ]
-    rows = [[name for name, _ in columns]] + [[get(r) for _, get in columns] for r in runs]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
-    lines = []
-    for j, row in enumerate(rows):
-        cells = [
-            c.ljust(w) if i < 2 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        lines.append("  ".join(cells))
-        if j == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines) + "\n(latencies in ms; hit = prefix-cache hit rate over all replicas)"
+    note = "\n(latencies in ms; hit = prefix-cache hit rate over all replicas)"
+    return _render(columns, runs, 2) + note
 
 
 def main(argv: list[str] | None = None) -> int:
