@@ -23,7 +23,7 @@ from metrics.prometheus import PrometheusSink
 from server import cli
 from server.auth import Security, TlsFiles, key_owner
 from server.client import KVServeClient
-from server.http import metrics_app, start_asgi_server
+from server.http import METRICS_MAX_CONNECTIONS, metrics_app, start_asgi_server
 from server.rpc import generation_pb2 as pb
 from server.rpc import generation_pb2_grpc as pb_grpc
 from tests.server.helpers import collect, expected_tokens, make_fake_runner, serve
@@ -284,3 +284,42 @@ async def test_kvserve_generate_and_the_python_client_take_a_key_and_a_ca(pki: P
         )
     )
     assert "UNAUTHENTICATED: missing API key" in err.getvalue()
+
+
+async def test_metrics_server_serves_a_bounded_number_of_connections() -> None:
+    """The metrics endpoint as ``kvserve serve`` starts it: with METRICS_MAX_CONNECTIONS
+    connections held open (and idle), one more scrape gets 503 at once instead of a thread or
+    a task of its own; once they close, scrapes are served again."""
+    registry = CollectorRegistry()
+    PrometheusSink(registry)
+    server = await start_asgi_server(
+        metrics_app(registry),
+        "127.0.0.1",
+        0,
+        limit_concurrency=METRICS_MAX_CONNECTIONS,
+        name="metrics",
+    )
+    url = f"http://127.0.0.1:{server.port}/metrics"
+    held: list[asyncio.StreamWriter] = []
+    try:
+        async with httpx.AsyncClient() as fresh:
+            assert (await fresh.get(url)).status_code == 200
+        for _ in range(METRICS_MAX_CONNECTIONS):
+            _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            held.append(writer)
+        await asyncio.sleep(0.2)  # the server has accepted them
+        async with httpx.AsyncClient() as over:
+            response = await over.get(url)
+        assert response.status_code == 503
+        for writer in held:
+            writer.close()
+            await writer.wait_closed()
+        held.clear()
+        await asyncio.sleep(0.2)
+        async with httpx.AsyncClient() as again:
+            response = await again.get(url)
+        assert response.status_code == 200 and "kvserve_" in response.text
+    finally:
+        for writer in held:
+            writer.close()
+        await server.stop()
