@@ -7,10 +7,12 @@ The scheduler controls a step's shape, and the shape sets its cost::
            + c2 * decode_seqs         one token per decode: its linear layers and logits
            + c3 * prefill_attention   (query, key) pairs of the prefill chunks
            + c4 * decode_context      KV positions the decodes read
+           + c5 * has_prefill         1 if the step has a prefill chunk: it leaves the fused
+                                      decode path (on the CPU, tens of ms of fixed cost)
 
 A chunk of ``n`` new tokens after ``s`` computed ones attends over ``n*s + n*(n+1)/2``
 pairs (causal); a decode reads ``s + 1`` positions. The coefficients are fitted by recursive
-least squares (RLS) with a forgetting factor, one O(k^2) update per step (k = 5): the engine
+least squares (RLS) with a forgetting factor, one O(k^2) update per step (k = 6): the engine
 feeds it ``observe(shape, seconds)`` after every step, so the model follows the machine it
 runs on (another process taking a core, longer contexts, a different model) within tens of
 steps. It starts from a prior: coefficients fitted to a short calibration run at start-up,
@@ -36,14 +38,21 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from scheduler.output import SchedulerOutput
 
-FEATURES = ("intercept", "prefill_tokens", "decode_seqs", "prefill_attention", "decode_context")
+FEATURES = (
+    "intercept",
+    "prefill_tokens",
+    "decode_seqs",
+    "prefill_attention",
+    "decode_context",
+    "has_prefill",
+)
 # Divisors that bring each feature to O(1) on a typical step.
-SCALES = (1.0, 1024.0, 64.0, 1024.0 * 1024.0, 64.0 * 1024.0)
+SCALES = (1.0, 1024.0, 64.0, 1024.0 * 1024.0, 64.0 * 1024.0, 1.0)
 _K = len(FEATURES)
 # The covariance's trace may grow to this multiple of the prior's, no further (wind-up).
 TRACE_CAP = 10.0
@@ -57,6 +66,7 @@ class StepShape:
     decode_seqs: int = 0
     prefill_attention: int = 0
     decode_context: int = 0
+    prefill_chunks: int = 0
 
     @staticmethod
     def chunk_attention(num_new: int, start: int) -> int:
@@ -66,28 +76,39 @@ class StepShape:
     @classmethod
     def of(cls, prefill: Iterable[tuple[int, int]], decode_starts: Iterable[int]) -> StepShape:
         """The shape of prefill chunks ``(num_new, start)`` and decodes at ``start``."""
-        tokens = attention = 0
+        tokens = attention = chunks = 0
         for n, s in prefill:
             tokens += n
             attention += cls.chunk_attention(n, s)
+            chunks += 1
         seqs = context = 0
         for s in decode_starts:
             seqs += 1
             context += s + 1
-        return cls(tokens, seqs, attention, context)
+        return cls(tokens, seqs, attention, context, chunks)
 
     @classmethod
     def of_plan(cls, plan: SchedulerOutput) -> StepShape:
-        """A plan's shape. A decode with k speculative drafts is a decode plus a k-token
-        chunk right after it (its verification rows)."""
+        """A plan's shape. A decode with k speculative drafts is a decode plus k tokens
+        right after it (its verification rows, on the decode path: not a prefill chunk)."""
         shape = cls.of(
             ((len(s.token_ids), s.start_pos) for s in plan.prefill),
             (s.start_pos for s in plan.decode),
         )
         for s in plan.decode:
             if len(s.token_ids) > 1:
-                shape = shape.with_chunk(len(s.token_ids) - 1, s.start_pos + 1)
+                shape = shape.with_drafts(len(s.token_ids) - 1, s.start_pos)
         return shape
+
+    def with_drafts(self, num_drafts: int, start: int) -> StepShape:
+        """This shape plus the verification rows of a decode at ``start`` with
+        ``num_drafts`` speculative drafts: tokens and attention like a chunk after it, but
+        on the decode path (not a prefill chunk)."""
+        return replace(
+            self,
+            prefill_tokens=self.prefill_tokens + num_drafts,
+            prefill_attention=self.prefill_attention + self.chunk_attention(num_drafts, start + 1),
+        )
 
     def with_chunk(self, num_new: int, start: int) -> StepShape:
         """This shape plus one prefill chunk."""
@@ -96,6 +117,7 @@ class StepShape:
             self.decode_seqs,
             self.prefill_attention + self.chunk_attention(num_new, start),
             self.decode_context,
+            self.prefill_chunks + (num_new > 0),
         )
 
     def with_decode(self, context: int) -> StepShape:
@@ -105,6 +127,7 @@ class StepShape:
             self.decode_seqs + 1,
             self.prefill_attention,
             self.decode_context + context,
+            self.prefill_chunks,
         )
 
     @property
@@ -118,6 +141,7 @@ class StepShape:
             self.decode_seqs / SCALES[2],
             self.prefill_attention / SCALES[3],
             self.decode_context / SCALES[4],
+            1.0 if self.prefill_chunks else 0.0,
         )
 
 

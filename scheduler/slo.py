@@ -96,14 +96,14 @@ class SloStep:
         prefills: Iterable[Request],
     ) -> SloStep:
         """``decodes``: (request, start position, tokens) of this step's decodes (more than
-        one token: speculative drafts, costed as a chunk after the decode); ``prefills``:
+        one token: speculative drafts, ``StepShape.with_drafts``); ``prefills``:
         the running requests still prefilling."""
         target = default_target_s
         shape = StepShape()
         for req, start, num_tokens in decodes:
             shape = shape.with_decode(start + 1)
             if num_tokens > 1:
-                shape = shape.with_chunk(num_tokens - 1, start + 1)
+                shape = shape.with_drafts(num_tokens - 1, start)
             if req.itl_slo_s is not None and req.itl_slo_s < target:
                 target = req.itl_slo_s
         future = shape

@@ -10,7 +10,7 @@ import pytest
 from scheduler.cost_model import FEATURES, StepCostModel, StepShape
 from tests.scheduler.helpers import make_request, make_runner, make_scheduler
 
-TRUE_S = (4e-3, 0.8e-3, 1.5e-3, 2e-9, 3e-7)  # per unit of each raw feature
+TRUE_S = (4e-3, 0.8e-3, 1.5e-3, 2e-9, 3e-7, 5e-3)  # per unit of each raw feature
 
 
 def _truth(shape: StepShape) -> float:
@@ -20,6 +20,7 @@ def _truth(shape: StepShape) -> float:
         shape.decode_seqs,
         shape.prefill_attention,
         shape.decode_context,
+        1 if shape.prefill_chunks else 0,
     )
     return sum(c * v for c, v in zip(TRUE_S, raw, strict=True))
 
@@ -36,10 +37,10 @@ def test_shape_counts_tokens_seqs_attention_pairs_and_context() -> None:
     shape = StepShape.of([(4, 0), (3, 10)], [5, 7])
     # Causal pairs: 4*0 + 4*5/2 = 10; 3*10 + 3*4/2 = 36. Decodes read start + 1 positions.
     assert shape == StepShape(
-        prefill_tokens=7, decode_seqs=2, prefill_attention=46, decode_context=14
+        prefill_tokens=7, decode_seqs=2, prefill_attention=46, decode_context=14, prefill_chunks=2
     )
-    assert shape.with_chunk(2, 1) == StepShape(9, 2, 46 + 2 + 3, 14)
-    assert shape.with_decode(9) == StepShape(7, 3, 46, 23)
+    assert shape.with_chunk(2, 1) == StepShape(9, 2, 46 + 2 + 3, 14, 3)
+    assert shape.with_decode(9) == StepShape(7, 3, 46, 23, 2)
     assert StepShape().is_empty and not shape.is_empty
 
 
@@ -48,20 +49,20 @@ def test_shape_of_a_real_plan() -> None:
     runner = make_runner(kv)
     sched.add_request(make_request("a", prompt_len=5, max_tokens=3))
     first = sched.schedule()
-    assert StepShape.of_plan(first) == StepShape(5, 0, 15, 0)
+    assert StepShape.of_plan(first) == StepShape(5, 0, 15, 0, 1)
     sched.update(first, runner.execute(first))
     sched.add_request(make_request("b", prompt_len=3, max_tokens=3, first_token=300))
     plan = sched.schedule()
     # a decodes at position 5 (6 positions read); b prefills 3 tokens.
-    assert StepShape.of_plan(plan) == StepShape(3, 1, 6, 6)
+    assert StepShape.of_plan(plan) == StepShape(3, 1, 6, 6, 1)
 
 
 def test_shape_of_a_plan_costs_speculative_drafts_as_a_chunk_after_the_decode() -> None:
-    """A decode at position 9 with 3 drafts: one decode over 10 positions, and a 3-token
-    chunk after 10 computed positions (its verification rows)."""
+    """A decode at position 9 with 3 drafts: one decode over 10 positions, and 3 tokens
+    after 10 computed positions (its verification rows, not a prefill chunk)."""
     seq = SimpleNamespace(token_ids=[5, 6, 7, 8], start_pos=9)
     plan = SimpleNamespace(prefill=[], decode=[seq])
-    assert StepShape.of_plan(plan) == StepShape(3, 1, 3 * 10 + 6, 10)  # type: ignore[arg-type]
+    assert StepShape.of_plan(plan) == StepShape(3, 1, 3 * 10 + 6, 10, 0)  # type: ignore[arg-type]
 
 
 def test_fit_recovers_a_linear_truth_exactly() -> None:
@@ -135,7 +136,7 @@ def test_bad_measurements_are_ignored() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"prior_s": (1.0,)}, "needs 5 coefficients"),
+        ({"prior_s": (1.0,)}, "needs 6 coefficients"),
         ({"prior_s": TRUE_S, "forgetting": 0.0}, "forgetting"),
         ({"prior_s": TRUE_S, "prior_weight": 0.0}, "prior_weight"),
     ],

@@ -139,7 +139,7 @@ class Harness:
         )
         # slo: a real RLS model, fed a linear "machine", with targets tight enough to bind
         # (late moves, deferred admissions, preemptions, the block floor all happen).
-        self.cost = StepCostModel((1e-3, 2e-4, 5e-4, 1e-6, 1e-5))
+        self.cost = StepCostModel((1e-3, 2e-4, 5e-4, 1e-6, 1e-5, 2e-3))
         self.now_s = 0.0
         self.sched = Scheduler(self.config, self.kv, self.cost)
         self.runner = FakeRunner(
