@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NotRequired, Protocol, TypedDict, Unpack
 
 from loadtest.generator import LoadConfig, LoadGenerator
 from loadtest.launch import ServerProcess
@@ -94,84 +94,48 @@ class Served(Protocol):
     def metrics_url(self) -> str | None: ...
 
 
-def run_load(
-    server: Served,
-    workload: Workload,
-    *,
-    api: str = "grpc",
-    users: int,
-    num_requests: int,
-    duration_s: float,
-    desc: str,
-    progress: bool = True,
-    slo: SLO | None = None,
-) -> dict[str, Any]:
+class LoadArgs(TypedDict):
+    """How one closed-loop run drives a server (``run_load``'s keywords, passed through
+    ``warm_and_run`` and ``measure``)."""
+
+    users: int
+    num_requests: int
+    duration_s: float
+    desc: str
+    api: NotRequired[str]  # "grpc" (default) or "openai"
+    progress: NotRequired[bool]
+    slo: NotRequired[SLO | None]  # goodput limits (default: none)
+
+
+def run_load(server: Served, workload: Workload, **load: Unpack[LoadArgs]) -> dict[str, Any]:
     config = LoadConfig(
         target=server.target,
         mode="closed",
-        users=users,
-        num_requests=num_requests,
-        duration_s=duration_s,
+        users=load["users"],
+        num_requests=load["num_requests"],
+        duration_s=load["duration_s"],
         metrics_url=server.metrics_url,
-        progress=progress,
-        progress_desc=desc,
-        api=api,
-        slo=slo or SLO(),
+        progress=load.get("progress", True),
+        progress_desc=load["desc"],
+        api=load.get("api", "grpc"),
+        slo=load.get("slo") or SLO(),
     )
     run = asyncio.run(LoadGenerator(config, workload).run())
     return build_report(run, workload)
 
 
-def warm_and_run(
-    server: Served,
-    workload: Workload,
-    *,
-    api: str = "grpc",
-    users: int,
-    num_requests: int,
-    duration_s: float,
-    desc: str,
-    progress: bool = True,
-    slo: SLO | None = None,
-) -> dict[str, Any]:
+def warm_and_run(server: Served, workload: Workload, **load: Unpack[LoadArgs]) -> dict[str, Any]:
     """The warm-up every measured server gets (2 short requests), then one closed-loop run."""
-    run_load(server, WARM_UP, api=api, users=2, num_requests=2, duration_s=300,
-             desc="warm-up", progress=False)  # fmt: skip
-    return run_load(
-        server,
-        workload,
-        api=api,
-        users=users,
-        num_requests=num_requests,
-        duration_s=duration_s,
-        desc=desc,
-        progress=progress,
-        slo=slo,
-    )
+    run_load(server, WARM_UP, api=load.get("api", "grpc"), users=2, num_requests=2,
+             duration_s=300, desc="warm-up", progress=False)  # fmt: skip
+    return run_load(server, workload, **load)
 
 
 def measure(
-    serve_args: Sequence[str],
-    workload: Workload,
-    *,
-    users: int,
-    num_requests: int,
-    duration_s: float,
-    desc: str,
-    progress: bool = True,
-    slo: SLO | None = None,
+    serve_args: Sequence[str], workload: Workload, **load: Unpack[LoadArgs]
 ) -> dict[str, Any]:
     """Fresh server with ``serve_args``, warm-up, then one closed-loop run; its report."""
     with ServerProcess(["--runner", "torch", *serve_args]) as server:
-        report = warm_and_run(
-            server,
-            workload,
-            users=users,
-            num_requests=num_requests,
-            duration_s=duration_s,
-            desc=desc,
-            progress=progress,
-            slo=slo,
-        )
+        report = warm_and_run(server, workload, **load)
         report["serve_args"] = list(serve_args)
         return report
