@@ -36,7 +36,6 @@ weights chase the small steps). Features are scaled to be O(1) for typical steps
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -151,17 +150,6 @@ class CostPredictor(Protocol):
     def predict(self, shape: StepShape) -> float: ...
 
 
-@dataclass(frozen=True, slots=True)
-class CostModelStats:
-    """The fit's state, for metrics."""
-
-    num_observations: int
-    last_predicted_s: float
-    last_actual_s: float
-    median_abs_rel_error: float  # over the last ``window`` observed steps (0 before any)
-    coefficients_s: tuple[float, ...]  # seconds per unit of each raw feature (FEATURES)
-
-
 class StepCostModel:
     """Recursive least squares over ``StepShape.features``; see the module docstring.
 
@@ -178,7 +166,6 @@ class StepCostModel:
         *,
         prior_weight: float = 4.0,
         forgetting: float = 0.98,
-        window: int = 256,
     ) -> None:
         if len(prior_s) != _K:
             raise ValueError(f"prior_s needs {_K} coefficients ({', '.join(FEATURES)})")
@@ -191,10 +178,7 @@ class StepCostModel:
         self._p = [[p0 if i == j else 0.0 for j in range(_K)] for i in range(_K)]
         self._max_trace = p0 * _K * TRACE_CAP
         self._lambda = forgetting
-        self._errors: deque[float] = deque(maxlen=window)
         self.num_observations = 0
-        self.last_predicted_s = 0.0
-        self.last_actual_s = 0.0
 
     @classmethod
     def fit(
@@ -243,30 +227,11 @@ class StepCostModel:
         scale = 1.0 / lam if trace / lam <= self._max_trace else 1.0
         self._p = [[v * scale for v in row] for row in new_p]
         self.num_observations += 1
-        self.last_predicted_s = predicted
-        self.last_actual_s = seconds
-        self._errors.append(abs(predicted - seconds) / seconds)
         return predicted
 
     @property
     def coefficients_s(self) -> tuple[float, ...]:
         return tuple(t / scale for t, scale in zip(self._theta, SCALES, strict=True))
-
-    def median_abs_rel_error(self) -> float:
-        errors = sorted(self._errors)
-        if not errors:
-            return 0.0
-        mid = len(errors) // 2
-        return errors[mid] if len(errors) % 2 else (errors[mid - 1] + errors[mid]) / 2
-
-    def make_stats(self) -> CostModelStats:
-        return CostModelStats(
-            num_observations=self.num_observations,
-            last_predicted_s=self.last_predicted_s,
-            last_actual_s=self.last_actual_s,
-            median_abs_rel_error=self.median_abs_rel_error(),
-            coefficients_s=self.coefficients_s,
-        )
 
 
 def _least_squares(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import statistics
 from types import SimpleNamespace
 
 import pytest
@@ -76,22 +77,20 @@ def test_fit_recovers_a_linear_truth_exactly() -> None:
     assert model.predict(StepShape()) == 0.0
 
 
-def test_rls_converges_from_a_wrong_prior_and_reports_its_error() -> None:
+def test_rls_converges_from_a_wrong_prior() -> None:
     rng = random.Random(1)
     model = StepCostModel([c * 3.0 for c in TRUE_S], forgetting=0.98)
-    first_errors = []
-    for i in range(400):
+    errors = []  # |predicted - measured| / measured, as observe() predicted each step
+    for _ in range(400):
         shape = _random_shape(rng)
         predicted = model.observe(shape, _truth(shape))
-        if i < 5:
-            first_errors.append(abs(predicted - _truth(shape)) / _truth(shape))
-    assert first_errors[0] == pytest.approx(2.0)  # the prior was 3x off
-    # The prior's weight decays as 0.98^n: after 400 steps the fit is within 1 %.
-    assert model.median_abs_rel_error() < 0.01
-    stats = model.make_stats()
-    assert stats.num_observations == 400
-    assert len(stats.coefficients_s) == len(FEATURES)
-    assert stats.last_predicted_s == pytest.approx(stats.last_actual_s, rel=1e-3)
+        errors.append(abs(predicted - _truth(shape)) / _truth(shape))
+    assert errors[0] == pytest.approx(2.0)  # the prior was 3x off
+    # The prior's weight decays as 0.98^n: over the last 256 steps the fit is within 1 %.
+    assert statistics.median(errors[-256:]) < 0.01
+    assert model.num_observations == 400
+    assert len(model.coefficients_s) == len(FEATURES)
+    assert errors[-1] < 1e-3
 
 
 def test_rls_follows_a_machine_that_slows_down() -> None:
