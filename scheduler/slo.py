@@ -98,18 +98,29 @@ class SloStep:
         """``decodes``: (request, start position, tokens) of this step's decodes (more than
         one token: speculative drafts, ``StepShape.with_drafts``); ``prefills``:
         the running requests still prefilling."""
+        # Sums first, one StepShape at the end: this runs every step over every decode.
         target = default_target_s
-        shape = StepShape()
+        num_decodes = context = draft_tokens = draft_attention = 0
         for req, start, num_tokens in decodes:
-            shape = shape.with_decode(start + 1)
+            num_decodes += 1
+            context += start + 1
             if num_tokens > 1:
-                shape = shape.with_drafts(num_tokens - 1, start)
+                draft_tokens += num_tokens - 1
+                draft_attention += StepShape.chunk_attention(num_tokens - 1, start + 1)
             if req.itl_slo_s is not None and req.itl_slo_s < target:
                 target = req.itl_slo_s
-        future = shape
+        num_future, future_context = num_decodes, context
         for req in prefills:
-            future = future.with_decode(req.num_prompt_tokens + 1)
-        return cls(cost, target, shape.decode_seqs > 0, shape, future)
+            num_future += 1
+            future_context += req.num_prompt_tokens + 1
+        shape = StepShape(
+            prefill_tokens=draft_tokens,
+            decode_seqs=num_decodes,
+            prefill_attention=draft_attention,
+            decode_context=context,
+        )
+        future = StepShape(decode_seqs=num_future, decode_context=future_context)
+        return cls(cost, target, num_decodes > 0, shape, future)
 
     def chunk_limit(self, num_new: int, start: int) -> int:
         """The longest chunk of at most ``num_new`` tokens at ``start`` that keeps the step
