@@ -89,3 +89,71 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate(
         [ql.reshape(nb, 128), qh.reshape(nb, 64), sc.view(np.uint8), _f16(d16).reshape(nb, 2)], axis=1
     )
+
+
+# ---------------------------------------------------------------------- whole files
+
+# GGUF's file_type codes for the schemes ``requantize_gguf`` writes (llama.cpp's LLAMA_FTYPE_*).
+FILE_TYPES = {"Q4_K_M": 15, "Q4_0": 2, "Q8_0": 7}
+# A K-quant needs rows of whole 256-blocks; llama.cpp falls back per tensor like this.
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def _more_bits(layer: int, num_layers: int) -> bool:
+    """llama.cpp's ``use_more_bits``: the first and last eighth, and every third between."""
+    return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
+
+
+def scheme_type(name: str, scheme: str, num_layers: int, row_length: int, has_output: bool) -> str:
+    """The type ``name`` gets under ``scheme`` (Q4_K_M: llama.cpp's rules, simplified to the
+    LLaMA tensors): the output Q6_K, attn_v and ffn_down Q6_K in the ``_more_bits`` layers,
+    every other matrix Q4_K; a row length that is not whole 256-blocks falls back."""
+    if scheme != "Q4_K_M":
+        return scheme
+    if name == "output.weight" or (name == "token_embd.weight" and not has_output):
+        chosen = "Q6_K"
+    elif name.endswith(("attn_v.weight", "ffn_down.weight")):
+        layer = int(name.split(".")[1])
+        chosen = "Q6_K" if _more_bits(layer, num_layers) else "Q4_K"
+    else:
+        chosen = "Q4_K"
+    return _FALLBACK[chosen] if row_length % 256 else chosen
+
+
+def requantize_gguf(src: str, dst: str, scheme: str = "Q4_K_M") -> dict[str, str]:
+    """Write ``src`` (any GGUF this package decodes) to ``dst`` with its matrices requantized
+    under ``scheme``: metadata copied, 1-D tensors (norms) as F32. Returns each tensor's new
+    type. Our quantizers (``quantize``), not llama-quantize's search: for tests and benchmarks
+    that need a K-quant file where no llama.cpp build is at hand."""
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(src)
+    arch = str(reader.fields["general.architecture"].contents())
+    layers = int(reader.fields[f"{arch}.block_count"].contents())
+    names = {t.name for t in reader.tensors}
+    writer = gguf.GGUFWriter(dst, arch)
+    for field in reader.fields.values():
+        if field.name in ("general.architecture", "general.file_type") or field.name.startswith("GGUF."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    writer.add_file_type(FILE_TYPES.get(scheme, 0))
+    chosen: dict[str, str] = {}
+    for tensor in reader.tensors:
+        values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        shape = [int(d) for d in reversed(tensor.shape.tolist())]  # [rows, row length]
+        values = values.reshape(shape)
+        if values.ndim != 2:
+            writer.add_tensor(tensor.name, values)
+            chosen[tensor.name] = "F32"
+            continue
+        kind = scheme_type(tensor.name, scheme, layers, shape[1], "output.weight" in names)
+        raw = quantize(values, kind)
+        writer.add_tensor(tensor.name, raw, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+        chosen[tensor.name] = kind
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return chosen

@@ -17,11 +17,11 @@ Q6_K). Scales are fp32 (GGUF's are fp16) so that row operations at load (folding
 scale into Q) stay exact; the 6-bit packed scales of Q4_K / Q5_K are unpacked to bytes. A
 Q4_K_M file's weights are held in about 1.05x its bytes on disk.
 
-``QLinear`` has ``Linear``'s interface. Up to ``SKINNY_MAX_ROWS`` rows it runs the kernels'
-integer GEMM (activations quantized to int8 per 32-block, as ggml's q8_0; weights unpacked a
-chunk of rows at a time and read once for every row). Above that (long prefill chunks) it
-dequantizes the weight a panel at a time into a reused fp32 buffer and runs oneDNN's GEMM on
-it, so prefill keeps BLAS speed and the weights stay 4-8x smaller in memory.
+``QLinear`` has ``Linear``'s interface. It runs the kernels' integer GEMM (activations
+quantized to int8 per 32-block, as ggml's q8_0; weights unpacked a chunk of rows at a time and
+read once for every row) for every batch shape. Above ``SKINNY_MAX_ROWS`` rows (unbounded by
+default) it would instead dequantize the weight a panel at a time into a reused fp32 buffer
+and run oneDNN's GEMM on it.
 """
 
 from __future__ import annotations
@@ -74,7 +74,10 @@ NATIVE_GGUF_TYPES = tuple(FORMATS)
 # Parameter names (Hugging Face's) of the matrices a weights mode may quantize.
 MATRIX_SUFFIXES = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
 # Up to this many rows, the integer kernels; above, panel dequantization + oneDNN's GEMM.
-SKINNY_MAX_ROWS = 64
+# No bound by default: the integer GEMM is about as fast as the panels from 64 rows up, and
+# one arithmetic for every batch shape keeps a row's results independent of its batch. The
+# panel path stays for measurements (``bench_model_runner --panels``) and the tests.
+SKINNY_MAX_ROWS = 1 << 30
 # fp32 elements of the shared dequantization buffer (16 MiB): the LM head goes in panels.
 PANEL_ELEMENTS = 1 << 22
 

@@ -51,6 +51,13 @@ from model_runner.model import LlamaModel
 from model_runner.quant import QuantWeight
 from scheduler.output import ModelOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
 
+# Steps of up to this many token rows (prefill chunks, decodes and draft rows together) run
+# as one fused kernel call when the model allows it (``FusedDecode``); longer ones take the
+# torch path. No bound by default: every step of a quantized model is one call, so a row's
+# numbers never depend on what else is in its batch (the torch path's attention sums in
+# another order, and an int8 activation near a rounding boundary could then flip a token).
+FUSED_MAX_ROWS = 1 << 30
+
 
 class SamplerLike(Protocol):
     def sample(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> object: ...
@@ -287,11 +294,14 @@ class TorchRunner:
     ) -> torch.Tensor:
         """Hidden states of every computed position: prefill chunks, then the decodes in
         order, a decode with drafts taking 1 + k rows."""
-        if self._fused is not None and not prefill and not self._skips_released(decode):
-            # A decode with drafts is k + 1 rows at consecutive positions, one block table.
-            token_ids = [t for s in decode for t in s.token_ids]
-            positions = [p for s in decode for p in range(s.start_pos, s.end_pos)]
-            tables = [s.block_ids for s in decode for _ in s.token_ids]
+        if self._fused_fits(prefill, decode):
+            # One flattened token batch: a prefill chunk is consecutive rows of one block
+            # table, a decode with drafts k + 1 rows, a plain decode one row.
+            assert self._fused is not None
+            seqs = [*prefill, *decode]
+            token_ids = [t for s in seqs for t in s.token_ids]
+            positions = [p for s in seqs for p in range(s.start_pos, s.end_pos)]
+            tables = [s.block_ids for s in seqs for _ in s.token_ids]
             return self._fused.forward(token_ids, positions, tables)
         # Drafts are verified as chunks attending to the request's cached KV (they come
         # first among the decodes, see _prepare, so rows stay in order).
@@ -308,6 +318,14 @@ class TorchRunner:
             rope_inv_freq=self.model.inv_freq,
         )
         return self.model.forward(batch, self.pool)
+
+    def _fused_fits(self, prefill: Sequence[ScheduledSeq], decode: Sequence[ScheduledSeq]) -> bool:
+        """Whether the step runs as one fused kernel call: any mix of prefill chunks and
+        decodes up to ``FUSED_MAX_ROWS`` rows."""
+        if self._fused is None:
+            return False
+        rows = sum(s.num_tokens for s in prefill) + sum(s.num_tokens for s in decode)
+        return rows <= FUSED_MAX_ROWS and not self._skips_released([*prefill, *decode])
 
     def _skips_released(self, decode: Sequence[ScheduledSeq]) -> bool:
         """Whether a decode must skip positions released inside its window (the adaptive
