@@ -24,7 +24,9 @@ def quantize(weights: np.ndarray, type_name: str) -> np.ndarray:
     if k % 256:
         raise ValueError(f"{type_name} rows of {k} values are not whole 256-blocks")
     blocks = w.reshape(n * k // 256, 256)
-    out = _q6_k(blocks) if type_name == "Q6_K" else _q45_k(blocks, 31 if type_name == "Q5_K" else 15)
+    out = (
+        _q6_k(blocks) if type_name == "Q6_K" else _q45_k(blocks, 31 if type_name == "Q5_K" else 15)
+    )
     return out.reshape(n, -1)
 
 
@@ -48,7 +50,11 @@ def _q45_k(blocks: np.ndarray, levels: int) -> np.ndarray:
     mn = np.clip(mn, 0, 63).astype(np.uint8)
     step = d[:, None] * sc
     offset = dmin[:, None] * mn
-    q = np.where(step[:, :, None] > 0, np.rint((sub + offset[:, :, None]) / np.where(step > 0, step, 1)[:, :, None]), 0)
+    q = np.where(
+        step[:, :, None] > 0,
+        np.rint((sub + offset[:, :, None]) / np.where(step > 0, step, 1)[:, :, None]),
+        0,
+    )
     q = np.clip(q, 0, levels).astype(np.uint8).reshape(nb, 4, 2, 32)  # [chunk j, half, l]
     packed = np.empty((nb, 12), dtype=np.uint8)  # the inverse of get_scale_min_k4
     packed[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
@@ -87,7 +93,8 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
     for c in range(4):
         qh |= ((q[:, :, c] >> 4) << (2 * c)).astype(np.uint8)
     return np.concatenate(
-        [ql.reshape(nb, 128), qh.reshape(nb, 64), sc.view(np.uint8), _f16(d16).reshape(nb, 2)], axis=1
+        [ql.reshape(nb, 128), qh.reshape(nb, 64), sc.view(np.uint8), _f16(d16).reshape(nb, 2)],
+        axis=1,
     )
 
 
@@ -101,7 +108,11 @@ _FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 def _more_bits(layer: int, num_layers: int) -> bool:
     """llama.cpp's ``use_more_bits``: the first and last eighth, and every third between."""
-    return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
+    return (
+        layer < num_layers // 8
+        or layer >= 7 * num_layers // 8
+        or (layer - num_layers // 8) % 3 == 2
+    )
 
 
 def scheme_type(name: str, scheme: str, num_layers: int, row_length: int, has_output: bool) -> str:
@@ -133,7 +144,9 @@ def requantize_gguf(src: str, dst: str, scheme: str = "Q4_K_M") -> dict[str, str
     names = {t.name for t in reader.tensors}
     writer = gguf.GGUFWriter(dst, arch)
     for field in reader.fields.values():
-        if field.name in ("general.architecture", "general.file_type") or field.name.startswith("GGUF."):
+        if field.name in ("general.architecture", "general.file_type") or field.name.startswith(
+            "GGUF."
+        ):
             continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None

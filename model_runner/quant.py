@@ -100,13 +100,19 @@ class QuantWeight:
             raise ValueError(f"unknown weight format {self.fmt!r}")
         spec = FORMATS[self.fmt]
         if spec.block == QK_K and self.in_features % QK_K:
-            raise ValueError(f"{self.fmt} rows of {self.in_features} values are not whole 256-blocks")
+            raise ValueError(
+                f"{self.fmt} rows of {self.in_features} values are not whole 256-blocks"
+            )
         n, nb = self.out_features, self.num_blocks
         for name, per_block in (("qs", spec.qs), ("qh", spec.qh), ("sc", spec.sc)):
             t = getattr(self, name)
-            if (t is None) != (per_block == 0) or (t is not None and t.shape != (n, nb * per_block)):
+            if (t is None) != (per_block == 0) or (
+                t is not None and t.shape != (n, nb * per_block)
+            ):
                 shape = None if t is None else tuple(t.shape)
-                raise ValueError(f"{self.fmt} weight of {n}x{self.in_features}: {name} {shape} does not fit")
+                raise ValueError(
+                    f"{self.fmt} weight of {n}x{self.in_features}: {name} {shape} does not fit"
+                )
         if self.d.shape != (n, nb) or (self.m is not None) != spec.has_m:
             raise ValueError(f"{self.fmt} weight of {n}x{self.in_features}: scales do not fit")
 
@@ -130,7 +136,10 @@ class QuantWeight:
         return sum(t.nbytes for t in self.tensors())
 
     def _replace(self, **changes: Any) -> QuantWeight:
-        fields = {f: getattr(self, f) for f in ("fmt", "qs", "d", "in_features", "source", "qh", "sc", "m")}
+        fields = {
+            f: getattr(self, f)
+            for f in ("fmt", "qs", "d", "in_features", "source", "qh", "sc", "m")
+        }
         return QuantWeight(**{**fields, **changes})
 
     def rows(self, index: torch.Tensor) -> QuantWeight:
@@ -139,7 +148,9 @@ class QuantWeight:
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
             return t.index_select(0, index) if t is not None else None
 
-        return self._replace(qs=pick(self.qs), d=pick(self.d), qh=pick(self.qh), sc=pick(self.sc), m=pick(self.m))
+        return self._replace(
+            qs=pick(self.qs), d=pick(self.d), qh=pick(self.qh), sc=pick(self.sc), m=pick(self.m)
+        )
 
     def scaled(self, factor: float) -> QuantWeight:
         """``factor * W`` (scales only, so exact up to fp32 rounding of the scales)."""
@@ -273,7 +284,9 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) ->
     blocks = np.ascontiguousarray(raw).reshape(n, nb, spec.block_bytes)
 
     def half(lo: int) -> torch.Tensor:
-        return torch.from_numpy(blocks[:, :, lo : lo + 2].copy().view(np.float16).reshape(n, nb).astype(np.float32))
+        return torch.from_numpy(
+            blocks[:, :, lo : lo + 2].copy().view(np.float16).reshape(n, nb).astype(np.float32)
+        )
 
     def take(lo: int, width: int) -> torch.Tensor:
         return torch.from_numpy(blocks[:, :, lo : lo + width].reshape(n, nb * width).copy())
@@ -289,18 +302,22 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) ->
     if type_name == "Q5_1":
         return QuantWeight(type_name, take(8, 16), half(0), k, type_name, qh=take(4, 4), m=half(2))
     if type_name == "Q6_K":
-        return QuantWeight(type_name, take(0, 128), half(208), k, type_name, qh=take(128, 64), sc=take(192, 16))
+        return QuantWeight(
+            type_name, take(0, 128), half(208), k, type_name, qh=take(128, 64), sc=take(192, 16)
+        )
     sc = torch.from_numpy(unpack_k_scales(blocks[:, :, 4:16]).reshape(n, nb * 16))
     if type_name == "Q4_K":
         return QuantWeight(type_name, take(16, 128), half(0), k, type_name, sc=sc, m=half(2))
-    return QuantWeight(type_name, take(48, 128), half(0), k, type_name, qh=take(16, 32), sc=sc, m=half(2))
+    return QuantWeight(
+        type_name, take(48, 128), half(0), k, type_name, qh=take(16, 32), sc=sc, m=half(2)
+    )
 
 
 def unpack_k_scales(packed: np.ndarray) -> np.ndarray:
     """Q4_K / Q5_K's 12 bytes of 6-bit scales and mins (``[..., 12]``) -> ``[..., 16]`` bytes:
     the 8 sub-block scales, then the 8 mins (ggml's ``get_scale_min_k4``)."""
     q = packed.astype(np.uint8)
-    sc = np.empty(q.shape[:-1] + (16,), dtype=np.uint8)
+    sc = np.empty((*q.shape[:-1], 16), dtype=np.uint8)
     sc[..., 0:4] = q[..., 0:4] & 63
     sc[..., 8:12] = q[..., 4:8] & 63
     sc[..., 4:8] = (q[..., 8:12] & 0x0F) | ((q[..., 0:4] >> 6) << 4)

@@ -93,8 +93,12 @@ class QW(ctypes.Structure):
     """A weight: up to ``MAX_PARTS`` parts stacked by rows (``quant.QuantWeight`` /
     ``quant.QuantStack``)."""
 
-    _fields_ = [("nparts", _I32), ("n", _I32), ("k", _I32), ("pad", _I32)] + [
-        ("parts", QPart * MAX_PARTS)
+    _fields_ = [
+        ("nparts", _I32),
+        ("n", _I32),
+        ("k", _I32),
+        ("pad", _I32),
+        ("parts", QPart * MAX_PARTS),
     ]
 
 
@@ -248,7 +252,11 @@ def load() -> ctypes.CDLL | None:
         lib.kv_qgemm.restype = None
         lib.kv_dequant.argtypes = [_P, _P, _I64, _I, _P, _I, _I]
         lib.kv_dequant.restype = None
-        lib.kv_decode_layers.argtypes = [ctypes.POINTER(DecodeLayer), _I, ctypes.POINTER(DecodeStep)]
+        lib.kv_decode_layers.argtypes = [
+            ctypes.POINTER(DecodeLayer),
+            _I,
+            ctypes.POINTER(DecodeStep),
+        ]
         lib.kv_decode_layers.restype = None
         lib.kv_decode_struct_sizes.argtypes = [_I]
         lib.kv_decode_struct_sizes.restype = _I

@@ -231,7 +231,9 @@ def test_gguf_repack_dequantizes_like_gguf(fmt: str) -> None:
     theirs = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32))
     torch.testing.assert_close(ours.dequantize(), theirs.reshape(n, k), rtol=0, atol=0)
     ids = torch.tensor([3, 0, 23, 3])
-    torch.testing.assert_close(quant.QEmbedding(ours)(ids), theirs.reshape(n, k)[ids], rtol=0, atol=0)
+    torch.testing.assert_close(
+        quant.QEmbedding(ours)(ids), theirs.reshape(n, k)[ids], rtol=0, atol=0
+    )
 
 
 @pytest.mark.parametrize("fmt", kquants.K_TYPES)
@@ -259,7 +261,11 @@ def test_row_operations_are_exact() -> None:
         both = quant.cat_rows([a, b])
         assert isinstance(both, quant.QuantWeight) and both.source == fmt
         torch.testing.assert_close(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
-    q, kk, v = make_weight("Q4_K", 16, 256), make_weight("Q4_K", 8, 256), make_weight("Q6_K", 8, 256)
+    q, kk, v = (
+        make_weight("Q4_K", 16, 256),
+        make_weight("Q4_K", 8, 256),
+        make_weight("Q6_K", 8, 256),
+    )
     stack = quant.cat_rows([q, kk, v])
     assert isinstance(stack, quant.QuantStack)
     assert [p.fmt for p in stack.parts] == ["Q4_K", "Q6_K"] and stack.out_features == 32
@@ -276,7 +282,11 @@ def test_mixed_format_stack_runs_each_part_in_its_format(m: int, isa: str, panel
     stack = quant.cat_rows(parts)
     lin = quant.QLinear(stack, None)
     x = torch.randn(m, 256)
-    ref = reference(stack, x) if m <= quant.SKINNY_MAX_ROWS else x.double() @ stack.dequantize().double().T
+    ref = (
+        reference(stack, x)
+        if m <= quant.SKINNY_MAX_ROWS
+        else x.double() @ stack.dequantize().double().T
+    )
     assert_close(lin(x), ref, KERNEL_TOL if m <= quant.SKINNY_MAX_ROWS else 1e-5)
     gu = lin(x)
     torch.testing.assert_close(lin.silu_mul(x), torch.nn.functional.silu(gu[:, :24]) * gu[:, 24:])
@@ -430,6 +440,7 @@ def test_fused_decode_equals_the_torch_path(kind: str, kv_dtype: str, isa: str) 
         torch.testing.assert_close(
             fused.pool.data[0].float(), plain.pool.data[0].float(), rtol=0, atol=atol
         )
+
     def values(pool: object) -> torch.Tensor:
         data = pool.data.float()  # type: ignore[attr-defined]
         scales = pool.scales  # type: ignore[attr-defined]
