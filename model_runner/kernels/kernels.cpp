@@ -144,6 +144,21 @@ inline const QPart& part_of(const QW& w, int64_t& row) {
   return w.parts[i];
 }
 
+// 16 bytes of nibbles -> 32 values: low nibbles are elements 0-15, high ones 16-31.
+inline void split_nibbles16(const uint8_t* __restrict src, uint8_t* __restrict dst) {
+#if defined(KV_USE_AVX512) || defined(KV_USE_AVX2)
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm_and_si128(v, mask));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm_and_si128(_mm_srli_epi16(v, 4), mask));
+#else
+  for (int j = 0; j < 16; ++j) {
+    dst[j] = src[j] & 0x0F;
+    dst[j + 16] = src[j] >> 4;
+  }
+#endif
+}
+
 // Row `row` of w as unsigned bytes q[K64] plus, per 16-group, scale s[K64/16] and offset
 // o[K64/16]: w[e] = s[e / 16] * q[e] + o[e / 16]. Past the stored blocks everything is 0.
 void unpack_row(const QW& w, int64_t row, uint8_t* __restrict q, float* __restrict s, float* __restrict o) {
@@ -158,22 +173,27 @@ void unpack_row(const QW& w, int64_t row, uint8_t* __restrict q, float* __restri
     case Q5_1: {
       const bool five = p.fmt == Q5_0 || p.fmt == Q5_1, has_m = p.fmt == Q4_1 || p.fmt == Q5_1;
       const uint8_t* qs = p.qs + row * KB * 16;
-      const uint8_t* qh = five ? p.qh + row * KB * 4 : nullptr;
       const float* d = p.d + row * KB;
-      const float* m = has_m ? p.m + row * KB : nullptr;
-      for (int b = 0; b < KB; ++b) {
-        uint8_t* qb = q + 32 * b;
-        const uint8_t* src = qs + 16 * b;
-        for (int j = 0; j < 16; ++j) {
-          qb[j] = src[j] & 0x0F;
-          qb[j + 16] = src[j] >> 4;
-        }
-        if (five) {
+      // Separate simple passes (nibbles, high bits, scales): each vectorizes on its own.
+      for (int b = 0; b < KB; ++b) split_nibbles16(qs + 16 * b, q + 32 * b);
+      if (five) {
+        const uint8_t* qh = p.qh + row * KB * 4;
+        for (int b = 0; b < KB; ++b) {
           uint32_t h;
           memcpy(&h, qh + 4 * b, 4);
-          for (int j = 0; j < 32; ++j) qb[j] |= ((h >> j) & 1u) << 4;
+          uint8_t* qb = q + 32 * b;
+#if defined(KV_USE_AVX512)
+          const __m256i bits = _mm256_maskz_mov_epi8((__mmask32)h, _mm256_set1_epi8(0x10));
+          __m256i* dst = reinterpret_cast<__m256i*>(qb);
+          _mm256_storeu_si256(dst, _mm256_or_si256(_mm256_loadu_si256(dst), bits));
+#else
+          for (int j = 0; j < 32; ++j) qb[j] |= (uint8_t)(((h >> j) & 1u) << 4);
+#endif
         }
-        const float off = has_m ? m[b] : -(five ? 16.f : 8.f) * d[b];
+      }
+      const float low = five ? -16.f : -8.f;
+      for (int b = 0; b < KB; ++b) {
+        const float off = has_m ? p.m[row * KB + b] : low * d[b];
         s[2 * b] = s[2 * b + 1] = d[b];
         o[2 * b] = o[2 * b + 1] = off;
       }
