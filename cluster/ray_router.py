@@ -4,7 +4,7 @@ Ray Serve builds one per deployment handle, in the process that routes (the gRPC
 ``RequestRouterConfig(request_router_class="cluster.ray_router:KVServeRequestRouter",
 request_router_kwargs={...})``. For each pending Generate call it decodes the request (the
 proxy hands over a pickled ``GenerateRequest``), tokenizes the prompt exactly as a replica
-would (``server.service.prompt_token_ids``), hashes its blocks (``routing.routing_keys``)
+would (``server.frontend.prompt_token_ids``), hashes its blocks (``routing.routing_keys``)
 and asks the router. Other methods (GetModelInfo, ...) go to the least loaded replica.
 
 Load is counted here, per replica: requests sent and not yet completed. Each replica's
@@ -102,8 +102,8 @@ class KVServeRequestRouter(RequestRouter):
         """The request's block keys and prompt length; empty for non-Generate calls."""
         if pending is None or not pending.args or pending.metadata.call_method != "Generate":
             return [], 0
+        from server.frontend import prompt_token_ids
         from server.rpc import generation_pb2 as pb
-        from server.service import prompt_token_ids
 
         arg = pending.args[0]
         try:

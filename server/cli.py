@@ -49,7 +49,7 @@ def _human_bytes(num: int) -> str:
 async def _serve(cfg: Any) -> int:
     from metrics.records import MetricsSink, NullSink
     from server.build import build_engine
-    from server.service import KVServeServer
+    from server.lifecycle import KVServeServer
 
     t0 = time.monotonic()
     loop = asyncio.get_running_loop()
@@ -114,8 +114,8 @@ async def _serve(cfg: Any) -> int:
             f"step-cost model from {cfg.cost_model_prior}"
         )
 
+    from server.asgi import METRICS_MAX_CONNECTIONS, metrics_app, start_asgi_server
     from server.auth import warn_if_exposed
-    from server.http import METRICS_MAX_CONNECTIONS, metrics_app, start_asgi_server
 
     server = KVServeServer(built.engine, built.tokenizer, model, sink=sink, security=security)
     port = await server.start(cfg.host, cfg.port, http_port=cfg.http_port if cfg.http else None)

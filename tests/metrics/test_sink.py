@@ -17,7 +17,7 @@ from metrics.prometheus import (
 )
 from metrics.records import MetricsSink, RequestRecord, StepRecord
 from scheduler.output import SchedulerStats
-from server.http import metrics_app, start_asgi_server
+from server.asgi import metrics_app, start_asgi_server
 from tests.metrics.helpers import value
 
 
