@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_a
 from prometheus_client.metrics_core import Metric
 
 from cluster.routing import REASONS, Decision
-from metrics.prometheus import TOKEN_COUNT_BUCKETS
+from metrics.histogram import TOKEN_COUNT_BUCKETS
 
 
 class LabelledCollector:

@@ -52,7 +52,7 @@ from scheduler import (
 )
 from scheduler.config import POLICIES
 from scheduler.cost_model import StepShape
-from scheduler.slo import attained
+from scheduler.slo import attained, time_per_output_token
 
 # A ShareGPT-like mix: lognormal lengths, a third of requests behind one of 8 system prompts,
 # two priority classes.
@@ -327,6 +327,13 @@ def simulate_cluster(
     return report
 
 
+def _tpot(t: _Track) -> float | None:
+    times = t.token_times_s
+    if not times:
+        return None
+    return time_per_output_token(times[0], times[-1], len(times) - 1)
+
+
 def _goodput(done: Sequence[_Track], ttft_target_s: float, itl_target_s: float) -> dict[str, Any]:
     """The share of finished requests that met both targets (``scheduler.slo.attained``), and
     of each target alone; cancelled requests are not judged."""
@@ -334,9 +341,7 @@ def _goodput(done: Sequence[_Track], ttft_target_s: float, itl_target_s: float) 
     met = {"ttft": 0, "itl": 0, "both": 0}
     for t in judged:
         ttft = t.token_times_s[0] - t.arrival_s if t.token_times_s else None
-        n = len(t.token_times_s)
-        tpot = (t.token_times_s[-1] - t.token_times_s[0]) / (n - 1) if n > 1 else None
-        ttft_ok, itl_ok = attained(ttft, tpot, ttft_target_s, itl_target_s)
+        ttft_ok, itl_ok = attained(ttft, _tpot(t), ttft_target_s, itl_target_s)
         met["ttft"] += ttft_ok
         met["itl"] += itl_ok
         met["both"] += ttft_ok and itl_ok
@@ -363,11 +368,7 @@ def _report(run: RunSpec, engines: Sequence[_SimEngine]) -> dict[str, Any]:
     num_prompt = sum(t.num_prompt_tokens for t in done)
     ttft = [t.token_times_s[0] - t.arrival_s for t in done if t.token_times_s]
     itl = [b - a for t in done for a, b in zip(t.token_times_s, t.token_times_s[1:], strict=False)]
-    tpot = [
-        (t.token_times_s[-1] - t.token_times_s[0]) / (len(t.token_times_s) - 1)
-        for t in done
-        if len(t.token_times_s) > 1
-    ]
+    tpot = [x for t in done if (x := _tpot(t)) is not None]
     e2e = [t.finished_s - t.arrival_s for t in done if t.finished_s is not None]
     queue = [t.first_scheduled_s - t.arrival_s for t in done if t.first_scheduled_s is not None]
     all_stats = [e.sched.make_stats() for e in engines]

@@ -34,15 +34,31 @@ from scheduler.request import Request
 _US = 1_000_000
 
 
+def time_per_output_token(
+    first_token_s: float | None, last_token_s: float | None, num_later_tokens: int
+) -> float | None:
+    """Time per output token after the first (DistServe's TPOT): the time from the first
+    token to the last over the tokens after the first. None for a request of one token."""
+    if first_token_s is None or last_token_s is None or num_later_tokens < 1:
+        return None
+    return max(0.0, last_token_s - first_token_s) / num_later_tokens
+
+
 def attained(
-    ttft_s: float | None, tpot_s: float | None, ttft_target_s: float, itl_target_s: float
+    ttft_s: float | None,
+    tpot_s: float | None,
+    ttft_target_s: float | None,
+    itl_target_s: float | None,
 ) -> tuple[bool, bool]:
     """Whether a request met its (TTFT, ITL) targets: the first token within the TTFT
-    target, and the time per output token after it (DistServe's TPOT) within the ITL target
-    (met by a request of one token). No first token: neither."""
+    target, and the time per output token after it (``time_per_output_token``) within the
+    ITL target (met by a request of one token). A target of None sets no limit. No first
+    token meets no target but an absent one. The one judge of "met its targets" for the
+    metrics, the simulator and the load tester."""
     if ttft_s is None:
-        return False, False
-    return ttft_s <= ttft_target_s, tpot_s is None or tpot_s <= itl_target_s
+        return ttft_target_s is None, itl_target_s is None
+    ttft_ok = ttft_target_s is None or ttft_s <= ttft_target_s
+    return ttft_ok, itl_target_s is None or tpot_s is None or tpot_s <= itl_target_s
 
 
 class DeadlineOrder:

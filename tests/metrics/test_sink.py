@@ -9,12 +9,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from cache_manager.stats import KVCacheStats
-from metrics.prometheus import (
-    ABORT_REASONS,
-    MAX_RPC_SERIES,
-    PrometheusSink,
-    kv_field_metrics,
-)
+from metrics.catalog import ABORT_REASONS, MAX_RPC_SERIES, kv_field_metrics
+from metrics.prometheus import PrometheusSink
 from metrics.records import MetricsSink, RequestRecord, StepRecord
 from scheduler.output import SchedulerStats
 from server.asgi import metrics_app, start_asgi_server
