@@ -135,7 +135,7 @@ SNAPSHOT_METRICS: tuple[SnapshotMetric, ...] = (
     _stat("requests_parked", GAUGE,
           "Requests not scheduled because their client stopped reading its stream.", "num_parked"),
     _stat("waiting_queue_tokens", GAUGE, "Prompt tokens still to compute across the waiting queue.",
-          "waiting_tokens"),
+          "num_waiting_tokens"),
     _stat("prompt_tokens_total", COUNTER, "Prompt tokens of admitted requests.",
           "num_prompt_tokens_total"),
     _stat("generation_tokens_total", COUNTER, "Output tokens produced.",

@@ -784,7 +784,7 @@ class Scheduler:
             num_prompt_tokens_total=c.num_prompt_tokens,
             num_generation_tokens_total=c.num_generation_tokens,
             num_finished_total=dict(c.num_finished),
-            waiting_tokens=waiting.num_tokens,
+            num_waiting_tokens=waiting.num_tokens,
             kv=self.kv.make_stats(),
             num_parked=len(self._parked),
             num_spec_draft_tokens_total=c.num_spec_draft_tokens,

@@ -20,6 +20,7 @@ def _value(registry: CollectorRegistry, name: str, **labels: str) -> float:
 
 
 async def test_slo_policy_serves_and_counts_goodput_per_priority() -> None:
+    """A server under --policy slo serves, keeps calibrating, and counts goodput by priority."""
     cfg = ServerConfig(runner="fake", policy="slo", itl_slo_ms=500, ttft_slo_ms=5000)
     built = build_engine(cfg)
     cost = built.engine.cost_model
