@@ -85,13 +85,15 @@ class KVServeRequestRouter(RequestRouter):
         registry = CollectorRegistry()
         self.metrics = RouterMetrics(registry, self.router_name)
         try:
-            self._metrics_server, bound = start_router_metrics_server(
+            self._metrics_server = start_router_metrics_server(
                 host, port, registry, self._replica_metrics_urls
             )
         except OSError as exc:  # a second proxy on this node: the first one serves them
             logger.warning("router metrics not served on %s:%d: %s", host, port, exc)
         else:
-            logger.info("router metrics and targets on http://%s:%d", host, bound)
+            logger.info(
+                "router metrics and targets on http://%s:%d", host, self._metrics_server.port
+            )
 
     def _replica_metrics_urls(self) -> list[str]:
         urls = [r.routing_stats.get("metrics_url", "") for r in list(self._replicas.values())]

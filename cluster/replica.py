@@ -28,7 +28,6 @@ from cluster.metrics import (
     advertised_host,
     labelled_registry,
     start_metrics_server,
-    stop_metrics_server,
 )
 from cluster.routing import routing_keys
 from scheduler.request import Request
@@ -148,8 +147,8 @@ class KVServeReplica:
             )
             built.engine.sink = sink
             served = labelled_registry(inner, {"replica": self.replica})
-            self._metrics_server, port = start_metrics_server(metrics_host, metrics_port, served)
-            self.metrics_url = f"{advertised_host(metrics_host)}:{port}"
+            self._metrics_server = start_metrics_server(metrics_host, metrics_port, served)
+            self.metrics_url = f"{advertised_host(metrics_host)}:{self._metrics_server.port}"
         self.client = _ReportingClient(built.engine, self.arrivals)
         self.frontend = Frontend(self.client, built.tokenizer, built.model)
         self.servicer = GenerationServicer(self.frontend, sink=sink)
@@ -191,7 +190,7 @@ class KVServeReplica:
             self.built.engine.stop(timeout_s=1.0)
         if self._metrics_server is not None:
             with contextlib.suppress(Exception):
-                stop_metrics_server(self._metrics_server)
+                self._metrics_server.stop()
 
     # ------------------------------------------------------------------ kvserve.v1.Generation
     async def Generate(

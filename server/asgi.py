@@ -1,7 +1,9 @@
-"""ASGI serving in the server's own event loop: uvicorn as a task, and the /metrics app.
+"""ASGI serving: uvicorn as a task of the server's event loop (or, for a caller without a
+loop of ours, of a thread's own loop), and the /metrics app.
 
-The OpenAI front and the metrics endpoint of ``kvserve serve`` and of every cluster replica
-are served here, each with TLS and, for /metrics, the API key gate when asked.
+The one /metrics server: ``kvserve serve`` serves it in its loop, each cluster replica and
+the cluster router on a thread (``start_asgi_server_thread``); TLS and the API key gate
+when asked. The OpenAI front is served here too.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +98,56 @@ async def start_asgi_server(
             raise OSError(f"{name} server stopped during start-up")
         await asyncio.sleep(0.01)
     return AsgiServer(server, task, int(sock.getsockname()[1]))
+
+
+@dataclass(slots=True)
+class ThreadedAsgiServer:
+    """An ``AsgiServer`` on an event loop of its own daemon thread."""
+
+    server: AsgiServer
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.loop.is_running():
+            done = asyncio.run_coroutine_threadsafe(self.server.stop(timeout_s), self.loop)
+            with contextlib.suppress(Exception):
+                done.result(timeout_s + 1.0)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout_s)
+
+
+def start_asgi_server_thread(
+    app: ASGIApp,
+    host: str,
+    port: int,
+    security: Security | None = None,
+    *,
+    limit_concurrency: int | None = None,
+    name: str = "http",
+) -> ThreadedAsgiServer:
+    """``start_asgi_server`` on a new thread's event loop, for a caller that runs no loop of
+    ours (a Ray actor). Raises what binding raised (``OSError``)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name=name, daemon=True)
+    thread.start()
+    starting = asyncio.run_coroutine_threadsafe(
+        start_asgi_server(
+            app, host, port, security, limit_concurrency=limit_concurrency, name=name
+        ),
+        loop,
+    )
+    try:
+        server = starting.result(timeout=60)
+    except BaseException:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5.0)
+        raise
+    return ThreadedAsgiServer(server, loop, thread)
 
 
 # Scrapes served at once; over it uvicorn answers 503 instead of taking more work.
