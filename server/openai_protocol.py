@@ -260,7 +260,8 @@ def _set_sampling(sampling: pb.SamplingOptions, body: Mapping[str, Any]) -> None
         value = _number(body, key)
         if value is not None:
             setattr(sampling, key, value)
-    top_k = _int(body, "top_k", minimum=1)
+    # Ranges are SamplingParams' (one home): a bad value fails in validation, named as here.
+    top_k = _int(body, "top_k")
     if top_k is not None:
         sampling.top_k = top_k
     seed = _int(body, "seed")
@@ -273,10 +274,8 @@ def _set_stopping(stopping: pb.StoppingOptions, body: Mapping[str, Any], chat: b
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens")
     if max_tokens is not None:
-        if max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be >= 1, got {max_tokens}")
-        stopping.max_tokens = min(max_tokens, 2**31 - 1)
-    min_tokens = _int(body, "min_tokens", minimum=0)
+        stopping.max_tokens = max(-(2**31), min(max_tokens, 2**31 - 1))  # the proto's int32
+    min_tokens = _int(body, "min_tokens")
     if min_tokens is not None:
         stopping.min_tokens = min_tokens
     stop = body.get("stop")
@@ -300,12 +299,13 @@ def _set_logprobs(sampling: pb.SamplingOptions, body: Mapping[str, Any], chat: b
     """Whether the answer carries logprobs (``sampling.logprobs``: how many top ones)."""
     if chat:
         if _bool(body, "logprobs"):
+            # Checked here: SamplingParams would name it logprobs, OpenAI's chat top_logprobs.
             sampling.logprobs = _int(body, "top_logprobs", minimum=0) or 0
             return True
         if body.get("top_logprobs") is not None:
             raise InvalidRequestError("top_logprobs needs logprobs: true")
         return False
-    top = _int(body, "logprobs", minimum=0)
+    top = _int(body, "logprobs")
     if top is None:
         return False
     sampling.logprobs = top

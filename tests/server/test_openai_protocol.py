@@ -10,6 +10,7 @@ import pytest
 
 from scheduler.output import TokenLogprobs
 from scheduler.request import FinishReason
+from server import validation
 from server.grpc_service import finish_reason_pb
 from server.openai_protocol import (
     Answer,
@@ -21,7 +22,7 @@ from server.openai_protocol import (
 )
 from server.outputs import GenerationOutput
 from server.rpc import generation_pb2 as pb
-from server.validation import InvalidRequestError
+from server.validation import InvalidRequestError, Limits
 
 MODEL = "fake"
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
@@ -178,15 +179,14 @@ def test_parse_body_says_how_to_answer(
         ),
         ({"prompt": "x", "temperature": "hot"}, False, "temperature must be a number, got 'hot'"),
         ({"prompt": "x", "temperature": True}, False, "temperature must be a number, got True"),
-        ({"prompt": "x", "top_k": 0}, False, "top_k must be >= 1, got 0"),
         ({"prompt": "x", "seed": 1.5}, False, "seed must be an integer, got 1.5"),
-        ({"prompt": "x", "max_tokens": 0}, False, "max_tokens must be >= 1, got 0"),
         ({"prompt": "x", "stop": 3}, False, "stop must be a string or a list of strings"),
         ({"prompt": "x", "stop_token_ids": ["a"]}, False,
          "stop_token_ids must be a list of token ids"),
         ({"prompt": "x", "ignore_eos": 1}, False, "ignore_eos must be true or false, got 1"),
         ({"prompt": "x", "cache_salt": 1}, False, "cache_salt must be a string, got 1"),
         ({**CHAT, "top_logprobs": 2}, True, "top_logprobs needs logprobs: true"),
+        ({**CHAT, "logprobs": True, "top_logprobs": -1}, True, "top_logprobs must be >= 0, got -1"),
         ({"prompt": "x", "stream_options": {}}, False,
          "stream_options is only allowed with stream: true"),
         ({"prompt": "x", "stream": True, "stream_options": 1}, False,
@@ -326,3 +326,23 @@ def test_logprobs_in_both_shapes() -> None:
     content = chat.whole(choices)["choices"][0]["logprobs"]["content"]
     assert content[0]["token"] == "7" and content[0]["bytes"] == [55]
     assert [t["logprob"] for t in content[0]["top_logprobs"]] == [-0.5, -1.0]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"prompt": "x", "top_k": 0}, "top_k must be >= 1 (or unset to disable), got 0"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+        ({"prompt": "x", "max_tokens": -5}, "max_tokens must be >= 1, got -5"),
+        ({"prompt": "x", "min_tokens": -1}, "min_tokens must be in [0, max_tokens=16], got -1"),
+        ({"prompt": "x", "logprobs": -1}, "logprobs must be in [0, 20], got -1"),
+    ],
+)
+def test_ranges_are_checked_once_by_sampling_params(body: dict[str, Any], message: str) -> None:
+    """parse_body passes a value out of range through; validation (SamplingParams' ranges,
+    the gRPC path's) refuses it, and the HTTP error names the field as OpenAI does."""
+    parsed = parse_body(body, False, MODEL)
+    limits = Limits(vocab_size=100, max_model_len=64)
+    with pytest.raises(InvalidRequestError) as error:
+        validation.sampling_params(parsed.request, 1, limits)
+    assert http_error(error.value).message == message
