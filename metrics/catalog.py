@@ -103,11 +103,10 @@ def _stat(name: str, kind: str, doc: str, field: str) -> SnapshotMetric:
     return SnapshotMetric(name, kind, doc, lambda s: getattr(s, field))
 
 
-def _kv(name: str, kind: str, doc: str, field: str) -> SnapshotMetric:
-    """A metric exporting the ``KVCacheStats`` field ``field``."""
-    if kind == INFO:
-        return SnapshotMetric(name, kind, doc, lambda s: getattr(s.kv, field), "strategy", (field,))
-    return SnapshotMetric(name, kind, doc, lambda s: getattr(s.kv, field), kv_fields=(field,))
+def _kv(name: str, kind: str, doc: str, field: str, label: str | None = None) -> SnapshotMetric:
+    """A metric exporting the ``KVCacheStats`` field ``field`` (an info metric: its text is
+    the value of ``label``)."""
+    return SnapshotMetric(name, kind, doc, lambda s: getattr(s.kv, field), label, (field,))
 
 
 def _finished(s: SchedulerStats) -> dict[str, int]:
@@ -168,7 +167,8 @@ SNAPSHOT_METRICS: tuple[SnapshotMetric, ...] = (
                    lambda s: {state: getattr(s.kv, f) for state, f in _BLOCK_STATES.items()},
                    "state", tuple(_BLOCK_STATES.values())),
     _kv("kv_cache_strategy", INFO,
-        "The KV cache strategy: always, long-sequence-only, adaptive or disabled.", "kv_strategy"),
+        "The KV cache strategy: always, long-sequence-only, adaptive or disabled.", "kv_strategy",
+        "strategy"),
     _kv("kv_cache_block_size_tokens", GAUGE, "Tokens per KV block.", "block_size"),
     _kv("kv_cache_capacity_blocks", GAUGE, "KV blocks in the pool.", "num_blocks_total"),
     _kv("kv_cache_sequences", GAUGE, "Requests holding KV blocks now.", "total_sequences"),
