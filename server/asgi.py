@@ -20,7 +20,6 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.auth import AuthError, Security
-from server.openai_protocol import error_body
 
 
 class _Server(uvicorn.Server):
@@ -167,6 +166,9 @@ class _KeyGate:
             try:
                 self.security.authenticate(authorization)
             except AuthError as exc:
+                # Imported here: the metrics server (a cluster replica's) stays light.
+                from server.openai_protocol import error_body
+
                 response = JSONResponse(error_body(str(exc), "authentication_error"), 401)
                 await response(scope, receive, send)
                 return
