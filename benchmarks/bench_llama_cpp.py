@@ -41,6 +41,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
@@ -329,6 +330,40 @@ def measure(
         )
         report["server_args"] = server.args[:]
         return report
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaCpp:
+    """llama.cpp in this run: a binary to measure, or the reason it is not measured."""
+
+    binary: Path | None
+    reason: str = ""
+    version: str = ""
+
+
+def find_llama_cpp(mode: str, cache_dir: Path, say: Say = print) -> LlamaCpp:
+    """``build``: the cached binary, built first when missing; ``cached``: only a cached one;
+    ``off``: none. Never raises: a failure becomes the reason the table prints."""
+    if mode == "off":
+        return LlamaCpp(None, "--llama-cpp off")
+    try:
+        binary = ensure_binary(cache_dir, build=mode == "build", say=say)
+    except LlamaCppUnavailable as e:
+        return LlamaCpp(None, str(e))
+    return LlamaCpp(binary, version=binary_version(binary))
+
+
+def llama_cpp_note(llama_cpp: LlamaCpp, threads: int) -> str:
+    """The line under the table saying what the llama.cpp columns are."""
+    if llama_cpp.binary is None:
+        return f"llama.cpp: not measured in this run ({llama_cpp.reason})."
+    return (
+        f"llama.cpp = llama-server {llama_cpp.version or '(version unknown)'}, built from the "
+        f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} sdist ({llama_cpp.binary}); same GGUF, "
+        f"{threads} threads, -fa on, continuous batching, {SLOTS} slots x {CTX_PER_SLOT} tokens; "
+        "the same requests through the same load generator (kvserve loadtest --api openai), "
+        "measured right after kvserve at each level of this run."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from server.calibration import calibrate
 from server.config import ServerConfig
 from server.engine import EngineLoop
 from server.fake_tokenizer import ByteTokenizer
-from server.service import ServedModel, ServerTokenizer
+from server.frontend import ServedModel, ServerTokenizer
 from server.text import make_text_stream_factory
 
 logger = logging.getLogger(__name__)

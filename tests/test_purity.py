@@ -1,4 +1,5 @@
-"""The pure core stays pure: scheduler/ and cache_manager/ never import torch."""
+"""The pure core stays pure: scheduler/ and cache_manager/ never import torch (one test for
+both packages, every module of each)."""
 
 import subprocess
 import sys

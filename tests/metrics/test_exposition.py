@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from metrics.prometheus import PrometheusSink
 from metrics.records import StepRecord
-from server.http import metrics_app, start_asgi_server
+from server.asgi import metrics_app, start_asgi_server
 from tests.metrics.helpers import (
     documented_families,
     exposition,
