@@ -41,7 +41,8 @@ from typing import Protocol
 
 import torch
 
-from model_runner.attention import ForwardBatch, first_key_block
+from model_runner.attention import first_key_block
+from model_runner.attention_backends import make_attention_backend
 from model_runner.base import ModelInfo
 from model_runner.config import ModelConfig
 from model_runner.device import dtype_name, resolve_dtype, resolve_kv_dtype, select_device
@@ -78,6 +79,7 @@ class TorchRunner:
         fused_decode: bool | None = None,
         sliding_window: int | None = None,
         attention_sinks: int = 0,
+        attention_backend: str = "auto",
     ) -> None:
         """``num_blocks=None`` sizes the pool from ``kv_budget_bytes`` (default: see
         ``kv_pool.default_kv_budget_bytes``), measured after the weights are on the device.
@@ -90,7 +92,8 @@ class TorchRunner:
         sizes the pool, and attention still computes in ``dtype``. ``sliding_window``
         (tokens) overrides the config's window; ``attention_sinks`` (tokens, needs a window)
         keeps the first tokens visible and lets positions run past ``max_model_len``
-        (see ``model_runner.attention``)."""
+        (see ``model_runner.attention``). ``attention_backend``: see
+        ``model_runner.attention_backends`` (``auto``: torch on CPU)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.sliding_window = sliding_window or config.sliding_window
@@ -107,7 +110,20 @@ class TorchRunner:
             max_model_len or config.max_position_embeddings, config.max_position_embeddings
         )
         self.config = config
-        self.model = LlamaModel(config, state_dict, self.dtype, self.device, max_len, use_onednn)
+        self.attention = make_attention_backend(
+            attention_backend,
+            self.device,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
+            sliding_window=self.sliding_window,
+            attention_sinks=attention_sinks,
+        )
+        self.model = LlamaModel(
+            config, state_dict, self.dtype, self.device, max_len, use_onednn, self.attention
+        )
         if num_blocks is None:
             budget = kv_budget_bytes or default_kv_budget_bytes(self.device)
             num_blocks = num_blocks_for_memory(config, block_size, self.kv_dtype, budget)
@@ -119,6 +135,8 @@ class TorchRunner:
         unsupported = FusedDecode.unsupported(self.model, self.pool)
         if attention_sinks:
             unsupported = "attention sinks take the chunk path"
+        if self.attention.name != "torch":
+            unsupported = f"the {self.attention.name} attention backend runs every step"
         if fused_decode and unsupported is not None:
             raise ValueError(f"fused_decode=True but {unsupported}")
         if fused_decode is not False and unsupported is None:
@@ -153,6 +171,7 @@ class TorchRunner:
                 "fused_decode": str(self._fused is not None).lower(),
                 "weight_bytes": str(self.model.weight_bytes),
                 "fuse_batches": str(fuse_batches).lower(),
+                "attention_backend": self.attention.name,
             },
         )
 
@@ -296,7 +315,7 @@ class TorchRunner:
         # Drafts are verified as chunks attending to the request's cached KV (they come
         # first among the decodes, see _prepare, so rows stay in order).
         num_verify = sum(1 for s in decode if s.num_draft_tokens)
-        batch = ForwardBatch.build(
+        batch = self.attention.build_batch(
             [*prefill, *decode[:num_verify]],
             decode[num_verify:],
             self.block_size,
