@@ -29,7 +29,7 @@ def triton_interpreted() -> bool:
     """Whether Triton kernels run in its interpreter (``TRITON_INTERPRET=1``, read by Triton)."""
     import triton
 
-    knobs = getattr(triton, "knobs", None)
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4
     return bool(knobs is not None and knobs.runtime.interpret)
 
 
