@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from model_runner import onednn
-from model_runner.attention import ForwardBatch, paged_attention
+from model_runner.attention import ForwardBatch
+from model_runner.attention_backends.base import AttentionBackend, TorchAttention
 from model_runner.config import ModelConfig
 from model_runner.kv_pool import KVPool
 from model_runner.quant import QEmbedding, QLinear, QuantStack, QuantWeight, cat_rows
@@ -254,6 +255,7 @@ class LlamaModel:
         device: torch.device,
         max_model_len: int | None = None,
         use_onednn: bool | None = None,
+        attention: AttentionBackend | None = None,
     ) -> None:
         if config.architecture not in ("llama", "mistral", "qwen2"):
             raise ValueError(
@@ -264,6 +266,7 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.attention = attention or TorchAttention()
         self.max_model_len = max_model_len or config.max_position_embeddings
         if use_onednn is None:
             use_onednn = device.type == "cpu" and onednn_works(dtype)
@@ -413,7 +416,7 @@ class LlamaModel:
                 torch.view_as_complex(rot).mul_(cis)
             else:
                 _rope_real_(rot, cos, sin)
-            paged_attention(i, qkv, batch, pool, attn_out, h_heads, kvh)
+            self.attention.forward(i, qkv, batch, pool, attn_out, h_heads, kvh)
             hidden = layer.o.add(attn_out, hidden)
             x = F.rms_norm(hidden, normed_shape, layer.post_norm, self.eps)
             if layer.gate_up is not None:

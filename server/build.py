@@ -82,6 +82,7 @@ def _torch_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]
         name=loaded.name,
         sliding_window=cfg.sliding_window,
         attention_sinks=cfg.attention_sinks,
+        attention_backend=cfg.attention_backend,
     )
     del loaded.state_dict  # the runner holds its own copy of the weights
     return runner, loaded.tokenizer, runner.num_blocks, str(loaded.source_path)

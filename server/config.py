@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from cache_manager.config import EVICTION_POLICIES, KVCacheConfig
 from cache_manager.strategy import KV_STRATEGIES
-from model_runner.config import KV_DTYPE_CHOICES, MODEL_DTYPES
+from model_runner.config import ATTENTION_BACKEND_CHOICES, KV_DTYPE_CHOICES, MODEL_DTYPES
 from model_runner.sim import PROFILES as SIM_PROFILES
 from scheduler.config import (
     MEMORY_MODES,
@@ -216,6 +216,12 @@ class ServerConfig:
         "auto: a GGUF's own quantization on CPU (kvserve's kernels), else float; float32: "
         "dequantize; native: keep GGUF Q4_0/Q4_1/Q8_0; int8: quantize every matrix per channel",
         choices=("auto", "float32", "native", "int8"),
+        group="model",
+    )
+    attention_backend: str = _f(
+        "auto",
+        "auto: flashinfer, else triton, on CUDA when installed, else torch (the reference)",
+        choices=ATTENTION_BACKEND_CHOICES,
         group="model",
     )
     threads: int | None = _f(None, "torch CPU threads (default: torch's choice)", group="model")
