@@ -228,7 +228,8 @@ def _peak_rss(pid: int) -> int:
 def format_table(rows: list[ModelRow]) -> str:
     lines = [
         "| model | file MB | resident MB | read GB/s | kvserve prefill 512 tok/s "
-        "| llama-bench pp512 | kvserve decode b1 tok/s | % of bandwidth | llama-bench tg128 | serving RSS MB |",
+        "| llama-bench pp512 | kvserve decode b1 tok/s | % of bandwidth | llama-bench tg128 "
+        "| serving RSS MB |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
