@@ -122,14 +122,24 @@ def ensure_binary(
 ) -> Path:
     """The cached binary, built first when missing and ``build``; else ``LlamaCppUnavailable``."""
     found = cached_binary(cache_dir)
-    tools = all((cache_dir / "bin" / name).is_file() for name in TARGETS)
-    if found is not None and tools:
+    if found is not None:
         return found
     if not build:
-        if found is not None:
-            return found
         raise LlamaCppUnavailable(f"no cached build at {binary_path(cache_dir)}")
     return build_binary(cache_dir, version=version, jobs=jobs, say=say)
+
+
+def ensure_tools(cache_dir: Path, *, build: bool = True, say: Say = print) -> dict[str, Path]:
+    """Every ``TARGETS`` binary in the cache, building the missing ones when ``build`` (a
+    cache from before llama-quantize and llama-bench were built rebuilds only those); the
+    ones that could not be had are left out."""
+    tools = {name: cache_dir / "bin" / name for name in TARGETS}
+    if build and not all(path.is_file() for path in tools.values()):
+        try:
+            build_binary(cache_dir, say=say)
+        except LlamaCppUnavailable as e:
+            say(f"[llama.cpp] tools not built: {e}")
+    return {name: path for name, path in tools.items() if path.is_file()}
 
 
 def build_binary(

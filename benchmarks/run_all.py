@@ -79,6 +79,7 @@ SECTIONS: dict[str, Callable[[Context], SectionResult]] = {
     "spec": sections.spec,
     "kvcache": sections.kvcache,
     "sinks": sections.sinks,
+    "models": sections.models,
 }
 
 
@@ -185,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         stamp=dt.datetime.now().strftime("%Y%m%d-%H%M%S"),
         quick=args.quick,
         llama_cpp=LlamaCpp(None, "the chat128 section did not run"),
+        llama_cpp_mode=args.llama_cpp,
     )
     if "chat128" in names:
         from benchmarks.bench_llama_cpp import default_cache_dir

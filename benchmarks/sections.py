@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -69,6 +70,10 @@ class Sizes:
     kvcache_tokens: int = 4  # measured tokens per length and strategy
     sinks_tokens: int = 4096  # tokens of the text scored
     sinks_cache: int = 256  # visible keys per query (sinks + window, or window alone)
+    # models: which GGUF files (bench_models.MODELS), chat128 levels and output tokens.
+    models: tuple[str, ...] = ("embedded", "embedded-q4km", "random-1b-q4km")
+    models_levels: tuple[tuple[int, int], ...] = ((1, 4), (8, 16), (32, 64))
+    models_output_tokens: int = 128
 
 
 FULL = Sizes(
@@ -124,6 +129,9 @@ QUICK = Sizes(
     kvcache_tokens=2,
     sinks_tokens=512,
     sinks_cache=128,
+    models=("embedded",),
+    models_levels=((1, 1), (2, 2)),
+    models_output_tokens=8,
 )
 
 
@@ -140,6 +148,7 @@ class Context:
     stamp: str  # names this run's files
     quick: bool
     llama_cpp: LlamaCpp = field(default_factory=lambda: LlamaCpp(None, "not looked for"))
+    llama_cpp_mode: str = "build"  # --llama-cpp: build, cached or off
 
     @property
     def full(self) -> bool:
@@ -620,4 +629,31 @@ def sinks(ctx: Context) -> SectionResult:
         table=f"Attention sinks (sinks), perplexity of {sizes.sinks_tokens} tokens of "
         f"{bench_sinks.DEFAULT_TEXT.name}:\n\n"
         f"{bench_sinks.format_table(results, sizes.sinks_cache)}",
+    )
+
+
+def models(ctx: Context) -> SectionResult:
+    """Real GGUF files against llama.cpp (bench_models): the embedded Q4_1, its Q4_K_M, a
+    random 1B Q4_K_M; bandwidth probe, llama-bench, chat128 by users, RSS."""
+    from dataclasses import asdict
+
+    from benchmarks import bench_llama_cpp, bench_models
+
+    sizes = ctx.sizes
+    say(f"[models] {', '.join(sizes.models)}: chat128 at {sizes.models_levels}")
+    cache_dir = bench_llama_cpp.default_cache_dir(os.environ)
+    rows = bench_models.run(
+        list(sizes.models),
+        list(sizes.models_levels),
+        ctx.threads,
+        sizes.models_output_tokens,
+        ctx.workload_file,
+        cache_dir.parent.parent / "models",
+        cache_dir,
+        ctx.llama_cpp_mode,
+    )
+    return SectionResult(
+        extra=[asdict(r) for r in rows],
+        table="Real GGUF files (models), kvserve against llama.cpp in this run:\n\n"
+        + bench_models.format_table(rows),
     )

@@ -92,6 +92,8 @@ class FusedDecode:
             return "needs every layer matrix quantized"
         if model.config.head_dim > 512:
             return f"head_dim {model.config.head_dim} (the kernels take up to 512)"
+        if model.config.num_heads // model.config.num_kv_heads > 64:
+            return "more than 64 query heads per KV head"
         if pool.dtype not in _KV_DTYPES:
             return f"KV pool dtype {pool.dtype} (fp32, fp16 or int8 only)"
         if getattr(pool, "scales", None) is None and pool.dtype == torch.int8:

@@ -669,30 +669,46 @@ inline void axpy(float a, const float* x, float* y, int n) {
   for (int i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-// out[D] = softmax(q . K[t0..pos]) V[t0..pos] for one (row, head): online softmax, one pass.
-void attend(const DecodeStep& st, const DecodeLayer& L, int b, int h, const float* q, float* out, float* kbuf) {
-  const int D = st.head_dim, bs = st.block_size;
-  const int g = h / (st.num_heads / st.num_kv_heads);
+constexpr int MAX_GROUP = 64;  // query heads per KV head the attention loop takes
+
+// out_j[D] = softmax(q_j . K[t0..pos]) V[t0..pos] for the G query heads j of one KV head g of
+// one row: each key and value is read (and converted from fp16 / int8) once for the group.
+// Online softmax, one pass over the positions, in order (the result does not depend on
+// which other rows share the step).
+void attend_group(const DecodeStep& st, const DecodeLayer& L, int b, int g, const float* q, int qstride,
+                  float* out, float* kbuf) {
+  const int D = st.head_dim, bs = st.block_size, G = st.num_heads / st.num_kv_heads;
   const int64_t pos = st.positions[b];
   const int64_t t0 = st.window > 0 && pos - st.window + 1 > 0 ? pos - st.window + 1 : 0;
   const int32_t* table = st.block_tables + (int64_t)b * st.max_blocks;
-  float mx = -INFINITY, sum = 0.f;
-  for (int i = 0; i < D; ++i) out[i] = 0.f;
+  float mx[MAX_GROUP], sum[MAX_GROUP], p[MAX_GROUP];
+  for (int j = 0; j < G; ++j) {
+    mx[j] = -INFINITY;
+    sum[j] = 0.f;
+    for (int i = 0; i < D; ++i) out[(int64_t)j * D + i] = 0.f;
+  }
   for (int64_t t = t0; t <= pos; ++t) {
     const int64_t slot = (int64_t)table[t / bs] * bs + t % bs;
-    const float sc = dot(q, kv_row(st, L, g, slot, kbuf), D);
-    if (sc > mx) {  // rescale what was summed so far
-      const float c = std::exp(mx - sc);
-      sum *= c;
-      for (int i = 0; i < D; ++i) out[i] *= c;
-      mx = sc;
+    const float* k = kv_row(st, L, g, slot, kbuf);
+    for (int j = 0; j < G; ++j) {
+      const float sc = dot(q + (int64_t)j * qstride, k, D);
+      if (sc > mx[j]) {  // rescale what was summed so far
+        const float c = std::exp(mx[j] - sc);
+        sum[j] *= c;
+        float* oj = out + (int64_t)j * D;
+        for (int i = 0; i < D; ++i) oj[i] *= c;
+        mx[j] = sc;
+      }
+      p[j] = std::exp(sc - mx[j]);
+      sum[j] += p[j];
     }
-    const float p = std::exp(sc - mx);
-    sum += p;
-    axpy(p, kv_row(st, L, st.num_kv_heads + g, slot, kbuf), out, D);
+    const float* v = kv_row(st, L, st.num_kv_heads + g, slot, kbuf);
+    for (int j = 0; j < G; ++j) axpy(p[j], v, out + (int64_t)j * D, D);
   }
-  const float inv = 1.f / sum;
-  for (int i = 0; i < D; ++i) out[i] *= inv;
+  for (int j = 0; j < G; ++j) {
+    const float inv = 1.f / sum[j];
+    for (int i = 0; i < D; ++i) out[(int64_t)j * D + i] *= inv;
+  }
 }
 
 void decode_layer(const DecodeStep& st, const DecodeLayer& L, float* x, float* qkv, float* attn, float* act) {
@@ -713,14 +729,14 @@ void decode_layer(const DecodeStep& st, const DecodeLayer& L, float* x, float* q
       kv_store(st, L, KVH + j, slot, row + (H + KVH + j) * D);
     }
   }
-  const int tasks = B * H;
+  const int tasks = B * KVH, G = H / KVH;
 #pragma omp parallel num_threads(tasks > 1 ? nt : 1) if (tasks > 1 && nt > 1)
   {
     float kbuf[512];
-#pragma omp for schedule(dynamic, 4)
+#pragma omp for schedule(dynamic, 1)
     for (int task = 0; task < tasks; ++task) {
-      const int b = task / H, h = task % H;
-      attend(st, L, b, h, qkv + (int64_t)b * nq + h * D, attn + (int64_t)b * H * D + h * D, kbuf);
+      const int b = task / KVH, g = task % KVH;
+      attend_group(st, L, b, g, qkv + (int64_t)b * nq + g * G * D, D, attn + (int64_t)b * H * D + g * G * D, kbuf);
     }
   }
   qgemm(L.o, attn, B, H * D, st.hidden, Hd, nullptr, st.hidden, Hd, EPI_ADD, nt);
