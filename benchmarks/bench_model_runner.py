@@ -368,6 +368,9 @@ def main() -> None:
             f"| {times[True] / times[False]:16.2f} |"
         )
 
+    if quant is not None:
+        mixed_step_table(quant, prompt, prompt_base, args.context, steps)
+
     if 1 in quant_ms:
         ratio = quant_ms[1] / decode_ms[1]
         print(
@@ -395,6 +398,40 @@ def main() -> None:
     )
     print()
     kv_table(ours, kv_dtypes, batches, args.context, steps, source)
+
+
+def mixed_step_table(
+    runner: TorchRunner, prompt: list[int], prompt_base: int, context: int, steps: int
+) -> None:
+    """The cost of holding a prefill chunk beside decodes, on the quantized runner: 8 decodes,
+    a 64-token chunk alone, and both in one step, through the fused step (every row in one
+    kernel call) and through the torch path (``FUSED_MAX_ROWS = 0``: what a step with a
+    prefill chunk did before). ``extra`` = mixed - (decodes + chunk): the fixed cost of
+    mixing; ``ratio`` = mixed / (decodes + chunk), the issue's bound is 1.3."""
+    from model_runner import runner as runner_module
+
+    dec = OursDecode(runner, 8, context, runner.model.vocab_size)
+    table = list(range(prompt_base, prompt_base + -(-64 // BLOCK_SIZE)))
+    chunk = ScheduledSeq("c", prompt[:64], 0, table, GREEDY, True)
+    plans = {
+        "decodes": SchedulerOutput(2, decode=dec.seqs),
+        "chunk": SchedulerOutput(2, prefill=[chunk]),
+        "mixed": SchedulerOutput(2, prefill=[chunk], decode=dec.seqs),
+    }
+    print("\n| quantized step (ms) | 8 decodes | 64-token chunk | chunk + 8 decodes "
+          "| extra | mixed / (decodes + chunk) |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    bound = runner_module.FUSED_MAX_ROWS
+    try:
+        for label, rows in (("fused step", bound), ("torch path (before)", 0)):
+            runner_module.FUSED_MAX_ROWS = rows
+            t = interleaved_ms({k: lambda p=p: runner.execute(p) for k, p in plans.items()}, steps)
+            extra = t["mixed"] - t["decodes"] - t["chunk"]
+            ratio = t["mixed"] / (t["decodes"] + t["chunk"])
+            print(f"| {label} | {t['decodes']:.1f} | {t['chunk']:.1f} | {t['mixed']:.1f} "
+                  f"| {extra:+.1f} | {ratio:.2f} |")  # fmt: skip
+    finally:
+        runner_module.FUSED_MAX_ROWS = bound
 
 
 def kv_table(

@@ -34,12 +34,44 @@ def _f16(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16).view(np.uint8).reshape(*x.shape, 2)
 
 
+def _fit_scale_min(sub: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per sub-block (rows of ``sub``) a scale and a min (>= 0) with w ~= scale * q - min,
+    q in 0..levels: ggml's ``make_qkx2_quants`` search. Candidate inverse scales around
+    levels / (max - min); each candidate's q is refitted by least squares (weights 1),
+    and the one with the smallest squared error is kept."""
+    lo = np.minimum(sub.min(axis=1), 0.0)
+    hi = sub.max(axis=1)
+    span = np.where(hi > lo, hi - lo, 1.0)
+    best_scale = (hi - lo) / levels
+    best_min = -lo
+    q0 = np.clip(np.rint((sub - lo[:, None]) / np.where(best_scale > 0, best_scale, 1)[:, None]), 0, levels)
+    best_err = ((best_scale[:, None] * q0 + lo[:, None] - sub) ** 2).sum(axis=1)
+    n = sub.shape[1]
+    sum_x = sub.sum(axis=1)
+    for step in range(21):
+        iscale = (levels - 1.0 + 0.1 * step) / span
+        q = np.clip(np.rint(iscale[:, None] * (sub - lo[:, None])), 0, levels)
+        sq, sqq, sqx = q.sum(axis=1), (q * q).sum(axis=1), (q * sub).sum(axis=1)
+        det = n * sqq - sq * sq
+        ok = det > 0
+        safe = np.where(ok, det, 1.0)
+        scale = np.where(ok, (n * sqx - sq * sum_x) / safe, best_scale)
+        offset = np.where(ok, (sqq * sum_x - sq * sqx) / safe, lo)  # w ~= scale * q + offset
+        offset = np.minimum(offset, 0.0)  # the format's min is subtracted: offset <= 0
+        err = ((scale[:, None] * q + offset[:, None] - sub) ** 2).sum(axis=1)
+        better = ok & (scale > 0) & (err < best_err)
+        best_err = np.where(better, err, best_err)
+        best_scale = np.where(better, scale, best_scale)
+        best_min = np.where(better, -offset, best_min)
+    return best_scale, best_min
+
+
 def _q45_k(blocks: np.ndarray, levels: int) -> np.ndarray:
     """Q4_K (levels 15) / Q5_K (levels 31): 8 sub-blocks of 32, 6-bit scales and mins."""
     nb = blocks.shape[0]
     sub = blocks.reshape(nb, 8, 32)
-    lo = np.minimum(sub.min(axis=2), 0.0)  # w = d * sc * q - dmin * mn, mn >= 0
-    scale = (sub.max(axis=2) - lo) / levels
+    scale, low = _fit_scale_min(sub.reshape(nb * 8, 32), levels)
+    scale, lo = scale.reshape(nb, 8), -low.reshape(nb, 8)
     d = scale.max(axis=1) / 63.0
     dmin = -lo.min(axis=1) / 63.0
     d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
@@ -72,12 +104,33 @@ def _q45_k(blocks: np.ndarray, levels: int) -> np.ndarray:
     return np.concatenate(parts, axis=1)
 
 
+def _fit_symmetric(groups: np.ndarray, nmax: int) -> np.ndarray:
+    """Per group (rows) a scale with w ~= scale * q, q in -nmax..nmax-1: ggml's
+    ``make_qx_quants`` search (candidates around -nmax / the signed extreme, each refitted by
+    least squares, the smallest squared error kept). The sign follows the extreme value, so
+    the asymmetric range's extra negative level lands on it."""
+    idx = np.abs(groups).argmax(axis=1)
+    extreme = groups[np.arange(groups.shape[0]), idx]
+    safe = np.where(extreme != 0, extreme, 1.0)
+    best_scale = np.where(extreme != 0, -extreme / nmax, 0.0)
+    best_err = np.full(groups.shape[0], np.inf)
+    for step in range(-9, 10):
+        iscale = -(nmax + 0.1 * step) / safe
+        q = np.clip(np.rint(iscale[:, None] * groups), -nmax, nmax - 1)
+        sqq, sqx = (q * q).sum(axis=1), (q * groups).sum(axis=1)
+        scale = np.where(sqq > 0, sqx / np.where(sqq > 0, sqq, 1.0), 0.0)
+        err = ((scale[:, None] * q - groups) ** 2).sum(axis=1)
+        better = (extreme != 0) & (err < best_err)
+        best_err = np.where(better, err, best_err)
+        best_scale = np.where(better, scale, best_scale)
+    return best_scale
+
+
 def _q6_k(blocks: np.ndarray) -> np.ndarray:
     """Q6_K: 16 groups of 16 with int8 scales, 6-bit values offset by 32."""
     nb = blocks.shape[0]
     grp = blocks.reshape(nb, 16, 16)
-    amax = np.abs(grp).max(axis=2)
-    scale = amax / 31.0
+    scale = _fit_symmetric(grp.reshape(nb * 16, 16), 32).reshape(nb, 16)
     d = np.abs(scale).max(axis=1) / 127.0
     d16 = d.astype(np.float16)
     d = d16.astype(np.float32)

@@ -76,7 +76,7 @@ MATRIX_SUFFIXES = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
 # Up to this many rows, the integer kernels; above, panel dequantization + oneDNN's GEMM.
 # No bound by default: the integer GEMM is about as fast as the panels from 64 rows up, and
 # one arithmetic for every batch shape keeps a row's results independent of its batch. The
-# panel path stays for measurements (``bench_model_runner --panels``) and the tests.
+# panel path stays for measurements (set SKINNY_MAX_ROWS) and the tests.
 SKINNY_MAX_ROWS = 1 << 30
 # fp32 elements of the shared dequantization buffer (16 MiB): the LM head goes in panels.
 PANEL_ELEMENTS = 1 << 22

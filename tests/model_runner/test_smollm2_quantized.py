@@ -179,28 +179,34 @@ def test_greedy_is_logprobs_close_to_the_dequantized_model(
     """vLLM's check_logprobs_close on 8 prompts x 64 free-running greedy tokens: where the
     quantized path (int8 activations, Q4_1/Q8_0 weights) first differs from the dequantized
     fp32 model, each side's token is in the other's top-5, within 0.5 nats of its top."""
-    for prompt in PROMPTS:
-        ours, our_lp = free_running(native, prompt)
-        ref, ref_lp = free_running(dense, prompt)
+    assert_logprobs_close(native, dense, PROMPTS)
+
+
+def assert_logprobs_close(model_a: LoadedModel, model_b: LoadedModel, prompts: list[str]) -> None:
+    """vLLM's check_logprobs_close: free-running greedy tokens of both models; where they
+    first differ, each side's token is in the other's top-5, within 0.5 nats of its top."""
+    for prompt in prompts:
+        ours, our_lp = free_running(model_a, prompt)
+        ref, ref_lp = free_running(model_b, prompt)
         first = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=True)) if a != b), None)
         if first is None:
             continue
-        for mine, other, lp in (
-            (ours[first], ref[first], ref_lp[first]),
-            (ref[first], ours[first], our_lp[first]),
-        ):
+        sides = ((ours[first], ref[first], ref_lp[first]), (ref[first], ours[first], our_lp[first]))
+        for mine, other, lp in sides:
             top5 = lp.topk(5).indices.tolist()  # type: ignore[attr-defined]
             assert mine in top5, f"{prompt!r} step {first}: {mine} not in the other's top-5 {top5}"
             gap = float(lp[other] - lp[mine])  # type: ignore[index]
             assert gap <= 0.5, f"{prompt!r} step {first}: {gap:.3f} nats apart"
 
 
-def test_the_q4_k_m_requantization_names_paris(
-    native: LoadedModel, tmp_path_factory: pytest.TempPathFactory
+def test_the_q4_k_m_requantization_runs_in_its_own_formats(
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """The embedded file requantized to Q4_K_M (llama.cpp's per-tensor rules; 576-wide rows
     fall back to Q5_0 / Q8_0, the 1,536-wide ffn_down keeps Q4_K / Q6_K) loads natively in
-    those formats and still answers Paris."""
+    those formats, and its quantized path is logprobs-close to the same file dequantized to
+    fp32. (Whether it names Paris is the file's property, not the kernels': requantized from
+    Q4_1, its Q5_0 tensors lose "Paris" even in fp32; see the README.)"""
     from model_runner import kquants
     from model_runner.gguf_loader import default_model_path
     from model_runner.loader import load_model
@@ -208,8 +214,7 @@ def test_the_q4_k_m_requantization_names_paris(
 
     path = tmp_path_factory.mktemp("q4km") / "smollm2-q4km.gguf"
     kquants.requantize_gguf(str(default_model_path()), str(path), "Q4_K_M")
-    model = load_model(str(path), weights="native")
-    sources = {w.source for w in model.state_dict.values() if isinstance(w, QuantWeight)}
+    native = load_model(str(path), weights="native")
+    sources = {w.source for w in native.state_dict.values() if isinstance(w, QuantWeight)}
     assert sources == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}
-    run = greedy(model, PROMPTS[:1], together=False)
-    assert "Paris" in model.tokenizer.decode(run["q0"], skip_special_tokens=True)
+    assert_logprobs_close(native, load_model(str(path), weights="float32"), PROMPTS[:4])
