@@ -159,6 +159,27 @@ inline void split_nibbles16(const uint8_t* __restrict src, uint8_t* __restrict d
 #endif
 }
 
+// s[2b] = s[2b + 1] = scale * d[b], o[2b] = o[2b + 1] = m ? m[b] : low * d[b], b < n: each
+// 32-block's scale and offset for its two 16-groups.
+inline void block_scales(const float* __restrict d, const float* __restrict m, float low, int n,
+                         float* __restrict s, float* __restrict o) {
+  int b = 0;
+#if defined(KV_USE_AVX512)
+  const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  for (; b + 8 <= n; b += 8) {
+    const __m512 dv = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_loadu_ps(d + b)));
+    _mm512_storeu_ps(s + 2 * b, dv);
+    const __m512 ov = m ? _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_loadu_ps(m + b)))
+                        : _mm512_mul_ps(dv, _mm512_set1_ps(low));
+    _mm512_storeu_ps(o + 2 * b, ov);
+  }
+#endif
+  for (; b < n; ++b) {
+    s[2 * b] = s[2 * b + 1] = d[b];
+    o[2 * b] = o[2 * b + 1] = m ? m[b] : low * d[b];
+  }
+}
+
 // Row `row` of w as unsigned bytes q[K64] plus, per 16-group, scale s[K64/16] and offset
 // o[K64/16]: w[e] = s[e / 16] * q[e] + o[e / 16]. Past the stored blocks everything is 0.
 void unpack_row(const QW& w, int64_t row, uint8_t* __restrict q, float* __restrict s, float* __restrict o) {
@@ -191,12 +212,7 @@ void unpack_row(const QW& w, int64_t row, uint8_t* __restrict q, float* __restri
 #endif
         }
       }
-      const float low = five ? -16.f : -8.f;
-      for (int b = 0; b < KB; ++b) {
-        const float off = has_m ? p.m[row * KB + b] : low * d[b];
-        s[2 * b] = s[2 * b + 1] = d[b];
-        o[2 * b] = o[2 * b + 1] = off;
-      }
+      block_scales(d, has_m ? p.m + row * KB : nullptr, five ? -16.f : -8.f, KB, s, o);
       done = 32 * KB;
       break;
     }
@@ -204,10 +220,7 @@ void unpack_row(const QW& w, int64_t row, uint8_t* __restrict q, float* __restri
       const uint8_t* qs = p.qs + row * KB * 32;
       const float* d = p.d + row * KB;
       for (int e = 0; e < 32 * KB; ++e) q[e] = qs[e] ^ 0x80;  // int8 -> q + 128
-      for (int b = 0; b < KB; ++b) {
-        s[2 * b] = s[2 * b + 1] = d[b];
-        o[2 * b] = o[2 * b + 1] = -128.f * d[b];
-      }
+      block_scales(d, nullptr, -128.f, KB, s, o);
       done = 32 * KB;
       break;
     }
@@ -237,11 +250,21 @@ void unpack_row(const QW& w, int64_t row, uint8_t* __restrict q, float* __restri
           }
         }
         const uint8_t* scb = sc + 16 * sb;
+#if defined(KV_USE_AVX512)
+        // Bytes 0..7 (scales) and 8..15 (mins), each twice: one per 16-group.
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scb));
+        const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+        const __m512 scv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(raw, dup)));
+        const __m512 mnv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_srli_si128(raw, 8), dup)));
+        _mm512_storeu_ps(s + 16 * sb, _mm512_mul_ps(scv, _mm512_set1_ps(d[sb])));
+        _mm512_storeu_ps(o + 16 * sb, _mm512_mul_ps(mnv, _mm512_set1_ps(-m[sb])));
+#else
         for (int j = 0; j < 8; ++j) {
           const float scale = d[sb] * scb[j], off = -m[sb] * scb[8 + j];
           s[16 * sb + 2 * j] = s[16 * sb + 2 * j + 1] = scale;
           o[16 * sb + 2 * j] = o[16 * sb + 2 * j + 1] = off;
         }
+#endif
       }
       done = 256 * KS;
       break;
@@ -263,11 +286,18 @@ void unpack_row(const QW& w, int64_t row, uint8_t* __restrict q, float* __restri
             qb[l + 96] = (l8[l + 32] >> 4) | (((h8[l] >> 6) & 3) << 4);
           }
         }
+#if defined(KV_USE_AVX512)
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * sb));
+        const __m512 scale = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), _mm512_set1_ps(d[sb]));
+        _mm512_storeu_ps(s + 16 * sb, scale);
+        _mm512_storeu_ps(o + 16 * sb, _mm512_mul_ps(scale, _mm512_set1_ps(-32.f)));
+#else
         for (int g = 0; g < 16; ++g) {
           const float scale = d[sb] * sc[16 * sb + g];
           s[16 * sb + g] = scale;
           o[16 * sb + g] = -32.f * scale;
         }
+#endif
       }
       done = 256 * KS;
       break;
