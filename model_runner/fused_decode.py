@@ -1,4 +1,5 @@
-"""A decode-only step's whole layer stack in one call of kvserve's CPU kernels.
+"""A step's whole layer stack in one call of kvserve's CPU kernels (the name is historical:
+it started with decode-only steps).
 
 At batch 1 a decode step of a 4-bit model reads ~100 MB of weights, a few milliseconds; the
 same step through PyTorch also dispatches ~30 tensor ops per layer (norms, RoPE, the KV write,
@@ -7,9 +8,13 @@ RoPE, the paged KV write, attention over the block table, the output projection,
 MLP and both residual adds of every layer in C++ (see ``kernels/kernels.cpp``), so Python
 runs the embedding lookup, one call, and the LM head.
 
-Used for steps without prefill rows when every matrix is quantized (``QLinear``), compute is
-fp32 on CPU, and the pool is fp32, fp16 or int8; ``FusedDecode.unsupported`` names the reason
-otherwise. Mixed and prefill steps keep the PyTorch path; both paths write the same pool.
+A step is one flattened token batch: a prefill chunk is consecutive rows that share a block
+table, a decode one row, a speculative verification k + 1 rows (``TorchRunner`` flattens
+them). Every row's K/V is written before any row attends, and each row attends up to its
+own position, so chunks are causal. Used for every step when every matrix is quantized
+(``QLinear``), compute is fp32 on CPU, and the pool is fp32, fp16 or int8;
+``FusedDecode.unsupported`` names the reason otherwise (the runner then takes the PyTorch
+path; both paths write the same pool).
 """
 
 from __future__ import annotations
@@ -102,8 +107,9 @@ class FusedDecode:
 
     def forward(self, token_ids: Sequence[int], positions: Sequence[int],
                 block_tables: Sequence[Sequence[int]]) -> torch.Tensor:  # fmt: skip
-        """Hidden states [B, hidden] after the last layer for one new token per request at
-        ``positions``; writes every layer's K/V of those tokens into the pool."""
+        """Hidden states [rows, hidden] after the last layer for the tokens ``token_ids`` at
+        ``positions``, each row with its request's block table; writes every layer's K/V of
+        those tokens into the pool."""
         batch = len(token_ids)
         ids = torch.tensor(token_ids, dtype=torch.int64)
         hidden = self.model.embed_rows(ids).contiguous()
