@@ -44,7 +44,8 @@ def _fit_scale_min(sub: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray
     span = np.where(hi > lo, hi - lo, 1.0)
     best_scale = (hi - lo) / levels
     best_min = -lo
-    q0 = np.clip(np.rint((sub - lo[:, None]) / np.where(best_scale > 0, best_scale, 1)[:, None]), 0, levels)
+    step0 = np.where(best_scale > 0, best_scale, 1)[:, None]
+    q0 = np.clip(np.rint((sub - lo[:, None]) / step0), 0, levels)
     best_err = ((best_scale[:, None] * q0 + lo[:, None] - sub) ** 2).sum(axis=1)
     n = sub.shape[1]
     sum_x = sub.sum(axis=1)
