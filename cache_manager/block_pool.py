@@ -17,13 +17,22 @@ from collections.abc import Sequence
 
 from cache_manager.block import BlockQueue, KVBlock
 from cache_manager.eviction import EvictionPolicy
+from cache_manager.tier import TierLedger
 
 
 class BlockPool:
     """``num_blocks`` blocks; optionally block 0 is the null block, never handed out."""
 
-    def __init__(self, num_blocks: int, policy: EvictionPolicy, *, reserve_null: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        policy: EvictionPolicy,
+        *,
+        reserve_null: bool,
+        tier: TierLedger | None = None,
+    ) -> None:
         self.num_blocks = num_blocks
+        self.tier = tier  # tier 2: evicted keyed blocks are spilled through it
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.policy = policy
         self.empty = BlockQueue("empty")
@@ -64,6 +73,8 @@ class BlockPool:
         """Drop the key of a cached block that is being handed out."""
         key = block.block_hash
         assert key is not None and self.cached.get(key) is block
+        if self.tier is not None:
+            self.tier.on_evict(block)
         del self.cached[key]
         self._clear_key(block)
         self.num_evictions += 1
