@@ -9,6 +9,10 @@ A freed block without a key holds nothing reusable, so it goes to the very front
 handed out before any cached block loses its key. A freed block with a key keeps it (lazy
 eviction): a prefix hit can take it back in O(1) until the block is handed out, at which point
 its key is dropped and an eviction is counted.
+
+With tier 2 (``cache_manager.tier``), a keyed block is spilled when it becomes evictable
+(once per key), so the store has it before it is evicted, after a restart, and for the other
+replicas on the host.
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ class BlockPool:
         block.cache_salt = None
         block.hit_count = 0
         block.is_shared = False
+        block.is_spilled = False
 
     def touch(self, block: KVBlock) -> None:
         """Take a reference on a cached block (a prefix hit); off the free list if it was free."""
@@ -106,6 +111,7 @@ class BlockPool:
         """
         empty = self.empty
         push = self.policy.push
+        tier = self.tier
         for block in blocks:
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -114,6 +120,8 @@ class BlockPool:
                     empty.appendleft(block)
                 else:
                     push(block)
+                    if tier is not None and not block.is_spilled:
+                        tier.on_free(block)
 
     def lookup(
         self,

@@ -552,7 +552,7 @@ class KVCacheManager:
             block.num_filled = bs
             block.is_shared = True  # a hit, as a tier-1 hit would be
             self._num_used_slots += bs
-            tier.on_restore(block.block_id, entry.key)
+            tier.on_restore(block, entry.key)
         return taken
 
     def _copy_on_write(

@@ -5,7 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # Why a tier-2 operation failed (each degrades to a miss or a dropped spill, never an error).
-TIER_ERROR_KINDS = ("open", "write", "disk_full", "read", "checksum", "truncated", "stale_lock")
+TIER_ERROR_KINDS = (
+    "open",
+    "write",
+    "disk_full",
+    "read",
+    "checksum",
+    "truncated",
+    "stale_lock",
+    "backlog",
+)
 
 
 @dataclass(frozen=True, slots=True)

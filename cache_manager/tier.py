@@ -2,9 +2,13 @@
 
 The cache manager decides, the engine moves bytes (``server.kv_tier``)::
 
-    schedule()  -> evictions of keyed blocks ----> TierPlan.spills   (copy out, then write
-                -> prefix hits on staged blocks -> TierPlan.restores  in the background)
+    free / update -> keyed blocks becoming evictable -> TierPlan.spills   (copy out, then
+    schedule()    -> prefix hits on staged blocks    -> TierPlan.restores  write off-path)
     engine: take_tier_plan(); copy spills out of the pool, then restores into it; execute.
+
+A keyed block is spilled once per key, when its last holder frees it (not when it is
+evicted): by the time it is evicted the store already has it, and so do a restarted server
+and the other replicas on the host. A spill a failing store drops is simply a later miss.
 
 A block below tier 1 is known here only as a ``TierBlock`` (its key and what the key stands
 for); its bytes live in the store. A request's blocks found in the store are *staged* for it
@@ -68,20 +72,26 @@ class TierLedger:
         self.num_hit_blocks = 0
         self.num_spilled_blocks = 0
 
-    def on_evict(self, block: KVBlock) -> None:
-        """A keyed block loses its key to be handed out: spill it, unless it is a restore of
-        this very step (its bytes were never copied in, and the store holds them anyway)."""
-        if self._restores.pop(block.block_id, None) is not None:
-            return
+    def on_free(self, block: KVBlock) -> None:
+        """A keyed block became evictable and tier 2 does not have it yet: spill it. Its KV
+        is final and stays put until the block is handed out, which the engine's copy-out
+        (before the next forward pass) precedes."""
         key = block.block_hash
         assert key is not None and block.token_ids is not None
+        block.is_spilled = True
         self._spills.append(
             (block.block_id, TierBlock(key, block.parent_hash, block.token_ids, block.cache_salt))
         )
         self.num_spilled_blocks += 1
 
-    def on_restore(self, block_id: int, key: bytes) -> None:
-        self._restores[block_id] = key
+    def on_evict(self, block: KVBlock) -> None:
+        """A keyed block loses its key to be handed out. A restore into it planned this very
+        step is dropped: its bytes were never copied in (and the store holds them)."""
+        self._restores.pop(block.block_id, None)
+
+    def on_restore(self, block: KVBlock, key: bytes) -> None:
+        block.is_spilled = True  # it came from the store
+        self._restores[block.block_id] = key
         self.num_hit_blocks += 1
 
     def take_plan(self) -> TierPlan:
