@@ -130,9 +130,7 @@ _WRITER = textwrap.dedent(
 def test_two_processes_share_one_store(tmp_path: object) -> None:
     """Two processes writing at once into one store: every entry and the shared byte count
     are exact, and a third process sees all of them."""
-    procs = [
-        subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), tag]) for tag in "ab"
-    ]
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), tag]) for tag in "ab"]
     assert [p.wait(60) for p in procs] == [0, 0]
     store = open_store("lmdb", str(tmp_path), capacity_bytes=1 << 30)
     assert store.usage() == (100, 100 * 100)
