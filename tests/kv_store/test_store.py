@@ -168,3 +168,12 @@ def test_store_held_by_a_killed_process_is_usable(tmp_path: object) -> None:
     assert (store.get(b"k" * 24), store.get(b"n" * 24)) == (b"before", b"after")
     assert store.usage() == (2, 11)
     store.close()
+
+
+def test_kv_store_and_the_tier_mover_do_not_import_torch() -> None:
+    """The store and server.kv_tier import no torch (the runner's block mover is lazy)."""
+    code = (
+        "import sys, kv_store, kv_store.lmdb_store, kv_store.file_store, server.kv_tier\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
