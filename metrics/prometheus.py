@@ -40,6 +40,7 @@ from prometheus_client.core import (
 from prometheus_client.utils import floatToGoString
 
 from cache_manager.stats import KVCacheStats
+from metrics.kv_tier import TIER_FIELD_METRICS, kv_tier_families
 from metrics.records import RequestRecord, StepRecord
 from scheduler.output import SchedulerStats
 from scheduler.request import AbortReason, FinishReason
@@ -117,6 +118,7 @@ KV_FIELD_METRICS: dict[str, str] = {
     "kv_strategy": "kvserve_kv_cache_strategy_info{strategy}",
     "strategy_dropped_tokens_total": "kvserve_kv_cache_strategy_dropped_tokens_total",
     "strategy_windowed_tokens_total": "kvserve_kv_cache_strategy_windowed_tokens_total",
+    **TIER_FIELD_METRICS,
 }
 
 
@@ -385,6 +387,7 @@ class PrometheusSink:
         )
         yield from self._scheduler_families(stats)
         yield from self._kv_families(stats.kv)
+        yield from kv_tier_families(stats.kv)
         yield from hists
         yield _counter(
             "request_aborts_total",

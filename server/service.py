@@ -47,6 +47,7 @@ from server import validation
 from server.auth import AuthError, Security, client_id, grpc_peer_host, scoped_id
 from server.engine import EngineDeadError, EngineLoop, StalledStreamError
 from server.engine_client import DeadlineExceededError, DuplicateRequestError, EngineClient
+from server.kv_tier_rpc import kv_tier_rpc_fields
 from server.outputs import GenerationOutput
 from server.rpc import generation_pb2 as pb
 from server.validation import InvalidRequestError, Limits
@@ -441,6 +442,7 @@ class GenerationServicer:
             kv_strategy=kv.kv_strategy,
             strategy_dropped_tokens_total=kv.strategy_dropped_tokens_total,
             strategy_windowed_tokens_total=kv.strategy_windowed_tokens_total,
+            **kv_tier_rpc_fields(kv),
         )
 
     async def Abort(
