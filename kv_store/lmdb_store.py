@@ -44,7 +44,7 @@ class LmdbStore:
                 max_dbs=4,
                 sync=False,
                 metasync=False,
-                readahead=False,
+                readahead=True,
                 max_readers=512,
             )
             self._entries = self.env.open_db(b"entries")
