@@ -95,7 +95,8 @@ def block_io_for(runner: object) -> BlockIO:
 class _Prefetch:
     request_id: str
     salt: str | None
-    candidates: list[TierBlock]  # in chain order, past the tier-1 prefix
+    candidates: list[TierBlock]  # every full block of the prompt, in chain order
+    in_tier1: list[bool]  # whether tier 1 held the block when the prefetch started
 
 
 @dataclass(slots=True)
@@ -161,8 +162,13 @@ class KVTier:
         self._wake = wake
 
     def prefetch(self, request: Request) -> bool:
-        """Start reading from the store the blocks of ``request``'s prefix that tier 1 lacks.
-        True: hold the request until ``poll`` returns its id. Never raises."""
+        """Start reading ``request``'s prefix from the store; True: hold the request until
+        ``poll`` returns its id (tier 1 lacks part of the prefix). Never raises.
+
+        Blocks tier 1 holds now are read too (a miss on them is no reason to stop): a
+        request that waits in the queue may see them evicted before its admission, and then
+        its hit continues into tier 2 instead of recomputing from there.
+        """
         if self.store is None or self._closed:
             return False
         try:
@@ -170,21 +176,20 @@ class KVTier:
             bs = self.kv.block_size
             salt = request.cache_salt
             keys = prefix_block_keys(tokens[: len(tokens) - 1], bs, salt)
-            first = 0
-            while first < len(keys) and self.kv.has_cached_key(keys[first]):
-                first += 1
-            if first == len(keys):
+            if not keys:
                 return False
-            candidates = []
-            for i in range(first, len(keys)):
-                parent = keys[i - 1] if i else None
-                chunk = tuple(tokens[i * bs : (i + 1) * bs])
-                candidates.append(TierBlock(keys[i], parent, chunk, salt))
+            in_tier1 = [self.kv.has_cached_key(key) for key in keys]
+            candidates = [
+                TierBlock(
+                    key, keys[i - 1] if i else None, tuple(tokens[i * bs : (i + 1) * bs]), salt
+                )
+                for i, key in enumerate(keys)
+            ]
         except Exception as exc:  # a malformed request is the scheduler's to reject
             logger.debug("tier prefetch skipped for %s: %r", request.request_id, exc)
             return False
-        self._reads.put(_Prefetch(request.request_id, salt, candidates))
-        return True
+        self._reads.put(_Prefetch(request.request_id, salt, candidates, in_tier1))
+        return not all(in_tier1)
 
     @property
     def has_ready(self) -> bool:
@@ -401,14 +406,15 @@ class KVTier:
             self._wake()
 
     def _read(self, job: _Prefetch) -> list[tuple[TierBlock, bytes]]:
-        """The candidates found in the store, verified, in chain order up to the first miss."""
+        """The candidates found in the store, verified, in chain order up to the first miss
+        of a block tier 1 did not hold."""
         store = self.store
         assert store is not None
         found: list[tuple[TierBlock, bytes]] = []
         touched: list[bytes] = []
         t0 = time.perf_counter()
         block_bytes = self.io.block_bytes
-        for block in job.candidates:
+        for block, in_tier1 in zip(job.candidates, job.in_tier1, strict=True):
             skey = store_key(self.fingerprint, block.key, block.cache_salt)
             with self._lock:
                 self._counts["lookups"] += 1
@@ -422,6 +428,8 @@ class KVTier:
                 self._error(exc.kind, str(exc))
                 break
             if raw is None:
+                if in_tier1:
+                    continue
                 break
             try:
                 entry = decode_entry(raw)
