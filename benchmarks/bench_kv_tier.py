@@ -183,7 +183,9 @@ async def _drive(
 
     async def conversation(conv: Conversation) -> None:
         for turn in turns:
-            await asyncio.sleep(conv.think_time_s[turn] if turn != turns.start else 0.0)
+            # Think time before every turn but the first (also right after a restart, so
+            # the returning turns arrive as they do on the warm server).
+            await asyncio.sleep(conv.think_time_s[turn])
             req = Request(
                 request_id=f"{conv.name}-t{turn}-{fig.name}",
                 prompt_token_ids=conv.prompt(turn),

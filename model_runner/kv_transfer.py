@@ -41,16 +41,21 @@ class PoolBlockIO:
         sraw = scales.view(torch.uint8).view(len(block_ids), -1).numpy()
         return [row.tobytes() + srow.tobytes() for row, srow in zip(raw, sraw, strict=True)]
 
-    def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
+    def write_blocks(
+        self, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]
+    ) -> None:
         """Each block's KV becomes its payload (from ``read_blocks`` of the same layout)."""
         if not block_ids:
             return
         pool = self.pool
         n = len(block_ids)
-        buf = bytearray(b"".join(payloads))
-        if len(buf) != n * self.block_bytes:
-            raise ValueError(f"{len(buf)} payload bytes for {n} blocks of {self.block_bytes}")
-        flat = torch.frombuffer(buf, dtype=torch.uint8).view(n, self.block_bytes)
+        size = self.block_bytes
+        buf = bytearray(n * size)  # one copy of the payloads, then one indexed write
+        for i, payload in enumerate(payloads):
+            if len(payload) != size:
+                raise ValueError(f"payload of {len(payload)} bytes for a block of {size}")
+            buf[i * size : (i + 1) * size] = payload
+        flat = torch.frombuffer(buf, dtype=torch.uint8).view(n, size)
         index = torch.tensor(list(block_ids), dtype=torch.int64, device=pool.device)
         shape = (n, *pool.data[:, :, 0].shape)
         data = flat[:, : self._data_bytes].contiguous().view(pool.data.dtype).view(shape)

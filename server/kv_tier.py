@@ -44,7 +44,9 @@ class BlockIO(Protocol):
 
     def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]: ...
 
-    def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None: ...
+    def write_blocks(
+        self, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]
+    ) -> None: ...
 
 
 class ShadowBlockIO:
@@ -60,7 +62,9 @@ class ShadowBlockIO:
         read = self._runner.read_kv_block  # type: ignore[attr-defined]
         return [self._fmt.pack(*(-1 if t is None else t for t in read(b))) for b in block_ids]
 
-    def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
+    def write_blocks(
+        self, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]
+    ) -> None:
         write = self._runner.write_kv_block  # type: ignore[attr-defined]
         for block_id, payload in zip(block_ids, payloads, strict=True):
             write(block_id, [None if t < 0 else t for t in self._fmt.unpack(payload)])
@@ -74,7 +78,9 @@ class NullBlockIO:
     def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
         return [b""] * len(block_ids)
 
-    def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
+    def write_blocks(
+        self, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]
+    ) -> None:
         pass
 
 
@@ -133,8 +139,10 @@ class KVTier:
         self._logged: set[str] = set()
         self._pending: dict[bytes, _Spill] = {}  # store key -> spill not yet written
         self._pending_bytes = 0
-        self._ready: deque[tuple[str, list[tuple[TierBlock, bytes]]]] = deque()
-        self._staged: dict[str, dict[bytes, bytes]] = {}  # request -> chain key -> payload
+        self._ready: deque[tuple[str, list[tuple[TierBlock, bytes | memoryview]]]] = deque()
+        self._staged: dict[
+            str, dict[bytes, bytes | memoryview]
+        ] = {}  # request -> chain key -> payload
         self._counts: Counter[str] = Counter()
         self._seconds: Counter[str] = Counter()
         self._usage = (0, 0)
@@ -217,7 +225,7 @@ class KVTier:
         if plan.restores:
             t0 = time.perf_counter()
             ids: list[int] = []
-            payloads: list[bytes] = []
+            payloads: list[bytes | memoryview] = []
             for block_id, key in plan.restores:
                 ids.append(block_id)
                 payloads.append(self._staged_payload(key))
@@ -235,7 +243,7 @@ class KVTier:
                     self.kv.unstage_tier_blocks(request_id)
                     del self._staged[request_id]
 
-    def _staged_payload(self, key: bytes) -> bytes:
+    def _staged_payload(self, key: bytes) -> bytes | memoryview:
         for payloads in self._staged.values():
             payload = payloads.get(key)
             if payload is not None:
@@ -405,12 +413,12 @@ class KVTier:
             self._ready.append((job.request_id, found))
             self._wake()
 
-    def _read(self, job: _Prefetch) -> list[tuple[TierBlock, bytes]]:
+    def _read(self, job: _Prefetch) -> list[tuple[TierBlock, bytes | memoryview]]:
         """The candidates found in the store, verified, in chain order up to the first miss
         of a block tier 1 did not hold."""
         store = self.store
         assert store is not None
-        found: list[tuple[TierBlock, bytes]] = []
+        found: list[tuple[TierBlock, bytes | memoryview]] = []
         touched: list[bytes] = []
         t0 = time.perf_counter()
         block_bytes = self.io.block_bytes
