@@ -140,9 +140,9 @@ class KVTier:
         self._pending: dict[bytes, _Spill] = {}  # store key -> spill not yet written
         self._pending_bytes = 0
         self._ready: deque[tuple[str, list[tuple[TierBlock, bytes | memoryview]]]] = deque()
-        self._staged: dict[
-            str, dict[bytes, bytes | memoryview]
-        ] = {}  # request -> chain key -> payload
+        # Engine thread: request -> chain key -> payload, and their bytes.
+        self._staged: dict[str, dict[bytes, bytes | memoryview]] = {}
+        self._staged_bytes = 0
         self._counts: Counter[str] = Counter()
         self._seconds: Counter[str] = Counter()
         self._usage = (0, 0)
@@ -179,6 +179,9 @@ class KVTier:
         """
         if self.store is None or self._closed:
             return False
+        if self._staged_bytes >= self.max_pending_bytes:
+            self._error("backlog", f"{self._staged_bytes} bytes staged for waiting requests")
+            return False
         try:
             tokens = request.all_token_ids
             bs = self.kv.block_size
@@ -210,7 +213,9 @@ class KVTier:
             request_id, found = self._ready.popleft()
             if found:
                 self.kv.stage_tier_blocks(request_id, [b for b, _ in found])
+                self._drop_staged(request_id)
                 self._staged[request_id] = {b.key: payload for b, payload in found}
+                self._staged_bytes += sum(len(payload) for _, payload in found)
             done.append(request_id)
         return done
 
@@ -238,10 +243,15 @@ class KVTier:
             staged = set(self.kv.staged_tier_request_ids())
             for request_id in list(self._staged):
                 if request_id not in staged:
-                    del self._staged[request_id]
+                    self._drop_staged(request_id)
                 elif not is_alive(request_id):
                     self.kv.unstage_tier_blocks(request_id)
-                    del self._staged[request_id]
+                    self._drop_staged(request_id)
+
+    def _drop_staged(self, request_id: str) -> None:
+        payloads = self._staged.pop(request_id, None)
+        if payloads is not None:
+            self._staged_bytes -= sum(len(p) for p in payloads.values())
 
     def _staged_payload(self, key: bytes) -> bytes | memoryview:
         for payloads in self._staged.values():

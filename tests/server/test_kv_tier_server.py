@@ -47,3 +47,27 @@ def test_tier_2_is_off_by_default() -> None:
     built = build_engine(ServerConfig(runner="fake", num_blocks=8, metrics=False))
     assert built.engine.kv_tier is None and not built.scheduler.kv.has_tier
     assert built.engine.latest_stats.kv.tier2 is None
+
+
+def test_prefetch_is_skipped_over_the_staged_bytes_bound(tmp_path: Path) -> None:
+    """With the staged bytes at their bound a new request is not held for a prefetch (it
+    recomputes), and the skip is counted as a backlog."""
+    from cache_manager import KVCacheConfig, KVCacheManager
+    from kv_store import model_fingerprint, open_store
+    from scheduler import Request, SamplingParams
+    from server.kv_tier import KVTier, NullBlockIO
+
+    kv = KVCacheManager(KVCacheConfig(num_blocks=8, block_size=4, kv_tier=True))
+    store = open_store("lmdb", str(tmp_path), capacity_bytes=1 << 20)
+    fp = model_fingerprint("w", "float", "float32", 4, "t")
+    request = Request("r", list(range(10, 30)), SamplingParams(max_tokens=1))
+    open_tier = KVTier(kv, store, NullBlockIO(), fp, capacity_bytes=1 << 20)
+    assert open_tier.prefetch(request)  # tier 1 is empty: held for the read
+    open_tier.close()
+    full = KVTier(
+        kv, open_store("lmdb", str(tmp_path), 1 << 20), NullBlockIO(), fp,
+        capacity_bytes=1 << 20, max_pending_bytes=0,
+    )  # fmt: skip
+    assert not full.prefetch(request)
+    assert full.stats().errors_total == {"backlog": 1}
+    full.close()
