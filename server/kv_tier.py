@@ -175,7 +175,8 @@ class KVTier:
 
         Blocks tier 1 holds now are read too (a miss on them is no reason to stop): a
         request that waits in the queue may see them evicted before its admission, and then
-        its hit continues into tier 2 instead of recomputing from there.
+        its hit continues into tier 2 instead of recomputing from there. A request whose
+        prefix is all in tier 1 while the pool has room for it without evicting reads nothing.
         """
         if self.store is None or self._closed:
             return False
@@ -190,6 +191,10 @@ class KVTier:
             if not keys:
                 return False
             in_tier1 = [self.kv.has_cached_key(key) for key in keys]
+            kv = self.kv
+            num_empty = kv.num_free_blocks - kv.num_cached_free_blocks
+            if all(in_tier1) and num_empty >= kv.num_blocks_for(len(tokens)):
+                return False  # all in tier 1, and room without evicting: nothing to read
             candidates = [
                 TierBlock(
                     key, keys[i - 1] if i else None, tuple(tokens[i * bs : (i + 1) * bs]), salt
