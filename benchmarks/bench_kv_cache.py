@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from loadtest.table import markdown_table
+
 DEFAULT_LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096)
 STRATEGIES = ("always", "disabled")
 BLOCK_SIZE = 16
@@ -117,20 +119,16 @@ def format_table(points: list[Point]) -> str:
     """Markdown: one row per length, both strategies, their ratio, and whether both
     generated the same greedy tokens."""
     by = {(p.strategy, p.length): p for p in points}
-    lengths = sorted({p.length for p in points})
-    lines = [
-        "| Sequence length (tokens) | With KV cache (ms/token) | Recompute, `disabled` "
-        "(ms/token) | disabled / cache | Same tokens |",
-        "|---|---|---|---|---|",
-    ]
-    for n in lengths:
+    rows = []
+    for n in sorted({p.length for p in points}):
         a, d = by[("always", n)], by[("disabled", n)]
         same = "yes" if a.token_ids == d.token_ids else "no"
         ratio = d.ms_per_token / a.ms_per_token
-        lines.append(
-            f"| {n:,} | {a.ms_per_token:.1f} | {d.ms_per_token:.1f} | {ratio:.1f}x | {same} |"
-        )
-    return "\n".join(lines)
+        ms = (f"{a.ms_per_token:.1f}", f"{d.ms_per_token:.1f}")
+        rows.append([f"{n:,}", *ms, f"{ratio:.1f}x", same])
+    header = ["Sequence length (tokens)", "With KV cache (ms/token)",
+              "Recompute, `disabled` (ms/token)", "disabled / cache", "Same tokens"]  # fmt: skip
+    return markdown_table(header, rows, pad=False)
 
 
 def _integrated_s(lengths: list[int], ms: list[float]) -> list[float]:

@@ -7,11 +7,12 @@ Build (once per version; ``make bench`` does it when the binary is missing):
 
 1. ``pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36``: the sdist vendors
    llama.cpp (``vendor/llama.cpp``, with ``tools/server``). PyPI is the only source used.
-2. Unpack ``vendor/llama.cpp`` into ``<cache>/src`` and build the one target ``llama-server``
+2. Unpack ``vendor/llama.cpp`` into ``<cache>/src`` and build ``TARGETS`` (``llama-server``,
+   ``llama-quantize``, ``llama-bench``)
    with CMake (Ninja when found; CMake and Ninja from a private build venv when the machine has
    no ``cmake``): Release, ``-DGGML_NATIVE=ON``, static, OpenMP, and nothing that downloads
    (no prebuilt web UI, no curl, no OpenSSL).
-3. Copy the binary to ``<cache>/bin/llama-server``. ``<cache>`` is
+3. Copy the binaries to ``<cache>/bin/``. ``<cache>`` is
    ``$KVSERVE_CACHE_DIR/llama.cpp/<version>`` (default ``~/.cache/kvserve/llama.cpp/<version>``),
    outside the repository; ``<cache>/build.log`` keeps the build's output.
 
@@ -40,6 +41,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
@@ -47,6 +49,9 @@ from loadtest.launch import ChildServer
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendor/llama.cpp we build
 SLOTS = 32
+# What one build makes: the server (chat128 peer), llama-quantize (the Q4_K_M files of the
+# `models` section) and llama-bench (pp512 / tg128).
+TARGETS = ("llama-server", "llama-quantize", "llama-bench")
 CTX_PER_SLOT = 512  # chat128 needs 256 (128 prompt + 128 output)
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -117,9 +122,12 @@ def ensure_binary(
 ) -> Path:
     """The cached binary, built first when missing and ``build``; else ``LlamaCppUnavailable``."""
     found = cached_binary(cache_dir)
-    if found is not None:
+    tools = all((cache_dir / "bin" / name).is_file() for name in TARGETS)
+    if found is not None and tools:
         return found
     if not build:
+        if found is not None:
+            return found
         raise LlamaCppUnavailable(f"no cached build at {binary_path(cache_dir)}")
     return build_binary(cache_dir, version=version, jobs=jobs, say=say)
 
@@ -155,16 +163,19 @@ def build_binary(
         )
         _run([cmake, "-S", str(src), "-B", str(build_dir), *generator, *CMAKE_FLAGS], log,
              "cmake configure", log_path)  # fmt: skip
-        _run([cmake, "--build", str(build_dir), "--target", "llama-server", "-j", str(jobs)],
+        _run([cmake, "--build", str(build_dir), "--target", *TARGETS, "-j", str(jobs)],
              log, "cmake build", log_path, nice=True)  # fmt: skip
-    built = build_dir / "bin" / "llama-server"
-    if not built.is_file():
-        raise LlamaCppUnavailable(f"the build made no {built} (log: {log_path})")
+    # llama-server last: its presence is what marks the cache complete.
+    for name in sorted(TARGETS, key=lambda t: t == "llama-server"):
+        built = build_dir / "bin" / name
+        if not built.is_file():
+            raise LlamaCppUnavailable(f"the build made no {built} (log: {log_path})")
+        target = cache_dir / "bin" / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(".tmp")
+        shutil.copy2(built, tmp)
+        tmp.replace(target)
     target = binary_path(cache_dir)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".tmp")
-    shutil.copy2(built, tmp)
-    tmp.replace(target)
     found = cached_binary(cache_dir)
     if found is None:
         raise LlamaCppUnavailable(f"{target} was built but does not run (log: {log_path})")
@@ -319,6 +330,40 @@ def measure(
         )
         report["server_args"] = server.args[:]
         return report
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaCpp:
+    """llama.cpp in this run: a binary to measure, or the reason it is not measured."""
+
+    binary: Path | None
+    reason: str = ""
+    version: str = ""
+
+
+def find_llama_cpp(mode: str, cache_dir: Path, say: Say = print) -> LlamaCpp:
+    """``build``: the cached binary, built first when missing; ``cached``: only a cached one;
+    ``off``: none. Never raises: a failure becomes the reason the table prints."""
+    if mode == "off":
+        return LlamaCpp(None, "--llama-cpp off")
+    try:
+        binary = ensure_binary(cache_dir, build=mode == "build", say=say)
+    except LlamaCppUnavailable as e:
+        return LlamaCpp(None, str(e))
+    return LlamaCpp(binary, version=binary_version(binary))
+
+
+def llama_cpp_note(llama_cpp: LlamaCpp, threads: int) -> str:
+    """The line under the table saying what the llama.cpp columns are."""
+    if llama_cpp.binary is None:
+        return f"llama.cpp: not measured in this run ({llama_cpp.reason})."
+    return (
+        f"llama.cpp = llama-server {llama_cpp.version or '(version unknown)'}, built from the "
+        f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} sdist ({llama_cpp.binary}); same GGUF, "
+        f"{threads} threads, -fa on, continuous batching, {SLOTS} slots x {CTX_PER_SLOT} tokens; "
+        "the same requests through the same load generator (kvserve loadtest --api openai), "
+        "measured right after kvserve at each level of this run."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from loadtest.table import markdown_table
+
 DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "gpl-3.0.txt"
 BLOCK_SIZE = 16
 
@@ -144,17 +146,13 @@ def run(
 
 
 def format_table(results: list[Result], cache: int) -> str:
-    lines = [
-        f"| Cache | Perplexity, all tokens | Perplexity past the first {cache} | "
-        "Peak KV slots held |",
-        "|---|---|---|---|",
+    header = ["Cache", "Perplexity, all tokens", f"Perplexity past the first {cache}",
+              "Peak KV slots held"]  # fmt: skip
+    rows = [
+        [r.name, f"{r.perplexity:.2f}", f"{r.perplexity_past_cache:.2f}", f"{r.peak_kv_slots:,}"]
+        for r in results
     ]
-    for r in results:
-        lines.append(
-            f"| {r.name} | {r.perplexity:.2f} | {r.perplexity_past_cache:.2f} | "
-            f"{r.peak_kv_slots:,} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(header, rows, pad=False)
 
 
 def as_dicts(results: list[Result]) -> list[dict[str, Any]]:

@@ -89,8 +89,8 @@ def _generate(
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention,
+            input_ids=input_ids.to(model.device),
+            attention_mask=attention.to(model.device),
             max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens,
             do_sample=False,

@@ -117,12 +117,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ),
         flush=True,
     )
-    from server.cli import _write_port_file
+    from server.cli import write_port_file
 
     if engine.port_file:
-        _write_port_file(engine.port_file, engine.port)
+        write_port_file(engine.port_file, engine.port)
     if engine.metrics_port_file and cfg.router_metrics_port is not None:
-        _write_port_file(engine.metrics_port_file, cfg.router_metrics_port)
+        write_port_file(engine.metrics_port_file, cfg.router_metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

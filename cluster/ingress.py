@@ -4,7 +4,7 @@
 proxy serve ``kvserve.v1.Generation`` and hand each call to a replica's method of the same
 name. The proxy calls this function once, in its own process, with its server.
 
-It registers kvserve's handlers (with the lenient request decoding of ``server.service``, so
+It registers kvserve's handlers (with the lenient request decoding of ``server.grpc_service``, so
 a malformed message is INVALID_ARGUMENT, as on a single server), and maps a replica that
 died mid-call to ``UNAVAILABLE`` with a message that says so: gRPC's code for "retry, it
 may work now", where Ray Serve's proxy says ``INTERNAL``. Other statuses pass unchanged.
@@ -20,7 +20,7 @@ from unittest.mock import Mock
 
 import grpc
 
-from server.service import generation_handler
+from server.grpc_service import generation_handler
 
 _PATCHED = "_kvserve_unavailable_on_replica_death"
 

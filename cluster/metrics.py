@@ -10,17 +10,21 @@ decisions, and one address that lists every scrape target.
 
 from __future__ import annotations
 
-import json
-import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import Metric
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cluster.routing import REASONS, Decision
-from metrics.prometheus import TOKEN_COUNT_BUCKETS
+from metrics.histogram import TOKEN_COUNT_BUCKETS
+from server.asgi import (
+    METRICS_MAX_CONNECTIONS,
+    ThreadedAsgiServer,
+    metrics_app,
+    start_asgi_server_thread,
+)
 
 
 class LabelledCollector:
@@ -92,46 +96,32 @@ def start_router_metrics_server(
     port: int,
     registry: CollectorRegistry,
     targets: Callable[[], list[str]],
-) -> tuple[WSGIServer, int]:
+) -> ThreadedAsgiServer:
     """Serve ``/metrics`` and ``/targets`` (http_sd JSON: this address + ``targets()``)."""
-    metrics_app = make_wsgi_app(registry)
+    metrics = metrics_app(registry)
     bound: dict[str, int] = {}
 
-    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        if environ.get("PATH_INFO") == "/targets":
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/targets":
             listed = [f"{advertised_host(host)}:{bound['port']}", *targets()]
-            body = json.dumps([{"targets": listed, "labels": {"job": "kvserve"}}]).encode()
-            start_response("200 OK", [("Content-Type", "application/json")])
-            return [body]
-        return metrics_app(environ, start_response)
+            response = JSONResponse([{"targets": listed, "labels": {"job": "kvserve"}}])
+            await response(scope, receive, send)
+            return
+        await metrics(scope, receive, send)
 
-    httpd, bound["port"] = serve_wsgi(host, port, app, "kvserve-router-metrics")
-    return httpd, bound["port"]
-
-
-def start_metrics_server(
-    host: str, port: int, registry: CollectorRegistry
-) -> tuple[WSGIServer, int]:
-    """Serve a replica's ``registry`` on ``/metrics`` (Ray actors have no event loop of ours
-    for the server's uvicorn front, so a small WSGI server on its own thread)."""
-    return serve_wsgi(host, port, make_wsgi_app(registry), "kvserve-replica-metrics")
+    server = _serve(app, host, port, "kvserve-router-metrics")
+    bound["port"] = server.port
+    return server
 
 
-def stop_metrics_server(httpd: WSGIServer) -> None:
-    httpd.shutdown()
-    httpd.server_close()
+def start_metrics_server(host: str, port: int, registry: CollectorRegistry) -> ThreadedAsgiServer:
+    """Serve a replica's ``registry`` on ``/metrics`` (a Ray actor runs no event loop of ours
+    for it: the server's own /metrics app on a thread)."""
+    return _serve(metrics_app(registry), host, port, "kvserve-replica-metrics")
 
 
-class _QuietHandler(WSGIRequestHandler):
-    timeout = 10  # seconds: a client that stops mid-request is dropped, not waited on
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # a scrape every few seconds is not news
-
-
-def serve_wsgi(host: str, port: int, app: Callable[..., Any], name: str) -> tuple[WSGIServer, int]:
-    """Serve ``app`` on a daemon thread, one request at a time (bounded: a slow or idle
-    client holds no more than one connection's worth of the server)."""
-    httpd = make_server(host, port, app, handler_class=_QuietHandler)
-    threading.Thread(target=httpd.serve_forever, name=name, daemon=True).start()
-    return httpd, int(httpd.server_port)
+def _serve(app: ASGIApp, host: str, port: int, name: str) -> ThreadedAsgiServer:
+    # Bounded: over METRICS_MAX_CONNECTIONS scrapes at once, uvicorn answers 503.
+    return start_asgi_server_thread(
+        app, host, port, limit_concurrency=METRICS_MAX_CONNECTIONS, name=name
+    )

@@ -4,7 +4,7 @@ Ray Serve builds one per deployment handle, in the process that routes (the gRPC
 ``RequestRouterConfig(request_router_class="cluster.ray_router:KVServeRequestRouter",
 request_router_kwargs={...})``. For each pending Generate call it decodes the request (the
 proxy hands over a pickled ``GenerateRequest``), tokenizes the prompt exactly as a replica
-would (``server.service.prompt_token_ids``), hashes its blocks (``routing.routing_keys``)
+would (``server.frontend.prompt_token_ids``), hashes its blocks (``routing.routing_keys``)
 and asks the router. Other methods (GetModelInfo, ...) go to the least loaded replica.
 
 Load is counted here, per replica: requests sent and not yet completed. Each replica's
@@ -85,13 +85,15 @@ class KVServeRequestRouter(RequestRouter):
         registry = CollectorRegistry()
         self.metrics = RouterMetrics(registry, self.router_name)
         try:
-            self._metrics_server, bound = start_router_metrics_server(
+            self._metrics_server = start_router_metrics_server(
                 host, port, registry, self._replica_metrics_urls
             )
         except OSError as exc:  # a second proxy on this node: the first one serves them
             logger.warning("router metrics not served on %s:%d: %s", host, port, exc)
         else:
-            logger.info("router metrics and targets on http://%s:%d", host, bound)
+            logger.info(
+                "router metrics and targets on http://%s:%d", host, self._metrics_server.port
+            )
 
     def _replica_metrics_urls(self) -> list[str]:
         urls = [r.routing_stats.get("metrics_url", "") for r in list(self._replicas.values())]
@@ -102,8 +104,8 @@ class KVServeRequestRouter(RequestRouter):
         """The request's block keys and prompt length; empty for non-Generate calls."""
         if pending is None or not pending.args or pending.metadata.call_method != "Generate":
             return [], 0
+        from server.frontend import prompt_token_ids
         from server.rpc import generation_pb2 as pb
-        from server.service import prompt_token_ids
 
         arg = pending.args[0]
         try:

@@ -1,7 +1,7 @@
 """One kvserve engine as a Ray Serve replica, serving ``kvserve.v1.Generation``.
 
 A replica is today's server started from code: ``server.build.build_engine`` makes the
-runner, scheduler, cache manager and engine loop, and ``server.service.GenerationServicer``
+runner, scheduler, cache manager and engine loop, and ``server.grpc_service.GenerationServicer``
 answers the RPCs that Ray Serve's gRPC proxy hands over. Only the gRPC status plumbing
 differs: a Ray replica sets the code on Ray's context object instead of aborting a call.
 
@@ -28,15 +28,15 @@ from cluster.metrics import (
     advertised_host,
     labelled_registry,
     start_metrics_server,
-    stop_metrics_server,
 )
 from cluster.routing import routing_keys
 from scheduler.request import Request
 from server.config import ServerConfig, build_config
 from server.engine_client import EngineClient
+from server.frontend import Frontend
+from server.grpc_service import GenerationServicer
 from server.outputs import GenerationOutput
 from server.rpc import generation_pb2 as pb
-from server.service import GenerationServicer
 
 logger = logging.getLogger(__name__)
 
@@ -147,10 +147,11 @@ class KVServeReplica:
             )
             built.engine.sink = sink
             served = labelled_registry(inner, {"replica": self.replica})
-            self._metrics_server, port = start_metrics_server(metrics_host, metrics_port, served)
-            self.metrics_url = f"{advertised_host(metrics_host)}:{port}"
+            self._metrics_server = start_metrics_server(metrics_host, metrics_port, served)
+            self.metrics_url = f"{advertised_host(metrics_host)}:{self._metrics_server.port}"
         self.client = _ReportingClient(built.engine, self.arrivals)
-        self.servicer = GenerationServicer(self.client, built.tokenizer, built.model, sink=sink)
+        self.frontend = Frontend(self.client, built.tokenizer, built.model)
+        self.servicer = GenerationServicer(self.frontend, sink=sink)
         built.engine.start()
         logger.info(
             "replica %s (%s): %s, %d KV blocks, metrics %s",
@@ -184,12 +185,12 @@ class KVServeReplica:
         """Ray Serve calls this after the replica drained: it takes no new requests (Ray took
         it out of routing first) and waited up to ``graceful_shutdown_timeout_s``."""
         self.draining = True
-        self.servicer.accepting = False
+        self.frontend.accepting = False
         with contextlib.suppress(Exception):
             self.built.engine.stop(timeout_s=1.0)
         if self._metrics_server is not None:
             with contextlib.suppress(Exception):
-                stop_metrics_server(self._metrics_server)
+                self._metrics_server.stop()
 
     # ------------------------------------------------------------------ kvserve.v1.Generation
     async def Generate(

@@ -23,8 +23,6 @@ if TYPE_CHECKING:
     from loadtest.server_stats import Samples
     from loadtest.workload import RequestSpec
 
-API_CHOICES = ("grpc", "openai")
-
 
 @dataclass(frozen=True, slots=True)
 class StreamEvent:
@@ -89,16 +87,3 @@ class Backend(Protocol):
     async def read_server(self) -> Samples | None:
         """The server's own counters through its API (no metrics URL); None if it has none."""
         ...
-
-
-def make_backend(api: str, target: str) -> Backend:
-    """The backend for ``api`` ("grpc" or "openai") at ``target`` (host:port, or a URL)."""
-    if api == "grpc":
-        from loadtest.grpc_backend import GrpcBackend
-
-        return GrpcBackend(target)
-    if api == "openai":
-        from loadtest.openai_backend import OpenAIBackend
-
-        return OpenAIBackend(target)
-    raise ValueError(f"api must be one of {', '.join(API_CHOICES)}, got {api!r}")

@@ -24,20 +24,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-WORKLOADS_DIR = Path(__file__).resolve().parent / "workloads"
-
-
-def resolve_workload(name_or_path: str) -> Path:
-    """A path to a workload file, or the name of one shipped in loadtest/workloads/."""
-    path = Path(name_or_path)
-    if path.is_file():
-        return path
-    shipped = WORKLOADS_DIR / f"{name_or_path}.json"
-    if shipped.is_file():
-        return shipped
-    names = sorted(p.stem for p in WORKLOADS_DIR.glob("*.json"))
-    raise ValueError(f"no workload file {name_or_path!r}; shipped workloads: {', '.join(names)}")
-
 
 def build_parser() -> argparse.ArgumentParser:
     from server.client import CONNECT_TIMEOUT_S
@@ -198,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from loadtest.generator import new_cache_salt
     from loadtest.report import SWEEP_SCHEMA, format_summary, format_sweep
-    from loadtest.workload import Workload
+    from loadtest.workload import Workload, resolve_workload
     from server.client import NoServerError
     from server.config import client_address
 

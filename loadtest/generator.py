@@ -32,10 +32,25 @@ from typing import Any
 from tqdm import tqdm
 
 from loadtest import server_stats
-from loadtest.backend import API_CHOICES, Backend, RequestFailed, make_backend
+from loadtest.backend import Backend, RequestFailed
 from loadtest.stats import SLO, Outcome, RequestResult
 from loadtest.workload import RequestSpec, Workload, arrival_offsets
 from server.client import CONNECT_TIMEOUT_S
+
+API_CHOICES = ("grpc", "openai")
+
+
+def make_backend(api: str, target: str) -> Backend:
+    """The backend for ``api`` ("grpc" or "openai") at ``target`` (host:port, or a URL)."""
+    if api == "grpc":
+        from loadtest.grpc_backend import GrpcBackend
+
+        return GrpcBackend(target)
+    if api == "openai":
+        from loadtest.openai_backend import OpenAIBackend
+
+        return OpenAIBackend(target)
+    raise ValueError(f"api must be one of {', '.join(API_CHOICES)}, got {api!r}")
 
 
 def new_cache_salt() -> str:

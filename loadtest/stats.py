@@ -26,6 +26,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from scheduler.slo import attained, time_per_output_token
+
 PERCENTILES: tuple[float, ...] = (50.0, 90.0, 99.0)
 
 
@@ -99,10 +101,8 @@ class RequestResult:
         if not self.token_arrivals:
             return None
         # Tokens after the first message: the first message's k tokens arrived at TTFT.
-        num_later = self.num_output_tokens - self.token_arrivals[0][1]
-        if num_later < 1:
-            return None
-        return (self.token_arrivals[-1][0] - self.token_arrivals[0][0]) / num_later
+        first, last = self.token_arrivals[0], self.token_arrivals[-1]
+        return time_per_output_token(first[0], last[0], self.num_output_tokens - first[1])
 
     def itl_samples(self) -> list[float]:
         """Inter-token gaps; a message with k tokens gives k samples of gap / k."""
@@ -126,14 +126,9 @@ class SLO:
                 raise ValueError(f"SLO {name} must be > 0, got {value}")
 
     def met_by(self, r: RequestResult) -> bool:
-        if r.outcome != Outcome.OK:
-            return False
-        ttft = r.ttft_s
-        if self.ttft_s is not None and (ttft is None or ttft > self.ttft_s):
-            return False
-        tpot = r.tpot_s
-        # A one-token answer has no TPOT; it cannot violate the TPOT limit.
-        return not (self.tpot_s is not None and tpot is not None and tpot > self.tpot_s)
+        """Finished OK within both limits (a one-token answer has no TPOT to break)."""
+        met = attained(r.ttft_s, r.tpot_s, self.ttft_s, self.tpot_s)
+        return r.outcome == Outcome.OK and all(met)
 
 
 def latency_summary(results: Iterable[RequestResult]) -> dict[str, dict[str, float | int | None]]:

@@ -509,3 +509,18 @@ def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[f
     for _ in range(n - 1):
         out.append(out[-1] + rng.gammavariate(burstiness, theta))
     return out
+
+
+WORKLOADS_DIR = Path(__file__).resolve().parent / "workloads"
+
+
+def resolve_workload(name_or_path: str) -> Path:
+    """A path to a workload file, or the name of one shipped in loadtest/workloads/."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = WORKLOADS_DIR / f"{name_or_path}.json"
+    if shipped.is_file():
+        return shipped
+    names = sorted(p.stem for p in WORKLOADS_DIR.glob("*.json"))
+    raise ValueError(f"no workload file {name_or_path!r}; shipped workloads: {', '.join(names)}")

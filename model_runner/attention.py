@@ -48,12 +48,16 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from model_runner.kv_pool import KVPool
 from scheduler.output import ScheduledSeq
+
+if TYPE_CHECKING:
+    from model_runner.attention_backends.base import PagedMetadata
 
 
 def _sdpa_supports_gqa() -> bool:
@@ -113,6 +117,8 @@ class ForwardBatch:
     prefills: list[PrefillChunk]
     decodes: list[DecodeBatch]  # decode rows in groups of similar context length
     max_position: int = 0  # the largest position in ``positions``
+    # The page tables of the paged backends (Triton, FlashInfer); None on the torch path.
+    paged: PagedMetadata | None = None
 
     @classmethod
     def build(

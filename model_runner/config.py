@@ -37,6 +37,9 @@ DTYPES: dict[str, DType] = {
 }
 MODEL_DTYPES = tuple(name for name, d in DTYPES.items() if not d.kv_only)
 KV_DTYPE_CHOICES = ("auto", *DTYPES)
+# Attention backends (``model_runner.attention_backends``); auto: FlashInfer, else Triton, on
+# CUDA when installed, else the torch reference.
+ATTENTION_BACKEND_CHOICES = ("auto", "torch", "triton", "flashinfer")
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,27 +22,13 @@ import torch
 from model_runner import kernels
 from model_runner.kv_pool import KVPool
 from model_runner.model import LlamaModel
-from model_runner.quant import QLinear, QuantWeight
+from model_runner.quant import QLinear, describe
 
 _KV_DTYPES = {
     torch.float32: kernels.KV_F32,
     torch.float16: kernels.KV_F16,
     torch.int8: kernels.KV_I8,
 }
-
-
-def _qw(weight: QuantWeight) -> kernels.QW:
-    fmt = kernels.FMT_Q4 if weight.fmt == "q4" else kernels.FMT_Q8
-    m = weight.m.data_ptr() if weight.m is not None else None
-    return kernels.QW(
-        fmt,
-        weight.out_features,
-        weight.in_features,
-        0,
-        weight.qs.data_ptr(),
-        weight.d.data_ptr(),
-        m,
-    )
 
 
 class FusedDecode:
@@ -69,10 +55,10 @@ class FusedDecode:
                 layer.input_norm.data_ptr(),
                 layer.post_norm.data_ptr(),
                 bias.data_ptr() if bias is not None else None,
-                _qw(layer.qkv.weight),
-                _qw(layer.o.weight),
-                _qw(layer.gate_up.weight),
-                _qw(layer.down.weight),
+                describe(layer.qkv.weight),
+                describe(layer.o.weight),
+                describe(layer.gate_up.weight),
+                describe(layer.down.weight),
                 pool.data[i].data_ptr(),
                 scales[i].data_ptr() if scales is not None else None,
             )
@@ -104,6 +90,8 @@ class FusedDecode:
         linears = [(l.qkv, l.o, l.gate_up, l.down) for l in model.layers]  # noqa: E741
         if not all(isinstance(lin, QLinear) for group in linears for lin in group):
             return "needs every layer matrix quantized"
+        if model.config.head_dim > 512:
+            return f"head_dim {model.config.head_dim} (the kernels take up to 512)"
         if pool.dtype not in _KV_DTYPES:
             return f"KV pool dtype {pool.dtype} (fp32, fp16 or int8 only)"
         if getattr(pool, "scales", None) is None and pool.dtype == torch.int8:

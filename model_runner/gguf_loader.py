@@ -2,8 +2,9 @@
 
 Every tensor is dequantized with ``gguf.quants.dequantize`` (F32, F16, BF16, Q4_0, Q4_1, Q5_0,
 Q5_1, Q8_0, the K-quants and whatever else that package decodes) and cast to the run dtype,
-unless ``keep_quantized`` asks for the kernels' formats (``model_runner.quant``): then Q8_0,
-Q4_0 and Q4_1 matrices are repacked as they are and other quantized matrices become int8.
+unless ``keep_quantized`` asks for the kernels' formats (``model_runner.quant.FORMATS``: Q4_0,
+Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K matrices are repacked as they are; other quantized
+matrices become int8).
 
 llama.cpp's converter permutes the rows of Q and K (weights and biases) of ``llama``-arch
 models so that its rotary embedding can rotate adjacent pairs ``(2i, 2i+1)``; Hugging Face
@@ -348,9 +349,9 @@ def load_gguf_checkpoint(
     """``load_gguf`` plus the metadata, from one parse of the file (GGUFReader's start-up
     costs seconds on a 49k-token vocabulary, so the loader reads each file once).
 
-    ``keep_quantized``: matrices stored as Q8_0 / Q4_0 / Q4_1 come back as ``QuantWeight``
-    (their blocks repacked, never dequantized); matrices of other quantized types are
-    dequantized and re-quantized to int8 per row; fp tensors stay fp."""
+    ``keep_quantized``: matrices stored in a ``quant.FORMATS`` type come back as
+    ``QuantWeight`` (their blocks repacked, never dequantized); matrices of other quantized
+    types are dequantized and re-quantized to int8 per row; fp tensors stay fp."""
     path_str = str(path)
     reader = _open(path)
     metadata = read_metadata(reader)
@@ -403,7 +404,11 @@ def load_gguf_checkpoint(
             array = np.ascontiguousarray(unpermute_qk(array, heads))
         weight = torch.from_numpy(array)
         if keep_quantized and _is_matrix(name) and tensor.tensor_type.name not in _FLOAT_TYPES:
-            return quantize_int8(weight)
+            # A type without kernels of its own (IQ*, Q2_K, Q3_K): int8 per row, and the
+            # banner's format list names what it was.
+            held = quantize_int8(weight)
+            held.source = f"{tensor.tensor_type.name}->int8"
+            return held
         return weight.to(dtype)
 
     # numpy's dequantization releases the GIL: tensors decode in parallel.

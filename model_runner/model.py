@@ -30,10 +30,11 @@ import torch
 import torch.nn.functional as F
 
 from model_runner import onednn
-from model_runner.attention import ForwardBatch, paged_attention
+from model_runner.attention import ForwardBatch
+from model_runner.attention_backends.base import AttentionBackend, TorchAttention
 from model_runner.config import ModelConfig
 from model_runner.kv_pool import KVPool
-from model_runner.quant import QEmbedding, QLinear, QuantWeight, cat_rows
+from model_runner.quant import QEmbedding, QLinear, QuantStack, QuantWeight, cat_rows
 
 # ---------------------------------------------------------------------------- RoPE
 
@@ -103,14 +104,14 @@ def _scaled(w: Weight, factor: float) -> Weight:
 
 
 def _dense(w: Weight) -> torch.Tensor:
-    return w.dequantize() if isinstance(w, QuantWeight) else w
+    return w.dequantize() if isinstance(w, (QuantWeight, QuantStack)) else w
 
 
 def _cat_rows(weights: list[Weight]) -> Weight:
-    """Stack row blocks; quantized ones stay quantized when they share a format (else fp32)."""
+    """Stack row blocks; quantized ones stay quantized, each in its own format (else fp32)."""
     if all(isinstance(w, QuantWeight) for w in weights):
         quant = [w for w in weights if isinstance(w, QuantWeight)]
-        if len({(w.fmt, w.in_features) for w in quant}) == 1:
+        if len({w.in_features for w in quant}) == 1:
             return cat_rows(quant)
     return torch.cat([_dense(w) for w in weights])
 
@@ -131,8 +132,8 @@ def _weight_bytes(model: LlamaModel) -> int:
                 seen[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
             else:  # oneDNN-packed: opaque storage, the logical size
                 seen[id(obj)] = obj.numel() * obj.element_size()
-        elif isinstance(obj, QuantWeight):
-            for t in (obj.qs, obj.d, obj.m):
+        elif isinstance(obj, (QuantWeight, QuantStack)):
+            for t in obj.tensors():
                 add(t)
         elif isinstance(obj, (Linear, QLinear)):
             add(obj.weight)
@@ -228,7 +229,7 @@ def onednn_works(dtype: torch.dtype) -> bool:
 
 
 AnyLinear = Linear | QLinear
-Weight = torch.Tensor | QuantWeight
+Weight = torch.Tensor | QuantWeight | QuantStack
 
 
 @dataclass(slots=True)
@@ -254,6 +255,7 @@ class LlamaModel:
         device: torch.device,
         max_model_len: int | None = None,
         use_onednn: bool | None = None,
+        attention: AttentionBackend | None = None,
     ) -> None:
         if config.architecture not in ("llama", "mistral", "qwen2"):
             raise ValueError(
@@ -264,6 +266,7 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.attention = attention or TorchAttention()
         self.max_model_len = max_model_len or config.max_position_embeddings
         if use_onednn is None:
             use_onednn = device.type == "cpu" and onednn_works(dtype)
@@ -304,7 +307,7 @@ class LlamaModel:
             return t.to(dtype).contiguous()
 
         def linear(w: Weight, bias: torch.Tensor | None = None) -> AnyLinear:
-            if isinstance(w, QuantWeight):
+            if isinstance(w, (QuantWeight, QuantStack)):
                 return QLinear(w, bias)
             return Linear(final(w), bias, use_onednn)
 
@@ -413,7 +416,7 @@ class LlamaModel:
                 torch.view_as_complex(rot).mul_(cis)
             else:
                 _rope_real_(rot, cos, sin)
-            paged_attention(i, qkv, batch, pool, attn_out, h_heads, kvh)
+            self.attention.forward(i, qkv, batch, pool, attn_out, h_heads, kvh)
             hidden = layer.o.add(attn_out, hidden)
             x = F.rms_norm(hidden, normed_shape, layer.post_norm, self.eps)
             if layer.gate_up is not None:

@@ -41,15 +41,30 @@ from typing import Protocol
 
 import torch
 
-from model_runner.attention import ForwardBatch, first_key_block
+from model_runner.attention import first_key_block
+from model_runner.attention_backends import make_attention_backend
 from model_runner.base import ModelInfo
 from model_runner.config import ModelConfig
+from model_runner.cuda_graphs import (
+    GRAPH_BATCH_SIZES,
+    DecodeGraphs,
+    graph_batch_size,
+    graph_memory_bytes,
+    pad_decode,
+)
 from model_runner.device import dtype_name, resolve_dtype, resolve_kv_dtype, select_device
 from model_runner.fused_decode import FusedDecode
 from model_runner.kv_pool import KVPool, default_kv_budget_bytes, num_blocks_for_memory
 from model_runner.model import LlamaModel
 from model_runner.quant import QuantWeight
 from scheduler.output import ModelOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
+
+# Steps of up to this many token rows (prefill chunks, decodes and draft rows together) run
+# as one fused kernel call when the model allows it (``FusedDecode``); longer ones take the
+# torch path. No bound by default: every step of a quantized model is one call, so a row's
+# numbers never depend on what else is in its batch (the torch path's attention sums in
+# another order, and an int8 activation near a rounding boundary could then flip a token).
+FUSED_MAX_ROWS = 1 << 30
 
 
 class SamplerLike(Protocol):
@@ -78,6 +93,8 @@ class TorchRunner:
         fused_decode: bool | None = None,
         sliding_window: int | None = None,
         attention_sinks: int = 0,
+        attention_backend: str = "auto",
+        cuda_graphs: bool | None = None,
     ) -> None:
         """``num_blocks=None`` sizes the pool from ``kv_budget_bytes`` (default: see
         ``kv_pool.default_kv_budget_bytes``), measured after the weights are on the device.
@@ -90,7 +107,10 @@ class TorchRunner:
         sizes the pool, and attention still computes in ``dtype``. ``sliding_window``
         (tokens) overrides the config's window; ``attention_sinks`` (tokens, needs a window)
         keeps the first tokens visible and lets positions run past ``max_model_len``
-        (see ``model_runner.attention``)."""
+        (see ``model_runner.attention``). ``attention_backend``: see
+        ``model_runner.attention_backends`` (``auto``: torch on CPU). ``cuda_graphs``
+        replays decode-only steps from CUDA graphs (``model_runner.cuda_graphs``); None = on
+        CUDA with the Triton backend."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.sliding_window = sliding_window or config.sliding_window
@@ -107,18 +127,55 @@ class TorchRunner:
             max_model_len or config.max_position_embeddings, config.max_position_embeddings
         )
         self.config = config
-        self.model = LlamaModel(config, state_dict, self.dtype, self.device, max_len, use_onednn)
-        if num_blocks is None:
-            budget = kv_budget_bytes or default_kv_budget_bytes(self.device)
-            num_blocks = num_blocks_for_memory(config, block_size, self.kv_dtype, budget)
-        self.pool = KVPool.from_config(
-            config, num_blocks, block_size, self.kv_dtype, self.device, self.dtype
+        self.attention = make_attention_backend(
+            attention_backend,
+            self.device,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
+            sliding_window=self.sliding_window,
+            attention_sinks=attention_sinks,
         )
+        self.model = LlamaModel(
+            config, state_dict, self.dtype, self.device, max_len, use_onednn, self.attention
+        )
+        on_triton_cuda = self.device.type == "cuda" and self.attention.name == "triton"
+        if cuda_graphs and not on_triton_cuda:
+            raise ValueError("cuda_graphs=True needs a CUDA device and the triton backend")
+        use_graphs = on_triton_cuda if cuda_graphs is None else cuda_graphs
+        if num_blocks is None:
+            # The graphs' memory comes out of the budget BEFORE the pool is sized.
+            reserve = 1 << 30
+            if use_graphs:
+                reserve += graph_memory_bytes(config, GRAPH_BATCH_SIZES[-1], self.dtype.itemsize)
+            budget = kv_budget_bytes or default_kv_budget_bytes(
+                self.device, activation_reserve_bytes=reserve
+            )
+            num_blocks = num_blocks_for_memory(config, block_size, self.kv_dtype, budget)
+        # With graphs, one more block than the cache manager lends: padding rows write there.
+        self.pool = KVPool.from_config(
+            config, num_blocks + int(use_graphs), block_size, self.kv_dtype, self.device, self.dtype
+        )
+        self._graphs: DecodeGraphs | None = None
+        if use_graphs:
+            self._graphs = DecodeGraphs(
+                self.model,
+                self.pool,
+                block_size=block_size,
+                max_model_len=max_len,
+                scratch_slot=num_blocks * block_size,
+            )
+            with torch.inference_mode():
+                self._graphs.capture()
         # Decode-only steps in one kernel call (``fused_decode``): None = when supported.
         self._fused: FusedDecode | None = None
         unsupported = FusedDecode.unsupported(self.model, self.pool)
         if attention_sinks:
             unsupported = "attention sinks take the chunk path"
+        if self.attention.name != "torch":
+            unsupported = f"the {self.attention.name} attention backend runs every step"
         if fused_decode and unsupported is not None:
             raise ValueError(f"fused_decode=True but {unsupported}")
         if fused_decode is not False and unsupported is None:
@@ -153,6 +210,8 @@ class TorchRunner:
                 "fused_decode": str(self._fused is not None).lower(),
                 "weight_bytes": str(self.model.weight_bytes),
                 "fuse_batches": str(fuse_batches).lower(),
+                "attention_backend": self.attention.name,
+                "cuda_graphs": str(use_graphs).lower(),
             },
         )
 
@@ -287,16 +346,33 @@ class TorchRunner:
     ) -> torch.Tensor:
         """Hidden states of every computed position: prefill chunks, then the decodes in
         order, a decode with drafts taking 1 + k rows."""
-        if self._fused is not None and not prefill and not self._skips_released(decode):
-            # A decode with drafts is k + 1 rows at consecutive positions, one block table.
-            token_ids = [t for s in decode for t in s.token_ids]
-            positions = [p for s in decode for p in range(s.start_pos, s.end_pos)]
-            tables = [s.block_ids for s in decode for _ in s.token_ids]
+        if self._fused_fits(prefill, decode):
+            # One flattened token batch: a prefill chunk is consecutive rows of one block
+            # table, a decode with drafts k + 1 rows, a plain decode one row.
+            assert self._fused is not None
+            seqs = [*prefill, *decode]
+            token_ids = [t for s in seqs for t in s.token_ids]
+            positions = [p for s in seqs for p in range(s.start_pos, s.end_pos)]
+            tables = [s.block_ids for s in seqs for _ in s.token_ids]
             return self._fused.forward(token_ids, positions, tables)
+        graphs = self._graphs
+        if graphs is not None and not prefill and not any(s.num_draft_tokens for s in decode):
+            size = graph_batch_size(len(decode), graphs.sizes)
+            if size is not None:
+                padded = pad_decode(
+                    decode,
+                    size,
+                    self.block_size,
+                    graphs.max_pages_per_seq,
+                    graphs.scratch_slot,
+                    self.sliding_window,
+                    self._null_block_id,
+                )
+                return graphs.run(padded)
         # Drafts are verified as chunks attending to the request's cached KV (they come
         # first among the decodes, see _prepare, so rows stay in order).
         num_verify = sum(1 for s in decode if s.num_draft_tokens)
-        batch = ForwardBatch.build(
+        batch = self.attention.build_batch(
             [*prefill, *decode[:num_verify]],
             decode[num_verify:],
             self.block_size,
@@ -308,6 +384,14 @@ class TorchRunner:
             rope_inv_freq=self.model.inv_freq,
         )
         return self.model.forward(batch, self.pool)
+
+    def _fused_fits(self, prefill: Sequence[ScheduledSeq], decode: Sequence[ScheduledSeq]) -> bool:
+        """Whether the step runs as one fused kernel call: any mix of prefill chunks and
+        decodes up to ``FUSED_MAX_ROWS`` rows."""
+        if self._fused is None:
+            return False
+        rows = sum(s.num_tokens for s in prefill) + sum(s.num_tokens for s in decode)
+        return rows <= FUSED_MAX_ROWS and not self._skips_released([*prefill, *decode])
 
     def _skips_released(self, decode: Sequence[ScheduledSeq]) -> bool:
         """Whether a decode must skip positions released inside its window (the adaptive

@@ -115,7 +115,6 @@ class Sampler:
 
         row_max, argmax = logits.max(dim=1)  # max propagates NaN: one pass finds bad rows
         bad = ~torch.isfinite(row_max)
-        failed = self._failed_rows(logits, bad, seqs)
 
         params = [s.sampling for s in seqs]
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -128,6 +127,7 @@ class Sampler:
         processed_logprobs = want_logprobs and self.logprobs_mode == "processed"
 
         if sampled_rows or rep_rows or freq_rows or min_tokens_rows or processed_logprobs:
+            failed = self._failed_rows(logits, bad.nonzero().flatten().tolist(), seqs)
             processed = logits.clone()
             if failed:
                 processed[bad] = 0.0  # keep NaN out of shared ops; these rows are ignored
@@ -140,12 +140,15 @@ class Sampler:
             tokens = processed.argmax(dim=1)
             if sampled_rows:
                 self._sample_rows(processed, tokens, seqs, sampled_rows, processed_logprobs)
+            token_list: list[int] = tokens.tolist()
         else:
-            # Fast path (all greedy, nothing to mask): the argmax from the NaN check.
+            # Fast path (all greedy, nothing to mask): the argmax from the NaN check, and ONE
+            # device-to-host copy for the tokens and the bad-row flags together (on a GPU
+            # each copy is a synchronization: one per step).
             tokens = argmax
             processed = logits
-
-        token_list: list[int] = tokens.tolist()
+            token_list, bad_flags = torch.stack((argmax, bad.to(argmax.dtype))).tolist()
+            failed = self._failed_rows(logits, [i for i, b in enumerate(bad_flags) if b], seqs)
         for request_id in failed:
             for i, s in enumerate(seqs):
                 if s.request_id == request_id:
@@ -233,9 +236,8 @@ class Sampler:
 
     @staticmethod
     def _failed_rows(
-        logits: torch.Tensor, bad: torch.Tensor, seqs: Sequence[ScheduledSeq]
+        logits: torch.Tensor, bad_rows: list[int], seqs: Sequence[ScheduledSeq]
     ) -> dict[str, str]:
-        bad_rows: list[int] = bad.nonzero().flatten().tolist()
         failed: dict[str, str] = {}
         for i in bad_rows:
             row = logits[i]

@@ -177,7 +177,7 @@ class SchedulerStats:
     num_prompt_tokens_total: int  # prompt tokens of admitted requests
     num_generation_tokens_total: int  # output tokens produced
     num_finished_total: dict[str, int]  # FinishReason.value -> count
-    waiting_tokens: int  # prompt tokens still to compute across the waiting queue
+    num_waiting_tokens: int  # prompt tokens still to compute across the waiting queue
     kv: KVCacheStats
     num_parked: int = 0  # requests not scheduled because their client stopped reading
     num_spec_draft_tokens_total: int = 0  # speculative drafts verified
@@ -200,6 +200,6 @@ class SchedulerStats:
             num_prompt_tokens_total=0,
             num_generation_tokens_total=0,
             num_finished_total={},
-            waiting_tokens=0,
+            num_waiting_tokens=0,
             kv=kv if kv is not None else KVCacheStats.make_empty(),
         )

@@ -203,3 +203,20 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
+
+
+def stop_status(request: Request, token: int, max_num_tokens: int) -> RequestStatus | None:
+    """The finished status ``token`` (just appended) gives ``request``, or None; a stop
+    token is kept as its ``stop_reason``. ``max_num_tokens``: prompt + max_tokens.
+
+    A stop (EOS unless ignore_eos, or a stop token id) only counts once min_tokens are
+    out; it wins over the length limit when both hold.
+    """
+    sampling = request.sampling
+    if len(request.output_token_ids) >= sampling.min_tokens:
+        if token in sampling.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if not sampling.ignore_eos and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+    return RequestStatus.FINISHED_LENGTH if request.num_tokens >= max_num_tokens else None

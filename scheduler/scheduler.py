@@ -36,14 +36,12 @@ and the whole sequence is prefilled again (cheap with the prefix cache).
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
-
 from cache_manager import Allocation, KVCacheManager, PrefixHit
+from scheduler.admission import check_can_ever_run, check_not_overloaded
 from scheduler.config import SchedulerConfig
-from scheduler.cost_model import CostPredictor, StepShape
-from scheduler.errors import OverloadError
-from scheduler.fork import ForkGroup, ForkTable, make_sample
+from scheduler.cost_model import CostPredictor
+from scheduler.entry import Counters, Entry, StepPlan, make_output
+from scheduler.fork import ForkTable, make_sample
 from scheduler.output import (
     ModelOutput,
     RequestOutput,
@@ -60,8 +58,8 @@ from scheduler.policies import (
     make_victim_rule,
 )
 from scheduler.queue import WaitingQueue
-from scheduler.request import FinishReason, Request, RequestStatus
-from scheduler.slo import DeadlineOrder, SloStep
+from scheduler.request import Request, RequestStatus, stop_status
+from scheduler.slo import SloStep, UnsizedStep, make_slo_planner
 from scheduler.spec import NgramDrafter
 
 _WAITING = RequestStatus.WAITING
@@ -72,160 +70,6 @@ _FINISHED_STOPPED = RequestStatus.FINISHED_STOPPED
 _FINISHED_LENGTH = RequestStatus.FINISHED_LENGTH
 _FINISHED_ABORTED = RequestStatus.FINISHED_ABORTED
 _FINISHED_ERROR = RequestStatus.FINISHED_ERROR
-
-
-@dataclass(slots=True, eq=False)
-class _Entry:
-    """The scheduler's bookkeeping for one request (the Request stays plain data)."""
-
-    request: Request
-    rank: int  # effective priority, fixed at arrival (see QueueOrder)
-    sort_key: int  # waiting-queue key, then (arrival_seq, index)
-    arrival_seq: int
-    index: int = 0  # sample index: 0 for the request the client sent, i for its i-th fork
-    num_full_blocks: int = 0  # full computed blocks already handed to cache_full_blocks
-    group: ForkGroup | None = None  # n > 1, on sample 0: its samples (see scheduler.fork)
-    blocked_at_num_free: int | None = None  # free blocks when admission last failed for memory
-    moved_late: bool = False  # slo: moved back once, found late at the head (scheduler.slo)
-    # For the decode hot path: tokens that may stop it, and the length that ends it.
-    stop_ids: frozenset[int] = frozenset()
-    max_num_tokens: int = 0  # prompt + max_tokens (within max_model_len: checked at admission)
-
-    def __post_init__(self) -> None:
-        req = self.request
-        sampling = req.sampling
-        eos = () if sampling.ignore_eos else req.eos_token_ids
-        self.stop_ids = frozenset((*sampling.stop_token_ids, *eos))
-        self.max_num_tokens = req.num_prompt_tokens + sampling.max_tokens
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def arrival(self) -> tuple[int, int]:
-        return (self.arrival_seq, self.index)
-
-    @property
-    def num_computed_tokens(self) -> int:
-        return self.request.num_computed_tokens
-
-    @property
-    def prefill_target(self) -> int:
-        """Tokens to compute before sampling. A parent of forked samples stops one short of
-        its prompt: the samples fork there and each computes the last prompt token itself,
-        sampling its own first token (n - 1 writes into the shared partial block are copied
-        on write; no keyed, full block is ever written)."""
-        if self.group is not None and not self.group.forked:
-            return self.request.num_prompt_tokens - 1
-        return self.request.num_tokens
-
-    @property
-    def num_seats(self) -> int:
-        """Running slots admission needs: n for a parent not forked yet, else 1."""
-        return 1 if self.group is None else 1 + self.group.num_unforked
-
-    @property
-    def forked_ids(self) -> tuple[str, ...]:
-        """What the parent's output names in ``forked_ids``: its samples, once they are
-        forked and until its first token is out (a later output need not repeat them)."""
-        group = self.group
-        if group is None or not group.forked or len(self.request.output_token_ids) > 1:
-            return ()
-        return group.child_ids
-
-
-def _output(
-    entry: _Entry,
-    new_token_ids: list[int],
-    new_logprobs: list[TokenLogprobs],
-    reason: FinishReason | None,
-    error: str | None = None,
-) -> RequestOutput:
-    """What a request reports after a step (``reason`` None) or at its end: the one
-    ``RequestOutput`` constructor. Positional, as it runs for every token: measured 0.50 us
-    against 1.06 us with keywords."""
-    req = entry.request
-    return RequestOutput(
-        req.request_id,
-        new_token_ids,
-        new_logprobs,
-        reason is not None,
-        reason,
-        req.stop_reason,
-        error,
-        len(req.prompt_token_ids),
-        req.num_cached_tokens,
-        len(req.output_token_ids),
-        req.parent_id,
-        entry.index,
-        () if entry.group is None else entry.forked_ids,
-    )
-
-
-@dataclass(slots=True)
-class _Counters:
-    """Cumulative counts for ``make_stats``, and the last plan's composition (not the plan
-    itself: holding it would keep thousands of objects alive into older GC generations and
-    make full collections frequent)."""
-
-    num_prefill_tokens: int = 0  # of the last plan
-    num_prefill_reqs: int = 0  # of the last plan
-    num_decode_reqs: int = 0  # of the last plan
-    num_steps_prefill: int = 0
-    num_steps_decode: int = 0
-    num_preemptions: int = 0
-    num_recomputed_tokens: int = 0
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    num_spec_draft_tokens: int = 0
-    num_spec_accepted_tokens: int = 0
-    num_finished: Counter[str] = field(default_factory=Counter)  # by FinishReason.value
-
-
-@dataclass(slots=True)
-class _Step:
-    """One step's plan while it is being built."""
-
-    step_id: int
-    budget: TokenBudget
-    slo: SloStep | None = None  # the slo policy's sizing of this step
-    prefill: dict[str, ScheduledSeq] = field(default_factory=dict)
-    decode: dict[str, ScheduledSeq] = field(default_factory=dict)
-    copies: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
-
-    def add(self, seq: ScheduledSeq, decode: bool, allocation: Allocation) -> None:
-        (self.decode if decode else self.prefill)[seq.request_id] = seq
-        if allocation.block_copies:
-            self.copies[seq.request_id] = allocation.block_copies
-
-    def unschedule(self, request_id: str) -> None:
-        """Take a preempted request out of this step, giving its tokens back to the budget.
-
-        Its copy-on-write copies go too: their destination blocks were just freed.
-        """
-        seq = self.prefill.pop(request_id, None) or self.decode.pop(request_id, None)
-        if seq is not None:
-            self.budget.give_back(seq.num_tokens)
-        self.copies.pop(request_id, None)
-
-    def refresh_block_ids(self, request_id: str, block_ids: list[int]) -> None:
-        """A request of this step had old blocks released (adaptive strategy): its planned
-        seq reads the new table, so no freed block is read."""
-        seq = self.prefill.get(request_id) or self.decode.get(request_id)
-        if seq is not None:
-            seq.block_ids = block_ids
-
-    def build(self, finished_request_ids: list[str], null_block_id: int | None) -> SchedulerOutput:
-        copies = [c for seq_copies in self.copies.values() for c in seq_copies]
-        return SchedulerOutput(
-            step_id=self.step_id,
-            prefill=list(self.prefill.values()),
-            decode=list(self.decode.values()),
-            block_copies=copies,
-            finished_request_ids=finished_request_ids,
-            null_block_id=null_block_id,
-        )
 
 
 class Scheduler:
@@ -242,8 +86,6 @@ class Scheduler:
     ) -> None:
         """``cost_model``: the step-cost model the ``slo`` policy sizes steps with (required
         by it; the engine feeds it measured step times)."""
-        if config.policy == "slo" and cost_model is None:
-            raise ValueError("the slo policy needs a step-cost model (cost_model=...)")
         self.config = config
         self.kv = kv
         self._block_size = kv.block_size
@@ -255,26 +97,23 @@ class Scheduler:
         self._policy = make_batch_policy(config)
         self._order = make_queue_order(config)
         self._victim = make_victim_rule(config)
-        self._cost = cost_model if config.policy == "slo" else None
-        self._deadline = self._order if isinstance(self._order, DeadlineOrder) else None
-        self._now_s: float | None = None  # of the step being planned (slo: late requests)
-        self._slo_over_steps = 0  # slo: steps in a row with decodes predicted over the margin
+        self._slo = make_slo_planner(config, cost_model, self._order)
         self._drafter: NgramDrafter | None = None
         if config.speculative == "ngram":
             self._drafter = NgramDrafter(
                 config.num_speculative_tokens, config.ngram_max, config.ngram_min
             )
 
-        self._entries: dict[str, _Entry] = {}  # every unfinished request
+        self._entries: dict[str, Entry] = {}  # every unfinished request
         self._forks = ForkTable()
-        self._running: dict[str, _Entry] = {}  # admission order
-        self._waiting: WaitingQueue[_Entry] = WaitingQueue()
+        self._running: dict[str, Entry] = {}  # admission order
+        self._waiting: WaitingQueue[Entry] = WaitingQueue()
         self._finished_ids: list[str] = []
         self._pending_outputs: list[RequestOutput] = []  # finished outside update()
         self._parked: set[str] = set()  # not scheduled until unparked (backpressure)
         self._step_id = 0
         self._arrival_seq = 0
-        self._counters = _Counters()
+        self._counters = Counters()
 
     # -- queries ------------------------------------------------------------------------
 
@@ -322,10 +161,10 @@ class Scheduler:
                 f"request {rid!r} must be new (status waiting, 0 computed tokens), got "
                 f"{request.status.value} with {request.num_computed_tokens} computed"
             )
-        group = self._check_can_ever_run(request)
-        self._check_not_overloaded(request)
+        group = check_can_ever_run(request, self.config, self.kv, self._id_in_use)
+        check_not_overloaded(self.config, self._waiting, request)
         rank = self._order.rank(request.priority, self._step_id)
-        entry = _Entry(
+        entry = Entry(
             request=request,
             rank=rank,
             sort_key=self._order.sort_key(rank, self._arrival_seq, request),
@@ -341,68 +180,6 @@ class Scheduler:
 
     def _id_in_use(self, request_id: str) -> bool:
         return request_id in self._entries or self._forks.is_reserved(request_id)
-
-    def _check_can_ever_run(self, request: Request) -> ForkGroup | None:
-        rid = request.request_id
-        sampling = request.sampling
-        num_prompt = request.num_prompt_tokens
-        if num_prompt == 0:
-            raise ValueError(f"request {rid!r} has an empty prompt")
-        max_model_len = self.config.max_model_len  # the scheduler's one check of the limit
-        num_total = num_prompt + sampling.max_tokens
-        if num_prompt > max_model_len or (
-            num_total > max_model_len and not self.kv.streams_past_context
-        ):
-            raise ValueError(
-                f"request {rid!r}: prompt ({num_prompt} tokens) + max_tokens "
-                f"({sampling.max_tokens}) = {num_total} tokens exceeds max_model_len "
-                f"({max_model_len})"
-            )
-        n = sampling.n
-        if n > 1 and self._reserve:
-            raise ValueError(f"request {rid!r}: n={n} > 1 is not supported in reserve memory mode")
-        if n > self.config.max_num_seqs:
-            raise ValueError(
-                f"request {rid!r}: n={n} samples exceed max_num_seqs ({self.config.max_num_seqs})"
-            )
-        num_blocks = self._max_blocks_needed(num_prompt, num_total, n)
-        usable = self._num_usable_blocks
-        if num_blocks > usable:
-            raise ValueError(
-                f"request {rid!r}: {num_total} tokens x {n} sample(s) need {num_blocks} KV "
-                f"blocks of {self._block_size} tokens, but the whole pool has {usable}"
-            )
-        group = ForkGroup.of(request)
-        for cid in () if group is None else group.child_ids:
-            if self._id_in_use(cid):
-                raise ValueError(f"request {rid!r}: the id of its sample {cid!r} is in use")
-        return group
-
-    def _max_blocks_needed(self, num_prompt: int, num_total: int, n: int) -> int:
-        """Blocks a request holds at its longest: n samples share the prompt's full blocks."""
-        blocks_for = self.kv.num_blocks_for
-        window = self._sliding_window
-        if window is not None and not self._reserve:  # reserve mode reserves every block
-            # Only the window (plus the chunk being written) stays resident.
-            return n * self.kv.max_resident_blocks(num_total, self._max_chunk)
-        # Samples fork at num_prompt - 1: a last prompt block still partial then is copied.
-        shared = (num_prompt - 1) // self._block_size if n > 1 else 0
-        return shared + n * (blocks_for(num_total) - shared)
-
-    def _check_not_overloaded(self, request: Request) -> None:
-        cfg = self.config
-        waiting = self._waiting
-        if waiting.num_requests + 1 > cfg.max_waiting_requests:
-            raise OverloadError(
-                f"waiting queue is full: {waiting.num_requests} requests waiting "
-                f"(max_waiting_requests={cfg.max_waiting_requests})"
-            )
-        num_tokens = waiting.num_tokens + request.num_prompt_tokens
-        if num_tokens > cfg.max_waiting_tokens:
-            raise OverloadError(
-                f"waiting queue is full: {waiting.num_tokens} prompt tokens waiting + "
-                f"{request.num_prompt_tokens} new > max_waiting_tokens={cfg.max_waiting_tokens}"
-            )
 
     # -- ending requests from outside ---------------------------------------------------
 
@@ -469,16 +246,15 @@ class Scheduler:
         moves requests already past their TTFT deadline back (once) when it is given.
         """
         self._step_id += 1
-        self._now_s = now_s
-        step = _Step(self._step_id, TokenBudget(self.config.max_num_batched_tokens))
+        self._slo.begin(now_s)
+        step = StepPlan(self._step_id, TokenBudget(self.config.max_num_batched_tokens))
         policy = self._policy
         took_decodes = False
         for kind in policy.order(self._has_decoding):
             if kind is BatchKind.DECODE:
                 took_decodes = True
                 num_scheduled = self._take_decodes(step)
-                if self._cost is not None:
-                    self._size_to_target(step, self._cost)
+                step.slo = self._size_to_target(step)
             else:
                 num_scheduled = self._take_prefills(step)
             if num_scheduled and policy.exclusive:
@@ -555,13 +331,9 @@ class Scheduler:
                 append(self._finish(entry, _FINISHED_ERROR, error=failed[rid]))
                 num_uncounted += 1
                 continue
-            if num_computed // block_size > entry.num_full_blocks:
-                kv.cache_full_blocks(req)
-                entry.num_full_blocks = num_computed // block_size
             new_logprobs: list[TokenLogprobs] = []
             if slow:
-                if window:
-                    kv.release_out_of_window(req)
+                self._after_tokens(req, seq.start_pos)
                 if not seq.do_sample:
                     if entry.group is not None and num_computed == entry.prefill_target:
                         self._fork_children(entry)
@@ -569,27 +341,28 @@ class Scheduler:
                 req.status = _DECODING
                 if rid in logprobs:
                     new_logprobs.append(logprobs[rid])
+            elif num_computed // block_size > seq.start_pos // block_size:
+                kv.cache_full_blocks(req)  # _after_tokens, inline on the hot path
             try:
                 token = sampled[rid]
             except KeyError:
-                msg = f"runner returned no token for {rid!r}, which was to sample"
-                raise RuntimeError(msg) from None
+                raise _no_token(rid) from None
             req.append_output_token(token)
             # The guard keeps the full check off the usual token (num_computed is one short
             # of the tokens now: this chunk ended at the last one).
             if token in entry.stop_ids or num_computed >= entry.max_num_tokens - 1:
-                status = self._stop_status(entry, token)
+                status = stop_status(req, token, entry.max_num_tokens)
                 if status is not None:
                     append(self._finish(entry, status, [token], new_logprobs))
                     continue
-            append(_output(entry, [token], new_logprobs, None))
+            append(make_output(entry, [token], new_logprobs, None))
             if drop and not kv.keeps_kv(req):
                 self._recompute_next_step(entry)
         # Every output since the batch began carries one new token, but those uncounted.
         self._counters.num_generation_tokens += len(outputs) - num_outputs_before - num_uncounted
 
     def _apply_verified(
-        self, entry: _Entry, seq: ScheduledSeq, result: ModelOutput
+        self, entry: Entry, seq: ScheduledSeq, result: ModelOutput
     ) -> RequestOutput:
         """A decode with drafts: append the accepted drafts and the token sampled after them
         (each checked for a stop like any token), advance to the tokens whose KV is now
@@ -606,8 +379,7 @@ class Scheduler:
         try:
             sampled = result.sampled_token_ids[rid]
         except KeyError:
-            msg = f"runner returned no token for {rid!r}, which was to sample"
-            raise RuntimeError(msg) from None
+            raise _no_token(rid) from None
         counters = self._counters
         counters.num_spec_draft_tokens += num_drafts
         counters.num_spec_accepted_tokens += num_accepted
@@ -617,7 +389,7 @@ class Scheduler:
             req.append_output_token(token)
             new_token_ids.append(token)
             if token in entry.stop_ids or req.num_tokens >= entry.max_num_tokens:
-                status = self._stop_status(entry, token)
+                status = stop_status(req, token, entry.max_num_tokens)
                 if status is not None:
                     break
         counters.num_generation_tokens += len(new_token_ids)
@@ -627,50 +399,34 @@ class Scheduler:
         if status is not None:
             return self._finish(entry, status, new_token_ids)
         kv = self.kv
-        num_full = req.num_computed_tokens // self._block_size
-        if num_full > entry.num_full_blocks:
-            kv.cache_full_blocks(req)
-            entry.num_full_blocks = num_full
         kv.rollback_slots(req)
-        if self._sliding_window is not None:
-            kv.release_out_of_window(req)
+        self._after_tokens(req, seq.start_pos)
         if not kv.strategy.always_retains and not kv.keeps_kv(req):
             self._recompute_next_step(entry)
-        return _output(entry, new_token_ids, [], None)
+        return make_output(entry, new_token_ids, [], None)
 
-    def _recompute_next_step(self, entry: _Entry) -> None:
+    def _recompute_next_step(self, entry: Entry) -> None:
         """The KV strategy keeps no KV for this request between steps: free its blocks now,
         and the next step prefills its whole sequence again (the full-recompute baseline)."""
         req = entry.request
         self.kv.drop_kv(req.request_id)
         req.num_computed_tokens = 0
         req.status = _PREFILLING
-        entry.num_full_blocks = 0
 
-    @staticmethod
-    def _stop_status(entry: _Entry, token: int) -> RequestStatus | None:
-        """The finished status ``token`` (just appended) gives the request, or None; a stop
-        token is kept as its ``stop_reason``.
-
-        A stop (EOS unless ignore_eos, or a stop token id) only counts once min_tokens are
-        out; it wins over the length limit when both hold.
-        """
-        req = entry.request
-        sampling = req.sampling
-        if len(req.output_token_ids) >= sampling.min_tokens:
-            if token in sampling.stop_token_ids:
-                req.stop_reason = token
-                return _FINISHED_STOPPED
-            if not sampling.ignore_eos and token in req.eos_token_ids:
-                return _FINISHED_STOPPED
-        return _FINISHED_LENGTH if req.num_tokens >= entry.max_num_tokens else None
+    def _after_tokens(self, req: Request, start_pos: int) -> None:
+        """KV upkeep once a step advanced ``req`` from ``start_pos``: newly full blocks get
+        their prefix-cache key, and blocks the sliding window left behind are released."""
+        if req.num_computed_tokens // self._block_size > start_pos // self._block_size:
+            self.kv.cache_full_blocks(req)
+        if self._sliding_window is not None:
+            self.kv.release_out_of_window(req)
 
     # -- batch formation (the kinds the policy orders) -----------------------------------
 
     def _has_decoding(self) -> bool:
         return any(e.request.status is _DECODING for e in self._running.values())
 
-    def _take_decodes(self, step: _Step) -> int:
+    def _take_decodes(self, step: StepPlan) -> int:
         """One token for every decoding request, in admission order."""
         budget = step.budget
         allocate_slots = self.kv.allocate_slots
@@ -704,7 +460,7 @@ class Scheduler:
         budget.remaining = remaining
         return len(decode) - num_before
 
-    def _take_speculative_decode(self, step: _Step, entry: _Entry) -> None:
+    def _take_speculative_decode(self, step: StepPlan, entry: Entry) -> None:
         """One decode with up to k drafts, within the budget (at least 1 token is left),
         ``max_tokens`` and the chunk limit. Drafts never preempt: without room for them the
         decode runs alone. No drafts for a request that wants logprobs (one per token)."""
@@ -724,12 +480,12 @@ class Scheduler:
                 self._schedule_running(step, entry, 1, decode=True)
                 return
         budget.remaining -= len(drafts)
-        step.add(self._make_seq(req, 1, drafts), True, allocation)
+        step.add_decode(self._make_seq(req, 1, drafts), allocation)
 
-    def _take_prefills(self, step: _Step) -> int:
+    def _take_prefills(self, step: StepPlan) -> int:
         """Prefill chunks: running prefills first (admission order), then admissions."""
         num_scheduled = 0
-        slo = step.slo
+        sized = step.slo
         for entry in list(self._running.values()):
             req = entry.request
             if req.status is not _PREFILLING or req.request_id in step.prefill:
@@ -738,25 +494,24 @@ class Scheduler:
                 continue
             start = req.num_computed_tokens
             num_new = min(entry.prefill_target - start, self._max_chunk)
-            if slo is not None:
-                # The first running prefill always moves by a block at least: its TTFT is
-                # bounded even when the decodes fill the target.
-                floor = min(num_new, self._block_size) if num_scheduled == 0 else 0
-                num_new = max(slo.chunk_limit(num_new, start), floor)
+            # The first running prefill always moves by a block at least: its TTFT is bounded
+            # even when the decodes fill the slo policy's target.
+            floor = min(num_new, self._block_size) if num_scheduled == 0 else 0
+            num_new = max(sized.chunk_limit(num_new, start), floor)
             chunk = step.budget.take_up_to(num_new)
             if chunk == 0:
                 return num_scheduled
             if self._schedule_running(step, entry, chunk, decode=False):
                 num_scheduled += 1
-                if slo is not None:
-                    slo.add_chunk(chunk, start)
+                sized.add_chunk(chunk, start)
         while step.budget.remaining > 0:
             head = self._waiting.peek()
             if head is None:
                 break
-            if self._move_if_late(head):
+            if self._slo.move_if_late(head, len(self._waiting)):
+                self._waiting.requeue(head)
                 continue
-            if slo is not None and not slo.admits(head.request):
+            if not sized.admits(head.request):
                 break  # its decodes would break the ITL target: defer admission
             if not self._try_admit(step, head):
                 break
@@ -765,60 +520,29 @@ class Scheduler:
 
     # -- the slo policy (scheduler.slo) -------------------------------------------------
 
-    def _size_to_target(self, step: _Step, cost: CostPredictor) -> None:
-        """The decodes are taken: start sizing the step to its ITL target, and preempt
-        decodes (victim rule) while the decodes alone are predicted well over it for a
-        second step in a row (one odd prediction preempts nobody)."""
+    def _size_to_target(self, step: StepPlan) -> SloStep | UnsizedStep:
+        """The decodes are taken: start sizing the step to its ITL target, preempting decodes
+        (victim rule) while the planner says they alone are over it."""
         running = self._running
-        margin = self.config.slo_preempt_margin
         while True:
-            slo = SloStep.begin(
-                cost,
-                self.config.itl_slo_s,
+            sized = self._slo.size(
                 (
                     (running[seq.request_id].request, seq.start_pos, len(seq.token_ids))
                     for seq in step.decode.values()
                 ),
                 (e.request for e in running.values() if e.request.status is _PREFILLING),
             )
-            decodes = StepShape(  # without their drafts: those go before any decode does
-                decode_seqs=slo.shape.decode_seqs, decode_context=slo.shape.decode_context
-            )
-            over = len(step.decode) > 1 and cost.predict(decodes) > slo.target_s * margin
-            if not over:
-                self._slo_over_steps = 0
-                break
-            self._slo_over_steps += 1
-            if self._slo_over_steps < 2:
-                break
+            if not self._slo.should_preempt(sized, len(step.decode)):
+                return sized
             self._preempt(
                 step,
                 self._victim.choose(e for e in running.values() if e.request_id in step.decode),
             )
-        step.slo = slo
-
-    def _move_if_late(self, head: _Entry) -> bool:
-        """slo: move the head of the queue back once if it is already past its TTFT
-        deadline and others wait behind it (see scheduler.slo); return whether it moved."""
-        order = self._deadline
-        now_s = self._now_s
-        if order is None or now_s is None or head.moved_late or len(self._waiting) < 2:
-            return False
-        req = head.request
-        if not order.is_late(req, now_s):
-            return False
-        head.moved_late = True
-        key = order.late_key(head.rank, head.arrival_seq, req)
-        if key <= head.sort_key:  # a forked sample: its key came from a moved parent
-            return False
-        head.sort_key = key
-        self._waiting.requeue(head)
-        return True
 
     def _schedule_running(
         self,
-        step: _Step,
-        entry: _Entry,
+        step: StepPlan,
+        entry: Entry,
         num_new: int,
         decode: bool,
         allocation: Allocation | None = None,
@@ -848,10 +572,14 @@ class Scheduler:
                 return False
             self._preempt(step, victim)
             allocation = self.kv.allocate_slots(req, num_new)
-        step.add(self._make_seq(req, num_new), decode, allocation)
+        seq = self._make_seq(req, num_new)
+        if decode:
+            step.add_decode(seq, allocation)
+        else:
+            step.add_prefill(seq, allocation)
         return True
 
-    def _try_admit(self, step: _Step, entry: _Entry) -> bool:
+    def _try_admit(self, step: StepPlan, entry: Entry) -> bool:
         """Admit the head of the waiting queue with a first chunk; False if it must wait."""
         req = entry.request
         max_num_seqs = self.config.max_num_seqs
@@ -864,11 +592,10 @@ class Scheduler:
         num_hit = hit.num_tokens
         # 0 only for a parent of samples whose prompt, but the last token, is cached.
         chunk = min(entry.prefill_target - num_hit, self._max_chunk, step.budget.remaining)
-        slo = step.slo
-        if slo is not None:
-            chunk = slo.chunk_limit(chunk, num_hit)
-            if chunk == 0 and entry.prefill_target > num_hit:
-                return False  # no time left in this step
+        sized = step.slo
+        chunk = sized.chunk_limit(chunk, num_hit)
+        if chunk == 0 and entry.prefill_target > num_hit:
+            return False  # no time left in this step
         while (allocation := self._allocate_admission(entry, chunk, hit)) is None:
             if not self._preempt_for(step, entry):
                 entry.blocked_at_num_free = self.kv.num_free_blocks
@@ -880,22 +607,20 @@ class Scheduler:
             req.num_cached_tokens = num_hit
         req.num_computed_tokens = num_hit
         req.status = _PREFILLING
-        entry.num_full_blocks = num_hit // self._block_size
         if self._sliding_window is not None:
             self.kv.release_out_of_window(req)  # hit blocks the first chunk cannot see
         self._running[req.request_id] = entry
         if entry.group is not None:
             self._forks.hold_seats(entry.group)
         if chunk:
-            step.add(self._make_seq(req, chunk), False, allocation)
+            step.add_prefill(self._make_seq(req, chunk), allocation)
         else:
             self._fork_children(entry)
-        if slo is not None:
-            slo.add_chunk(chunk, num_hit)
-            slo.admit(req)
+        sized.add_chunk(chunk, num_hit)
+        sized.admit(req)
         return True
 
-    def _max_hit_tokens(self, entry: _Entry, budget: int) -> int | None:
+    def _max_hit_tokens(self, entry: Entry, budget: int) -> int | None:
         """The longest prefix hit to use under a sliding window (None: no limit). Hit blocks
         are taken whole, even those the window has left behind (released right after
         admission), so a long hit plus the first chunk could need more blocks than the pool
@@ -907,7 +632,7 @@ class Scheduler:
             return None
         return max(0, bound * self._block_size - min(self._max_chunk, budget))
 
-    def _may_fit(self, entry: _Entry) -> bool:
+    def _may_fit(self, entry: Entry) -> bool:
         """Whether an admission attempt is worth a prefix lookup (hashing the prompt). Every
         admission needs at least one fresh block, and one that failed for memory cannot
         succeed before the free list grows: skip the lookup until then. Under priority order
@@ -918,7 +643,7 @@ class Scheduler:
         blocked_at = entry.blocked_at_num_free
         return num_free > 0 and (blocked_at is None or num_free > blocked_at)
 
-    def _allocate_admission(self, entry: _Entry, chunk: int, hit: PrefixHit) -> Allocation | None:
+    def _allocate_admission(self, entry: Entry, chunk: int, hit: PrefixHit) -> Allocation | None:
         """Blocks for the prefix hit and the first chunk; in reserve mode for the whole
         length (prompt + max_tokens) at once. None (nothing changed) if there is no room."""
         if self._reserve:
@@ -951,7 +676,7 @@ class Scheduler:
 
     # -- preemption ---------------------------------------------------------------------
 
-    def _preempt_for(self, step: _Step, entry: _Entry) -> bool:
+    def _preempt_for(self, step: StepPlan, entry: Entry) -> bool:
         """Under priority order (and not in reserve mode), preempt the victim if it ranks
         strictly worse than the waiting ``entry``; return whether it did."""
         if self._reserve or not self._order.preempts_for_admission or not self._running:
@@ -962,7 +687,7 @@ class Scheduler:
         self._preempt(step, victim)
         return True
 
-    def _preempt(self, step: _Step, entry: _Entry) -> None:
+    def _preempt(self, step: StepPlan, entry: Entry) -> None:
         """Free the request's blocks, keep its output tokens, and put it back in the waiting
         queue at its old place (its key is fixed at arrival); it is prefilled again later."""
         req = entry.request
@@ -977,15 +702,14 @@ class Scheduler:
         req.num_preemptions += 1
         req.num_computed_tokens = 0
         req.status = _PREEMPTED
-        entry.num_full_blocks = 0
         self._waiting.push(entry)
         if entry.forked_ids and not req.output_token_ids:
             # Its samples run on and report: name them now, not at its first token.
-            self._pending_outputs.append(_output(entry, [], [], None))
+            self._pending_outputs.append(make_output(entry, [], [], None))
 
     # -- n > 1 --------------------------------------------------------------------------
 
-    def _fork_children(self, parent_entry: _Entry) -> None:
+    def _fork_children(self, parent_entry: Entry) -> None:
         """The parent has computed all of its prompt but the last token: fork its n - 1
         samples, sharing its blocks. The parent and every sample are then decoding: each
         computes the last prompt token and samples its own first token."""
@@ -996,14 +720,13 @@ class Scheduler:
         for index, cid in enumerate(group.child_ids, start=1):
             child = make_sample(parent, index, cid)
             self.kv.fork(parent.request_id, cid)
-            entry = _Entry(
+            entry = Entry(
                 request=child,
                 rank=parent_entry.rank,
                 sort_key=parent_entry.sort_key,
                 arrival_seq=parent_entry.arrival_seq,
                 index=index,
                 moved_late=parent_entry.moved_late,
-                num_full_blocks=child.num_computed_tokens // self._block_size,
             )
             self._entries[cid] = entry
             self._running[cid] = entry
@@ -1013,7 +736,7 @@ class Scheduler:
 
     def _finish(
         self,
-        entry: _Entry,
+        entry: Entry,
         status: RequestStatus,
         new_token_ids: list[int] | None = None,
         new_logprobs: list[TokenLogprobs] | None = None,
@@ -1038,7 +761,7 @@ class Scheduler:
         reason = req.finish_reason
         assert reason is not None, f"{status} is not a finished status"
         self._counters.num_finished[reason.value] += 1
-        return _output(entry, new_token_ids or [], new_logprobs or [], reason, error)
+        return make_output(entry, new_token_ids or [], new_logprobs or [], reason, error)
 
     # -- stats --------------------------------------------------------------------------
 
@@ -1061,9 +784,13 @@ class Scheduler:
             num_prompt_tokens_total=c.num_prompt_tokens,
             num_generation_tokens_total=c.num_generation_tokens,
             num_finished_total=dict(c.num_finished),
-            waiting_tokens=waiting.num_tokens,
+            num_waiting_tokens=waiting.num_tokens,
             kv=self.kv.make_stats(),
             num_parked=len(self._parked),
             num_spec_draft_tokens_total=c.num_spec_draft_tokens,
             num_spec_accepted_tokens_total=c.num_spec_accepted_tokens,
         )
+
+
+def _no_token(request_id: str) -> RuntimeError:
+    return RuntimeError(f"runner returned no token for {request_id!r}, which was to sample")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from scheduler.config import SchedulerConfig
 from scheduler.cost_model import CostPredictor, StepShape
@@ -33,15 +34,31 @@ from scheduler.request import Request
 _US = 1_000_000
 
 
+def time_per_output_token(
+    first_token_s: float | None, last_token_s: float | None, num_later_tokens: int
+) -> float | None:
+    """Time per output token after the first (DistServe's TPOT): the time from the first
+    token to the last over the tokens after the first. None for a request of one token."""
+    if first_token_s is None or last_token_s is None or num_later_tokens < 1:
+        return None
+    return max(0.0, last_token_s - first_token_s) / num_later_tokens
+
+
 def attained(
-    ttft_s: float | None, tpot_s: float | None, ttft_target_s: float, itl_target_s: float
+    ttft_s: float | None,
+    tpot_s: float | None,
+    ttft_target_s: float | None,
+    itl_target_s: float | None,
 ) -> tuple[bool, bool]:
     """Whether a request met its (TTFT, ITL) targets: the first token within the TTFT
-    target, and the time per output token after it (DistServe's TPOT) within the ITL target
-    (met by a request of one token). No first token: neither."""
+    target, and the time per output token after it (``time_per_output_token``) within the
+    ITL target (met by a request of one token). A target of None sets no limit. No first
+    token meets no target but an absent one. The one judge of "met its targets" for the
+    metrics, the simulator and the load tester."""
     if ttft_s is None:
-        return False, False
-    return ttft_s <= ttft_target_s, tpot_s is None or tpot_s <= itl_target_s
+        return ttft_target_s is None, itl_target_s is None
+    ttft_ok = ttft_target_s is None or ttft_s <= ttft_target_s
+    return ttft_ok, itl_target_s is None or tpot_s is None or tpot_s <= itl_target_s
 
 
 class DeadlineOrder:
@@ -155,3 +172,125 @@ class SloStep:
 
     def admit(self, request: Request) -> None:
         self.future = self.future.with_decode(request.num_prompt_tokens + 1)
+
+
+class UnsizedStep:
+    """A step without a latency target: every chunk fits, every request is admitted."""
+
+    __slots__ = ()
+
+    def chunk_limit(self, num_new: int, start: int) -> int:
+        return num_new
+
+    def add_chunk(self, num_new: int, start: int) -> None:
+        pass
+
+    def admits(self, request: Request) -> bool:
+        return True
+
+    def admit(self, request: Request) -> None:
+        pass
+
+
+NO_TARGET = UnsizedStep()
+
+
+class Queued(Protocol):
+    """What the planner reads and moves of a waiting request (``scheduler.entry.Entry``)."""
+
+    request: Request
+    rank: int
+    sort_key: int
+    arrival_seq: int
+    moved_late: bool
+
+
+class SloPlanner:
+    """The ``slo`` policy's state across steps: the step-cost model, the deadline order, the
+    clock of the step being planned, and how many steps in a row the decodes alone were
+    predicted over the target. The scheduler asks it; ``NoSloPlanner`` answers for every
+    other policy, so the scheduler never asks which policy runs."""
+
+    def __init__(self, config: SchedulerConfig, cost: CostPredictor, order: DeadlineOrder) -> None:
+        self.cost = cost
+        self.order = order
+        self.itl_target_s = config.itl_slo_s
+        self.preempt_margin = config.slo_preempt_margin
+        self.now_s: float | None = None  # of the step being planned (late requests)
+        self.num_over_steps = 0  # steps in a row with decodes predicted over the margin
+
+    def begin(self, now_s: float | None) -> None:
+        """A new step is being planned at ``now_s`` (None: nobody is found late)."""
+        self.now_s = now_s
+
+    def size(
+        self, decodes: Iterable[tuple[Request, int, int]], prefills: Iterable[Request]
+    ) -> SloStep | UnsizedStep:
+        """Start sizing the step to its ITL target, once its decodes are taken (see
+        ``SloStep.begin`` for the arguments)."""
+        return SloStep.begin(self.cost, self.itl_target_s, decodes, prefills)
+
+    def should_preempt(self, sized: SloStep | UnsizedStep, num_decodes: int) -> bool:
+        """Whether to preempt a decode: the decodes alone are predicted well over the target
+        for a second step in a row (one odd prediction preempts nobody)."""
+        assert isinstance(sized, SloStep)
+        shape = sized.shape
+        decodes = StepShape(  # without their drafts: those go before any decode does
+            decode_seqs=shape.decode_seqs, decode_context=shape.decode_context
+        )
+        over = num_decodes > 1 and self.cost.predict(decodes) > sized.target_s * self.preempt_margin
+        if not over:
+            self.num_over_steps = 0
+            return False
+        self.num_over_steps += 1
+        return self.num_over_steps >= 2
+
+    def move_if_late(self, head: Queued, num_waiting: int) -> bool:
+        """Give the head of the queue its moved-back key once if it is already past its TTFT
+        deadline and others wait behind it; return whether it moved (requeue it then)."""
+        order = self.order
+        now_s = self.now_s
+        if now_s is None or head.moved_late or num_waiting < 2:
+            return False
+        req = head.request
+        if not order.is_late(req, now_s):
+            return False
+        head.moved_late = True
+        key = order.late_key(head.rank, head.arrival_seq, req)
+        if key <= head.sort_key:  # a forked sample: its key came from a moved parent
+            return False
+        head.sort_key = key
+        return True
+
+
+class NoSloPlanner:
+    """Every policy but ``slo``: no target, nobody late, no preemption for latency."""
+
+    __slots__ = ()
+
+    def begin(self, now_s: float | None) -> None:
+        pass
+
+    def size(
+        self, decodes: Iterable[tuple[Request, int, int]], prefills: Iterable[Request]
+    ) -> SloStep | UnsizedStep:
+        return NO_TARGET
+
+    def should_preempt(self, sized: SloStep | UnsizedStep, num_decodes: int) -> bool:
+        return False
+
+    def move_if_late(self, head: Queued, num_waiting: int) -> bool:
+        return False
+
+
+def make_slo_planner(
+    config: SchedulerConfig, cost: CostPredictor | None, order: object
+) -> SloPlanner | NoSloPlanner:
+    """The planner ``config.policy`` asks for (the slo policy needs ``cost`` and its
+    ``DeadlineOrder``)."""
+    if config.policy != "slo":
+        return NoSloPlanner()
+    if cost is None:
+        raise ValueError("the slo policy needs a step-cost model (cost_model=...)")
+    assert isinstance(order, DeadlineOrder)
+    return SloPlanner(config, cost, order)

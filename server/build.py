@@ -21,8 +21,8 @@ from server.calibration import calibrate
 from server.config import ServerConfig, parse_bytes
 from server.engine import EngineLoop
 from server.fake_tokenizer import ByteTokenizer
+from server.frontend import ServedModel, ServerTokenizer
 from server.kv_tier import KVTier, open_kv_tier
-from server.service import ServedModel, ServerTokenizer
 from server.text import make_text_stream_factory
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ def _torch_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]
         name=loaded.name,
         sliding_window=cfg.sliding_window,
         attention_sinks=cfg.attention_sinks,
+        attention_backend=cfg.attention_backend,
     )
     del loaded.state_dict  # the runner holds its own copy of the weights
     return runner, loaded.tokenizer, runner.num_blocks, str(loaded.source_path)

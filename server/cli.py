@@ -49,7 +49,7 @@ def _human_bytes(num: int) -> str:
 async def _serve(cfg: Any) -> int:
     from metrics.records import MetricsSink, NullSink
     from server.build import build_engine
-    from server.service import KVServeServer
+    from server.lifecycle import KVServeServer
 
     t0 = time.monotonic()
     loop = asyncio.get_running_loop()
@@ -114,8 +114,8 @@ async def _serve(cfg: Any) -> int:
             f"step-cost model from {cfg.cost_model_prior}"
         )
 
+    from server.asgi import METRICS_MAX_CONNECTIONS, metrics_app, start_asgi_server
     from server.auth import warn_if_exposed
-    from server.http import METRICS_MAX_CONNECTIONS, metrics_app, start_asgi_server
 
     server = KVServeServer(built.engine, built.tokenizer, model, sink=sink, security=security)
     port = await server.start(cfg.host, cfg.port, http_port=cfg.http_port if cfg.http else None)
@@ -135,11 +135,11 @@ async def _serve(cfg: Any) -> int:
     if cfg.http:
         _say(f"OpenAI-compatible API on {scheme}://{cfg.host}:{server.http_port}/v1")
     if cfg.port_file:
-        _write_port_file(cfg.port_file, port)
+        write_port_file(cfg.port_file, port)
     if cfg.http_port_file and cfg.http:
-        _write_port_file(cfg.http_port_file, server.http_port)
+        write_port_file(cfg.http_port_file, server.http_port)
     if cfg.metrics_port_file and metrics_server is not None:
-        _write_port_file(cfg.metrics_port_file, metrics_server.port)
+        write_port_file(cfg.metrics_port_file, metrics_server.port)
 
     shutdown_tasks: list[asyncio.Task[None]] = []
 
@@ -168,7 +168,8 @@ async def _serve(cfg: Any) -> int:
     return code
 
 
-def _write_port_file(path: str, port: int) -> None:
+def write_port_file(path: str, port: int) -> None:
+    """Write the bound ``port`` to ``path`` for scripts and tests (``kvserve cluster`` too)."""
     tmp = Path(path + ".tmp")
     tmp.write_text(f"{port}\n")
     tmp.replace(path)  # atomic: a reader never sees a partial file

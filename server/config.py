@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from cache_manager.config import EVICTION_POLICIES, KVCacheConfig
 from cache_manager.strategy import KV_STRATEGIES
-from model_runner.config import KV_DTYPE_CHOICES, MODEL_DTYPES
+from model_runner.config import ATTENTION_BACKEND_CHOICES, KV_DTYPE_CHOICES, MODEL_DTYPES
 from model_runner.sim import PROFILES as SIM_PROFILES
 from scheduler.config import (
     MEMORY_MODES,
@@ -157,7 +157,7 @@ class ServerConfig:
     )
     grace_period_s: float = _f(30.0, "on SIGTERM/SIGINT, let in-flight requests finish this long")
     log_level: str = _f("info", "logging level", choices=("debug", "info", "warning", "error"))
-    # -- HTTP front, TLS, API keys, backpressure (server.http, server.auth)
+    # -- HTTP front, TLS, API keys, backpressure (server.openai_app, server.asgi, server.auth)
     http: bool = _f(True, "serve the OpenAI-compatible HTTP API", group="http and security")
     http_port: int = _f(
         8000, "OpenAI-compatible HTTP port (0 picks a free port)", group="http and security"
@@ -216,6 +216,12 @@ class ServerConfig:
         "auto: a GGUF's own quantization on CPU (kvserve's kernels), else float; float32: "
         "dequantize; native: keep GGUF Q4_0/Q4_1/Q8_0; int8: quantize every matrix per channel",
         choices=("auto", "float32", "native", "int8"),
+        group="model",
+    )
+    attention_backend: str = _f(
+        "auto",
+        "auto: flashinfer, else triton, on CUDA when installed, else torch (the reference)",
+        choices=ATTENTION_BACKEND_CHOICES,
         group="model",
     )
     threads: int | None = _f(None, "torch CPU threads (default: torch's choice)", group="model")

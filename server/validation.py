@@ -1,7 +1,7 @@
 """Turns API messages into engine requests, or says exactly what is wrong with them.
 
 Every check here is pure and cheap (no tokenizer, no model): it runs on the event loop. The
-tokenizer part (text / chat -> ids) runs in a thread executor in ``server.service``.
+tokenizer part (text / chat -> ids) runs in a thread executor in ``server.frontend``.
 Messages name the field, the value received and the allowed range, because they travel to
 the client verbatim as gRPC ``INVALID_ARGUMENT`` details.
 

@@ -1,13 +1,22 @@
 """kvserve's own CPU kernels (``kernels.cpp``): build, load, and a thin ctypes wrapper.
 
-The library is plain C++ (no torch headers, so it compiles in seconds) with AVX2/FMA/F16C code
-chosen at run time and a portable fallback. ``make install`` builds it once
-(``python -m model_runner.kernels``); a process that finds it missing or stale (the file name
-carries a hash of the source and flags) builds it on first use. Without a working compiler
-``load()`` returns None, ``unavailable_reason()`` says why, and the model runs fp32 weights.
+The library is plain C++ (no torch headers, so it compiles in seconds). One source is compiled
+once per ISA family and linked into one library with a dispatcher:
 
-Calls take raw pointers from contiguous fp32 tensors; the caller (``model_runner.quant``)
-checks shapes, so this module only converts arguments.
+    portable   plain C++, any CPU
+    avx2       AVX2 + FMA + F16C (Zen 3 and the like)
+    avx512     AVX-512 F/BW/VL + VNNI (Zen 4, Zen 5): vpdpbusd on zmm
+
+The family is chosen at load from cpuid: the best the CPU has, or ``KVSERVE_ISA``
+(``auto``, ``avx512``, ``avx2``, ``portable``; a family the CPU lacks falls back to the best
+one below it, with a warning). ``use_isa`` switches at run time (how the tests cover every
+family the machine has). ``make install`` builds it once (``python -m model_runner.kernels``);
+a process that finds it missing or stale (the file name carries a hash of the source and
+flags) builds it on first use. Without a working compiler ``load()`` returns None,
+``unavailable_reason()`` says why, and the model runs fp32 weights.
+
+Calls take raw pointers from contiguous tensors; the caller (``model_runner.quant``) checks
+shapes, so this module only converts arguments.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -26,19 +36,31 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
-FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno")
+FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fopenmp", "-fno-math-errno")
+# Per ISA family: the -m flags its object is compiled with (the dispatcher gets none).
+VARIANT_FLAGS: dict[str, tuple[str, ...]] = {
+    "portable": (),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+    "avx512": (
+        "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+        "-mavx512vnni", "-mprefer-vector-width=512",
+    ),
+}  # fmt: skip
+ISAS = ("portable", "avx2", "avx512")  # index = the library's ISA code
 
-FMT_Q4 = 0
-FMT_Q8 = 1
+# Weight formats: the library's codes (kernels.cpp ``kv::Format``).
+FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+FORMAT_CODES = {name: i for i, name in enumerate(FORMATS)}
 EPI_NONE = 0
 EPI_ADD = 1
 EPI_SILU_MUL = 2
+MAX_PARTS = 4
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
 _loaded = False
-_simd = False
+_isa = "portable"
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -50,11 +72,33 @@ KV_F16 = 1
 KV_I8 = 2
 
 
-class QW(ctypes.Structure):
-    """One quantized matrix (``model_runner.quant.QuantWeight``'s tensors)."""
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
 
-    _fields_ = [("fmt", _I32), ("n", _I32), ("k", _I32), ("pad", _I32)] + [
-        (name, _P) for name in ("qs", "d", "m")
+
+def variants() -> tuple[str, ...]:
+    """The ISA families compiled into the library on this machine's architecture."""
+    return ISAS if _x86() else ("portable",)
+
+
+class QPart(ctypes.Structure):
+    """Rows of a weight in one format (``model_runner.quant.QuantWeight``'s tensors)."""
+
+    _fields_ = [("fmt", _I32), ("rows", _I32)] + [
+        (name, _P) for name in ("qs", "qh", "sc", "d", "m")
+    ]
+
+
+class QW(ctypes.Structure):
+    """A weight: up to ``MAX_PARTS`` parts stacked by rows (``quant.QuantWeight`` /
+    ``quant.QuantStack``)."""
+
+    _fields_ = [
+        ("nparts", _I32),
+        ("n", _I32),
+        ("k", _I32),
+        ("pad", _I32),
+        ("parts", QPart * MAX_PARTS),
     ]
 
 
@@ -75,7 +119,7 @@ class DecodeLayer(ctypes.Structure):
 
 
 class DecodeStep(ctypes.Structure):
-    """One decode step's rows for ``kv_decode_layers``."""
+    """One step's rows for ``kv_decode_layers``."""
 
     _fields_ = [
         ("hidden", _P),
@@ -105,7 +149,8 @@ class DecodeStep(ctypes.Structure):
 
 
 def _library_name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    flags = " ".join(FLAGS) + repr(sorted(VARIANT_FLAGS.items())) + repr(variants())
+    digest = hashlib.sha256(SOURCE.read_bytes() + flags.encode()).hexdigest()[:12]
     return f"libkvserve_kernels-{digest}.so"
 
 
@@ -136,23 +181,40 @@ def build(force: bool = False) -> Path:
         except OSError as e:
             errors.append(f"{folder}: {e}")
             continue
-        cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
+        try:
+            _compile(compiler, tmp)
+        except RuntimeError:
             os.unlink(tmp)
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-            raise RuntimeError(f"`{' '.join(cmd)}` failed: " + " | ".join(tail))
+            raise
         os.replace(tmp, folder / name)
         return folder / name
     raise RuntimeError("no writable build folder: " + "; ".join(errors))
 
 
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        raise RuntimeError(f"`{' '.join(cmd)}` failed: " + " | ".join(tail))
+
+
+def _compile(compiler: str, output: str) -> None:
+    """One object per ISA family and one for the dispatcher, linked into ``output``."""
+    with tempfile.TemporaryDirectory() as scratch:
+        objects = []
+        for variant in (*variants(), None):
+            obj = str(Path(scratch) / f"{variant or 'dispatch'}.o")
+            defines = [f"-DKV_VARIANT={variant}", *VARIANT_FLAGS[variant]] if variant else []
+            _run([compiler, *FLAGS, *defines, "-c", str(SOURCE), "-o", obj])
+            objects.append(obj)
+        _run([compiler, "-shared", "-fopenmp", *objects, "-o", output])
+
+
 def load() -> ctypes.CDLL | None:
     """The kernels, built if needed; None (once logged) when they cannot be had.
 
-    ``KVSERVE_KERNELS=0`` disables them; ``KVSERVE_KERNELS=portable`` keeps the library but
-    not its SIMD path (how the tests cover the fallback)."""
-    global _lib, _reason, _loaded, _simd
+    ``KVSERVE_KERNELS=0`` disables them; ``KVSERVE_ISA`` picks the ISA family (see above)."""
+    global _lib, _reason, _loaded
     with _lock:
         if _loaded:
             return _lib
@@ -160,6 +222,13 @@ def load() -> ctypes.CDLL | None:
         mode = os.environ.get("KVSERVE_KERNELS", "auto").lower()
         if mode in ("0", "off", "false", "no"):
             _reason = "disabled by KVSERVE_KERNELS"
+            return None
+        wanted = os.environ.get("KVSERVE_ISA", "auto").lower()
+        if mode == "portable":  # the older spelling of KVSERVE_ISA=portable
+            wanted = "portable"
+        if wanted not in ("auto", *ISAS):
+            _reason = f"KVSERVE_ISA={wanted!r}: use auto, {', '.join(reversed(ISAS))}"
+            logger.warning("quantized CPU kernels unusable (%s): fp32 weights instead", _reason)
             return None
         try:
             import torch  # noqa: F401  (torch's OpenMP runtime first: ours binds to it)
@@ -172,12 +241,16 @@ def load() -> ctypes.CDLL | None:
                 "quantized CPU kernels unavailable (%s): serving fp32 weights instead", e
             )
             return None
-        lib.kv_init.argtypes = [_I]
-        lib.kv_init.restype = _I
+        lib.kv_isa_supported.argtypes = [_I]
+        lib.kv_isa_supported.restype = _I
+        lib.kv_set_isa.argtypes = [_I]
+        lib.kv_set_isa.restype = _I
         lib.kv_omp_max_threads.restype = _I
-        lib.kv_qgemm.argtypes = [_I, _P, _P, _P, _I, _I, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I]
+        lib.kv_weight_rows.argtypes = [ctypes.POINTER(QW)]
+        lib.kv_weight_rows.restype = _I64
+        lib.kv_qgemm.argtypes = [_P, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I]
         lib.kv_qgemm.restype = None
-        lib.kv_dequant.argtypes = [_I, _P, _P, _P, _I, _P, _I64, _I, _P, _I, _I]
+        lib.kv_dequant.argtypes = [_P, _P, _I64, _I, _P, _I, _I]
         lib.kv_dequant.restype = None
         lib.kv_decode_layers.argtypes = [
             ctypes.POINTER(DecodeLayer),
@@ -187,25 +260,41 @@ def load() -> ctypes.CDLL | None:
         lib.kv_decode_layers.restype = None
         lib.kv_decode_struct_sizes.argtypes = [_I]
         lib.kv_decode_struct_sizes.restype = _I
-        sizes = [lib.kv_decode_struct_sizes(i) for i in range(3)]
-        if sizes != [ctypes.sizeof(t) for t in (QW, DecodeLayer, DecodeStep)]:
+        sizes = [lib.kv_decode_struct_sizes(i) for i in range(4)]
+        if sizes != [ctypes.sizeof(t) for t in (QW, DecodeLayer, DecodeStep, QPart)]:
             _reason = f"kernel struct sizes {sizes} differ from the Python side's"
             logger.warning("quantized CPU kernels unusable (%s): fp32 weights instead", _reason)
             return None
-        _simd = bool(lib.kv_init(0 if mode == "portable" else 1))
         _lib = lib
+        best = _set_isa(lib, "avx512" if wanted == "auto" else wanted)
+        if wanted not in ("auto", best):
+            logger.warning("KVSERVE_ISA=%s: this CPU lacks it; the kernels run %s", wanted, best)
         return _lib
 
 
-def use_simd(enabled: bool) -> bool:
-    """Switch between the SIMD and the portable code path at run time (the tests cover both);
-    returns whether SIMD is now in use (False where the CPU lacks AVX2 + FMA + F16C)."""
-    global _simd
+def _set_isa(lib: ctypes.CDLL, name: str) -> str:
+    global _isa
+    _isa = ISAS[lib.kv_set_isa(ISAS.index(name))]
+    return _isa
+
+
+def supported_isas() -> list[str]:
+    """The ISA families this CPU can run, best first (what the tests iterate over)."""
     lib = load()
     if lib is None:
-        return False
-    _simd = bool(lib.kv_init(1 if enabled else 0))
-    return _simd
+        return []
+    return [name for name in reversed(variants()) if lib.kv_isa_supported(ISAS.index(name))]
+
+
+def use_isa(name: str) -> str:
+    """Switch the kernels to ISA family ``name`` (or the best one below it the CPU has);
+    returns the family now in use."""
+    if name not in ISAS:
+        raise ValueError(f"unknown ISA family {name!r}: use one of {', '.join(ISAS)}")
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"kernels unavailable: {unavailable_reason()}")
+    return _set_isa(lib, name)
 
 
 def available() -> bool:
@@ -218,8 +307,9 @@ def unavailable_reason() -> str | None:
 
 
 def isa() -> str:
-    """``"avx2"`` or ``"portable"``: the code path the kernels run (after ``load()``)."""
-    return "avx2" if load() is not None and _simd else "portable"
+    """The ISA family the kernels run (``"avx512"``, ``"avx2"`` or ``"portable"``)."""
+    load()
+    return _isa
 
 
 def main() -> int:

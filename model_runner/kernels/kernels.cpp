@@ -1,24 +1,45 @@
-// kvserve CPU kernels over quantized weights: skinny GEMM for decode (M up to ~32 rows) and
-// dequantization (prefill panels, embedding rows).
+// kvserve CPU kernels over GGUF-quantized weights: GEMM for every batch shape (decode rows,
+// prefill chunks, one flattened mixed step), dequantization (embedding rows, prefill panels),
+// and the fused layer stack of a step.
 //
-// Weight layouts (repacked once at load by model_runner/quant.py; K is padded to KB * 32):
+// ONE source, compiled several times (model_runner/kernels/__init__.py builds them and links
+// one library):
+//   -DKV_VARIANT=portable   no ISA flags: plain C++ (any CPU)
+//   -DKV_VARIANT=avx2       -mavx2 -mfma -mf16c: 256-bit integer dot products (Zen 3)
+//   -DKV_VARIANT=avx512     + AVX-512 F/BW/VL/VNNI: vpdpbusd on zmm (Zen 4, Zen 5)
+//   (no KV_VARIANT)         the dispatcher: cpuid, KVSERVE_ISA, and the C entry points
+// A variant's code lives in its own namespace and uses no std:: templates, so no inline
+// function compiled with AVX-512 can be picked by the linker for another variant's caller.
 //
-//   q4: qs  uint8 [N, KB, 16]  two 4-bit values a byte, ggml order: byte j holds element j
-//                              (low nibble) and element j + 16 (high nibble) of its block
-//       d   fp32  [N, KB]      w = q * d + m          (GGUF Q4_1 as is; Q4_0: m = -8 d)
-//       m   fp32  [N, KB]
-//   q8: qs  int8  [N, KB * 32]
-//       d   fp32  [N, KB]      w = q * d              (GGUF Q8_0; int8 per-channel: d per row)
+// Weight formats, repacked once at load by model_runner/quant.py. K is the row length; every
+// per-row array is row-major, rows contiguous. Scales are fp32 (GGUF's are fp16) so that
+// row operations at load (folding the softmax scale into Q) stay exact:
 //
-// y = x @ W.T, three paths by the number of activation rows M (activations stay fp32 or go to
-// int16; never int8 as in llama.cpp, which flipped greedy tokens of SmolLM2 on near-ties):
-//   M <= 2:   activations quantized to int16 per 32-block, weights widened to int16 for
-//             _mm256_madd_epi16 (|error| ~2e-5 relative; half the instructions of the others)
-//   M <= 8:   each 32-value weight block dequantized in registers (4 x 8 fp32 lanes) and
-//             multiplied into every row with FMAs: the dequantized-fp32 matmul up to order
-//   M > 8:    chunks of 8 weight rows dequantized to fp32 (L1-resident), then a 4 x 16
-//             register-blocked micro-kernel over the activations transposed to [K][M]
-// Bandwidth: 0.75 bytes a weight (q4, with fp32 scales) instead of 4 (fp32).
+//   Q4_0  qs u8[KB*16]          d f32[KB]               w = d * (q - 8)
+//   Q4_1  qs u8[KB*16]          d, m f32[KB]            w = d * q + m
+//   Q5_0  qs u8[KB*16] qh u8[KB*4]  d f32[KB]           w = d * (q - 16), q = lo4 | hi1 << 4
+//   Q5_1  qs u8[KB*16] qh u8[KB*4]  d, m f32[KB]        w = d * q + m
+//   Q8_0  qs i8[KB*32]          d f32[KB]               w = d * q
+//   Q4_K  qs u8[KS*128] sc u8[KS*16] d, m f32[KS]       w = d*sc[j] * q - m*mn[j]   (j: 32-sub-block)
+//   Q5_K  + qh u8[KS*32]                                  q 5 bits
+//   Q6_K  qs u8[KS*128] qh u8[KS*64] sc i8[KS*16] d f32[KS]   w = d*sc[g] * (q - 32) (g: 16-group)
+//
+// KB = ceil(K / 32) blocks of 32, KS = K / 256 super-blocks; nibble and high-bit orders are
+// ggml's (see unpack_row). A K-quant Q4_K sub-block j holds sc[j] and its min mn[j] = sc[8 + j]
+// (the 6-bit packing is unpacked at load).
+//
+// y = x W^T. Every format goes through one scheme, the one ggml uses with q8_0 activations:
+//   1. activations are quantized to int8 per 32-block: x ~= dx * a, |a| <= 127
+//   2. a chunk of weight rows is unpacked to unsigned bytes q (L1/L2 resident) with, per
+//      16-group g, a scale s[g] and an offset o[g]: w = s[g] * q + o[g]
+//   3. dot(w, x) = sum_g s[g] * dx * (q . a)_g + sum_g o[g] * (dx * sum(a)_g)
+//      The integer dots run 64 bytes at a time (AVX-512 VNNI vpdpbusd: one lane is a 4-byte
+//      dot, four lanes a 16-group), 32 at a time on AVX2 (madd_epi16 on widened bytes: no
+//      saturation), one at a time in the portable variant; the offset sum is a float dot of
+//      length K / 16.
+// Register blocking: 4 weight rows x up to 4 activation rows per micro-tile; a chunk of 16
+// weight rows is unpacked once and every activation row passes over it, so weights are read
+// from memory once per step whatever the batch.
 //
 // Threads: OpenMP with the caller's thread count. The library links libgomp.so.1, the soname
 // torch's own OpenMP runtime has, so inside a process that imported torch the loader binds
@@ -28,411 +49,462 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
-#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
-#define KV_X86 1
-#define KV_AVX2 __attribute__((target("avx2,fma,f16c")))
-#else
-#define KV_X86 0
 #endif
 
-namespace {
-
-constexpr int QK = 32;
-enum Format { FMT_Q4 = 0, FMT_Q8 = 1 };
+namespace kv {
+enum Format { Q4_0 = 0, Q4_1 = 1, Q5_0 = 2, Q5_1 = 3, Q8_0 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7, NUM_FORMATS = 8 };
 enum Epilogue { EPI_NONE = 0, EPI_ADD = 1, EPI_SILU_MUL = 2 };
+enum KVDtype { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2 };
+enum Isa { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+constexpr int MAX_PARTS = 4;
+}  // namespace kv
 
-bool g_use_avx2 = false;
+extern "C" {
 
-struct Weights {
-  int fmt;
+// Rows [row0, row0 + rows) of a weight in one format.
+struct QPart {
+  int32_t fmt, rows;
   const uint8_t* qs;
+  const uint8_t* qh;
+  const uint8_t* sc;
   const float* d;
   const float* m;
-  int K, KB;
 };
 
-struct Rows {
-  const float* x;  // [M, ldx] fp32
-  int M, ldx;
-  // Set for M <= I16_MAX_ROWS on the SIMD path: x quantized to int16 per 32-block.
-  const int16_t* q16 = nullptr;  // [M, KB * 32]
-  const float* d16 = nullptr;    // [M, KB]: scale
-  const float* s16 = nullptr;    // [M, KB]: scale * sum(q): the block sum of the values used
+// A weight of n rows of k values: parts stacked by rows (Q, K and V of a fused projection may
+// come in different formats, as Q4_K_M files have them).
+struct QW {
+  int32_t nparts, n, k, pad;
+  QPart parts[kv::MAX_PARTS];
 };
 
-// One or two rows (decode at low batch) cannot share the cost of dequantizing a weight block
-// to fp32 (~17 instructions per 32 weights); there the activations go to int16 per 32-block
-// instead, and the weights only widen to int16 for _mm256_madd_epi16: half the instructions.
-// int16 keeps 15 bits (|error| <= 1.5e-5 of the block's largest value), so results stay
-// within 1e-4 of the fp32 path, unlike llama.cpp's int8 activations, which flipped greedy
-// tokens of SmolLM2 on near-ties.
-constexpr int I16_MAX_ROWS = 2;
+struct DecodeLayer {
+  const float* input_norm;
+  const float* post_norm;
+  const float* qkv_bias;  // or NULL
+  QW qkv, o, gate_up, down;
+  void* kv;
+  float* kv_scales;  // int8 pools, else NULL
+};
 
-// Element j of block b of row n, dequantized.
-inline float weight_at(const Weights& w, int64_t n, int b, int j) {
-  const int64_t blk = n * w.KB + b;
-  if (w.fmt == FMT_Q4) {
-    const uint8_t v = w.qs[blk * (QK / 2) + j % (QK / 2)];
-    const int q = j < QK / 2 ? (v & 0x0F) : (v >> 4);
-    return (float)q * w.d[blk] + w.m[blk];
+struct DecodeStep {
+  float* hidden;                // [B, hidden], updated in place
+  const int64_t* positions;     // [B]: each row's position
+  const int32_t* block_tables;  // [B, max_blocks]: each row's request's blocks
+  const float* rope;            // [max_len, head_dim / 2, 2]: cos, sin
+  int32_t batch, hidden_size, num_heads, num_kv_heads, head_dim, intermediate;
+  int32_t kv_dtype, num_blocks, block_size, max_blocks, window, nthreads;
+  float eps;
+  int32_t pad;
+};
+
+}  // extern "C"
+
+#ifdef KV_VARIANT
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KV_USE_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KV_USE_AVX2 1
+#endif
+
+namespace kv {
+namespace KV_VARIANT {
+
+// A growable scratch buffer (malloc'd, 64-byte aligned; no std:: templates in variants).
+struct Buf {
+  void* p = nullptr;
+  size_t cap = 0;
+  ~Buf() { std::free(p); }
+  template <typename T>
+  T* get(size_t count) {
+    const size_t bytes = (count * sizeof(T) + 63) / 64 * 64;
+    if (bytes > cap) {
+      std::free(p);
+      p = std::aligned_alloc(64, bytes);
+      cap = bytes;
+    }
+    return static_cast<T*>(p);
   }
-  return (float)reinterpret_cast<const int8_t*>(w.qs)[blk * QK + j] * w.d[blk];
+};
+
+inline int imin(int a, int b) { return a < b ? a : b; }
+inline int round64(int k) { return (k + 63) / 64 * 64; }
+
+// ------------------------------------------------------------------ weights: unpacking
+
+inline const QPart& part_of(const QW& w, int64_t& row) {
+  int i = 0;
+  while (i + 1 < w.nparts && row >= w.parts[i].rows) row -= w.parts[i++].rows;
+  return w.parts[i];
 }
 
-// y[i] (+)= dot(W[n], x[i]) over blocks b0.. for every row i: the portable path, and the
-// partial last block of the SIMD path.
-void row_dot_scalar(const Weights& w, const Rows& a, int64_t n, int b0, float* y, bool add) {
-  float wb[QK];
-  if (!add) {
-    for (int i = 0; i < a.M; ++i) y[i] = 0.f;
+// 16 bytes of nibbles -> 32 values: low nibbles are elements 0-15, high ones 16-31.
+inline void split_nibbles16(const uint8_t* __restrict src, uint8_t* __restrict dst) {
+#if defined(KV_USE_AVX512) || defined(KV_USE_AVX2)
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm_and_si128(v, mask));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm_and_si128(_mm_srli_epi16(v, 4), mask));
+#else
+  for (int j = 0; j < 16; ++j) {
+    dst[j] = src[j] & 0x0F;
+    dst[j + 16] = src[j] >> 4;
   }
-  for (int b = b0; b < w.KB; ++b) {
-    const int k0 = b * QK;
-    const int cnt = w.K - k0 < QK ? w.K - k0 : QK;
-    for (int j = 0; j < cnt; ++j) wb[j] = weight_at(w, n, b, j);
-    for (int i = 0; i < a.M; ++i) {
-      const float* x = a.x + (int64_t)i * a.ldx + k0;
-      float acc = 0.f;
-      for (int j = 0; j < cnt; ++j) acc += wb[j] * x[j];
-      y[i] += acc;
+#endif
+}
+
+// Row `row` of w as unsigned bytes q[K64] plus, per 16-group, scale s[K64/16] and offset
+// o[K64/16]: w[e] = s[e / 16] * q[e] + o[e / 16]. Past the stored blocks everything is 0.
+void unpack_row(const QW& w, int64_t row, uint8_t* __restrict q, float* __restrict s, float* __restrict o) {
+  const int K = w.k, K64 = round64(K);
+  const QPart& p = part_of(w, row);
+  const int KB = (K + 31) / 32, KS = K / 256;
+  int done = 0;  // elements written
+  switch (p.fmt) {
+    case Q4_0:
+    case Q4_1:
+    case Q5_0:
+    case Q5_1: {
+      const bool five = p.fmt == Q5_0 || p.fmt == Q5_1, has_m = p.fmt == Q4_1 || p.fmt == Q5_1;
+      const uint8_t* qs = p.qs + row * KB * 16;
+      const float* d = p.d + row * KB;
+      // Separate simple passes (nibbles, high bits, scales): each vectorizes on its own.
+      for (int b = 0; b < KB; ++b) split_nibbles16(qs + 16 * b, q + 32 * b);
+      if (five) {
+        const uint8_t* qh = p.qh + row * KB * 4;
+        for (int b = 0; b < KB; ++b) {
+          uint32_t h;
+          memcpy(&h, qh + 4 * b, 4);
+          uint8_t* qb = q + 32 * b;
+#if defined(KV_USE_AVX512)
+          const __m256i bits = _mm256_maskz_mov_epi8((__mmask32)h, _mm256_set1_epi8(0x10));
+          __m256i* dst = reinterpret_cast<__m256i*>(qb);
+          _mm256_storeu_si256(dst, _mm256_or_si256(_mm256_loadu_si256(dst), bits));
+#else
+          for (int j = 0; j < 32; ++j) qb[j] |= (uint8_t)(((h >> j) & 1u) << 4);
+#endif
+        }
+      }
+      const float low = five ? -16.f : -8.f;
+      for (int b = 0; b < KB; ++b) {
+        const float off = has_m ? p.m[row * KB + b] : low * d[b];
+        s[2 * b] = s[2 * b + 1] = d[b];
+        o[2 * b] = o[2 * b + 1] = off;
+      }
+      done = 32 * KB;
+      break;
+    }
+    case Q8_0: {
+      const uint8_t* qs = p.qs + row * KB * 32;
+      const float* d = p.d + row * KB;
+      for (int e = 0; e < 32 * KB; ++e) q[e] = qs[e] ^ 0x80;  // int8 -> q + 128
+      for (int b = 0; b < KB; ++b) {
+        s[2 * b] = s[2 * b + 1] = d[b];
+        o[2 * b] = o[2 * b + 1] = -128.f * d[b];
+      }
+      done = 32 * KB;
+      break;
+    }
+    case Q4_K:
+    case Q5_K: {
+      const uint8_t* qs = p.qs + row * KS * 128;
+      const uint8_t* qh = p.fmt == Q5_K ? p.qh + row * KS * 32 : nullptr;
+      const uint8_t* sc = p.sc + row * KS * 16;
+      const float* d = p.d + row * KS;
+      const float* m = p.m + row * KS;
+      for (int sb = 0; sb < KS; ++sb) {
+        uint8_t* qb = q + 256 * sb;
+        const uint8_t* src = qs + 128 * sb;
+        for (int j = 0; j < 4; ++j) {  // 64 values: low nibbles, then high nibbles
+          for (int l = 0; l < 32; ++l) {
+            qb[64 * j + l] = src[32 * j + l] & 0x0F;
+            qb[64 * j + 32 + l] = src[32 * j + l] >> 4;
+          }
+        }
+        if (qh != nullptr) {
+          const uint8_t* h = qh + 32 * sb;
+          for (int j = 0; j < 4; ++j) {
+            for (int l = 0; l < 32; ++l) {
+              qb[64 * j + l] |= ((h[l] >> (2 * j)) & 1) << 4;
+              qb[64 * j + 32 + l] |= ((h[l] >> (2 * j + 1)) & 1) << 4;
+            }
+          }
+        }
+        const uint8_t* scb = sc + 16 * sb;
+        for (int j = 0; j < 8; ++j) {
+          const float scale = d[sb] * scb[j], off = -m[sb] * scb[8 + j];
+          s[16 * sb + 2 * j] = s[16 * sb + 2 * j + 1] = scale;
+          o[16 * sb + 2 * j] = o[16 * sb + 2 * j + 1] = off;
+        }
+      }
+      done = 256 * KS;
+      break;
+    }
+    case Q6_K: {
+      const uint8_t* ql = p.qs + row * KS * 128;
+      const uint8_t* qh = p.qh + row * KS * 64;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(p.sc) + row * KS * 16;
+      const float* d = p.d + row * KS;
+      for (int sb = 0; sb < KS; ++sb) {
+        for (int half = 0; half < 2; ++half) {
+          uint8_t* qb = q + 256 * sb + 128 * half;
+          const uint8_t* l8 = ql + 128 * sb + 64 * half;
+          const uint8_t* h8 = qh + 64 * sb + 32 * half;
+          for (int l = 0; l < 32; ++l) {
+            qb[l] = (l8[l] & 0x0F) | ((h8[l] & 3) << 4);
+            qb[l + 32] = (l8[l + 32] & 0x0F) | (((h8[l] >> 2) & 3) << 4);
+            qb[l + 64] = (l8[l] >> 4) | (((h8[l] >> 4) & 3) << 4);
+            qb[l + 96] = (l8[l + 32] >> 4) | (((h8[l] >> 6) & 3) << 4);
+          }
+        }
+        for (int g = 0; g < 16; ++g) {
+          const float scale = d[sb] * sc[16 * sb + g];
+          s[16 * sb + g] = scale;
+          o[16 * sb + g] = -32.f * scale;
+        }
+      }
+      done = 256 * KS;
+      break;
+    }
+    default:
+      break;
+  }
+  for (int e = done; e < K64; ++e) q[e] = 0;
+  for (int g = done / 16; g < K64 / 16; ++g) s[g] = o[g] = 0.f;
+}
+
+// ------------------------------------------------------------------ activations
+
+// Act is what the micro-kernels read: int8 values (int16 on AVX2, widened once here instead
+// of once per weight row), per 32-block scale dx, and per 16-group dx * sum(a).
+#ifdef KV_USE_AVX2
+typedef int16_t Act;
+#else
+typedef int8_t Act;
+#endif
+
+// x[M, ldx] (K valid columns) -> a[M, K64], dx[M, K64/32], xs[M, K64/16]. Rounding is
+// nearbyint of x / dx (ties to even), dx = amax / 127, as the tests' reference does it.
+void quantize_acts(const float* x, int M, int ldx, int K, Act* a, float* dx, float* xs) {
+  const int K64 = round64(K), NB = K64 / 32;
+  for (int i = 0; i < M; ++i) {
+    const float* xr = x + (int64_t)i * ldx;
+    Act* ar = a + (int64_t)i * K64;
+    for (int b = 0; b < NB; ++b) {
+      const int k0 = 32 * b, cnt = K - k0 < 32 ? (K - k0 > 0 ? K - k0 : 0) : 32;
+      float amax = 0.f;
+      for (int j = 0; j < cnt; ++j) amax = std::fmax(amax, std::fabs(xr[k0 + j]));
+      const float d = amax / 127.f;
+      int sum0 = 0, sum1 = 0;
+      for (int j = 0; j < 32; ++j) {
+        const int v = j < cnt && d > 0.f ? (int)std::nearbyintf(xr[k0 + j] / d) : 0;
+        ar[k0 + j] = (Act)v;
+        if (j < 16) {
+          sum0 += v;
+        } else {
+          sum1 += v;
+        }
+      }
+      dx[(int64_t)i * NB + b] = d;
+      xs[(int64_t)i * 2 * NB + 2 * b] = d * (float)sum0;
+      xs[(int64_t)i * 2 * NB + 2 * b + 1] = d * (float)sum1;
     }
   }
 }
 
-#if KV_X86
-KV_AVX2 inline float hsum_ps(__m256 v) {
+// ------------------------------------------------------------------ micro-kernels
+//
+// y[r * ldy + i] = sum_g s_r[g] * dx[g / 2] * (q_r . a)_g for 4 weight rows r (unpacked at
+// wq + r * K64, ws + r * G) and activation rows i0 + i, i < RA. The offsets come after.
+
+#if defined(KV_USE_AVX512)
+template <int RA>
+void tile(const uint8_t* wq, const float* ws, int K64, const Act* a, const float* dx, int i0, float* y, int ldy) {
+  const int G = K64 / 16, NB = K64 / 32;
+  __m512 acc[4][RA];
+  for (int r = 0; r < 4; ++r)
+    for (int i = 0; i < RA; ++i) acc[r][i] = _mm512_setzero_ps();
+  const __m512i idx4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m512i idx2 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int k = 0; k < K64; k += 64) {
+    __m512i w[4];
+    __m512 S[4];
+    for (int r = 0; r < 4; ++r) {
+      w[r] = _mm512_loadu_si512(wq + (int64_t)r * K64 + k);
+      S[r] = _mm512_permutexvar_ps(idx4, _mm512_castps128_ps512(_mm_loadu_ps(ws + (int64_t)r * G + k / 16)));
+    }
+    for (int i = 0; i < RA; ++i) {
+      const __m512i av = _mm512_loadu_si512(a + (int64_t)(i0 + i) * K64 + k);
+      const __m128 d2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dx + (int64_t)(i0 + i) * NB + k / 32)));
+      const __m512 D = _mm512_permutexvar_ps(idx2, _mm512_castps128_ps512(d2));
+      for (int r = 0; r < 4; ++r) {
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[r], av);
+        acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(S[r], D), acc[r][i]);
+      }
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int i = 0; i < RA; ++i) y[(int64_t)r * ldy + i] = _mm512_reduce_add_ps(acc[r][i]);
+}
+#elif defined(KV_USE_AVX2)
+inline float hsum256(__m256 v) {
   __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   r = _mm_add_ps(r, _mm_movehl_ps(r, r));
   r = _mm_add_ss(r, _mm_movehdup_ps(r));
   return _mm_cvtss_f32(r);
 }
 
-// Block blk (row-major block index) as 4 x 8 fp32: elements 0-7, 8-15, 16-23, 24-31.
-KV_AVX2 inline void load_block(const Weights& w, int64_t blk, __m256 out[4]) {
-  if (w.fmt == FMT_Q4) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + blk * (QK / 2)));
-    const __m128i nib = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(v, nib);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), nib);
-    const __m256 d = _mm256_set1_ps(w.d[blk]), m = _mm256_set1_ps(w.m[blk]);
-    out[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m);
-    out[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m);
-    out[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m);
-    out[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m);
-  } else {
-    const int8_t* q = reinterpret_cast<const int8_t*>(w.qs) + blk * QK;
-    const __m256 d = _mm256_set1_ps(w.d[blk]);
-    for (int v = 0; v < 4; ++v) {
-      const __m128i b8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * v));
-      out[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b8)), d);
+// Two weight rows at a time (16 ymm registers): bytes widened to int16, madd_epi16 (no
+// saturation, unlike maddubs with 8-bit weights), hadd pairs the two 16-groups' lanes.
+template <int RA>
+void tile2(const uint8_t* wq, const float* ws, int K64, const Act* a, const float* dx, int i0, float* y, int ldy) {
+  const int G = K64 / 16, NB = K64 / 32;
+  __m256 acc[2][RA];
+  for (int r = 0; r < 2; ++r)
+    for (int i = 0; i < RA; ++i) acc[r][i] = _mm256_setzero_ps();
+  const __m256i sidx = _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1);
+  for (int k = 0; k < K64; k += 32) {
+    __m256i wl[2], wh[2];
+    __m256 S[2];
+    for (int r = 0; r < 2; ++r) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + (int64_t)r * K64 + k));
+      wl[r] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(v));
+      wh[r] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1));
+      const __m128 s2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(ws + (int64_t)r * G + k / 16)));
+      S[r] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s2), sidx);
     }
-  }
-}
-
-// R activation rows share each dequantized block; A accumulators per row hide FMA latency.
-template <int R, int A>
-KV_AVX2 inline void tile(const Weights& w, const Rows& a, int64_t n, int i0, int nfull, float* y) {
-  __m256 acc[R][A];
-  const float* x[R];
-  for (int r = 0; r < R; ++r) {
-    x[r] = a.x + (int64_t)(i0 + r) * a.ldx;
-    for (int c = 0; c < A; ++c) acc[r][c] = _mm256_setzero_ps();
-  }
-  __m256 wv[4];
-  for (int b = 0; b < nfull; ++b) {
-    load_block(w, n * w.KB + b, wv);
-    for (int r = 0; r < R; ++r) {
-      const float* xb = x[r] + b * QK;
-      for (int v = 0; v < 4; ++v) {
-        acc[r][v % A] = _mm256_fmadd_ps(wv[v], _mm256_loadu_ps(xb + 8 * v), acc[r][v % A]);
+    for (int i = 0; i < RA; ++i) {
+      const Act* ai = a + (int64_t)(i0 + i) * K64 + k;
+      const __m256i al = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ai));
+      const __m256i ah = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ai + 16));
+      const __m256 D = _mm256_broadcast_ss(dx + (int64_t)(i0 + i) * NB + k / 32);
+      for (int r = 0; r < 2; ++r) {
+        const __m256i p = _mm256_hadd_epi32(_mm256_madd_epi16(wl[r], al), _mm256_madd_epi16(wh[r], ah));
+        acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(S[r], D), acc[r][i]);
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    __m256 sum = acc[r][0];
-    for (int c = 1; c < A; ++c) sum = _mm256_add_ps(sum, acc[r][c]);
-    y[i0 + r] = hsum_ps(sum);
-  }
+  for (int r = 0; r < 2; ++r)
+    for (int i = 0; i < RA; ++i) y[(int64_t)r * ldy + i] = hsum256(acc[r][i]);
 }
 
-KV_AVX2 void quantize_row_i16(const float* x, int K, int16_t* q, float* d, float* s) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  for (int b = 0; b < K / QK; ++b) {
-    const float* xb = x + b * QK;
-    __m256 v[4];
-    __m256 mx = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(xb + 8 * i);
-      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+template <int RA>
+void tile(const uint8_t* wq, const float* ws, int K64, const Act* a, const float* dx, int i0, float* y, int ldy) {
+  tile2<RA>(wq, ws, K64, a, dx, i0, y, ldy);
+  tile2<RA>(wq + 2 * (int64_t)K64, ws + 2 * (int64_t)(K64 / 16), K64, a, dx, i0, y + 2 * (int64_t)ldy, ldy);
+}
+#else
+template <int RA>
+void tile(const uint8_t* wq, const float* ws, int K64, const Act* a, const float* dx, int i0, float* y, int ldy) {
+  const int G = K64 / 16, NB = K64 / 32;
+  for (int r = 0; r < 4; ++r) {
+    const uint8_t* qr = wq + (int64_t)r * K64;
+    for (int i = 0; i < RA; ++i) {
+      const Act* ai = a + (int64_t)(i0 + i) * K64;
+      const float* di = dx + (int64_t)(i0 + i) * NB;
+      float acc = 0.f;
+      for (int g = 0; g < G; ++g) {
+        int32_t dot = 0;
+        for (int e = 16 * g; e < 16 * g + 16; ++e) dot += (int32_t)qr[e] * (int32_t)ai[e];
+        acc += (float)dot * (ws[(int64_t)r * G + g] * di[g / 2]);
+      }
+      y[(int64_t)r * ldy + i] = acc;
     }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float dd = _mm_cvtss_f32(m4) / 32767.f;
-    const __m256 id = _mm256_set1_ps(dd != 0.f ? 1.f / dd : 0.f);
-    __m256i iv[4];
-    __m256i isum = _mm256_setzero_si256();
-    for (int i = 0; i < 4; ++i) {
-      iv[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id), rnd));
-      isum = _mm256_add_epi32(isum, iv[i]);
-    }
-    // packs works per 128-bit lane; permute4x64 restores element order.
-    const __m256i p0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[0], iv[1]), 0xD8);
-    const __m256i p1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(iv[2], iv[3]), 0xD8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK), p0);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK + 16), p1);
-    d[b] = dd;
-    s[b] = dd * hsum_ps(_mm256_cvtepi32_ps(isum));
-  }
-}
-
-// The weights of block blk widened to 2 x 16 int16 (elements 0-15, 16-31).
-KV_AVX2 inline void load_block_i16(const Weights& w, int64_t blk, __m256i out[2]) {
-  if (w.fmt == FMT_Q4) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + blk * (QK / 2)));
-    const __m128i nib = _mm_set1_epi8(0x0F);
-    out[0] = _mm256_cvtepu8_epi16(_mm_and_si128(v, nib));
-    out[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), nib));
-  } else {
-    const int8_t* q = reinterpret_cast<const int8_t*>(w.qs) + blk * QK;
-    out[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-    out[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
-  }
-}
-
-// acc[r] += (W block b of row n) . (x block b of row i0 + r) for R rows, wv holding the block.
-template <int R>
-KV_AVX2 inline void block_i16(const Weights& w, const Rows& a, int i0, int b, float wdb,
-                              const __m256i* wv, __m256* acc) {
-  const int KB = w.KB;
-  for (int r = 0; r < R; ++r) {
-    const int16_t* xq = a.q16 + ((int64_t)(i0 + r) * KB + b) * QK;
-    const __m256i p = _mm256_add_epi32(
-        _mm256_madd_epi16(wv[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq))),
-        _mm256_madd_epi16(wv[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16))));
-    const __m256 scale = _mm256_set1_ps(wdb * a.d16[(int64_t)(i0 + r) * KB + b]);
-    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r]);
-  }
-}
-
-// Two accumulators a row, alternating blocks: one FMA a block would otherwise chain on the
-// FMA latency (4 cycles), which is about the whole block's throughput cost.
-template <int R>
-KV_AVX2 inline void tile_i16(const Weights& w, const Rows& a, int64_t n, int i0, int nfull, float* y) {
-  const int KB = w.KB;
-  __m256 acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-  __m256i wv[2];
-  const float* wd = w.d + n * KB;
-  int b = 0;
-  for (; b + 2 <= nfull; b += 2) {
-    load_block_i16(w, n * KB + b, wv);
-    block_i16<R>(w, a, i0, b, wd[b], wv, acc0);
-    load_block_i16(w, n * KB + b + 1, wv);
-    block_i16<R>(w, a, i0, b + 1, wd[b + 1], wv, acc1);
-  }
-  for (; b < nfull; ++b) {
-    load_block_i16(w, n * KB + b, wv);
-    block_i16<R>(w, a, i0, b, wd[b], wv, acc0);
-  }
-  for (int r = 0; r < R; ++r) {
-    float v = hsum_ps(_mm256_add_ps(acc0[r], acc1[r]));
-    if (w.fmt == FMT_Q4) {  // + sum_b m[b] * s[b]
-      const float* wm = w.m + n * KB;
-      const float* xs = a.s16 + (int64_t)(i0 + r) * KB;
-      for (int k = 0; k < nfull; ++k) v += wm[k] * xs[k];
-    }
-    y[i0 + r] = v;
-  }
-}
-
-KV_AVX2 void row_dot_avx2(const Weights& w, const Rows& a, int64_t n, float* y) {
-  const int nfull = w.K / QK;  // whole blocks; a partial last block goes the scalar way
-  int i = 0;
-  if (a.q16 != nullptr) {
-    if (a.M == 2) tile_i16<2>(w, a, n, 0, nfull, y);
-    if (a.M == 1) tile_i16<1>(w, a, n, 0, nfull, y);
-    i = a.M;
-  }
-  for (; i + 8 <= a.M; i += 8) tile<8, 1>(w, a, n, i, nfull, y);
-  for (; i + 4 <= a.M; i += 4) tile<4, 2>(w, a, n, i, nfull, y);
-  switch (a.M - i) {
-    case 3: tile<3, 2>(w, a, n, i, nfull, y); break;
-    case 2: tile<2, 2>(w, a, n, i, nfull, y); break;
-    case 1: tile<1, 4>(w, a, n, i, nfull, y); break;
-    default: break;
-  }
-  if (nfull < w.KB) row_dot_scalar(w, a, n, nfull, y, true);
-}
-
-KV_AVX2 void dequant_blocks_avx2(const Weights& w, int64_t n, int nfull, float* out) {
-  __m256 v[4];
-  for (int b = 0; b < nfull; ++b) {
-    load_block(w, n * w.KB + b, v);
-    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + b * QK + 8 * i, v[i]);
   }
 }
 #endif
 
-inline void row_dot(const Weights& w, const Rows& a, int64_t n, float* y) {
-#if KV_X86
-  if (g_use_avx2) {
-    row_dot_avx2(w, a, n, y);
-    return;
+// ------------------------------------------------------------------ the GEMM
+
+constexpr int CHUNK = 16;  // weight rows unpacked together (a work item)
+constexpr int RA_MAX = 4;  // activation rows per micro-tile
+
+struct Acts {
+  const Act* a;
+  const float* dx;
+  const float* xs;
+  int M;
+};
+
+// y[r * M + i] = W[n0 + r] . x[i] for r < rows (rows <= CHUNK); wq/ws/wo: CHUNK unpacked rows.
+void chunk_dot(const QW& w, int64_t n0, int rows, const Acts& x, uint8_t* wq, float* ws, float* wo, float* y) {
+  const int K64 = round64(w.k), G = K64 / 16, M = x.M;
+  const int groups = (rows + 3) / 4;
+  for (int r = 0; r < 4 * groups; ++r) {
+    if (r < rows) {
+      unpack_row(w, n0 + r, wq + (int64_t)r * K64, ws + (int64_t)r * G, wo + (int64_t)r * G);
+    } else {
+      memset(wq + (int64_t)r * K64, 0, K64);
+      for (int g = 0; g < G; ++g) ws[(int64_t)r * G + g] = wo[(int64_t)r * G + g] = 0.f;
+    }
   }
-#endif
-  row_dot_scalar(w, a, n, 0, y, false);
+  // Activation tiles outermost: a tile's rows stay in L1 across the chunk's weight groups.
+  float ytile[4 * RA_MAX];
+  for (int i0 = 0; i0 < M; i0 += RA_MAX) {
+    const int ra = imin(RA_MAX, M - i0);
+    for (int grp = 0; grp < groups; ++grp) {
+      const uint8_t* gq = wq + (int64_t)4 * grp * K64;
+      const float* gs = ws + (int64_t)4 * grp * G;
+      switch (ra) {
+        case 4: tile<4>(gq, gs, K64, x.a, x.dx, i0, ytile, RA_MAX); break;
+        case 3: tile<3>(gq, gs, K64, x.a, x.dx, i0, ytile, RA_MAX); break;
+        case 2: tile<2>(gq, gs, K64, x.a, x.dx, i0, ytile, RA_MAX); break;
+        default: tile<1>(gq, gs, K64, x.a, x.dx, i0, ytile, RA_MAX); break;
+      }
+      for (int r = 0; r < 4 && 4 * grp + r < rows; ++r) {
+        const float* wor = wo + (int64_t)(4 * grp + r) * G;
+        for (int i = 0; i < ra; ++i) {
+          const float* xsi = x.xs + (int64_t)(i0 + i) * G;
+          float off = 0.f;
+#pragma omp simd reduction(+ : off)
+          for (int g = 0; g < G; ++g) off += wor[g] * xsi[g];
+          y[(int64_t)(4 * grp + r) * M + i0 + i] = ytile[r * RA_MAX + i] + off;
+        }
+      }
+    }
+  }
 }
 
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
-#if KV_X86
-// Many rows: dequantize a chunk of weight rows to fp32 once (L1-resident), then a
-// register-blocked micro-kernel: 4 weight rows x 16 activation rows of accumulators, one
-// broadcast weight times 8 activation rows (x transposed to [K][Mp]) per FMA. FMA-bound:
-// 8 FMAs per 2 loads + 4 broadcasts per k.
-// Named accumulators: GCC keeps an accumulator array of this size on the stack.
-KV_AVX2 void micro4x16(const float* wb, int K, const float* xt, int mp, int m0, float* y) {
-  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00;
-  __m256 c20 = c00, c21 = c00, c30 = c00, c31 = c00;
-  const float *w0 = wb, *w1 = wb + K, *w2 = wb + 2 * K, *w3 = wb + 3 * K;
-  const float* x = xt + m0;
-  for (int k = 0; k < K; ++k, x += mp) {
-    const __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8);
-    __m256 w = _mm256_broadcast_ss(w0 + k);
-    c00 = _mm256_fmadd_ps(w, x0, c00);
-    c01 = _mm256_fmadd_ps(w, x1, c01);
-    w = _mm256_broadcast_ss(w1 + k);
-    c10 = _mm256_fmadd_ps(w, x0, c10);
-    c11 = _mm256_fmadd_ps(w, x1, c11);
-    w = _mm256_broadcast_ss(w2 + k);
-    c20 = _mm256_fmadd_ps(w, x0, c20);
-    c21 = _mm256_fmadd_ps(w, x1, c21);
-    w = _mm256_broadcast_ss(w3 + k);
-    c30 = _mm256_fmadd_ps(w, x0, c30);
-    c31 = _mm256_fmadd_ps(w, x1, c31);
-  }
-  float* o = y + m0;
-  _mm256_storeu_ps(o, c00);
-  _mm256_storeu_ps(o + 8, c01);
-  _mm256_storeu_ps(o + mp, c10);
-  _mm256_storeu_ps(o + mp + 8, c11);
-  _mm256_storeu_ps(o + 2 * mp, c20);
-  _mm256_storeu_ps(o + 2 * mp + 8, c21);
-  _mm256_storeu_ps(o + 3 * mp, c30);
-  _mm256_storeu_ps(o + 3 * mp + 8, c31);
-}
-
-KV_AVX2 void micro4x8(const float* wb, int K, const float* xt, int mp, int m0, float* y) {
-  __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
-  const float *w0 = wb, *w1 = wb + K, *w2 = wb + 2 * K, *w3 = wb + 3 * K;
-  const float* x = xt + m0;
-  for (int k = 0; k < K; ++k, x += mp) {
-    const __m256 x0 = _mm256_loadu_ps(x);
-    c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + k), x0, c0);
-    c1 = _mm256_fmadd_ps(_mm256_broadcast_ss(w1 + k), x0, c1);
-    c2 = _mm256_fmadd_ps(_mm256_broadcast_ss(w2 + k), x0, c2);
-    c3 = _mm256_fmadd_ps(_mm256_broadcast_ss(w3 + k), x0, c3);
-  }
-  float* o = y + m0;
-  _mm256_storeu_ps(o, c0);
-  _mm256_storeu_ps(o + mp, c1);
-  _mm256_storeu_ps(o + 2 * mp, c2);
-  _mm256_storeu_ps(o + 3 * mp, c3);
-}
-
-// y[r][m] (r < n1 - n0, m < Mp) = W[n0 + r] . x[m], weights dequantized into wb (rows past
-// n1 are zero, so the micro-kernel always runs 4 rows; y has room for CHUNK rows).
-KV_AVX2 void chunk_gemm(const Weights& w, int64_t n0, int n1, const float* xt, int mp, float* wb, float* y) {
-  const int K = w.K, nfull = K / QK, rows = (int)(n1 - n0), padded = (rows + 3) / 4 * 4;
-  for (int r = 0; r < padded; ++r) {
-    float* dst = wb + (int64_t)r * K;
-    if (r >= rows) {
-      for (int k = 0; k < K; ++k) dst[k] = 0.f;
-      continue;
-    }
-    dequant_blocks_avx2(w, n0 + r, nfull, dst);
-    for (int b = nfull; b < w.KB; ++b) {
-      const int cnt = K - b * QK;
-      for (int j = 0; j < cnt; ++j) dst[b * QK + j] = weight_at(w, n0 + r, b, j);
-    }
-  }
-  for (int r = 0; r < padded; r += 4) {
-    int m0 = 0;
-    for (; m0 + 16 <= mp; m0 += 16) micro4x16(wb + (int64_t)r * K, K, xt, mp, m0, y + (int64_t)r * mp);
-    if (m0 < mp) micro4x8(wb + (int64_t)r * K, K, xt, mp, m0, y + (int64_t)r * mp);
-  }
-}
-#endif
-
-constexpr int CHUNK = 8;  // weight rows per work item
-// Up to this many rows, row-at-a-time tiles (dequantized registers shared by the rows);
-// above, chunk_gemm's micro-kernel, whose dequantization pays off across more rows.
-constexpr int TILE_MAX_ROWS = 8;
-
-void qgemm(const Weights& w, int N, const Rows& rows, float* out, int ldo, const float* bias,
-           const float* res, int ldr, int epilogue, int nthreads) {
-  const int M = rows.M, K = w.K;
-  Rows a = rows;
-  // Activations shared by every thread: int16 blocks (1-2 rows) or transposed fp32 (3+).
-  static thread_local std::vector<int16_t> q16;
-  static thread_local std::vector<float> d16, s16, xt;
-  int mp = 0;
-#if KV_X86
-  if (g_use_avx2 && M <= I16_MAX_ROWS && K % QK == 0) {
-    q16.resize((size_t)M * K);
-    d16.resize((size_t)M * w.KB);
-    s16.resize((size_t)M * w.KB);
-    for (int i = 0; i < M; ++i) {
-      quantize_row_i16(a.x + (int64_t)i * a.ldx, K, q16.data() + (int64_t)i * K, d16.data() + (int64_t)i * w.KB,
-                       s16.data() + (int64_t)i * w.KB);
-    }
-    a.q16 = q16.data();
-    a.d16 = d16.data();
-    a.s16 = s16.data();
-  } else if (g_use_avx2 && M > TILE_MAX_ROWS) {
-    mp = (M + 7) / 8 * 8;
-    xt.assign((size_t)K * mp, 0.f);
-    for (int i = 0; i < M; ++i) {
-      const float* xr = a.x + (int64_t)i * a.ldx;
-      for (int k = 0; k < K; ++k) xt[(size_t)k * mp + i] = xr[k];
-    }
-  }
-#endif
-  const float* xtp = xt.data();
-  const int nout = epilogue == EPI_SILU_MUL ? N / 2 : N;
+// out[M, ldo] (epilogue) x[M, ldx] @ W^T; see kv_qgemm.
+void qgemm(const QW& w, const float* x, int M, int ldx, float* out, int ldo, const float* bias, const float* res,
+           int ldr, int epilogue, int nthreads) {
+  const int K = w.k, K64 = round64(K), G = K64 / 16;
+  static thread_local Buf abuf, dbuf, sbuf;
+  Act* a = abuf.get<Act>((size_t)M * K64);
+  float* dx = dbuf.get<float>((size_t)M * (K64 / 32));
+  float* xs = sbuf.get<float>((size_t)M * G);
+  quantize_acts(x, M, ldx, K, a, dx, xs);
+  const Acts acts{a, dx, xs, M};
+  const int nout = epilogue == EPI_SILU_MUL ? w.n / 2 : w.n;
   const int chunks = (nout + CHUNK - 1) / CHUNK;
-  const int nt = (int64_t)nout * K * M >= 32768 ? nthreads : 1;
-  const int ly = mp > 0 ? mp : M;  // row stride of y
+  const int nt = (int64_t)nout * K * M >= 32768 && chunks > 1 ? nthreads : 1;
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
-    std::vector<float> y(2 * (size_t)CHUNK * ly);
-    std::vector<float> wb(mp > 0 ? (size_t)CHUNK * K : 0);
+    static thread_local Buf qbuf, wsbuf, wobuf, ybuf;
+    uint8_t* wq = qbuf.get<uint8_t>((size_t)CHUNK * K64);
+    float* ws = wsbuf.get<float>((size_t)CHUNK * G);
+    float* wo = wobuf.get<float>((size_t)CHUNK * G);
+    float* y = ybuf.get<float>((size_t)2 * CHUNK * M);
 #pragma omp for schedule(static)
     for (int c = 0; c < chunks; ++c) {
-      const int n0 = c * CHUNK, n1 = n0 + CHUNK < nout ? n0 + CHUNK : nout;
-      float* yg = y.data();
-      float* yu = y.data() + (size_t)CHUNK * ly;
-      for (int half = 0; half < (epilogue == EPI_SILU_MUL ? 2 : 1); ++half) {
-        const int off = half * nout;
-        float* dst = half ? yu : yg;
-#if KV_X86
-        if (mp > 0) {
-          chunk_gemm(w, n0 + off, n1 + off, xtp, mp, wb.data(), dst);
-          continue;
-        }
-#endif
-        for (int n = n0; n < n1; ++n) row_dot(w, a, n + off, dst + (int64_t)(n - n0) * ly);
-      }
-      for (int n = n0; n < n1; ++n) {
-        const float* yn = yg + (int64_t)(n - n0) * ly;
+      const int n0 = c * CHUNK, rows = imin(CHUNK, nout - n0);
+      float* yg = y;
+      float* yu = y + (size_t)CHUNK * M;
+      chunk_dot(w, n0, rows, acts, wq, ws, wo, yg);
+      if (epilogue == EPI_SILU_MUL) chunk_dot(w, n0 + nout, rows, acts, wq, ws, wo, yu);
+      for (int r = 0; r < rows; ++r) {
+        const int n = n0 + r;
+        const float* yn = yg + (int64_t)r * M;
         if (epilogue == EPI_SILU_MUL) {
-          const float* un = yu + (int64_t)(n - n0) * ly;
+          const float* un = yu + (int64_t)r * M;
           const float bg = bias ? bias[n] : 0.f, bu = bias ? bias[n + nout] : 0.f;
           for (int i = 0; i < M; ++i) out[(int64_t)i * ldo + n] = silu(yn[i] + bg) * (un[i] + bu);
         } else {
@@ -448,106 +520,40 @@ void qgemm(const Weights& w, int N, const Rows& rows, float* out, int ldo, const
   }
 }
 
-}  // namespace
-
-extern "C" {
-
-// 1 when the AVX2 + FMA + F16C path is in use, 0 for the portable one.
-int kv_init(int allow_simd) {
-#if KV_X86
-  __builtin_cpu_init();
-  g_use_avx2 = allow_simd && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-               __builtin_cpu_supports("f16c");
-#else
-  (void)allow_simd;
-#endif
-  return g_use_avx2 ? 1 : 0;
-}
-
-int kv_omp_max_threads(void) { return omp_get_max_threads(); }
-
-// out[M, ldo] (epilogue) x[M, ldx] @ W[N, K].T
-//   EPI_NONE:     out = x W^T + bias
-//   EPI_ADD:      out = res + x W^T + bias                (res may alias out)
-//   EPI_SILU_MUL: W holds 2 * Nout rows, gate then up:
-//                 out[:, n] = silu(x Wg[n]^T + bg) * (x Wu[n]^T + bu), n < Nout = N / 2
-void kv_qgemm(int fmt, const uint8_t* qs, const float* wd, const float* wm, int N, int K,
-              const float* x, int M, int ldx, float* out, int ldo, const float* bias,
-              const float* res, int ldr, int epilogue, int nthreads) {
-  const Weights w{fmt, qs, wd, wm, K, (K + QK - 1) / QK};
-  qgemm(w, N, Rows{x, M, ldx}, out, ldo, bias, res, ldr, epilogue, nthreads);
-}
-
 // Rows of W as fp32: out[r, :K] = W[ids[r]] (ids == NULL: rows row0 .. row0 + nrows - 1).
-void kv_dequant(int fmt, const uint8_t* qs, const float* wd, const float* wm, int K,
-                const int64_t* ids, int64_t row0, int nrows, float* out, int ldo, int nthreads) {
-  const Weights w{fmt, qs, wd, wm, K, (K + QK - 1) / QK};
+void dequant(const QW& w, const int64_t* ids, int64_t row0, int nrows, float* out, int ldo, int nthreads) {
+  const int K = w.k, K64 = round64(K), G = K64 / 16;
   const int nt = (int64_t)nrows * K >= 65536 ? nthreads : 1;
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-  for (int r = 0; r < nrows; ++r) {
-    const int64_t n = ids ? ids[r] : row0 + r;
-    float* o = out + (int64_t)r * ldo;
-    int b = 0;
-#if KV_X86
-    if (g_use_avx2) {
-      b = K / QK;
-      dequant_blocks_avx2(w, n, b, o);
-    }
-#endif
-    for (; b < w.KB; ++b) {
-      const int cnt = K - b * QK < QK ? K - b * QK : QK;
-      for (int j = 0; j < cnt; ++j) o[b * QK + j] = weight_at(w, n, b, j);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    static thread_local Buf qbuf, sbuf, obuf;
+    uint8_t* q = qbuf.get<uint8_t>(K64);
+    float* s = sbuf.get<float>(G);
+    float* o = obuf.get<float>(G);
+#pragma omp for schedule(static)
+    for (int r = 0; r < nrows; ++r) {
+      unpack_row(w, ids ? ids[r] : row0 + r, q, s, o);
+      float* dst = out + (int64_t)r * ldo;
+      for (int e = 0; e < K; ++e) dst[e] = s[e / 16] * (float)q[e] + o[e / 16];
     }
   }
 }
 
-}  // extern "C"
-
-// ------------------------------------------------------------------ the fused decode step
+// ------------------------------------------------------------------ the fused layer stack
 //
-// One call runs every layer of a decode-only step (one new token per request) on quantized
-// weights: no Python, no tensor dispatch between the ops of a layer:
+// One call runs every layer of a step on quantized weights: no Python, no tensor dispatch
+// between the ops of a layer. Rows are tokens: one decode row per running request, several
+// consecutive rows per prefill chunk, k + 1 rows per speculative verification. Each row has
+// its position and its request's block table:
 //
-//   x = rms_norm(h) -> qkv = x Wqkv (+b) -> RoPE(q, k) -> k, v into the paged pool
-//     -> attention over the request's blocks -> h += attn Wo
-//     -> x = rms_norm(h) -> a = silu(x Wg) * (x Wu) -> h += a Wd
+//   x = rms_norm(h) -> qkv = x Wqkv (+b) -> RoPE(q, k) -> every row's k, v into the paged pool
+//     -> attention of each row over its request's positions <= its own (causal inside a
+//        chunk, because all rows are written before any row attends)
+//     -> h += attn Wo -> x = rms_norm(h) -> a = silu(x Wg) * (x Wu) -> h += a Wd
 //
 // The pool is model_runner.kv_pool's: per layer [2 * kvh, num_blocks, block_size, head_dim]
 // (K heads, then V heads), stored as fp32, fp16 or int8 (with one fp32 scale per head and
 // token slot, [2 * kvh, num_blocks, block_size]). Writes quantize exactly as KVPool.write.
-
-enum KVDtype { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2 };
-
-struct QW {
-  int32_t fmt, n, k, pad;
-  const uint8_t* qs;
-  const float* d;
-  const float* m;
-};
-
-struct DecodeLayer {
-  const float* input_norm;
-  const float* post_norm;
-  const float* qkv_bias;  // or NULL
-  QW qkv, o, gate_up, down;
-  void* kv;
-  float* kv_scales;  // int8 pools, else NULL
-};
-
-struct DecodeStep {
-  float* hidden;                // [B, hidden], updated in place
-  const int64_t* positions;     // [B]: the new token's position
-  const int32_t* block_tables;  // [B, max_blocks]
-  const float* rope;            // [max_len, head_dim / 2, 2]: cos, sin
-  int32_t batch, hidden_size, num_heads, num_kv_heads, head_dim, intermediate;
-  int32_t kv_dtype, num_blocks, block_size, max_blocks, window, nthreads;
-  float eps;
-  int32_t pad;
-};
-
-namespace {
-
-inline Weights weights_of(const QW& q) { return Weights{q.fmt, q.qs, q.d, q.m, q.k, (q.k + QK - 1) / QK}; }
 
 void rms_norm(const float* x, const float* w, float eps, int rows, int n, float* out) {
   for (int r = 0; r < rows; ++r) {
@@ -568,9 +574,12 @@ void rope(float* v, const float* cs, int half) {
   }
 }
 
-// IEEE half <-> float, round to nearest even (what torch's .to(float16) does); the F16C
-// instructions where the CPU has them, else the same rounding in software.
-uint16_t half_soft(float f) {
+// IEEE half <-> float, round to nearest even (what torch's .to(float16) does): F16C where the
+// variant has it, else the same rounding in software.
+inline uint16_t to_half(float f) {
+#ifdef __F16C__
+  return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
   uint32_t x;
   memcpy(&x, &f, 4);
   const uint32_t sign = (x >> 16) & 0x8000u;
@@ -583,9 +592,13 @@ uint16_t half_soft(float f) {
   }
   const uint32_t rounded = mag + 0x0FFFu + ((mag >> 13) & 1u);
   return (uint16_t)(sign | ((rounded - 0x38000000u) >> 13));
+#endif
 }
 
-float float_soft(uint16_t h) {
+inline float from_half(uint16_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
   const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
   const uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
   float v;
@@ -601,25 +614,7 @@ float float_soft(uint16_t h) {
   bits |= sign;
   memcpy(&v, &bits, 4);
   return v;
-}
-
-#if KV_X86
-KV_AVX2 uint16_t half_f16c(float f) { return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
-KV_AVX2 float float_f16c(uint16_t h) { return _cvtsh_ss(h); }
 #endif
-
-inline uint16_t to_half(float f) {
-#if KV_X86
-  if (g_use_avx2) return half_f16c(f);
-#endif
-  return half_soft(f);
-}
-
-inline float from_half(uint16_t h) {
-#if KV_X86
-  if (g_use_avx2) return float_f16c(h);
-#endif
-  return float_soft(h);
 }
 
 void kv_store(const DecodeStep& st, const DecodeLayer& L, int head, int64_t slot, const float* v) {
@@ -640,17 +635,7 @@ void kv_store(const DecodeStep& st, const DecodeLayer& L, int head, int64_t slot
   }
 }
 
-#if KV_X86
-KV_AVX2 int halves_to_floats_avx2(const uint16_t* p, int n, float* out) {
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
-  }
-  return i;
-}
-#endif
-
-// Keys/values of one head at one slot, as fp32 into buf (int8: times its scale).
+// Keys/values of one head at one slot, as fp32 (a pointer into an fp32 pool, else into buf).
 inline const float* kv_row(const DecodeStep& st, const DecodeLayer& L, int head, int64_t slot, float* buf) {
   const int D = st.head_dim;
   const int64_t idx = ((int64_t)head * st.num_blocks * st.block_size + slot) * D;
@@ -658,8 +643,10 @@ inline const float* kv_row(const DecodeStep& st, const DecodeLayer& L, int head,
   if (st.kv_dtype == KV_F16) {
     const uint16_t* p = static_cast<const uint16_t*>(L.kv) + idx;
     int i = 0;
-#if KV_X86
-    if (g_use_avx2) i = halves_to_floats_avx2(p, D, buf);
+#ifdef __F16C__
+    for (; i + 8 <= D; i += 8) {
+      _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+    }
 #endif
     for (; i < D; ++i) buf[i] = from_half(p[i]);
     return buf;
@@ -672,76 +659,40 @@ inline const float* kv_row(const DecodeStep& st, const DecodeLayer& L, int head,
 
 inline float dot(const float* a, const float* b, int n) {
   float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
   for (int i = 0; i < n; ++i) acc += a[i] * b[i];
   return acc;
 }
 
-#if KV_X86
-KV_AVX2 float dot_avx2(const float* a, const float* b, int n) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-  }
-  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-  float r = hsum_ps(_mm256_add_ps(acc0, acc1));
-  for (; i < n; ++i) r += a[i] * b[i];
-  return r;
-}
-
-KV_AVX2 void axpy_avx2(float a, const float* x, float* y, int n) {
-  const __m256 va = _mm256_set1_ps(a);
-  int i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] += a * x[i];
-}
-#endif
-
-inline float vdot(const float* a, const float* b, int n) {
-#if KV_X86
-  if (g_use_avx2) return dot_avx2(a, b, n);
-#endif
-  return dot(a, b, n);
-}
-
 inline void axpy(float a, const float* x, float* y, int n) {
-#if KV_X86
-  if (g_use_avx2) {
-    axpy_avx2(a, x, y, n);
-    return;
-  }
-#endif
+#pragma omp simd
   for (int i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-// out[D] = softmax(q . K[t0..pos]) V[t0..pos] for one (request, head).
-void attend(const DecodeStep& st, const DecodeLayer& L, int b, int h, const float* q, float* out,
-            std::vector<float>& scores, float* kbuf) {
+// out[D] = softmax(q . K[t0..pos]) V[t0..pos] for one (row, head): online softmax, one pass.
+void attend(const DecodeStep& st, const DecodeLayer& L, int b, int h, const float* q, float* out, float* kbuf) {
   const int D = st.head_dim, bs = st.block_size;
   const int g = h / (st.num_heads / st.num_kv_heads);
   const int64_t pos = st.positions[b];
   const int64_t t0 = st.window > 0 && pos - st.window + 1 > 0 ? pos - st.window + 1 : 0;
   const int32_t* table = st.block_tables + (int64_t)b * st.max_blocks;
-  scores.resize(pos - t0 + 1);
-  float mx = -INFINITY;
-  for (int64_t t = t0; t <= pos; ++t) {
-    const int64_t slot = (int64_t)table[t / bs] * bs + t % bs;
-    const float sc = vdot(q, kv_row(st, L, g, slot, kbuf), D);
-    scores[t - t0] = sc;
-    mx = sc > mx ? sc : mx;
-  }
-  float sum = 0.f;
-  for (auto& sc : scores) {
-    sc = std::exp(sc - mx);
-    sum += sc;
-  }
+  float mx = -INFINITY, sum = 0.f;
   for (int i = 0; i < D; ++i) out[i] = 0.f;
-  const float inv = 1.f / sum;
   for (int64_t t = t0; t <= pos; ++t) {
     const int64_t slot = (int64_t)table[t / bs] * bs + t % bs;
-    axpy(scores[t - t0] * inv, kv_row(st, L, st.num_kv_heads + g, slot, kbuf), out, D);
+    const float sc = dot(q, kv_row(st, L, g, slot, kbuf), D);
+    if (sc > mx) {  // rescale what was summed so far
+      const float c = std::exp(mx - sc);
+      sum *= c;
+      for (int i = 0; i < D; ++i) out[i] *= c;
+      mx = sc;
+    }
+    const float p = std::exp(sc - mx);
+    sum += p;
+    axpy(p, kv_row(st, L, st.num_kv_heads + g, slot, kbuf), out, D);
   }
+  const float inv = 1.f / sum;
+  for (int i = 0; i < D; ++i) out[i] *= inv;
 }
 
 void decode_layer(const DecodeStep& st, const DecodeLayer& L, float* x, float* qkv, float* attn, float* act) {
@@ -749,7 +700,7 @@ void decode_layer(const DecodeStep& st, const DecodeLayer& L, float* x, float* q
   const int H = st.num_heads, KVH = st.num_kv_heads, nq = (H + 2 * KVH) * D;
   const int nt = st.nthreads;
   rms_norm(st.hidden, L.input_norm, st.eps, B, Hd, x);
-  qgemm(weights_of(L.qkv), L.qkv.n, Rows{x, B, Hd}, qkv, nq, L.qkv_bias, nullptr, 0, EPI_NONE, nt);
+  qgemm(L.qkv, x, B, Hd, qkv, nq, L.qkv_bias, nullptr, 0, EPI_NONE, nt);
   for (int b = 0; b < B; ++b) {
     const int64_t pos = st.positions[b];
     const float* cs = st.rope + pos * D;  // [D / 2] pairs of (cos, sin)
@@ -765,39 +716,143 @@ void decode_layer(const DecodeStep& st, const DecodeLayer& L, float* x, float* q
   const int tasks = B * H;
 #pragma omp parallel num_threads(tasks > 1 ? nt : 1) if (tasks > 1 && nt > 1)
   {
-    std::vector<float> scores;
-    std::vector<float> kbuf(D);
-#pragma omp for schedule(static)
+    float kbuf[512];
+#pragma omp for schedule(dynamic, 4)
     for (int task = 0; task < tasks; ++task) {
       const int b = task / H, h = task % H;
-      attend(st, L, b, h, qkv + (int64_t)b * nq + h * D, attn + (int64_t)b * H * D + h * D, scores, kbuf.data());
+      attend(st, L, b, h, qkv + (int64_t)b * nq + h * D, attn + (int64_t)b * H * D + h * D, kbuf);
     }
   }
-  qgemm(weights_of(L.o), L.o.n, Rows{attn, B, H * D}, st.hidden, Hd, nullptr, st.hidden, Hd, EPI_ADD, nt);
+  qgemm(L.o, attn, B, H * D, st.hidden, Hd, nullptr, st.hidden, Hd, EPI_ADD, nt);
   rms_norm(st.hidden, L.post_norm, st.eps, B, Hd, x);
-  qgemm(weights_of(L.gate_up), L.gate_up.n, Rows{x, B, Hd}, act, st.intermediate, nullptr, nullptr, 0,
-        EPI_SILU_MUL, nt);
-  qgemm(weights_of(L.down), L.down.n, Rows{act, B, st.intermediate}, st.hidden, Hd, nullptr, st.hidden, Hd,
-        EPI_ADD, nt);
+  qgemm(L.gate_up, x, B, Hd, act, st.intermediate, nullptr, nullptr, 0, EPI_SILU_MUL, nt);
+  qgemm(L.down, act, B, st.intermediate, st.hidden, Hd, nullptr, st.hidden, Hd, EPI_ADD, nt);
+}
+
+void decode_layers(const DecodeLayer* layers, int num_layers, const DecodeStep* step) {
+  const DecodeStep& st = *step;
+  const int B = st.batch;
+  Buf xb, qb, ab, mb;
+  float* x = xb.get<float>((size_t)B * st.hidden_size);
+  float* qkv = qb.get<float>((size_t)B * (st.num_heads + 2 * st.num_kv_heads) * st.head_dim);
+  float* attn = ab.get<float>((size_t)B * st.num_heads * st.head_dim);
+  float* act = mb.get<float>((size_t)B * st.intermediate);
+  for (int i = 0; i < num_layers; ++i) decode_layer(st, layers[i], x, qkv, attn, act);
+}
+
+}  // namespace KV_VARIANT
+}  // namespace kv
+
+#else  // ------------------------------------------------------------------ the dispatcher
+
+#define KV_DECLARE(ns)                                                                                          \
+  namespace kv {                                                                                                \
+  namespace ns {                                                                                                \
+  void qgemm(const QW&, const float*, int, int, float*, int, const float*, const float*, int, int, int);        \
+  void dequant(const QW&, const int64_t*, int64_t, int, float*, int, int);                                      \
+  void decode_layers(const DecodeLayer*, int, const DecodeStep*);                                               \
+  }                                                                                                             \
+  }
+
+KV_DECLARE(portable)
+#if defined(__x86_64__) || defined(_M_X64)
+#define KV_X86 1
+KV_DECLARE(avx2)
+KV_DECLARE(avx512)
+#endif
+
+namespace {
+
+struct Table {
+  void (*qgemm)(const QW&, const float*, int, int, float*, int, const float*, const float*, int, int, int);
+  void (*dequant)(const QW&, const int64_t*, int64_t, int, float*, int, int);
+  void (*decode_layers)(const DecodeLayer*, int, const DecodeStep*);
+};
+
+const Table kPortable{kv::portable::qgemm, kv::portable::dequant, kv::portable::decode_layers};
+#if KV_X86
+const Table kAvx2{kv::avx2::qgemm, kv::avx2::dequant, kv::avx2::decode_layers};
+const Table kAvx512{kv::avx512::qgemm, kv::avx512::dequant, kv::avx512::decode_layers};
+#endif
+
+const Table* g_table = &kPortable;
+int g_isa = kv::ISA_PORTABLE;
+
+bool supported(int isa) {
+  if (isa == kv::ISA_PORTABLE) return true;
+#if KV_X86
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (isa == kv::ISA_AVX2) return avx2;
+  if (isa == kv::ISA_AVX512) {
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  }
+#endif
+  return false;
+}
+
+inline int64_t check_sizes(const QW& w) {
+  int64_t rows = 0;
+  for (int i = 0; i < w.nparts; ++i) rows += w.parts[i].rows;
+  return rows;
 }
 
 }  // namespace
 
 extern "C" {
 
-// Every layer of a decode-only step; see "the fused decode step" above.
+// 1 when this CPU can run ISA family `isa` (0 portable, 1 AVX2, 2 AVX-512 VNNI).
+int kv_isa_supported(int isa) { return supported(isa) ? 1 : 0; }
+
+// Use ISA family `isa` from now on (the best one the CPU has at or below it); returns it.
+int kv_set_isa(int isa) {
+  int chosen = isa > kv::ISA_AVX512 ? kv::ISA_AVX512 : isa;
+  while (chosen > kv::ISA_PORTABLE && !supported(chosen)) --chosen;
+#if KV_X86
+  g_table = chosen == kv::ISA_AVX512 ? &kAvx512 : chosen == kv::ISA_AVX2 ? &kAvx2 : &kPortable;
+#else
+  chosen = kv::ISA_PORTABLE;
+  g_table = &kPortable;
+#endif
+  g_isa = chosen;
+  return g_isa;
+}
+
+int kv_omp_max_threads(void) { return omp_get_max_threads(); }
+
+// Rows of the weight: -1 when its parts do not add up to n (a caller's bug).
+int64_t kv_weight_rows(const QW* w) { return check_sizes(*w) == w->n ? w->n : -1; }
+
+// out[M, ldo] (epilogue) x[M, ldx] @ W[N, K].T
+//   EPI_NONE:     out = x W^T + bias
+//   EPI_ADD:      out = res + x W^T + bias                (res may alias out)
+//   EPI_SILU_MUL: W holds 2 * Nout rows, gate then up:
+//                 out[:, n] = silu(x Wg[n]^T + bg) * (x Wu[n]^T + bu), n < Nout = N / 2
+void kv_qgemm(const QW* w, const float* x, int M, int ldx, float* out, int ldo, const float* bias, const float* res,
+              int ldr, int epilogue, int nthreads) {
+  g_table->qgemm(*w, x, M, ldx, out, ldo, bias, res, ldr, epilogue, nthreads);
+}
+
+// Rows of W as fp32: out[r, :K] = W[ids[r]] (ids == NULL: rows row0 .. row0 + nrows - 1).
+void kv_dequant(const QW* w, const int64_t* ids, int64_t row0, int nrows, float* out, int ldo, int nthreads) {
+  g_table->dequant(*w, ids, row0, nrows, out, ldo, nthreads);
+}
+
+// Every layer of a step; see "the fused layer stack" above.
 void kv_decode_layers(const DecodeLayer* layers, int num_layers, const DecodeStep* step) {
-  const DecodeStep& st = *step;
-  const int B = st.batch;
-  std::vector<float> x((size_t)B * st.hidden_size);
-  std::vector<float> qkv((size_t)B * (st.num_heads + 2 * st.num_kv_heads) * st.head_dim);
-  std::vector<float> attn((size_t)B * st.num_heads * st.head_dim);
-  std::vector<float> act((size_t)B * st.intermediate);
-  for (int i = 0; i < num_layers; ++i) decode_layer(st, layers[i], x.data(), qkv.data(), attn.data(), act.data());
+  g_table->decode_layers(layers, num_layers, step);
 }
 
 int kv_decode_struct_sizes(int which) {
-  return which == 0 ? (int)sizeof(QW) : which == 1 ? (int)sizeof(DecodeLayer) : (int)sizeof(DecodeStep);
+  switch (which) {
+    case 0: return (int)sizeof(QW);
+    case 1: return (int)sizeof(DecodeLayer);
+    case 2: return (int)sizeof(DecodeStep);
+    default: return (int)sizeof(QPart);
+  }
 }
 
 }  // extern "C"
+
+#endif  // KV_VARIANT

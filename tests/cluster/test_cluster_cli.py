@@ -72,7 +72,7 @@ async def test_two_replicas_of_the_embedded_model_answer_as_one_server(tmp_path:
     answer equals a single in-process server's; SIGINT stops the cluster with status 0."""
     from server.build import build_engine
     from server.config import build_config
-    from server.service import KVServeServer
+    from server.lifecycle import KVServeServer
 
     port, metrics_port = free_port(), free_port()
     log = (tmp_path / "cluster.log").open("w")

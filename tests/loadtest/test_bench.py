@@ -12,7 +12,8 @@ import pytest
 from benchmarks.bench_kv_cache import Point, _integrated_s
 from benchmarks.bench_kv_cache import format_table as kv_cache_table
 from benchmarks.bench_paged_kv import make_lengths, run_layout
-from benchmarks.run_all import DEFAULT_CHAT128, SECTIONS, Row, format_table
+from benchmarks.run_all import DEFAULT_CHAT128, SECTIONS
+from benchmarks.table import Row, format_table
 from loadtest.launch import REPO_ROOT
 
 

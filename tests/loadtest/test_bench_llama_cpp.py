@@ -13,18 +13,16 @@ import pytest
 
 from benchmarks.bench_llama_cpp import (
     LLAMA_CPP_PYTHON_VERSION,
+    LlamaCpp,
     binary_path,
     default_cache_dir,
-    server_args,
-)
-from benchmarks.run_all import (
-    LlamaCpp,
-    Row,
-    _llama_cpp_columns,
     find_llama_cpp,
     llama_cpp_note,
-    parse_levels,
+    server_args,
 )
+from benchmarks.run_all import parse_levels
+from benchmarks.sections import _llama_cpp_columns
+from benchmarks.table import Row
 
 
 def _peer(tok_s: float, itl_p99_s: float, failed: int = 0) -> dict[str, Any]:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.cli import resolve_workload
 from loadtest.multiturn import MultiTurnWorkload
-from loadtest.workload import Workload
+from loadtest.workload import Workload, resolve_workload
 
 
 def test_shipped_multiturn_workload_shape() -> None:

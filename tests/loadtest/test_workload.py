@@ -9,8 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.cli import WORKLOADS_DIR, resolve_workload
-from loadtest.workload import LengthDist, Workload, apportion, arrival_offsets
+from loadtest.workload import (
+    WORKLOADS_DIR,
+    LengthDist,
+    Workload,
+    apportion,
+    arrival_offsets,
+    resolve_workload,
+)
 
 VOCAB = 32_000
 

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from cache_manager.stats import KVTierStats
 from metrics.prometheus import PrometheusSink
 from metrics.records import StepRecord
-from server.http import metrics_app, start_asgi_server
+from server.asgi import metrics_app, start_asgi_server
 from tests.metrics.helpers import (
     documented_families,
     exposition,

@@ -9,15 +9,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from cache_manager.stats import KVCacheStats
-from metrics.prometheus import (
-    ABORT_REASONS,
-    MAX_RPC_SERIES,
-    PrometheusSink,
-    kv_field_metrics,
-)
+from metrics.catalog import ABORT_REASONS, MAX_RPC_SERIES, kv_field_metrics
+from metrics.prometheus import PrometheusSink
 from metrics.records import MetricsSink, RequestRecord, StepRecord
 from scheduler.output import SchedulerStats
-from server.http import metrics_app, start_asgi_server
+from server.asgi import metrics_app, start_asgi_server
 from tests.metrics.helpers import value
 
 
@@ -61,7 +57,7 @@ def make_stats(kv: KVCacheStats | None = None, **overrides: object) -> Scheduler
         num_prompt_tokens_total=900,
         num_generation_tokens_total=321,
         num_finished_total={"stop": 2, "length": 8},
-        waiting_tokens=77,
+        num_waiting_tokens=77,
         kv=kv if kv is not None else make_kv(),
         num_spec_draft_tokens_total=40,
         num_spec_accepted_tokens_total=30,

@@ -1,11 +1,16 @@
 """Quantized weights and kvserve's CPU kernels (model_runner/quant.py, model_runner/kernels).
 
-The reference for every format is dequantize-then-matmul (float64). From 3 rows up the kernels
-dequantize each weight block in registers and keep activations fp32: they may differ from the
-reference only by fp32 summation order, |err| <= 1e-5 * max|y|. One or two rows (low-batch
-decode) quantize activations to int16 per 32-block: |err| <= 1e-4 * max|y| (measured ~2.5e-5).
-The panel path (above ``SKINNY_MAX_ROWS`` rows: dequantized panels + oneDNN's GEMM, or torch's
-where oneDNN is missing) meets the fp32 bound.
+Every GGUF format the kernels keep (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, and int8
+per row) x every ISA family this CPU has (avx512, avx2, portable) x M = 1..64 rows x K and N
+tails x 1 and 2 threads, against the reference: the activations quantized to int8 per
+32-block exactly as the kernels do it (``act_reference``), times the dequantized weights, in
+float64. The integer dot products are exact, so the kernels may differ from it only by fp32
+rounding of the scale products and sums: |err| <= 2e-6 * max|y| (measured ~3e-7).
+Against the plain fp32 matmul (no activation quantization) the error is the int8 rounding of
+the activations: |err| <= 2e-2 * max|y| on random data (measured ~5e-3).
+The panel path (above ``SKINNY_MAX_ROWS`` rows, unbounded by default and set to 64 by the
+``panels`` fixture: dequantized panels + oneDNN's GEMM, or torch's where oneDNN is missing)
+equals the fp32 matmul to 1e-5.
 """
 
 from __future__ import annotations
@@ -15,20 +20,26 @@ import numpy as np
 import pytest
 import torch
 
-from model_runner import kernels, quant
+from model_runner import kernels, kquants, quant
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernels not built")
 
-ISAS = ["avx2", "portable"]
 
-
-@pytest.fixture(params=ISAS)
+@pytest.fixture(params=list(reversed(kernels.ISAS)))
 def isa(request: pytest.FixtureRequest) -> str:
-    wanted = request.param == "avx2"
-    if kernels.use_simd(wanted) != wanted:
-        pytest.skip("this CPU has no AVX2 + FMA + F16C")
+    if request.param not in kernels.supported_isas():
+        pytest.skip(f"this CPU cannot run the {request.param} kernels")
+    before = kernels.isa()
+    assert kernels.use_isa(request.param) == request.param
     yield request.param
-    kernels.use_simd(True)
+    kernels.use_isa(before)
+
+
+@pytest.fixture
+def panels(monkeypatch: pytest.MonkeyPatch) -> int:
+    """QLinear takes the panel path above 64 rows (the default is the integer GEMM always)."""
+    monkeypatch.setattr(quant, "SKINNY_MAX_ROWS", 64)
+    return 64
 
 
 @pytest.fixture(params=[1, 2])
@@ -39,31 +50,35 @@ def threads(request: pytest.FixtureRequest) -> int:
     torch.set_num_threads(before)
 
 
-def gguf_weight(type_name: str, n: int, k: int, seed: int = 0) -> quant.QuantWeight:
-    """A random [n, k] weight quantized by the gguf package, repacked by ours."""
+def gguf_raw(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Raw GGUF blocks of a random [n, k] weight (the gguf package's quantizer, or ours for
+    the K-quants it lacks)."""
     rng = np.random.default_rng(seed)
-    w = rng.standard_normal((n, k)).astype(np.float32)
-    raw = gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, type_name))
-    return quant.from_gguf_blocks(raw, type_name, (n, k))
+    return kquants.quantize(rng.standard_normal((n, k)).astype(np.float32), type_name)
 
 
 def make_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.QuantWeight:
-    if fmt in quant.NATIVE_GGUF_TYPES:
-        return gguf_weight(fmt, n, k, seed)
+    if fmt in quant.FORMATS:
+        return quant.from_gguf_blocks(gguf_raw(fmt, n, k, seed), fmt, (n, k))
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
     return quant.quantize_int8(w) if fmt == "int8" else quant.quantize_q4(w)
 
 
-def reference(w: quant.QuantWeight, x: torch.Tensor) -> torch.Tensor:
-    """x @ dequantize(W).T in float64: the kernels keep activations fp32 and dequantize the
-    weights exactly, so they may differ from this only by fp32 summation order."""
-    return x.double() @ w.dequantize().double().T
+def act_reference(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels see it: int8 per 32-block, dx = amax / 127, round half to even."""
+    m, k = x.shape
+    kp = -(-k // 32) * 32
+    padded = torch.zeros(m, kp)
+    padded[:, :k] = x
+    blocks = padded.view(m, kp // 32, 32)
+    dx = blocks.abs().amax(dim=2, keepdim=True) / 127.0
+    q = torch.where(dx > 0, torch.round(blocks / torch.where(dx > 0, dx, 1.0)), 0.0)
+    return (q * dx).view(m, kp)[:, :k]
 
 
-def tolerance(rows: int, k: int) -> float:
-    """1e-4 where activations go int16 (SIMD, 1-2 rows, whole blocks), else 1e-5."""
-    int16 = rows <= 2 and k % quant.QK == 0 and kernels.isa() == "avx2"
-    return 1e-4 if int16 else 1e-5
+def reference(w: quant.QuantMatrix, x: torch.Tensor) -> torch.Tensor:
+    """The kernels' int8 activations times the dequantized weights, in float64."""
+    return act_reference(x).double() @ w.dequantize().double().T
 
 
 def assert_close(y: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
@@ -72,18 +87,29 @@ def assert_close(y: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
     assert err <= rel * scale, f"max abs err {err:.3g} > {rel} * {scale:.3g}"
 
 
-FORMATS = ["Q4_0", "Q4_1", "Q8_0", "int8"]
+KERNEL_TOL = 2e-6
+FORMATS = [*quant.FORMATS, "int8"]
 ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 31, 40, 64]
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("n, k", [(64, 96), (7, 32), (33, 160)])
-def test_skinny_gemm_matches_both_references(
+def shapes(fmt: str) -> list[tuple[int, int]]:
+    """N tails (7, 33: not whole 4-row groups or 16-row chunks) and K tails: K-quants come in
+    whole 256-blocks, so their K tail is 768 (not a multiple of 512); 32-block formats go
+    down to K = 32 and 160 (not a multiple of 64, the kernels' step)."""
+    if fmt in ("Q4_K", "Q5_K", "Q6_K"):
+        return [(64, 256), (7, 768), (33, 512)]
+    return [(64, 96), (7, 32), (33, 160)]
+
+
+CASES = [(fmt, n, k) for fmt in FORMATS for n, k in shapes(fmt)]
+
+
+@pytest.mark.parametrize("fmt, n, k", CASES)
+def test_gemm_matches_the_reference(
     fmt: str, n: int, k: int, isa: str, threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """y = x W^T for M = 1..64 rows (every kernel path, tile and tail: the fused decode runs
-    them up to its batch size, past QLinear's own SKINNY_MAX_ROWS) and N tails (7, 33) equals
-    the dequantized matmul within the stated tolerances."""
+    """y = x W^T for M = 1..64 rows (every micro-tile and tail; the fused step runs them up to
+    its batch size) equals the int8-activation reference to fp32 rounding."""
     monkeypatch.setattr(quant, "SKINNY_MAX_ROWS", max(ROWS))
     w = make_weight(fmt, n, k)
     lin = quant.QLinear(w, None)
@@ -91,40 +117,76 @@ def test_skinny_gemm_matches_both_references(
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         y = lin(x)
         assert y.shape == (m, n)
-        assert_close(y, reference(w, x), tolerance(m, k))
+        assert_close(y, reference(w, x), KERNEL_TOL)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemm_is_close_to_the_fp32_matmul(fmt: str) -> None:
+    """Against x @ dequantize(W).T with fp32 activations the error is the activations' int8
+    rounding: within 2e-2 of max|y|, and far from zero (the kernels do quantize)."""
+    n, k = shapes(fmt)[0]
+    w = make_weight(fmt, n, k, seed=4)
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(8))
+    y = quant.QLinear(w, None)(x)
+    exact = x.double() @ w.dequantize().double().T
+    assert_close(y, exact, 2e-2)
+    assert (y.double() - exact).abs().max().item() > 1e-6 * exact.abs().max().item()
 
 
 @pytest.mark.parametrize("k", [45, 100, 33])
 def test_int8_odd_k_is_zero_padded(k: int, isa: str, threads: int) -> None:
-    """int8 per-channel weights with K not a multiple of 32 (padded blocks) give the same
-    results as an unpadded fp32 matmul, for every row count."""
+    """int8 per-channel weights with K not a multiple of 32 (padded blocks) give the
+    reference's results for every row count."""
     w = make_weight("int8", 19, k, seed=k)
     assert w.qs.shape == (19, w.num_blocks * 32) and w.dequantize().shape == (19, k)
     lin = quant.QLinear(w, None)
     for m in ROWS:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-        assert_close(lin(x), reference(w, x), tolerance(m, k))
+        assert_close(lin(x), reference(w, x), KERNEL_TOL)
+
+
+def test_every_isa_family_gives_the_same_numbers() -> None:
+    """The families compute the same integer dots with the same scales: results agree to
+    fp32 summation order (1e-6 of max|y|), for every format."""
+    families = kernels.supported_isas()
+    before = kernels.isa()
+    try:
+        for fmt in FORMATS:
+            n, k = shapes(fmt)[2]
+            w = make_weight(fmt, n, k)
+            x = torch.randn(9, k)
+            results = []
+            for family in families:
+                kernels.use_isa(family)
+                results.append(quant.QLinear(w, None)(x))
+            for other in results[1:]:
+                assert_close(other, results[0], 1e-6)
+    finally:
+        kernels.use_isa(before)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_prefill_rows_use_panels_and_match_dequantized(fmt: str, threads: int) -> None:
+def test_prefill_rows_use_panels_and_match_dequantized(fmt: str, threads: int, panels: int) -> None:
     """Above SKINNY_MAX_ROWS (and with the LM head split into several panels) QLinear equals
     x @ dequantize(W).T to fp32 rounding."""
-    w = make_weight(fmt, 40, 64)
-    lin = quant.QLinear(w, torch.randn(40))
-    for m in (quant.SKINNY_MAX_ROWS + 1, 64, 100):
-        x = torch.randn(m, 64)
+    n, k = shapes(fmt)[0]
+    w = make_weight(fmt, n, k)
+    lin = quant.QLinear(w, torch.randn(n))
+    for m in (quant.SKINNY_MAX_ROWS + 1, 100):
+        x = torch.randn(m, k)
         assert_close(lin(x), x @ w.dequantize().T + lin.bias, 1e-5)
     old = quant.PANEL_ELEMENTS
-    quant.PANEL_ELEMENTS = 64 * 7  # 7-row panels: 40 rows = 5 full panels + a tail of 5
+    quant.PANEL_ELEMENTS = k * 7  # 7-row panels: full panels and a tail
     try:
-        x = torch.randn(50, 64)
+        x = torch.randn(quant.SKINNY_MAX_ROWS + 5, k)
         assert_close(lin(x), x @ w.dequantize().T + lin.bias, 1e-5)
     finally:
         quant.PANEL_ELEMENTS = old
 
 
-def test_panels_fall_back_to_torch_matmul_without_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_panels_fall_back_to_torch_matmul_without_onednn(
+    monkeypatch: pytest.MonkeyPatch, panels: int
+) -> None:
     """Where oneDNN cannot run a plain weight, the panel path uses torch.matmul: same result."""
     from model_runner import onednn
 
@@ -138,66 +200,96 @@ def test_panels_fall_back_to_torch_matmul_without_onednn(monkeypatch: pytest.Mon
     assert_close(fast, slow, 1e-5)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("m", [1, 5, 40])
-def test_fused_epilogues(fmt: str, m: int, isa: str) -> None:
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("m", [1, 5, 40, 70])
+def test_fused_epilogues(fmt: str, m: int, isa: str, panels: int) -> None:
     """add (residual + xW^T + b) and silu_mul (silu(x Wg^T) * x Wu^T) equal the unfused ops on
-    the same kernel results, on the skinny and the panel path."""
-    w = make_weight(fmt, 64, 96)
-    bias = torch.randn(64)
+    the same kernel results, on the integer and the panel path."""
+    n, k = 64, 256
+    w = make_weight(fmt, n, k)
+    bias = torch.randn(n)
     lin = quant.QLinear(w, bias)
-    x = torch.randn(m, 96)
-    residual = torch.randn(m, 64)
+    x = torch.randn(m, k)
+    residual = torch.randn(m, n)
     plain = lin(x)
     res_copy = residual.clone()
     torch.testing.assert_close(lin.add(x, residual), plain + residual, rtol=1e-5, atol=1e-5)
     assert torch.equal(residual, res_copy), "add must not modify the residual"
     fused = lin.silu_mul(x)
-    expected = torch.nn.functional.silu(plain[:, :32]) * plain[:, 32:]
+    expected = torch.nn.functional.silu(plain[:, : n // 2]) * plain[:, n // 2 :]
     torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_avx2_and_portable_paths_agree() -> None:
-    """The SIMD and the portable code agree to fp32 summation-order rounding."""
-    if not kernels.use_simd(True):
-        pytest.skip("this CPU has no AVX2 + FMA + F16C")
-    try:
-        for fmt in FORMATS:
-            w = make_weight(fmt, 48, 128)
-            x = torch.randn(9, 128)
-            simd = quant.QLinear(w, None)(x)
-            kernels.use_simd(False)
-            portable = quant.QLinear(w, None)(x)
-            kernels.use_simd(True)
-            torch.testing.assert_close(simd, portable, rtol=1e-5, atol=1e-4)
-    finally:
-        kernels.use_simd(True)
-
-
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("fmt", quant.FORMATS)
 def test_gguf_repack_dequantizes_like_gguf(fmt: str) -> None:
-    """Our repacked blocks dequantize to exactly what the gguf package decodes."""
-    rng = np.random.default_rng(1)
-    w = rng.standard_normal((24, 96)).astype(np.float32)
+    """Our repacked blocks dequantize to exactly what the gguf package decodes, and so do
+    the kernels' own rows (QEmbedding), for every native format."""
+    n, k = 24, 512
+    raw = gguf_raw(fmt, n, k, seed=1)
+    ours = quant.from_gguf_blocks(raw, fmt, (n, k))
     qtype = getattr(gguf.GGMLQuantizationType, fmt)
-    raw = gguf.quants.quantize(w, qtype)
-    ours = quant.from_gguf_blocks(raw, fmt, (24, 96)).dequantize()
     theirs = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32))
-    torch.testing.assert_close(ours, theirs.reshape(24, 96), rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours.dequantize(), theirs.reshape(n, k), rtol=0, atol=0)
+    ids = torch.tensor([3, 0, 23, 3])
+    torch.testing.assert_close(
+        quant.QEmbedding(ours)(ids), theirs.reshape(n, k)[ids], rtol=0, atol=0
+    )
+
+
+@pytest.mark.parametrize("fmt", kquants.K_TYPES)
+def test_reference_k_quantizer_is_close(fmt: str) -> None:
+    """Our K-quant writer (the gguf package has none) round-trips through the gguf package's
+    decoder to within the format's step: max error <= 1/levels of each 16/32-group's range."""
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((8, 512)).astype(np.float32)
+    qtype = getattr(gguf.GGMLQuantizationType, fmt)
+    back = np.asarray(gguf.quants.dequantize(kquants.quantize(w, fmt), qtype)).reshape(8, 512)
+    levels = {"Q4_K": 15, "Q5_K": 31, "Q6_K": 63}[fmt]
+    # 6-bit / int8 scale rounding can add up to one more step.
+    assert np.abs(back - w).max() <= 2.5 * (w.max() - w.min()) / levels
 
 
 def test_row_operations_are_exact() -> None:
     """rows() permutes, scaled() multiplies, cat_rows() stacks: each commutes with
-    dequantize() (what the model's Q/K interleave, softmax-scale fold and QKV fusion use)."""
-    a, b = make_weight("Q4_1", 16, 64), make_weight("Q4_1", 8, 64, seed=3)
-    perm = torch.randperm(16)
-    torch.testing.assert_close(a.rows(perm).dequantize(), a.dequantize()[perm])
-    torch.testing.assert_close(a.scaled(0.125).dequantize(), a.dequantize() * 0.125)
-    both = quant.cat_rows([a, b])
-    torch.testing.assert_close(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
-    assert both.source == "Q4_1"
-    with pytest.raises(ValueError, match="one format"):
-        quant.cat_rows([a, make_weight("Q8_0", 8, 64)])
+    dequantize() (what the model's Q/K interleave, softmax-scale fold and QKV fusion use),
+    for 32-block and K-quant formats; mixed formats stack as a QuantStack."""
+    for fmt, k in (("Q4_1", 64), ("Q4_K", 256), ("Q6_K", 256), ("Q5_0", 64)):
+        a, b = make_weight(fmt, 16, k), make_weight(fmt, 8, k, seed=3)
+        perm = torch.randperm(16)
+        torch.testing.assert_close(a.rows(perm).dequantize(), a.dequantize()[perm])
+        torch.testing.assert_close(a.scaled(0.125).dequantize(), a.dequantize() * 0.125)
+        both = quant.cat_rows([a, b])
+        assert isinstance(both, quant.QuantWeight) and both.source == fmt
+        torch.testing.assert_close(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    q, kk, v = (
+        make_weight("Q4_K", 16, 256),
+        make_weight("Q4_K", 8, 256),
+        make_weight("Q6_K", 8, 256),
+    )
+    stack = quant.cat_rows([q, kk, v])
+    assert isinstance(stack, quant.QuantStack)
+    assert [p.fmt for p in stack.parts] == ["Q4_K", "Q6_K"] and stack.out_features == 32
+    with pytest.raises(ValueError, match="one in_features"):
+        quant.cat_rows([q, make_weight("Q4_K", 8, 512)])
+
+
+@pytest.mark.parametrize("m", [1, 6, 70])
+def test_mixed_format_stack_runs_each_part_in_its_format(m: int, isa: str, panels: int) -> None:
+    """A QKV stack of Q4_K, Q4_K and Q6_K rows (as a Q4_K_M file has them) equals the
+    reference, with every epilogue: the gate/up split falls inside the stack."""
+    parts = [make_weight("Q4_K", 24, 256), make_weight("Q6_K", 16, 256, seed=1),
+             make_weight("Q8_0", 8, 256, seed=2)]  # fmt: skip
+    stack = quant.cat_rows(parts)
+    lin = quant.QLinear(stack, None)
+    x = torch.randn(m, 256)
+    ref = (
+        reference(stack, x)
+        if m <= quant.SKINNY_MAX_ROWS
+        else x.double() @ stack.dequantize().double().T
+    )
+    assert_close(lin(x), ref, KERNEL_TOL if m <= quant.SKINNY_MAX_ROWS else 1e-5)
+    gu = lin(x)
+    torch.testing.assert_close(lin.silu_mul(x), torch.nn.functional.silu(gu[:, :24]) * gu[:, 24:])
 
 
 def test_embedding_rows_dequantize_exactly() -> None:
@@ -207,12 +299,17 @@ def test_embedding_rows_dequantize_exactly() -> None:
     torch.testing.assert_close(quant.QEmbedding(w)(ids), w.dequantize()[ids], rtol=0, atol=0)
 
 
-def test_nbytes_counts_the_compressed_form() -> None:
-    """A Q4 weight holds 0.5 byte per value plus two fp32 scales per 32-block; Q8 1 + 4/32."""
-    n, k = 64, 256
-    q4, q8 = make_weight("Q4_1", n, k), make_weight("Q8_0", n, k)
-    assert q4.nbytes == n * k // 2 + 2 * 4 * n * k // 32
-    assert q8.nbytes == n * k + 4 * n * k // 32
+def test_nbytes_stay_near_the_file_size() -> None:
+    """Resident bytes per format against GGUF's bytes on disk: the K-quants and Q8_0 within
+    6 % (fp32 super-block scales, unpacked 6-bit scales), Q4_0 / Q5_0 within 11 %, Q4_1 /
+    Q5_1 within 20 % (fp32 d and m per 32-block)."""
+    n, k = 64, 512
+    bound = {"Q4_0": 1.12, "Q4_1": 1.2, "Q5_0": 1.1, "Q5_1": 1.17, "Q8_0": 1.06,
+             "Q4_K": 1.06, "Q5_K": 1.05, "Q6_K": 1.01}  # fmt: skip
+    for fmt, spec in quant.FORMATS.items():
+        disk = n * k // spec.block * spec.block_bytes
+        held = make_weight(fmt, n, k).nbytes
+        assert disk <= held <= bound[fmt] * disk, (fmt, held / disk)
 
 
 def test_weights_mode_resolution() -> None:
@@ -254,27 +351,55 @@ def quantized_pair(kind: str, fmt: str, **kwargs: object) -> tuple[object, torch
     return runner, hf
 
 
+def hf_logits_int8_acts(hf: torch.nn.Module, ids: list[int], rows: int) -> torch.Tensor:
+    """transformers' logits with every Linear fed the kernels' int8 activations (per row,
+    per 32-block) when its input has at most ``rows`` rows, as the kernels run it; above,
+    fp32 activations, as the panel path runs it."""
+    from tests.model_runner.oracle import hf_logits
+
+    def forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] <= rows:
+            flat = act_reference(flat.float()).to(x.dtype)
+        return torch.nn.functional.linear(flat.view(x.shape), self.weight, self.bias)
+
+    original = torch.nn.Linear.forward
+    torch.nn.Linear.forward = forward  # type: ignore[method-assign]
+    try:
+        return hf_logits(hf, ids)
+    finally:
+        torch.nn.Linear.forward = original  # type: ignore[method-assign]
+
+
 @pytest.mark.parametrize("kind", ["llama", "llama-gqa", "qwen2"])
 @pytest.mark.parametrize("fmt", ["int8", "q4"])
-def test_quantized_model_tracks_its_dequantized_reference(kind: str, fmt: str) -> None:
+def test_quantized_model_tracks_its_dequantized_reference(
+    kind: str, fmt: str, monkeypatch: pytest.MonkeyPatch, panels: int
+) -> None:
     """Prefill (kernel rows and panel rows) and decode logits of the quantized model equal
-    transformers' on the dequantized weights: atol 1e-4 (the fp32 oracle's) where
-    activations stay fp32, 1e-3 for single-row decode steps (int16 activations, ~5e-4)."""
-    from tests.model_runner.oracle import hf_logits, plan, random_ids, seq
+    transformers' on the dequantized weights with the kernels' int8 activations (the panel
+    rows: fp32 ones). Rows through the integer kernels: within 5e-2 of max|logit| (an
+    activation on the other side of an int8 rounding boundary, from fp32 differences
+    upstream, moves logits: measured from 2e-6 up to 2.8 % on these tiny random models; a
+    plumbing error is O(1)); panel rows within 1e-4 (the fp32 oracle's)."""
+    from model_runner import runner as runner_module
+    from tests.model_runner.oracle import plan, random_ids, seq
 
+    # The 80-token prompt is over the fused step's row bound: the torch path's panels.
+    monkeypatch.setattr(runner_module, "FUSED_MAX_ROWS", quant.SKINNY_MAX_ROWS)
     runner, hf = quantized_pair(kind, fmt)
     assert runner.info.extra["weights"] in ("int8", "q4")
-    ids = random_ids(50, seed=5)
-    ref = hf_logits(hf, ids)
+    ids = random_ids(80, seed=5)
     blocks = list(range(13))
+    ref = hf_logits_int8_acts(hf, ids[:24], quant.SKINNY_MAX_ROWS)
     short = runner.step_logits(plan(0, prefill=[seq("a", ids, 0, 20, blocks)]))["a"]
-    torch.testing.assert_close(short, ref[:20], rtol=0, atol=1e-4)
+    assert_close(short, ref[:20], 5e-2)
     for pos in range(20, 24):
         out = runner.step_logits(plan(pos, decode=[seq("a", ids, pos, pos + 1, blocks)]))["a"]
-        torch.testing.assert_close(out, ref[pos : pos + 1], rtol=0, atol=1e-3)
-    long_blocks = list(range(20, 33))
-    long = runner.step_logits(plan(9, prefill=[seq("b", ids, 0, 50, long_blocks)]))["b"]
-    torch.testing.assert_close(long, ref, rtol=0, atol=1e-4)
+        assert_close(out, ref[pos : pos + 1], 5e-2)
+    long_blocks = list(range(20, 40))
+    long = runner.step_logits(plan(9, prefill=[seq("b", ids, 0, 80, long_blocks)]))["b"]
+    torch.testing.assert_close(long, hf_logits_int8_acts(hf, ids, 0), rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama-gqa", "qwen2", "mistral"])
@@ -282,9 +407,10 @@ def test_quantized_model_tracks_its_dequantized_reference(kind: str, fmt: str) -
 def test_fused_decode_equals_the_torch_path(kind: str, kv_dtype: str, isa: str) -> None:
     """Decode steps through the fused kernel (norms, QKV, RoPE, paged KV write, attention,
     MLP in C++) give the torch path's logits and write the same KV, for batches of different
-    context lengths (mistral: past its sliding window of 8). Logits: atol 1e-4 on an fp32
-    pool; 5e-4 on fp16 / int8 pools, where the two paths may round a stored K/V value one
-    step apart (the pools themselves agree to one fp16 ulp / one int8 quantization step)."""
+    context lengths (mistral: past its sliding window of 8). The two paths share the GEMM
+    kernels and differ in attention's fp32 summation order, which can move an int8
+    activation across a rounding boundary: logits within 5e-2 of max|logit| (as in the
+    test above). The pools agree to fp32 rounding / one fp16 ulp / one int8 step."""
     from tests.model_runner.oracle import plan, random_ids, seq
 
     fused, _ = quantized_pair(kind, "q4", fused_decode=True, kv_dtype=kv_dtype)
@@ -300,16 +426,95 @@ def test_fused_decode_equals_the_torch_path(kind: str, kv_dtype: str, isa: str) 
         rows = [seq(r, ids, len(ids) - 1, len(ids), tables[r]) for r, ids in prompts.items()]
         got = fused.step_logits(plan(1 + step, decode=rows))
         want = plain.step_logits(plan(1 + step, decode=rows))
-        logit_atol = 1e-4 if kv_dtype == "float32" else 5e-4
         for r in prompts:
-            torch.testing.assert_close(got[r], want[r], rtol=0, atol=logit_atol)
+            assert_close(got[r], want[r], 5e-2)
             prompts[r] = [*prompts[r], int(want[r][-1].argmax())]
+    # Layer 0's K/V come before any int8 activation boundary can differ; deeper layers'
+    # within 5e-2 of max, as the logits.
     if kv_dtype == "int8":
-        diff = (fused.pool.data.int() - plain.pool.data.int()).abs().max().item()
+        diff = (fused.pool.data[0].int() - plain.pool.data[0].int()).abs().max().item()
         assert diff <= 1
-        torch.testing.assert_close(fused.pool.scales, plain.pool.scales, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(fused.pool.scales[0], plain.pool.scales[0], rtol=1e-5, atol=1e-7)
     else:
         atol = 1e-5 if kv_dtype == "float32" else 2e-3
         torch.testing.assert_close(
-            fused.pool.data.float(), plain.pool.data.float(), rtol=0, atol=atol
+            fused.pool.data[0].float(), plain.pool.data[0].float(), rtol=0, atol=atol
         )
+
+    def values(pool: object) -> torch.Tensor:
+        data = pool.data.float()  # type: ignore[attr-defined]
+        scales = pool.scales  # type: ignore[attr-defined]
+        return data if scales is None else data * scales.unsqueeze(-1)
+
+    assert_close(values(fused.pool), values(plain.pool), 5e-2)
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "mistral"])
+def test_mixed_steps_run_fused_and_equal_the_torch_path(kind: str, isa: str) -> None:
+    """A step holding prefill chunks and decodes runs as ONE fused kernel call (rows
+    flattened: a chunk is consecutive rows of one block table) and gives the torch path's
+    logits and KV: a fresh prompt, a second chunk over a cached prefix, and decodes at
+    other lengths, in one step; then a prefill-only step. Logits and deeper layers' KV within
+    5e-2 of max (int8 activation boundaries, as above); layer 0's KV to fp32 rounding."""
+    from model_runner import runner as runner_module
+    from tests.model_runner.oracle import plan, random_ids, seq
+
+    fused, _ = quantized_pair(kind, "q4", fused_decode=True)
+    plain, _ = quantized_pair(kind, "q4", fused_decode=False)
+    calls = []
+    lib = fused._fused.lib  # type: ignore[union-attr]
+    original = lib.kv_decode_layers
+
+    def counting(*args: object) -> None:
+        calls.append(1)
+        original(*args)
+
+    a, b, c = random_ids(23, seed=1), random_ids(30, seed=2), random_ids(12, seed=3)
+    ta, tb, tc = [3, 9, 10, 11, 12, 13], [1, 30, 2, 40, 41, 42, 43, 44], [7, 8, 14]
+    first = plan(0, prefill=[seq("a", a, 0, 22, ta), seq("b", b, 0, 10, tb)])
+    second = plan(1, prefill=[seq("b", b, 10, 30, tb), seq("c", c, 0, 12, tc)],
+                  decode=[seq("a", a, 22, 23, ta)])  # fmt: skip
+    lib.kv_decode_layers = counting
+    try:
+        for step in (first, second):
+            got = fused.step_logits(step)
+            want = plain.step_logits(step)
+            assert got.keys() == want.keys()
+            for r in got:
+                assert got[r].shape == want[r].shape
+                assert_close(got[r], want[r], 5e-2)
+    finally:
+        lib.kv_decode_layers = original
+    assert len(calls) == 2, "each mixed step is one kernel call"
+    # Layer 0's K/V come before any int8 activation boundary can differ: fp32 rounding.
+    torch.testing.assert_close(fused.pool.data[0], plain.pool.data[0], rtol=0, atol=1e-5)
+    assert_close(fused.pool.data, plain.pool.data, 5e-2)
+    big = plan(2, prefill=[seq("z", random_ids(40, seed=9), 0, 40, list(range(50, 60)))])
+    runner_module.FUSED_MAX_ROWS, old = 32, runner_module.FUSED_MAX_ROWS
+    try:
+        lib.kv_decode_layers = counting
+        fused.step_logits(big)  # over the row bound: the torch path
+    finally:
+        runner_module.FUSED_MAX_ROWS = old
+        lib.kv_decode_layers = original
+    assert len(calls) == 2
+
+
+def test_a_rows_numbers_do_not_depend_on_its_batch(isa: str) -> None:
+    """Batch invariance: on the fused integer path a request's logits are bit-identical
+    whether its rows run alone or beside other requests' chunks and decodes (per-row
+    activation scales, per-row attention, and sums whose order does not depend on M)."""
+    from tests.model_runner.oracle import plan, random_ids, seq
+
+    a, b, c = random_ids(30, seed=11), random_ids(17, seed=12), random_ids(9, seed=13)
+    ta, tb, tc = list(range(1, 9)), list(range(10, 15)), list(range(20, 23))
+    alone, _ = quantized_pair("llama-gqa", "q4")
+    crowd, _ = quantized_pair("llama-gqa", "q4")
+    want = alone.step_logits(plan(0, prefill=[seq("a", a, 0, 29, ta)]))["a"]
+    crowd.step_logits(plan(0, prefill=[seq("b", b, 0, 16, tb)]))
+    got = crowd.step_logits(plan(1, prefill=[seq("c", c, 0, 9, tc), seq("a", a, 0, 29, ta)],
+                                 decode=[seq("b", b, 16, 17, tb)]))["a"]  # fmt: skip
+    assert torch.equal(got, want)
+    want = alone.step_logits(plan(2, decode=[seq("a", a, 29, 30, ta)]))["a"]
+    got = crowd.step_logits(plan(2, decode=[seq("b", b, 16, 17, tb), seq("a", a, 29, 30, ta)]))["a"]
+    assert torch.equal(got, want)

@@ -22,7 +22,7 @@ def test_abort_waiting_request() -> None:
     assert (out.request_id, out.finished, out.finish_reason) == ("r0", True, FinishReason.ABORT)
     assert req.status is RequestStatus.FINISHED_ABORTED
     stats = sched.make_stats()
-    assert (stats.num_waiting, stats.waiting_tokens, stats.num_finished_total) == (
+    assert (stats.num_waiting, stats.num_waiting_tokens, stats.num_finished_total) == (
         0,
         0,
         {"abort": 1},

@@ -89,7 +89,7 @@ def test_waiting_token_bound_raises_overload() -> None:
     ):
         sched.add_request(make_request("r1", prompt_len=6))
     sched.add_request(make_request("r1", prompt_len=5))
-    assert sched.make_stats().waiting_tokens == 15
+    assert sched.make_stats().num_waiting_tokens == 15
 
 
 def test_invalid_request_is_a_value_error_even_when_overloaded() -> None:

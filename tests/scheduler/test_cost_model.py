@@ -35,6 +35,7 @@ def _random_shape(rng: random.Random) -> StepShape:
 
 
 def test_shape_counts_tokens_seqs_attention_pairs_and_context() -> None:
+    """A step's shape counts prefill tokens, decodes, causal attention pairs and decode context."""
     shape = StepShape.of([(4, 0), (3, 10)], [5, 7])
     # Causal pairs: 4*0 + 4*5/2 = 10; 3*10 + 3*4/2 = 36. Decodes read start + 1 positions.
     assert shape == StepShape(
@@ -46,6 +47,7 @@ def test_shape_counts_tokens_seqs_attention_pairs_and_context() -> None:
 
 
 def test_shape_of_a_real_plan() -> None:
+    """StepShape.of_plan reads a plan: a 5-token prefill, then a decode beside a prefill."""
     sched, kv = make_scheduler(num_blocks=16, max_num_batched_tokens=16)
     runner = make_runner(kv)
     sched.add_request(make_request("a", prompt_len=5, max_tokens=3))
@@ -67,6 +69,7 @@ def test_shape_of_a_plan_costs_speculative_drafts_as_a_chunk_after_the_decode() 
 
 
 def test_fit_recovers_a_linear_truth_exactly() -> None:
+    """Least squares over 200 random shapes recovers the true per-feature coefficients."""
     rng = random.Random(0)
     samples = [(s, _truth(s)) for s in (_random_shape(rng) for _ in range(200))]
     model = StepCostModel.fit(samples)
@@ -78,6 +81,7 @@ def test_fit_recovers_a_linear_truth_exactly() -> None:
 
 
 def test_rls_converges_from_a_wrong_prior() -> None:
+    """Recursive least squares from a prior 3x off predicts within 1 % once the prior decays."""
     rng = random.Random(1)
     model = StepCostModel([c * 3.0 for c in TRUE_S], forgetting=0.98)
     errors = []  # |predicted - measured| / measured, as observe() predicted each step
@@ -123,6 +127,7 @@ def test_no_covariance_wind_up_on_decode_only_steps() -> None:
 
 
 def test_bad_measurements_are_ignored() -> None:
+    """NaN, infinite, negative times and empty steps change neither the count nor the fit."""
     model = StepCostModel(TRUE_S)
     shape = StepShape.of([], [10])
     for bad in (float("nan"), float("inf"), -1.0):
@@ -141,5 +146,6 @@ def test_bad_measurements_are_ignored() -> None:
     ],
 )
 def test_invalid_parameters(kwargs: dict[str, object], match: str) -> None:
+    """A prior of the wrong length, a zero forgetting factor or prior weight: ValueError."""
     with pytest.raises(ValueError, match=match):
         StepCostModel(**kwargs)  # type: ignore[arg-type]

@@ -35,7 +35,7 @@ def test_victim_is_the_least_computed_among_the_lowest_priority() -> None:
     assert c is not None and c.status is RequestStatus.PREEMPTED and c.num_preemptions == 1
     stats = sched.make_stats()
     assert (stats.num_preemptions_total, stats.num_recomputed_tokens_total) == (1, 3)
-    assert (stats.num_preempted, stats.waiting_tokens) == (1, 4)
+    assert (stats.num_preempted, stats.num_waiting_tokens) == (1, 4)
     # a finished in step 2 (max_tokens=2), freeing [4, 1, 0] tail first to the front.
     s3 = step(sched, runner)
     assert decode_view(s3.plan) == [("b", 6, [2, 3])]

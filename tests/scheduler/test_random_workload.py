@@ -233,7 +233,7 @@ class Harness:
             self.step()
         self.sched.schedule()  # reports the last finished ids; nothing left to plan
         assert_no_blocks_held(self.kv)
-        assert self.sched.num_waiting == 0 and self.sched.make_stats().waiting_tokens == 0
+        assert self.sched.num_waiting == 0 and self.sched.make_stats().num_waiting_tokens == 0
         assert {rid: 1 for rid in self.expected} == dict(self.finished)
 
 

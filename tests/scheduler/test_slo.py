@@ -66,6 +66,7 @@ def _request(rid: str, prompt_len: int, max_tokens: int, first: int, **kw: objec
 
 
 def test_slo_needs_a_cost_model() -> None:
+    """The slo policy without a step-cost model is refused at construction."""
     with pytest.raises(ValueError, match="needs a step-cost model"):
         make_scheduler(policy="slo")
 
@@ -128,6 +129,7 @@ def test_admission_is_deferred_while_one_more_decode_would_break_the_target() ->
 
 
 def test_waiting_requests_are_admitted_earliest_ttft_deadline_first() -> None:
+    """Waiting requests are ordered and admitted by arrival + TTFT target (EDF), not arrival."""
     sched, kv, runner = _slo_scheduler(max_num_seqs=1, ttft_slo_ms=5000)
     sched.add_request(_request("A", 4, 2, 100, arrival=0.0, ttft=10.0))  # deadline 10
     sched.add_request(_request("B", 4, 2, 200, arrival=0.1, ttft=1.0))  # 1.1

@@ -20,7 +20,7 @@ def test_stats_track_batches_counters_and_the_kv_snapshot() -> None:
     assert (s.num_prefill_tokens, s.num_prefill_reqs, s.num_decode_reqs) == (8, 2, 0)
     assert (s.num_steps_prefill_total, s.num_steps_decode_total) == (1, 0)
     assert (s.num_prompt_tokens_total, s.num_generation_tokens_total) == (14, 1)
-    assert (s.waiting_tokens, s.num_finished_total) == (3, {})
+    assert (s.num_waiting_tokens, s.num_finished_total) == (3, {})
     assert (s.kv.num_blocks_used, s.kv.num_blocks_free, s.kv.total_sequences) == (3, 5, 2)
     assert s.num_preemptions_total == 0
 
@@ -40,5 +40,5 @@ def test_stats_track_batches_counters_and_the_kv_snapshot() -> None:
     s = sched.make_stats()
     assert (s.num_steps_prefill_total, s.num_steps_decode_total) == (3, 3)
     assert (s.num_generation_tokens_total, s.num_finished_total) == (7, {"length": 3})
-    assert (s.num_running, s.num_waiting, s.waiting_tokens) == (0, 0, 0)
+    assert (s.num_running, s.num_waiting, s.num_waiting_tokens) == (0, 0, 0)
     assert (s.kv.num_blocks_used, s.kv.total_sequences) == (0, 0)

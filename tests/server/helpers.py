@@ -21,7 +21,8 @@ from server.auth import Security, client_id, scoped_id
 from server.client import KVServeClient
 from server.engine import EngineLoop
 from server.fake_tokenizer import ByteTokenizer
-from server.service import KVServeServer, ServedModel
+from server.frontend import ServedModel
+from server.lifecycle import KVServeServer
 from server.text import make_text_stream_factory
 
 BLOCK_SIZE = 4

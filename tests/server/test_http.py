@@ -132,10 +132,10 @@ async def test_openai_sdk_error_cases() -> None:
             await asyncio.sleep(0.01)
         with pytest.raises(openai.RateLimitError) as overloaded:
             await client.completions.create(model="fake", prompt="c")
-        h.server.servicer.accepting = False
+        h.server.frontend.accepting = False
         with pytest.raises(openai.InternalServerError) as closing:
             await client.completions.create(model="fake", prompt="d")
-        h.server.servicer.accepting = True
+        h.server.frontend.accepting = True
         await asyncio.gather(running, waiting)
         await client.close()
     assert bad.value.status_code == 400 and "temperature must be >= 0" in bad.value.message
@@ -249,7 +249,7 @@ async def test_openai_sdk_streams_paris_from_the_embedded_model() -> None:
     streams a greedy chat answer to "What is the capital of France?" that names Paris."""
     from server.build import build_engine
     from server.config import build_config
-    from server.service import KVServeServer
+    from server.lifecycle import KVServeServer
 
     built = await asyncio.to_thread(build_engine, build_config({"threads": 2}, environ={}))
     server = KVServeServer(built.engine, built.tokenizer, built.model)

@@ -7,7 +7,7 @@ from pathlib import Path
 from server.build import build_engine
 from server.client import KVServeClient
 from server.config import ServerConfig
-from server.service import KVServeServer
+from server.lifecycle import KVServeServer
 from tests.server.helpers import collect
 
 

@@ -21,9 +21,9 @@ from prometheus_client import CollectorRegistry
 
 from metrics.prometheus import PrometheusSink
 from server import cli
+from server.asgi import METRICS_MAX_CONNECTIONS, metrics_app, start_asgi_server
 from server.auth import Security, TlsFiles, key_owner
 from server.client import KVServeClient
-from server.http import METRICS_MAX_CONNECTIONS, metrics_app, start_asgi_server
 from server.rpc import generation_pb2 as pb
 from server.rpc import generation_pb2_grpc as pb_grpc
 from tests.server.helpers import collect, expected_tokens, make_fake_runner, serve

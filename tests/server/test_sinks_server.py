@@ -10,8 +10,8 @@ import pytest
 from server.build import build_engine
 from server.client import KVServeClient
 from server.config import ServerConfig
+from server.lifecycle import KVServeServer
 from server.rpc import generation_pb2 as pb
-from server.service import KVServeServer
 from tests.server.helpers import RecordingSink
 
 

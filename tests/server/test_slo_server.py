@@ -10,8 +10,8 @@ from scheduler.cost_model import StepCostModel
 from server.build import build_engine
 from server.client import KVServeClient
 from server.config import ServerConfig
+from server.lifecycle import KVServeServer
 from server.rpc import generation_pb2 as pb
-from server.service import KVServeServer
 
 
 def _value(registry: CollectorRegistry, name: str, **labels: str) -> float:
@@ -20,6 +20,7 @@ def _value(registry: CollectorRegistry, name: str, **labels: str) -> float:
 
 
 async def test_slo_policy_serves_and_counts_goodput_per_priority() -> None:
+    """A server under --policy slo serves, keeps calibrating, and counts goodput by priority."""
     cfg = ServerConfig(runner="fake", policy="slo", itl_slo_ms=500, ttft_slo_ms=5000)
     built = build_engine(cfg)
     cost = built.engine.cost_model

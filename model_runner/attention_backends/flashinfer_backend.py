@@ -1,0 +1,144 @@
+"""The FlashInfer backend: ``flashinfer-python``'s batch prefill and decode wrappers over the
+step's page tables, on CUDA when installed.
+
+FlashInfer reads the pool in place in its ``HND`` layout (``[pages, kv heads, page size,
+head_dim]``): a layer's K is ``KVPool.data[layer, :kvh]`` with its first two axes swapped
+(a strided view, no copy), V the same from ``kvh``. ``plan`` runs once per step (host-side
+scheduling shared by every layer), ``run`` once per layer. The arguments of both plans come
+from ``flashinfer_plan_args``, pure and tested exactly on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from model_runner.attention import ForwardBatch
+from model_runner.attention_backends.base import PagedAttentionBackend
+from model_runner.attention_backends.page_table import PageTable
+from model_runner.kv_pool import KVPool
+
+# FlashInfer's split-KV scheduler workspace (its examples use 128 MiB).
+WORKSPACE_BYTES = 128 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class FlashInferPlan:
+    """``wrapper.plan(*args, **kwargs)``; lists become int32 tensors at the call."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+def window_left(sliding_window: int | None) -> int:
+    """FlashInfer's ``window_left`` for kvserve's window W (a query at p sees p - W < k <= p,
+    so W - 1 keys to its left); -1 means no window."""
+    return -1 if sliding_window is None else sliding_window - 1
+
+
+def flashinfer_plan_args(
+    table: PageTable,
+    *,
+    decode: bool,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    sliding_window: int | None,
+) -> FlashInferPlan:
+    """The plan of ``BatchDecodeWithPagedKVCacheWrapper`` (``decode``) or of
+    ``BatchPrefillWithPagedKVCacheWrapper`` (causal) for ``table``. The positional arguments
+    are the ones every FlashInfer 0.2+ release takes in this order; ``sm_scale`` is 1 because
+    Q carries the softmax scale (folded in at load time)."""
+    kwargs: dict[str, Any] = {
+        "window_left": window_left(sliding_window),
+        "sm_scale": 1.0,
+        "q_data_type": q_dtype,
+        "kv_data_type": kv_dtype,
+    }
+    pages = (table.kv_indptr, table.kv_indices, table.kv_last_page_len)
+    shape = (num_heads, num_kv_heads, head_dim, table.block_size)
+    if decode:
+        return FlashInferPlan((*pages, *shape), kwargs)
+    return FlashInferPlan((table.qo_indptr, *pages, *shape), {"causal": True, **kwargs})
+
+
+class FlashInferAttention(PagedAttentionBackend):
+    name = "flashinfer"
+
+    def __init__(
+        self,
+        device: torch.device,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        q_dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+    ) -> None:
+        import flashinfer  # flashinfer-python, CUDA only
+
+        if device.type != "cuda":
+            raise ValueError(f"the flashinfer backend runs on CUDA, not {device}")
+        self.device = device
+        self.shape = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+        self.q_dtype = q_dtype
+        self.kv_dtype = kv_dtype
+        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND")
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
+
+    def plan(self, batch: ForwardBatch, sliding_window: int | None) -> None:
+        paged = batch.paged
+        assert paged is not None
+        for table, wrapper, decode in (
+            (paged.prefill_table, self._prefill, False),
+            (paged.decode_table, self._decode, True),
+        ):
+            if table is None:
+                continue
+            plan = flashinfer_plan_args(
+                table,
+                decode=decode,
+                q_dtype=self.q_dtype,
+                kv_dtype=self.kv_dtype,
+                sliding_window=sliding_window,
+                **self.shape,
+            )
+            # Index lists: indptr and last-page lengths on the host (FlashInfer schedules on
+            # the CPU), page ids on the device (the kernels read them).
+            args = [
+                a
+                if not isinstance(a, list)
+                else torch.tensor(
+                    a, dtype=torch.int32, device=self.device if a is table.kv_indices else "cpu"
+                )
+                for a in plan.args
+            ]
+            wrapper.plan(*args, **plan.kwargs)
+
+    def forward(
+        self,
+        layer: int,
+        qkv: torch.Tensor,
+        batch: ForwardBatch,
+        pool: KVPool,
+        out: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> None:
+        paged = batch.paged
+        assert paged is not None
+        pool.write(layer, qkv[:, num_heads:], batch.slot_mapping)
+        data = pool.data[layer]
+        kv = (data[:num_kv_heads].transpose(0, 1), data[num_kv_heads:].transpose(0, 1))
+        head_dim = qkv.shape[-1]
+        o = out.view(out.shape[0], num_heads, head_dim)
+        q = qkv[:, :num_heads]
+        r = paged.num_prefill_rows
+        if paged.prefill_table is not None:
+            o[:r] = self._prefill.run(q[:r].contiguous(), kv)
+        if paged.decode_table is not None:
+            o[r:] = self._decode.run(q[r:].contiguous(), kv)

@@ -1,0 +1,208 @@
+"""CUDA graphs for decode steps: one captured forward pass per batch size, replayed.
+
+A decode step of a bf16 8B model on an H100 launches ~10 kernels per layer; at batch 1 the
+launches, not the weights, would bound the step. So decode-only steps (no prefill, no
+drafts) replay a graph captured for the next size up in ``GRAPH_BATCH_SIZES``, with the
+inputs padded::
+
+    rows     | dec 0 | dec 1 | dec 2 | pad | pad | pad | pad | pad |     3 decodes -> graph 8
+    token    |  t0   |  t1   |  t2   |  0  ...
+    slot     |  s0   |  s1   |  s2   | scratch slot (a block the cache manager never lends)
+    kv len   |  n0   |  n1   |  n2   |  0  ...  (an empty slot: the kernel writes zeros)
+
+A graph bakes in every tensor address, so the inputs live in static buffers (one host ->
+device copy per step fills them) and the page table has a fixed capacity
+(``max_pages_per_seq`` per row). The Triton decode kernel's grid is the batch size, and the
+key loop bound is read from ``kv_lens`` on the device, so one graph serves any contexts.
+
+Memory: graphs share one memory pool, captured largest first, so the pool holds about one
+step's activations at the largest size. ``graph_memory_bytes`` estimates it, and the runner
+takes it out of the KV budget BEFORE sizing the pool (the graphs are captured after, since
+they read the pool). Everything here but ``DecodeGraphs`` is pure and tested on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from model_runner.attention import ForwardBatch
+from model_runner.attention_backends.base import PagedMetadata
+from model_runner.attention_backends.page_table import PageTableTensors, build_page_table
+from model_runner.config import ModelConfig
+from model_runner.kv_pool import KVPool
+from scheduler.output import ScheduledSeq
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def graph_batch_size(num_seqs: int, sizes: Sequence[int] = GRAPH_BATCH_SIZES) -> int | None:
+    """The smallest captured size holding ``num_seqs`` decodes; None above the largest (the
+    step then runs eagerly)."""
+    if num_seqs < 1:
+        raise ValueError(f"a decode step has at least one sequence, got {num_seqs}")
+    for size in sizes:
+        if size >= num_seqs:
+            return size
+    return None
+
+
+def capture_sizes(max_num_seqs: int, sizes: Sequence[int] = GRAPH_BATCH_SIZES) -> tuple[int, ...]:
+    """The sizes worth capturing when at most ``max_num_seqs`` decode at once: every size up
+    to the first that holds ``max_num_seqs`` (all of them above the largest)."""
+    top = graph_batch_size(max_num_seqs, sizes) or sizes[-1]
+    return tuple(s for s in sizes if s <= top)
+
+
+def graph_memory_bytes(config: ModelConfig, max_batch: int, dtype_bytes: int) -> int:
+    """An upper estimate of the graph pool: twice one layer's activations at ``max_batch``
+    rows (hidden and residual, QKV, attention output, gate+up, the MLP product: the
+    allocator reuses a layer's buffers in the next), plus the static inputs."""
+    h, d = config.num_heads, config.head_dim
+    per_row = (
+        3 * config.hidden_size
+        + (h + 2 * config.num_kv_heads) * d
+        + h * d
+        + 3 * config.intermediate_size
+    )
+    activations = 2 * max_batch * per_row * dtype_bytes
+    static = max_batch * (3 * 8 + 3 * 4)  # ids, positions, slots (int64); the page table
+    return activations + static
+
+
+@dataclass(slots=True)
+class PaddedDecode:
+    """A decode step's inputs padded to a graph's batch size (host lists, see the module
+    docstring); ``kv_indices`` has ``batch_size * max_pages_per_seq`` entries."""
+
+    batch_size: int
+    num_seqs: int
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    kv_indptr: list[int]
+    kv_indices: list[int]
+    kv_lens: list[int]
+
+
+def pad_decode(
+    decode: Sequence[ScheduledSeq],
+    batch_size: int,
+    block_size: int,
+    max_pages_per_seq: int,
+    scratch_slot: int,
+    sliding_window: int | None = None,
+    null_block_id: int | None = None,
+) -> PaddedDecode:
+    """``decode`` (one token each) as the inputs of the graph of ``batch_size``."""
+    num_pad = batch_size - len(decode)
+    if num_pad < 0:
+        raise ValueError(f"{len(decode)} decodes do not fit a graph of {batch_size}")
+    table = build_page_table(decode, block_size, sliding_window, null_block_id)
+    table = table.padded(batch_size)
+    slots = [s.block_ids[s.start_pos // block_size] * block_size + s.start_pos % block_size
+             for s in decode]  # fmt: skip
+    indices = table.kv_indices + [0] * (batch_size * max_pages_per_seq - len(table.kv_indices))
+    return PaddedDecode(
+        batch_size=batch_size,
+        num_seqs=len(decode),
+        input_ids=[s.token_ids[0] for s in decode] + [0] * num_pad,
+        positions=[s.start_pos for s in decode] + [0] * num_pad,
+        slot_mapping=slots + [scratch_slot] * num_pad,
+        kv_indptr=table.kv_indptr,
+        kv_indices=indices,
+        kv_lens=table.kv_lens,
+    )
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    ints64: torch.Tensor  # ids | positions | slots
+    ints32: torch.Tensor  # kv_indptr | kv_lens | kv_indices
+    hidden: torch.Tensor  # [batch_size, hidden], the captured output
+
+
+class DecodeGraphs:
+    """Decode steps captured as CUDA graphs on ``model`` over ``pool`` (CUDA only).
+
+    The model's attention must read its decode page table from ``ForwardBatch.paged``
+    (the Triton backend); the pool must hold the scratch slot ``scratch_slot``."""
+
+    def __init__(
+        self,
+        model: object,
+        pool: KVPool,
+        *,
+        block_size: int,
+        max_model_len: int,
+        scratch_slot: int,
+        sizes: Sequence[int] = GRAPH_BATCH_SIZES,
+    ) -> None:
+        if pool.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {pool.device}")
+        self.model = model
+        self.pool = pool
+        self.block_size = block_size
+        self.max_pages_per_seq = -(-max_model_len // block_size)
+        self.scratch_slot = scratch_slot
+        self.sizes = tuple(sorted(sizes))
+        self._graphs: dict[int, _Graph] = {}
+
+    def capture(self) -> None:
+        """Capture every size, largest first, into one shared memory pool."""
+        mempool = torch.cuda.graph_pool_handle()
+        for size in sorted(self.sizes, reverse=True):
+            self._graphs[size] = self._capture(size, mempool)
+        torch.cuda.synchronize(self.pool.device)
+
+    def _capture(self, size: int, mempool: object) -> _Graph:
+        device = self.pool.device
+        ints64 = torch.zeros(3 * size, dtype=torch.int64, device=device)
+        ints64[2 * size :] = self.scratch_slot
+        ints32 = torch.zeros(2 * size + 1 + size * self.max_pages_per_seq, dtype=torch.int32)
+        ints32 = ints32.to(device)
+        table = PageTableTensors(
+            qo_indptr=torch.arange(size + 1, dtype=torch.int32, device=device),
+            kv_indptr=ints32[: size + 1],
+            kv_last_page_len=torch.zeros(size, dtype=torch.int32, device=device),  # unread
+            kv_lens=ints32[size + 1 : 2 * size + 1],
+            kv_indices=ints32[2 * size + 1 :],
+            max_qo_len=1,
+            max_kv_len=self.max_pages_per_seq * self.block_size,
+        )
+        batch = ForwardBatch(
+            num_tokens=size,
+            input_ids=ints64[:size],
+            positions=ints64[size : 2 * size],
+            slot_mapping=ints64[2 * size :],
+            prefills=[],
+            decodes=[],
+            paged=PagedMetadata(0, None, None, None, table),
+        )
+        forward = self.model.forward  # type: ignore[attr-defined]
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):  # warm-up: Triton compiles outside the capture
+            forward(batch, self.pool)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=mempool):
+            hidden = forward(batch, self.pool)
+        return _Graph(graph, ints64, ints32, hidden)
+
+    def run(self, padded: PaddedDecode) -> torch.Tensor:
+        """Replay the graph of ``padded.batch_size``; hidden states of the real rows."""
+        entry = self._graphs[padded.batch_size]
+        host64 = torch.tensor(
+            padded.input_ids + padded.positions + padded.slot_mapping, dtype=torch.int64
+        )
+        host32 = torch.tensor(
+            padded.kv_indptr + padded.kv_lens + padded.kv_indices, dtype=torch.int32
+        )
+        entry.ints64.copy_(host64.pin_memory(), non_blocking=True)
+        entry.ints32.copy_(host32.pin_memory(), non_blocking=True)
+        entry.graph.replay()
+        return entry.hidden[: padded.num_seqs]

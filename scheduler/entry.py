@@ -1,0 +1,173 @@
+"""The scheduler's bookkeeping types: one ``Entry`` per request, the ``RequestOutput`` and
+``ScheduledSeq`` constructors' partner ``make_output``, the cumulative ``Counters``, and the
+``StepPlan`` a step is built in. Plain data; the ``Scheduler`` owns every change."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from cache_manager import Allocation
+from scheduler.fork import ForkGroup
+from scheduler.output import RequestOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
+from scheduler.policies import TokenBudget
+from scheduler.request import FinishReason, Request
+from scheduler.slo import NO_TARGET, SloStep, UnsizedStep
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    """The scheduler's bookkeeping for one request (the Request stays plain data)."""
+
+    request: Request
+    rank: int  # effective priority, fixed at arrival (see QueueOrder)
+    sort_key: int  # waiting-queue key, then (arrival_seq, index)
+    arrival_seq: int
+    index: int = 0  # sample index: 0 for the request the client sent, i for its i-th fork
+    group: ForkGroup | None = None  # n > 1, on sample 0: its samples (see scheduler.fork)
+    blocked_at_num_free: int | None = None  # free blocks when admission last failed for memory
+    moved_late: bool = False  # slo: moved back once, found late at the head (scheduler.slo)
+    # For the decode hot path: tokens that may stop it, and the length that ends it.
+    stop_ids: frozenset[int] = frozenset()
+    max_num_tokens: int = 0  # prompt + max_tokens (within max_model_len: checked at admission)
+
+    def __post_init__(self) -> None:
+        req = self.request
+        sampling = req.sampling
+        eos = () if sampling.ignore_eos else req.eos_token_ids
+        self.stop_ids = frozenset((*sampling.stop_token_ids, *eos))
+        self.max_num_tokens = req.num_prompt_tokens + sampling.max_tokens
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def arrival(self) -> tuple[int, int]:
+        return (self.arrival_seq, self.index)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens to compute before sampling. A parent of forked samples stops one short of
+        its prompt: the samples fork there and each computes the last prompt token itself,
+        sampling its own first token (n - 1 writes into the shared partial block are copied
+        on write; no keyed, full block is ever written)."""
+        if self.group is not None and not self.group.forked:
+            return self.request.num_prompt_tokens - 1
+        return self.request.num_tokens
+
+    @property
+    def num_seats(self) -> int:
+        """Running slots admission needs: n for a parent not forked yet, else 1."""
+        return 1 if self.group is None else 1 + self.group.num_unforked
+
+    @property
+    def forked_ids(self) -> tuple[str, ...]:
+        """What the parent's output names in ``forked_ids``: its samples, once they are
+        forked and until its first token is out (a later output need not repeat them)."""
+        group = self.group
+        if group is None or not group.forked or len(self.request.output_token_ids) > 1:
+            return ()
+        return group.child_ids
+
+
+def make_output(
+    entry: Entry,
+    new_token_ids: list[int],
+    new_logprobs: list[TokenLogprobs],
+    reason: FinishReason | None,
+    error: str | None = None,
+) -> RequestOutput:
+    """What a request reports after a step (``reason`` None) or at its end: the one
+    ``RequestOutput`` constructor. Positional, as it runs for every token: measured 0.50 us
+    against 1.06 us with keywords."""
+    req = entry.request
+    return RequestOutput(
+        req.request_id,
+        new_token_ids,
+        new_logprobs,
+        reason is not None,
+        reason,
+        req.stop_reason,
+        error,
+        len(req.prompt_token_ids),
+        req.num_cached_tokens,
+        len(req.output_token_ids),
+        req.parent_id,
+        entry.index,
+        () if entry.group is None else entry.forked_ids,
+    )
+
+
+@dataclass(slots=True)
+class Counters:
+    """Cumulative counts for ``make_stats``, and the last plan's composition (not the plan
+    itself: holding it would keep thousands of objects alive into older GC generations and
+    make full collections frequent)."""
+
+    num_prefill_tokens: int = 0  # of the last plan
+    num_prefill_reqs: int = 0  # of the last plan
+    num_decode_reqs: int = 0  # of the last plan
+    num_steps_prefill: int = 0
+    num_steps_decode: int = 0
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_finished: Counter[str] = field(default_factory=Counter)  # by FinishReason.value
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step's plan while it is being built."""
+
+    step_id: int
+    budget: TokenBudget
+    slo: SloStep | UnsizedStep = NO_TARGET  # the slo policy's sizing of this step
+    prefill: dict[str, ScheduledSeq] = field(default_factory=dict)
+    decode: dict[str, ScheduledSeq] = field(default_factory=dict)
+    copies: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+
+    def add_prefill(self, seq: ScheduledSeq, allocation: Allocation) -> None:
+        self.prefill[seq.request_id] = seq
+        if allocation.block_copies:
+            self.copies[seq.request_id] = allocation.block_copies
+
+    def add_decode(self, seq: ScheduledSeq, allocation: Allocation) -> None:
+        self.decode[seq.request_id] = seq
+        if allocation.block_copies:
+            self.copies[seq.request_id] = allocation.block_copies
+
+    def unschedule(self, request_id: str) -> None:
+        """Take a preempted request out of this step, giving its tokens back to the budget.
+
+        Its copy-on-write copies go too: their destination blocks were just freed.
+        """
+        seq = self.prefill.pop(request_id, None) or self.decode.pop(request_id, None)
+        if seq is not None:
+            self.budget.give_back(seq.num_tokens)
+        self.copies.pop(request_id, None)
+
+    def refresh_block_ids(self, request_id: str, block_ids: list[int]) -> None:
+        """A request of this step had old blocks released (adaptive strategy): its planned
+        seq reads the new table, so no freed block is read."""
+        seq = self.prefill.get(request_id) or self.decode.get(request_id)
+        if seq is not None:
+            seq.block_ids = block_ids
+
+    def build(self, finished_request_ids: list[str], null_block_id: int | None) -> SchedulerOutput:
+        copies = [c for seq_copies in self.copies.values() for c in seq_copies]
+        return SchedulerOutput(
+            step_id=self.step_id,
+            prefill=list(self.prefill.values()),
+            decode=list(self.decode.values()),
+            block_copies=copies,
+            finished_request_ids=finished_request_ids,
+            null_block_id=null_block_id,
+        )

@@ -1,0 +1,185 @@
+"""ASGI serving: uvicorn as a task of the server's event loop (or, for a caller without a
+loop of ours, of a thread's own loop), and the /metrics app.
+
+The one /metrics server: ``kvserve serve`` serves it in its loop, each cluster replica and
+the cluster router on a thread (``start_asgi_server_thread``); TLS and the API key gate
+when asked. The OpenAI front is served here too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from server.auth import AuthError, Security
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: ``kvserve serve`` owns SIGTERM / SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:
+        yield
+
+
+@dataclass(slots=True)
+class AsgiServer:
+    """An ASGI app served by uvicorn as a task of the running event loop."""
+
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+    port: int
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        self.server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), timeout_s)
+        except TimeoutError:
+            self.server.force_exit = True
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+
+async def start_asgi_server(
+    app: ASGIApp,
+    host: str,
+    port: int,
+    security: Security | None = None,
+    *,
+    limit_concurrency: int | None = None,
+    name: str = "http",
+) -> AsgiServer:
+    """Bind ``host:port`` (0: a free port) and serve ``app`` from this event loop, with TLS
+    when ``security.tls`` is set. Over ``limit_concurrency`` open connections uvicorn
+    answers 503 at once instead of starting more work."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"could not bind {name} to {host}:{port}: {exc}") from exc
+    sock.listen(2048)
+    sock.setblocking(False)
+    tls = security.tls if security is not None else None
+    kwargs: dict[str, Any] = {}
+    if tls is not None:
+        import ssl
+
+        kwargs = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
+        if tls.client_ca is not None:
+            kwargs.update(ssl_ca_certs=tls.client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        lifespan="off",
+        access_log=False,
+        limit_concurrency=limit_concurrency,
+        timeout_graceful_shutdown=1,
+        **kwargs,
+    )
+    server = _Server(config)
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name=name)
+    while not server.started:
+        if task.done():
+            sock.close()
+            task.result()  # raises what stopped it
+            raise OSError(f"{name} server stopped during start-up")
+        await asyncio.sleep(0.01)
+    return AsgiServer(server, task, int(sock.getsockname()[1]))
+
+
+@dataclass(slots=True)
+class ThreadedAsgiServer:
+    """An ``AsgiServer`` on an event loop of its own daemon thread."""
+
+    server: AsgiServer
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.loop.is_running():
+            done = asyncio.run_coroutine_threadsafe(self.server.stop(timeout_s), self.loop)
+            with contextlib.suppress(Exception):
+                done.result(timeout_s + 1.0)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout_s)
+
+
+def start_asgi_server_thread(
+    app: ASGIApp,
+    host: str,
+    port: int,
+    security: Security | None = None,
+    *,
+    limit_concurrency: int | None = None,
+    name: str = "http",
+) -> ThreadedAsgiServer:
+    """``start_asgi_server`` on a new thread's event loop, for a caller that runs no loop of
+    ours (a Ray actor). Raises what binding raised (``OSError``)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name=name, daemon=True)
+    thread.start()
+    starting = asyncio.run_coroutine_threadsafe(
+        start_asgi_server(
+            app, host, port, security, limit_concurrency=limit_concurrency, name=name
+        ),
+        loop,
+    )
+    try:
+        server = starting.result(timeout=60)
+    except BaseException:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5.0)
+        raise
+    return ThreadedAsgiServer(server, loop, thread)
+
+
+# Scrapes served at once; over it uvicorn answers 503 instead of taking more work.
+METRICS_MAX_CONNECTIONS = 8
+
+
+class _KeyGate:
+    """ASGI middleware: every path but the open ones needs a valid API key."""
+
+    def __init__(self, app: ASGIApp, security: Security, open_paths: frozenset[str]) -> None:
+        self.app, self.security, self.open_paths = app, security, open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            headers = dict(scope.get("headers") or ())
+            authorization = headers.get(b"authorization", b"").decode("latin-1") or None
+            try:
+                self.security.authenticate(authorization)
+            except AuthError as exc:
+                # Imported here: the metrics server (a cluster replica's) stays light.
+                from server.openai_protocol import error_body
+
+                response = JSONResponse(error_body(str(exc), "authentication_error"), 401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def metrics_app(registry: Any, security: Security | None = None) -> ASGIApp:
+    """prometheus-client's ASGI app for ``registry``, behind the API key when asked."""
+    from prometheus_client import make_asgi_app
+
+    app: ASGIApp = make_asgi_app(registry)
+    if security is not None and security.auth_enabled and security.metrics_require_key:
+        app = _KeyGate(app, security, frozenset())
+    return app

@@ -1,0 +1,261 @@
+"""The OpenAI-compatible HTTP front: a Starlette app over the shared ``Frontend``.
+
+A thin adapter over the same engine as gRPC. A JSON body becomes a ``GenerateRequest``
+(``openai_protocol.parse_body``) and takes the gRPC path (``Frontend.engine_request``: one
+validation, one tokenizer call, one engine client); the outputs become OpenAI's JSON or
+server-sent events (``openai_protocol.Answer``)::
+
+    POST /v1/completions       prompt (text or token ids)       -> text_completion
+    POST /v1/chat/completions  messages (chat template)         -> chat.completion
+    GET  /v1/models            the served model
+    GET  /health               200 serving / 503 shutting down (no key needed)
+
+A stream that fails after its first event (cut off at the end of the shutdown grace period,
+say) sends ``data: {"error": ...}`` and ends. ``server.asgi`` serves the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+
+import grpc
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from metrics.records import MetricsSink, NullSink
+from server.auth import AuthError, Security
+from server.frontend import Frontend
+from server.openai_protocol import (
+    Answer,
+    Choices,
+    HttpError,
+    error_body,
+    http_error,
+    parse_body,
+    sse,
+)
+from server.outputs import GenerationOutput
+from server.validation import MAX_REQUEST_ID_CHARS, InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+
+def _json_error(error: HttpError) -> JSONResponse:
+    return JSONResponse(error_body(error.message, error.kind, error.param), error.status)
+
+
+class OpenAIFront:
+    """The Starlette app over one ``Frontend``; see the module docstring."""
+
+    def __init__(
+        self,
+        frontend: Frontend,
+        security: Security | None = None,
+        sink: MetricsSink | None = None,
+    ) -> None:
+        self.frontend = frontend
+        self.security = security if security is not None else Security()
+        self.sink: MetricsSink = sink if sink is not None else NullSink()
+        self.model = frontend.model
+        self.created = int(time.time())
+        self.app = Starlette(
+            routes=[
+                Route("/health", self.health, methods=["GET"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            ],
+            exception_handlers={404: self._not_found, 405: self._not_allowed},
+        )
+
+    # ------------------------------------------------------------------ routes
+    async def health(self, request: HttpRequest) -> Response:
+        if self.frontend.accepting:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "shutting down"}, 503)
+
+    async def models(self, request: HttpRequest) -> Response:
+        try:
+            self._owner(request)
+        except AuthError as exc:
+            return _json_error(http_error(exc))
+        m = self.model
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": m.name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "kvserve",
+                        "max_model_len": m.max_model_len,
+                        # llama.cpp's extension; kvserve loadtest reads the vocabulary here.
+                        "meta": {"n_vocab": m.vocab_size, "n_ctx": m.max_model_len},
+                    }
+                ],
+            }
+        )
+
+    async def completions(self, request: HttpRequest) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: HttpRequest) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _not_found(self, request: HttpRequest, exc: Exception) -> Response:
+        return _json_error(
+            HttpError(grpc.StatusCode.NOT_FOUND, f"no route {request.url.path}; see GET /v1/models")
+        )
+
+    async def _not_allowed(self, request: HttpRequest, exc: Exception) -> Response:
+        return _json_error(
+            HttpError(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"{request.method} is not allowed on {request.url.path}",
+            )
+        )
+
+    # ------------------------------------------------------------------ generation
+    def _owner(self, request: HttpRequest) -> str:
+        """Raises ``AuthError`` (401) without a valid key."""
+        host = request.client.host if request.client is not None else "unknown"
+        return self.security.owner(request.headers.get("authorization"), host)
+
+    async def _generate(self, http: HttpRequest, chat: bool) -> Response:
+        method = "ChatCompletions" if chat else "Completions"
+        try:
+            owner = self._owner(http)
+            try:
+                body = await http.json()
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+            parsed = parse_body(body, chat, self.model.name)
+            request_id = http.headers.get("x-request-id") or (
+                f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            )
+            if len(request_id) > MAX_REQUEST_ID_CHARS:
+                raise InvalidRequestError(
+                    f"X-Request-Id must be at most {MAX_REQUEST_ID_CHARS} characters"
+                )
+            parsed.request.request_id = request_id
+            engine_request = await self.frontend.engine_request(
+                # OpenAI's defaults: 16 tokens for a completion, the rest of the context for chat
+                parsed.request, owner, default_max_tokens=2**31 - 1 if chat else None,
+            )  # fmt: skip
+            outputs = self.frontend.stream(engine_request)
+            # The first output before any header: a refusal (overload) is still a status.
+            try:
+                first = await anext(outputs)
+            except BaseException:
+                await outputs.aclose()
+                raise
+        except Exception as exc:
+            error = http_error(exc)
+            self.sink.on_rpc(method, self._count_failure(method, error, exc))
+            return _json_error(error)
+        answer = Answer(
+            parsed, chat, request_id, self.model.name,
+            len(engine_request.prompt_token_ids), self.frontend.token,
+        )  # fmt: skip
+        if parsed.stream:
+            return StreamingResponse(
+                self._events(answer, first, outputs, method),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Request-Id": request_id},
+            )
+        try:
+            choices = Choices()
+            choices.add(first)
+            if not first.closes_stream and not await _collect_unless_disconnected(
+                http, outputs, choices
+            ):
+                self.sink.on_rpc(method, "CANCELLED")
+                return Response(status_code=499)  # nobody is listening any more
+        except Exception as exc:
+            error = http_error(exc)
+            self.sink.on_rpc(method, self._count_failure(method, error, exc))
+            return _json_error(error)
+        finally:
+            await outputs.aclose()
+        self.sink.on_rpc(method, "OK")
+        return JSONResponse(answer.whole(choices), headers={"X-Request-Id": request_id})
+
+    async def _events(
+        self,
+        answer: Answer,
+        first: GenerationOutput,
+        outputs: AsyncGenerator[GenerationOutput, None],
+        method: str,
+    ) -> AsyncIterator[str]:
+        code = "OK"
+        try:
+            for event in answer.chunks(first):
+                yield event
+            if not first.closes_stream:
+                async for out in outputs:
+                    for event in answer.chunks(out):
+                        yield event
+            if answer.parsed.include_usage:
+                yield sse(answer.usage_chunk())
+        except (asyncio.CancelledError, GeneratorExit):
+            code = "CANCELLED"
+            raise
+        except Exception as exc:
+            error = http_error(exc)
+            code = self._count_failure(method, error, exc)
+            yield sse(error_body(error.message, error.kind, error.param))
+        finally:
+            with contextlib.suppress(Exception):
+                await outputs.aclose()
+            self.sink.on_rpc(method, code)
+        yield "data: [DONE]\n\n"
+
+    def _count_failure(self, method: str, error: HttpError, exc: BaseException) -> str:
+        """Log an internal failure and count a rejection as gRPC's would be; the caller
+        records the call under the returned code name."""
+        if error.code is grpc.StatusCode.INTERNAL:
+            logger.error("%s failed: %r", method, exc, exc_info=exc)
+        if error.code is grpc.StatusCode.INVALID_ARGUMENT:
+            self.sink.on_rejected("invalid")
+        elif error.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self.sink.on_rejected("overload")
+        return error.code.name
+
+
+async def _collect_unless_disconnected(
+    http: HttpRequest, outputs: AsyncGenerator[GenerationOutput, None], choices: Choices
+) -> bool:
+    """Collect the rest of a non-streamed answer; False when the client hung up first (the
+    request is then aborted: closing its stream does that)."""
+
+    async def collect() -> None:
+        async for out in outputs:
+            choices.add(out)
+
+    async def disconnected() -> None:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    collecting = asyncio.ensure_future(collect())
+    watching = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not collecting.done():
+            collecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await collecting
+    if collecting.cancelled():
+        return False
+    collecting.result()  # raises what ended the request
+    return True

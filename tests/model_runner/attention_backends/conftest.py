@@ -1,0 +1,11 @@
+"""Triton runs on the GPU when there is one, else in its interpreter (``TRITON_INTERPRET=1``).
+
+Triton reads the variable when a kernel is decorated, so it is set here, before any test
+module of this package imports ``model_runner.attention_backends.triton_kernels``."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,97 @@
+"""CUDA graphs for decode steps: the pure parts (sizes, padding, the memory estimate) on any
+machine; capture and replay against eager steps where CUDA is present."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_runner.config import ModelConfig
+from model_runner.cuda_graphs import (
+    GRAPH_BATCH_SIZES,
+    capture_sizes,
+    graph_batch_size,
+    graph_memory_bytes,
+    pad_decode,
+)
+from tests.model_runner.oracle import seq
+
+
+def test_sizes_are_powers_of_two_up_to_256() -> None:
+    """Graphs are captured for 1, 2, 4, ..., 256 decodes."""
+    assert GRAPH_BATCH_SIZES == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def test_a_batch_takes_the_next_size_up() -> None:
+    """1 -> 1, 3 -> 4, 5 -> 8, 32 -> 32, 33 -> 64, 256 -> 256; 257 runs eagerly (None)."""
+    assert [graph_batch_size(n) for n in (1, 2, 3, 5, 32, 33, 200, 256, 257)] == [
+        1, 2, 4, 8, 32, 64, 256, 256, None,
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="at least one"):
+        graph_batch_size(0)
+
+
+def test_capture_sizes_stop_at_the_first_that_holds_max_num_seqs() -> None:
+    """max_num_seqs 48 captures 1..64; 256 and 1000 capture every size."""
+    assert capture_sizes(48) == (1, 2, 4, 8, 16, 32, 64)
+    assert capture_sizes(256) == GRAPH_BATCH_SIZES
+    assert capture_sizes(1000) == GRAPH_BATCH_SIZES
+
+
+def test_padding_rows_write_the_scratch_slot_and_have_no_keys() -> None:
+    """Three decodes padded to 4 (block size 4, 3 pages per row): the real rows' ids,
+    positions, slots and pages, then a row of token 0 at position 0 writing the scratch
+    slot, with no keys, and the page list padded with 0 to 4 x 3 entries."""
+    decode = [
+        seq("a", list(range(10)), 9, 10, [5, 1, 8]),
+        seq("b", list(range(3)), 2, 3, [4]),
+        seq("c", list(range(5)), 4, 5, [2, 7]),
+    ]
+    padded = pad_decode(decode, 4, block_size=4, max_pages_per_seq=3, scratch_slot=400)
+    assert (padded.batch_size, padded.num_seqs) == (4, 3)
+    assert padded.input_ids == [9, 2, 4, 0]
+    assert padded.positions == [9, 2, 4, 0]
+    assert padded.slot_mapping == [33, 18, 28, 400]
+    assert padded.kv_indptr == [0, 3, 4, 6, 6]
+    assert padded.kv_lens == [10, 3, 5, 0]
+    assert padded.kv_indices == [5, 1, 8, 4, 2, 7] + [0] * 6
+    with pytest.raises(ValueError, match="do not fit"):
+        pad_decode(decode, 2, block_size=4, max_pages_per_seq=3, scratch_slot=400)
+
+
+def test_graph_memory_estimate_for_a_llama_3_8b_shape() -> None:
+    """Llama-3-8B (hidden 4096, 32 / 8 heads of 128, MLP 14336), bf16, batch 256: twice a
+    layer's activations per row (3 x 4096 + 48 x 128 + 32 x 128 + 3 x 14336 = 65536
+    elements) plus 36 bytes of inputs per row."""
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+    )
+    assert graph_memory_bytes(config, 256, 2) == 2 * 256 * 65536 * 2 + 256 * 36
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_graph_replay_equals_eager_decode() -> None:
+    """On CUDA with the Triton backend: decode logits of 3 requests (graph of 4) from the
+    captured graph equal the same runner's eager step (fp32, 1e-4)."""
+    pytest.importorskip("triton")
+    from tests.model_runner.oracle import make_runner, plan, random_ids, tiny_hf
+
+    hf = tiny_hf("llama-gqa")
+    ids = [random_ids(9, s) for s in range(3)]
+    tables = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    prefill = plan(0, prefill=[seq(f"r{i}", ids[i], 0, 8, tables[i]) for i in range(3)])
+    decode = plan(1, decode=[seq(f"r{i}", ids[i], 8, 9, tables[i]) for i in range(3)])
+    logits = []
+    for graphs in (False, True):
+        runner = make_runner(hf, attention_backend="triton", cuda_graphs=graphs)
+        runner.step_logits(prefill)
+        logits.append(runner.step_logits(decode))
+    for rid, ref in logits[0].items():
+        assert (logits[1][rid] - ref).abs().max().item() <= 1e-4

@@ -1,0 +1,348 @@
+"""The OpenAI protocol as pure functions: JSON bodies -> GenerateRequest, outputs -> JSON."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import grpc
+import pytest
+
+from scheduler.output import TokenLogprobs
+from scheduler.request import FinishReason
+from server import validation
+from server.grpc_service import finish_reason_pb
+from server.openai_protocol import (
+    Answer,
+    Choices,
+    HttpError,
+    finish_reason,
+    http_error,
+    parse_body,
+)
+from server.outputs import GenerationOutput
+from server.rpc import generation_pb2 as pb
+from server.validation import InvalidRequestError, Limits
+
+MODEL = "fake"
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+CHAT_PB = {"chat": CHAT}
+
+
+def _out(
+    index: int = 0,
+    text: str = "",
+    finish: FinishReason | None = None,
+    num_output_tokens: int = 0,
+    logprobs: tuple[TokenLogprobs, ...] = (),
+) -> GenerationOutput:
+    return GenerationOutput(
+        request_id="o/r",
+        index=index,
+        token_ids=[],
+        text=text,
+        finished=finish is not None,
+        finish_reason=finish,
+        num_prompt_tokens=4,
+        num_cached_tokens=2,
+        num_output_tokens=num_output_tokens,
+        logprobs=list(logprobs),
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "expected"),
+    [
+        ({"prompt": "hello"}, False, {"text": "hello"}),
+        ({"prompt": ["hello"]}, False, {"text": "hello"}),  # a batch of one
+        ({"prompt": [1, 2, 3]}, False, {"token_ids": {"ids": [1, 2, 3]}}),
+        (
+            {
+                **CHAT,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                    }
+                ],
+            },
+            True,
+            {"chat": {"messages": [{"role": "user", "content": "ab"}]}},
+        ),
+        (
+            {"prompt": "x", "temperature": 0, "top_p": 0.5, "top_k": 3, "seed": -1},
+            False,
+            {
+                "text": "x",
+                "sampling": {"temperature": 0.0, "top_p": 0.5, "top_k": 3, "seed": str(2**64 - 1)},
+            },
+        ),
+        (
+            {
+                "prompt": "x",
+                "max_tokens": 7,
+                "min_tokens": 2,
+                "stop": "\n",
+                "stop_token_ids": [5],
+                "ignore_eos": True,
+            },
+            False,
+            {
+                "text": "x",
+                "stopping": {
+                    "max_tokens": 7,
+                    "min_tokens": 2,
+                    "stop": ["\n"],
+                    "stop_token_ids": [5],
+                    "ignore_eos": True,
+                },
+            },
+        ),
+        (
+            {**CHAT, "max_tokens": 9, "max_completion_tokens": 3},
+            True,
+            {**CHAT_PB, "stopping": {"max_tokens": 3}},
+        ),
+        (
+            {"prompt": "x", "max_tokens": 2**40},
+            False,
+            {"text": "x", "stopping": {"max_tokens": 2**31 - 1}},
+        ),
+        (
+            {"prompt": "x", "n": 2, "priority": -(2**40), "cache_salt": "s", "model": MODEL},
+            False,
+            {"text": "x", "n": 2, "priority": -(2**31), "cache_salt": "s"},
+        ),
+        ({"prompt": "x", "logprobs": 2}, False, {"text": "x", "sampling": {"logprobs": 2}}),
+        (
+            {**CHAT, "logprobs": True, "top_logprobs": 3},
+            True,
+            {**CHAT_PB, "sampling": {"logprobs": 3}},
+        ),
+    ],
+)
+def test_parse_body_builds_the_request(body: dict[str, Any], chat: bool, expected: Any) -> None:
+    """Each accepted body becomes exactly this GenerateRequest."""
+    from google.protobuf.json_format import MessageToDict
+
+    parsed = parse_body(body, chat, MODEL)
+    assert MessageToDict(parsed.request, preserving_proto_field_name=True) == MessageToDict(
+        _message(expected), preserving_proto_field_name=True
+    )
+
+
+def _message(fields: dict[str, Any]) -> pb.GenerateRequest:
+    from google.protobuf.json_format import ParseDict
+
+    return ParseDict(fields, pb.GenerateRequest())
+
+
+@pytest.mark.parametrize(
+    ("body", "stream", "include_usage", "logprobs"),
+    [
+        ({"prompt": "x"}, False, False, False),
+        ({"prompt": "x", "stream": True}, True, False, False),
+        (
+            {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}},
+            True,
+            True,
+            False,
+        ),
+        ({"prompt": "x", "logprobs": 0}, False, False, True),
+    ],
+)
+def test_parse_body_says_how_to_answer(
+    body: dict[str, Any], stream: bool, include_usage: bool, logprobs: bool
+) -> None:
+    """Streaming, usage in the stream and logprobs come from the body."""
+    parsed = parse_body(body, False, MODEL)
+    assert (parsed.stream, parsed.include_usage, parsed.logprobs) == (
+        stream,
+        include_usage,
+        logprobs,
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "message"),
+    [
+        ([1], False, "the request body must be a JSON object"),
+        ({}, False, "prompt is required: a string or a list of token ids"),
+        ({"prompt": ["a", "b"]}, False, "prompt: batches of prompts are not supported"),
+        ({"prompt": [1, -2]}, False, "prompt holds a negative token id: -2"),
+        ({"messages": []}, True, "messages must be a non-empty list of {role, content}"),
+        ({"messages": ["x"]}, True, "messages[0] must be an object with role, content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            True,
+            "messages[0].content[0] is of type 'image_url'; only text parts are supported",
+        ),
+        ({"prompt": "x", "temperature": "hot"}, False, "temperature must be a number, got 'hot'"),
+        ({"prompt": "x", "temperature": True}, False, "temperature must be a number, got True"),
+        ({"prompt": "x", "seed": 1.5}, False, "seed must be an integer, got 1.5"),
+        ({"prompt": "x", "stop": 3}, False, "stop must be a string or a list of strings"),
+        ({"prompt": "x", "stop_token_ids": ["a"]}, False,
+         "stop_token_ids must be a list of token ids"),
+        ({"prompt": "x", "ignore_eos": 1}, False, "ignore_eos must be true or false, got 1"),
+        ({"prompt": "x", "cache_salt": 1}, False, "cache_salt must be a string, got 1"),
+        ({**CHAT, "top_logprobs": 2}, True, "top_logprobs needs logprobs: true"),
+        ({**CHAT, "logprobs": True, "top_logprobs": -1}, True, "top_logprobs must be >= 0, got -1"),
+        ({"prompt": "x", "stream_options": {}}, False,
+         "stream_options is only allowed with stream: true"),
+        ({"prompt": "x", "stream": True, "stream_options": 1}, False,
+         "stream_options must be an object"),
+    ],
+)  # fmt: skip
+def test_parse_body_refuses_with_a_message(body: Any, chat: bool, message: str) -> None:
+    """A body that cannot be served is an invalid request naming what to change."""
+    with pytest.raises(InvalidRequestError) as error:
+        parse_body(body, chat, MODEL)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "code", "message", "param"),
+    [
+        ({"prompt": "x", "model": "gpt-4"}, False, grpc.StatusCode.NOT_FOUND,
+         "'gpt-4' does not exist: this server serves 'fake'", "model"),
+        ({**CHAT, "tools": [{"type": "function"}]}, True, grpc.StatusCode.INVALID_ARGUMENT,
+         "unsupported field(s) for /v1/chat/completions: tools", "tools"),
+        ({"prompt": "x", "echo": True}, False, grpc.StatusCode.INVALID_ARGUMENT,
+         "unsupported field(s) for /v1/completions: echo", "echo"),
+        ({"prompt": "x", "best_of": 2}, False, grpc.StatusCode.INVALID_ARGUMENT,
+         "unsupported field(s) for /v1/completions: best_of", "best_of"),
+    ],
+)  # fmt: skip
+def test_parse_body_http_errors(
+    body: Any, chat: bool, code: grpc.StatusCode, message: str, param: str
+) -> None:
+    """Unknown models and unsupported fields carry their status and the field's name."""
+    with pytest.raises(HttpError) as error:
+        parse_body(body, chat, MODEL)
+    assert (error.value.code, error.value.param) == (code, param)
+    assert message in error.value.message
+
+
+def test_unsupported_empty_values_pass() -> None:
+    """A field the server does not take is accepted while it says nothing (None, false, {})."""
+    parse_body(
+        {"prompt": "x", "tools": [], "suffix": None, "echo": False, "best_of": 1}, False, MODEL
+    )
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "kind", "message"),
+    [
+        (InvalidRequestError("sampling.top_p must be <= 1"), 400, "invalid_request_error",
+         "top_p must be <= 1"),
+        (InvalidRequestError("token_ids.ids holds 3"), 400, "invalid_request_error",
+         "prompt holds 3"),
+        (HttpError(grpc.StatusCode.UNIMPLEMENTED, "no"), 405, "invalid_request_error", "no"),
+        (RuntimeError("boom"), 500, "internal_error", "internal error: RuntimeError('boom')"),
+    ],
+)  # fmt: skip
+def test_http_error_status_and_field_names(
+    exc: BaseException, status: int, kind: str, message: str
+) -> None:
+    """A failure gets the HTTP status of its gRPC code, and OpenAI's field names."""
+    error = http_error(exc)
+    assert (error.status, error.kind, error.message) == (status, kind, message)
+
+
+@pytest.mark.parametrize(
+    ("reason", "openai", "wire"),
+    [
+        (FinishReason.STOP, "stop", pb.FINISH_REASON_STOP),
+        (FinishReason.LENGTH, "length", pb.FINISH_REASON_LENGTH),
+        (FinishReason.ABORT, "abort", pb.FINISH_REASON_ABORT),
+        (FinishReason.ERROR, "error", pb.FINISH_REASON_ERROR),
+        (None, "error", pb.FINISH_REASON_ERROR),  # finished without a reason: it failed
+    ],
+)
+def test_finish_reason_mapping(reason: FinishReason | None, openai: str, wire: int) -> None:
+    """Every finish reason has its OpenAI string and its wire enum; no table to keep."""
+    out = _out(finish=reason)
+    out.finished = True
+    assert finish_reason(out) == openai
+    assert finish_reason_pb(reason) == wire
+    assert finish_reason(_out()) is None  # not finished yet
+
+
+def test_whole_answer_joins_the_samples_and_sums_the_usage() -> None:
+    """A non-streamed completion: each sample's text joined, finish reasons, usage once."""
+    choices = Choices()
+    for out in (
+        _out(0, "a"),
+        _out(1, "x", FinishReason.LENGTH, 1),
+        _out(0, "b", FinishReason.STOP, 2),
+    ):
+        choices.add(out)
+    answer = Answer(parse_body({"prompt": "p"}, False, MODEL), False, "cmpl-1", MODEL, 4, str)
+    body = answer.whole(choices)
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "ab", "stop"),
+        (1, "x", "length"),
+    ]
+    assert body["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 3,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
+
+
+def test_chat_stream_opens_with_the_role_and_ends_with_usage() -> None:
+    """Chat chunks: the role first, then deltas with the finish reason, then the usage."""
+    parsed = parse_body(
+        {**CHAT, "stream": True, "stream_options": {"include_usage": True}}, True, MODEL
+    )
+    answer = Answer(parsed, True, "chatcmpl-1", MODEL, 4, str)
+    events = answer.chunks(_out(0, "hi")) + answer.chunks(_out(0, "", FinishReason.STOP, 1))
+    bodies = [json.loads(e.removeprefix("data: ")) for e in events]
+    assert [b["choices"][0]["delta"] for b in bodies] == [
+        {"role": "assistant", "content": ""},
+        {"content": "hi"},
+        {},
+    ]
+    assert [b["choices"][0]["finish_reason"] for b in bodies] == [None, None, "stop"]
+    assert all(b["object"] == "chat.completion.chunk" and b["usage"] is None for b in bodies)
+    assert answer.usage_chunk()["usage"]["completion_tokens"] == 1
+
+
+def test_logprobs_in_both_shapes() -> None:
+    """Completions list tokens and their logprobs; chat nests the top ones per token."""
+    lp = TokenLogprobs(token_id=7, logprob=-0.5, top=((7, -0.5), (8, -1.0)))
+    choices = Choices()
+    choices.add(_out(0, "t", FinishReason.STOP, 1, logprobs=(lp,)))
+    completion = Answer(
+        parse_body({"prompt": "p", "logprobs": 1}, False, MODEL), False, "c", MODEL, 1, str
+    )
+    assert completion.whole(choices)["choices"][0]["logprobs"] == {
+        "tokens": ["7"],
+        "token_logprobs": [-0.5],
+        "top_logprobs": [{"7": -0.5, "8": -1.0}],
+    }
+    chat = Answer(parse_body({**CHAT, "logprobs": True}, True, MODEL), True, "c", MODEL, 1, str)
+    content = chat.whole(choices)["choices"][0]["logprobs"]["content"]
+    assert content[0]["token"] == "7" and content[0]["bytes"] == [55]
+    assert [t["logprob"] for t in content[0]["top_logprobs"]] == [-0.5, -1.0]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"prompt": "x", "top_k": 0}, "top_k must be >= 1 (or unset to disable), got 0"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+        ({"prompt": "x", "max_tokens": -5}, "max_tokens must be >= 1, got -5"),
+        ({"prompt": "x", "min_tokens": -1}, "min_tokens must be in [0, max_tokens=16], got -1"),
+        ({"prompt": "x", "logprobs": -1}, "logprobs must be in [0, 20], got -1"),
+    ],
+)
+def test_ranges_are_checked_once_by_sampling_params(body: dict[str, Any], message: str) -> None:
+    """parse_body passes a value out of range through; validation (SamplingParams' ranges,
+    the gRPC path's) refuses it, and the HTTP error names the field as OpenAI does."""
+    parsed = parse_body(body, False, MODEL)
+    limits = Limits(vocab_size=100, max_model_len=64)
+    with pytest.raises(InvalidRequestError) as error:
+        validation.sampling_params(parsed.request, 1, limits)
+    assert http_error(error.value).message == message
