@@ -22,10 +22,12 @@ from cache_manager.sizing import (
     kv_memory_bytes_paged,
     num_blocks_for_budget,
 )
-from cache_manager.stats import KVCacheStats
+from cache_manager.stats import TIER_ERROR_KINDS, KVCacheStats, KVTierStats
+from cache_manager.tier import TierBlock, TierPlan
 
 __all__ = [
     "EVICTION_POLICIES",
+    "TIER_ERROR_KINDS",
     "Allocation",
     "BlockPool",
     "BlockQueue",
@@ -35,11 +37,14 @@ __all__ = [
     "KVCacheConfig",
     "KVCacheManager",
     "KVCacheStats",
+    "KVTierStats",
     "LFUEviction",
     "LRUEviction",
     "ModelShape",
     "PrefixHit",
     "SharedPrefixEviction",
+    "TierBlock",
+    "TierPlan",
     "block_bytes",
     "hash_block_tokens",
     "kv_memory_bytes",

@@ -20,6 +20,7 @@ class KVBlock:
         "cache_salt",
         "hit_count",
         "is_shared",
+        "is_spilled",
         "next",
         "num_filled",
         "parent_hash",
@@ -38,6 +39,7 @@ class KVBlock:
         self.cache_salt: str | None = None
         self.hit_count = 0  # prefix hits taken on this block since it got its key
         self.is_shared = False  # held by >1 request at once, or hit, since it got its key
+        self.is_spilled = False  # tier 2 has (or is being given) its KV since it got its key
         self.num_filled = 0  # slots holding KV (max over holders); 0 while free
         self.prev: KVBlock | None = None
         self.next: KVBlock | None = None

@@ -9,6 +9,10 @@ A freed block without a key holds nothing reusable, so it goes to the very front
 handed out before any cached block loses its key. A freed block with a key keeps it (lazy
 eviction): a prefix hit can take it back in O(1) until the block is handed out, at which point
 its key is dropped and an eviction is counted.
+
+With tier 2 (``cache_manager.tier``), a keyed block is spilled when it becomes evictable
+(once per key), so the store has it before it is evicted, after a restart, and for the other
+replicas on the host.
 """
 
 from __future__ import annotations
@@ -17,13 +21,22 @@ from collections.abc import Sequence
 
 from cache_manager.block import BlockQueue, KVBlock
 from cache_manager.eviction import EvictionPolicy
+from cache_manager.tier import TierLedger
 
 
 class BlockPool:
     """``num_blocks`` blocks; optionally block 0 is the null block, never handed out."""
 
-    def __init__(self, num_blocks: int, policy: EvictionPolicy, *, reserve_null: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        policy: EvictionPolicy,
+        *,
+        reserve_null: bool,
+        tier: TierLedger | None = None,
+    ) -> None:
         self.num_blocks = num_blocks
+        self.tier = tier  # tier 2: evicted keyed blocks are spilled through it
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.policy = policy
         self.empty = BlockQueue("empty")
@@ -64,6 +77,8 @@ class BlockPool:
         """Drop the key of a cached block that is being handed out."""
         key = block.block_hash
         assert key is not None and self.cached.get(key) is block
+        if self.tier is not None:
+            self.tier.on_evict(block)
         del self.cached[key]
         self._clear_key(block)
         self.num_evictions += 1
@@ -77,6 +92,7 @@ class BlockPool:
         block.cache_salt = None
         block.hit_count = 0
         block.is_shared = False
+        block.is_spilled = False
 
     def touch(self, block: KVBlock) -> None:
         """Take a reference on a cached block (a prefix hit); off the free list if it was free."""
@@ -95,6 +111,7 @@ class BlockPool:
         """
         empty = self.empty
         push = self.policy.push
+        tier = self.tier
         for block in blocks:
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -103,6 +120,8 @@ class BlockPool:
                     empty.appendleft(block)
                 else:
                     push(block)
+                    if tier is not None and not block.is_spilled:
+                        tier.on_free(block)
 
     def lookup(
         self,

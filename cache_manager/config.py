@@ -23,6 +23,8 @@ class KVCacheConfig:
     request may then run past the model's context (the scheduler allows it).
     ``kv_strategy`` / ``kv_strategy_threshold`` (tokens): see ``cache_manager.strategy``;
     ``adaptive`` reserves the null block too.
+    ``kv_tier``: evicted keyed blocks are spilled and staged blocks restored (see
+    ``cache_manager.tier``); needs prefix caching to matter.
     """
 
     num_blocks: int
@@ -34,6 +36,7 @@ class KVCacheConfig:
     attention_sinks: int = 0
     kv_strategy: str = "always"  # "always" | "long-sequence-only" | "adaptive" | "disabled"
     kv_strategy_threshold: int = 512
+    kv_tier: bool = False  # tier 2 below the prefix cache (server.kv_tier moves the bytes)
 
     @property
     def reserves_null_block(self) -> bool:

@@ -29,6 +29,7 @@ from cache_manager.eviction import make_eviction_policy
 from cache_manager.hashing import hash_block_tokens
 from cache_manager.stats import KVCacheStats
 from cache_manager.strategy import make_kv_strategy
+from cache_manager.tier import TierBlock, TierLedger, TierPlan
 
 
 class CacheSequence(Protocol):
@@ -71,6 +72,11 @@ class PrefixHit:
     ``allocate_slots`` / ``reserve_slots`` of the same request consume it: they reference the
     blocks, seed the table's keys with ``keys`` (nothing is hashed twice), and count
     ``num_query_tokens`` looked up and ``num_tokens`` hit, once. Compared by identity.
+
+    With tier 2, ``restore`` continues the chain past the tier-1 ``blocks`` with blocks
+    staged from the store: the allocation gives each a fresh block (``TierPlan.restores``)::
+
+        | blocks (tier 1) | restore (tier 2, staged) |      keys cover both
     """
 
     request_id: str
@@ -78,6 +84,7 @@ class PrefixHit:
     keys: tuple[bytes, ...]
     num_tokens: int
     num_query_tokens: int  # len(all_token_ids) at lookup; 0 with prefix caching off
+    restore: tuple[TierBlock, ...] = ()
 
     @property
     def block_ids(self) -> list[int]:
@@ -120,10 +127,12 @@ class KVCacheManager:
         self.attention_sinks = config.attention_sinks
         # Sinks are kept as whole blocks: the first ceil(sinks / block_size) of a table.
         self.num_sink_blocks = -(-config.attention_sinks // config.block_size)
+        self._tier = TierLedger() if config.kv_tier and self.enable_prefix_caching else None
         self._pool = BlockPool(
             config.num_blocks,
             make_eviction_policy(config.eviction_policy),
             reserve_null=config.reserves_null_block,
+            tier=self._tier,
         )
         self._blocks = self._pool.blocks
         self._null_block = self._pool.null_block
@@ -229,18 +238,32 @@ class KVCacheManager:
             num_blocks = min(num_blocks, max_num_tokens // bs)
         blocks: list[KVBlock] = []
         keys: list[bytes] = []
+        restore: list[TierBlock] = []
         salt = seq.cache_salt
         parent: bytes | None = None
-        for start in range(0, num_blocks * bs if pool.cached else 0, bs):
+        staged = self._tier.staged(seq.request_id) if self._tier is not None else None
+        for start in range(0, num_blocks * bs if pool.cached or staged else 0, bs):
             chunk = tokens[start : start + bs]
             key = hash_block_tokens(parent, chunk, salt)
-            block = pool.lookup(key, parent, chunk, salt)
-            if block is None:
-                break
-            blocks.append(block)
+            # Tier 1 first; once the chain continues in tier 2 it stays there.
+            block = None if restore else pool.lookup(key, parent, chunk, salt)
+            if block is not None:
+                blocks.append(block)
+            else:
+                entry = None if staged is None else staged.get(key)
+                if entry is None or not entry.matches(parent, chunk, salt):
+                    break
+                restore.append(entry)
             keys.append(key)
             parent = key
-        return PrefixHit(seq.request_id, tuple(blocks), tuple(keys), len(blocks) * bs, len(tokens))
+        return PrefixHit(
+            seq.request_id,
+            tuple(blocks),
+            tuple(keys),
+            len(keys) * bs,
+            len(tokens),
+            tuple(restore),
+        )
 
     def cache_full_blocks(self, seq: CacheSequence) -> None:
         """Give each newly full, computed block of ``seq`` its prefix-cache key.
@@ -279,6 +302,36 @@ class KVCacheManager:
                 pool.register(block, key, parent, chunk, salt)
             keys.append(key)
             parent = key
+
+    # ------------------------------------------------------------------ tier 2
+
+    @property
+    def has_tier(self) -> bool:
+        """Whether evicted keyed blocks spill to tier 2 (``KVCacheConfig.kv_tier``)."""
+        return self._tier is not None
+
+    def has_cached_key(self, key: bytes) -> bool:
+        """Whether a block of the pool holds the prefix-cache key ``key`` now."""
+        return key in self._pool.cached
+
+    def take_tier_plan(self) -> TierPlan:
+        """The spills and restores planned since the last call (see ``cache_manager.tier``):
+        the engine moves their bytes before the step's forward pass. Empty without the tier."""
+        return TierPlan() if self._tier is None else self._tier.take_plan()
+
+    def stage_tier_blocks(self, request_id: str, blocks: Sequence[TierBlock]) -> None:
+        """``blocks``, read from tier 2 for ``request_id``, are in host memory: its next
+        ``get_computed_blocks`` may continue into them past its tier-1 hit. Consumed by its
+        admission; ``unstage_tier_blocks`` drops them otherwise. No-op without the tier."""
+        if self._tier is not None:
+            self._tier.stage(request_id, blocks)
+
+    def unstage_tier_blocks(self, request_id: str) -> None:
+        if self._tier is not None:
+            self._tier.unstage(request_id)
+
+    def staged_tier_request_ids(self) -> list[str]:
+        return [] if self._tier is None else self._tier.staged_request_ids()
 
     def reset_prefix_cache(self) -> bool:
         """Drop every prefix-cache key. Refused (False, nothing changed) while any request
@@ -367,7 +420,7 @@ class KVCacheManager:
         bs = self.block_size
         end = start + num_new
         target = end if end > num_total else num_total
-        num_have = len(blocks)
+        num_have = len(blocks) + (len(hit.restore) if hit is not None else 0)
         num_written = -(-end // bs)  # blocks holding the slots written up to end
         num_need = num_written if target == end else -(-target // bs)
         num_fresh = num_need - num_have if num_need > num_have else 0
@@ -379,8 +432,8 @@ class KVCacheManager:
             if blocks[p].ref_count > 1:
                 num_cow += 1
         num_take = num_fresh + num_cow
-        if hit is not None:  # hit blocks on the free list leave it
-            num_take += sum(1 for b in blocks if b.ref_count == 0)
+        if hit is not None:  # hit blocks on the free list leave it; restores take fresh ones
+            num_take += sum(1 for b in blocks if b.ref_count == 0) + len(hit.restore)
         # The usual decode step takes no block: skip the free-list arithmetic then.
         if num_take and num_take > self._pool.num_free:
             return None
@@ -443,7 +496,16 @@ class KVCacheManager:
             )
         bs = self.block_size
         pool_blocks = self._blocks
-        for i, (block, key) in enumerate(zip(hit.blocks, hit.keys, strict=True)):
+        num_memory = len(hit.blocks)
+        if hit.restore and self._tier is None:
+            raise ValueError("a prefix hit restores from tier 2 but the tier is off")
+        for entry in hit.restore:
+            if entry.key in self._pool.cached:
+                raise ValueError(
+                    f"request {request_id!r}: a staged block's key is cached again; call "
+                    "get_computed_blocks right before allocating"
+                )
+        for i, (block, key) in enumerate(zip(hit.blocks, hit.keys[:num_memory], strict=True)):
             if block.block_hash != key or pool_blocks[block.block_id] is not block:
                 raise ValueError(
                     f"request {request_id!r}: block {block.block_id} does not hold its tokens "
@@ -464,11 +526,34 @@ class KVCacheManager:
             block.hit_count += 1
             block.is_shared = True
         state.blocks.extend(hit.blocks)
-        state.block_ids.extend([b.block_id for b in hit.blocks])
+        if hit.restore:
+            state.blocks.extend(self._take_restores(hit.restore))
+        state.block_ids.extend([b.block_id for b in state.blocks])
         state.block_keys.extend(hit.keys)
+        if self._tier is not None:
+            self._tier.unstage(hit.request_id)
         self._num_prefix_queries_tokens += hit.num_query_tokens
         self._num_prefix_hits_tokens += hit.num_tokens
         self._consumed_hits.add(hit)
+
+    def _take_restores(self, entries: Sequence[TierBlock]) -> list[KVBlock]:
+        """Fresh blocks for staged tier-2 blocks: keyed now (they count as computed) and
+        planned as restores, so the engine copies their bytes in before the step reads them."""
+        tier = self._tier
+        assert tier is not None
+        pool = self._pool
+        bs = self.block_size
+        taken = pool.take(len(entries))
+        for block, entry in zip(taken, entries, strict=True):
+            registered = pool.register(
+                block, entry.key, entry.parent_hash, entry.token_ids, entry.cache_salt
+            )
+            assert registered, "a staged key was cached between lookup and allocation"
+            block.num_filled = bs
+            block.is_shared = True  # a hit, as a tier-1 hit would be
+            self._num_used_slots += bs
+            tier.on_restore(block, entry.key)
+        return taken
 
     def _copy_on_write(
         self, state: _RequestBlocks, first: int, last: int, start: int
@@ -714,6 +799,7 @@ class KVCacheManager:
         block_bytes = self.config.block_bytes
         queries = self._num_prefix_queries_tokens
         hits = self._num_prefix_hits_tokens
+        tier = self._tier
         return KVCacheStats(
             block_size=bs,
             num_blocks_total=self.num_blocks,
@@ -737,6 +823,9 @@ class KVCacheManager:
             kv_strategy=self.strategy.name,
             strategy_dropped_tokens_total=self._num_dropped_tokens,
             strategy_windowed_tokens_total=self._num_windowed_tokens,
+            tier2_hit_blocks_total=0 if tier is None else tier.num_hit_blocks,
+            tier2_hit_tokens_total=0 if tier is None else tier.num_hit_blocks * bs,
+            tier2_spill_blocks_total=0 if tier is None else tier.num_spilled_blocks,
         )
 
     def check_invariants(self) -> None:
@@ -808,3 +897,8 @@ class KVCacheManager:
             )
         if not self.enable_prefix_caching and pool.cached:
             raise RuntimeError("prefix caching is off but blocks have keys")
+        if self._tier is not None:
+            for block_id in self._tier.pending_restore_ids():
+                block = pool.blocks[block_id]
+                if block.ref_count == 0 or block.block_hash is None:
+                    raise RuntimeError(f"restore into block {block_id}, which is free or keyless")

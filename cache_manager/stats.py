@@ -2,7 +2,41 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+# Why a tier-2 operation failed (each degrades to a miss or a dropped spill, never an error).
+TIER_ERROR_KINDS = (
+    "open",
+    "write",
+    "disk_full",
+    "read",
+    "checksum",
+    "truncated",
+    "stale_lock",
+    "backlog",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class KVTierStats:
+    """The store side of tier 2 (``server.kv_tier``): what it holds and what moved.
+
+    ``num_blocks`` / ``num_bytes`` are the whole store (shared by the replicas on a host);
+    the ``*_total`` counters are this process's since start-up.
+    """
+
+    backend: str  # "lmdb" | "file" | "off" (the store could not be opened)
+    capacity_bytes: int
+    num_blocks: int = 0
+    num_bytes: int = 0
+    spill_blocks_total: int = 0  # written to the store (duplicates skipped)
+    spill_bytes_total: int = 0
+    spill_seconds_total: float = 0.0  # background writer time
+    restore_blocks_total: int = 0  # read back into the pool
+    restore_bytes_total: int = 0
+    restore_seconds_total: float = 0.0  # store reads (background) + copies into the pool
+    lookups_blocks_total: int = 0  # blocks looked up in the store
+    errors_total: dict[str, int] = field(default_factory=dict)  # kind -> count
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +75,14 @@ class KVCacheStats:
     kv_strategy: str = "always"
     strategy_dropped_tokens_total: int = 0
     strategy_windowed_tokens_total: int = 0
+    # Tier 2 (``cache_manager.tier``): prefix-hit blocks restored from it, and their tokens
+    # (also counted in ``prefix_hits_tokens_total``; tier 1 = all hits - tier 2), and keyed
+    # blocks spilled to it when evicted. ``tier2`` is the store's side, filled in by the
+    # engine; None when the tier is off.
+    tier2_hit_blocks_total: int = 0
+    tier2_hit_tokens_total: int = 0
+    tier2_spill_blocks_total: int = 0
+    tier2: KVTierStats | None = None
 
     @classmethod
     def make_empty(

@@ -497,6 +497,8 @@ def scheduler_kv() -> dict[str, Any]:
                     f"sum(kvserve_kv_cache_cow_copies_total{{{SEL}}})",
                 ),
             ],
+            row("KV tiers"),
+            kv_tier_panels(),
             [model_table()],
         ]
     )
@@ -507,6 +509,41 @@ def scheduler_kv() -> dict[str, Any]:
         "preemptions and KVCacheStats.",
         panels,
     )
+
+
+def kv_tier_panels() -> list[Panel]:
+    """Tier 1 (the pool's prefix cache) and tier 2 (the disk store of --kv-disk-dir)."""
+    return [
+        timeseries(
+            "Prefix hit tokens / s by tier",
+            "Prompt tokens found in tier 1 (the pool) and restored from tier 2 (the disk "
+            "store), next to the tokens looked up: hit rate by tier = hits / queried.",
+            [
+                (f"sum by (tier) ({rate('kvserve_kv_tier_hits_tokens_total')})", "tier {{tier}}"),
+                (f"sum({rate('kvserve_prefix_cache_queries_tokens_total')})", "queried"),
+            ],
+        ),
+        timeseries(
+            "KV bytes held by tier",
+            "Tier 1: used + cached-free blocks of the pool; tier 2: the store's entries (shared "
+            "by the replicas of a host), against each tier's capacity.",
+            [
+                (f"max by (tier) (kvserve_kv_tier_bytes{{{SEL}}})", "tier {{tier}}"),
+                (f"max by (tier) (kvserve_kv_tier_capacity_bytes{{{SEL}}})", "capacity {{tier}}"),
+            ],
+            unit="bytes",
+        ),
+        timeseries(
+            "Tier 2 spills, restores and errors / s",
+            "Bytes written to and restored from the store, and failures by kind (each a miss "
+            "or a dropped spill; requests never fail).",
+            [
+                (f"sum({rate('kvserve_kv_tier2_spill_bytes_total')})", "spilled bytes"),
+                (f"sum({rate('kvserve_kv_tier2_restore_bytes_total')})", "restored bytes"),
+                (f"sum by (kind) ({rate('kvserve_kv_tier2_errors_total')})", "errors {{kind}}"),
+            ],
+        ),
+    ]
 
 
 def model_table() -> Panel:

@@ -243,6 +243,9 @@ class Workload:
                 "sampling",
                 "priorities",
                 "cancel",
+                # Multi-turn structure, read by loadtest.multiturn (each request a turn);
+                # this loader sends the requests as independent prompts.
+                "conversations",
             },
             "workload",
         )

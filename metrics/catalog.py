@@ -35,6 +35,7 @@ from metrics.histogram import (
     TOKEN_COUNT_BUCKETS,
     TTFT_BUCKETS_S,
 )
+from metrics.kv_tier import TIER_FIELD_METRICS
 from scheduler.output import SchedulerStats
 from scheduler.request import AbortReason, FinishReason
 
@@ -205,7 +206,8 @@ SNAPSHOT_METRICS: tuple[SnapshotMetric, ...] = (
 
 # Every KVCacheStats field -> the series that exports it (an info metric: ``name{label}``).
 KV_FIELD_METRICS: dict[str, str] = {
-    field: series for m in SNAPSHOT_METRICS for field, series in m.field_metrics().items()
+    **{field: series for m in SNAPSHOT_METRICS for field, series in m.field_metrics().items()},
+    **TIER_FIELD_METRICS,  # the KV tiers' families (metrics.kv_tier)
 }
 
 

@@ -125,6 +125,23 @@ class FakeRunner:
     def info(self) -> ModelInfo:
         return self._info
 
+    # -- the shadow KV as block bytes (tier 2: server.kv_tier.ShadowBlockIO) -------------
+
+    @property
+    def kv_block_size(self) -> int | None:
+        """Slots per block of the shadow KV (None: no shadow KV is kept)."""
+        return self._kv_block_size
+
+    def read_kv_block(self, block_id: int) -> list[int | None]:
+        """The token each slot of ``block_id`` holds in the shadow KV (None: never written)."""
+        assert self._kv_block_size is not None, "no shadow KV (verify_kv_block_size)"
+        return list(self._kv_slots.get(block_id, [None] * self._kv_block_size))
+
+    def write_kv_block(self, block_id: int, slots: Sequence[int | None]) -> None:
+        """Overwrite the shadow KV of ``block_id`` (a restore from tier 2)."""
+        assert self._kv_block_size is not None and len(slots) == self._kv_block_size
+        self._kv_slots[block_id] = list(slots)
+
     # -- test controls ------------------------------------------------------------------
 
     def set_script(self, request_id: str, token_ids: Iterable[int]) -> None:

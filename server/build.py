@@ -18,10 +18,11 @@ from model_runner.fake import FakeRunner, make_fake_info
 from model_runner.sim import roofline_cost_model
 from scheduler import Scheduler
 from server.calibration import calibrate
-from server.config import ServerConfig
+from server.config import ServerConfig, parse_bytes
 from server.engine import EngineLoop
 from server.fake_tokenizer import ByteTokenizer
 from server.frontend import ServedModel, ServerTokenizer
+from server.kv_tier import KVTier, open_kv_tier
 from server.text import make_text_stream_factory
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEng
         else:
             cost_model = roofline_cost_model(cfg.cost_model_prior)
     scheduler = Scheduler(cfg.scheduler_config(max_model_len), kv, cost_model)
+    kv_tier = _kv_tier(cfg, kv, runner, source)
     engine = EngineLoop(
         scheduler,
         runner,
@@ -115,6 +117,7 @@ def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEng
         cost_model=cost_model,
         max_unread_outputs=cfg.max_unread_outputs,
         stalled_stream_timeout_s=cfg.stalled_stream_timeout_s,
+        kv_tier=kv_tier,
     )
     model = ServedModel(
         name=info.name,
@@ -133,6 +136,21 @@ def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEng
         streams_past_context=kv.streams_past_context,
     )
     return BuiltEngine(engine, runner, scheduler, tokenizer, model, source)
+
+
+def _kv_tier(cfg: ServerConfig, kv: KVCacheManager, runner: Runner, source: str) -> KVTier | None:
+    """Tier 2 when ``--kv-disk-dir`` is set (``server.kv_tier``)."""
+    if cfg.kv_disk_dir is None:
+        return None
+    return open_kv_tier(
+        kv,
+        runner,
+        disk_dir=cfg.kv_disk_dir,
+        capacity_bytes=parse_bytes(cfg.kv_disk_bytes),
+        store_kind=cfg.kv_disk_store,
+        source=source,
+        block_size=cfg.block_size,
+    )
 
 
 def check_sinks_fit(attention_sinks: int, sliding_window: int | None, max_model_len: int) -> None:

@@ -98,8 +98,8 @@ _HELP = {
 }
 # Component fields the server derives instead: the context from the model (or
 # --max-model-len), the pool size from a budget (or --num-blocks), the window from the model
-# (or --sliding-window), the bytes per block from the model's shape.
-_DERIVED = frozenset({"max_model_len", "num_blocks", "sliding_window", "block_bytes"})
+# (or --sliding-window), the bytes per block from the model's shape, tier 2 from --kv-disk-dir.
+_DERIVED = frozenset({"max_model_len", "num_blocks", "sliding_window", "block_bytes", "kv_tier"})
 _COMPONENTS = {"scheduler": SchedulerConfig, "kv cache": KVCacheConfig}
 
 
@@ -257,6 +257,18 @@ class ServerConfig:
         choices=KV_DTYPE_CHOICES,
         group="kv cache",
     )
+    kv_disk_dir: str | None = _f(
+        None,
+        "tier 2: spill prefix-cache blocks to a store in this directory and restore them on a "
+        "hit (shared by the servers of a host, kept across restarts; default: off)",
+        group="kv cache",
+    )
+    kv_disk_bytes: str = _f(
+        "4GiB", "tier 2: bound of the store's entries (LRU by last use beyond it)", group="kv cache"
+    )
+    kv_disk_store: str = _f(
+        "lmdb", "tier 2 storage engine", choices=("lmdb", "file"), group="kv cache"
+    )
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
@@ -295,6 +307,8 @@ class ServerConfig:
             raise ValueError(f"fake_step_sleep_s must be >= 0, got {self.fake_step_sleep_s}")
         if self.kv_memory is not None:
             parse_bytes(self.kv_memory)
+        if parse_bytes(self.kv_disk_bytes) < 1:
+            raise ValueError(f"kv_disk_bytes must be >= 1 byte, got {self.kv_disk_bytes!r}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
@@ -330,7 +344,11 @@ class ServerConfig:
         """The cache manager's config: the generated fields and what the model decides."""
         values = {name: getattr(self, name) for name in _component_names(KVCacheConfig)}
         return KVCacheConfig(
-            num_blocks=num_blocks, sliding_window=sliding_window, block_bytes=block_bytes, **values
+            num_blocks=num_blocks,
+            sliding_window=sliding_window,
+            block_bytes=block_bytes,
+            kv_tier=self.kv_disk_dir is not None,
+            **values,
         )
 
 

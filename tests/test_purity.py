@@ -21,3 +21,13 @@ def test_core_packages_do_not_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_tier_bookkeeping_does_no_io() -> None:
+    """cache_manager (tier 2 included) imports no file, database or thread module."""
+    code = (
+        "import sys, cache_manager, cache_manager.tier\n"
+        "bad = {'lmdb', 'kv_store', 'threading', 'sqlite3'} & set(sys.modules)\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -225,7 +225,7 @@ class GetKVCacheStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KVCacheStats(_message.Message):
-    __slots__ = ("total_sequences", "total_memory_bytes", "average_sequence_length", "cache_hit_rate", "cache_efficiency", "block_size", "num_blocks_total", "num_blocks_used", "num_blocks_cached_free", "num_blocks_free", "total_tokens", "used_memory_bytes", "usage", "prefix_queries_tokens_total", "prefix_hits_tokens_total", "evictions_total", "cow_copies_total", "preemptions_total", "num_blocks_reserved", "block_bytes", "kv_strategy", "strategy_dropped_tokens_total", "strategy_windowed_tokens_total")
+    __slots__ = ("total_sequences", "total_memory_bytes", "average_sequence_length", "cache_hit_rate", "cache_efficiency", "block_size", "num_blocks_total", "num_blocks_used", "num_blocks_cached_free", "num_blocks_free", "total_tokens", "used_memory_bytes", "usage", "prefix_queries_tokens_total", "prefix_hits_tokens_total", "evictions_total", "cow_copies_total", "preemptions_total", "num_blocks_reserved", "block_bytes", "kv_strategy", "strategy_dropped_tokens_total", "strategy_windowed_tokens_total", "tier2_hit_blocks_total", "tier2_hit_tokens_total", "tier2_spill_blocks_total", "tier2")
     TOTAL_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     AVERAGE_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +249,10 @@ class KVCacheStats(_message.Message):
     KV_STRATEGY_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_DROPPED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_WINDOWED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TIER2_HIT_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TIER2_HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TIER2_SPILL_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TIER2_FIELD_NUMBER: _ClassVar[int]
     total_sequences: int
     total_memory_bytes: int
     average_sequence_length: float
@@ -272,7 +276,46 @@ class KVCacheStats(_message.Message):
     kv_strategy: str
     strategy_dropped_tokens_total: int
     strategy_windowed_tokens_total: int
-    def __init__(self, total_sequences: _Optional[int] = ..., total_memory_bytes: _Optional[int] = ..., average_sequence_length: _Optional[float] = ..., cache_hit_rate: _Optional[float] = ..., cache_efficiency: _Optional[float] = ..., block_size: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_cached_free: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., total_tokens: _Optional[int] = ..., used_memory_bytes: _Optional[int] = ..., usage: _Optional[float] = ..., prefix_queries_tokens_total: _Optional[int] = ..., prefix_hits_tokens_total: _Optional[int] = ..., evictions_total: _Optional[int] = ..., cow_copies_total: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., num_blocks_reserved: _Optional[int] = ..., block_bytes: _Optional[int] = ..., kv_strategy: _Optional[str] = ..., strategy_dropped_tokens_total: _Optional[int] = ..., strategy_windowed_tokens_total: _Optional[int] = ...) -> None: ...
+    tier2_hit_blocks_total: int
+    tier2_hit_tokens_total: int
+    tier2_spill_blocks_total: int
+    tier2: KVTierStats
+    def __init__(self, total_sequences: _Optional[int] = ..., total_memory_bytes: _Optional[int] = ..., average_sequence_length: _Optional[float] = ..., cache_hit_rate: _Optional[float] = ..., cache_efficiency: _Optional[float] = ..., block_size: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_cached_free: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., total_tokens: _Optional[int] = ..., used_memory_bytes: _Optional[int] = ..., usage: _Optional[float] = ..., prefix_queries_tokens_total: _Optional[int] = ..., prefix_hits_tokens_total: _Optional[int] = ..., evictions_total: _Optional[int] = ..., cow_copies_total: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., num_blocks_reserved: _Optional[int] = ..., block_bytes: _Optional[int] = ..., kv_strategy: _Optional[str] = ..., strategy_dropped_tokens_total: _Optional[int] = ..., strategy_windowed_tokens_total: _Optional[int] = ..., tier2_hit_blocks_total: _Optional[int] = ..., tier2_hit_tokens_total: _Optional[int] = ..., tier2_spill_blocks_total: _Optional[int] = ..., tier2: _Optional[_Union[KVTierStats, _Mapping]] = ...) -> None: ...
+
+class KVTierStats(_message.Message):
+    __slots__ = ("backend", "capacity_bytes", "num_blocks", "num_bytes", "spill_blocks_total", "spill_bytes_total", "spill_seconds_total", "restore_blocks_total", "restore_bytes_total", "restore_seconds_total", "lookups_blocks_total", "errors_total")
+    class ErrorsTotalEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPILL_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SPILL_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SPILL_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    capacity_bytes: int
+    num_blocks: int
+    num_bytes: int
+    spill_blocks_total: int
+    spill_bytes_total: int
+    spill_seconds_total: float
+    restore_blocks_total: int
+    restore_bytes_total: int
+    restore_seconds_total: float
+    lookups_blocks_total: int
+    errors_total: _containers.ScalarMap[str, int]
+    def __init__(self, backend: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., spill_blocks_total: _Optional[int] = ..., spill_bytes_total: _Optional[int] = ..., spill_seconds_total: _Optional[float] = ..., restore_blocks_total: _Optional[int] = ..., restore_bytes_total: _Optional[int] = ..., restore_seconds_total: _Optional[float] = ..., lookups_blocks_total: _Optional[int] = ..., errors_total: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -57,13 +57,16 @@ def live(
 ) -> Iterator[tuple[ServerProcess, PrometheusProcess]]:
     workdir = tmp_path_factory.mktemp("e2e-metrics")
     require_binary("prometheus")
-    serve_args = shlex.split(
-        "--runner fake --fake-step-sleep-s 0.005 --num-blocks 48 --block-size 16 "
-        "--max-num-seqs 8 --max-num-batched-tokens 256 --grace-period-s 2 --log-level warning "
-        # slo: the cost-model panels have data; n-gram speculation with 1-gram matches drafts
-        # often, so its panels have data too.
-        "--policy slo --speculative ngram --ngram-min 1"
-    )
+    serve_args = [
+        *shlex.split(
+            "--runner fake --fake-step-sleep-s 0.005 --num-blocks 48 --block-size 16 "
+            "--max-num-seqs 8 --max-num-batched-tokens 256 --grace-period-s 2 --log-level warning "
+            # slo: the cost-model panels have data; n-gram speculation with 1-gram matches drafts
+            # often, so its panels have data too.
+            "--policy slo --speculative ngram --ngram-min 1"
+        ),
+        *("--kv-disk-dir", str(workdir / "kv-tier")),  # tier 2: its series have data too
+    ]
     server = ServerProcess(
         serve_args,
         startup_timeout_s=60,

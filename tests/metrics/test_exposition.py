@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 
 import httpx
 from prometheus_client import CollectorRegistry
 
+from cache_manager.stats import KVTierStats
 from metrics.prometheus import PrometheusSink
 from metrics.records import StepRecord
 from server.asgi import metrics_app, start_asgi_server
@@ -24,8 +26,12 @@ def busy_sink(registry: CollectorRegistry) -> PrometheusSink:
     info = {"model": "m", "dtype": "float32", "device": "cpu", "weights": "q4_1+q8_0"}
     info |= {"weight_bytes": "100", "kv_dtype": "float16"}
     sink = PrometheusSink(registry, model_info=info)
+    stats = make_stats()  # with tier 2 on, so its families have samples too
+    stats = dataclasses.replace(
+        stats, kv=dataclasses.replace(stats.kv, tier2=KVTierStats("lmdb", 1 << 30))
+    )
     for kind in ("prefill", "decode", "mixed", "idle"):
-        sink.on_step(StepRecord(make_stats(), kind=kind, step_duration_s=0.01, schedule_cpu_s=1e-4))
+        sink.on_step(StepRecord(stats, kind=kind, step_duration_s=0.01, schedule_cpu_s=1e-4))
     sink.on_request_done(make_record())
     sink.on_request_done(make_record(finish_reason="abort", abort_reason="deadline"))
     sink.on_rejected("overload")

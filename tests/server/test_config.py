@@ -113,7 +113,7 @@ def test_scheduler_and_cache_settings_are_generated_from_the_component_configs()
     from scheduler.config import POLICIES, SchedulerConfig
 
     settings = {f.name: f for f in dataclasses.fields(ServerConfig)}
-    derived = {"max_model_len", "num_blocks", "sliding_window", "block_bytes"}
+    derived = {"max_model_len", "num_blocks", "sliding_window", "block_bytes", "kv_tier"}
     for component in (SchedulerConfig, KVCacheConfig):
         for f in dataclasses.fields(component):
             if f.name not in derived:
@@ -199,3 +199,19 @@ def test_exposed_bind_without_tls_or_key_warns(caplog: pytest.LogCaptureFixture)
         warn_if_exposed("0.0.0.0", Security(), "kvserve")
     assert len(caplog.records) == 1
     assert "listens on 0.0.0.0 without TLS or an API key" in caplog.records[0].getMessage()
+
+
+def test_kv_disk_flags_reach_the_tier() -> None:
+    """--kv-disk-dir turns tier 2 on in the cache config; --kv-disk-bytes and --kv-disk-store
+    are validated at construction."""
+    cfg = build_config(
+        _flags("--runner", "fake", "--kv-disk-dir", "/tmp/x", "--kv-disk-bytes", "2GiB"),
+        environ={},
+    )
+    assert (cfg.kv_disk_dir, cfg.kv_disk_bytes, cfg.kv_disk_store) == ("/tmp/x", "2GiB", "lmdb")
+    assert cfg.cache_config(num_blocks=4, sliding_window=None, block_bytes=0).kv_tier
+    assert not ServerConfig().cache_config(num_blocks=4, sliding_window=None, block_bytes=0).kv_tier
+    with pytest.raises(ValueError, match="kv_disk_store must be one of"):
+        ServerConfig(kv_disk_store="sqlite")
+    with pytest.raises(ValueError, match="must be >= 1 byte"):
+        ServerConfig(kv_disk_bytes="0")
