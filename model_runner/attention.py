@@ -45,7 +45,6 @@ time), so attention here runs with scale 1.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -53,11 +52,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from model_runner.attention_backends.page_table import first_key_block
 from model_runner.kv_pool import KVPool
 from scheduler.output import ScheduledSeq
 
 if TYPE_CHECKING:
-    from model_runner.attention_backends.base import PagedMetadata
+    from model_runner.attention_backends.page_table import PagedMetadata
 
 
 def _sdpa_supports_gqa() -> bool:
@@ -269,36 +269,6 @@ class ForwardBatch:
             )
         max_position = max(positions) if positions else 0
         return cls(num_tokens, ids_t, pos_t, slot_t, chunks, decodes, max_position)
-
-
-def first_key_block(
-    block_ids: Sequence[int],
-    pos: int,
-    block_size: int,
-    sliding_window: int | None,
-    num_sink_blocks: int,
-    null_block_id: int | None,
-) -> int:
-    """The first table position after the sink blocks holding a key the query at ``pos``
-    sees: the window's first block, or the first block not released to the null block
-    (released positions follow the sink blocks, in one run), whichever is later."""
-    first = 0
-    if sliding_window is not None:
-        first = max(0, pos - sliding_window + 1) // block_size
-    if (
-        null_block_id is not None
-        and len(block_ids) > num_sink_blocks
-        and block_ids[num_sink_blocks] == null_block_id
-    ):
-        live = bisect_left(
-            block_ids,
-            True,
-            lo=num_sink_blocks,
-            hi=pos // block_size + 1,
-            key=lambda b: b != null_block_id,
-        )
-        first = max(first, live)
-    return first
 
 
 def _extend_slots(

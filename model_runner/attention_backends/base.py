@@ -16,30 +16,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from model_runner.attention import ForwardBatch, _extend_slots, paged_attention
 from model_runner.attention_backends.page_table import (
-    PageTable,
-    PageTableTensors,
+    PagedMetadata,
     build_page_table,
 )
 from model_runner.kv_pool import KVPool
 from scheduler.output import ScheduledSeq
-
-
-@dataclass(slots=True)
-class PagedMetadata:
-    """The page tables of one step: host lists (FlashInfer plans from them) and device
-    tensors (the kernels read them). ``None`` where the step has no rows of that kind."""
-
-    num_prefill_rows: int
-    prefill_table: PageTable | None
-    decode_table: PageTable | None
-    prefill: PageTableTensors | None
-    decode: PageTableTensors | None
 
 
 class AttentionBackend(ABC):
