@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from model_runner.attention_backends.page_table import first_key_block
+from model_runner.block_table import first_key_block
 from model_runner.kv_pool import KVPool
 from scheduler.output import ScheduledSeq
 
