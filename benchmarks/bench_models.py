@@ -19,7 +19,7 @@ between hours):
   the bandwidth: (resident weight bytes + KV bytes read) x tok/s / GB/s;
 - chat128 (64 prompts of 128 tokens, 128 greedy tokens out) at each level of users against
   ``llama-server`` on the same file, the same requests and the same load generator;
-- the serving process's peak RSS beside the file's size.
+- the serving process's RSS at the end of each run (the largest) beside the file's size.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def chat128(
         args = ["--runner", "torch", "--model", str(path), "--threads", str(threads)]
         with ServerProcess(args) as server:
             report = bench_serving.warm_and_run(server, workload, desc=f"kvserve {users}", **load)
-            peak_rss = max(peak_rss, _peak_rss(server.proc.pid if server.proc else 0))
+            peak_rss = max(peak_rss, _rss(server.proc.pid if server.proc else 0))
         peer: dict[str, Any] | str = "not measured: no llama-server build"
         if server_bin.is_file():
             try:
@@ -226,10 +226,11 @@ def _summary(report: dict[str, Any] | str) -> dict[str, Any] | str:
             "ok": report["requests"]["ok"]}  # fmt: skip
 
 
-def _peak_rss(pid: int) -> int:
+def _rss(pid: int) -> int:
+    """The process's resident bytes now (VmRSS: serving, after the load's transients)."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass

@@ -87,7 +87,26 @@ def load_model(
         raise CheckpointError(f"GGUF file {str(source)!r}: cannot build its tokenizer: {e}") from e
     config = _with_tokenizer_eos(checkpoint.config, tokenizer)
     weights_dict = state_dict if state_dict is not None else checkpoint.state_dict
+    return_freed_memory()
     return LoadedModel(config, weights_dict, tokenizer, name, str(source), mode)
+
+
+def return_freed_memory() -> None:
+    """Hand freed transients (the loader's block copies, a fused projection's parts once the
+    runner has stacked them), kept in glibc's arenas, back to the OS, so that serving RSS is
+    the weights and not the load's high-water mark. A no-op where glibc is not the C
+    library."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        trim = None
+    if trim is not None:
+        trim(0)
 
 
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:

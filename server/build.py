@@ -64,7 +64,7 @@ def _fake_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]:
 
 def _torch_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]:
     from model_runner.device import configure_threads, resolve_dtype, select_device
-    from model_runner.loader import load_model
+    from model_runner.loader import load_model, return_freed_memory
     from model_runner.runner import TorchRunner
 
     configure_threads(cfg.threads)
@@ -86,6 +86,7 @@ def _torch_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]
         attention_backend=cfg.attention_backend,
     )
     del loaded.state_dict  # the runner holds its own copy of the weights
+    return_freed_memory()  # the fused projections' parts, freed into malloc's arenas
     return runner, loaded.tokenizer, runner.num_blocks, str(loaded.source_path)
 
 
