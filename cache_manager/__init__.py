@@ -3,6 +3,7 @@
 Pure Python bookkeeping (no torch, no I/O): which block holds which request's tokens.
 """
 
+from cache_manager.allocation import Allocation, CacheSequence, PrefixHit
 from cache_manager.block import BlockQueue, KVBlock
 from cache_manager.block_pool import BlockPool
 from cache_manager.config import EVICTION_POLICIES, KVCacheConfig
@@ -14,7 +15,7 @@ from cache_manager.eviction import (
     make_eviction_policy,
 )
 from cache_manager.hashing import hash_block_tokens, prefix_block_keys
-from cache_manager.manager import Allocation, CacheSequence, KVCacheManager, PrefixHit
+from cache_manager.manager import KVCacheManager
 from cache_manager.sizing import (
     ModelShape,
     block_bytes,

@@ -19,9 +19,15 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
 
+from cache_manager import audit
+from cache_manager.allocation import (
+    NOTHING_NEW,
+    Allocation,
+    CacheSequence,
+    PrefixHit,
+    RequestBlocks,
+)
 from cache_manager.block import KVBlock
 from cache_manager.block_pool import BlockPool
 from cache_manager.config import KVCacheConfig
@@ -30,80 +36,6 @@ from cache_manager.hashing import hash_block_tokens
 from cache_manager.stats import KVCacheStats
 from cache_manager.strategy import make_kv_strategy
 from cache_manager.tier import TierBlock, TierLedger, TierPlan
-
-
-class CacheSequence(Protocol):
-    """What the cache manager reads from a request; ``scheduler.request.Request`` fits."""
-
-    request_id: str
-    num_computed_tokens: int
-    cache_salt: str | None
-
-    @property
-    def all_token_ids(self) -> list[int]: ...  # prompt + output so far
-
-    @property
-    def num_prompt_tokens(self) -> int: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Allocation:
-    """What one ``allocate_slots``/``reserve_slots`` call changed in a block table. Read-only.
-
-    ``new_block_ids`` were appended to the table (prefix hits first, then fresh blocks).
-    ``block_copies`` are copy-on-write pairs ``(src, dst)``: the runner copies the KV of block
-    ``src`` into block ``dst`` before the step, and the table now holds ``dst`` where it held
-    ``src``. Always re-read ``block_ids(request_id)`` for the current table.
-    """
-
-    new_block_ids: list[int] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-
-
-# The usual decode step changes nothing; one shared, never mutated answer for it.
-_NOTHING_NEW = Allocation()
-
-
-@dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
-class PrefixHit:
-    """The cached prefix ``get_computed_blocks`` found for one request: full, verified blocks
-    and their prefix-cache keys (``num_tokens = len(blocks) * block_size``).
-
-    ``allocate_slots`` / ``reserve_slots`` of the same request consume it: they reference the
-    blocks, seed the table's keys with ``keys`` (nothing is hashed twice), and count
-    ``num_query_tokens`` looked up and ``num_tokens`` hit, once. Compared by identity.
-
-    With tier 2, ``restore`` continues the chain past the tier-1 ``blocks`` with blocks
-    staged from the store: the allocation gives each a fresh block (``TierPlan.restores``)::
-
-        | blocks (tier 1) | restore (tier 2, staged) |      keys cover both
-    """
-
-    request_id: str
-    blocks: tuple[KVBlock, ...]
-    keys: tuple[bytes, ...]
-    num_tokens: int
-    num_query_tokens: int  # len(all_token_ids) at lookup; 0 with prefix caching off
-    restore: tuple[TierBlock, ...] = ()
-
-    @property
-    def block_ids(self) -> list[int]:
-        return [b.block_id for b in self.blocks]
-
-
-@dataclass(slots=True, eq=False)
-class _RequestBlocks:
-    """One request's block table and prefix-cache progress."""
-
-    blocks: list[KVBlock] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
-    # Keys of the request's first len(block_keys) blocks (the computed, full ones); kept even
-    # for released positions, because later keys chain on them.
-    block_keys: list[bytes] = field(default_factory=list)
-    # Positions released to the null block (sliding window, adaptive strategy): the
-    # ``num_released`` positions after the sink blocks, ``[num_sink_blocks, + num_released)``.
-    num_released: int = 0
-    num_slots: int = 0  # slots written or being written: num_computed + new of the last step
 
 
 class KVCacheManager:
@@ -136,7 +68,7 @@ class KVCacheManager:
         )
         self._blocks = self._pool.blocks
         self._null_block = self._pool.null_block
-        self._requests: dict[str, _RequestBlocks] = {}
+        self._requests: dict[str, RequestBlocks] = {}
         self._num_prefix_queries_tokens = 0
         self._num_prefix_hits_tokens = 0
         self._consumed_hits: weakref.WeakSet[PrefixHit] = weakref.WeakSet()
@@ -403,7 +335,7 @@ class KVCacheManager:
         request_id = seq.request_id
         state = self._requests.get(request_id)
         if hit is not None:
-            self._check_hit(seq, state, hit)
+            audit.check_hit(self, seq, state, hit)
             blocks: Sequence[KVBlock] = hit.blocks
             start = hit.num_tokens
         elif state is None:
@@ -438,8 +370,8 @@ class KVCacheManager:
         if num_take and num_take > self._pool.num_free:
             return None
         if state is None:
-            state = self._requests[request_id] = _RequestBlocks()
-        allocation = _NOTHING_NEW
+            state = self._requests[request_id] = RequestBlocks()
+        allocation = NOTHING_NEW
         if num_take or hit is not None:
             if hit is not None:
                 self._take_hit(state, hit)
@@ -466,54 +398,7 @@ class KVCacheManager:
             state.num_slots = end
         return allocation
 
-    def _check_hit(self, seq: CacheSequence, state: _RequestBlocks | None, hit: PrefixHit) -> None:
-        """ValueError unless ``hit`` can be taken by ``seq`` now (see ``allocate_slots``).
-
-        The blocks were verified against the tokens when the hit was looked up; here only
-        their keys are compared, which a block loses when it is handed out in between.
-        """
-        request_id = seq.request_id
-        if hit in self._consumed_hits:
-            raise ValueError(f"request {request_id!r}: this prefix hit was already consumed")
-        if hit.request_id != request_id:
-            raise ValueError(
-                f"request {request_id!r}: the prefix hit was looked up for {hit.request_id!r}"
-            )
-        if hit.blocks and not self.enable_prefix_caching:
-            raise ValueError("a prefix hit was passed but prefix caching is disabled")
-        if (state is not None and state.blocks) or seq.num_computed_tokens != 0:
-            raise ValueError(
-                f"request {request_id!r}: prefix hits are only taken by a request without "
-                f"blocks and with num_computed_tokens == 0 (has "
-                f"{0 if state is None else len(state.blocks)} blocks, "
-                f"num_computed_tokens={seq.num_computed_tokens})"
-            )
-        num_tokens = len(seq.all_token_ids)
-        if hit.num_tokens >= num_tokens:
-            raise ValueError(
-                f"request {request_id!r}: {len(hit.blocks)} hit blocks cover {hit.num_tokens} "
-                f"tokens of {num_tokens}; a hit never covers the last token"
-            )
-        bs = self.block_size
-        pool_blocks = self._blocks
-        num_memory = len(hit.blocks)
-        if hit.restore and self._tier is None:
-            raise ValueError("a prefix hit restores from tier 2 but the tier is off")
-        for entry in hit.restore:
-            if entry.key in self._pool.cached:
-                raise ValueError(
-                    f"request {request_id!r}: a staged block's key is cached again; call "
-                    "get_computed_blocks right before allocating"
-                )
-        for i, (block, key) in enumerate(zip(hit.blocks, hit.keys[:num_memory], strict=True)):
-            if block.block_hash != key or pool_blocks[block.block_id] is not block:
-                raise ValueError(
-                    f"request {request_id!r}: block {block.block_id} does not hold its tokens "
-                    f"{i * bs}..{(i + 1) * bs - 1}; call get_computed_blocks right before "
-                    "allocating (a block handed out in between loses its key)"
-                )
-
-    def _take_hit(self, state: _RequestBlocks, hit: PrefixHit) -> None:
+    def _take_hit(self, state: RequestBlocks, hit: PrefixHit) -> None:
         """Reference the hit blocks (off the free list first, so the fresh blocks taken next
         can never evict them), seed the table and its keys, and count the hit once."""
         bs = self.block_size
@@ -556,7 +441,7 @@ class KVCacheManager:
         return taken
 
     def _copy_on_write(
-        self, state: _RequestBlocks, first: int, last: int, start: int
+        self, state: RequestBlocks, first: int, last: int, start: int
     ) -> list[tuple[int, int]]:
         """Give this request private copies of the shared blocks in table[first:last].
 
@@ -594,7 +479,7 @@ class KVCacheManager:
         parent = self._requests[parent_id]
         if child_id in self._requests:
             raise ValueError(f"fork: child {child_id!r} already holds a block table")
-        child = _RequestBlocks(
+        child = RequestBlocks(
             list(parent.blocks),
             list(parent.block_ids),
             list(parent.block_keys),
@@ -743,7 +628,7 @@ class KVCacheManager:
         self._num_windowed_tokens += held_before - self._held_tokens(state)
         return best.request_id
 
-    def _release_up_to(self, state: _RequestBlocks, num_dead: int) -> int:
+    def _release_up_to(self, state: RequestBlocks, num_dead: int) -> int:
         """Release table positions from the first live one after the sinks up to
         ``num_dead`` (exclusive) to the null block; return how many were released."""
         null = self._null_block
@@ -769,136 +654,16 @@ class KVCacheManager:
                 self._num_used_slots -= block.num_filled
         self._pool.free(blocks)
 
-    def _held_tokens(self, state: _RequestBlocks) -> int:
+    def _held_tokens(self, state: RequestBlocks) -> int:
         return state.num_slots - state.num_released * self.block_size
 
     # ------------------------------------------------------------------ stats + checks
 
     def make_stats(self) -> KVCacheStats:
-        """A snapshot. Definitions:
-
-        - ``total_tokens``: per request, the slots it has written or is writing (its
-          ``num_computed_tokens`` plus the new tokens of its last ``allocate_slots``, or its
-          hit tokens) minus the slots released out of its window; summed over requests, so a
-          prefix shared by two requests counts twice.
-        - ``cache_efficiency``: slots holding KV in referenced blocks (each block once) over
-          the slots of those blocks, ``num_blocks_used * block_size``. Reserved but unwritten
-          slots and half-filled tails lower it.
-        - ``usage``: referenced blocks over allocatable blocks (the null block excluded).
-        - prefix queries/hits: cumulative tokens, counted once per ``PrefixHit`` consumed by
-          an allocation (a lookup whose admission failed for room counts nothing).
-        """
-        pool = self._pool
-        bs = self.block_size
-        num_free = len(pool.empty)
-        num_cached_free = len(pool.policy)
-        num_reserved = pool.num_reserved
-        num_used = self.num_blocks - num_reserved - num_free - num_cached_free
-        num_seqs = len(self._requests)
-        total_tokens = self._num_held_tokens
-        block_bytes = self.config.block_bytes
-        queries = self._num_prefix_queries_tokens
-        hits = self._num_prefix_hits_tokens
-        tier = self._tier
-        return KVCacheStats(
-            block_size=bs,
-            num_blocks_total=self.num_blocks,
-            num_blocks_used=num_used,
-            num_blocks_cached_free=num_cached_free,
-            num_blocks_free=num_free,
-            total_sequences=num_seqs,
-            total_tokens=total_tokens,
-            block_bytes=block_bytes,
-            total_memory_bytes=self.num_blocks * block_bytes,
-            used_memory_bytes=num_used * block_bytes,
-            average_sequence_length=total_tokens / num_seqs if num_seqs else 0.0,
-            cache_efficiency=self._num_used_slots / (num_used * bs) if num_used else 0.0,
-            usage=num_used / self.num_usable_blocks,
-            prefix_queries_tokens_total=queries,
-            prefix_hits_tokens_total=hits,
-            cache_hit_rate=hits / queries if queries else 0.0,
-            evictions_total=pool.num_evictions,
-            cow_copies_total=self._num_cow_copies,
-            num_blocks_reserved=num_reserved,
-            kv_strategy=self.strategy.name,
-            strategy_dropped_tokens_total=self._num_dropped_tokens,
-            strategy_windowed_tokens_total=self._num_windowed_tokens,
-            tier2_hit_blocks_total=0 if tier is None else tier.num_hit_blocks,
-            tier2_hit_tokens_total=0 if tier is None else tier.num_hit_blocks * bs,
-            tier2_spill_blocks_total=0 if tier is None else tier.num_spilled_blocks,
-        )
+        """A snapshot (``audit.make_stats`` defines every figure)."""
+        return audit.make_stats(self)
 
     def check_invariants(self) -> None:
         """Raise RuntimeError on any inconsistency between tables, ref counts, free list and
-        prefix map. O(num_blocks + table sizes): for tests and debugging, not the hot path."""
-        pool = self._pool
-        free_ids, _ = pool.check()
-        null = self._null_block
-        bs = self.block_size
-        sinks = self.num_sink_blocks
-        holders = [0] * self.num_blocks
-        held_tokens = 0
-        for request_id, state in self._requests.items():
-            blocks = state.blocks
-            if len(blocks) != len(state.block_ids):
-                raise RuntimeError(f"request {request_id!r}: blocks and block_ids differ in length")
-            if len(state.block_keys) > len(blocks):
-                raise RuntimeError(f"request {request_id!r}: more keys than blocks")
-            for p, block in enumerate(blocks):
-                if state.block_ids[p] != block.block_id:
-                    raise RuntimeError(
-                        f"request {request_id!r}: block_ids[{p}]={state.block_ids[p]} but the "
-                        f"table holds block {block.block_id}"
-                    )
-                released = sinks <= p < sinks + state.num_released
-                if (block is null) != released:
-                    raise RuntimeError(
-                        f"request {request_id!r}: position {p} null={block is null} but "
-                        f"{state.num_released} positions after {sinks} sink blocks are released"
-                    )
-                if block is null:
-                    continue
-                holders[block.block_id] += 1
-                if (
-                    p < len(state.block_keys)
-                    and block.block_hash is not None
-                    and block.block_hash != state.block_keys[p]
-                ):
-                    raise RuntimeError(
-                        f"request {request_id!r}: block {block.block_id} at position {p} holds "
-                        "another prefix's key"
-                    )
-            if state.num_slots > len(blocks) * bs:
-                raise RuntimeError(
-                    f"request {request_id!r}: {state.num_slots} slots in {len(blocks)} blocks"
-                )
-            held_tokens += self._held_tokens(state)
-        used_slots = 0
-        for block in pool.blocks:
-            if block is null:
-                continue
-            if block.ref_count != holders[block.block_id]:
-                raise RuntimeError(
-                    f"block {block.block_id}: ref_count={block.ref_count} but "
-                    f"{holders[block.block_id]} block tables hold it"
-                )
-            if block.ref_count == 0 and block.block_id not in free_ids:
-                raise RuntimeError(f"block {block.block_id} leaked: neither free nor referenced")
-            if not 0 <= block.num_filled <= bs:
-                raise RuntimeError(f"block {block.block_id}: num_filled={block.num_filled}")
-            if block.ref_count and block.block_hash is not None and block.num_filled != bs:
-                raise RuntimeError(f"keyed block {block.block_id} is not full")
-            used_slots += block.num_filled
-        if used_slots != self._num_used_slots:
-            raise RuntimeError(f"used slots: counter {self._num_used_slots}, blocks {used_slots}")
-        if held_tokens != self._num_held_tokens:
-            raise RuntimeError(
-                f"held tokens: counter {self._num_held_tokens}, tables {held_tokens}"
-            )
-        if not self.enable_prefix_caching and pool.cached:
-            raise RuntimeError("prefix caching is off but blocks have keys")
-        if self._tier is not None:
-            for block_id in self._tier.pending_restore_ids():
-                block = pool.blocks[block_id]
-                if block.ref_count == 0 or block.block_hash is None:
-                    raise RuntimeError(f"restore into block {block_id}, which is free or keyless")
+        prefix map (``audit.check_invariants``). For tests and debugging, not the hot path."""
+        audit.check_invariants(self)
