@@ -36,7 +36,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
-FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fopenmp", "-fno-math-errno")
+FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
 # Per ISA family: the -m flags its object is compiled with (the dispatcher gets none).
 VARIANT_FLAGS: dict[str, tuple[str, ...]] = {
     "portable": (),

@@ -312,38 +312,48 @@ void unpack_row(const QW& w, int64_t row, uint8_t* __restrict q, float* __restri
 // ------------------------------------------------------------------ activations
 
 // Act is what the micro-kernels read: int8 values (int16 on AVX2, widened once here instead
-// of once per weight row), per 32-block scale dx, and per 16-group dx * sum(a).
+// of once per weight row). Each activation row is held as TWO int8 rows (ggml's q8_0 plus its
+// residual): x ~= d * a1 + (d / 256) * a2, d = amax / 127 per 32-block, a1 = round(x / d),
+// a2 = round(256 * (x - d * a1) / d). The dot products combine them exactly as the integer
+// 256 * (w . a1) + (w . a2), so activations carry ~15 bits: int8 alone flipped SmolLM2's
+// near-tied first token of "What is the capital of France?" ("L'" instead of "The").
 #ifdef KV_USE_AVX2
 typedef int16_t Act;
 #else
 typedef int8_t Act;
 #endif
 
-// x[M, ldx] (K valid columns) -> a[M, K64], dx[M, K64/32], xs[M, K64/16]. Rounding is
-// nearbyint of x / dx (ties to even), dx = amax / 127, as the tests' reference does it.
+// x[M, ldx] (K valid columns) -> a[M, 2 * K64] (a1 then a2 per row), dx[M, K64/32] = d / 256
+// (the unit of 256 * a1 + a2), xs[M, K64/16] = dx * sum(256 * a1 + a2) per 16-group.
+// Rounding is nearbyint (ties to even), as the tests' reference does it.
 void quantize_acts(const float* x, int M, int ldx, int K, Act* a, float* dx, float* xs) {
   const int K64 = round64(K), NB = K64 / 32;
   for (int i = 0; i < M; ++i) {
     const float* xr = x + (int64_t)i * ldx;
-    Act* ar = a + (int64_t)i * K64;
+    Act* a1 = a + (int64_t)i * 2 * K64;
+    Act* a2 = a1 + K64;
     for (int b = 0; b < NB; ++b) {
       const int k0 = 32 * b, cnt = K - k0 < 32 ? (K - k0 > 0 ? K - k0 : 0) : 32;
       float amax = 0.f;
       for (int j = 0; j < cnt; ++j) amax = std::fmax(amax, std::fabs(xr[k0 + j]));
       const float d = amax / 127.f;
-      int sum0 = 0, sum1 = 0;
+      int sum[2] = {0, 0};
       for (int j = 0; j < 32; ++j) {
-        const int v = j < cnt && d > 0.f ? (int)std::nearbyintf(xr[k0 + j] / d) : 0;
-        ar[k0 + j] = (Act)v;
-        if (j < 16) {
-          sum0 += v;
-        } else {
-          sum1 += v;
+        int v1 = 0, v2 = 0;
+        if (j < cnt && d > 0.f) {
+          v1 = (int)std::nearbyintf(xr[k0 + j] / d);
+          const float r = xr[k0 + j] - (float)v1 * d;
+          v2 = (int)std::nearbyintf(r * 256.f / d);
+          v2 = v2 > 127 ? 127 : (v2 < -127 ? -127 : v2);
         }
+        a1[k0 + j] = (Act)v1;
+        a2[k0 + j] = (Act)v2;
+        sum[j / 16] += 256 * v1 + v2;
       }
-      dx[(int64_t)i * NB + b] = d;
-      xs[(int64_t)i * 2 * NB + 2 * b] = d * (float)sum0;
-      xs[(int64_t)i * 2 * NB + 2 * b + 1] = d * (float)sum1;
+      const float unit = d / 256.f;
+      dx[(int64_t)i * NB + b] = unit;
+      xs[(int64_t)i * 2 * NB + 2 * b] = unit * (float)sum[0];
+      xs[(int64_t)i * 2 * NB + 2 * b + 1] = unit * (float)sum[1];
     }
   }
 }
@@ -370,11 +380,14 @@ void tile(const uint8_t* wq, const float* ws, int K64, const Act* a, const float
       S[r] = _mm512_permutexvar_ps(idx4, _mm512_castps128_ps512(_mm_loadu_ps(ws + (int64_t)r * G + k / 16)));
     }
     for (int i = 0; i < RA; ++i) {
-      const __m512i av = _mm512_loadu_si512(a + (int64_t)(i0 + i) * K64 + k);
+      const Act* ai = a + (int64_t)(i0 + i) * 2 * K64 + k;
+      const __m512i av1 = _mm512_loadu_si512(ai);
+      const __m512i av2 = _mm512_loadu_si512(ai + K64);
       const __m128 d2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dx + (int64_t)(i0 + i) * NB + k / 32)));
       const __m512 D = _mm512_permutexvar_ps(idx2, _mm512_castps128_ps512(d2));
       for (int r = 0; r < 4; ++r) {
-        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[r], av);
+        const __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[r], av1);
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_slli_epi32(p1, 8), w[r], av2);  // 256 p1 + p2
         acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(S[r], D), acc[r][i]);
       }
     }
@@ -410,12 +423,16 @@ void tile2(const uint8_t* wq, const float* ws, int K64, const Act* a, const floa
       S[r] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s2), sidx);
     }
     for (int i = 0; i < RA; ++i) {
-      const Act* ai = a + (int64_t)(i0 + i) * K64 + k;
+      const Act* ai = a + (int64_t)(i0 + i) * 2 * K64 + k;
       const __m256i al = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ai));
       const __m256i ah = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ai + 16));
+      const __m256i bl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ai + K64));
+      const __m256i bh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ai + K64 + 16));
       const __m256 D = _mm256_broadcast_ss(dx + (int64_t)(i0 + i) * NB + k / 32);
       for (int r = 0; r < 2; ++r) {
-        const __m256i p = _mm256_hadd_epi32(_mm256_madd_epi16(wl[r], al), _mm256_madd_epi16(wh[r], ah));
+        const __m256i p1 = _mm256_hadd_epi32(_mm256_madd_epi16(wl[r], al), _mm256_madd_epi16(wh[r], ah));
+        const __m256i p2 = _mm256_hadd_epi32(_mm256_madd_epi16(wl[r], bl), _mm256_madd_epi16(wh[r], bh));
+        const __m256i p = _mm256_add_epi32(_mm256_slli_epi32(p1, 8), p2);  // 256 p1 + p2
         acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(S[r], D), acc[r][i]);
       }
     }
@@ -436,12 +453,14 @@ void tile(const uint8_t* wq, const float* ws, int K64, const Act* a, const float
   for (int r = 0; r < 4; ++r) {
     const uint8_t* qr = wq + (int64_t)r * K64;
     for (int i = 0; i < RA; ++i) {
-      const Act* ai = a + (int64_t)(i0 + i) * K64;
+      const Act* ai = a + (int64_t)(i0 + i) * 2 * K64;
       const float* di = dx + (int64_t)(i0 + i) * NB;
       float acc = 0.f;
       for (int g = 0; g < G; ++g) {
-        int32_t dot = 0;
-        for (int e = 16 * g; e < 16 * g + 16; ++e) dot += (int32_t)qr[e] * (int32_t)ai[e];
+        int32_t dot = 0;  // 256 (q . a1) + (q . a2), exact
+        for (int e = 16 * g; e < 16 * g + 16; ++e) {
+          dot += (int32_t)qr[e] * (256 * (int32_t)ai[e] + (int32_t)ai[K64 + e]);
+        }
         acc += (float)dot * (ws[(int64_t)r * G + g] * di[g / 2]);
       }
       y[(int64_t)r * ldy + i] = acc;
@@ -508,7 +527,7 @@ void qgemm(const QW& w, const float* x, int M, int ldx, float* out, int ldo, con
            int ldr, int epilogue, int nthreads) {
   const int K = w.k, K64 = round64(K), G = K64 / 16;
   static thread_local Buf abuf, dbuf, sbuf;
-  Act* a = abuf.get<Act>((size_t)M * K64);
+  Act* a = abuf.get<Act>((size_t)2 * M * K64);
   float* dx = dbuf.get<float>((size_t)M * (K64 / 32));
   float* xs = sbuf.get<float>((size_t)M * G);
   quantize_acts(x, M, ldx, K, a, dx, xs);

@@ -4,8 +4,10 @@ Every GGUF format the kernels keep (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6
 per row) x every ISA family this CPU has (avx512, avx2, portable) x M = 1..64 rows x K and N
 tails x 1 and 2 threads, against the reference: the activations quantized to int8 per
 32-block exactly as the kernels do it (``act_reference``), times the dequantized weights, in
-float64. The integer dot products are exact, so the kernels may differ from it only by fp32
-rounding of the scale products and sums: |err| <= 2e-6 * max|y| (measured ~3e-7).
+float64. The integer dot products are exact, so the kernels may differ from it by fp32
+rounding of the scale products and sums (measured ~3e-7 of max|y|) and, where the residual's
+rounding lands on a tie that fp32 breaks the other way, by one residual unit of one value
+(measured 2e-5): |err| <= 5e-5 * max|y|.
 Against the plain fp32 matmul (no activation quantization) the error is the int8 rounding of
 the activations: |err| <= 2e-2 * max|y| on random data (measured ~5e-3).
 The panel path (above ``SKINNY_MAX_ROWS`` rows, unbounded by default and set to 64 by the
@@ -65,15 +67,20 @@ def make_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.QuantWeight:
 
 
 def act_reference(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernels see it: int8 per 32-block, dx = amax / 127, round half to even."""
+    """x as the kernels see it: per 32-block d = amax / 127, a1 = round(x / d), and the
+    residual's a2 = round(256 (x - d a1) / d) clamped to +-127 (round half to even, in fp32
+    as the kernels compute it): x ~= d a1 + d / 256 a2."""
     m, k = x.shape
     kp = -(-k // 32) * 32
     padded = torch.zeros(m, kp)
     padded[:, :k] = x
     blocks = padded.view(m, kp // 32, 32)
-    dx = blocks.abs().amax(dim=2, keepdim=True) / 127.0
-    q = torch.where(dx > 0, torch.round(blocks / torch.where(dx > 0, dx, 1.0)), 0.0)
-    return (q * dx).view(m, kp)[:, :k]
+    d = blocks.abs().amax(dim=2, keepdim=True) / 127.0
+    safe = torch.where(d > 0, d, 1.0)
+    a1 = torch.where(d > 0, torch.round(blocks / safe), 0.0)
+    a2 = torch.where(d > 0, torch.round((blocks - a1 * d) * 256.0 / safe), 0.0).clamp_(-127, 127)
+    unit = (d.double() / 256.0).float()  # the kernels' unit, d / 256 in fp32
+    return ((256.0 * a1 + a2).double() * unit.double()).view(m, kp)[:, :k]
 
 
 def reference(w: quant.QuantMatrix, x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +94,7 @@ def assert_close(y: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
     assert err <= rel * scale, f"max abs err {err:.3g} > {rel} * {scale:.3g}"
 
 
-KERNEL_TOL = 2e-6
+KERNEL_TOL = 5e-5
 FORMATS = [*quant.FORMATS, "int8"]
 ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 31, 40, 64]
 
