@@ -85,8 +85,18 @@ def test_run_all_quick_prints_one_table_and_writes_json(tmp_path: Path) -> None:
         + ["spec"] * 6
     )
     assert list(SECTIONS) == [
-        "chat128", "policy", "slo", "prefix", "paged", "spec", "kvcache", "sinks"
+        "chat128", "policy", "slo", "prefix", "paged", "spec", "kvcache", "sinks", "models"
     ]  # fmt: skip
+    # models (quick: the embedded file only, llama.cpp off): kvserve's rows, the peers'
+    # reasons, a bandwidth probe.
+    (model,) = doc["models"]
+    assert model["model"] == "embedded" and model["read_gbs"] > 0
+    assert model["kv_prefill_tok_s"] > 0 and model["kv_decode_tok_s"] > 0
+    assert model["llama_bench"] == "not measured: no llama-bench build"
+    assert list(model["chat128"]) == ["1", "2"]
+    assert all(p["kvserve"]["ok"] == int(u) for u, p in model["chat128"].items())
+    assert all(p["llama.cpp"].startswith("not measured") for p in model["chat128"].values())
+    assert "Real GGUF files (models)" in done.stdout
     points = doc["kvcache"]["points"]
     assert [(p["strategy"], p["length"]) for p in points] == [
         (s, n) for n in (64, 128, 256) for s in ("always", "disabled")
