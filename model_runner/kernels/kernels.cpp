@@ -28,13 +28,14 @@
 // ggml's (see unpack_row). A K-quant Q4_K sub-block j holds sc[j] and its min mn[j] = sc[8 + j]
 // (the 6-bit packing is unpacked at load).
 //
-// y = x W^T. Every format goes through one scheme, the one ggml uses with q8_0 activations:
-//   1. activations are quantized to int8 per 32-block: x ~= dx * a, |a| <= 127
+// y = x W^T. Every format goes through one scheme, ggml's q8_0 activations plus a residual:
+//   1. activations are quantized per 32-block to two int8s: x ~= d * a1 + d / 256 * a2, and
+//      a = 256 * a1 + a2 is used as one integer of unit dx = d / 256 (about 15 bits)
 //   2. a chunk of weight rows is unpacked to unsigned bytes q (L1/L2 resident) with, per
 //      16-group g, a scale s[g] and an offset o[g]: w = s[g] * q + o[g]
 //   3. dot(w, x) = sum_g s[g] * dx * (q . a)_g + sum_g o[g] * (dx * sum(a)_g)
 //      The integer dots run 64 bytes at a time (AVX-512 VNNI vpdpbusd: one lane is a 4-byte
-//      dot, four lanes a 16-group), 32 at a time on AVX2 (madd_epi16 on widened bytes: no
+//      dot, four lanes a 16-group; twice, 256 (q . a1) + (q . a2)), 32 at a time on AVX2 (madd_epi16 on widened bytes: no
 //      saturation), one at a time in the portable variant; the offset sum is a float dot of
 //      length K / 16.
 // Register blocking: 4 weight rows x up to 4 activation rows per micro-tile; a chunk of 16
