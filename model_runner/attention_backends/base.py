@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -74,30 +75,9 @@ class TorchAttention(AttentionBackend):
 
     name = "torch"
 
-    def build_batch(
-        self,
-        prefill: Sequence[ScheduledSeq],
-        decode: Sequence[ScheduledSeq],
-        block_size: int,
-        device: torch.device,
-        dtype: torch.dtype,
-        sliding_window: int | None = None,
-        *,
-        attention_sinks: int = 0,
-        null_block_id: int | None = None,
-        rope_inv_freq: torch.Tensor | None = None,
-    ) -> ForwardBatch:
-        return ForwardBatch.build(
-            prefill,
-            decode,
-            block_size,
-            device,
-            dtype,
-            sliding_window,
-            attention_sinks=attention_sinks,
-            null_block_id=null_block_id,
-            rope_inv_freq=rope_inv_freq,
-        )
+    def build_batch(self, *args: Any, **kwargs: Any) -> ForwardBatch:
+        """``ForwardBatch.build`` with the interface's arguments: no page tables."""
+        return ForwardBatch.build(*args, **kwargs)
 
     def forward(
         self,
