@@ -20,9 +20,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from cluster.routing import REASONS, Decision
 from metrics.histogram import TOKEN_COUNT_BUCKETS
 from server.asgi import (
-    METRICS_MAX_CONNECTIONS,
     ThreadedAsgiServer,
     metrics_app,
+    metrics_limits,
     start_asgi_server_thread,
 )
 
@@ -121,7 +121,5 @@ def start_metrics_server(host: str, port: int, registry: CollectorRegistry) -> T
 
 
 def _serve(app: ASGIApp, host: str, port: int, name: str) -> ThreadedAsgiServer:
-    # Bounded: over METRICS_MAX_CONNECTIONS scrapes at once, uvicorn answers 503.
-    return start_asgi_server_thread(
-        app, host, port, limit_concurrency=METRICS_MAX_CONNECTIONS, name=name
-    )
+    # Bounded: timeouts, and idle connections closed at the cap (server.http_guard).
+    return start_asgi_server_thread(app, host, port, limits=metrics_limits(), name=name)

@@ -49,6 +49,9 @@ SLO_TARGETS = ("ttft", "itl", "both")
 SLO_PRIORITIES = tuple(str(p) for p in range(10))
 ABORT_REASONS = (*(r.value for r in AbortReason), "overload", "error")
 REJECT_REASONS = ("overload", "invalid")
+# The HTTP ports and what their guard does to a connection (server.http_guard).
+CONNECTION_SERVERS = ("http", "metrics")
+CONNECTION_EVENTS = ("header_timeout", "body_timeout", "evicted_idle", "refused", "emfile")
 OTHER = "other"
 MAX_RPC_SERIES = 256
 # Model info labels always present (filled from the KV snapshot when not given).
@@ -303,6 +306,13 @@ EVENT_COUNTERS: Mapping[str, tuple[tuple[str, ...], str]] = {
     "rpcs_total": (
         ("method", "code"),
         "Finished calls (gRPC and HTTP) by method and status code name.",
+    ),
+    "connection_events_total": (
+        ("server", "event"),
+        "HTTP connections the server closed or refused, and accepts that failed, by port "
+        "(http, metrics) and event: header_timeout / body_timeout (too slow), evicted_idle "
+        "(closed at the connection cap, or to free descriptors), refused (at the cap, none "
+        "idle: 503), emfile (accept() out of file descriptors; retried after 1 s).",
     ),
     "metrics_sink_errors_total": (
         (),

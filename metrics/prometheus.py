@@ -35,6 +35,8 @@ from prometheus_client.core import (
 from cache_manager.stats import KVCacheStats
 from metrics.catalog import (
     ABORT_REASONS,
+    CONNECTION_EVENTS,
+    CONNECTION_SERVERS,
     EVENT_COUNTERS,
     HISTOGRAMS,
     INFO_LABELS,
@@ -126,6 +128,7 @@ class PrometheusSink:
         self._aborts = dict.fromkeys(ABORT_REASONS, 0)
         self._rejected = dict.fromkeys(REJECT_REASONS, 0)
         self._rpcs: dict[tuple[str, str], int] = {}
+        self._connections = {(s, e): 0 for s in CONNECTION_SERVERS for e in CONNECTION_EVENTS}
         self._sink_errors = 0
         self._logged_errors: set[str] = set()
         self.registry.register(self)
@@ -222,6 +225,15 @@ class PrometheusSink:
                 key = (OTHER, OTHER)
             self._rpcs[key] = self._rpcs.get(key, 0) + 1
 
+    @_never_raise
+    def on_connection_event(self, server: str, event: str) -> None:
+        key = (
+            server if server in CONNECTION_SERVERS else OTHER,
+            event if event in CONNECTION_EVENTS else OTHER,
+        )
+        with self._lock:
+            self._connections[key] = self._connections.get(key, 0) + 1
+
     # ----------------------------------------------------------------- Collector
     def describe(self) -> Iterator[Metric]:
         # Names only, for the registry's duplicate check (two sinks on one registry fail).
@@ -237,6 +249,7 @@ class PrometheusSink:
                 "request_aborts_total": [((k,), v) for k, v in sorted(self._aborts.items())],
                 "requests_rejected_total": [((k,), v) for k, v in sorted(self._rejected.items())],
                 "rpcs_total": sorted(self._rpcs.items()),
+                "connection_events_total": sorted(self._connections.items()),
                 "metrics_sink_errors_total": [((), self._sink_errors)],
             }
         yield self._info_family(stats.kv)

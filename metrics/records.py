@@ -67,6 +67,10 @@ class MetricsSink(Protocol):
     def on_rpc(self, method: str, code: str) -> None:
         """One finished RPC with its gRPC status code name ("OK", "INVALID_ARGUMENT", ...)."""
 
+    def on_connection_event(self, server: str, event: str) -> None:
+        """An HTTP port ("http", "metrics") closed or refused a connection, or could not
+        accept one (``server.http_guard.CONNECTION_EVENTS``)."""
+
 
 class NullSink:
     """A sink that drops everything (metrics disabled, or tests that do not look)."""
@@ -81,4 +85,7 @@ class NullSink:
         pass
 
     def on_rpc(self, method: str, code: str) -> None:
+        pass
+
+    def on_connection_event(self, server: str, event: str) -> None:
         pass

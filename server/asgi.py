@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,14 @@ import uvicorn
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.auth import AuthError, Security
+from server.auth import AuthError, NotAdminError, Security
+from server.http_guard import (
+    ConnectionCaps,
+    GuardState,
+    HttpLimits,
+    descriptor_handler,
+    guarded_protocol,
+)
 
 
 class _Server(uvicorn.Server):
@@ -55,12 +63,15 @@ async def start_asgi_server(
     port: int,
     security: Security | None = None,
     *,
-    limit_concurrency: int | None = None,
+    limits: HttpLimits | None = None,
+    on_event: Callable[[str], None] | None = None,
     name: str = "http",
 ) -> AsgiServer:
     """Bind ``host:port`` (0: a free port) and serve ``app`` from this event loop, with TLS
-    when ``security.tls`` is set. Over ``limit_concurrency`` open connections uvicorn
-    answers 503 at once instead of starting more work."""
+    when ``security.tls`` is set, under ``limits`` (``server.http_guard``: timeouts and a
+    connection cap, 0 = ``ConnectionCaps.http``); ``on_event`` counts what the guard
+    closed or refused."""
+    limits = limits if limits is not None else HttpLimits()
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -84,12 +95,18 @@ async def start_asgi_server(
         log_level="warning",
         lifespan="off",
         access_log=False,
-        limit_concurrency=limit_concurrency,
+        timeout_keep_alive=limits.idle_timeout_s,  # type: ignore[arg-type]  # a float works
         timeout_graceful_shutdown=1,
         **kwargs,
     )
+    config.load()
+    cap = limits.max_connections or ConnectionCaps.of_process().http
+    guard = GuardState(limits, cap, on_event if on_event is not None else _ignore)
+    config.http_protocol_class = guarded_protocol(config.http_protocol_class, guard)
+    loop = asyncio.get_running_loop()
+    descriptor_handler(loop).watch(sock.fileno(), name, guard)
     server = _Server(config)
-    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name=name)
+    task = loop.create_task(server.serve(sockets=[sock]), name=name)
     while not server.started:
         if task.done():
             sock.close()
@@ -97,6 +114,10 @@ async def start_asgi_server(
             raise OSError(f"{name} server stopped during start-up")
         await asyncio.sleep(0.01)
     return AsgiServer(server, task, int(sock.getsockname()[1]))
+
+
+def _ignore(event: str) -> None:
+    pass
 
 
 @dataclass(slots=True)
@@ -126,7 +147,7 @@ def start_asgi_server_thread(
     port: int,
     security: Security | None = None,
     *,
-    limit_concurrency: int | None = None,
+    limits: HttpLimits | None = None,
     name: str = "http",
 ) -> ThreadedAsgiServer:
     """``start_asgi_server`` on a new thread's event loop, for a caller that runs no loop of
@@ -135,9 +156,7 @@ def start_asgi_server_thread(
     thread = threading.Thread(target=loop.run_forever, name=name, daemon=True)
     thread.start()
     starting = asyncio.run_coroutine_threadsafe(
-        start_asgi_server(
-            app, host, port, security, limit_concurrency=limit_concurrency, name=name
-        ),
+        start_asgi_server(app, host, port, security, limits=limits, name=name),
         loop,
     )
     try:
@@ -149,37 +168,45 @@ def start_asgi_server_thread(
     return ThreadedAsgiServer(server, loop, thread)
 
 
-# Scrapes served at once; over it uvicorn answers 503 instead of taking more work.
-METRICS_MAX_CONNECTIONS = 8
+def metrics_limits() -> HttpLimits:
+    """A metrics port's limits: scrapes are short and few, so its cap is small
+    (``ConnectionCaps.metrics``); idle connections beyond it are closed, never served 503."""
+    return HttpLimits(max_connections=ConnectionCaps.of_process().metrics)
 
 
-class _KeyGate:
-    """ASGI middleware: every path but the open ones needs a valid API key."""
+class _AdminGate:
+    """ASGI middleware: the global figures need an admin key (``Security.authenticate_admin``):
+    401 without a valid key, 403 with a tenant's key."""
 
-    def __init__(self, app: ASGIApp, security: Security, open_paths: frozenset[str]) -> None:
-        self.app, self.security, self.open_paths = app, security, open_paths
+    def __init__(self, app: ASGIApp, security: Security) -> None:
+        self.app, self.security = app, security
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+        if scope["type"] == "http":
             headers = dict(scope.get("headers") or ())
             authorization = headers.get(b"authorization", b"").decode("latin-1") or None
             try:
-                self.security.authenticate(authorization)
-            except AuthError as exc:
+                self.security.authenticate_admin(authorization)
+            except (AuthError, NotAdminError) as exc:
                 # Imported here: the metrics server (a cluster replica's) stays light.
                 from server.openai_protocol import error_body
 
-                response = JSONResponse(error_body(str(exc), "authentication_error"), 401)
-                await response(scope, receive, send)
+                status, kind = (
+                    (401, "authentication_error")
+                    if isinstance(exc, AuthError)
+                    else (403, "permission_error")
+                )
+                await JSONResponse(error_body(str(exc), kind), status)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
 def metrics_app(registry: Any, security: Security | None = None) -> ASGIApp:
-    """prometheus-client's ASGI app for ``registry``, behind the API key when asked."""
+    """prometheus-client's ASGI app for ``registry``; with API keys (and
+    ``metrics_require_key``) it needs an admin key: its figures are every tenant's."""
     from prometheus_client import make_asgi_app
 
     app: ASGIApp = make_asgi_app(registry)
     if security is not None and security.auth_enabled and security.metrics_require_key:
-        app = _KeyGate(app, security, frozenset())
+        app = _AdminGate(app, security)
     return app

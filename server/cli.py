@@ -114,17 +114,21 @@ async def _serve(cfg: Any) -> int:
             f"step-cost model from {cfg.cost_model_prior}"
         )
 
-    from server.asgi import METRICS_MAX_CONNECTIONS, metrics_app, start_asgi_server
+    from server.asgi import metrics_app, start_asgi_server
     from server.auth import warn_if_exposed
 
-    server = KVServeServer(built.engine, built.tokenizer, model, sink=sink, security=security)
+    server = KVServeServer(
+        built.engine, built.tokenizer, model, sink=sink, security=security,
+        limits=cfg.edge_limits(),
+    )  # fmt: skip
     port = await server.start(cfg.host, cfg.port, http_port=cfg.http_port if cfg.http else None)
     scheme = "https" if security.tls is not None else "http"
     metrics_server = None
     if registry is not None:
         metrics_server = await start_asgi_server(
             metrics_app(registry, security), cfg.metrics_host, cfg.metrics_port, security,
-            limit_concurrency=METRICS_MAX_CONNECTIONS, name="metrics",
+            limits=server.limits.metrics, on_event=server.sink_connection_event("metrics"),
+            name="metrics",
         )  # fmt: skip
         _say(f"metrics on {scheme}://{cfg.metrics_host}:{metrics_server.port}/metrics")
         warn_if_exposed(cfg.metrics_host, security, "metrics")

@@ -39,6 +39,7 @@ from scheduler.config import (
     SchedulerConfig,
 )
 from server.auth import Security, TlsFiles, read_api_keys
+from server.http_guard import EdgeLimits, HttpLimits
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,11 @@ _HELP = {
     "preemption": "preemption victim rule",
     "max_waiting_requests": "waiting-queue bound; over it: RESOURCE_EXHAUSTED",
     "max_waiting_tokens": "waiting prompt-token bound",
+    "max_waiting_requests_per_tenant": (
+        "waiting-queue bound of one API key (or peer without keys); over it: RESOURCE_EXHAUSTED "
+        "for that tenant only"
+    ),
+    "max_waiting_tokens_per_tenant": "waiting prompt-token bound of one API key (or peer)",
     "memory_mode": "optimistic (preempt when full) | reserve (admit at full length)",
     "itl_slo_ms": "ITL target: slo policy steps stay under it; goodput metrics judge by it",
     "ttft_slo_ms": "TTFT target: slo policy admits by arrival + it; goodput metrics judge by it",
@@ -192,6 +198,45 @@ class ServerConfig:
         64, "outputs a stream may hold unread before its request is parked",
         group="http and security",
     )  # fmt: skip
+    # -- hostile clients and tenants (server.http_guard, server.auth)
+    http_max_connections: int = _f(
+        0, "open connections on the OpenAI port; at the cap the one idle longest is closed "
+        "(0 = half of `ulimit -n` less 128)", group="connections and tenants",
+    )  # fmt: skip
+    metrics_max_connections: int = _f(
+        0, "open connections on the metrics port (0 = 1/16 of `ulimit -n` less 128, 8..64)",
+        group="connections and tenants",
+    )  # fmt: skip
+    grpc_max_connections: int = _f(
+        0, "open gRPC connections; over it new ones are closed (0 = 1/4 of `ulimit -n` less 128)",
+        group="connections and tenants",
+    )  # fmt: skip
+    http_header_timeout_s: float = _f(
+        10.0, "close an HTTP connection whose request headers took longer (gRPC: the "
+        "HTTP/2 handshake)", group="connections and tenants",
+    )  # fmt: skip
+    http_body_timeout_s: float = _f(
+        30.0, "close an HTTP connection whose request body took longer",
+        group="connections and tenants",
+    )  # fmt: skip
+    http_idle_timeout_s: float = _f(
+        5.0, "close a keep-alive HTTP connection idle this long between requests",
+        group="connections and tenants",
+    )  # fmt: skip
+    grpc_idle_timeout_s: float = _f(
+        300.0, "close a gRPC connection with no call open this long",
+        group="connections and tenants",
+    )  # fmt: skip
+    admin_api_key: tuple[str, ...] = _f(
+        (), "API key that may read /metrics and GetKVCacheStats (the global, every tenant's "
+        "figures); other keys are refused them (repeatable; also a valid API key)",
+        group="connections and tenants", repeat=True,
+    )  # fmt: skip
+    share_prefix_cache_across_keys: bool = _f(
+        False, "with API keys, share the prefix cache between keys (default: each key's "
+        "prompts are salted by the key, so no key can probe another's cache)",
+        group="connections and tenants",
+    )  # fmt: skip
     # -- model and runner
     runner: str = _f(
         "torch",
@@ -301,6 +346,7 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        self.edge_limits()  # validates the timeouts and caps
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if self.fake_step_sleep_s < 0:
@@ -323,10 +369,32 @@ class ServerConfig:
         tls = None
         if self.tls_cert is not None and self.tls_key is not None:
             tls = TlsFiles(self.tls_cert, self.tls_key, self.tls_client_ca)
+        admin_keys = read_api_keys(self.admin_api_key, None)
         return Security(
-            api_keys=read_api_keys(self.api_key, self.api_key_file),
+            api_keys=read_api_keys(self.api_key, self.api_key_file) | admin_keys,
             tls=tls,
             metrics_require_key=self.metrics_require_key,
+            admin_keys=admin_keys,
+            share_prefix_cache=self.share_prefix_cache_across_keys,
+        )
+
+    def edge_limits(self) -> EdgeLimits:
+        """Timeouts and connection caps of the three ports (raises ``ValueError``)."""
+        timeouts = {
+            "header_timeout_s": self.http_header_timeout_s,
+            "body_timeout_s": self.http_body_timeout_s,
+            "idle_timeout_s": self.http_idle_timeout_s,
+        }
+        if self.grpc_max_connections < 0:
+            raise ValueError(f"grpc_max_connections must be >= 0, got {self.grpc_max_connections}")
+        if not self.grpc_idle_timeout_s > 0:
+            raise ValueError(f"grpc_idle_timeout_s must be > 0, got {self.grpc_idle_timeout_s}")
+        return EdgeLimits(
+            http=HttpLimits(max_connections=self.http_max_connections, **timeouts),
+            metrics=HttpLimits(max_connections=self.metrics_max_connections, **timeouts),
+            grpc_max_connections=self.grpc_max_connections,
+            grpc_idle_timeout_s=self.grpc_idle_timeout_s,
+            grpc_handshake_timeout_s=self.http_header_timeout_s,
         )
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from concurrent.futures import Executor
 
 import grpc
@@ -30,6 +31,7 @@ from server.grpc_service import (
     GenerationServicer,
     generation_handler,
 )
+from server.http_guard import EdgeLimits
 from server.openai_app import OpenAIFront
 
 logger = logging.getLogger(__name__)
@@ -54,13 +56,15 @@ class KVServeServer:
         executor: Executor | None = None,
         death_grace_s: float = 1.0,
         security: Security | None = None,
+        limits: EdgeLimits | None = None,
     ) -> None:
         self.engine = engine
+        self.limits = (limits if limits is not None else EdgeLimits()).resolved()
         self.model = model
         self.security = security if security is not None else Security()
         self.sink: MetricsSink = sink if sink is not None else NullSink()
         self.client = EngineClient(engine)
-        self.frontend = Frontend(self.client, tokenizer, model, executor)
+        self.frontend = Frontend(self.client, tokenizer, model, executor, self.security)
         self.servicer = GenerationServicer(self.frontend, sink=sink, security=self.security)
         self.http: AsgiServer | None = None
         self.http_port = 0
@@ -82,7 +86,7 @@ class KVServeServer:
         self._loop = asyncio.get_running_loop()
         self._done = asyncio.Event()
         server = grpc.aio.server(
-            options=[("grpc.so_reuseport", 0)],
+            options=[("grpc.so_reuseport", 0), *self.limits.grpc_options()],
             interceptors=[AuthInterceptor(self.security, self.sink)],
         )
         server.add_generic_rpc_handlers((generation_handler(self.servicer),))
@@ -113,7 +117,10 @@ class KVServeServer:
         self._server = server
         if http_port is not None:
             front = OpenAIFront(self.frontend, self.security, self.sink)
-            self.http = await start_asgi_server(front.app, host, http_port, self.security)
+            self.http = await start_asgi_server(
+                front.app, host, http_port, self.security, limits=self.limits.http,
+                on_event=self.sink_connection_event("http"),
+            )  # fmt: skip
             self.http_port = self.http.port
         self.engine.set_on_death(self._on_engine_death_threadsafe)
         if not self.engine.started:
@@ -121,6 +128,10 @@ class KVServeServer:
         await server.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         return bound
+
+    def sink_connection_event(self, server: str) -> Callable[[str], None]:
+        """Counts what ``server.http_guard`` closed or refused on the port ``server``."""
+        return lambda event: self.sink.on_connection_event(server, event)
 
     async def _set_health(self, status: int) -> None:
         await self.health.set("", status)

@@ -39,6 +39,7 @@ class RecordingSink:
         self.requests: list[RequestRecord] = []
         self.rejected: list[str] = []
         self.rpcs: list[tuple[str, str]] = []
+        self.connection_events: list[tuple[str, str]] = []
 
     def on_step(self, record: StepRecord) -> None:
         with self.lock:
@@ -55,6 +56,10 @@ class RecordingSink:
     def on_rpc(self, method: str, code: str) -> None:
         with self.lock:
             self.rpcs.append((method, code))
+
+    def on_connection_event(self, server: str, event: str) -> None:
+        with self.lock:
+            self.connection_events.append((server, event))
 
     def request(self, request_id: str) -> RequestRecord:
         with self.lock:

@@ -41,6 +41,9 @@ class InvariantSink:
     def on_rpc(self, method: str, code: str) -> None:
         pass
 
+    def on_connection_event(self, server: str, event: str) -> None:
+        pass
+
 
 @dataclass(slots=True)
 class Conversation:
