@@ -78,7 +78,7 @@ def check_not_overloaded(
     config: SchedulerConfig, waiting: WaitingQueue[Any], request: Request
 ) -> None:
     """Raise ``OverloadError`` when queueing ``request`` would pass the waiting queue's
-    bounds (requests or prompt tokens)."""
+    bounds (requests or prompt tokens), overall or its tenant's."""
     if waiting.num_requests + 1 > config.max_waiting_requests:
         raise OverloadError(
             f"waiting queue is full: {waiting.num_requests} requests waiting "
@@ -89,4 +89,18 @@ def check_not_overloaded(
         raise OverloadError(
             f"waiting queue is full: {waiting.num_tokens} prompt tokens waiting + "
             f"{request.num_prompt_tokens} new > max_waiting_tokens={config.max_waiting_tokens}"
+        )
+    if not request.tenant:
+        return
+    num_requests, num_tokens = waiting.tenant_counts(request.tenant)
+    if num_requests + 1 > config.max_waiting_requests_per_tenant:
+        raise OverloadError(
+            f"this client's share of the waiting queue is full: {num_requests} of its requests "
+            f"waiting (max_waiting_requests_per_tenant={config.max_waiting_requests_per_tenant})"
+        )
+    if num_tokens + request.num_prompt_tokens > config.max_waiting_tokens_per_tenant:
+        raise OverloadError(
+            f"this client's share of the waiting queue is full: {num_tokens} of its prompt "
+            f"tokens waiting + {request.num_prompt_tokens} new > "
+            f"max_waiting_tokens_per_tenant={config.max_waiting_tokens_per_tenant}"
         )

@@ -44,6 +44,9 @@ class SchedulerConfig:
     - ``max_waiting_requests`` / ``max_waiting_tokens``: admission bounds of the waiting
       queue (requests / prompt tokens still to compute); over them ``add_request`` raises
       ``OverloadError``.
+    - ``max_waiting_requests_per_tenant`` / ``max_waiting_tokens_per_tenant``: the same
+      bounds for the requests of one tenant (``Request.tenant``; "" is no tenant), so one
+      tenant's flood is refused while the others' requests are still admitted.
     - ``memory_mode``: ``optimistic`` allocates blocks as tokens arrive and preempts (by
       recompute) when they run out; ``reserve`` admits a request only when blocks for its
       whole length (prompt + max_tokens) are free and never preempts.
@@ -64,6 +67,8 @@ class SchedulerConfig:
     preemption: str = "priority"
     max_waiting_requests: int = 4096
     max_waiting_tokens: int = 1_000_000
+    max_waiting_requests_per_tenant: int = 1024
+    max_waiting_tokens_per_tenant: int = 250_000
     memory_mode: str = "optimistic"
     itl_slo_ms: float = 150.0
     ttft_slo_ms: float = 2000.0
@@ -87,6 +92,8 @@ class SchedulerConfig:
             "aging_steps",
             "max_waiting_requests",
             "max_waiting_tokens",
+            "max_waiting_requests_per_tenant",
+            "max_waiting_tokens_per_tenant",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

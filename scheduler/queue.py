@@ -42,7 +42,15 @@ W = TypeVar("W", bound=Waiter)
 class WaitingQueue(Generic[W]):
     """Waiting entries in admission order, with exact counts; see the module docstring."""
 
-    __slots__ = ("_discarded", "_heap", "_num_stale", "num_preempted", "num_requests", "num_tokens")
+    __slots__ = (
+        "_discarded",
+        "_heap",
+        "_num_stale",
+        "_tenants",
+        "num_preempted",
+        "num_requests",
+        "num_tokens",
+    )
 
     def __init__(self) -> None:
         self._heap: list[tuple[int, int, int, W]] = []
@@ -51,6 +59,7 @@ class WaitingQueue(Generic[W]):
         self.num_requests = 0
         self.num_tokens = 0  # tokens still to compute (all of them: nothing waiting holds KV)
         self.num_preempted = 0  # waiting again after a preemption
+        self._tenants: dict[str, list[int]] = {}  # tenant -> [requests, tokens] (non-zero)
 
     def __len__(self) -> int:
         return self.num_requests
@@ -103,11 +112,22 @@ class WaitingQueue(Generic[W]):
             if id(item[3]) not in discarded and item[0] == item[3].sort_key
         ]
 
+    def tenant_counts(self, tenant: str) -> tuple[int, int]:
+        """(requests, tokens) waiting of ``tenant``."""
+        counts = self._tenants.get(tenant)
+        return (0, 0) if counts is None else (counts[0], counts[1])
+
     def _count(self, req: Request, sign: int) -> None:
         self.num_requests += sign
         self.num_tokens += sign * req.num_tokens
         if req.status is _PREEMPTED:
             self.num_preempted += sign
+        if req.tenant:
+            counts = self._tenants.setdefault(req.tenant, [0, 0])
+            counts[0] += sign
+            counts[1] += sign * req.num_tokens
+            if counts[0] == 0:
+                del self._tenants[req.tenant]  # a tenant gone leaves nothing behind
 
     def _compact(self) -> None:
         """Drop discarded and stale items once they are the majority of the heap."""

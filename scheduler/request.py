@@ -158,6 +158,7 @@ class Request:
     priority: int = 0  # lower value runs first
     arrival_time_s: float = 0.0
     cache_salt: str | None = None
+    tenant: str = ""  # who sent it (an API key's owner, a peer): per-tenant queue bounds
     # The request's own latency targets (the ``slo`` policy; None: the server's defaults).
     ttft_slo_s: float | None = None
     itl_slo_s: float | None = None

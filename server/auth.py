@@ -31,6 +31,11 @@ class AuthError(PermissionError):
     """The caller gave no API key or a wrong one (gRPC UNAUTHENTICATED, HTTP 401)."""
 
 
+class NotAdminError(PermissionError):
+    """A valid key that is not an admin key asked for a global view (gRPC
+    PERMISSION_DENIED, HTTP 403)."""
+
+
 @dataclass(frozen=True, slots=True)
 class TlsFiles:
     """PEM files: the server's certificate chain and key, and optionally a CA that client
@@ -47,11 +52,21 @@ class TlsFiles:
 
 @dataclass(frozen=True, slots=True)
 class Security:
-    """API keys (empty: authentication off) and TLS (None: plaintext)."""
+    """API keys (empty: authentication off), TLS (None: plaintext), and how tenants (keys)
+    are kept apart::
+
+        prefix cache     each key's prompts are salted by its owner (a client's cache_salt
+                         narrows that further), unless ``share_prefix_cache``
+        global views     /metrics and GetKVCacheStats (every tenant's figures) need one of
+                         ``admin_keys`` when keys are on; other keys get 403 /
+                         PERMISSION_DENIED (``metrics_require_key=False`` opens /metrics)
+    """
 
     api_keys: frozenset[str] = field(default=frozenset(), repr=False)  # never logged
     tls: TlsFiles | None = None
     metrics_require_key: bool = True
+    admin_keys: frozenset[str] = field(default=frozenset(), repr=False)  # also in api_keys
+    share_prefix_cache: bool = False
 
     @property
     def auth_enabled(self) -> bool:
@@ -77,6 +92,25 @@ class Security:
         if not ok:
             raise AuthError("invalid API key")
         return key_owner(given.decode())
+
+    def authenticate_admin(self, authorization: str | None) -> None:
+        """Raises ``AuthError`` without a valid key and ``NotAdminError`` for a key that is
+        not an admin key (keys on); without keys everyone may read the global views."""
+        owner = self.authenticate(authorization)
+        if owner is None:
+            return
+        if owner not in {key_owner(k) for k in self.admin_keys}:
+            raise NotAdminError(
+                "this API key may not read the server's global figures (every tenant's): "
+                "use an admin key (--admin-api-key)"
+            )
+
+    def cache_salt(self, owner: str, client_salt: str | None) -> str | None:
+        """The prefix-cache salt of a request: with keys on, the owner's (the client's own
+        salt, a digest, narrows it); None: the shared cache."""
+        if not self.api_keys or self.share_prefix_cache:
+            return client_salt
+        return f"{owner}|{client_salt or ''}"
 
     def owner(self, authorization: str | None, peer_host: str) -> str:
         """Who owns a request: the key's owner, or the peer's host when auth is off."""

@@ -7,6 +7,7 @@ Imports run one way: ``server.lifecycle`` -> the fronts (``grpc_service``, ``ope
 
     InvalidRequestError / admission ValueError -> INVALID_ARGUMENT
     AuthError (no or a wrong API key)          -> UNAUTHENTICATED
+    NotAdminError (a global view, no admin key) -> PERMISSION_DENIED
     DuplicateRequestError                      -> ALREADY_EXISTS
     OverloadError                              -> RESOURCE_EXHAUSTED
     a request finished with ERROR              -> INTERNAL (that request only)
@@ -35,7 +36,7 @@ import grpc
 from scheduler.errors import OverloadError
 from scheduler.request import FinishReason, Request
 from server import validation
-from server.auth import AuthError, client_id, scoped_id
+from server.auth import AuthError, NotAdminError, Security, client_id, scoped_id
 from server.engine import EngineDeadError, StalledStreamError
 from server.engine_client import DeadlineExceededError, DuplicateRequestError, EngineClient
 from server.outputs import GenerationOutput
@@ -125,6 +126,8 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return exc.code, exc.details
     if isinstance(exc, AuthError):
         return grpc.StatusCode.UNAUTHENTICATED, str(exc)
+    if isinstance(exc, NotAdminError):
+        return grpc.StatusCode.PERMISSION_DENIED, str(exc)
     if isinstance(exc, DuplicateRequestError):
         return grpc.StatusCode.ALREADY_EXISTS, str(exc)
     if isinstance(exc, ValueError):  # InvalidRequestError, or the scheduler's admission check
@@ -151,11 +154,13 @@ class Frontend:
         tokenizer: ServerTokenizer,
         model: ServedModel,
         executor: Executor | None = None,
+        security: Security | None = None,
     ) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.model = model
         self.limits = model.limits
+        self.security = security if security is not None else Security()
         self._executor = executor
         self.accepting = True  # False while draining: new generations get UNAVAILABLE
 
@@ -183,7 +188,10 @@ class Frontend:
         if default_max_tokens is not None:
             limits = replace(limits, default_max_tokens=default_max_tokens)
         validation.check_request_fields(request, limits)
-        cache_salt = validation.cache_salt_digest(request.cache_salt)
+        # Tenants apart: with keys on, the owner salts the prefix cache (server.auth).
+        cache_salt = self.security.cache_salt(
+            owner, validation.cache_salt_digest(request.cache_salt)
+        )
         prompt_ids = await self._prompt_ids(request)
         sampling = validation.sampling_params(request, len(prompt_ids), limits)
         ttft_slo_s, itl_slo_s = validation.latency_targets(request.slo)
@@ -195,6 +203,7 @@ class Frontend:
             priority=request.priority,
             arrival_time_s=time.monotonic(),
             cache_salt=cache_salt,
+            tenant=owner,  # the waiting queue's per-tenant bounds
             ttft_slo_s=ttft_slo_s,
             itl_slo_s=itl_slo_s,
         )

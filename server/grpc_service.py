@@ -25,6 +25,7 @@ from scheduler.output import TokenLogprobs
 from scheduler.request import AbortReason, FinishReason
 from server import validation
 from server.auth import AuthError, Security, client_id, grpc_peer_host, scoped_id
+from server.engine_client import DEADLINE_SLACK_S
 from server.frontend import Frontend, RpcError, encode_chat, status_of
 from server.outputs import GenerationOutput
 from server.rpc import generation_pb2 as pb
@@ -121,7 +122,7 @@ class GenerationServicer:
                 async for response in responses:
                     yield response
         except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: closed mid-yield
-            code = grpc.StatusCode.CANCELLED
+            code = _cancel_code(context)
             raise
         except Exception as exc:
             code, details = status_of(exc)
@@ -232,10 +233,14 @@ class GenerationServicer:
     async def GetKVCacheStats(
         self, request: pb.GetKVCacheStatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.KVCacheStats:
-        return await self._unary("GetKVCacheStats", context, self._kv_stats(request))
+        return await self._unary("GetKVCacheStats", context, self._kv_stats(request, context))
 
-    async def _kv_stats(self, request: pb.GetKVCacheStatsRequest) -> pb.KVCacheStats:
+    async def _kv_stats(
+        self, request: pb.GetKVCacheStatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.KVCacheStats:
+        """Every tenant's figures: with API keys on, an admin key only."""
         self._check_decoded(request)
+        self.security.authenticate_admin(authorization(context.invocation_metadata()))
         stats = self.frontend.client.engine.latest_stats  # a snapshot: never the live scheduler
         # preemptions_total: the scheduler preempts, so it is not a cache manager field
         return pb.KVCacheStats(**asdict(stats.kv), preemptions_total=stats.num_preemptions_total)
@@ -254,6 +259,15 @@ class GenerationServicer:
         rid = scoped_id(self._owner(context), request.request_id)
         found = self.frontend.client.abort(rid, AbortReason.ABORT_CALL)
         return pb.AbortResponse(found=found)
+
+
+def _cancel_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    """Why a call was cancelled, as its client saw it: at its deadline (within the engine
+    client's ``DEADLINE_SLACK_S``: the client's clock runs ahead) or by the client."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= DEADLINE_SLACK_S:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.CANCELLED
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):

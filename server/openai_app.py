@@ -26,6 +26,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -158,6 +159,10 @@ class OpenAIFront:
             except BaseException:
                 await outputs.aclose()
                 raise
+        except ClientDisconnect:
+            # Hung up mid-body: a cancel, not a failure of ours (nobody reads an answer).
+            self.sink.on_rpc(method, "CANCELLED")
+            return Response(status_code=499)
         except Exception as exc:
             error = http_error(exc)
             self.sink.on_rpc(method, self._count_failure(method, error, exc))

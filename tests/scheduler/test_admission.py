@@ -92,6 +92,47 @@ def test_waiting_token_bound_raises_overload() -> None:
     assert sched.make_stats().num_waiting_tokens == 15
 
 
+def _tenant_request(rid: str, tenant: str, prompt_len: int = 3) -> Request:
+    request = make_request(rid, prompt_len=prompt_len)
+    request.tenant = tenant
+    return request
+
+
+def test_a_tenants_flood_is_refused_while_other_tenants_are_admitted() -> None:
+    """Per tenant at most 2 requests and 10 prompt tokens wait (8 overall): alice's third
+    request and then her 11th token are refused with her numbers, while bob's and an
+    untenanted request are admitted; once one of hers runs, she has room again, and when
+    all have left the queue her counts are gone."""
+    sched, kv = make_scheduler(
+        max_waiting_requests=8,
+        max_waiting_requests_per_tenant=2,
+        max_waiting_tokens_per_tenant=10,
+        max_num_seqs=1,
+    )
+    sched.add_request(_tenant_request("a0", "alice"))
+    sched.add_request(_tenant_request("a1", "alice"))
+    with pytest.raises(
+        OverloadError, match=r"2 of its requests waiting \(max_waiting_requests_per_tenant=2\)"
+    ):
+        sched.add_request(_tenant_request("a2", "alice"))
+    sched.add_request(_tenant_request("b0", "bob"))
+    sched.add_request(_tenant_request("b1", "bob", prompt_len=7))
+    sched.add_request(make_request("anyone", prompt_len=3))
+    assert sched.num_waiting == 5
+    step(sched, make_runner(kv))  # a0 is admitted: alice has one waiting, 3 tokens
+    with pytest.raises(
+        OverloadError,
+        match=r"3 of its prompt tokens waiting \+ 8 new > max_waiting_tokens_per_tenant=10",
+    ):
+        sched.add_request(_tenant_request("a2", "alice", prompt_len=8))
+    sched.add_request(_tenant_request("a2", "alice", prompt_len=7))
+    assert sched._waiting.tenant_counts("alice") == (2, 10)
+    assert sched._waiting.tenant_counts("bob") == (2, 10)
+    for rid in ("a0", "a1", "a2", "b0", "b1", "anyone"):
+        sched.abort(rid)
+    assert sched._waiting.tenant_counts("alice") == (0, 0) and not sched._waiting._tenants
+
+
 def test_invalid_request_is_a_value_error_even_when_overloaded() -> None:
     """A request that can never run gets ValueError (INVALID_ARGUMENT), not OverloadError."""
     sched, _ = make_scheduler(max_waiting_requests=0, max_model_len=16)
