@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-deps test-fast lint bench proto clean
+.PHONY: install serve test test-deps test-fast lint bench soak proto clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,12 @@ lint: install
 # reuse it. BENCH_QUICK=1: a smoke run of every section with tiny counts (wiring, not figures).
 bench: install
 	$(PY) -m benchmarks.run_all $(if $(BENCH_QUICK),--quick) $(BENCH_ARGS)
+
+# SOAK_MINUTES of mixed, partly hostile traffic on both APIs against `kvserve serve --runner
+# fake`, then a runner-crash drill; fails on an unintended outcome, RSS growth, or a leak.
+SOAK_MINUTES ?= 10
+soak: install
+	$(PY) -m loadtest.soak --minutes $(SOAK_MINUTES) $(SOAK_ARGS)
 
 proto: install
 	$(PY) -m server.rpc.gen

@@ -134,7 +134,9 @@ class GenerationServicer:
                 self.sink.on_rejected("overload")
         finally:
             self._record("Generate", code)
-        if code is not grpc.StatusCode.OK:
+        # A call its client (or gRPC's deadline) already ended takes no status: sending one
+        # fails in the core, which logs an ERROR with a traceback.
+        if code is not grpc.StatusCode.OK and not context.cancelled():
             await context.abort(code, details)
 
     async def _generate(
