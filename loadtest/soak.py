@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -148,6 +148,11 @@ class Tally:
         self.examples.setdefault(what, detail[:300])
 
 
+async def _drain(call: AsyncIterator[object]) -> None:
+    async for _ in call:
+        pass
+
+
 class Traffic:
     """The scenarios; each records its outcome in ``tally``."""
 
@@ -223,19 +228,29 @@ class Traffic:
         call.cancel()
         self.tally.outcomes["cancel"] += 1
 
-    async def grpc_deadline(self) -> None:
-        timeout_s = self.rng.uniform(0.05, 0.3)
+    async def _expect(
+        self, calls: Awaitable[None], code: grpc.StatusCode, outcome: str, what: str
+    ) -> None:
+        """``calls`` must end with ``code`` (an intended outcome, counted as ``outcome``)."""
         try:
-            async for _ in self.stub.Generate(
-                self._request(2000), metadata=self._meta(), timeout=timeout_s
-            ):
-                pass
+            await calls
         except grpc.aio.AioRpcError as exc:
-            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
-                self.tally.outcomes["deadline"] += 1
+            if exc.code() is code:
+                self.tally.outcomes[outcome] += 1
                 return
             raise
-        self.tally.error("deadline_not_exceeded", "a 2000-token stream beat its deadline")
+        self.tally.error(f"not_{outcome}", what)
+
+    async def grpc_deadline(self) -> None:
+        call = self.stub.Generate(
+            self._request(2000), metadata=self._meta(), timeout=self.rng.uniform(0.05, 0.3)
+        )
+        await self._expect(
+            _drain(call),
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            "deadline",
+            "a 2000-token stream beat its deadline",
+        )
 
     async def grpc_abort(self) -> None:
         meta = self._meta()
@@ -252,20 +267,16 @@ class Traffic:
             self.tally.error("abort_not_reported", str(msgs[-1]))
 
     async def grpc_invalid(self) -> None:
-        request = self._request(10**6)  # beyond the context
-        try:
-            await anext(aiter(self.stub.Generate(request, metadata=self._meta())))
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() is grpc.StatusCode.INVALID_ARGUMENT:
-                self.tally.outcomes["invalid"] += 1
-                return
-            raise
-        self.tally.error("invalid_accepted", "max_tokens beyond the context was served")
+        call = self.stub.Generate(self._request(10**6), metadata=self._meta())  # past the context
+        await self._expect(
+            _drain(call),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "invalid",
+            "max_tokens beyond the context was served",
+        )
 
     async def grpc_slow_reader(self) -> None:
-        n = 0
         async for m in self.stub.Generate(self._request(40), metadata=self._meta()):
-            n += 1
             await asyncio.sleep(0.02)
             if m.finished:
                 self.tally.outcomes["slow_reader_ok"] += 1
@@ -322,15 +333,12 @@ class Traffic:
             request = self._request(2000, sampling=pb.SamplingOptions(logprobs=20))
             call = stub.Generate(request, metadata=self._meta())
             await asyncio.sleep(STALLED_TIMEOUT_S + 3.0)  # reads nothing meanwhile
-            try:
-                async for _ in call:
-                    pass
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() is grpc.StatusCode.ABORTED:
-                    self.tally.outcomes["stalled"] += 1
-                    return
-                raise
-            self.tally.error("stalled_not_aborted", "a never-read stream ran to its end")
+            await self._expect(
+                _drain(call),
+                grpc.StatusCode.ABORTED,
+                "stalled",
+                "a never-read stream ran to its end",
+            )
         finally:
             await channel.close()
 
