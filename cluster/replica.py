@@ -62,6 +62,9 @@ class _RayContext:
         """The client's address as the proxy saw it (ownership when auth is off)."""
         return "" if self._context is None else str(self._context.peer())
 
+    def cancelled(self) -> bool:
+        return False  # the proxy ends a call its client left; the replica always answers
+
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         if self._context is not None:
             self._context.set_code(code)

@@ -65,8 +65,9 @@ class EngineClient:
     ) -> AsyncIterator[GenerationOutput]:
         """Submit ``request`` and yield its outputs until every sample finished.
 
-        ``deadline_s`` is an absolute ``time.monotonic()`` time; when it passes the request is
-        aborted (reason DEADLINE) and ``DeadlineExceededError`` is raised. Raises
+        ``deadline_s`` is an absolute ``time.monotonic()`` time; ``DEADLINE_SLACK_S`` after it
+        (unless the caller left first) the request is aborted (reason DEADLINE) and
+        ``DeadlineExceededError`` is raised. Raises
         ``OverloadError`` / ``ValueError`` when the scheduler refuses the request and
         ``EngineDeadError`` when the engine dies.
         """
@@ -87,9 +88,12 @@ class EngineClient:
                 if deadline_s is None:
                     item = await queue.get()
                 else:
-                    # loop.time() is time.monotonic() on the default event loops.
+                    # A backstop: a gRPC call is ended at its deadline by gRPC's core, and our
+                    # timer firing at the same instant raced it to send the call's status (the
+                    # loser logs an ERROR). loop.time() is time.monotonic() on default loops.
+                    backstop_s = deadline_s + DEADLINE_SLACK_S
                     try:
-                        async with asyncio.timeout_at(deadline_s - time.monotonic() + loop.time()):
+                        async with asyncio.timeout_at(backstop_s - time.monotonic() + loop.time()):
                             item = await queue.get()
                     except TimeoutError:
                         raise DeadlineExceededError(
