@@ -188,8 +188,9 @@ class ServerConfig:
         None, "file of API keys, one per line (# comments)", group="http and security"
     )
     metrics_require_key: bool = _f(
-        True, "with API keys, /metrics needs one too", group="http and security"
-    )
+        True, "with API keys, /metrics needs an admin key (--admin-api-key)",
+        group="http and security",
+    )  # fmt: skip
     stalled_stream_timeout_s: float = _f(
         30.0, "abort a request whose client read nothing for this long (its stream is parked)",
         group="http and security",

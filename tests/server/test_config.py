@@ -17,6 +17,7 @@ from server.config import (
     client_address,
     parse_bytes,
 )
+from server.http_guard import ConnectionCaps
 
 
 def _flags(*argv: str) -> argparse.Namespace:
@@ -215,3 +216,34 @@ def test_kv_disk_flags_reach_the_tier() -> None:
         ServerConfig(kv_disk_store="sqlite")
     with pytest.raises(ValueError, match="must be >= 1 byte"):
         ServerConfig(kv_disk_bytes="0")
+
+
+def test_tenancy_and_connection_flags_reach_security_and_the_edge_limits() -> None:
+    """--admin-api-key is also an API key and the only admin; --share-prefix-cache-across-keys
+    reaches Security; the timeouts and caps reach every port (gRPC's options included), 0
+    caps come from the descriptor limit, and bad values name the setting."""
+    cfg = build_config(
+        _flags(
+            "--api-key", "a", "--admin-api-key", "adm", "--share-prefix-cache-across-keys",
+            "--http-max-connections", "7", "--http-header-timeout-s", "2.5",
+            "--grpc-idle-timeout-s", "60", "--max-waiting-requests-per-tenant", "5",
+        ),
+        environ={},
+    )  # fmt: skip
+    security = cfg.security()
+    assert security.api_keys == {"a", "adm"} and security.admin_keys == {"adm"}
+    assert security.share_prefix_cache
+    limits = cfg.edge_limits().resolved()
+    assert limits.http.max_connections == 7 and limits.http.header_timeout_s == 2.5
+    assert limits.metrics.header_timeout_s == 2.5
+    assert limits.metrics.max_connections == ConnectionCaps.of_process().metrics
+    assert dict(limits.grpc_options()) == {
+        "grpc.max_allowed_incoming_connections": ConnectionCaps.of_process().grpc,
+        "grpc.max_connection_idle_ms": 60_000,
+        "grpc.server_handshake_timeout_ms": 2_500,
+    }
+    assert cfg.scheduler_config(max_model_len=64).max_waiting_requests_per_tenant == 5
+    with pytest.raises(ValueError, match="header_timeout_s must be > 0"):
+        ServerConfig(http_header_timeout_s=0)
+    with pytest.raises(ValueError, match="grpc_max_connections must be >= 0"):
+        ServerConfig(grpc_max_connections=-1)
