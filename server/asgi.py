@@ -22,6 +22,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.auth import AuthError, NotAdminError, Security
 from server.http_guard import (
+    ACCEPT_BATCH,
+    LISTEN_BACKLOG,
     ConnectionCaps,
     GuardState,
     HttpLimits,
@@ -80,7 +82,7 @@ async def start_asgi_server(
     except OSError as exc:
         sock.close()
         raise OSError(f"could not bind {name} to {host}:{port}: {exc}") from exc
-    sock.listen(2048)
+    sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
     tls = security.tls if security is not None else None
     kwargs: dict[str, Any] = {}
@@ -97,6 +99,7 @@ async def start_asgi_server(
         access_log=False,
         timeout_keep_alive=limits.idle_timeout_s,  # type: ignore[arg-type]  # a float works
         timeout_graceful_shutdown=1,
+        backlog=ACCEPT_BATCH,  # accepted per wake-up; the kernel's queue is set below
         **kwargs,
     )
     config.load()
@@ -113,6 +116,7 @@ async def start_asgi_server(
             task.result()  # raises what stopped it
             raise OSError(f"{name} server stopped during start-up")
         await asyncio.sleep(0.01)
+    sock.listen(LISTEN_BACKLOG)  # asyncio set the kernel's queue to ACCEPT_BATCH too
     return AsgiServer(server, task, int(sock.getsockname()[1]))
 
 

@@ -40,6 +40,13 @@ logger = logging.getLogger(__name__)
 
 # Descriptors kept for everything that is not an HTTP connection (files, gRPC, the loop).
 RESERVED_DESCRIPTORS = 128
+# asyncio accepts up to its server's ``backlog`` connections per wake-up, before any of them
+# reaches ``connection_made`` (where the cap closes an idle one): with uvicorn's 2,048, a
+# queued flood is accepted at once and passes any cap. So the event loop accepts this many at
+# a time, while the kernel's queue stays LISTEN_BACKLOG long (a new client is queued, never
+# dropped to a 1 s SYN retry).
+ACCEPT_BATCH = 32
+LISTEN_BACKLOG = 2048
 
 
 @dataclass(frozen=True, slots=True)
