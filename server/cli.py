@@ -117,7 +117,10 @@ async def _serve(cfg: Any) -> int:
     from server.asgi import METRICS_MAX_CONNECTIONS, metrics_app, start_asgi_server
     from server.auth import warn_if_exposed
 
-    server = KVServeServer(built.engine, built.tokenizer, model, sink=sink, security=security)
+    server = KVServeServer(
+        built.engine, built.tokenizer, model, sink=sink, security=security,
+        max_request_bytes=cfg.max_request_bytes,
+    )  # fmt: skip
     port = await server.start(cfg.host, cfg.port, http_port=cfg.http_port if cfg.http else None)
     scheme = "https" if security.tls is not None else "http"
     metrics_server = None

@@ -192,6 +192,11 @@ class ServerConfig:
         64, "outputs a stream may hold unread before its request is parked",
         group="http and security",
     )  # fmt: skip
+    max_request_bytes: int = _f(
+        4 * 1024 * 1024, "largest request: an HTTP body (over it: 413, refused before it is "
+        "read) or a gRPC message (RESOURCE_EXHAUSTED); gRPC's own default is 4 MiB",
+        group="http and security",
+    )  # fmt: skip
     # -- model and runner
     runner: str = _f(
         "torch",
@@ -287,6 +292,8 @@ class ServerConfig:
             raise ValueError(
                 f"stalled_stream_timeout_s must be > 0, got {self.stalled_stream_timeout_s}"
             )
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.max_unread_outputs < 2:
             raise ValueError(f"max_unread_outputs must be >= 2, got {self.max_unread_outputs}")
         if self.grace_period_s < 0:

@@ -111,6 +111,7 @@ def build_server(
     max_n: int = 8,
     security: Security | None = None,
     engine_options: dict[str, Any] | None = None,
+    server_options: dict[str, Any] | None = None,
     **scheduler_config: Any,
 ) -> tuple[KVServeServer, EngineLoop, Scheduler, RecordingSink]:
     info = runner.info
@@ -145,7 +146,9 @@ def build_server(
         eos_token_ids=tuple(info.eos_token_ids),
         max_n=max_n,
     )
-    server = KVServeServer(engine, tokenizer, model, sink=sink, security=security)
+    server = KVServeServer(
+        engine, tokenizer, model, sink=sink, security=security, **(server_options or {})
+    )
     return server, engine, scheduler, sink
 
 
