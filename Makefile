@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-deps test-fast lint bench proto clean
+.PHONY: install serve test test-deps test-fast lint bench proto clean fuzz fuzz-install
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,19 @@ lint: install
 # reuse it. BENCH_QUICK=1: a smoke run of every section with tiny counts (wiring, not figures).
 bench: install
 	$(PY) -m benchmarks.run_all $(if $(BENCH_QUICK),--quick) $(BENCH_ARGS)
+
+# Coverage-guided fuzzing (atheris) of the parsers, FUZZ_SECONDS per target (fuzz/run.py):
+# new inputs go to .fuzz/corpus/, a crash to .fuzz/findings/. `make -j2 fuzz` runs two at once.
+FUZZ_SECONDS ?= 300
+FUZZ_TARGETS ?= openai_parser request_validation detokenizer gguf_header
+
+fuzz-install: install
+	$(PY) -m pip install --quiet -e '.[fuzz]'
+
+fuzz: $(addprefix fuzz-,$(FUZZ_TARGETS))
+
+fuzz-%: fuzz-install
+	$(PY) -m fuzz.run $* --seconds $(FUZZ_SECONDS)
 
 proto: install
 	$(PY) -m server.rpc.gen
