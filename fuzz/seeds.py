@@ -57,38 +57,34 @@ DETOKENIZER_INPUTS = [
 ]
 
 
-def gguf_files() -> list[bytes]:
-    """A llama header with every key the loader reads and tiny tensors, and one without
-    tensors."""
+def gguf_file(with_tensors: bool = True, head_count: int = 2) -> bytes:
+    """A llama header with every key the loader reads and (``with_tensors``) tiny tensors."""
     import gguf
     import numpy as np
 
-    out = []
-    for with_tensors in (True, False):
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "seed.gguf"
-            w = gguf.GGUFWriter(str(path), "llama")
-            w.add_embedding_length(8)
-            w.add_feed_forward_length(16)
-            w.add_block_count(1)
-            w.add_head_count(2)
-            w.add_head_count_kv(1)
-            w.add_context_length(64)
-            w.add_layer_norm_rms_eps(1e-5)
-            w.add_rope_freq_base(10000.0)
-            w.add_tokenizer_model("gpt2")
-            w.add_token_list(["a", "b", "c", "d"])
-            w.add_bos_token_id(0)
-            w.add_eos_token_id(1)
-            if with_tensors:
-                w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-                w.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
-            w.write_header_to_file()
-            w.write_kv_data_to_file()
-            w.write_tensors_to_file()
-            w.close()
-            out.append(path.read_bytes())
-    return out
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "seed.gguf"
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_embedding_length(8)
+        w.add_feed_forward_length(16)
+        w.add_block_count(1)
+        w.add_head_count(head_count)
+        w.add_head_count_kv(1)
+        w.add_context_length(64)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_rope_freq_base(10000.0)
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list(["a", "b", "c", "d"])
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(1)
+        if with_tensors:
+            w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+            w.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path.read_bytes()
 
 
 def seeds() -> dict[str, list[bytes]]:
@@ -97,7 +93,7 @@ def seeds() -> dict[str, list[bytes]]:
         + [b"\x01" + json.dumps(b).encode() for b in CHAT_BODIES],
         "request_validation": [r.SerializeToString() for r in generate_requests()],
         "detokenizer": DETOKENIZER_INPUTS,
-        "gguf_header": gguf_files(),
+        "gguf_header": [gguf_file(with_tensors=True), gguf_file(with_tensors=False)],
     }
 
 

@@ -285,6 +285,9 @@ def _config_from_metadata(
         )
     hidden = int(_require(metadata, f"{arch}.embedding_length", path))
     num_heads = int(_require(metadata, f"{arch}.attention.head_count", path))
+    for key, value in (("embedding_length", hidden), ("attention.head_count", num_heads)):
+        if value < 1:  # make fuzz: a head count of 0 was a ZeroDivisionError below
+            raise CheckpointError(f"GGUF file {path!r}: {arch}.{key} must be >= 1, got {value}")
     num_kv_heads = int(metadata.get(f"{arch}.attention.head_count_kv", num_heads))
     head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // num_heads))
     rope_dims = metadata.get(f"{arch}.rope.dimension_count")

@@ -57,3 +57,13 @@ def test_gguf_metadata_string_not_utf8_is_a_checkpoint_error(tmp_path: Path) -> 
     with pytest.raises(CheckpointError) as error:
         read_header(path)
     assert "the metadata key" in str(error.value) and "UnicodeDecodeError" in str(error.value)
+
+
+def test_gguf_head_count_of_zero_is_a_checkpoint_error(tmp_path: Path) -> None:
+    """make fuzz found it: attention.head_count = 0 was a ZeroDivisionError (hidden //
+    heads); now a CheckpointError naming the key."""
+    path = tmp_path / "bad.gguf"
+    path.write_bytes((FUZZ / "regressions" / "gguf_header" / "zero-head-count").read_bytes())
+    with pytest.raises(CheckpointError) as error:
+        read_header(path)
+    assert "llama.attention.head_count must be >= 1, got 0" in str(error.value)
