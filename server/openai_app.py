@@ -58,8 +58,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
-def _json_error(error: HttpError) -> JSONResponse:
-    return JSONResponse(error_body(error.message, error.kind, error.param), error.status)
+def _json_error(error: HttpError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(error.message, error.kind, error.param), error.status, headers)
 
 
 class OpenAIFront:
@@ -134,11 +134,13 @@ class OpenAIFront:
         )
 
     async def _not_allowed(self, request: HttpRequest, exc: Exception) -> Response:
+        # Starlette's exception carries the Allow header (RFC 9110 requires it on a 405).
         return _json_error(
             HttpError(
                 grpc.StatusCode.UNIMPLEMENTED,
                 f"{request.method} is not allowed on {request.url.path}",
-            )
+            ),
+            getattr(exc, "headers", None),
         )
 
     # ------------------------------------------------------------------ generation

@@ -319,9 +319,12 @@ def _check_fields(body: Mapping[str, Any], allowed: Mapping[str, Any], endpoint:
     if not (best_of is None or (_is_int(best_of) and best_of == 1)):
         unsupported.append("best_of")
     if unsupported:
+        unsupported = [shown(k)[1:-1] if len(k) > 40 else k for k in unsupported]
+        more = f" and {len(unsupported) - 5} more" if len(unsupported) > 5 else ""
         raise HttpError(
             grpc.StatusCode.INVALID_ARGUMENT,
-            f"unsupported field(s) for {endpoint}: {', '.join(unsupported)}; this server takes "
+            f"unsupported field(s) for {endpoint}: {', '.join(unsupported[:5])}{more}; this "
+            "server takes "
             f"{', '.join(sorted(set(allowed) - {'echo', 'best_of'}))}",
             unsupported[0],
         )

@@ -238,6 +238,19 @@ def test_integers_outside_their_proto_type_are_refused_by_name(
         parse_body({**base, field: good}, chat, MODEL)  # fits the proto: no error
 
 
+def test_unsupported_field_names_are_shown_bounded() -> None:
+    """A client's unknown field names come back in the message, but at most five of them and
+    each cut to about 40 characters, whatever the body held."""
+    body = {"prompt": "x", **{f"{i}" * 1000: 1 for i in range(9)}}
+    with pytest.raises(HttpError) as error:
+        parse_body(body, False, MODEL)
+    message = str(error.value)
+    assert message.startswith(
+        f"unsupported field(s) for /v1/completions: {'0' * 17}...{'0' * 18}, 1"
+    )
+    assert " and 4 more; this server takes " in message and len(message) < 600
+
+
 @pytest.mark.parametrize(
     ("body", "chat", "message"),
     [
