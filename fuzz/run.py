@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     import atheris  # the fuzz extra: pip install -e '.[fuzz]' (make fuzz does)
 
     with atheris.instrument_imports(include=INSTRUMENTED):
+        import gguf  # noqa: F401  (the loader imports it lazily: instrument it now)
+
         from fuzz.targets import TARGETS
 
     seeds = FUZZ_DIR / "corpus" / args.target
