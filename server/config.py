@@ -39,6 +39,7 @@ from scheduler.config import (
     SchedulerConfig,
 )
 from server.auth import Security, TlsFiles, read_api_keys
+from server.validation import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -193,8 +194,8 @@ class ServerConfig:
         group="http and security",
     )  # fmt: skip
     max_request_bytes: int = _f(
-        4 * 1024 * 1024, "largest request: an HTTP body (over it: 413, refused before it is "
-        "read) or a gRPC message (RESOURCE_EXHAUSTED); gRPC's own default is 4 MiB",
+        DEFAULT_MAX_REQUEST_BYTES, "largest request: an HTTP body (over it: 413, refused "
+        "before it is read) or a gRPC message (RESOURCE_EXHAUSTED); gRPC's own default, 4 MiB",
         group="http and security",
     )  # fmt: skip
     # -- model and runner

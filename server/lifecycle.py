@@ -30,7 +30,8 @@ from server.grpc_service import (
     GenerationServicer,
     generation_handler,
 )
-from server.openai_app import DEFAULT_MAX_REQUEST_BYTES, OpenAIFront
+from server.openai_app import OpenAIFront
+from server.validation import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)
 

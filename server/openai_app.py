@@ -50,12 +50,13 @@ from server.openai_protocol import (
 )
 from server.openapi import openapi_document
 from server.outputs import GenerationOutput
-from server.validation import MAX_REQUEST_ID_CHARS, InvalidRequestError
+from server.validation import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    MAX_REQUEST_ID_CHARS,
+    InvalidRequestError,
+)
 
 logger = logging.getLogger(__name__)
-
-# gRPC's default bound on a received message: the HTTP front's bodies default to it too.
-DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
 def _json_error(error: HttpError, headers: dict[str, str] | None = None) -> JSONResponse:
