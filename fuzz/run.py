@@ -27,7 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("target", choices=TARGET_NAMES)
     parser.add_argument("--seconds", type=int, default=300, help="run this long (default 300)")
     parser.add_argument("--merge", action="store_true", help="merge the work corpus into fuzz/")
-    parser.add_argument("libfuzzer", nargs="*", help="extra libFuzzer flags (after --)")
+    # libFuzzer's merge re-runs argv[0] with its own flags: _child_command() is that argv[0].
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else argv
+    extra: list[str] = []  # libFuzzer flags, after --
+    if "--" in argv:
+        extra = argv[argv.index("--") + 1 :]
+        argv = argv[: argv.index("--")]
     args = parser.parse_args(argv)
 
     import atheris  # the fuzz extra: pip install -e '.[fuzz]' (make fuzz does)
@@ -42,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     findings = WORK_DIR / "findings"
     work.mkdir(parents=True, exist_ok=True)
     findings.mkdir(parents=True, exist_ok=True)
-    if args.merge:
+    if args.child:
+        flags = []
+    elif args.merge:
         flags = ["-merge=1", str(seeds), str(work)]
     else:
         flags = [
@@ -55,9 +63,21 @@ def main(argv: list[str] | None = None) -> int:
             "-max_len=4096",
             "-print_final_stats=1",
         ]
-    atheris.Setup([sys.argv[0], *flags, *args.libfuzzer], TARGETS[args.target])
+    argv0 = _child_command(args.target) if args.merge else sys.argv[0]
+    atheris.Setup([argv0, *flags, *extra], TARGETS[args.target])
     atheris.Fuzz()
     return 0
+
+
+def _child_command(target: str) -> str:
+    """An executable that runs this target with the flags libFuzzer gives it."""
+    script = WORK_DIR / f"child-{target}.sh"
+    script.write_text(
+        f"#!/bin/sh\ncd {FUZZ_DIR.parent} && exec {sys.executable} -m fuzz.run {target} "
+        '--child -- "$@"\n'
+    )
+    script.chmod(0o755)
+    return str(script)
 
 
 if __name__ == "__main__":
