@@ -119,3 +119,14 @@ def test_live_server_keeps_its_contract(case: Any, server: Harness) -> None:
         base_url=server.http_url, excluded_checks=[schemathesis.checks.positive_data_acceptance]
     )
     assert_idle_and_sound(server)
+
+
+def test_405_names_the_allowed_methods(server: Harness) -> None:
+    """schemathesis found it: a 405 in OpenAI's error shape had dropped Starlette's Allow
+    header, which RFC 9110 requires."""
+    response = httpx.request("TRACE", f"{server.http_url}/health")
+    assert response.status_code == 405
+    assert response.headers["allow"] == "GET, HEAD"
+    assert response.json()["error"]["message"] == "TRACE is not allowed on /health"
+    posted = httpx.get(f"{server.http_url}/v1/completions")
+    assert (posted.status_code, posted.headers["allow"]) == (405, "POST")
