@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-deps test-fast lint bench soak proto clean
+.PHONY: install serve test test-deps test-fast lint bench soak proto clean fuzz fuzz-install
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,19 @@ bench: install
 SOAK_MINUTES ?= 10
 soak: install
 	$(PY) -m loadtest.soak --minutes $(SOAK_MINUTES) $(SOAK_ARGS)
+
+# Coverage-guided fuzzing (atheris) of the parsers, FUZZ_SECONDS per target (fuzz/run.py):
+# new inputs go to .fuzz/corpus/, a crash to .fuzz/findings/. `make -j2 fuzz` runs two at once.
+FUZZ_SECONDS ?= 300
+FUZZ_TARGETS ?= openai_parser request_validation detokenizer gguf_header
+
+fuzz-install: install
+	$(PY) -m pip install --quiet -e '.[fuzz]'
+
+fuzz: $(addprefix fuzz-,$(FUZZ_TARGETS))
+
+fuzz-%: fuzz-install
+	$(PY) -m fuzz.run $* --seconds $(FUZZ_SECONDS)
 
 proto: install
 	$(PY) -m server.rpc.gen

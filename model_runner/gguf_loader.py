@@ -156,6 +156,18 @@ def _reader_class() -> type:
         def data(self, value: Any) -> None:
             self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
 
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+            """gguf's read, refusing one past the end of the file: gguf returns a short (or
+            empty) array there, so an 896-byte file declaring an array of 2**40 items made it
+            loop for minutes, gigabytes deep (found by ``make fuzz``)."""
+            end = int(offset) + np.dtype(dtype).itemsize * int(count)
+            if end > len(self._plain_data):
+                raise ValueError(
+                    f"the header runs past the end of the file ({end} > {len(self._plain_data)} "
+                    "bytes)"
+                )
+            return super()._get(offset, dtype, count, override_order)
+
     return PlainArrayReader
 
 
@@ -197,16 +209,26 @@ def _field_value(field: Any) -> Any:
     return part.tolist()[0]
 
 
-def read_metadata(reader_or_path: Any) -> dict[str, Any]:
-    """All GGUF key/values (``GGUF.*`` header fields excluded) as plain Python values."""
-    reader = (
-        _open(reader_or_path) if isinstance(reader_or_path, (str, os.PathLike)) else reader_or_path
-    )
-    return {
-        name: _field_value(field)
-        for name, field in reader.fields.items()
-        if not name.startswith("GGUF.")
-    }
+def read_metadata(reader_or_path: Any, path: str = "") -> dict[str, Any]:
+    """All GGUF key/values (``GGUF.*`` header fields excluded) as plain Python values; a
+    ``CheckpointError`` naming the key for one that cannot be decoded (a string that is not
+    UTF-8, say)."""
+    if isinstance(reader_or_path, (str, os.PathLike)):
+        reader, path = _open(reader_or_path), str(reader_or_path)
+    else:
+        reader = reader_or_path
+    metadata = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        try:
+            metadata[name] = _field_value(field)
+        except (ValueError, IndexError) as e:  # UnicodeDecodeError is a ValueError
+            raise CheckpointError(
+                f"GGUF file {path!r}: the metadata key {name!r} cannot be read "
+                f"({type(e).__name__}: {e}); the file is corrupt"
+            ) from e
+    return metadata
 
 
 def _f32(value: Any) -> float:
@@ -238,7 +260,23 @@ def config_from_metadata(
     name: str,
     path: str = "",
 ) -> ModelConfig:
-    """ModelConfig from GGUF key/values and the (HF-order) shapes of the GGUF tensors."""
+    """ModelConfig from GGUF key/values and the (HF-order) shapes of the GGUF tensors; a
+    ``CheckpointError`` for a value of the wrong type (a count that is a string, say)."""
+    try:
+        return _config_from_metadata(metadata, tensor_shapes, name, path)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise CheckpointError(
+            f"GGUF file {path!r}: a metadata value has the wrong type or range "
+            f"({type(e).__name__}: {e}); the file is corrupt or not a supported model"
+        ) from e
+
+
+def _config_from_metadata(
+    metadata: dict[str, Any],
+    tensor_shapes: dict[str, tuple[int, ...]],
+    name: str,
+    path: str,
+) -> ModelConfig:
     arch = str(_require(metadata, "general.architecture", path))
     if arch not in _SUPPORTED_ARCHS:
         raise CheckpointError(
@@ -247,6 +285,9 @@ def config_from_metadata(
         )
     hidden = int(_require(metadata, f"{arch}.embedding_length", path))
     num_heads = int(_require(metadata, f"{arch}.attention.head_count", path))
+    for key, value in (("embedding_length", hidden), ("attention.head_count", num_heads)):
+        if value < 1:  # make fuzz: a head count of 0 was a ZeroDivisionError below
+            raise CheckpointError(f"GGUF file {path!r}: {arch}.{key} must be >= 1, got {value}")
     num_kv_heads = int(metadata.get(f"{arch}.attention.head_count_kv", num_heads))
     head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // num_heads))
     rope_dims = metadata.get(f"{arch}.rope.dimension_count")
@@ -341,6 +382,21 @@ class GGUFCheckpoint:
     metadata: dict[str, Any]
 
 
+def read_header(
+    path: str | os.PathLike[str],
+) -> tuple[dict[str, Any], dict[str, Any], ModelConfig]:
+    """The metadata, tensor infos (by name) and model config of a GGUF file, with
+    no tensor data read; a ``CheckpointError`` naming the file for anything it cannot take
+    (``fuzz/targets.py`` fuzzes exactly this)."""
+    path_str = str(path)
+    reader = _open(path)
+    metadata = read_metadata(reader, path_str)
+    tensors = {t.name: t for t in reader.tensors}
+    shapes = {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in tensors.items()}
+    config = config_from_metadata(metadata, shapes, name=Path(path_str).stem, path=path_str)
+    return metadata, tensors, config
+
+
 def load_gguf_checkpoint(
     path: str | os.PathLike[str],
     dtype: torch.dtype = torch.float32,
@@ -353,11 +409,7 @@ def load_gguf_checkpoint(
     ``QuantWeight`` (their blocks repacked, never dequantized); matrices of other quantized
     types are dequantized and re-quantized to int8 per row; fp tensors stay fp."""
     path_str = str(path)
-    reader = _open(path)
-    metadata = read_metadata(reader)
-    tensors = {t.name: t for t in reader.tensors}
-    shapes = {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in tensors.items()}
-    config = config_from_metadata(metadata, shapes, name=Path(path_str).stem, path=path_str)
+    metadata, tensors, config = read_header(path)
 
     missing = [n for n in ("token_embd.weight", "output_norm.weight") if n not in tensors]
     missing += [

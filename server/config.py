@@ -40,6 +40,7 @@ from scheduler.config import (
 )
 from server.auth import Security, TlsFiles, read_api_keys
 from server.http_guard import EdgeLimits, HttpLimits
+from server.validation import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +200,11 @@ class ServerConfig:
         64, "outputs a stream may hold unread before its request is parked",
         group="http and security",
     )  # fmt: skip
+    max_request_bytes: int = _f(
+        DEFAULT_MAX_REQUEST_BYTES, "largest request: an HTTP body (over it: 413, refused "
+        "before it is read) or a gRPC message (RESOURCE_EXHAUSTED); gRPC's own default, 4 MiB",
+        group="http and security",
+    )  # fmt: skip
     # -- hostile clients and tenants (server.http_guard, server.auth)
     http_max_connections: int = _f(
         0, "open connections on the OpenAI port; at the cap the one idle longest is closed "
@@ -333,6 +339,8 @@ class ServerConfig:
             raise ValueError(
                 f"stalled_stream_timeout_s must be > 0, got {self.stalled_stream_timeout_s}"
             )
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.max_unread_outputs < 2:
             raise ValueError(f"max_unread_outputs must be >= 2, got {self.max_unread_outputs}")
         if self.grace_period_s < 0:

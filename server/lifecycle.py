@@ -33,6 +33,7 @@ from server.grpc_service import (
 )
 from server.http_guard import EdgeLimits
 from server.openai_app import OpenAIFront
+from server.validation import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,8 @@ class KVServeServer:
     Lifecycle: ``await start(host, port, http_port=...)`` (returns the bound gRPC port; the
     HTTP front's is ``http_port``) -> ``await wait()`` (returns the exit code: 0 after a
     graceful ``shutdown``, 1 when the engine died) and ``await shutdown(grace_s)`` from a
-    signal handler or a test. ``security`` sets TLS and API keys for both front ends.
+    signal handler or a test. ``security`` sets TLS and API keys for both front ends;
+    ``max_request_bytes`` bounds a request on both (a gRPC message, an HTTP body: 413).
     """
 
     def __init__(
@@ -57,9 +59,11 @@ class KVServeServer:
         death_grace_s: float = 1.0,
         security: Security | None = None,
         limits: EdgeLimits | None = None,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     ) -> None:
         self.engine = engine
         self.limits = (limits if limits is not None else EdgeLimits()).resolved()
+        self.max_request_bytes = max_request_bytes
         self.model = model
         self.security = security if security is not None else Security()
         self.sink: MetricsSink = sink if sink is not None else NullSink()
@@ -86,7 +90,11 @@ class KVServeServer:
         self._loop = asyncio.get_running_loop()
         self._done = asyncio.Event()
         server = grpc.aio.server(
-            options=[("grpc.so_reuseport", 0), *self.limits.grpc_options()],
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", self.max_request_bytes),
+                *self.limits.grpc_options(),
+            ],
             interceptors=[AuthInterceptor(self.security, self.sink)],
         )
         server.add_generic_rpc_handlers((generation_handler(self.servicer),))
@@ -116,7 +124,9 @@ class KVServeServer:
         self.port = bound
         self._server = server
         if http_port is not None:
-            front = OpenAIFront(self.frontend, self.security, self.sink)
+            front = OpenAIFront(
+                self.frontend, self.security, self.sink, max_request_bytes=self.max_request_bytes
+            )
             self.http = await start_asgi_server(
                 front.app, host, http_port, self.security, limits=self.limits.http,
                 on_event=self.sink_connection_event("http"),

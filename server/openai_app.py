@@ -9,6 +9,11 @@ server-sent events (``openai_protocol.Answer``)::
     POST /v1/chat/completions  messages (chat template)         -> chat.completion
     GET  /v1/models            the served model
     GET  /health               200 serving / 503 shutting down (no key needed)
+    GET  /openapi.json         this API as an OpenAPI document (no key needed)
+
+A body over ``max_request_bytes`` is a 413, refused by its declared Content-Length before a
+byte of it is read, or (chunked) as soon as the bytes read pass the bound: never buffered
+whole.
 
 A stream that fails after its first event (cut off at the end of the shutdown grace period,
 say) sends ``data: {"error": ...}`` and ends. ``server.asgi`` serves the app.
@@ -18,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -38,19 +42,26 @@ from server.openai_protocol import (
     Answer,
     Choices,
     HttpError,
+    body_too_large,
     error_body,
     http_error,
+    load_body,
     parse_body,
     sse,
 )
+from server.openapi import openapi_document
 from server.outputs import GenerationOutput
-from server.validation import MAX_REQUEST_ID_CHARS, InvalidRequestError
+from server.validation import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    MAX_REQUEST_ID_CHARS,
+    InvalidRequestError,
+)
 
 logger = logging.getLogger(__name__)
 
 
-def _json_error(error: HttpError) -> JSONResponse:
-    return JSONResponse(error_body(error.message, error.kind, error.param), error.status)
+def _json_error(error: HttpError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(error.message, error.kind, error.param), error.status, headers)
 
 
 class OpenAIFront:
@@ -61,15 +72,19 @@ class OpenAIFront:
         frontend: Frontend,
         security: Security | None = None,
         sink: MetricsSink | None = None,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     ) -> None:
         self.frontend = frontend
+        self.max_request_bytes = max_request_bytes
         self.security = security if security is not None else Security()
         self.sink: MetricsSink = sink if sink is not None else NullSink()
         self.model = frontend.model
         self.created = int(time.time())
+        self._openapi = openapi_document(self.model.name)
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
+                Route("/openapi.json", self.openapi, methods=["GET"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -82,6 +97,9 @@ class OpenAIFront:
         if self.frontend.accepting:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "shutting down"}, 503)
+
+    async def openapi(self, request: HttpRequest) -> Response:
+        return JSONResponse(self._openapi)
 
     async def models(self, request: HttpRequest) -> Response:
         try:
@@ -118,14 +136,32 @@ class OpenAIFront:
         )
 
     async def _not_allowed(self, request: HttpRequest, exc: Exception) -> Response:
+        # Starlette's exception carries the Allow header (RFC 9110 requires it on a 405).
         return _json_error(
             HttpError(
                 grpc.StatusCode.UNIMPLEMENTED,
                 f"{request.method} is not allowed on {request.url.path}",
-            )
+            ),
+            getattr(exc, "headers", None),
         )
 
     # ------------------------------------------------------------------ generation
+    async def _read_body(self, http: HttpRequest) -> bytes:
+        """The body, at most ``max_request_bytes`` of it: a 413 (``HttpError``) as soon as
+        the declared length or the bytes received pass the bound; the rest is never read
+        (uvicorn drops it)."""
+        limit = self.max_request_bytes
+        declared = http.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise body_too_large(int(declared), limit, declared=True)
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limit:
+                raise body_too_large(size, limit, declared=False)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     def _owner(self, request: HttpRequest) -> str:
         """Raises ``AuthError`` (401) without a valid key."""
         host = request.client.host if request.client is not None else "unknown"
@@ -135,11 +171,7 @@ class OpenAIFront:
         method = "ChatCompletions" if chat else "Completions"
         try:
             owner = self._owner(http)
-            try:
-                body = await http.json()
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
-            parsed = parse_body(body, chat, self.model.name)
+            parsed = parse_body(load_body(await self._read_body(http)), chat, self.model.name)
             request_id = http.headers.get("x-request-id") or (
                 f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             )

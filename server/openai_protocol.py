@@ -14,18 +14,21 @@ Fields a request may carry are listed below; any other field with a value is ref
 from __future__ import annotations
 
 import json
+import math
+import reprlib
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 
 from scheduler.request import FinishReason
 from server.frontend import status_of
 from server.outputs import GenerationOutput
 from server.rpc import generation_pb2 as pb
-from server.validation import InvalidRequestError
+from server.validation import CHAT_ROLES, InvalidRequestError
 
 # gRPC code -> (HTTP status, OpenAI error type).
 _HTTP_STATUS = {
@@ -48,27 +51,146 @@ _FIELD_NAMES = {
     "token_ids.ids": "prompt",
 }
 
-# Fields both endpoints take, and where each goes in a GenerateRequest.
-_SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty")  # fmt: skip
-_SAMPLING_INTS = ("top_k", "seed")
-_COMMON_FIELDS = frozenset({
-    "model", "stream", "stream_options", "max_tokens", "stop", "n", "user", "cache_salt",
-    "priority", "ignore_eos", "min_tokens", "stop_token_ids", "logprobs",
-    *_SAMPLING_FLOATS, *_SAMPLING_INTS,
-})  # fmt: skip
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+# gRPC integer types -> the JSON integers that fit them (anything else is a 400 naming the
+# field: a value the proto cannot hold is never clamped or wrapped behind the client's back).
+_PROTO_INT_RANGES = {
+    FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1),
+    FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1),
+}
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _proto_int(message: Any, name: str, minimum: int | None = None) -> dict[str, Any]:
+    """The JSON Schema of an integer that goes into ``message.name``: the proto type's range
+    (narrowed by ``minimum``)."""
+    low, high = _PROTO_INT_RANGES[message.DESCRIPTOR.fields_by_name[name].type]
+    return {"type": "integer", "minimum": low if minimum is None else max(low, minimum),
+            "maximum": high}  # fmt: skip
+
+
+def _number_schema(what: str) -> dict[str, Any]:
+    return {"type": "number", "minimum": -FLOAT32_MAX, "maximum": FLOAT32_MAX, "description": what}
+
+
+_TOKEN_ID = _proto_int(pb.TokenIds, "ids")
+_STRING = {"type": "string"}
+_BOOLEAN = {"type": "boolean"}
+
+# The fields of a request body: name -> JSON Schema of its value. A field absent or null takes
+# the server's default. The parser takes exactly these fields (any other with a value is a 400
+# naming it) and reads its integer ranges here; ``server.openapi`` writes the OpenAPI document
+# from the same tables, so the contract cannot drift from the parser.
+COMMON_FIELDS: dict[str, dict[str, Any]] = {
+    "model": {**_STRING, "description": "the served model's name (GET /v1/models); optional"},
+    "stream": {**_BOOLEAN, "description": "answer as server-sent events"},
+    "stream_options": {
+        "type": "object",
+        "properties": {"include_usage": {"type": ["boolean", "null"]}},
+        "description": "with stream: true only; include_usage adds a final usage chunk",
+    },
+    "max_tokens": {**_proto_int(pb.StoppingOptions, "max_tokens"),
+                   "description": "at most this many output tokens (>= 1, within the context)"},
+    "stop": {
+        "anyOf": [_STRING, {"type": "array", "items": _STRING}],
+        "description": "stop strings (at most 16 of at most 256 characters), cut from the text",
+    },
+    "n": {**_proto_int(pb.GenerateRequest, "n", minimum=1),
+          "description": "parallel samples sharing the prompt (up to the server's --max-n)"},
+    "user": {**_STRING, "description": "OpenAI's end-user id: accepted, not used"},
+    "cache_salt": {**_STRING, "description": "isolates this tenant's prefix cache (<= 256 bytes)"},
+    "priority": {**_proto_int(pb.GenerateRequest, "priority"),
+                 "description": "lower runs first; default 0"},
+    "ignore_eos": {**_BOOLEAN, "description": "keep generating past the end-of-sequence token"},
+    "min_tokens": {**_proto_int(pb.StoppingOptions, "min_tokens"),
+                   "description": "stops and EOS are ignored before this many tokens"},
+    "stop_token_ids": {"type": "array", "items": _TOKEN_ID,
+                       "description": "token ids that end the output"},
+    "temperature": _number_schema(">= 0; 0 = greedy; default 1"),
+    "top_p": _number_schema("(0, 1]; default 1"),
+    "min_p": _number_schema("[0, 1]; default 0"),
+    "presence_penalty": _number_schema("[-2, 2]; default 0"),
+    "frequency_penalty": _number_schema("[-2, 2]; default 0"),
+    "repetition_penalty": _number_schema("> 0; default 1"),
+    "top_k": {**_proto_int(pb.SamplingOptions, "top_k"), "description": ">= 1; unset: disabled"},
+    "seed": {**_proto_int(pb.SamplingOptions, "seed"),
+             "description": "same seed, same tokens, whatever the batch"},
+}  # fmt: skip
+_ONE_STRING = {"type": "array", "items": _STRING, "minItems": 1, "maxItems": 1}
+COMPLETION_FIELDS: dict[str, dict[str, Any]] = {
+    **COMMON_FIELDS,
+    "prompt": {
+        "anyOf": [_STRING, {"type": "array", "items": _TOKEN_ID, "minItems": 1}, _ONE_STRING],
+        "description": "a string, a list of token ids, or a batch of one string",
+    },
+    "logprobs": {**_proto_int(pb.SamplingOptions, "logprobs"),
+                 "description": "return the sampled tokens' logprobs and this many top ones "
+                                "(0..20)"},
+    "echo": {"type": "boolean", "enum": [False], "description": "not supported: false only"},
+    "best_of": {"type": "integer", "enum": [1], "description": "not supported: 1 only"},
+}  # fmt: skip
+_TEXT_PART = {
+    "type": "object",
+    "properties": {"type": {"enum": ["text"]}, "text": _STRING},
+    "required": ["type"],
+}
+_MESSAGE = {
+    "type": "object",
+    "properties": {
+        "role": {"enum": list(CHAT_ROLES)},
+        "content": {"anyOf": [_STRING, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]},
+    },
+    "required": ["role"],
+}
+CHAT_FIELDS: dict[str, dict[str, Any]] = {
+    **COMMON_FIELDS,
+    "messages": {"type": "array", "items": _MESSAGE, "minItems": 1,
+                 "description": "the conversation, rendered with the model's chat template"},
+    "max_completion_tokens": {**_proto_int(pb.StoppingOptions, "max_tokens"),
+                              "description": "max_tokens under its newer name (wins over it)"},
+    "logprobs": {**_BOOLEAN, "description": "return the sampled tokens' logprobs"},
+    "top_logprobs": {**_proto_int(pb.SamplingOptions, "logprobs", minimum=0),
+                     "description": "with logprobs: true, this many top alternatives (0..20)"},
+}  # fmt: skip
+REQUIRED_FIELDS = {False: ("prompt",), True: ("messages",)}
+# Integer fields -> their (minimum, maximum); chat's ``logprobs`` is a boolean.
+_INT_RANGES = {
+    name: (schema["minimum"], schema["maximum"])
+    for fields in (COMPLETION_FIELDS, CHAT_FIELDS)
+    for name, schema in fields.items()
+    if schema.get("type") == "integer" and "minimum" in schema
+}
+_SAMPLING_FLOATS = tuple(k for k, v in COMMON_FIELDS.items() if v.get("type") == "number")
 
 
 class HttpError(Exception):
     """Ends an HTTP request with an OpenAI error body; the status comes from ``code``, the
     gRPC code the same failure gets (metrics count both front ends by it)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        param: str | None = None,
+        status: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.code, self.message, self.param = code, message, param
         self.status, self.kind = _HTTP_STATUS.get(code, (500, "internal_error"))
+        if status is not None:  # an HTTP-only failure (413) counted under its gRPC code
+            self.status = status
+
+
+def body_too_large(num_bytes: int, max_request_bytes: int, declared: bool) -> HttpError:
+    """413 for a body over ``--max-request-bytes`` (declared by Content-Length, or streamed
+    past it); the body is refused before it is buffered."""
+    size = f"declares {num_bytes} bytes" if declared else f"runs past {max_request_bytes} bytes"
+    return HttpError(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"the request body {size}; this server takes at most {max_request_bytes} bytes "
+        "(--max-request-bytes)",
+        status=413,
+    )
 
 
 def error_body(message: str, kind: str, param: str | None = None) -> dict[str, Any]:
@@ -93,26 +215,70 @@ def finish_reason(out: GenerationOutput) -> str | None:
 
 
 # ---------------------------------------------------------------------- JSON -> request
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def load_body(raw: bytes) -> Any:
+    """The JSON value of a request body; an ``InvalidRequestError`` for anything Python's
+    parser cannot take (bad syntax or encoding, NaN / Infinity, an integer of more than 4,300
+    digits, nesting past the interpreter's recursion limit)."""
+    try:
+        return json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise InvalidRequestError(
+            "the request body nests arrays / objects too deeply to parse; no field of this "
+            "API nests more than 4 levels"
+        ) from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, too many digits
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 3, 40, 40, 40
+
+
+def shown(value: Any) -> str:
+    """A value in an error message: bounded in length and depth, whatever the client sent."""
+    return _SHOWN.repr(value)
+
+
 def _typed(body: Mapping[str, Any], key: str, ok: Callable[[Any], bool], what: str) -> Any:
     value = body.get(key)
     if value is None or ok(value):
         return value
-    raise InvalidRequestError(f"{key} must be {what}, got {value!r}")
+    raise InvalidRequestError(f"{key} must be {what}, got {shown(value)}")
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_float32(value: Any) -> bool:
+    """A finite number a proto ``float`` holds without turning it into infinity."""
+    if isinstance(value, float):
+        return math.isfinite(value) and abs(value) <= FLOAT32_MAX
+    return _is_int(value) and abs(value) <= FLOAT32_MAX
+
+
 def _number(body: Mapping[str, Any], key: str) -> float | None:
     value = _typed(body, key, lambda v: _is_int(v) or isinstance(v, float), "a number")
-    return None if value is None else float(value)
+    if value is None:
+        return None
+    if not _is_float32(value):
+        raise InvalidRequestError(
+            f"{key} must be a finite number within [-{FLOAT32_MAX:.7g}, {FLOAT32_MAX:.7g}], "
+            f"got {shown(value)}"
+        )
+    return float(value)
 
 
-def _int(body: Mapping[str, Any], key: str, minimum: int | None = None) -> int | None:
+def _int(body: Mapping[str, Any], key: str) -> int | None:
+    """An integer field, within the range of the proto field it goes to (``_INT_RANGES``)."""
     value: int | None = _typed(body, key, _is_int, "an integer")
-    if value is not None and minimum is not None and value < minimum:
-        raise InvalidRequestError(f"{key} must be >= {minimum}, got {value}")
+    low, high = _INT_RANGES[key]
+    if value is not None and not low <= value <= high:
+        raise InvalidRequestError(f"{key} must be in [{low}, {high}], got {shown(value)}")
     return value
 
 
@@ -131,27 +297,36 @@ def _token_ids(value: Any, key: str) -> list[int] | None:
         isinstance(t, int) and not isinstance(t, bool) for t in value
     ):
         return None
-    negative = [t for t in value if t < 0]
-    if negative:
-        raise InvalidRequestError(f"{key} holds a negative token id: {negative[0]}")
+    low, high = _TOKEN_ID["minimum"], _TOKEN_ID["maximum"]
+    for i, t in enumerate(value):
+        if t < low:
+            raise InvalidRequestError(f"{key} holds a negative token id: {t}")
+        if t > high:
+            raise InvalidRequestError(f"{key}[{i}] = {shown(t)} is not a token id (> {high})")
     return value
 
 
-def _check_fields(body: Mapping[str, Any], allowed: frozenset[str], endpoint: str) -> None:
+def _is_blank(value: Any) -> bool:
+    """A value that asks for nothing: null, false, {} or [] (an SDK's default for a field)."""
+    return value is None or value is False or (isinstance(value, (dict, list)) and not value)
+
+
+def _check_fields(body: Mapping[str, Any], allowed: Mapping[str, Any], endpoint: str) -> None:
     """Refuse fields this server does not implement, instead of ignoring them."""
-    unsupported = sorted(
-        k for k, v in body.items()
-        if k not in allowed and v is not None and v is not False and v != {} and v != []
-    )  # fmt: skip
-    if body.get("echo") is True:
+    unsupported = sorted(str(k) for k, v in body.items() if k not in allowed and not _is_blank(v))
+    if not (body.get("echo") is None or body.get("echo") is False):
         unsupported.append("echo")
-    if body.get("best_of") not in (None, 1):
+    best_of = body.get("best_of")
+    if not (best_of is None or (_is_int(best_of) and best_of == 1)):
         unsupported.append("best_of")
     if unsupported:
+        unsupported = [shown(k)[1:-1] if len(k) > 40 else k for k in unsupported]
+        more = f" and {len(unsupported) - 5} more" if len(unsupported) > 5 else ""
         raise HttpError(
             grpc.StatusCode.INVALID_ARGUMENT,
-            f"unsupported field(s) for {endpoint}: {', '.join(unsupported)}; this server takes "
-            f"{', '.join(sorted(allowed - {'echo', 'best_of'}))}",
+            f"unsupported field(s) for {endpoint}: {', '.join(unsupported[:5])}{more}; this "
+            "server takes "
+            f"{', '.join(sorted(set(allowed) - {'echo', 'best_of'}))}",
             unsupported[0],
         )
 
@@ -168,9 +343,13 @@ def _chat_content(content: Any, i: int) -> str:
             if not isinstance(part, Mapping) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
                 raise InvalidRequestError(
-                    f"messages[{i}].content[{j}] is of type {kind!r}; only text parts are supported"
+                    f"messages[{i}].content[{j}] is of type {shown(kind)}; only text parts are "
+                    "supported"
                 )
-            texts.append(str(part.get("text", "")))
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise InvalidRequestError(f"messages[{i}].content[{j}].text must be a string")
+            texts.append(text)
         return "".join(texts)
     raise InvalidRequestError(f"messages[{i}].content must be a string or a list of text parts")
 
@@ -190,12 +369,12 @@ def parse_body(body: Any, chat: bool, model_name: str) -> Parsed:
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"
     if not isinstance(body, Mapping):
         raise InvalidRequestError("the request body must be a JSON object")
-    _check_fields(body, _CHAT_FIELDS if chat else _COMPLETION_FIELDS, endpoint)
+    _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS, endpoint)
     model = _str(body, "model")
     if model is not None and model not in (model_name, ""):
         raise HttpError(
             grpc.StatusCode.NOT_FOUND,
-            f"the model {model!r} does not exist: this server serves {model_name!r}",
+            f"the model {shown(model)} does not exist: this server serves {model_name!r}",
             "model",
         )
     request = pb.GenerateRequest()
@@ -205,12 +384,10 @@ def parse_body(body: Any, chat: bool, model_name: str) -> Parsed:
         _set_prompt(request, body)
     _set_sampling(request.sampling, body)
     _set_stopping(request.stopping, body, chat)
-    n = _int(body, "n", minimum=1)
+    n = _int(body, "n")
     if n is not None:
         request.n = n
-    priority = _int(body, "priority")
-    if priority is not None:
-        request.priority = max(-(2**31), min(priority, 2**31 - 1))
+    request.priority = _int(body, "priority") or 0
     request.cache_salt = _str(body, "cache_salt") or ""
     logprobs = _set_logprobs(request.sampling, body, chat)
     _str(body, "user")  # accepted (OpenAI's end-user id); kvserve scopes by key or peer
@@ -267,7 +444,7 @@ def _set_sampling(sampling: pb.SamplingOptions, body: Mapping[str, Any]) -> None
         sampling.top_k = top_k
     seed = _int(body, "seed")
     if seed is not None:
-        sampling.seed = seed & 0xFFFFFFFFFFFFFFFF  # OpenAI seeds may be negative: same bits
+        sampling.seed = seed
 
 
 def _set_stopping(stopping: pb.StoppingOptions, body: Mapping[str, Any], chat: bool) -> None:
@@ -275,7 +452,7 @@ def _set_stopping(stopping: pb.StoppingOptions, body: Mapping[str, Any], chat: b
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens")
     if max_tokens is not None:
-        stopping.max_tokens = max(-(2**31), min(max_tokens, 2**31 - 1))  # the proto's int32
+        stopping.max_tokens = max_tokens
     min_tokens = _int(body, "min_tokens")
     if min_tokens is not None:
         stopping.min_tokens = min_tokens
@@ -301,7 +478,7 @@ def _set_logprobs(sampling: pb.SamplingOptions, body: Mapping[str, Any], chat: b
     if chat:
         if _bool(body, "logprobs"):
             # Checked here: SamplingParams would name it logprobs, OpenAI's chat top_logprobs.
-            sampling.logprobs = _int(body, "top_logprobs", minimum=0) or 0
+            sampling.logprobs = _int(body, "top_logprobs") or 0
             return True
         if body.get("top_logprobs") is not None:
             raise InvalidRequestError("top_logprobs needs logprobs: true")

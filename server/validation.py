@@ -25,6 +25,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_REQUEST_ID_CHARS = 256
 MAX_CACHE_SALT_BYTES = 256
+# The largest request (--max-request-bytes): gRPC's own default bound on a received message,
+# and the HTTP front's bound on a body.
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
 class InvalidRequestError(ValueError):

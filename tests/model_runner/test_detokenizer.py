@@ -3,32 +3,18 @@
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import pytest
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, normalizers
 
+from fuzz.targets import EOS, byte_tokenizer, window_tokenizer
 from model_runner.gguf_loader import default_model_path, read_metadata
-from model_runner.tokenizer import DetokResult, IncrementalDetokenizer, Tokenizer, byte_to_unicode
-
-BOS, EOS = 0, 1
+from model_runner.tokenizer import DetokResult, IncrementalDetokenizer, Tokenizer
 
 
 @pytest.fixture(scope="module")
 def bytes_tok() -> Tokenizer:
     """Byte-level: tokens <s>, </s>, then one token per byte (id = 2 + byte), no merges."""
-    spelled = byte_to_unicode()
-    tokens = ["<s>", "</s>", *(spelled[b] for b in range(256))]
-    meta: dict[str, Any] = {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [3, 3] + [1] * 256,
-        "tokenizer.ggml.merges": [],
-        "tokenizer.ggml.bos_token_id": BOS,
-        "tokenizer.ggml.eos_token_id": EOS,
-    }
-    return Tokenizer.from_gguf_metadata(meta)
+    return byte_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -40,25 +26,7 @@ def smol() -> Tokenizer:
 def spm_tok() -> Tokenizer:
     """Not byte-level: sentencepiece-style BPE with byte fallback (<0xNN> tokens), so the
     detokenizer must use its re-decoding window."""
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for b in range(256):
-        vocab[f"<0x{b:02X}>"] = len(vocab)
-    for piece in ("▁", "h", "e", "l", "o", "w", "r", "d", "▁hello", "▁world", "S", "T", "O", "P"):
-        vocab[piece] = len(vocab)
-    backend = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
-    backend.normalizer = normalizers.Sequence(
-        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-    )
-    backend.decoder = decoders.Sequence(
-        [
-            decoders.Replace("▁", " "),
-            decoders.ByteFallback(),
-            decoders.Fuse(),
-            decoders.Strip(" ", 1, 0),
-        ]
-    )
-    backend.add_special_tokens(["<s>", "</s>"])
-    return Tokenizer(backend, eos_token_ids=(2,), bos_token_id=1)
+    return window_tokenizer()
 
 
 def ids_of(text: str) -> list[int]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +116,7 @@ def build_server(
     max_n: int = 8,
     security: Security | None = None,
     engine_options: dict[str, Any] | None = None,
+    server_options: dict[str, Any] | None = None,
     **scheduler_config: Any,
 ) -> tuple[KVServeServer, EngineLoop, Scheduler, RecordingSink]:
     info = runner.info
@@ -150,7 +151,9 @@ def build_server(
         eos_token_ids=tuple(info.eos_token_ids),
         max_n=max_n,
     )
-    server = KVServeServer(engine, tokenizer, model, sink=sink, security=security)
+    server = KVServeServer(
+        engine, tokenizer, model, sink=sink, security=security, **(server_options or {})
+    )
     return server, engine, scheduler, sink
 
 
@@ -183,6 +186,38 @@ async def serve(
         if channel is not None:
             await client.channel.close()
         await server.shutdown(grace_s=0.5)
+
+
+@contextmanager
+def serve_in_thread(**kwargs: Any) -> Iterator[Harness]:
+    """``serve(**kwargs)`` on an event loop of its own thread, for synchronous clients (a
+    hypothesis test, schemathesis)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="test-server", daemon=True)
+    thread.start()
+    served = serve(**kwargs)
+    try:
+        yield asyncio.run_coroutine_threadsafe(served.__aenter__(), loop).result(60)
+    finally:
+        try:
+            asyncio.run_coroutine_threadsafe(served.__aexit__(None, None, None), loop).result(60)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+            loop.close()
+
+
+def assert_idle_and_sound(h: Harness, timeout_s: float = 10.0) -> None:
+    """Wait until no request runs, waits or holds a block, then check the cache manager's
+    invariants (safe from another thread: an idle engine does not touch them)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = h.engine.latest_stats
+        if stats.num_running == stats.num_waiting == stats.kv.num_blocks_used == 0:
+            break
+        assert time.monotonic() < deadline, f"not idle after {timeout_s}s: {stats}"
+        time.sleep(0.005)
+    h.scheduler.kv.check_invariants()
 
 
 # Who a plaintext, keyless client on this machine is: its requests' engine ids start with it.

@@ -18,6 +18,7 @@ from server.openai_protocol import (
     HttpError,
     finish_reason,
     http_error,
+    load_body,
     parse_body,
 )
 from server.outputs import GenerationOutput
@@ -70,7 +71,7 @@ def _out(
             {"chat": {"messages": [{"role": "user", "content": "ab"}]}},
         ),
         (
-            {"prompt": "x", "temperature": 0, "top_p": 0.5, "top_k": 3, "seed": -1},
+            {"prompt": "x", "temperature": 0, "top_p": 0.5, "top_k": 3, "seed": 2**64 - 1},
             False,
             {
                 "text": "x",
@@ -104,12 +105,12 @@ def _out(
             {**CHAT_PB, "stopping": {"max_tokens": 3}},
         ),
         (
-            {"prompt": "x", "max_tokens": 2**40},
+            {"prompt": "x", "max_tokens": 2**31 - 1},
             False,
             {"text": "x", "stopping": {"max_tokens": 2**31 - 1}},
         ),
         (
-            {"prompt": "x", "n": 2, "priority": -(2**40), "cache_salt": "s", "model": MODEL},
+            {"prompt": "x", "n": 2, "priority": -(2**31), "cache_salt": "s", "model": MODEL},
             False,
             {"text": "x", "n": 2, "priority": -(2**31), "cache_salt": "s"},
         ),
@@ -186,7 +187,8 @@ def test_parse_body_says_how_to_answer(
         ({"prompt": "x", "ignore_eos": 1}, False, "ignore_eos must be true or false, got 1"),
         ({"prompt": "x", "cache_salt": 1}, False, "cache_salt must be a string, got 1"),
         ({**CHAT, "top_logprobs": 2}, True, "top_logprobs needs logprobs: true"),
-        ({**CHAT, "logprobs": True, "top_logprobs": -1}, True, "top_logprobs must be >= 0, got -1"),
+        ({**CHAT, "logprobs": True, "top_logprobs": -1}, True,
+         "top_logprobs must be in [0, 2147483647], got -1"),
         ({"prompt": "x", "stream_options": {}}, False,
          "stream_options is only allowed with stream: true"),
         ({"prompt": "x", "stream": True, "stream_options": 1}, False,
@@ -197,6 +199,106 @@ def test_parse_body_refuses_with_a_message(body: Any, chat: bool, message: str) 
     """A body that cannot be served is an invalid request naming what to change."""
     with pytest.raises(InvalidRequestError) as error:
         parse_body(body, chat, MODEL)
+    assert message in str(error.value)
+
+
+INT32, UINT32, UINT64 = (-(2**31), 2**31 - 1), (0, 2**32 - 1), (0, 2**64 - 1)
+
+
+@pytest.mark.parametrize(
+    ("field", "chat", "proto_range", "minimum"),
+    [
+        ("seed", False, UINT64, None),
+        ("top_k", False, INT32, None),
+        ("max_tokens", False, INT32, None),
+        ("max_completion_tokens", True, INT32, None),
+        ("min_tokens", False, INT32, None),
+        ("priority", False, INT32, None),
+        ("logprobs", False, INT32, None),
+        ("top_logprobs", True, INT32, 0),
+        ("n", False, UINT32, 1),
+    ],
+)
+def test_integers_outside_their_proto_type_are_refused_by_name(
+    field: str, chat: bool, proto_range: tuple[int, int], minimum: int | None
+) -> None:
+    """Every integer field takes exactly its gRPC type's range (narrowed where the parser
+    knows better): one past either end is a 400 naming the field, the range and the value,
+    never a value clamped or wrapped (seed -1 once became 2**64 - 1, seed 2**70 its low
+    bits)."""
+    low, high = proto_range[0] if minimum is None else minimum, proto_range[1]
+    base = {**(CHAT if chat else {"prompt": "x"})}
+    if field == "top_logprobs":
+        base["logprobs"] = True
+    for bad in (low - 1, high + 1, 2**70, -(2**70)):
+        with pytest.raises(InvalidRequestError) as error:
+            parse_body({**base, field: bad}, chat, MODEL)
+        assert str(error.value) == f"{field} must be in [{low}, {high}], got {bad}"
+    for good in (low, high):
+        parse_body({**base, field: good}, chat, MODEL)  # fits the proto: no error
+
+
+def test_unsupported_field_names_are_shown_bounded() -> None:
+    """A client's unknown field names come back in the message, but at most five of them and
+    each cut to about 40 characters, whatever the body held."""
+    body = {"prompt": "x", **{f"{i}" * 1000: 1 for i in range(9)}}
+    with pytest.raises(HttpError) as error:
+        parse_body(body, False, MODEL)
+    message = str(error.value)
+    assert message.startswith(
+        f"unsupported field(s) for /v1/completions: {'0' * 17}...{'0' * 18}, 1"
+    )
+    assert " and 4 more; this server takes " in message and len(message) < 600
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "message"),
+    [
+        ({"prompt": [1, 2**32]}, False, "prompt[1] = 4294967296 is not a token id (> 4294967295)"),
+        ({"prompt": "x", "stop_token_ids": [2**32]}, False,
+         "stop_token_ids[0] = 4294967296 is not a token id"),
+        ({"prompt": "x", "temperature": 10**400}, False,
+         "temperature must be a finite number within [-3.402823e+38, 3.402823e+38], got 1000"),
+        ({"prompt": "x", "top_p": 1e39}, False, "top_p must be a finite number within"),
+        ({"prompt": "x", "echo": "yes"}, False, "unsupported field(s) for /v1/completions: echo"),
+        ({"prompt": "x", "best_of": True}, False,
+         "unsupported field(s) for /v1/completions: best_of"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, True,
+         "messages[0].content[0].text must be a string"),
+        ({"prompt": "x", "seed": "x" * 10_000}, False,
+         "seed must be an integer, got 'xxxxxxxxxxxx"),
+    ],
+)  # fmt: skip
+def test_parse_body_refuses_values_no_proto_field_holds(
+    body: Any, chat: bool, message: str
+) -> None:
+    """Token ids past uint32, floats past float32 (or past what float() takes), echo / best_of
+    other than their one supported value, and a non-string text part are 400s naming the
+    field; a value shown in a message is bounded (never the client's 10 kB string)."""
+    with pytest.raises((InvalidRequestError, HttpError)) as error:
+        parse_body(body, chat, MODEL)
+    assert message in str(error.value)
+    assert len(str(error.value)) < 400
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "the request body nests arrays / objects too deeply"),
+        (b'{"a":' * 100_000 + b"1" + b"}" * 100_000, "nests arrays / objects too deeply"),
+        (b'{"prompt": "x", "temperature": NaN}', "not valid JSON: NaN is not a JSON value"),
+        (b'{"prompt": "x", "seed": -Infinity}', "not valid JSON: -Infinity is not a JSON value"),
+        (b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", "not valid JSON: Exceeds the limit"),
+        (b'{"prompt": "\xff"}', "not valid JSON"),  # not UTF-8
+        (b"\xff\xfe{", "not valid JSON"),
+        (b"", "not valid JSON"),
+    ],
+)
+def test_load_body_refuses_what_the_json_parser_cannot_take(raw: bytes, message: str) -> None:
+    """Any body Python's JSON parser cannot take is an invalid request (a 400), depth
+    included: 100,000 nested arrays were a RecursionError and a 500."""
+    with pytest.raises(InvalidRequestError) as error:
+        load_body(raw)
     assert message in str(error.value)
 
 
