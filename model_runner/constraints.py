@@ -80,14 +80,23 @@ class _TokenBytes:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
 
+# JSON as models write it, with no free whitespace: ``{"a": 1, "b": [2, 3]}``. Flexible
+# whitespace would let a sampled model pad forever between tokens. A schema's own
+# ``x-guidance`` options override these.
+JSON_OPTIONS: dict[str, object] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+
+
 def grammar_of(constraint: Constraint) -> str:
     """The llguidance grammar of ``constraint`` (not yet checked: ``compile`` checks)."""
     kind, spec = constraint.kind, constraint.spec
     try:
-        if kind == "json_object":
-            return llg.grammar_from("json_schema", '{"type": "object"}')
-        if kind == "json_schema":
-            return llg.grammar_from("json_schema", spec)
+        if kind in ("json_object", "json_schema"):
+            schema = spec if kind == "json_schema" else '{"type": "object"}'
+            return llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
         if kind == "choice":
             choices = json.loads(spec)
             if (

@@ -39,7 +39,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from metrics.records import MetricsSink, NullSink, StepRecord
 from model_runner.base import Runner
@@ -49,6 +49,9 @@ from scheduler.output import ModelOutput, RequestOutput, SchedulerOutput, Schedu
 from scheduler.request import AbortReason, Request
 from server.kv_tier import KVTier
 from server.outputs import EndsRequests, Item, OutputProcessor, TextStreamFactory
+
+if TYPE_CHECKING:
+    from model_runner.constraints import ConstraintTracker
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +200,12 @@ class EngineLoop:
     # ------------------------------------------------------------------ thread-safe API
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def constraint_tracker(self) -> ConstraintTracker | None:
+        """The runner's structured-output matchers (None: it takes no constraints)."""
+        tracker: ConstraintTracker | None = getattr(self._runner, "constraints", None)
+        return tracker
 
     @property
     def started(self) -> bool:

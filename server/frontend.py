@@ -28,7 +28,7 @@ import uuid
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -41,6 +41,10 @@ from server.engine_client import DeadlineExceededError, DuplicateRequestError, E
 from server.outputs import GenerationOutput
 from server.rpc import generation_pb2 as pb
 from server.validation import InvalidRequestError, Limits
+
+if TYPE_CHECKING:
+    from model_runner.constraints import ConstraintCompiler
+    from scheduler.request import Constraint
 
 
 class ServerTokenizer(Protocol):
@@ -151,10 +155,14 @@ class Frontend:
         tokenizer: ServerTokenizer,
         model: ServedModel,
         executor: Executor | None = None,
+        constraints: ConstraintCompiler | None = None,
     ) -> None:
+        """``constraints``: compiles structured-output constraints (None: the runner takes
+        none, and a constrained request is refused)."""
         self.client = client
         self.tokenizer = tokenizer
         self.model = model
+        self.constraints = constraints
         self.limits = model.limits
         self._executor = executor
         self.accepting = True  # False while draining: new generations get UNAVAILABLE
@@ -184,8 +192,12 @@ class Frontend:
             limits = replace(limits, default_max_tokens=default_max_tokens)
         validation.check_request_fields(request, limits)
         cache_salt = validation.cache_salt_digest(request.cache_salt)
+        constraint = validation.constraint_of(request)
         prompt_ids = await self._prompt_ids(request)
         sampling = validation.sampling_params(request, len(prompt_ids), limits)
+        if constraint is not None:
+            sampling = validation.with_constraint(sampling, constraint)
+            await self.in_thread(self.compile_constraint, constraint)
         ttft_slo_s, itl_slo_s = validation.latency_targets(request.slo)
         return Request(
             request_id=scoped_id(owner, request.request_id or uuid.uuid4().hex),
@@ -198,6 +210,21 @@ class Frontend:
             ttft_slo_s=ttft_slo_s,
             itl_slo_s=itl_slo_s,
         )
+
+    def compile_constraint(self, constraint: Constraint) -> None:
+        """Compile (or find in the cache) ``constraint`` before the request is queued; a
+        constraint the library refuses is INVALID_ARGUMENT with its reason."""
+        from model_runner.constraints import ConstraintError
+
+        if self.constraints is None:
+            raise InvalidRequestError(
+                f"{constraint.kind}: this server does not run structured outputs (its runner "
+                "or tokenizer does not support them)"
+            )
+        try:
+            self.constraints.compile(constraint)
+        except ConstraintError as exc:
+            raise InvalidRequestError(f"{constraint.kind}: {exc}") from exc
 
     async def stream(
         self, request: Request, deadline_s: float | None = None

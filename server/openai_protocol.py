@@ -51,9 +51,17 @@ _FIELD_NAMES = {
 _SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                     "repetition_penalty")  # fmt: skip
 _SAMPLING_INTS = ("top_k", "seed")
+# Structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its
+# older guided_* fields (aliases).
+_GUIDED_FIELDS = {
+    "guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}  # fmt: skip
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 _COMMON_FIELDS = frozenset({
     "model", "stream", "stream_options", "max_tokens", "stop", "n", "user", "cache_salt",
     "priority", "ignore_eos", "min_tokens", "stop_token_ids", "logprobs",
+    "response_format", "structured_outputs", *_GUIDED_FIELDS,
     *_SAMPLING_FLOATS, *_SAMPLING_INTS,
 })  # fmt: skip
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
@@ -204,6 +212,7 @@ def parse_body(body: Any, chat: bool, model_name: str) -> Parsed:
         _set_prompt(request, body)
     _set_sampling(request.sampling, body)
     _set_stopping(request.stopping, body, chat)
+    _set_constraint(request, body)
     n = _int(body, "n", minimum=1)
     if n is not None:
         request.n = n
@@ -293,6 +302,77 @@ def _set_stopping(stopping: pb.StoppingOptions, body: Mapping[str, Any], chat: b
         stopping.stop_token_ids.extend(ids)
     if _bool(body, "ignore_eos"):
         stopping.ignore_eos = True
+
+
+def _set_constraint(request: pb.GenerateRequest, body: Mapping[str, Any]) -> None:
+    """At most one of ``response_format`` (json_object / json_schema), ``structured_outputs``
+    (vLLM: one of json, regex, choice, grammar, json_object) or a ``guided_*`` alias."""
+    found: list[tuple[str, str, Any]] = []  # (field, kind, value)
+    response_format = body.get("response_format")
+    if response_format is not None:
+        found.extend(_response_format(response_format))
+    structured = body.get("structured_outputs")
+    if structured is not None:
+        if not isinstance(structured, Mapping):
+            raise InvalidRequestError("structured_outputs must be an object")
+        unknown = sorted(set(structured) - set(_STRUCTURED_KEYS))
+        if unknown:
+            raise InvalidRequestError(
+                f"structured_outputs: unsupported key(s) {', '.join(unknown)}; this server "
+                f"takes one of {', '.join(_STRUCTURED_KEYS)}"
+            )
+        for key in _STRUCTURED_KEYS:
+            value = structured.get(key)
+            if value is not None and value is not False:
+                found.append((f"structured_outputs.{key}", key, value))
+    for field, kind in _GUIDED_FIELDS.items():
+        if body.get(field) is not None:
+            found.append((field, kind, body[field]))
+    if not found:
+        return
+    if len(found) > 1:
+        raise InvalidRequestError(
+            f"at most one constraint per request, got {', '.join(f for f, _, _ in found)}"
+        )
+    field, kind, value = found[0]
+    if kind == "json":
+        if isinstance(value, Mapping):
+            value = json.dumps(value)
+        if not isinstance(value, str):
+            raise InvalidRequestError(f"{field} must be a JSON schema (an object or its text)")
+        request.json_schema = value
+    elif kind == "json_object":
+        request.json_object = True
+    elif kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise InvalidRequestError(f"{field} must be a list of strings")
+        request.choice.choices.extend(value)
+    else:
+        if not isinstance(value, str):
+            raise InvalidRequestError(f"{field} must be a string")
+        setattr(request, kind, value)
+
+
+def _response_format(value: Any) -> list[tuple[str, str, Any]]:
+    """OpenAI's ``response_format``: text (no constraint), json_object or json_schema."""
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError("response_format must be an object with a type")
+    kind = value.get("type")
+    if kind == "text":
+        return []
+    if kind == "json_object":
+        return [("response_format", "json_object", True)]
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, Mapping) else None
+        if not isinstance(schema, Mapping):
+            raise InvalidRequestError(
+                "response_format.json_schema.schema is required: the JSON schema object"
+            )
+        return [("response_format", "json", schema)]
+    raise InvalidRequestError(
+        f"response_format.type must be text, json_object or json_schema, got {kind!r}"
+    )
 
 
 def _set_logprobs(sampling: pb.SamplingOptions, body: Mapping[str, Any], chat: bool) -> bool:

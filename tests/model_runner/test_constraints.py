@@ -242,7 +242,7 @@ def test_fake_runner_preemption_rebuilds_state() -> None:
     roomy, _, _ = run(fake_runner(tracker), tracker, reqs)
     tracker = ConstraintTracker(byte_compiler())
     reqs = [request(f"r{i}", SCHEMA, max_tokens=60, prompt=f"p{i}:") for i in range(4)]
-    tight, _, scheduler = run(fake_runner(tracker), tracker, reqs, num_blocks=24)
+    tight, _, scheduler = run(fake_runner(tracker), tracker, reqs, num_blocks=18)
     assert scheduler.make_stats().num_preemptions_total > 0
     assert tight == roomy
 

@@ -1,0 +1,174 @@
+"""Structured outputs through both front ends on the fake runner: OpenAI's response_format,
+vLLM's structured_outputs and guided_* fields, the gRPC constraint oneof, the openai SDK's
+``parse`` with a Pydantic model, and bad constraints refused before they are queued."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal
+
+import grpc
+import httpx
+import jsonschema
+import openai
+import pydantic
+
+from model_runner.constraints import ConstraintCompiler, ConstraintTracker
+from server.fake_tokenizer import ByteTokenizer
+from tests.server.helpers import collect, make_fake_runner, serve
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "size": {"enum": ["S", "M", "L"]},
+        "count": {"type": "integer", "minimum": 1, "maximum": 9},
+    },
+    "required": ["ok", "size", "count"],
+    "additionalProperties": False,
+}
+
+
+def constrained_runner() -> Any:
+    tracker = ConstraintTracker(ConstraintCompiler(ByteTokenizer()))
+    return make_fake_runner(max_model_len=512, constraints=tracker)
+
+
+async def post(url: str, body: dict[str, Any], chat: bool = True) -> httpx.Response:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    async with httpx.AsyncClient(timeout=30) as client:
+        return await client.post(url + path, json={"model": "fake", **body})
+
+
+def chat_body(**fields: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "go"}], "max_tokens": 80, **fields}
+
+
+class Order(pydantic.BaseModel):
+    ok: bool
+    size: Literal["S", "M", "L"]
+
+
+async def test_http_fields_constrain_the_output() -> None:
+    """response_format json_schema / json_object, structured_outputs regex / choice and the
+    guided_* aliases: each answer matches its constraint and ends with stop."""
+    cases: list[tuple[dict[str, Any], Any]] = [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}},
+            lambda t: jsonschema.validate(json.loads(t), SCHEMA),
+        ),
+        ({"structured_outputs": {"regex": "[0-9]{3}-x"}}, lambda t: re.fullmatch("[0-9]{3}-x", t)),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
+        ({"guided_json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA)),
+        ({"guided_regex": "(ab)+c"}, lambda t: re.fullmatch("(ab)+c", t)),
+        ({"guided_choice": ["left", "right"]}, lambda t: t in ("left", "right")),
+        ({"guided_grammar": 'start: "x" ("y" | "z")+ "."'}, lambda t: re.fullmatch("x[yz]+\\.", t)),
+    ]  # fmt: skip
+    async with serve(constrained_runner(), http=True) as h:
+        for fields, check in cases:
+            resp = await post(h.http_url, chat_body(temperature=1.0, **fields))
+            assert resp.status_code == 200, resp.text
+            choice = resp.json()["choices"][0]
+            assert choice["finish_reason"] == "stop", (fields, choice)
+            text = choice["message"]["content"]
+            assert check(text) is not False, (fields, text)
+        # The completions endpoint takes them too.
+        resp = await post(
+            h.http_url, {"prompt": "x", "max_tokens": 20, "guided_choice": ["a1", "b2"]}, False
+        )
+        assert resp.json()["choices"][0]["text"] in ("a1", "b2")
+
+
+def test_parse_body_maps_every_field_to_the_oneof() -> None:
+    """Each HTTP field lands in the GenerateRequest's constraint oneof as documented."""
+    from server.openai_protocol import parse_body
+
+    cases = [
+        ({"response_format": {"type": "json_object"}}, "json_object", True),
+        ({"response_format": {"type": "text"}}, None, None),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}},
+         "json_schema", json.dumps(SCHEMA)),
+        ({"structured_outputs": {"json": SCHEMA}}, "json_schema", json.dumps(SCHEMA)),
+        ({"structured_outputs": {"json_object": True}}, "json_object", True),
+        ({"structured_outputs": {"grammar": "start: /a+/"}}, "grammar", "start: /a+/"),
+        ({"guided_json": '{"type": "string"}'}, "json_schema", '{"type": "string"}'),
+        ({"guided_regex": "a+"}, "regex", "a+"),
+    ]  # fmt: skip
+    for fields, kind, value in cases:
+        request = parse_body(chat_body(**fields), True, "fake").request
+        assert request.WhichOneof("constraint") == kind, fields
+        if kind is not None:
+            assert getattr(request, kind) == value
+    request = parse_body(chat_body(guided_choice=["a", "b"]), True, "fake").request
+    assert list(request.choice.choices) == ["a", "b"]
+
+
+async def test_openai_sdk_parse_with_a_pydantic_model() -> None:
+    """``client.beta.chat.completions.parse(response_format=Order)`` returns a parsed Order."""
+    async with serve(constrained_runner(), http=True) as h:
+        client = openai.AsyncOpenAI(base_url=f"{h.http_url}/v1", api_key="x", max_retries=0)
+        done = await client.beta.chat.completions.parse(
+            model="fake", messages=[{"role": "user", "content": "order"}], response_format=Order,
+            max_tokens=80,
+        )  # fmt: skip
+        await client.close()
+    parsed = done.choices[0].message.parsed
+    assert isinstance(parsed, Order)
+    assert Order.model_validate_json(done.choices[0].message.content or "") == parsed
+
+
+async def test_bad_constraints_get_400_with_the_reason_before_queueing() -> None:
+    """An uncompilable regex, an invalid schema, two constraints, a bad response_format
+    and ignore_eos with a constraint: 400 in OpenAI's error shape; nothing reaches the
+    engine."""
+    bad = [
+        ({"guided_regex": "a[b"}, "unclosed character class"),
+        ({"guided_json": {"type": "nope"}}, "Invalid type: nope"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "at most one constraint"),
+        ({"response_format": {"type": "xml"}}, "response_format.type must be"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "schema is required"),
+        ({"structured_outputs": {"regexp": "a"}}, "unsupported key(s) regexp"),
+        ({"guided_regex": "a+", "ignore_eos": True}, "ignore_eos cannot be combined"),
+    ]  # fmt: skip
+    async with serve(constrained_runner(), http=True) as h:
+        for fields, needle in bad:
+            resp = await post(h.http_url, chat_body(**fields))
+            assert resp.status_code == 400, (fields, resp.text)
+            error = resp.json()["error"]
+            assert error["type"] == "invalid_request_error"
+            assert needle in error["message"], (needle, error)
+        assert h.scheduler.make_stats().num_prompt_tokens_total == 0  # none was admitted
+
+
+async def test_grpc_constraint_oneof() -> None:
+    """GenerateRequest's constraint oneof: regex and choice outputs match; an uncompilable
+    regex and an empty choice list are INVALID_ARGUMENT with the reason."""
+    async with serve(constrained_runner()) as h:
+        text, last = await h.client.generate_text(
+            "go", regex="[a-c]{4}!", max_tokens=20, temperature=1.0
+        )
+        assert re.fullmatch("[a-c]{4}!", text) and last.finish_reason == 1
+        text, _ = await h.client.generate_text("go", choice=["alpha", "beta"], max_tokens=20)
+        assert text in ("alpha", "beta")
+        text, _ = await h.client.generate_text("go", json_schema=json.dumps(SCHEMA), max_tokens=80)
+        jsonschema.validate(json.loads(text), SCHEMA)
+        for options, needle in (
+            ({"regex": "(a"}, "regex: invalid regex"),
+            ({"choice": [""]}, "choice.choices"),
+        ):
+            try:
+                await collect(h.client.generate("go", **options))
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert needle in (exc.details() or ""), exc.details()
+            else:
+                raise AssertionError(f"{options} was accepted")
+
+
+async def test_server_without_constraints_refuses_them() -> None:
+    """A runner without a tracker: a constrained request is a 400 that says so."""
+    async with serve(make_fake_runner(max_model_len=512), http=True) as h:
+        resp = await post(h.http_url, chat_body(guided_regex="a+"))
+    assert resp.status_code == 400
+    assert "does not run structured outputs" in resp.json()["error"]["message"]
