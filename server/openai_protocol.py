@@ -23,6 +23,7 @@ import grpc
 
 from scheduler.request import FinishReason
 from server.frontend import status_of
+from server.openai_tools import ToolCalls, parse_tools, tool_call
 from server.outputs import GenerationOutput
 from server.rpc import generation_pb2 as pb
 from server.validation import InvalidRequestError
@@ -65,7 +66,10 @@ _COMMON_FIELDS = frozenset({
     *_SAMPLING_FLOATS, *_SAMPLING_INTS,
 })  # fmt: skip
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+_CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+    "parallel_tool_calls",
+}  # fmt: skip
 
 
 class HttpError(Exception):
@@ -190,6 +194,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     logprobs: bool
+    tool_calls: ToolCalls | None = None  # the answer's text is tool calls (server.openai_tools)
 
 
 def parse_body(body: Any, chat: bool, model_name: str) -> Parsed:
@@ -206,13 +211,14 @@ def parse_body(body: Any, chat: bool, model_name: str) -> Parsed:
             "model",
         )
     request = pb.GenerateRequest()
+    tools = parse_tools(body) if chat else None
     if chat:
-        _set_messages(request, body)
+        _set_messages(request, body, tools.note if tools is not None else None)
     else:
         _set_prompt(request, body)
     _set_sampling(request.sampling, body)
     _set_stopping(request.stopping, body, chat)
-    _set_constraint(request, body)
+    _set_constraint(request, body, tools.schema if tools is not None else None)
     n = _int(body, "n", minimum=1)
     if n is not None:
         request.n = n
@@ -231,20 +237,33 @@ def parse_body(body: Any, chat: bool, model_name: str) -> Parsed:
         if not stream:
             raise InvalidRequestError("stream_options is only allowed with stream: true")
         include_usage = bool(_bool(options, "include_usage"))
-    return Parsed(request, stream, include_usage, logprobs)
+    return Parsed(
+        request, stream, include_usage, logprobs, tools.calls if tools is not None else None
+    )
 
 
-def _set_messages(request: pb.GenerateRequest, body: Mapping[str, Any]) -> None:
+def _set_messages(
+    request: pb.GenerateRequest, body: Mapping[str, Any], system_note: str | None = None
+) -> None:
+    """The chat messages; ``system_note`` (the tools) goes at the end of the system message,
+    or in a new one first. An assistant turn's earlier ``tool_calls`` follow its content as
+    JSON, so the model sees them."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {role, content}")
     for i, msg in enumerate(messages):
         if not isinstance(msg, Mapping):
             raise InvalidRequestError(f"messages[{i}] must be an object with role, content")
-        role = msg.get("role")
-        request.chat.messages.add(
-            role=str(role or ""), content=_chat_content(msg.get("content"), i)
-        )
+        role = str(msg.get("role") or "")
+        content = _chat_content(msg.get("content"), i)
+        if msg.get("tool_calls"):
+            calls = [c.get("function") for c in msg["tool_calls"] if isinstance(c, Mapping)]
+            content = (content + "\n" + json.dumps(calls)).strip()
+        if system_note is not None and i == 0 and role == "system":
+            content, system_note = f"{content}\n\n{system_note}", None
+        request.chat.messages.add(role=role, content=content)
+    if system_note is not None:
+        request.chat.messages.insert(0, pb.ChatMessage(role="system", content=system_note))
 
 
 def _set_prompt(request: pb.GenerateRequest, body: Mapping[str, Any]) -> None:
@@ -304,10 +323,15 @@ def _set_stopping(stopping: pb.StoppingOptions, body: Mapping[str, Any], chat: b
         stopping.ignore_eos = True
 
 
-def _set_constraint(request: pb.GenerateRequest, body: Mapping[str, Any]) -> None:
+def _set_constraint(
+    request: pb.GenerateRequest, body: Mapping[str, Any], tool_schema: Any = None
+) -> None:
     """At most one of ``response_format`` (json_object / json_schema), ``structured_outputs``
-    (vLLM: one of json, regex, choice, grammar, json_object) or a ``guided_*`` alias."""
+    (vLLM: one of json, regex, choice, grammar, json_object), a ``guided_*`` alias, or the
+    schema of the forced tool calls."""
     found: list[tuple[str, str, Any]] = []  # (field, kind, value)
+    if tool_schema is not None:
+        found.append(("tool_choice", "json", tool_schema))
     response_format = body.get("response_format")
     if response_format is not None:
         found.extend(_response_format(response_format))
@@ -458,6 +482,7 @@ class Answer:
         self.started: set[int] = set()
         self.usage = Usage(num_prompt_tokens=num_prompt_tokens)
         self._token = token
+        self._tool_text: dict[int, list[str]] = {}  # streamed tool-call text per choice
 
     def _logprobs(self, lps: Iterable[Any]) -> dict[str, Any] | None:
         lps = list(lps)
@@ -498,15 +523,22 @@ class Answer:
     def whole(self, choices: Choices) -> dict[str, Any]:
         body = self._base(chunk=False)
         items = []
+        tools = self.parsed.tool_calls
         for index in sorted(choices.texts):
             text = "".join(choices.texts[index])
             item: dict[str, Any] = {"index": index}
+            finish = choices.finish.get(index)
             if self.chat:
                 item["message"] = {"role": "assistant", "content": text}
+                if tools is not None and finish == "stop":
+                    item["message"] = {
+                        "role": "assistant", "content": None, "tool_calls": tools.calls(text)
+                    }  # fmt: skip
+                    finish = tools.finish_reason
             else:
                 item["text"] = text
             item["logprobs"] = self._logprobs(choices.logprobs[index])
-            item["finish_reason"] = choices.finish.get(index)
+            item["finish_reason"] = finish
             items.append(item)
         body["choices"] = items
         body["usage"] = choices.usage.body()
@@ -518,15 +550,42 @@ class Answer:
         if self.chat and out.index not in self.started:
             self.started.add(out.index)
             events.append(self._chunk(out.index, {"role": "assistant", "content": ""}))
-        reason = None
         reason = finish_reason(out)
         if out.finished:
             self.usage.add(out)
+        if self.chat and self.parsed.tool_calls is not None:
+            return events + self._tool_chunks(out, self.parsed.tool_calls, reason)
         if out.text or out.logprobs or reason is not None:
             delta = {"content": out.text} if out.text else {}
             events.append(
                 self._chunk(out.index, delta if self.chat else out.text, out.logprobs, reason)
             )
+        return events
+
+    def _tool_chunks(
+        self, out: GenerationOutput, tools: ToolCalls, reason: str | None
+    ) -> list[str]:
+        """A streamed tool-call answer. A named function's arguments stream as they come
+        (the first delta opens the call with its id and name); "required" calls come whole
+        when the sample ends (their names are only known then)."""
+        buffered = self._tool_text.setdefault(out.index, [])
+        buffered.append(out.text)
+        events = []
+        if tools.name is not None and out.text:
+            fn: dict[str, Any] = {"arguments": out.text}
+            call: dict[str, Any] = {"index": 0, "function": fn}
+            if len(buffered) == 1 or not "".join(buffered[:-1]):
+                call = {"index": 0, **tool_call(tools.name, out.text)}
+            events.append(self._chunk(out.index, {"tool_calls": [call]}, out.logprobs))
+        if reason is None:
+            return events
+        delta: dict[str, Any] = {}
+        if reason == "stop":
+            reason = tools.finish_reason
+            if tools.name is None:
+                calls = tools.calls("".join(buffered))
+                delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+        events.append(self._chunk(out.index, delta, (), reason))
         return events
 
     def _chunk(

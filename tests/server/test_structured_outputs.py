@@ -4,6 +4,7 @@ vLLM's structured_outputs and guided_* fields, the gRPC constraint oneof, the op
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from typing import Any, Literal
@@ -32,13 +33,21 @@ SCHEMA = {
 
 def constrained_runner() -> Any:
     tracker = ConstraintTracker(ConstraintCompiler(ByteTokenizer()))
-    return make_fake_runner(max_model_len=512, constraints=tracker)
+    return make_fake_runner(max_model_len=2048, constraints=tracker)
+
+
+_ids = itertools.count()
+
+
+def next_id() -> dict[str, str]:
+    """A fixed request id per call (the fake runner's tokens depend on it): runs repeat."""
+    return {"X-Request-Id": f"so-{next(_ids)}"}
 
 
 async def post(url: str, body: dict[str, Any], chat: bool = True) -> httpx.Response:
     path = "/v1/chat/completions" if chat else "/v1/completions"
     async with httpx.AsyncClient(timeout=30) as client:
-        return await client.post(url + path, json={"model": "fake", **body})
+        return await client.post(url + path, json={"model": "fake", **body}, headers=next_id())
 
 
 def chat_body(**fields: Any) -> dict[str, Any]:
@@ -110,7 +119,7 @@ async def test_openai_sdk_parse_with_a_pydantic_model() -> None:
         client = openai.AsyncOpenAI(base_url=f"{h.http_url}/v1", api_key="x", max_retries=0)
         done = await client.beta.chat.completions.parse(
             model="fake", messages=[{"role": "user", "content": "order"}], response_format=Order,
-            max_tokens=80,
+            max_tokens=80, extra_headers=next_id(),
         )  # fmt: skip
         await client.close()
     parsed = done.choices[0].message.parsed
@@ -149,9 +158,13 @@ async def test_grpc_constraint_oneof() -> None:
             "go", regex="[a-c]{4}!", max_tokens=20, temperature=1.0
         )
         assert re.fullmatch("[a-c]{4}!", text) and last.finish_reason == 1
-        text, _ = await h.client.generate_text("go", choice=["alpha", "beta"], max_tokens=20)
+        text, _ = await h.client.generate_text(
+            "go", request_id="g2", choice=["alpha", "beta"], max_tokens=20
+        )
         assert text in ("alpha", "beta")
-        text, _ = await h.client.generate_text("go", json_schema=json.dumps(SCHEMA), max_tokens=80)
+        text, _ = await h.client.generate_text(
+            "go", request_id="g3", json_schema=json.dumps(SCHEMA), max_tokens=80
+        )
         jsonschema.validate(json.loads(text), SCHEMA)
         for options, needle in (
             ({"regex": "(a"}, "regex: invalid regex"),
@@ -172,3 +185,130 @@ async def test_server_without_constraints_refuses_them() -> None:
         resp = await post(h.http_url, chat_body(guided_regex="a+"))
     assert resp.status_code == 400
     assert "does not run structured outputs" in resp.json()["error"]["message"]
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Rome"]},
+        "unit": {"enum": ["C", "F"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit", "days"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "time", "parameters": TIME}},
+]
+SCHEMA_OF = {"weather": WEATHER, "time": TIME}
+
+
+def check_calls(calls: Any, names: set[str]) -> None:
+    assert calls, "no tool calls"
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
+
+
+async def stream_calls(client: openai.AsyncOpenAI, **kwargs: Any) -> tuple[list[Any], str]:
+    """The tool calls of a streamed answer, assembled as OpenAI documents (by index: the
+    first delta carries id, type and name, later ones append arguments)."""
+    calls: dict[int, dict[str, Any]] = {}
+    reason = ""
+    stream = await client.chat.completions.create(stream=True, **kwargs)
+    async for chunk in stream:
+        choice = chunk.choices[0]
+        for delta in choice.delta.tool_calls or []:
+            call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] = delta.id or call["id"]
+            if delta.function is not None:
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+        reason = choice.finish_reason or reason
+    return [calls[i] for i in sorted(calls)], reason
+
+
+async def test_tool_calls_named_and_required_whole_and_streamed() -> None:
+    """tool_choice naming a function: one call to it, arguments valid, finish stop;
+    "required": one or more calls among the tools, finish tool_calls; streamed answers
+    assemble into the same shape."""
+    async with serve(constrained_runner(), http=True, num_blocks=1024) as h:
+        client = openai.AsyncOpenAI(base_url=f"{h.http_url}/v1", api_key="x", max_retries=0)
+        common: dict[str, Any] = {
+            "model": "fake", "messages": [{"role": "user", "content": "weather?"}],
+            "tools": TOOLS, "max_tokens": 600, "temperature": 1.0, "extra_headers": next_id(),
+        }  # fmt: skip
+        named = {"type": "function", "function": {"name": "weather"}}
+        done = await client.chat.completions.create(tool_choice=named, **common)
+        message = done.choices[0].message
+        assert message.content is None and done.choices[0].finish_reason == "stop"
+        check_calls(message.tool_calls, {"weather"})
+        assert len(message.tool_calls or []) == 1
+        done = await client.chat.completions.create(tool_choice="required", **common)
+        assert done.choices[0].finish_reason == "tool_calls"
+        check_calls(done.choices[0].message.tool_calls, {"weather", "time"})
+        one = await client.chat.completions.create(
+            tool_choice="required", parallel_tool_calls=False, **common
+        )
+        assert len(one.choices[0].message.tool_calls or []) == 1
+        for choice, names, want in (
+            (named, {"weather"}, "stop"),
+            ("required", set(SCHEMA_OF), "tool_calls"),
+        ):
+            calls, reason = await stream_calls(client, tool_choice=choice, **common)
+            assert reason == want and calls
+            for call in calls:
+                assert call["id"].startswith("call_") and call["name"] in names
+                jsonschema.validate(json.loads(call["arguments"]), SCHEMA_OF[call["name"]])
+        await client.close()
+
+
+async def test_sdk_parse_with_a_pydantic_function_tool() -> None:
+    """``parse`` with ``openai.pydantic_function_tool(Weather)`` forced by name: the call's
+    ``parsed_arguments`` is a Weather."""
+
+    class Weather(pydantic.BaseModel):
+        city: Literal["Paris", "Rome"]
+        days: int = pydantic.Field(ge=1, le=7)
+
+    async with serve(constrained_runner(), http=True) as h:
+        client = openai.AsyncOpenAI(base_url=f"{h.http_url}/v1", api_key="x", max_retries=0)
+        done = await client.beta.chat.completions.parse(
+            model="fake", messages=[{"role": "user", "content": "weather?"}], max_tokens=100,
+            tools=[openai.pydantic_function_tool(Weather)],
+            tool_choice={"type": "function", "function": {"name": "Weather"}},
+            extra_headers=next_id(),
+        )  # fmt: skip
+        await client.close()
+    (call,) = done.choices[0].message.tool_calls or []
+    assert isinstance(call.function.parsed_arguments, Weather)
+
+
+async def test_tool_requests_refused_with_the_reason() -> None:
+    """tool_choice auto (and tools without tool_choice), a tool_choice without tools, an
+    unknown function, tools next to another constraint: 400 naming the problem."""
+    named = {"type": "function", "function": {"name": "nope"}}
+    bad = [
+        ({"tools": TOOLS}, 'tool_choice "auto"'),
+        ({"tools": TOOLS, "tool_choice": "auto"}, 'tool_choice "auto"'),
+        ({"tool_choice": "required"}, "tool_choice needs tools"),
+        ({"tools": TOOLS, "tool_choice": named}, "not in tools (weather, time)"),
+        ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "at most one"),
+        ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools[0] must be"),
+    ]
+    async with serve(constrained_runner(), http=True) as h:
+        for fields, needle in bad:
+            resp = await post(h.http_url, chat_body(**fields))
+            assert resp.status_code == 400, (fields, resp.text)
+            assert needle in resp.json()["error"]["message"], (needle, resp.text)
+        # tool_choice none: the tools are ignored, a plain answer.
+        resp = await post(h.http_url, chat_body(tools=TOOLS, tool_choice="none", max_tokens=3))
+        assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"]
