@@ -150,15 +150,16 @@ class ConstraintCompiler:
         self._template(constraint)
 
     def new_matcher(self, constraint: Constraint) -> llg.LLMatcher:
-        """A fresh matcher for one request (a copy of the cached compilation)."""
-        return self._template(constraint).deep_copy()
+        """A fresh matcher for one request (a copy of the cached compilation; not counted
+        as a cache hit: ``compile`` counted the request)."""
+        return self._template(constraint, count_hit=False).deep_copy()
 
-    def _template(self, constraint: Constraint) -> llg.LLMatcher:
+    def _template(self, constraint: Constraint, count_hit: bool = True) -> llg.LLMatcher:
         with self._lock:
             template = self._cache.get(constraint)
             if template is not None:
                 self._cache.move_to_end(constraint)
-                self.num_cache_hits_total += 1
+                self.num_cache_hits_total += count_hit
                 return template
         t0 = time.perf_counter()
         grammar = grammar_of(constraint)

@@ -156,12 +156,13 @@ def test_bad_constraints_raise_the_library_reason() -> None:
 
 
 def test_compile_cache_counts_hits() -> None:
-    """Equal constraints compile once; later requests are cache hits."""
+    """Equal constraints compile once; later checks are cache hits (a runner's matcher copy
+    is not a hit: the request was counted when it was checked)."""
     compiler = byte_compiler()
     compiler.compile(REGEX)
     compiler.compile(Constraint("regex", r"(ab|cd)+x"))
     compiler.new_matcher(REGEX)
-    assert (compiler.num_compiled_total, compiler.num_cache_hits_total) == (1, 2)
+    assert (compiler.num_compiled_total, compiler.num_cache_hits_total) == (1, 1)
 
 
 def test_constraint_excludes_ignore_eos_and_min_tokens() -> None:

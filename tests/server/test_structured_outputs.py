@@ -312,3 +312,29 @@ async def test_tool_requests_refused_with_the_reason() -> None:
         # tool_choice none: the tools are ignored, a plain answer.
         resp = await post(h.http_url, chat_body(tools=TOOLS, tool_choice="none", max_tokens=3))
         assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"]
+
+
+async def test_prometheus_counts_constrained_requests_compiles_and_mask_time() -> None:
+    """Two requests with one schema and one with a regex, then one unconstrained: 3
+    constrained requests, 2 compiles, 1 cache hit, and mask time observed on the steps that
+    had constrained rows."""
+    from prometheus_client import CollectorRegistry
+
+    from metrics.prometheus import PrometheusSink
+    from tests.metrics.helpers import value
+
+    registry = CollectorRegistry()
+    async with serve(constrained_runner()) as h:
+        h.engine.sink = h.server.servicer.sink = PrometheusSink(registry)
+        schema = json.dumps(SCHEMA)
+        for rid, options in (
+            ("m1", {"json_schema": schema}), ("m2", {"json_schema": schema}),
+            ("m3", {"regex": "[a-c]{4}"}), ("m4", {}),
+        ):  # fmt: skip
+            await h.client.generate_text("go", request_id=rid, max_tokens=60, **options)
+        await h.client.generate_text("go", request_id="m5", max_tokens=2)  # a step after m4
+    assert value(registry, "kvserve_constrained_requests_total") == 3
+    assert value(registry, "kvserve_constraint_compiles_total") == 2
+    assert value(registry, "kvserve_constraint_cache_hits_total") == 1
+    assert value(registry, "kvserve_step_constraint_mask_seconds_count") > 0
+    assert value(registry, "kvserve_step_constraint_mask_seconds_sum") > 0
