@@ -338,3 +338,16 @@ async def test_prometheus_counts_constrained_requests_compiles_and_mask_time() -
     assert value(registry, "kvserve_constraint_cache_hits_total") == 1
     assert value(registry, "kvserve_step_constraint_mask_seconds_count") > 0
     assert value(registry, "kvserve_step_constraint_mask_seconds_sum") > 0
+
+
+async def test_stop_string_ends_a_constrained_request_and_drops_its_state() -> None:
+    """A stop string inside the constrained text ("zx" in xyzxyzQ) ends the request with
+    stop and the text before it; the runner drops the matcher at the next step."""
+    runner = constrained_runner()
+    async with serve(runner) as h:
+        text, last = await h.client.generate_text(
+            "go", request_id="st", regex="xyzxyzQ", stop="zx", max_tokens=20
+        )
+        assert (text, last.finish_reason) == ("xy", 1)
+        await h.client.generate_text("go", request_id="after", max_tokens=2)
+    assert len(runner.constraints) == 0
