@@ -5,16 +5,10 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
-CONSTRAINT_KINDS: tuple[ConstraintKind, ...] = (
-    "json_schema",
-    "json_object",
-    "regex",
-    "choice",
-    "grammar",
-)
+CONSTRAINT_KINDS: tuple[ConstraintKind, ...] = get_args(ConstraintKind)
 
 
 @dataclass(frozen=True, slots=True)
