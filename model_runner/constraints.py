@@ -214,10 +214,6 @@ class ConstraintTracker:
         self.compiler = compiler
         self._states: dict[str, _State] = {}
         self._executor = llg.LLExecutor(num_threads)
-        # Cumulative, read by metrics.
-        self.mask_time_s_total = 0.0
-        self.num_mask_rows_total = 0
-        self.num_mask_steps_total = 0
 
     def __len__(self) -> int:
         return len(self._states)
@@ -275,16 +271,16 @@ class ConstraintTracker:
             )
         # Rows after a draft the grammar rejects: their tokens are never accepted (the row
         # of the rejected draft samples a token that differs from it), so allow anything.
+        # So do rows after a draft that ends the grammar (an EOS copied from the prompt):
+        # a stopped matcher allows nothing, and an empty row would fail the request.
         for first, num_valid, num_drafts in drafts_valid:
             bitmask[first + num_valid + 1 : first + num_drafts + 1] = -1
+            rows = bitmask[first + 1 : first + num_drafts + 1]
+            rows[~rows.any(axis=1)] = -1
         for (matcher, first, _), request_id in zip(jobs, job_ids, strict=True):
             if not bitmask[first].any():
                 failed[request_id] = f"the constraint allows no next token ({matcher.get_error()})"
-        elapsed = time.perf_counter() - t0
-        self.mask_time_s_total += elapsed
-        self.num_mask_rows_total += len(jobs)
-        self.num_mask_steps_total += 1
-        return Masks(bitmask, failed, elapsed)
+        return Masks(bitmask, failed, time.perf_counter() - t0)
 
     def accept(self, seq: ScheduledSeq, token_ids: Sequence[int]) -> str | None:
         """Advance ``seq``'s matcher by the tokens this step produced (accepted drafts, then

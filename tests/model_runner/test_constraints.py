@@ -194,7 +194,20 @@ def test_masks_of_draft_rows_and_rollback() -> None:
     assert tracker.token_ids("r") == [a]
     assert tracker.accept(seq, [b, c]) is None
     assert tracker.token_ids("r") == [a, b, c]
-    assert "leaves the constraint" in (tracker.accept(seq, [x]) or "")
+    # A draft that ends the grammar (x, then EOS): the row after EOS allows anything rather
+    # than nothing (a stopped matcher), so the request does not fail on a don't-care row.
+    # (From the output "ab": the matcher at "abc" rolls back one token first.)
+    seq = ScheduledSeq(
+        "r", [b, x, EOS_TOKEN_ID, a], 4, [0, 1, 2], sampling, True,
+        all_token_ids=[*b"go:", a, b], num_prompt_tokens=3, num_draft_tokens=3,
+    )  # fmt: skip
+    masks = tracker.compute_masks([seq])
+    assert masks.bitmask is not None and not masks.failed
+    rows = [allowed_token_ids(row, 258) for row in masks.bitmask]
+    assert rows[:3] == [[a, c, x], [EOS_TOKEN_ID], list(range(258))]
+    assert rows[3] == list(range(258))
+    assert tracker.token_ids("r") == [a, b]
+    assert "leaves the constraint" in (tracker.accept(seq, [ord("q")]) or "")
 
 
 # ---------------------------------------------------------------------- fake runner
