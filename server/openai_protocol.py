@@ -530,10 +530,9 @@ class Answer:
             finish = choices.finish.get(index)
             if self.chat:
                 item["message"] = {"role": "assistant", "content": text}
-                if tools is not None and finish == "stop":
-                    item["message"] = {
-                        "role": "assistant", "content": None, "tool_calls": tools.calls(text)
-                    }  # fmt: skip
+                calls = tools.calls(text) if tools is not None and finish == "stop" else None
+                if tools is not None and calls is not None:
+                    item["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
                     finish = tools.finish_reason
             else:
                 item["text"] = text
@@ -580,11 +579,13 @@ class Answer:
         if reason is None:
             return events
         delta: dict[str, Any] = {}
-        if reason == "stop":
+        calls = tools.calls("".join(buffered)) if reason == "stop" else None
+        if calls is not None:
             reason = tools.finish_reason
             if tools.name is None:
-                calls = tools.calls("".join(buffered))
                 delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+        elif tools.name is None and buffered:
+            delta = {"content": "".join(buffered)}  # not calls after all: the text as it is
         events.append(self._chunk(out.index, delta, (), reason))
         return events
 

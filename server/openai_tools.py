@@ -39,11 +39,16 @@ class ToolCalls:
     def finish_reason(self) -> str:
         return "stop" if self.name is not None else "tool_calls"
 
-    def calls(self, text: str) -> list[dict[str, Any]]:
-        """The OpenAI ``tool_calls`` of a finished answer (the constraint made it parse)."""
-        if self.name is not None:
-            return [tool_call(self.name, text)]
-        return [tool_call(c["name"], json.dumps(c["arguments"])) for c in json.loads(text)]
+    def calls(self, text: str) -> list[dict[str, Any]] | None:
+        """The OpenAI ``tool_calls`` of an answer that ended with stop (the constraint makes
+        it parse); None when it does not (a stop string cut it), so it is answered as text."""
+        try:
+            if self.name is not None:
+                json.loads(text)
+                return [tool_call(self.name, text)]
+            return [tool_call(c["name"], json.dumps(c["arguments"])) for c in json.loads(text)]
+        except (ValueError, TypeError, KeyError):
+            return None
 
 
 def tool_call(name: str, arguments: str) -> dict[str, Any]:

@@ -351,3 +351,19 @@ async def test_stop_string_ends_a_constrained_request_and_drops_its_state() -> N
         assert (text, last.finish_reason) == ("xy", 1)
         await h.client.generate_text("go", request_id="after", max_tokens=2)
     assert len(runner.constraints) == 0
+
+
+async def test_tool_answer_cut_by_a_stop_string_is_text() -> None:
+    """A stop string inside forced tool calls leaves no calls to parse: the answer is the
+    text before it, finish stop, whole and streamed."""
+    body = chat_body(tools=TOOLS, tool_choice="required", stop=['"name"'])
+    async with serve(constrained_runner(), http=True) as h:
+        resp = await post(h.http_url, body)
+        streamed = await post(h.http_url, {**body, "stream": True})
+    choice = resp.json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "[{"}
+    assert choice["finish_reason"] == "stop"
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line[6:7] == "{"]
+    deltas = [e["choices"][0] for e in events if e["choices"]]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == "[{"
+    assert deltas[-1]["finish_reason"] == "stop"
