@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -53,7 +54,7 @@ class ServerTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **extra: Any
     ) -> str: ...
 
     def id_to_token(self, token_id: int) -> str | None: ...
@@ -92,9 +93,16 @@ def encode_chat(
     tokenizer: ServerTokenizer, chat: pb.ChatMessages, add_special_tokens: bool
 ) -> list[int]:
     """Chat messages rendered with the model's template, then tokenized."""
+    extra = {}
+    if chat.tools:
+        try:
+            extra["tools"] = json.loads(chat.tools)
+        except ValueError as exc:
+            raise InvalidRequestError(f"chat.tools must be a JSON list of tools: {exc}") from exc
     text = tokenizer.apply_chat_template(
         validation.chat_messages(chat),
         add_generation_prompt=validation.add_generation_prompt(chat),
+        **extra,
     )
     return tokenizer.encode(text, add_special_tokens)
 

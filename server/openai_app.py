@@ -42,6 +42,7 @@ from server.openai_protocol import (
     parse_body,
     sse,
 )
+from server.openai_tools import tool_call_format
 from server.outputs import GenerationOutput
 from server.validation import MAX_REQUEST_ID_CHARS, InvalidRequestError
 
@@ -66,6 +67,8 @@ class OpenAIFront:
         self.sink: MetricsSink = sink if sink is not None else NullSink()
         self.model = frontend.model
         self.created = int(time.time())
+        # tool_choice "auto" needs a template that renders tools (server.openai_tools).
+        self._tool_format = tool_call_format(getattr(frontend.tokenizer, "chat_template", None))
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
@@ -138,7 +141,7 @@ class OpenAIFront:
                 body = await http.json()
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
-            parsed = parse_body(body, chat, self.model.name)
+            parsed = parse_body(body, chat, self.model.name, self._tool_format)
             request_id = http.headers.get("x-request-id") or (
                 f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             )

@@ -197,8 +197,10 @@ class Parsed:
     tool_calls: ToolCalls | None = None  # the answer's text is tool calls (server.openai_tools)
 
 
-def parse_body(body: Any, chat: bool, model_name: str) -> Parsed:
-    """Translate a completions / chat completions body into a ``GenerateRequest``."""
+def parse_body(body: Any, chat: bool, model_name: str, tool_format: str | None = None) -> Parsed:
+    """Translate a completions / chat completions body into a ``GenerateRequest``.
+    ``tool_format``: the chat template's tool-call format (``openai_tools.tool_call_format``;
+    None: tool_choice auto is refused)."""
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"
     if not isinstance(body, Mapping):
         raise InvalidRequestError("the request body must be a JSON object")
@@ -211,9 +213,11 @@ def parse_body(body: Any, chat: bool, model_name: str) -> Parsed:
             "model",
         )
     request = pb.GenerateRequest()
-    tools = parse_tools(body) if chat else None
+    tools = parse_tools(body, tool_format) if chat else None
     if chat:
         _set_messages(request, body, tools.note if tools is not None else None)
+        if tools is not None:
+            request.chat.tools = tools.template_tools
     else:
         _set_prompt(request, body)
     _set_sampling(request.sampling, body)
@@ -530,9 +534,11 @@ class Answer:
             finish = choices.finish.get(index)
             if self.chat:
                 item["message"] = {"role": "assistant", "content": text}
-                calls = tools.calls(text) if tools is not None and finish == "stop" else None
+                content, calls = (
+                    tools.split(text) if tools is not None and finish == "stop" else (text, None)
+                )
                 if tools is not None and calls is not None:
-                    item["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                    item["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
                     finish = tools.finish_reason
             else:
                 item["text"] = text
@@ -579,13 +585,14 @@ class Answer:
         if reason is None:
             return events
         delta: dict[str, Any] = {}
-        calls = tools.calls("".join(buffered)) if reason == "stop" else None
+        text = "".join(buffered)
+        content, calls = tools.split(text) if reason == "stop" else (text, None)
+        if tools.name is None and content:
+            delta["content"] = content  # auto's text around the calls, or no calls after all
         if calls is not None:
             reason = tools.finish_reason
             if tools.name is None:
-                delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
-        elif tools.name is None and buffered:
-            delta = {"content": "".join(buffered)}  # not calls after all: the text as it is
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
         events.append(self._chunk(out.index, delta, (), reason))
         return events
 

@@ -7,17 +7,23 @@ system note that lists the tools; the constrained answer -> OpenAI's ``tool_call
 - ``tool_choice: "required"``: the output is a JSON array of one or more
   ``{"name": ..., "arguments": {...}}``, each constrained to its tool's schema (one call when
   ``parallel_tool_calls`` is false); ``finish_reason: "tool_calls"``.
-- ``"none"``: the tools are ignored. ``"auto"`` (OpenAI's default when ``tools`` is set)
-  needs a chat template that renders tools and a parser for the model's free-form calls;
-  no template kvserve serves has both (SmolLM2's ChatML template renders no tools), so it is
-  a 400 that says to use ``"required"`` or a named function.
+- ``"none"``: the tools are ignored.
+- ``"auto"`` (OpenAI's default when ``tools`` is set): the model decides, unconstrained. This
+  needs a chat template that renders ``tools`` and a known format for the model's calls:
+  the Hermes format (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the
+  templates of Qwen2.5, Hermes 2/3 and others), recognised by a template that renders
+  ``tools`` and mentions ``<tool_call>``. The tools go to the template; the calls are parsed
+  out of the answer (the rest is its content). Any other template (SmolLM2's ChatML renders
+  no tools) gets a 400 that says to use ``"required"`` or a named function.
 
-The template renders no tools either, so the tools reach the model as a system note.
+For "required" and a named function the tools reach the model as a system note (the
+template may render no tools).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,14 +32,26 @@ from typing import Any
 from server.validation import InvalidRequestError
 
 MAX_PARALLEL_CALLS = 8
+HERMES = "hermes"
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def tool_call_format(chat_template: str | None) -> str | None:
+    """The tool-call format a chat template speaks (``"hermes"``), None when it renders no
+    tools (then tool_choice "auto" is refused)."""
+    if chat_template and "tools" in chat_template and "<tool_call>" in chat_template:
+        return HERMES
+    return None
 
 
 @dataclass(frozen=True, slots=True)
 class ToolCalls:
     """How a chat answer's text becomes ``tool_calls``: the named function's arguments
-    (``name`` set) or a JSON array of calls (``name`` None: tool_choice required)."""
+    (``name`` set), a JSON array of calls (tool_choice required), or Hermes-format calls
+    inside free text (``auto``)."""
 
     name: str | None
+    auto: bool = False
 
     @property
     def finish_reason(self) -> str:
@@ -41,14 +59,26 @@ class ToolCalls:
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
         """The OpenAI ``tool_calls`` of an answer that ended with stop (the constraint makes
-        it parse); None when it does not (a stop string cut it), so it is answered as text."""
+        it parse); None when it does not (a stop string cut it, or an auto answer called
+        nothing), so it is answered as text."""
+        return self.split(text)[1]
+
+    def split(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+        """(content, tool_calls) of a finished answer: no calls -> (text, None)."""
         try:
+            if self.auto:
+                found = [json.loads(m) for m in _HERMES_CALL.findall(text)]
+                if not found:
+                    return text, None
+                content = _HERMES_CALL.sub("", text).strip() or None
+                return content, [tool_call(c["name"], json.dumps(c["arguments"])) for c in found]
             if self.name is not None:
                 json.loads(text)
-                return [tool_call(self.name, text)]
-            return [tool_call(c["name"], json.dumps(c["arguments"])) for c in json.loads(text)]
+                return None, [tool_call(self.name, text)]
+            calls = [tool_call(c["name"], json.dumps(c["arguments"])) for c in json.loads(text)]
+            return None, calls
         except (ValueError, TypeError, KeyError):
-            return None
+            return text, None
 
 
 def tool_call(name: str, arguments: str) -> dict[str, Any]:
@@ -61,12 +91,14 @@ def tool_call(name: str, arguments: str) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class ToolRequest:
-    """What ``parse_tools`` makes of a body: the schema the output must follow, the system
-    note that lists the tools, and how to answer."""
+    """What ``parse_tools`` makes of a body: the schema the output must follow and the
+    system note that lists the tools (both None for auto), the tools for the chat template
+    (auto), and how to answer."""
 
-    schema: dict[str, Any]
-    note: str
+    schema: dict[str, Any] | None
+    note: str | None
     calls: ToolCalls
+    template_tools: str = ""  # JSON list for ChatMessages.tools
 
 
 def _functions(tools: Any) -> dict[str, dict[str, Any]]:
@@ -91,8 +123,9 @@ def _functions(tools: Any) -> dict[str, dict[str, Any]]:
     return functions
 
 
-def parse_tools(body: Mapping[str, Any]) -> ToolRequest | None:
-    """The tool request of a chat body (None: no tools, or ``tool_choice: "none"``)."""
+def parse_tools(body: Mapping[str, Any], tool_format: str | None = None) -> ToolRequest | None:
+    """The tool request of a chat body (None: no tools, or ``tool_choice: "none"``).
+    ``tool_format``: the served chat template's (``tool_call_format``)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if not tools:
         if choice is not None and choice != "none":
@@ -102,6 +135,8 @@ def parse_tools(body: Mapping[str, Any]) -> ToolRequest | None:
     if choice == "none":
         return None
     listing = json.dumps([{"name": n, **f} for n, f in functions.items()], separators=(", ", ": "))
+    if (choice is None or choice == "auto") and tool_format == HERMES:
+        return ToolRequest(None, None, ToolCalls(None, auto=True), json.dumps(tools))
     if choice is None or choice == "auto":
         raise InvalidRequestError(
             'tool_choice "auto" (the default with tools) is not supported: this model\'s chat '

@@ -367,3 +367,57 @@ async def test_tool_answer_cut_by_a_stop_string_is_text() -> None:
     deltas = [e["choices"][0] for e in events if e["choices"]]
     assert "".join(d["delta"].get("content") or "" for d in deltas) == "[{"
     assert deltas[-1]["finish_reason"] == "stop"
+
+
+class HermesTokenizer(ByteTokenizer):
+    """The byte tokenizer behind a chat template that renders tools in the Hermes format
+    (only its text is read, to detect the format): it puts the tools before the chat."""
+
+    chat_template = "{% if tools %}<tools>{{ tools }}</tools> reply with <tool_call>{% endif %}"
+
+    def __init__(self) -> None:
+        self.rendered_tools: list[Any] = []
+
+    def apply_chat_template(
+        self, messages: Any, add_generation_prompt: bool = True, **extra: object
+    ) -> str:
+        tools = extra.get("tools")
+        self.rendered_tools.append(tools)
+        chat = super().apply_chat_template(messages, add_generation_prompt)
+        return (f"<tools>{json.dumps(tools)}</tools>\n" if tools else "") + chat
+
+
+async def test_tool_choice_auto_on_a_hermes_template() -> None:
+    """A template that renders tools gets them; the model's <tool_call> blocks become
+    tool_calls (the text around them the content), whole and streamed; an answer without
+    a call is plain content with finish stop."""
+    from tests.server.helpers import engine_id
+
+    call = {"name": "weather", "arguments": {"city": "Rome", "unit": "C", "days": 2}}
+    said = f"Checking.<tool_call>\n{json.dumps(call)}\n</tool_call>"
+    runner = constrained_runner()
+    for rid in ("auto1", "auto2"):
+        runner.set_script(engine_id(rid), [*said.encode(), 257])
+    runner.set_script(engine_id("auto3"), [*b"Hello", 257])
+    tokenizer = HermesTokenizer()
+    body = chat_body(tools=TOOLS, max_tokens=300)  # tool_choice left out: auto
+    async with serve(runner, tokenizer, http=True) as h, httpx.AsyncClient(timeout=30) as client:
+        url = h.http_url + "/v1/chat/completions"
+        whole = await client.post(url, json=body, headers={"X-Request-Id": "auto1"})
+        streamed = await client.post(
+            url, json={**body, "stream": True}, headers={"X-Request-Id": "auto2"}
+        )
+        plain = await client.post(url, json=body, headers={"X-Request-Id": "auto3"})
+    assert tokenizer.rendered_tools[0] == TOOLS
+    choice = whole.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Checking."
+    (got,) = choice["message"]["tool_calls"]
+    assert got["function"]["name"] == "weather"
+    assert json.loads(got["function"]["arguments"]) == call["arguments"]
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line[6:7] == "{"]
+    last = [e["choices"][0] for e in events if e["choices"]][-1]
+    assert last["finish_reason"] == "tool_calls" and last["delta"]["content"] == "Checking."
+    assert last["delta"]["tool_calls"][0]["function"]["name"] == "weather"
+    assert plain.json()["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
+    assert plain.json()["choices"][0]["finish_reason"] == "stop"
