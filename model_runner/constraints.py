@@ -246,7 +246,10 @@ class ConstraintTracker:
         for seq in seqs:
             constraint = seq.sampling.constraint
             if constraint is not None:
-                error = self._sync(seq, constraint)
+                try:
+                    error = self._sync(seq, constraint)
+                except ConstraintError as exc:  # not checked by a front end: fail it alone
+                    error = str(exc)
                 if error is not None:
                     failed[seq.request_id] = error
                 else:

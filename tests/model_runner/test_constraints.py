@@ -165,6 +165,21 @@ def test_compile_cache_counts_hits() -> None:
     assert (compiler.num_compiled_total, compiler.num_cache_hits_total) == (1, 1)
 
 
+def test_an_unchecked_bad_constraint_fails_its_request_alone() -> None:
+    """A constraint that reaches the runner without a front end's check and does not
+    compile fails that request (ModelOutput.failed); the batch carries on."""
+    tracker = ConstraintTracker(byte_compiler())
+    reqs = [request("bad", Constraint("regex", "a[")), request("ok", None, max_tokens=3)]
+    kv = KVCacheManager(KVCacheConfig(num_blocks=16, block_size=4))
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16), kv)
+    for r in reqs:
+        scheduler.add_request(r)
+    plan = scheduler.schedule()
+    result = fake_runner(tracker).execute(plan)
+    assert list(result.failed) == ["bad"] and "unclosed character class" in result.failed["bad"]
+    assert list(result.sampled_token_ids) == ["ok"]
+
+
 def test_constraint_excludes_ignore_eos_and_min_tokens() -> None:
     """The constraint decides where the output ends: ignore_eos / min_tokens are refused."""
     with pytest.raises(SamplingParamsError, match="ignore_eos cannot be combined"):
