@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncGenerator
 
 import grpc
@@ -32,6 +33,11 @@ def build_request(
         priority=spec.priority,
         cache_salt=cache_salt or "",
     )
+    for kind, value in (spec.constraint or {}).items():
+        if kind == "choice":
+            req.choice.choices.extend(value)
+        else:
+            setattr(req, kind, value if isinstance(value, str) else json.dumps(value))
     if spec.prompt_token_ids is not None:
         req.token_ids.ids.extend(spec.prompt_token_ids)
     else:

@@ -86,6 +86,8 @@ def completion_body(spec: RequestSpec, model: str | None) -> dict[str, Any]:
     if spec.ignore_eos:
         body["ignore_eos"] = True
     body.update({k: spec.sampling[k] for k in SAMPLING_FIELDS if k in spec.sampling})
+    for kind, value in (spec.constraint or {}).items():  # vLLM's structured_outputs names
+        body["structured_outputs"] = {"json" if kind == "json_schema" else kind: value}
     return body
 
 

@@ -155,6 +155,8 @@ class RequestSpec:
     cancel_after_tokens: int | None = None
     prefix_id: int | None = None
     sampling: Mapping[str, Any] = field(default_factory=dict)
+    # Structured outputs: one of {"json_schema": {...}}, {"regex": "..."}, {"choice": [...]}.
+    constraint: Mapping[str, Any] | None = None
 
     @property
     def num_prompt_tokens(self) -> int | None:
@@ -186,6 +188,7 @@ class Workload:
     priorities: tuple[tuple[int, float], ...] = ((0, 1.0),)  # (value, weight)
     cancel_fraction: float = 0.0
     cancel_after: LengthDist = field(default_factory=lambda: LengthDist(value=1))
+    constraint: Mapping[str, Any] | None = None  # every request's (see RequestSpec)
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -218,6 +221,13 @@ class Workload:
             raise ValueError(f"priorities need >= 1 entry with weights >= 0, got {self.priorities}")
         if sum(w for _, w in self.priorities) <= 0:
             raise ValueError("priority weights must not all be 0")
+        if self.constraint is not None and (
+            len(self.constraint) != 1 or set(self.constraint) - CONSTRAINT_KEYS
+        ):
+            raise ValueError(
+                f"constraint must have exactly one of {sorted(CONSTRAINT_KEYS)}, "
+                f"got {sorted(self.constraint)}"
+            )
         unknown = set(self.sampling) - SAMPLING_KEYS
         if unknown:
             raise ValueError(
@@ -243,6 +253,7 @@ class Workload:
                 "sampling",
                 "priorities",
                 "cancel",
+                "constraint",
                 # Multi-turn structure, read by loadtest.multiturn (each request a turn);
                 # this loader sends the requests as independent prompts.
                 "conversations",
@@ -296,6 +307,7 @@ class Workload:
             priorities=tuple(priorities),
             cancel_fraction=float(cancel.get("fraction", 0.0)),
             cancel_after=LengthDist.parse(cancel.get("after_tokens"), 1),
+            constraint=spec.get("constraint"),
         )
 
     @classmethod
@@ -324,6 +336,7 @@ class Workload:
             "priorities": [{"value": v, "weight": w} for v, w in self.priorities],
             "cancel_fraction": self.cancel_fraction,
             "cancel_after_tokens": self.cancel_after.to_json(),
+            "constraint": sorted(self.constraint) if self.constraint else None,
         }
 
     # ---------------------------------------------------------------- drawing
@@ -409,6 +422,7 @@ class Workload:
                     cancel_after_tokens=cancel_after,
                     prefix_id=prefix_id,
                     sampling=self.sampling,
+                    constraint=self.constraint,
                 )
             )
         return specs
@@ -428,6 +442,7 @@ class Workload:
         return out
 
 
+CONSTRAINT_KEYS = frozenset({"json_schema", "regex", "choice"})
 SAMPLING_KEYS = frozenset(
     {
         "temperature",

@@ -273,6 +273,10 @@ HISTOGRAMS: tuple[HistogramSpec, ...] = (
     HistogramSpec("step_error", "step_prediction_error_ratio",
                   "|predicted - measured| / measured iteration time, per step (slo policy).",
                   PREDICTION_ERROR_BUCKETS),
+    # Structured outputs.
+    HistogramSpec("step_constraint_mask", "step_constraint_mask_seconds",
+                  "Time computing the token masks of constrained rows, per step that had any "
+                  "(on the torch runner it overlaps the forward pass).", SCHEDULER_CPU_BUCKETS_S),
 )  # fmt: skip
 # The one labelled histogram: by STEP_KINDS.
 STEP_DURATION = HistogramSpec(
@@ -317,5 +321,18 @@ EVENT_COUNTERS: Mapping[str, tuple[tuple[str, ...], str]] = {
     "metrics_sink_errors_total": (
         (),
         "Exceptions swallowed by the metrics sink (a bug: see the server log).",
+    ),
+    "constrained_requests_total": (
+        (),
+        "Finished requests (each of the n samples counts) that carried a structured-output "
+        "constraint (JSON schema, regex, choice, grammar, tool call).",
+    ),
+    "constraint_compiles_total": (
+        (),
+        "Structured-output constraints compiled (compile-cache misses).",
+    ),
+    "constraint_cache_hits_total": (
+        (),
+        "Constraints found in the compile cache (a request or check that compiled nothing).",
     ),
 }

@@ -130,6 +130,9 @@ class PrometheusSink:
         self._rpcs: dict[tuple[str, str], int] = {}
         self._connections = {(s, e): 0 for s in CONNECTION_SERVERS for e in CONNECTION_EVENTS}
         self._sink_errors = 0
+        self._constrained = 0
+        self._constraint_compiles = 0
+        self._constraint_cache_hits = 0
         self._logged_errors: set[str] = set()
         self.registry.register(self)
 
@@ -142,6 +145,10 @@ class PrometheusSink:
             return
         hist = self._hist
         with self._lock:
+            self._constraint_compiles = record.num_constraint_compiles_total
+            self._constraint_cache_hits = record.num_constraint_cache_hits_total
+            if record.constraint_mask_s > 0:
+                hist["step_constraint_mask"].observe(record.constraint_mask_s)
             self._step_duration[record.kind].observe(_nonneg(record.step_duration_s))
             hist["step_prefill_tokens"].observe(stats.num_prefill_tokens)
             hist["step_prefill_reqs"].observe(stats.num_prefill_reqs)
@@ -208,6 +215,7 @@ class PrometheusSink:
             hist["gen_len"].observe(num_output)
             if abort_key is not None:
                 self._aborts[abort_key] = self._aborts.get(abort_key, 0) + 1
+            self._constrained += bool(r.constrained)
 
     @_never_raise
     def on_rejected(self, reason: str) -> None:
@@ -251,6 +259,9 @@ class PrometheusSink:
                 "rpcs_total": sorted(self._rpcs.items()),
                 "connection_events_total": sorted(self._connections.items()),
                 "metrics_sink_errors_total": [((), self._sink_errors)],
+                "constrained_requests_total": [((), self._constrained)],
+                "constraint_compiles_total": [((), self._constraint_compiles)],
+                "constraint_cache_hits_total": [((), self._constraint_cache_hits)],
             }
         yield self._info_family(stats.kv)
         for metric in SNAPSHOT_METRICS:

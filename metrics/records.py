@@ -26,6 +26,11 @@ class StepRecord:
     # what the step-cost model predicted for it (None without one).
     iteration_s: float = 0.0
     predicted_s: float | None = None
+    # Structured outputs: this step's mask time (0: no constrained row), and the compile
+    # cache's cumulative counts (a snapshot of the runner's ConstraintCompiler).
+    constraint_mask_s: float = 0.0
+    num_constraint_compiles_total: int = 0
+    num_constraint_cache_hits_total: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +57,7 @@ class RequestRecord:
     # The request's own latency targets (None: the server's defaults).
     ttft_target_s: float | None = None
     itl_target_s: float | None = None
+    constrained: bool = False  # carried a structured-output constraint
 
 
 class MetricsSink(Protocol):

@@ -14,6 +14,10 @@ output index ``i = seq.num_output_tokens`` is, in this order of precedence:
    continuations whatever their ids). Default tokens never hit EOS: a request runs to
    ``max_tokens`` unless its script says otherwise.
 
+A constrained request (``sampling.constraint``, with a ``ConstraintTracker``) keeps that
+token when its mask allows it, else takes ``allowed[h % len(allowed)]`` from the ascending
+allowed ids; drafts are verified against that same rule, row by row of the draft masks.
+
 Because the token is keyed on the output index, a request preempted and re-prefilled gets the
 same continuation it would have got without preemption.
 
@@ -40,11 +44,16 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from cache_manager.sizing import ModelShape
 from model_runner.base import ModelInfo
 from scheduler.output import ModelOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from model_runner.constraints import ConstraintTracker
 
 KeyBy = Literal["request_id", "prompt"]
 
@@ -90,6 +99,7 @@ class FakeRunner:
         verify_kv_block_size: int | None = None,
         verify_kv_null_block_id: int | None = None,
         record_plans: bool = False,
+        constraints: ConstraintTracker | None = None,
     ) -> None:
         if key_by not in ("request_id", "prompt"):
             raise ValueError(f"key_by must be 'request_id' or 'prompt', got {key_by!r}")
@@ -120,6 +130,9 @@ class FakeRunner:
         self._kv_slots: dict[int, list[int | None]] = {}
         self.num_steps = 0
         self.plans: list[SchedulerOutput] | None = [] if record_plans else None
+        self.constraints = constraints
+        self._mask_rows: dict[str, int] = {}  # this step: request id -> its first mask row
+        self._masks: np.ndarray | None = None
 
     @property
     def info(self) -> ModelInfo:
@@ -173,8 +186,19 @@ class FakeRunner:
         index = seq.num_output_tokens + offset
         scripted = self.script.get(seq.request_id)
         if scripted is not None and index < len(scripted):
-            return scripted[index]
-        return self.default_token(self._key(seq), index)
+            token = scripted[index]
+        else:
+            token = self.default_token(self._key(seq), index)
+        first_row = self._mask_rows.get(seq.request_id)
+        if first_row is None or self._masks is None:
+            return token
+        from model_runner.constraints import allowed_token_ids, is_allowed
+
+        mask_row = self._masks[first_row + offset]
+        if is_allowed(mask_row, token):
+            return token
+        allowed = allowed_token_ids(mask_row, self._info.vocab_size)
+        return allowed[self.default_token(self._key(seq), index) % len(allowed)]
 
     def _key(self, seq: ScheduledSeq) -> str:
         if self.key_by == "request_id":
@@ -205,6 +229,7 @@ class FakeRunner:
 
         out = ModelOutput()
         start = time.perf_counter()
+        self._compute_masks(plan, out)
         self._run_batch(plan.prefill, out)
         mid = time.perf_counter()
         self._run_batch(plan.decode, out)
@@ -215,11 +240,32 @@ class FakeRunner:
         out.decode_time_s = end - mid
         return out
 
+    def _compute_masks(self, plan: SchedulerOutput, out: ModelOutput) -> None:
+        """This step's masks of the constrained seqs that sample (see the module docstring)."""
+        self._mask_rows, self._masks = {}, None
+        if self.constraints is None:
+            return
+        self.constraints.drop(plan.finished_request_ids)
+        seqs = [s for s in (*plan.prefill, *plan.decode) if s.do_sample]
+        if not any(s.sampling.constraint is not None for s in seqs):
+            return
+        masks = self.constraints.compute_masks(seqs)
+        out.failed.update(masks.failed)
+        out.constraint_mask_time_s = masks.compute_time_s
+        self._masks = masks.bitmask
+        row = 0
+        for s in seqs:
+            if s.sampling.constraint is not None and s.request_id not in masks.failed:
+                self._mask_rows[s.request_id] = row
+            row += 1 + s.num_draft_tokens
+
     def _run_batch(self, batch: list[ScheduledSeq], out: ModelOutput) -> None:
         for seq in batch:
             error = self._fail.pop(seq.request_id, None)
             if error is not None:
                 out.failed[seq.request_id] = error
+                continue
+            if seq.request_id in out.failed:
                 continue
             if not seq.do_sample:
                 continue
@@ -231,6 +277,13 @@ class FakeRunner:
             if seq.num_draft_tokens:
                 out.num_accepted_drafts[seq.request_id] = num_accepted
             token = self.token_for(seq, num_accepted)
+            if self.constraints is not None and seq.request_id in self._mask_rows:
+                drafts = seq.token_ids[1 : 1 + num_accepted]
+                error = self.constraints.accept(seq, [*drafts, token])
+                if error is not None:
+                    out.failed[seq.request_id] = error
+                    out.num_accepted_drafts.pop(seq.request_id, None)
+                    continue
             out.sampled_token_ids[seq.request_id] = token
             if seq.sampling.logprobs is not None:
                 out.logprobs[seq.request_id] = self._logprobs(token, seq.sampling.logprobs)

@@ -37,7 +37,8 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -58,6 +59,9 @@ from model_runner.kv_pool import KVPool, default_kv_budget_bytes, num_blocks_for
 from model_runner.model import LlamaModel
 from model_runner.quant import QuantWeight
 from scheduler.output import ModelOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
+
+if TYPE_CHECKING:
+    from model_runner.constraints import ConstraintTracker, Masks
 
 # Steps of up to this many token rows (prefill chunks, decodes and draft rows together) run
 # as one fused kernel call when the model allows it (``FusedDecode``); longer ones take the
@@ -95,6 +99,7 @@ class TorchRunner:
         attention_sinks: int = 0,
         attention_backend: str = "auto",
         cuda_graphs: bool | None = None,
+        constraints: ConstraintTracker | None = None,
     ) -> None:
         """``num_blocks=None`` sizes the pool from ``kv_budget_bytes`` (default: see
         ``kv_pool.default_kv_budget_bytes``), measured after the weights are on the device.
@@ -110,7 +115,8 @@ class TorchRunner:
         (see ``model_runner.attention``). ``attention_backend``: see
         ``model_runner.attention_backends`` (``auto``: torch on CPU). ``cuda_graphs``
         replays decode-only steps from CUDA graphs (``model_runner.cuda_graphs``); None = on
-        CUDA with the Triton backend."""
+        CUDA with the Triton backend. ``constraints``: the matchers of constrained requests
+        (structured outputs); their masks are computed on a thread while the model runs."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.sliding_window = sliding_window or config.sliding_window
@@ -189,6 +195,8 @@ class TorchRunner:
 
             sampler = Sampler()
         self.sampler = sampler
+        self.constraints = constraints
+        self._mask_thread: ThreadPoolExecutor | None = None
         self._info = ModelInfo(
             name=name or config.name or config.architecture,
             vocab_size=config.vocab_size,
@@ -235,14 +243,17 @@ class TorchRunner:
         t0 = time.perf_counter()
         result = ModelOutput()
         self._null_block_id = plan.null_block_id
+        if self.constraints is not None:
+            self.constraints.drop(plan.finished_request_ids)
         prefill, decode = self._prepare(plan, result.failed)
         if not prefill and not decode:
             return result
         sample_prefill = [s for s in prefill if s.do_sample]
         sample_decode = [s for s in decode if s.do_sample]
+        masks = self._start_masks(sample_prefill + sample_decode)
         if self.fuse_batches or not (prefill and decode):
             logits = self._forward_logits(prefill, decode)
-            self._sample(logits, sample_prefill + sample_decode, result)
+            self._sample(logits, sample_prefill + sample_decode, result, masks)
             elapsed = time.perf_counter() - t0
             num_prefill = sum(s.num_tokens for s in prefill)
             share = num_prefill / (num_prefill + sum(s.num_tokens for s in decode))
@@ -255,7 +266,9 @@ class TorchRunner:
             logits_d = self._forward_logits([], decode)
             self._sync()
             t2 = time.perf_counter()
-            self._sample(torch.cat([logits_p, logits_d]), sample_prefill + sample_decode, result)
+            self._sample(
+                torch.cat([logits_p, logits_d]), sample_prefill + sample_decode, result, masks
+            )
             t3 = time.perf_counter()
             rows = len(sample_prefill) + sum(s.num_tokens for s in sample_decode)
             share = len(sample_prefill) / rows if rows else 0.0
@@ -287,6 +300,16 @@ class TorchRunner:
         return out
 
     # ------------------------------------------------------------------ internals
+
+    def _start_masks(self, seqs: Sequence[ScheduledSeq]) -> Future[Masks] | None:
+        """Start computing the constrained rows' masks on the mask thread (llguidance
+        releases the GIL), so they are ready when the logits are."""
+        tracker = self.constraints
+        if tracker is None or not any(s.sampling.constraint is not None for s in seqs):
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="kvserve-masks")
+        return self._mask_thread.submit(tracker.compute_masks, seqs)
 
     def _prepare(
         self, plan: SchedulerOutput, failed: dict[str, str]
@@ -433,23 +456,39 @@ class TorchRunner:
         return self.model.compute_logits(hidden)
 
     def _sample(
-        self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq], result: ModelOutput
+        self,
+        logits: torch.Tensor,
+        seqs: Sequence[ScheduledSeq],
+        result: ModelOutput,
+        masks: Future[Masks] | None = None,
     ) -> None:
         """Sample the rows of ``logits`` (one per seq, k + 1 per seq with drafts; see
         ``_verify_rows``) and put one token per seq into ``result``, after the drafts it
-        accepted (``_accept``)."""
+        accepted (``_accept``). Constrained rows are masked first and their matchers
+        advanced by the accepted tokens."""
         if not seqs:
             return
         rows: Sequence[ScheduledSeq] = seqs
         if any(s.num_draft_tokens for s in seqs):
             rows = [r for s in seqs for r in (_verify_rows(s) if s.num_draft_tokens else (s,))]
-        token_ids, logprobs, failed = self._sample_rows(logits, rows)
+        failed: dict[str, str] = {}
+        if masks is not None:
+            step_masks = masks.result()
+            failed.update(step_masks.failed)
+            result.constraint_mask_time_s = step_masks.compute_time_s
+            if step_masks.bitmask is not None:
+                from model_runner.sampler import apply_token_bitmask
+
+                apply_token_bitmask(logits, torch.from_numpy(step_masks.bitmask))
+        token_ids, logprobs, sample_failed = self._sample_rows(logits, rows)
+        failed.update(sample_failed)
         result.failed.update(failed)
         row = 0
         for seq in seqs:
             rid = seq.request_id
             num_rows = 1 + seq.num_draft_tokens
             if rid not in failed:
+                num_accepted = 0
                 if seq.num_draft_tokens:
                     num_accepted = _accept(seq, token_ids[row : row + num_rows])
                     result.num_accepted_drafts[rid] = num_accepted
@@ -459,7 +498,23 @@ class TorchRunner:
                     token_logprobs = logprobs[row]
                     if token_logprobs is not None:
                         result.logprobs[rid] = token_logprobs
+                if masks is not None:
+                    accepted = [*seq.token_ids[1 : 1 + num_accepted], result.sampled_token_ids[rid]]
+                    self._advance_constraint(seq, accepted, result)
             row += num_rows
+
+    def _advance_constraint(
+        self, seq: ScheduledSeq, token_ids: list[int], result: ModelOutput
+    ) -> None:
+        """Feed this step's tokens to ``seq``'s matcher; a token it refuses fails the request."""
+        assert self.constraints is not None
+        error = self.constraints.accept(seq, token_ids)
+        if error is not None:
+            rid = seq.request_id
+            result.failed[rid] = error
+            result.sampled_token_ids.pop(rid, None)
+            result.num_accepted_drafts.pop(rid, None)
+            result.logprobs.pop(rid, None)
 
     def _sample_rows(
         self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]

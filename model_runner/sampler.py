@@ -51,6 +51,20 @@ _MASK64 = (1 << 64) - 1
 _NEG_INF = float("-inf")
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, every logit whose bit in ``bitmask`` [R, ceil(V / 32)] int32 is
+    clear (bit ``t % 32`` of word ``t // 32`` for token ``t``; ``model_runner.constraints``).
+    Columns past the mask's ``32 * words`` are cleared too."""
+    num_rows, vocab_size = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(num_rows, -1)
+    allowed = allowed.to(logits.device, non_blocking=True)
+    if allowed.shape[1] < vocab_size:
+        logits[:, allowed.shape[1] :] = _NEG_INF
+        vocab_size = allowed.shape[1]
+    logits[:, :vocab_size].masked_fill_(~allowed[:, :vocab_size], _NEG_INF)
+
+
 def mix_seed(seed: int, step: int) -> int:
     """splitmix64 of (seed, step): a well-spread 63-bit generator seed per (request, token)."""
     z = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xBF58476D1CE4E5B9) & _MASK64

@@ -130,6 +130,9 @@ class ModelOutput:
     failed: dict[str, str] = field(default_factory=dict)
     prefill_time_s: float = 0.0
     decode_time_s: float = 0.0
+    # Structured outputs: time this step spent computing token masks (overlapped with the
+    # forward pass on the torch runner), 0 when no row was constrained.
+    constraint_mask_time_s: float = 0.0
 
     @classmethod
     def make_empty(cls) -> ModelOutput:

@@ -5,6 +5,30 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+CONSTRAINT_KINDS: tuple[ConstraintKind, ...] = get_args(ConstraintKind)
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a request's output must match (structured outputs), as plain text.
+
+    ``spec`` by kind: ``json_schema`` the schema as JSON text, ``json_object`` empty (any
+    JSON object), ``regex`` the pattern, ``choice`` a JSON list of strings, ``grammar`` a
+    Lark or GBNF grammar. The scheduler only carries it; the grammar library compiles it at
+    the edge (``model_runner.constraints``), and equal constraints share one compilation.
+    """
+
+    kind: ConstraintKind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ValueError(
+                f"constraint kind must be one of {CONSTRAINT_KINDS}, got {self.kind!r}"
+            )
 
 
 class SamplingParamsError(ValueError):
@@ -44,6 +68,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    constraint: Constraint | None = None  # structured outputs: the output must match it
 
     MAX_LOGPROBS = 20
 
@@ -85,6 +110,12 @@ class SamplingParams:
                 raise SamplingParamsError("stop", f"[{i}] is empty: stop strings need text")
         if self.n < 1:
             raise SamplingParamsError("n", f" must be >= 1, got {self.n}")
+        if self.constraint is not None and (self.ignore_eos or self.min_tokens):
+            # The constraint decides where the output ends (it allows only EOS there).
+            which = "ignore_eos" if self.ignore_eos else "min_tokens"
+            raise SamplingParamsError(
+                which, " cannot be combined with a constraint: the constraint ends the output"
+            )
 
     @property
     def is_greedy(self) -> bool:

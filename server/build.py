@@ -14,6 +14,7 @@ from cache_manager import KVCacheManager, block_bytes
 from cache_manager.sizing import num_blocks_for_budget
 from metrics.records import MetricsSink
 from model_runner.base import Runner
+from model_runner.constraints import ConstraintCompiler, ConstraintTracker
 from model_runner.fake import FakeRunner, make_fake_info
 from model_runner.sim import roofline_cost_model
 from scheduler import Scheduler
@@ -43,6 +44,16 @@ class BuiltEngine:
     source: str  # where the weights came from ("fake" for the fake runner)
 
 
+def constraint_tracker(tokenizer: object, vocab_size: int) -> ConstraintTracker | None:
+    """Structured outputs over ``tokenizer`` (None, logged, when its tokens have no bytes
+    view, e.g. a tokenizer that is not byte-level)."""
+    try:
+        return ConstraintTracker(ConstraintCompiler(tokenizer, vocab_size))  # type: ignore[arg-type]
+    except ValueError as exc:
+        logger.warning("structured outputs are off: %s", exc)
+        return None
+
+
 def _fake_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]:
     tokenizer = ByteTokenizer()
     info = make_fake_info(
@@ -52,7 +63,12 @@ def _fake_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]:
         bos_token_id=tokenizer.bos_token_id,
     )
     info = dataclasses.replace(info, sliding_window=cfg.sliding_window)
-    runner = FakeRunner(info, sleep_s=cfg.fake_step_sleep_s, crash_at_step=cfg.fake_crash_at_step)
+    runner = FakeRunner(
+        info,
+        sleep_s=cfg.fake_step_sleep_s,
+        crash_at_step=cfg.fake_crash_at_step,
+        constraints=constraint_tracker(tokenizer, info.vocab_size),
+    )
     if cfg.num_blocks is not None:
         num_blocks = cfg.num_blocks
     elif cfg.kv_memory_bytes is not None:
@@ -84,6 +100,7 @@ def _torch_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]
         sliding_window=cfg.sliding_window,
         attention_sinks=cfg.attention_sinks,
         attention_backend=cfg.attention_backend,
+        constraints=constraint_tracker(loaded.tokenizer, loaded.config.vocab_size),
     )
     del loaded.state_dict  # the runner holds its own copy of the weights
     return_freed_memory()  # the fused projections' parts, freed into malloc's arenas

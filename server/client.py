@@ -76,7 +76,9 @@ def build_generate_request(
     the server samples at its default 1.0. With n > 1 and temperature 0 every sample is the
     same. Options are the other fields of SamplingOptions (top_k, top_p, min_p, seed,
     logprobs, ...) and StoppingOptions (max_tokens, min_tokens, stop, stop_token_ids,
-    ignore_eos); unset ones take the server defaults.
+    ignore_eos); unset ones take the server defaults. One constraint (structured outputs)
+    may be given: ``json_schema`` (text), ``json_object=True``, ``regex``, ``choice`` (a list
+    of strings) or ``grammar``.
     """
     request = pb.GenerateRequest(request_id=request_id, priority=priority, cache_salt=cache_salt)
     if temperature is not None:
@@ -102,6 +104,10 @@ def build_generate_request(
             getattr(request.stopping, key).extend([value] if isinstance(value, str) else value)
         elif key in _STOPPING_FIELDS:
             setattr(request.stopping, key, value)
+        elif key == "choice":
+            request.choice.choices.extend(value)
+        elif key in ("json_schema", "json_object", "regex", "grammar"):
+            setattr(request, key, value)
         else:
             known = sorted(_SAMPLING_FIELDS | _STOPPING_FIELDS)
             raise TypeError(f"unknown option {key!r}; known: {', '.join(known)}")

@@ -39,7 +39,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from metrics.records import MetricsSink, NullSink, StepRecord
 from model_runner.base import Runner
@@ -49,6 +49,9 @@ from scheduler.output import ModelOutput, RequestOutput, SchedulerOutput, Schedu
 from scheduler.request import AbortReason, Request
 from server.kv_tier import KVTier
 from server.outputs import EndsRequests, Item, OutputProcessor, TextStreamFactory
+
+if TYPE_CHECKING:
+    from model_runner.constraints import ConstraintTracker
 
 logger = logging.getLogger(__name__)
 
@@ -191,12 +194,20 @@ class EngineLoop:
             kv_tier.set_wake(self._wake)
         # Read from other threads: a reference swap per step.
         self.latest_stats: SchedulerStats = self._annotate(scheduler.make_stats())
+        tracker = self.constraint_tracker
+        self._constraint_compiler = tracker.compiler if tracker is not None else None
         self.num_steps = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     # ------------------------------------------------------------------ thread-safe API
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def constraint_tracker(self) -> ConstraintTracker | None:
+        """The runner's structured-output matchers (None: it takes no constraints)."""
+        tracker: ConstraintTracker | None = getattr(self._runner, "constraints", None)
+        return tracker
 
     @property
     def started(self) -> bool:
@@ -373,6 +384,7 @@ class EngineLoop:
             predicted_s = self.cost_model.observe(StepShape.of_plan(plan), iteration_s)
         stats = self._annotate(sched.make_stats())
         self.latest_stats = stats
+        compiler = self._constraint_compiler
         self.sink.on_step(
             StepRecord(
                 stats=stats,
@@ -381,6 +393,9 @@ class EngineLoop:
                 schedule_cpu_s=(cpu1 - cpu0) + (cpu3 - cpu2),
                 iteration_s=iteration_s,
                 predicted_s=predicted_s,
+                constraint_mask_s=result.constraint_mask_time_s,
+                num_constraint_compiles_total=compiler.num_compiled_total if compiler else 0,
+                num_constraint_cache_hits_total=compiler.num_cache_hits_total if compiler else 0,
             )
         )
 

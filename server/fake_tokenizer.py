@@ -67,8 +67,11 @@ class ByteTokenizer:
         return [self.id_to_token(t) for t in token_ids]
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, str]],
+        add_generation_prompt: bool = True,
+        **extra: object,
     ) -> str:
-        """ChatML, like SmolLM2's template."""
+        """ChatML, like SmolLM2's template (which renders no tools: ``extra`` is ignored)."""
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")

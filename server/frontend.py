@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -43,6 +44,10 @@ from server.outputs import GenerationOutput
 from server.rpc import generation_pb2 as pb
 from server.validation import InvalidRequestError, Limits
 
+if TYPE_CHECKING:
+    from model_runner.constraints import ConstraintCompiler
+    from scheduler.request import Constraint
+
 
 class ServerTokenizer(Protocol):
     """What the server needs from a tokenizer (``model_runner.tokenizer.Tokenizer`` has it)."""
@@ -50,7 +55,7 @@ class ServerTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **extra: Any
     ) -> str: ...
 
     def id_to_token(self, token_id: int) -> str | None: ...
@@ -89,9 +94,16 @@ def encode_chat(
     tokenizer: ServerTokenizer, chat: pb.ChatMessages, add_special_tokens: bool
 ) -> list[int]:
     """Chat messages rendered with the model's template, then tokenized."""
+    extra = {}
+    if chat.tools:
+        try:
+            extra["tools"] = json.loads(chat.tools)
+        except ValueError as exc:
+            raise InvalidRequestError(f"chat.tools must be a JSON list of tools: {exc}") from exc
     text = tokenizer.apply_chat_template(
         validation.chat_messages(chat),
         add_generation_prompt=validation.add_generation_prompt(chat),
+        **extra,
     )
     return tokenizer.encode(text, add_special_tokens)
 
@@ -155,10 +167,14 @@ class Frontend:
         model: ServedModel,
         executor: Executor | None = None,
         security: Security | None = None,
+        constraints: ConstraintCompiler | None = None,
     ) -> None:
+        """``constraints``: compiles structured-output constraints (None: the runner takes
+        none, and a constrained request is refused)."""
         self.client = client
         self.tokenizer = tokenizer
         self.model = model
+        self.constraints = constraints
         self.limits = model.limits
         self.security = security if security is not None else Security()
         self._executor = executor
@@ -192,8 +208,12 @@ class Frontend:
         cache_salt = self.security.cache_salt(
             owner, validation.cache_salt_digest(request.cache_salt)
         )
+        constraint = validation.constraint_of(request)
         prompt_ids = await self._prompt_ids(request)
         sampling = validation.sampling_params(request, len(prompt_ids), limits)
+        if constraint is not None:
+            sampling = validation.with_constraint(sampling, constraint)
+            await self.in_thread(self.compile_constraint, constraint)
         ttft_slo_s, itl_slo_s = validation.latency_targets(request.slo)
         return Request(
             request_id=scoped_id(owner, request.request_id or uuid.uuid4().hex),
@@ -207,6 +227,21 @@ class Frontend:
             ttft_slo_s=ttft_slo_s,
             itl_slo_s=itl_slo_s,
         )
+
+    def compile_constraint(self, constraint: Constraint) -> None:
+        """Compile (or find in the cache) ``constraint`` before the request is queued; a
+        constraint the library refuses is INVALID_ARGUMENT with its reason."""
+        from model_runner.constraints import ConstraintError
+
+        if self.constraints is None:
+            raise InvalidRequestError(
+                f"{constraint.kind}: this server does not run structured outputs (its runner "
+                "or tokenizer does not support them)"
+            )
+        try:
+            self.constraints.compile(constraint)
+        except ConstraintError as exc:
+            raise InvalidRequestError(f"{constraint.kind}: {exc}") from exc
 
     async def stream(
         self, request: Request, deadline_s: float | None = None

@@ -68,7 +68,9 @@ class KVServeServer:
         self.security = security if security is not None else Security()
         self.sink: MetricsSink = sink if sink is not None else NullSink()
         self.client = EngineClient(engine)
-        self.frontend = Frontend(self.client, tokenizer, model, executor, self.security)
+        tracker = engine.constraint_tracker
+        compiler = tracker.compiler if tracker is not None else None
+        self.frontend = Frontend(self.client, tokenizer, model, executor, self.security, compiler)
         self.servicer = GenerationServicer(self.frontend, sink=sink, security=self.security)
         self.http: AsgiServer | None = None
         self.http_port = 0

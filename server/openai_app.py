@@ -49,6 +49,7 @@ from server.openai_protocol import (
     parse_body,
     sse,
 )
+from server.openai_tools import tool_call_format
 from server.openapi import openapi_document
 from server.outputs import GenerationOutput
 from server.validation import (
@@ -81,6 +82,8 @@ class OpenAIFront:
         self.model = frontend.model
         self.created = int(time.time())
         self._openapi = openapi_document(self.model.name)
+        # tool_choice "auto" needs a template that renders tools (server.openai_tools).
+        self._tool_format = tool_call_format(getattr(frontend.tokenizer, "chat_template", None))
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
@@ -136,13 +139,17 @@ class OpenAIFront:
         )
 
     async def _not_allowed(self, request: HttpRequest, exc: Exception) -> Response:
-        # Starlette's exception carries the Allow header (RFC 9110 requires it on a 405).
+        # Starlette's exception carries the Allow header (RFC 9110 requires it on a 405), its
+        # methods in a set's order: sorted here, so the header is the same on every run.
+        headers = dict(getattr(exc, "headers", None) or {})
+        if "Allow" in headers:
+            headers["Allow"] = ", ".join(sorted(m.strip() for m in headers["Allow"].split(",")))
         return _json_error(
             HttpError(
                 grpc.StatusCode.UNIMPLEMENTED,
                 f"{request.method} is not allowed on {request.url.path}",
             ),
-            getattr(exc, "headers", None),
+            headers or None,
         )
 
     # ------------------------------------------------------------------ generation
@@ -171,7 +178,8 @@ class OpenAIFront:
         method = "ChatCompletions" if chat else "Completions"
         try:
             owner = self._owner(http)
-            parsed = parse_body(load_body(await self._read_body(http)), chat, self.model.name)
+            body = load_body(await self._read_body(http))
+            parsed = parse_body(body, chat, self.model.name, self._tool_format)
             request_id = http.headers.get("x-request-id") or (
                 f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             )

@@ -26,6 +26,7 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from scheduler.request import FinishReason
 from server.frontend import status_of
+from server.openai_tools import ToolCalls, parse_tools, tool_call
 from server.outputs import GenerationOutput
 from server.rpc import generation_pb2 as pb
 from server.validation import CHAT_ROLES, InvalidRequestError
@@ -77,6 +78,60 @@ _TOKEN_ID = _proto_int(pb.TokenIds, "ids")
 _STRING = {"type": "string"}
 _BOOLEAN = {"type": "boolean"}
 
+# Structured outputs: OpenAI's response_format, vLLM's structured_outputs object and its
+# older guided_* fields (aliases); tools on chat.
+_GUIDED_FIELDS = {
+    "guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}  # fmt: skip
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+_OBJECT = {"type": "object"}
+_SCHEMA = {"anyOf": [_OBJECT, _STRING]}  # a JSON schema, or its text
+_STRINGS = {"type": "array", "items": _STRING, "minItems": 1}
+_STRUCTURED_FIELDS: dict[str, dict[str, Any]] = {
+    "response_format": {
+        "type": "object",
+        "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "properties": {
+                "name": _STRING, "schema": _OBJECT, "strict": {"type": ["boolean", "null"]}}},
+        },
+        "required": ["type"],
+        "description": "OpenAI's: json_object (any JSON) or json_schema (json_schema.schema)",
+    },
+    "structured_outputs": {
+        "type": "object",
+        "properties": {"json": _SCHEMA, "regex": _STRING, "choice": _STRINGS,
+                       "grammar": _STRING, "json_object": _BOOLEAN},
+        "additionalProperties": False,
+        "description": "vLLM's: one of json, regex, choice, grammar (Lark), json_object",
+    },
+    "guided_json": {**_SCHEMA, "description": "vLLM's older name of structured_outputs.json"},
+    "guided_regex": {**_STRING, "description": "older name of structured_outputs.regex"},
+    "guided_choice": {**_STRINGS, "description": "older name of structured_outputs.choice"},
+    "guided_grammar": {**_STRING, "description": "older name of structured_outputs.grammar"},
+}  # fmt: skip
+_FUNCTION = {
+    "type": "object",
+    "properties": {"type": {"enum": ["function"]}, "function": {
+        "type": "object", "properties": {"name": _STRING}, "required": ["name"]}},
+    "required": ["type", "function"],
+}  # fmt: skip
+_TOOL_FIELDS: dict[str, dict[str, Any]] = {
+    "tools": {"type": "array", "items": {
+        "type": "object",
+        "properties": {"type": {"enum": ["function"]}, "function": {
+            "type": "object",
+            "properties": {"name": _STRING, "description": _STRING, "parameters": _OBJECT},
+            "required": ["name"]}},
+        "required": ["type", "function"]},
+        "description": "functions the model may call (answers carry tool_calls)"},
+    "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]}, _FUNCTION],
+                    "description": "required or a named function constrain the output to the "
+                                   "call's JSON; auto needs a template that renders tools"},
+    "parallel_tool_calls": {**_BOOLEAN, "description": "with required: more than one call"},
+}  # fmt: skip
+
 # The fields of a request body: name -> JSON Schema of its value. A field absent or null takes
 # the server's default. The parser takes exactly these fields (any other with a value is a 400
 # naming it) and reads its integer ranges here; ``server.openapi`` writes the OpenAPI document
@@ -115,6 +170,7 @@ COMMON_FIELDS: dict[str, dict[str, Any]] = {
     "top_k": {**_proto_int(pb.SamplingOptions, "top_k"), "description": ">= 1; unset: disabled"},
     "seed": {**_proto_int(pb.SamplingOptions, "seed"),
              "description": "same seed, same tokens, whatever the batch"},
+    **_STRUCTURED_FIELDS,
 }  # fmt: skip
 _ONE_STRING = {"type": "array", "items": _STRING, "minItems": 1, "maxItems": 1}
 COMPLETION_FIELDS: dict[str, dict[str, Any]] = {
@@ -151,6 +207,7 @@ CHAT_FIELDS: dict[str, dict[str, Any]] = {
     "logprobs": {**_BOOLEAN, "description": "return the sampled tokens' logprobs"},
     "top_logprobs": {**_proto_int(pb.SamplingOptions, "logprobs", minimum=0),
                      "description": "with logprobs: true, this many top alternatives (0..20)"},
+    **_TOOL_FIELDS,
 }  # fmt: skip
 REQUIRED_FIELDS = {False: ("prompt",), True: ("messages",)}
 # Integer fields -> their (minimum, maximum); chat's ``logprobs`` is a boolean.
@@ -362,10 +419,13 @@ class Parsed:
     stream: bool
     include_usage: bool
     logprobs: bool
+    tool_calls: ToolCalls | None = None  # the answer's text is tool calls (server.openai_tools)
 
 
-def parse_body(body: Any, chat: bool, model_name: str) -> Parsed:
-    """Translate a completions / chat completions body into a ``GenerateRequest``."""
+def parse_body(body: Any, chat: bool, model_name: str, tool_format: str | None = None) -> Parsed:
+    """Translate a completions / chat completions body into a ``GenerateRequest``.
+    ``tool_format``: the chat template's tool-call format (``openai_tools.tool_call_format``;
+    None: tool_choice auto is refused)."""
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"
     if not isinstance(body, Mapping):
         raise InvalidRequestError("the request body must be a JSON object")
@@ -378,12 +438,16 @@ def parse_body(body: Any, chat: bool, model_name: str) -> Parsed:
             "model",
         )
     request = pb.GenerateRequest()
+    tools = parse_tools(body, tool_format) if chat else None
     if chat:
-        _set_messages(request, body)
+        _set_messages(request, body, tools.note if tools is not None else None)
+        if tools is not None:
+            request.chat.tools = tools.template_tools
     else:
         _set_prompt(request, body)
     _set_sampling(request.sampling, body)
     _set_stopping(request.stopping, body, chat)
+    _set_constraint(request, body, tools.schema if tools is not None else None)
     n = _int(body, "n")
     if n is not None:
         request.n = n
@@ -400,20 +464,33 @@ def parse_body(body: Any, chat: bool, model_name: str) -> Parsed:
         if not stream:
             raise InvalidRequestError("stream_options is only allowed with stream: true")
         include_usage = bool(_bool(options, "include_usage"))
-    return Parsed(request, stream, include_usage, logprobs)
+    return Parsed(
+        request, stream, include_usage, logprobs, tools.calls if tools is not None else None
+    )
 
 
-def _set_messages(request: pb.GenerateRequest, body: Mapping[str, Any]) -> None:
+def _set_messages(
+    request: pb.GenerateRequest, body: Mapping[str, Any], system_note: str | None = None
+) -> None:
+    """The chat messages; ``system_note`` (the tools) goes at the end of the system message,
+    or in a new one first. An assistant turn's earlier ``tool_calls`` follow its content as
+    JSON, so the model sees them."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {role, content}")
     for i, msg in enumerate(messages):
         if not isinstance(msg, Mapping):
             raise InvalidRequestError(f"messages[{i}] must be an object with role, content")
-        role = msg.get("role")
-        request.chat.messages.add(
-            role=str(role or ""), content=_chat_content(msg.get("content"), i)
-        )
+        role = str(msg.get("role") or "")
+        content = _chat_content(msg.get("content"), i)
+        if msg.get("tool_calls"):
+            calls = [c.get("function") for c in msg["tool_calls"] if isinstance(c, Mapping)]
+            content = (content + "\n" + json.dumps(calls)).strip()
+        if system_note is not None and i == 0 and role == "system":
+            content, system_note = f"{content}\n\n{system_note}", None
+        request.chat.messages.add(role=role, content=content)
+    if system_note is not None:
+        request.chat.messages.insert(0, pb.ChatMessage(role="system", content=system_note))
 
 
 def _set_prompt(request: pb.GenerateRequest, body: Mapping[str, Any]) -> None:
@@ -471,6 +548,82 @@ def _set_stopping(stopping: pb.StoppingOptions, body: Mapping[str, Any], chat: b
         stopping.stop_token_ids.extend(ids)
     if _bool(body, "ignore_eos"):
         stopping.ignore_eos = True
+
+
+def _set_constraint(
+    request: pb.GenerateRequest, body: Mapping[str, Any], tool_schema: Any = None
+) -> None:
+    """At most one of ``response_format`` (json_object / json_schema), ``structured_outputs``
+    (vLLM: one of json, regex, choice, grammar, json_object), a ``guided_*`` alias, or the
+    schema of the forced tool calls."""
+    found: list[tuple[str, str, Any]] = []  # (field, kind, value)
+    if tool_schema is not None:
+        found.append(("tool_choice", "json", tool_schema))
+    response_format = body.get("response_format")
+    if response_format is not None:
+        found.extend(_response_format(response_format))
+    structured = body.get("structured_outputs")
+    if structured is not None:
+        if not isinstance(structured, Mapping):
+            raise InvalidRequestError("structured_outputs must be an object")
+        unknown = sorted(set(structured) - set(_STRUCTURED_KEYS))
+        if unknown:
+            raise InvalidRequestError(
+                f"structured_outputs: unsupported key(s) {', '.join(unknown)}; this server "
+                f"takes one of {', '.join(_STRUCTURED_KEYS)}"
+            )
+        for key in _STRUCTURED_KEYS:
+            value = structured.get(key)
+            if value is not None and value is not False:
+                found.append((f"structured_outputs.{key}", key, value))
+    for field, kind in _GUIDED_FIELDS.items():
+        if body.get(field) is not None:
+            found.append((field, kind, body[field]))
+    if not found:
+        return
+    if len(found) > 1:
+        raise InvalidRequestError(
+            f"at most one constraint per request, got {', '.join(f for f, _, _ in found)}"
+        )
+    field, kind, value = found[0]
+    if kind == "json":
+        if isinstance(value, Mapping):
+            value = json.dumps(value)
+        if not isinstance(value, str):
+            raise InvalidRequestError(f"{field} must be a JSON schema (an object or its text)")
+        request.json_schema = value
+    elif kind == "json_object":
+        request.json_object = True
+    elif kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise InvalidRequestError(f"{field} must be a list of strings")
+        request.choice.choices.extend(value)
+    else:
+        if not isinstance(value, str):
+            raise InvalidRequestError(f"{field} must be a string")
+        setattr(request, kind, value)
+
+
+def _response_format(value: Any) -> list[tuple[str, str, Any]]:
+    """OpenAI's ``response_format``: text (no constraint), json_object or json_schema."""
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError("response_format must be an object with a type")
+    kind = value.get("type")
+    if kind == "text":
+        return []
+    if kind == "json_object":
+        return [("response_format", "json_object", True)]
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, Mapping) else None
+        if not isinstance(schema, Mapping):
+            raise InvalidRequestError(
+                "response_format.json_schema.schema is required: the JSON schema object"
+            )
+        return [("response_format", "json", schema)]
+    raise InvalidRequestError(
+        f"response_format.type must be text, json_object or json_schema, got {kind!r}"
+    )
 
 
 def _set_logprobs(sampling: pb.SamplingOptions, body: Mapping[str, Any], chat: bool) -> bool:
@@ -556,6 +709,7 @@ class Answer:
         self.started: set[int] = set()
         self.usage = Usage(num_prompt_tokens=num_prompt_tokens)
         self._token = token
+        self._tool_text: dict[int, list[str]] = {}  # streamed tool-call text per choice
 
     def _logprobs(self, lps: Iterable[Any]) -> dict[str, Any] | None:
         lps = list(lps)
@@ -596,15 +750,23 @@ class Answer:
     def whole(self, choices: Choices) -> dict[str, Any]:
         body = self._base(chunk=False)
         items = []
+        tools = self.parsed.tool_calls
         for index in sorted(choices.texts):
             text = "".join(choices.texts[index])
             item: dict[str, Any] = {"index": index}
+            finish = choices.finish.get(index)
             if self.chat:
                 item["message"] = {"role": "assistant", "content": text}
+                content, calls = (
+                    tools.split(text) if tools is not None and finish == "stop" else (text, None)
+                )
+                if tools is not None and calls is not None:
+                    item["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                    finish = tools.finish_reason
             else:
                 item["text"] = text
             item["logprobs"] = self._logprobs(choices.logprobs[index])
-            item["finish_reason"] = choices.finish.get(index)
+            item["finish_reason"] = finish
             items.append(item)
         body["choices"] = items
         body["usage"] = choices.usage.body()
@@ -616,15 +778,45 @@ class Answer:
         if self.chat and out.index not in self.started:
             self.started.add(out.index)
             events.append(self._chunk(out.index, {"role": "assistant", "content": ""}))
-        reason = None
         reason = finish_reason(out)
         if out.finished:
             self.usage.add(out)
+        if self.chat and self.parsed.tool_calls is not None:
+            return events + self._tool_chunks(out, self.parsed.tool_calls, reason)
         if out.text or out.logprobs or reason is not None:
             delta = {"content": out.text} if out.text else {}
             events.append(
                 self._chunk(out.index, delta if self.chat else out.text, out.logprobs, reason)
             )
+        return events
+
+    def _tool_chunks(
+        self, out: GenerationOutput, tools: ToolCalls, reason: str | None
+    ) -> list[str]:
+        """A streamed tool-call answer. A named function's arguments stream as they come
+        (the first delta opens the call with its id and name); "required" calls come whole
+        when the sample ends (their names are only known then)."""
+        buffered = self._tool_text.setdefault(out.index, [])
+        buffered.append(out.text)
+        events = []
+        if tools.name is not None and out.text:
+            fn: dict[str, Any] = {"arguments": out.text}
+            call: dict[str, Any] = {"index": 0, "function": fn}
+            if len(buffered) == 1 or not "".join(buffered[:-1]):
+                call = {"index": 0, **tool_call(tools.name, out.text)}
+            events.append(self._chunk(out.index, {"tool_calls": [call]}, out.logprobs))
+        if reason is None:
+            return events
+        delta: dict[str, Any] = {}
+        text = "".join(buffered)
+        content, calls = tools.split(text) if reason == "stop" else (text, None)
+        if tools.name is None and content:
+            delta["content"] = content  # auto's text around the calls, or no calls after all
+        if calls is not None:
+            reason = tools.finish_reason
+            if tools.name is None:
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+        events.append(self._chunk(out.index, delta, (), reason))
         return events
 
     def _chunk(

@@ -17,6 +17,15 @@ _INT = {"type": "integer"}
 _STR = {"type": "string"}
 
 
+# One server-sent event (OpenAPI 3.1: a text/event-stream schema describes each event): its
+# data is a JSON chunk of the answer, or [DONE] at the end.
+_SSE_EVENT = {
+    "type": "object",
+    "properties": {"data": _STR, "event": _STR, "id": _STR, "retry": {"type": "integer"}},
+    "required": ["data"],
+}
+
+
 def _obj(properties: dict[str, Any], *, optional: tuple[str, ...] = ()) -> dict[str, Any]:
     return {
         "type": "object",
@@ -149,7 +158,7 @@ def _generation(chat: bool) -> dict[str, Any]:
                     "description": "the answer, whole or (stream: true) as server-sent events",
                     "content": {
                         "application/json": {"schema": _ref(name)},
-                        "text/event-stream": {"schema": _STR},
+                        "text/event-stream": {"schema": _SSE_EVENT},
                     },
                 },
                 **_errors(_GENERATION_ERRORS),

@@ -346,6 +346,7 @@ class OutputProcessor(Generic[StreamT]):
                 priority=client.request.priority,
                 ttft_target_s=client.request.ttft_slo_s,
                 itl_target_s=client.request.itl_slo_s,
+                constrained=client.request.sampling.constraint is not None,
             )
         )
 

@@ -13,10 +13,11 @@ limits on stop strings) and renames ``SamplingParams``' fields to the request's 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from scheduler.request import SamplingParams, SamplingParamsError
+from scheduler.request import Constraint, SamplingParams, SamplingParamsError
 from server.rpc import generation_pb2 as pb
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -28,6 +29,7 @@ MAX_CACHE_SALT_BYTES = 256
 # The largest request (--max-request-bytes): gRPC's own default bound on a received message,
 # and the HTTP front's bound on a body.
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+MAX_CONSTRAINT_BYTES = 256 * 1024  # a schema or grammar; compiling is the costly part
 
 
 class InvalidRequestError(ValueError):
@@ -187,6 +189,43 @@ def check_request_fields(request: pb.GenerateRequest, limits: Limits) -> None:
         check_token_ids(request.token_ids.ids, limits.vocab_size, "token_ids.ids")
     elif request.WhichOneof("input") == "chat":
         chat_messages(request.chat)
+
+
+def constraint_of(request: pb.GenerateRequest) -> Constraint | None:
+    """The request's ``constraint`` oneof as a ``Constraint`` (None when unset); checks its
+    shape only (the grammar library compiles it: ``Frontend.engine_request``)."""
+    kind = request.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        if not request.json_object:
+            raise InvalidRequestError("json_object must be true when set (unset it for none)")
+        return Constraint("json_object")
+    if kind == "choice":
+        choices = list(request.choice.choices)
+        if not choices or not all(choices):
+            raise InvalidRequestError("choice.choices must hold at least one non-empty string")
+        spec = json.dumps(choices)
+    else:
+        spec = getattr(request, kind)
+        if not spec:
+            raise InvalidRequestError(f"{kind} must not be empty")
+    size = len(spec.encode("utf-8"))
+    if size > MAX_CONSTRAINT_BYTES:
+        raise InvalidRequestError(
+            f"{kind} has {size} bytes; at most {MAX_CONSTRAINT_BYTES} are allowed"
+        )
+    return Constraint(kind, spec)
+
+
+def with_constraint(sampling: SamplingParams, constraint: Constraint | None) -> SamplingParams:
+    """``sampling`` with ``constraint``; names the stopping field that conflicts with it."""
+    if constraint is None:
+        return sampling
+    try:
+        return replace(sampling, constraint=constraint)
+    except SamplingParamsError as exc:
+        raise InvalidRequestError(_REQUEST_FIELDS.get(exc.field, exc.field) + exc.detail) from exc
 
 
 def sampling_params(

@@ -191,3 +191,28 @@ def test_shared_prefix_order_random_draws_tenants_in_seeded_random_order() -> No
     bad = {**spec, "shared_prefix": {**spec["shared_prefix"], "order": "zipf"}}
     with pytest.raises(ValueError, match=r"order must be cycle\|random"):
         Workload.from_dict(bad)
+
+
+def test_constrained_workload_reaches_both_backends() -> None:
+    """chat128_json's constraint travels on every request: the gRPC oneof and vLLM's
+    structured_outputs object; a constraint with two kinds is refused."""
+    import json as json_
+
+    from loadtest.grpc_backend import build_request
+    from loadtest.openai_backend import completion_body
+    from loadtest.workload import resolve_workload
+
+    workload = Workload.load(resolve_workload("chat128_json"))
+    spec = workload.build(2)[1]
+    schema = workload.constraint["json_schema"] if workload.constraint else None
+    assert schema is not None and schema["minItems"] == 32 and not spec.ignore_eos
+    request = build_request(spec, "r1")
+    assert request.WhichOneof("constraint") == "json_schema"
+    assert json_.loads(request.json_schema) == schema
+    assert completion_body(spec, None)["structured_outputs"] == {"json": schema}
+    regex = Workload.from_dict(
+        {"prompt": {"token_id_range": [5, 9]}, "constraint": {"regex": "a+"}}
+    )
+    assert build_request(regex.build(1)[0], "r2").regex == "a+"
+    with pytest.raises(ValueError, match="exactly one of"):
+        Workload.from_dict({"constraint": {"regex": "a", "choice": ["b"]}})

@@ -110,9 +110,7 @@ async def test_openai_sdk_error_cases() -> None:
         with pytest.raises(openai.BadRequestError) as bad:
             await client.chat.completions.create(**chat, temperature=-1)  # type: ignore[call-overload]
         with pytest.raises(openai.BadRequestError) as unsupported:
-            await client.chat.completions.create(
-                **chat, tools=[{"type": "function", "function": {"name": "f"}}]
-            )  # type: ignore[call-overload]
+            await client.chat.completions.create(**chat, extra_body={"functions": [{"name": "f"}]})
         with pytest.raises(openai.BadRequestError) as long_:
             await client.completions.create(model="fake", prompt="x", max_tokens=5000)
         with pytest.raises(openai.NotFoundError) as unknown:
@@ -139,7 +137,7 @@ async def test_openai_sdk_error_cases() -> None:
         await asyncio.gather(running, waiting)
         await client.close()
     assert bad.value.status_code == 400 and "temperature must be >= 0" in bad.value.message
-    assert "unsupported field(s) for /v1/chat/completions: tools" in unsupported.value.message
+    assert "unsupported field(s) for /v1/chat/completions: functions" in unsupported.value.message
     assert "max_tokens = 5000 is beyond the model's context of 1024" in long_.value.message
     assert "'gpt-4' does not exist: this server serves 'fake'" in unknown.value.message
     assert "request_id 'dup' is already in flight" in dup.value.message

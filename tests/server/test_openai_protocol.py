@@ -307,8 +307,8 @@ def test_load_body_refuses_what_the_json_parser_cannot_take(raw: bytes, message:
     [
         ({"prompt": "x", "model": "gpt-4"}, False, grpc.StatusCode.NOT_FOUND,
          "'gpt-4' does not exist: this server serves 'fake'", "model"),
-        ({**CHAT, "tools": [{"type": "function"}]}, True, grpc.StatusCode.INVALID_ARGUMENT,
-         "unsupported field(s) for /v1/chat/completions: tools", "tools"),
+        ({**CHAT, "functions": [{"name": "f"}]}, True, grpc.StatusCode.INVALID_ARGUMENT,
+         "unsupported field(s) for /v1/chat/completions: functions", "functions"),
         ({"prompt": "x", "echo": True}, False, grpc.StatusCode.INVALID_ARGUMENT,
          "unsupported field(s) for /v1/completions: echo", "echo"),
         ({"prompt": "x", "best_of": 2}, False, grpc.StatusCode.INVALID_ARGUMENT,

@@ -69,3 +69,29 @@ def test_max_tokens_past_the_context_only_with_attention_sinks() -> None:
     assert sampling_params(long, num_prompt_tokens=40, limits=sinks).max_tokens == 300
     with pytest.raises(InvalidRequestError, match="the prompt has 128 tokens"):
         sampling_params(long, num_prompt_tokens=128, limits=sinks)
+
+
+def test_constraint_of_each_oneof_case() -> None:
+    """The constraint oneof becomes a Constraint (choice as a JSON list); unset is None;
+    an empty or false value and an oversized spec are refused with the field's name."""
+    from scheduler.request import Constraint
+    from server.validation import MAX_CONSTRAINT_BYTES, InvalidRequestError, constraint_of
+
+    def req(**fields: object) -> pb.GenerateRequest:
+        return pb.GenerateRequest(text="x", **fields)  # type: ignore[arg-type]
+
+    assert constraint_of(req()) is None
+    assert constraint_of(req(regex="a+")) == Constraint("regex", "a+")
+    assert constraint_of(req(json_schema="{}")) == Constraint("json_schema", "{}")
+    assert constraint_of(req(json_object=True)) == Constraint("json_object")
+    assert constraint_of(req(grammar="start: /a/")) == Constraint("grammar", "start: /a/")
+    choice = req(choice=pb.ChoiceList(choices=["a", "b"]))
+    assert constraint_of(choice) == Constraint("choice", '["a", "b"]')
+    for bad, message in (
+        (req(json_object=False), "json_object must be true"),
+        (req(regex=""), "regex must not be empty"),
+        (req(choice=pb.ChoiceList(choices=["a", ""])), "choice.choices must hold"),
+        (req(grammar="x" * (MAX_CONSTRAINT_BYTES + 1)), f"at most {MAX_CONSTRAINT_BYTES}"),
+    ):
+        with pytest.raises(InvalidRequestError, match=message):
+            constraint_of(bad)
