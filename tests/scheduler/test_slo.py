@@ -248,3 +248,120 @@ def test_a_running_prefill_moves_a_block_per_step_when_decodes_fill_the_target()
     assert chunks == [("L", 4, 4, False), ("L", 8, 4, True)]
     run_until_done(sched, runner)
     assert_no_blocks_held(kv)
+
+
+def _wave(**config: object):  # type: ignore[no-untyped-def]
+    """d0 decodes (first token out at t=0.1, the start of the next step); A, B and C (60
+    tokens each, deadline 2 s) wait. Target 40 ms; one decode costs 10 + 5 = 15 ms."""
+    config.setdefault("max_num_batched_tokens", 256)
+    sched, kv, runner = _slo_scheduler(itl_slo_ms=40, **config)
+    return sched, kv, runner
+
+
+def _prefill(plan: object) -> list[tuple[str, int, int]]:
+    return [(s.request_id, s.start_pos, s.num_tokens) for s in plan.prefill]  # type: ignore[attr-defined]
+
+
+def test_prompts_waiting_stretch_the_step_within_the_decodes_tpot_slack() -> None:
+    """Three prompts wait, one decode runs: the step may take 40 x (1 + 3/1) = 160 ms, so
+    145 ms of prefill go in (A 60, B 60, C 25) instead of the 25 tokens of a 40 ms step.
+    d0 is sure to produce 30 tokens (ignore_eos): its TPOT slack is 0.04 x 29 - 28 x 0.015
+    = 0.74 s, more than the 160 ms."""
+    sched, kv, runner = _wave()
+    sched.add_request(_request("d0", 2, 30, 900))
+    step(sched, runner, now_s=0.0)
+    for i, rid in enumerate("ABC"):
+        sched.add_request(_request(rid, 60, 2, 100 * i + 100, arrival=0.0))
+    s = step(sched, runner, now_s=0.1)
+    assert [q.request_id for q in s.plan.decode] == ["d0"]
+    assert _prefill(s.plan) == [("A", 0, 60), ("B", 0, 60), ("C", 0, 25)]
+    run_until_done(sched, runner)
+    assert_no_blocks_held(kv)
+
+
+def test_without_a_clock_or_with_max_stretch_1_the_step_keeps_its_target() -> None:
+    """The same wave without ``now_s`` (no slack is known), or with slo_max_stretch 1: the
+    step stays at 40 ms, 25 tokens of A."""
+    for now_s, config in ((None, {}), (0.1, {"slo_max_stretch": 1.0})):
+        sched, _kv, runner = _wave(**config)
+        sched.add_request(_request("d0", 2, 30, 900))
+        step(sched, runner, now_s=None if now_s is None else 0.0)
+        for i, rid in enumerate("ABC"):
+            sched.add_request(_request(rid, 60, 2, 100 * i + 100, arrival=0.0))
+        assert _prefill(step(sched, runner, now_s=now_s).plan) == [("A", 0, 25)]
+
+
+def test_the_stretch_stops_at_the_decodes_tpot_slack() -> None:
+    """d0 may stop at EOS but has min_tokens 4: it is sure of 4 tokens, 2 after this step.
+    Its slack is 0.04 x 3 - 0 - 2 x 0.015 = 90 ms, under the 160 ms the prompts would take:
+    75 ms of prefill (A 60, B 15)."""
+    sched, _kv, runner = _wave()
+    sched.add_request(
+        Request(
+            request_id="d0",
+            prompt_token_ids=[900, 901],
+            sampling=SamplingParams(max_tokens=30, min_tokens=4),
+            eos_token_ids=(EOS,),
+        )
+    )
+    step(sched, runner, now_s=0.0)
+    for i, rid in enumerate("ABC"):
+        sched.add_request(_request(rid, 60, 2, 100 * i + 100, arrival=0.0))
+    assert _prefill(step(sched, runner, now_s=0.1).plan) == [("A", 0, 60), ("B", 0, 15)]
+
+
+def test_seven_decodes_and_one_prompt_stretch_by_one_seventh() -> None:
+    """Target 50 ms; seven decodes cost 45 ms and one prompt waits: the step may take
+    50 x (1 + 1/7) = 57.1 ms, so P gets 12 tokens (5 at the plain target)."""
+    for max_stretch, chunk in ((8.0, 12), (1.0, 5)):
+        sched, _kv, runner = _slo_scheduler(
+            itl_slo_ms=50, max_num_batched_tokens=256, slo_max_stretch=max_stretch
+        )
+        for i in range(7):
+            sched.add_request(_request(f"d{i}", 2, 30, 100 * i + 100))
+        step(sched, runner, now_s=0.0)
+        sched.add_request(_request("P", 20, 2, 900, arrival=0.0))
+        s = step(sched, runner, now_s=0.1)
+        assert len(s.plan.decode) == 7
+        assert _prefill(s.plan) == [("P", 0, chunk)]
+
+
+def test_a_head_that_cannot_make_its_ttft_even_alone_moves_behind_one_that_can() -> None:
+    """Admission by predicted TTFT: at t=0 'big' (200 tokens, deadline 0.15 s) is not late
+    yet, but alone it takes 210 ms: it moves back (to 0.3) behind 'small' (deadline 0.25),
+    which is admitted first. (Plain EDF would admit big first, and both would be late.)"""
+    sched, kv, runner = _slo_scheduler(max_num_seqs=1)
+    sched.add_request(_request("big", 200, 2, 100, arrival=0.0, ttft=0.15))
+    sched.add_request(_request("small", 4, 2, 900, arrival=0.0, ttft=0.25))
+    assert sched.waiting_request_ids() == ["big", "small"]
+    assert _prefill(step(sched, runner, now_s=0.0).plan) == [("small", 0, 4)]
+    assert sched.waiting_request_ids() == ["big"]
+    run_until_done(sched, runner)
+    assert_no_blocks_held(kv)
+
+
+def test_a_running_prefill_past_its_ttft_yields_to_prompts_that_can_make_theirs() -> None:
+    """L (41 tokens, deadline 0.5 s) gets 25 tokens beside d0 at t=0 (15 + 25 = 40 ms); from
+    t=1 it cannot make its TTFT. Each step a new short prompt arrives that can: L moves by
+    one block (4 tokens) a step, the newcomer takes its 8 tokens first in line for the
+    rest of the 40 ms target (no stretch: slo_max_stretch 1), and L still finishes (it
+    cannot starve)."""
+    sched, kv, runner = _slo_scheduler(
+        itl_slo_ms=40, slo_max_stretch=1.0, max_num_seqs=16, num_blocks=128
+    )
+    sched.add_request(_request("d0", 2, 30, 900))
+    step(sched, runner, now_s=0.0)
+    sched.add_request(_request("L", 41, 2, 100, arrival=0.0, ttft=0.5))
+    assert _prefill(step(sched, runner, now_s=0.0).plan) == [("L", 0, 25)]
+    chunks = []
+    for i in range(4):
+        sched.add_request(_request(f"s{i}", 8, 2, 300 + 10 * i, arrival=1.0 + i))
+        chunks.append(_prefill(step(sched, runner, now_s=1.0 + i).plan))
+    assert chunks == [
+        [("L", 25, 4), ("s0", 0, 8)],
+        [("L", 29, 4), ("s1", 0, 8)],
+        [("L", 33, 4), ("s2", 0, 8)],
+        [("L", 37, 4), ("s3", 0, 8)],
+    ]
+    run_until_done(sched, runner)
+    assert_no_blocks_held(kv)
