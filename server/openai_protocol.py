@@ -53,7 +53,7 @@ _SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "freque
 _SAMPLING_INTS = ("top_k", "seed")
 _COMMON_FIELDS = frozenset({
     "model", "stream", "stream_options", "max_tokens", "stop", "n", "user", "cache_salt",
-    "priority", "ignore_eos", "min_tokens", "stop_token_ids", "logprobs",
+    "priority", "ignore_eos", "min_tokens", "stop_token_ids", "logprobs", "slo",
     *_SAMPLING_FLOATS, *_SAMPLING_INTS,
 })  # fmt: skip
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
@@ -211,6 +211,7 @@ def parse_body(body: Any, chat: bool, model_name: str) -> Parsed:
     if priority is not None:
         request.priority = max(-(2**31), min(priority, 2**31 - 1))
     request.cache_salt = _str(body, "cache_salt") or ""
+    _set_slo(request.slo, body)
     logprobs = _set_logprobs(request.sampling, body, chat)
     _str(body, "user")  # accepted (OpenAI's end-user id); kvserve scopes by key or peer
     stream = bool(_bool(body, "stream"))
@@ -223,6 +224,25 @@ def parse_body(body: Any, chat: bool, model_name: str) -> Parsed:
             raise InvalidRequestError("stream_options is only allowed with stream: true")
         include_usage = bool(_bool(options, "include_usage"))
     return Parsed(request, stream, include_usage, logprobs)
+
+
+def _set_slo(slo: pb.LatencyTargets, body: Mapping[str, Any]) -> None:
+    """The request's own latency targets, a vLLM-style extra field (``extra_body`` in
+    OpenAI's clients) shaped as the gRPC ``GenerateRequest.slo``:
+    ``"slo": {"ttft_ms": 500, "itl_ms": 50}``; either may be left out (the server's
+    default). Their range is checked with every request's (``validation``)."""
+    value = body.get("slo")
+    if value is None:
+        return
+    if not isinstance(value, Mapping) or not set(value) <= {"ttft_ms", "itl_ms"}:
+        raise InvalidRequestError(
+            f'slo must be an object {{"ttft_ms": ..., "itl_ms": ...}} of milliseconds, '
+            f"got {value!r}"
+        )
+    for key in ("ttft_ms", "itl_ms"):
+        target = _typed(value, key, lambda v: _is_int(v) or isinstance(v, float), "a number")
+        if target is not None:
+            setattr(slo, key, float(target))
 
 
 def _set_messages(request: pb.GenerateRequest, body: Mapping[str, Any]) -> None:

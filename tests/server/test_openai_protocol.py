@@ -115,6 +115,12 @@ def _out(
         ),
         ({"prompt": "x", "logprobs": 2}, False, {"text": "x", "sampling": {"logprobs": 2}}),
         (
+            {"prompt": "x", "slo": {"ttft_ms": 500, "itl_ms": 42.5}},
+            False,
+            {"text": "x", "slo": {"ttft_ms": 500.0, "itl_ms": 42.5}},
+        ),
+        ({**CHAT, "slo": {"itl_ms": 40}}, True, {**CHAT_PB, "slo": {"itl_ms": 40.0}}),
+        (
             {**CHAT, "logprobs": True, "top_logprobs": 3},
             True,
             {**CHAT_PB, "sampling": {"logprobs": 3}},
@@ -191,6 +197,12 @@ def test_parse_body_says_how_to_answer(
          "stream_options is only allowed with stream: true"),
         ({"prompt": "x", "stream": True, "stream_options": 1}, False,
          "stream_options must be an object"),
+        ({"prompt": "x", "slo": 500}, False,
+         'slo must be an object {"ttft_ms": ..., "itl_ms": ...} of milliseconds, got 500'),
+        ({"prompt": "x", "slo": {"ttft": 500}}, False,
+         "slo must be an object {\"ttft_ms\": ..., \"itl_ms\": ...} of milliseconds, got "
+         "{'ttft': 500}"),
+        ({"prompt": "x", "slo": {"itl_ms": "fast"}}, False, "itl_ms must be a number, got 'fast'"),
     ],
 )  # fmt: skip
 def test_parse_body_refuses_with_a_message(body: Any, chat: bool, message: str) -> None:
@@ -346,3 +358,13 @@ def test_ranges_are_checked_once_by_sampling_params(body: dict[str, Any], messag
     with pytest.raises(InvalidRequestError) as error:
         validation.sampling_params(parsed.request, 1, limits)
     assert http_error(error.value).message == message
+
+
+def test_per_request_targets_are_range_checked_as_the_grpc_ones() -> None:
+    """An slo target of 0 ms parses, and validation refuses it as it does on gRPC."""
+    parsed = parse_body({"prompt": "x", "slo": {"ttft_ms": 0}}, False, MODEL)
+    with pytest.raises(InvalidRequestError) as error:
+        validation.latency_targets(parsed.request.slo)
+    assert http_error(error.value).message.startswith(
+        "slo.ttft_ms must be a number of milliseconds in (0, 86400000], got 0"
+    )
