@@ -65,7 +65,6 @@ from scheduler.slo import SloStep, UnsizedStep, make_slo_planner
 from scheduler.spec import NgramDrafter
 
 _WAITING = RequestStatus.WAITING
-_NUM_WEIGHED = 16  # waiting requests the slo policy weighs against a step's decodes
 _PREFILLING = RequestStatus.PREFILLING
 _DECODING = RequestStatus.DECODING
 _PREEMPTED = RequestStatus.PREEMPTED
@@ -73,6 +72,7 @@ _FINISHED_STOPPED = RequestStatus.FINISHED_STOPPED
 _FINISHED_LENGTH = RequestStatus.FINISHED_LENGTH
 _FINISHED_ABORTED = RequestStatus.FINISHED_ABORTED
 _FINISHED_ERROR = RequestStatus.FINISHED_ERROR
+_NUM_WEIGHED = 16  # waiting requests the slo policy weighs against a step's decodes
 
 
 class Scheduler:
@@ -486,17 +486,10 @@ class Scheduler:
         step.add_decode(self._make_seq(req, 1, drafts), allocation)
 
     def _take_prefills(self, step: StepPlan) -> int:
-        """Prefill chunks: running prefills first (admission order), then admissions.
-
-        Under the ``slo`` policy a running prefill that can no longer make its TTFT moves by
-        one block a step while the head of the queue can still make its own: the step's
-        time goes to the prompt that can still be served in time (it cannot starve: it
-        moves every step)."""
+        """Prefill chunks: running prefills first (admission order), then admissions."""
         num_scheduled = 0
         sized = step.slo
-        slo = self._slo
-        slo.stretch(sized, self._prompts_waiting())
-        head_can_make: bool | None = None  # asked once, only if a prefill is already lost
+        self._slo.stretch(sized, self._prompts_waiting())
         for entry in list(self._running.values()):
             req = entry.request
             if req.status is not _PREFILLING or req.request_id in step.prefill:
@@ -508,12 +501,6 @@ class Scheduler:
             # The first running prefill always moves by a block at least: its TTFT is bounded
             # even when the decodes fill the slo policy's target.
             floor = min(num_new, self._block_size) if num_scheduled == 0 else 0
-            if slo.is_lost(req):
-                if head_can_make is None:
-                    head = self._waiting.peek()
-                    head_can_make = head is not None and not slo.is_lost(head.request)
-                if head_can_make:
-                    num_new = floor = min(num_new, self._block_size)
             num_new = max(sized.chunk_limit(num_new, start), floor)
             chunk = step.budget.take_up_to(num_new)
             if chunk == 0:

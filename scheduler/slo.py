@@ -4,21 +4,28 @@ A fixed token budget is right on one machine for one context length. The ``slo``
 asks a step-cost model (``scheduler.cost_model``) instead::
 
     every decode runs (stall-free)             predicted(decodes) = d
-    prefill chunks are added while             predicted(decodes + chunks) <= ITL target
+    prefill chunks are added while             predicted(decodes + chunks) <= limit
+    the step's limit is                        target * min(1 + prompts / decodes,
+                                                            slo_max_stretch),
+                                               at most the decodes' TPOT slack
     a waiting request is admitted only if      predicted(decodes after it joins) <= target
     decodes are preempted only if              d > target * slo_preempt_margin
 
 With no decode running nobody waits on the step, so prefill takes the whole token budget.
 The ITL target of a step is the tightest of its decodes' targets (a request may carry its
-own). The token budget (``max_num_batched_tokens``) stays a ceiling.
+own). The token budget (``max_num_batched_tokens``) stays a ceiling. TTFT counts against
+ITL in the limit: ``prompts`` are those waiting for their first token that can still make
+their TTFT (``SloStep.stretch`` says why they weigh as much as a decode), and the TPOT slack
+(``banked_s``) keeps every decode within its ITL target on average, as goodput judges it.
 
 Admission is earliest deadline first: the waiting queue is keyed by ``arrival + TTFT
 target``, which EDF fixes at arrival, so the queue stays a heap. Plain EDF is optimal while
 every deadline can be met and collapses under overload (a request already late is served
-first and makes the next one late too). A request found late at the head of the queue is
-therefore moved back once, by its own TTFT target: requests that can still make their
-deadline go first. Moved once, its key stays finite and every later arrival's key beyond it
-is larger, so it cannot starve: that is the aging.
+first and makes the next one late too). A request at the head of the queue that cannot
+make its deadline even if prefilled alone from now (its predicted TTFT) is therefore moved
+back once, by its own TTFT target: requests that can still make their deadline go first.
+Moved once, its key stays finite and every later arrival's key beyond it is larger, so it
+cannot starve: that is the aging.
 """
 
 from __future__ import annotations
@@ -35,24 +42,18 @@ from scheduler.request import Request
 _US = 1_000_000
 
 
-def slack_term(req: Request, itl_target_s: float, now_s: float) -> tuple[float, int]:
-    """A decode's TPOT slack at ``now_s`` as ``(fixed_s, later)``: its slack is ``fixed_s -
-    later * decode_step_s``, the longest this step may take with its time per output token
-    (``time_per_output_token``) still within ``itl_target_s`` once it has produced the
-    tokens it is sure to produce, the ``later`` ones after this step at the decode-only
-    step time. Sure: the tokens so far plus this step's, and up to ``min_tokens``, or
-    ``max_tokens`` when it ignores EOS (a stop string may still end it sooner)::
+def banked_s(req: Request, itl_target_s: float, now_s: float) -> float:
+    """The time a decode has banked against its ITL target at ``now_s``: the target for each
+    token after its first, counting this step's, less the time since its first token. A
+    step this long keeps its time per output token (``time_per_output_token``, as goodput
+    judges it) within the target if the steps after it run within the target too::
 
-        first token        now         this step's token          its last sure token
-            |------ elapsed --|-- step --|-- later * decode_step --|
-            <------------- itl_target * (sure - 1) ---------------->
+        first token          now         this step's token
+            |---- elapsed ----|--- banked ---|
+            <--- itl_target * (tokens after the first, this step's included) --->
     """
     assert req.first_token_s is not None
-    sampling = req.sampling
-    after_step = req.num_output_tokens + 1
-    sure = max(after_step, sampling.min_tokens, sampling.max_tokens if sampling.ignore_eos else 0)
-    fixed_s = itl_target_s * (sure - 1) - (now_s - req.first_token_s)
-    return fixed_s, sure - after_step
+    return itl_target_s * req.num_output_tokens - (now_s - req.first_token_s)
 
 
 def time_per_output_token(
@@ -123,8 +124,9 @@ class SloStep:
     future: StepShape
     # How long the step may take: the target, or longer for waiting prompts (``stretch``).
     limit_s: float = 0.0
-    # The decodes' TPOT slack: the longest this step may take with every decode still
-    # meeting its ITL target on average (``tpot_slack_s``); inf without a clock.
+    # The decodes' TPOT slack: the least time a decode has banked (``banked_s``), the
+    # longest this step may take with every decode still on its ITL target; inf without a
+    # clock.
     slack_s: float = math.inf
 
     @classmethod
@@ -144,7 +146,7 @@ class SloStep:
         # Sums first, one StepShape at the end: this runs every step over every decode.
         target = default_target_s
         num_decodes = context = draft_tokens = draft_attention = 0
-        slack_terms: list[tuple[float, int]] = []
+        slack = math.inf
         for req, start, num_tokens in decodes:
             num_decodes += 1
             context += start + 1
@@ -157,7 +159,9 @@ class SloStep:
             if now_s is not None:
                 if req.first_token_s is None:
                     req.first_token_s = now_s
-                slack_terms.append(slack_term(req, default_target_s if itl is None else itl, now_s))
+                banked = banked_s(req, default_target_s if itl is None else itl, now_s)
+                if banked < slack:
+                    slack = banked
         num_future, future_context = num_decodes, context
         for req in prefills:
             num_future += 1
@@ -169,10 +173,6 @@ class SloStep:
             decode_context=context,
         )
         future = StepShape(decode_seqs=num_future, decode_context=future_context)
-        slack = math.inf
-        if slack_terms:
-            decode_s = cost.predict(shape)
-            slack = min(fixed - later * decode_s for fixed, later in slack_terms)
         return cls(cost, target, num_decodes > 0, shape, future, target, slack)
 
     def stretch(self, num_prompts: int, max_stretch: float) -> None:
@@ -292,11 +292,6 @@ class SloPlanner:
             return
         sized.stretch(sum(1 for req in prompts if self.can_make_ttft(req)), self.max_stretch)
 
-    def is_lost(self, req: Request) -> bool:
-        """Whether ``req`` is predicted to miss its TTFT whatever is done now (False without
-        a clock)."""
-        return self.now_s is not None and not self.can_make_ttft(req)
-
     def can_make_ttft(self, req: Request) -> bool:
         """Whether ``req`` can still have its first token by its TTFT deadline: its prompt's
         rest, prefilled alone in one step from now, is predicted to end in time."""
@@ -359,9 +354,6 @@ class NoSloPlanner:
 
     def stretch(self, sized: SloStep | UnsizedStep, prompts: Iterable[Request]) -> None:
         pass
-
-    def is_lost(self, req: Request) -> bool:
-        return False
 
     def move_if_late(self, head: Queued, num_waiting: int) -> bool:
         return False

@@ -250,64 +250,62 @@ def test_a_running_prefill_moves_a_block_per_step_when_decodes_fill_the_target()
     assert_no_blocks_held(kv)
 
 
-def _wave(**config: object):  # type: ignore[no-untyped-def]
-    """d0 decodes (first token out at t=0.1, the start of the next step); A, B and C (60
-    tokens each, deadline 2 s) wait. Target 40 ms; one decode costs 10 + 5 = 15 ms."""
-    config.setdefault("max_num_batched_tokens", 256)
-    sched, kv, runner = _slo_scheduler(itl_slo_ms=40, **config)
-    return sched, kv, runner
-
-
 def _prefill(plan: object) -> list[tuple[str, int, int]]:
     return [(s.request_id, s.start_pos, s.num_tokens) for s in plan.prefill]  # type: ignore[attr-defined]
 
 
-def test_prompts_waiting_stretch_the_step_within_the_decodes_tpot_slack() -> None:
-    """Three prompts wait, one decode runs: the step may take 40 x (1 + 3/1) = 160 ms, so
-    145 ms of prefill go in (A 60, B 60, C 25) instead of the 25 tokens of a 40 ms step.
-    d0 is sure to produce 30 tokens (ignore_eos): its TPOT slack is 0.04 x 29 - 28 x 0.015
-    = 0.74 s, more than the 160 ms."""
-    sched, kv, runner = _wave()
+def _bank(sched, runner, num_steps: int) -> float:  # type: ignore[no-untyped-def]
+    """Decode-only steps 10.25 ms apart from t=0.1 (the first decode: first token out then),
+    each banking target - 10.25 ms; returns the time of the next step. (The quarter ms
+    keeps the banked time off the 1 ms a prompt token costs.)"""
+    for i in range(num_steps):
+        s = step(sched, runner, now_s=0.1 + 0.01025 * i)
+        assert not s.plan.prefill
+    return 0.1 + 0.01025 * num_steps
+
+
+def _wave(num_banked: int, **config: object):  # type: ignore[no-untyped-def]
+    """Target 40 ms; d0 (one decode: 10 + 5 = 15 ms) has run ``num_banked`` decode steps
+    (``_bank``); then A, B and C (60 tokens each, TTFT 2 s) arrive. Returns the next plan."""
+    config.setdefault("max_num_batched_tokens", 256)
+    sched, _kv, runner = _slo_scheduler(itl_slo_ms=40, **config)
     sched.add_request(_request("d0", 2, 30, 900))
     step(sched, runner, now_s=0.0)
+    now = _bank(sched, runner, num_banked)
     for i, rid in enumerate("ABC"):
-        sched.add_request(_request(rid, 60, 2, 100 * i + 100, arrival=0.0))
-    s = step(sched, runner, now_s=0.1)
-    assert [q.request_id for q in s.plan.decode] == ["d0"]
-    assert _prefill(s.plan) == [("A", 0, 60), ("B", 0, 60), ("C", 0, 25)]
-    run_until_done(sched, runner)
-    assert_no_blocks_held(kv)
+        sched.add_request(_request(rid, 60, 2, 100 * i + 100, arrival=now))
+    return step(sched, runner, now_s=now).plan
+
+
+def test_prompts_waiting_stretch_the_step_within_the_time_the_decodes_banked() -> None:
+    """Three prompts wait, one decode runs: the step may take 40 x (1 + 3/1) = 160 ms, so
+    145 ms of prefill go in (A 60, B 60, C 25) instead of the 25 tokens of a 40 ms step.
+    After 5 steps 10.25 ms apart d0 has banked 0.04 x 6 tokens - 0.05125 s = 189 ms, more
+    than the 160 ms."""
+    plan = _wave(5)
+    assert [q.request_id for q in plan.decode] == ["d0"]
+    assert _prefill(plan) == [("A", 0, 60), ("B", 0, 60), ("C", 0, 25)]
+
+
+def test_the_stretch_stops_at_the_time_the_decodes_banked() -> None:
+    """After 2 steps 10.25 ms apart d0 has banked 0.04 x 3 - 0.0205 = 99.5 ms: 84.5 ms of
+    prefill (A 60, B 24). Right after its first token (nothing banked but this step's 40 ms) the
+    step keeps its target: 25 tokens of A."""
+    assert _prefill(_wave(2)) == [("A", 0, 60), ("B", 0, 24)]
+    assert _prefill(_wave(0)) == [("A", 0, 25)]
 
 
 def test_without_a_clock_or_with_max_stretch_1_the_step_keeps_its_target() -> None:
-    """The same wave without ``now_s`` (no slack is known), or with slo_max_stretch 1: the
+    """The same wave with slo_max_stretch 1, or without ``now_s`` (no time is banked): the
     step stays at 40 ms, 25 tokens of A."""
-    for now_s, config in ((None, {}), (0.1, {"slo_max_stretch": 1.0})):
-        sched, _kv, runner = _wave(**config)
-        sched.add_request(_request("d0", 2, 30, 900))
-        step(sched, runner, now_s=None if now_s is None else 0.0)
-        for i, rid in enumerate("ABC"):
-            sched.add_request(_request(rid, 60, 2, 100 * i + 100, arrival=0.0))
-        assert _prefill(step(sched, runner, now_s=now_s).plan) == [("A", 0, 25)]
-
-
-def test_the_stretch_stops_at_the_decodes_tpot_slack() -> None:
-    """d0 may stop at EOS but has min_tokens 4: it is sure of 4 tokens, 2 after this step.
-    Its slack is 0.04 x 3 - 0 - 2 x 0.015 = 90 ms, under the 160 ms the prompts would take:
-    75 ms of prefill (A 60, B 15)."""
-    sched, _kv, runner = _wave()
-    sched.add_request(
-        Request(
-            request_id="d0",
-            prompt_token_ids=[900, 901],
-            sampling=SamplingParams(max_tokens=30, min_tokens=4),
-            eos_token_ids=(EOS,),
-        )
-    )
-    step(sched, runner, now_s=0.0)
+    assert _prefill(_wave(5, slo_max_stretch=1.0)) == [("A", 0, 25)]
+    sched, _kv, runner = _slo_scheduler(itl_slo_ms=40, max_num_batched_tokens=256)
+    sched.add_request(_request("d0", 2, 30, 900))
+    for _ in range(6):
+        step(sched, runner)
     for i, rid in enumerate("ABC"):
-        sched.add_request(_request(rid, 60, 2, 100 * i + 100, arrival=0.0))
-    assert _prefill(step(sched, runner, now_s=0.1).plan) == [("A", 0, 60), ("B", 0, 15)]
+        sched.add_request(_request(rid, 60, 2, 100 * i + 100))
+    assert _prefill(step(sched, runner).plan) == [("A", 0, 25)]
 
 
 def test_seven_decodes_and_one_prompt_stretch_by_one_seventh() -> None:
@@ -320,8 +318,9 @@ def test_seven_decodes_and_one_prompt_stretch_by_one_seventh() -> None:
         for i in range(7):
             sched.add_request(_request(f"d{i}", 2, 30, 100 * i + 100))
         step(sched, runner, now_s=0.0)
-        sched.add_request(_request("P", 20, 2, 900, arrival=0.0))
-        s = step(sched, runner, now_s=0.1)
+        now = _bank(sched, runner, 2)
+        sched.add_request(_request("P", 20, 2, 900, arrival=now))
+        s = step(sched, runner, now_s=now)
         assert len(s.plan.decode) == 7
         assert _prefill(s.plan) == [("P", 0, chunk)]
 
@@ -336,32 +335,5 @@ def test_a_head_that_cannot_make_its_ttft_even_alone_moves_behind_one_that_can()
     assert sched.waiting_request_ids() == ["big", "small"]
     assert _prefill(step(sched, runner, now_s=0.0).plan) == [("small", 0, 4)]
     assert sched.waiting_request_ids() == ["big"]
-    run_until_done(sched, runner)
-    assert_no_blocks_held(kv)
-
-
-def test_a_running_prefill_past_its_ttft_yields_to_prompts_that_can_make_theirs() -> None:
-    """L (41 tokens, deadline 0.5 s) gets 25 tokens beside d0 at t=0 (15 + 25 = 40 ms); from
-    t=1 it cannot make its TTFT. Each step a new short prompt arrives that can: L moves by
-    one block (4 tokens) a step, the newcomer takes its 8 tokens first in line for the
-    rest of the 40 ms target (no stretch: slo_max_stretch 1), and L still finishes (it
-    cannot starve)."""
-    sched, kv, runner = _slo_scheduler(
-        itl_slo_ms=40, slo_max_stretch=1.0, max_num_seqs=16, num_blocks=128
-    )
-    sched.add_request(_request("d0", 2, 30, 900))
-    step(sched, runner, now_s=0.0)
-    sched.add_request(_request("L", 41, 2, 100, arrival=0.0, ttft=0.5))
-    assert _prefill(step(sched, runner, now_s=0.0).plan) == [("L", 0, 25)]
-    chunks = []
-    for i in range(4):
-        sched.add_request(_request(f"s{i}", 8, 2, 300 + 10 * i, arrival=1.0 + i))
-        chunks.append(_prefill(step(sched, runner, now_s=1.0 + i).plan))
-    assert chunks == [
-        [("L", 25, 4), ("s0", 0, 8)],
-        [("L", 29, 4), ("s1", 0, 8)],
-        [("L", 33, 4), ("s2", 0, 8)],
-        [("L", 37, 4), ("s3", 0, 8)],
-    ]
     run_until_done(sched, runner)
     assert_no_blocks_held(kv)
