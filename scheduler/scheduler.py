@@ -489,7 +489,7 @@ class Scheduler:
         """Prefill chunks: running prefills first (admission order), then admissions."""
         num_scheduled = 0
         sized = step.slo
-        self._slo.stretch(sized, self._prompts_waiting(), len(self._waiting) <= _NUM_WEIGHED)
+        self._slo.stretch(sized, self._prompts_waiting())
         for entry in list(self._running.values()):
             req = entry.request
             if req.status is not _PREFILLING or req.request_id in step.prefill:

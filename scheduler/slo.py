@@ -7,9 +7,7 @@ asks a step-cost model (``scheduler.cost_model``) instead::
     prefill chunks are added while             predicted(decodes + chunks) <= limit
     the step's limit is                        target * min(1 + prompts / decodes,
                                                             slo_max_stretch),
-                                               at most the decodes' TPOT slack, or what
-                                               every waiting prompt whole takes if the
-                                               decodes can absorb that (``clear``)
+                                               at most the decodes' TPOT slack
     a waiting request is admitted only if      predicted(decodes after it joins) <= target
     decodes are preempted only if              d > target * slo_preempt_margin
 
@@ -42,26 +40,6 @@ from scheduler.cost_model import CostPredictor, StepShape
 from scheduler.request import Request
 
 _US = 1_000_000
-
-
-def sure_term(req: Request, itl_target_s: float, now_s: float) -> tuple[float, int]:
-    """A decode's slack at ``now_s`` if the steps after this one are decode-only, as
-    ``(fixed_s, later)``: ``fixed_s - later * decode_step_s`` is the longest this step may
-    take with its time per output token within ``itl_target_s`` over the tokens it is sure
-    to produce (so far, this step's, ``min_tokens``, or ``max_tokens`` when it ignores EOS;
-    a stop string may end it sooner), the ``later`` ones after this step each a decode-only
-    step::
-
-        first token        now         this step's token          its last sure token
-            |------ elapsed --|-- step --|-- later * decode_step --|
-            <------------- itl_target * (sure - 1) ---------------->
-    """
-    assert req.first_token_s is not None
-    sampling = req.sampling
-    after_step = req.num_output_tokens + 1
-    sure = max(after_step, sampling.min_tokens, sampling.max_tokens if sampling.ignore_eos else 0)
-    fixed_s = itl_target_s * (sure - 1) - (now_s - req.first_token_s)
-    return fixed_s, sure - after_step
 
 
 def banked_s(req: Request, itl_target_s: float, now_s: float) -> float:
@@ -150,9 +128,6 @@ class SloStep:
     # longest this step may take with every decode still on its ITL target; inf without a
     # clock.
     slack_s: float = math.inf
-    # The longest this step may take if it takes every waiting prompt whole
-    # (``clearing_slack_s``); -inf without a clock.
-    clearing_slack_s: float = -math.inf
 
     @classmethod
     def begin(
@@ -172,7 +147,6 @@ class SloStep:
         target = default_target_s
         num_decodes = context = draft_tokens = draft_attention = 0
         slack = math.inf
-        sure_terms: list[tuple[float, int]] = []
         for req, start, num_tokens in decodes:
             num_decodes += 1
             context += start + 1
@@ -185,11 +159,9 @@ class SloStep:
             if now_s is not None:
                 if req.first_token_s is None:
                     req.first_token_s = now_s
-                own_target = default_target_s if itl is None else itl
-                banked = banked_s(req, own_target, now_s)
+                banked = banked_s(req, default_target_s if itl is None else itl, now_s)
                 if banked < slack:
                     slack = banked
-                sure_terms.append(sure_term(req, own_target, now_s))
         num_future, future_context = num_decodes, context
         for req in prefills:
             num_future += 1
@@ -201,22 +173,7 @@ class SloStep:
             decode_context=context,
         )
         future = StepShape(decode_seqs=num_future, decode_context=future_context)
-        clearing = -math.inf
-        if sure_terms:
-            decode_s = cost.predict(shape)
-            clearing = min(fixed - later * decode_s for fixed, later in sure_terms)
-        return cls(cost, target, num_decodes > 0, shape, future, target, slack, clearing)
-
-    def clear(self, backlog: StepShape) -> None:
-        """Let the step run as long as ``backlog`` (this step's decodes plus every waiting
-        prompt whole) is predicted to take, if that is within ``clearing_slack_s``: with
-        nothing left waiting, the steps after it are decode-only, so each decode can spend
-        the slack of the tokens it is sure to produce. One long step then serves a wave of
-        new users, as stall-free's does, instead of many steps at the target that each
-        delay every decode again."""
-        backlog_s = self.cost.predict(backlog)
-        if backlog_s <= self.clearing_slack_s and backlog_s > self.limit_s:
-            self.limit_s = backlog_s
+        return cls(cost, target, num_decodes > 0, shape, future, target, slack)
 
     def stretch(self, num_prompts: int, max_stretch: float) -> None:
         """Let the step run past its ITL target for ``num_prompts`` prompts waiting for their
@@ -326,25 +283,14 @@ class SloPlanner:
         ``SloStep.begin`` for the arguments)."""
         return SloStep.begin(self.cost, self.itl_target_s, decodes, prefills, self.now_s)
 
-    def stretch(
-        self, sized: SloStep | UnsizedStep, prompts: Iterable[Request], all_visible: bool
-    ) -> None:
+    def stretch(self, sized: SloStep | UnsizedStep, prompts: Iterable[Request]) -> None:
         """Before the step's prefill chunks: count the ``prompts`` (running prefills, then
         the head of the queue) that can still make their TTFT, and let the step stretch
-        for them (``SloStep.stretch``), or clear them all (``SloStep.clear``) when
-        ``all_visible`` (no other request waits)."""
+        for them (``SloStep.stretch``)."""
         assert isinstance(sized, SloStep)
         if self.now_s is None or not sized.has_decodes or self.max_stretch <= 1.0:
             return
-        num_prompts = 0
-        backlog = sized.shape
-        for req in prompts:
-            num_prompts += self.can_make_ttft(req)
-            start = req.num_computed_tokens
-            backlog = backlog.with_chunk(req.num_prompt_tokens - start, start)
-        sized.stretch(num_prompts, self.max_stretch)
-        if all_visible and num_prompts:
-            sized.clear(backlog)
+        sized.stretch(sum(1 for req in prompts if self.can_make_ttft(req)), self.max_stretch)
 
     def can_make_ttft(self, req: Request) -> bool:
         """Whether ``req`` can still have its first token by its TTFT deadline: its prompt's
@@ -406,9 +352,7 @@ class NoSloPlanner:
     def should_preempt(self, sized: SloStep | UnsizedStep, num_decodes: int) -> bool:
         return False
 
-    def stretch(
-        self, sized: SloStep | UnsizedStep, prompts: Iterable[Request], all_visible: bool
-    ) -> None:
+    def stretch(self, sized: SloStep | UnsizedStep, prompts: Iterable[Request]) -> None:
         pass
 
     def move_if_late(self, head: Queued, num_waiting: int) -> bool:
