@@ -6,7 +6,7 @@ Examples::
     kvserve loadtest --workload shared_prefix --mode open --rate 4 --burstiness 0.5 \\
         --metrics-url http://127.0.0.1:9400/metrics --out run.json
     kvserve loadtest --workload random_128_128 --sweep-rates 0.5,1,2 --num-requests 16 \\
-        --slo-ttft-ms 1000 --slo-tpot-ms 150 --plot-dir plots/ --out sweep.json
+        --ttft-slo-ms 1000 --itl-slo-ms 150 --plot-dir plots/ --out sweep.json
 
 Every run and every point of a sweep sends its own ``cache_salt``, so no run hits prefix-cache
 entries that another left (``--reuse-cache`` turns this off). The workload file schema is in
@@ -102,10 +102,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long to wait for the server to answer before giving up (default: %(default)s)",
     )
     p.add_argument(
-        "--slo-ttft-ms", type=float, default=None, help="goodput: TTFT limit (default: none)"
+        "--ttft-slo-ms",
+        "--slo-ttft-ms",
+        dest="ttft_slo_ms",
+        type=float,
+        default=None,
+        help="goodput: TTFT target, as the server's --ttft-slo-ms; --slo-ttft-ms is its old "
+        "name (default: none)",
     )
     p.add_argument(
-        "--slo-tpot-ms", type=float, default=None, help="goodput: TPOT limit (default: none)"
+        "--itl-slo-ms",
+        "--slo-tpot-ms",
+        dest="itl_slo_ms",
+        type=float,
+        default=None,
+        help="goodput: ITL target, as the server's --itl-slo-ms, judged on the time per output "
+        "token after the first (TPOT); --slo-tpot-ms is its old name (default: none)",
     )
     p.add_argument(
         "--metrics-url",
@@ -163,8 +175,8 @@ def run_once(
         seed=workload.seed,
         request_timeout_s=args.request_timeout_s,
         slo=SLO(
-            ttft_s=None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000,
-            tpot_s=None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000,
+            ttft_s=None if args.ttft_slo_ms is None else args.ttft_slo_ms / 1000,
+            tpot_s=None if args.itl_slo_ms is None else args.itl_slo_ms / 1000,
         ),
         metrics_url=args.metrics_url,
         sample_interval_s=args.sample_interval_s,

@@ -155,7 +155,7 @@ def format_summary(report: dict[str, Any]) -> str:
     slo = slo_text(g)
     lines.append("")
     if slo is None:
-        lines.append("goodput: no SLO set (--slo-ttft-ms, --slo-tpot-ms)")
+        lines.append("goodput: no SLO set (--ttft-slo-ms, --itl-slo-ms)")
     else:
         lines.append(
             f"goodput ({slo}): {g['goodput_rps']:.2f} req/s, "

@@ -32,7 +32,9 @@ class SchedulerConfig:
       a ceiling.
     - ``itl_slo_ms`` / ``ttft_slo_ms``: the default latency targets of the ``slo`` policy
       (a request may carry its own); ``slo_preempt_margin``: ``slo`` preempts decodes only
-      when decodes alone are predicted over ``itl_slo_ms * slo_preempt_margin``.
+      when decodes alone are predicted over ``itl_slo_ms * slo_preempt_margin``;
+      ``slo_max_stretch``: how far past ``itl_slo_ms`` a step may run for prompts waiting
+      for their first token, within the decodes' TPOT slack (``SloStep.stretch``; 1 = never).
     - ``queue_order``: ``fcfs`` (arrival order) or ``priority`` (lower value first, ties by
       arrival) where a request's effective priority improves by 1 per ``aging_steps``
       scheduler steps since it arrived (0 disables aging). Under ``priority`` a waiting
@@ -73,6 +75,7 @@ class SchedulerConfig:
     itl_slo_ms: float = 150.0
     ttft_slo_ms: float = 2000.0
     slo_preempt_margin: float = 1.5
+    slo_max_stretch: float = 8.0
     speculative: str = "off"
     num_speculative_tokens: int = 3
     ngram_max: int = 4
@@ -111,6 +114,8 @@ class SchedulerConfig:
         for name in ("itl_slo_ms", "ttft_slo_ms"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.slo_max_stretch >= 1.0:
+            raise ValueError(f"slo_max_stretch must be >= 1, got {self.slo_max_stretch}")
         if not self.slo_preempt_margin >= 1.0:
             raise ValueError(f"slo_preempt_margin must be >= 1, got {self.slo_preempt_margin}")
         _check_choice("policy", self.policy, POLICIES)

@@ -103,6 +103,15 @@ class WaitingQueue(Generic[W]):
         self._count(entry.request, -1)
         self._discarded.add(id(entry))
 
+    def head(self, n: int) -> list[W]:
+        """Up to ``n`` waiting entries, the first in admission order (O(heap) per call)."""
+        discarded = self._discarded
+        return [
+            item[3]
+            for item in heapq.nsmallest(n, self._heap)
+            if id(item[3]) not in discarded and item[0] == item[3].sort_key
+        ]
+
     def ordered(self) -> list[W]:
         """Every waiting entry, in admission order (O(n log n): for tests and tooling)."""
         discarded = self._discarded

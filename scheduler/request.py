@@ -193,6 +193,8 @@ class Request:
     # The request's own latency targets (the ``slo`` policy; None: the server's defaults).
     ttft_slo_s: float | None = None
     itl_slo_s: float | None = None
+    # The slo policy's clock when its first decode was planned: its first token was out.
+    first_token_s: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule

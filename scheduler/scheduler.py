@@ -36,6 +36,8 @@ and the whole sequence is prefilled again (cheap with the prefix cache).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from cache_manager import Allocation, KVCacheManager, PrefixHit
 from scheduler.admission import check_can_ever_run, check_not_overloaded
 from scheduler.config import SchedulerConfig
@@ -70,6 +72,7 @@ _FINISHED_STOPPED = RequestStatus.FINISHED_STOPPED
 _FINISHED_LENGTH = RequestStatus.FINISHED_LENGTH
 _FINISHED_ABORTED = RequestStatus.FINISHED_ABORTED
 _FINISHED_ERROR = RequestStatus.FINISHED_ERROR
+_NUM_WEIGHED = 16  # waiting requests the slo policy weighs against a step's decodes
 
 
 class Scheduler:
@@ -486,6 +489,7 @@ class Scheduler:
         """Prefill chunks: running prefills first (admission order), then admissions."""
         num_scheduled = 0
         sized = step.slo
+        self._slo.stretch(sized, self._prompts_waiting())
         for entry in list(self._running.values()):
             req = entry.request
             if req.status is not _PREFILLING or req.request_id in step.prefill:
@@ -519,6 +523,15 @@ class Scheduler:
         return num_scheduled
 
     # -- the slo policy (scheduler.slo) -------------------------------------------------
+
+    def _prompts_waiting(self) -> Iterator[Request]:
+        """Requests waiting for their first token, lazily: the running prefills, then the
+        first ``_NUM_WEIGHED`` of the waiting queue (the step can serve no more than those)."""
+        for entry in self._running.values():
+            if entry.request.status is _PREFILLING:
+                yield entry.request
+        for entry in self._waiting.head(_NUM_WEIGHED):
+            yield entry.request
 
     def _size_to_target(self, step: StepPlan) -> SloStep | UnsizedStep:
         """The decodes are taken: start sizing the step to its ITL target, preempting decodes

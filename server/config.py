@@ -82,6 +82,10 @@ _HELP = {
     "itl_slo_ms": "ITL target: slo policy steps stay under it; goodput metrics judge by it",
     "ttft_slo_ms": "TTFT target: slo policy admits by arrival + it; goodput metrics judge by it",
     "slo_preempt_margin": "slo: preempt decodes only when they alone exceed ITL x this",
+    "slo_max_stretch": (
+        "slo: a step may run up to ITL x this for prompts waiting for their first token, "
+        "within the decodes' TPOT slack (1 = never)"
+    ),
     "speculative": "speculative decoding: off | ngram (drafts by prompt lookup)",
     "num_speculative_tokens": "speculative: draft tokens verified per decode step",
     "ngram_max": "speculative ngram: longest suffix matched in the request's own tokens",

@@ -170,6 +170,12 @@ COMMON_FIELDS: dict[str, dict[str, Any]] = {
     "top_k": {**_proto_int(pb.SamplingOptions, "top_k"), "description": ">= 1; unset: disabled"},
     "seed": {**_proto_int(pb.SamplingOptions, "seed"),
              "description": "same seed, same tokens, whatever the batch"},
+    "slo": {"type": "object",
+            "properties": {"ttft_ms": _number_schema("time to first token target, ms"),
+                           "itl_ms": _number_schema("inter-token latency target, ms")},
+            "additionalProperties": False,
+            "description": "this request's latency targets (the slo policy); default the "
+                           "server's"},
     **_STRUCTURED_FIELDS,
 }  # fmt: skip
 _ONE_STRING = {"type": "array", "items": _STRING, "minItems": 1, "maxItems": 1}
@@ -453,6 +459,7 @@ def parse_body(body: Any, chat: bool, model_name: str, tool_format: str | None =
         request.n = n
     request.priority = _int(body, "priority") or 0
     request.cache_salt = _str(body, "cache_salt") or ""
+    _set_slo(request.slo, body)
     logprobs = _set_logprobs(request.sampling, body, chat)
     _str(body, "user")  # accepted (OpenAI's end-user id); kvserve scopes by key or peer
     stream = bool(_bool(body, "stream"))
@@ -467,6 +474,25 @@ def parse_body(body: Any, chat: bool, model_name: str, tool_format: str | None =
     return Parsed(
         request, stream, include_usage, logprobs, tools.calls if tools is not None else None
     )
+
+
+def _set_slo(slo: pb.LatencyTargets, body: Mapping[str, Any]) -> None:
+    """The request's own latency targets, a vLLM-style extra field (``extra_body`` in
+    OpenAI's clients) shaped as the gRPC ``GenerateRequest.slo``:
+    ``"slo": {"ttft_ms": 500, "itl_ms": 50}``; either may be left out (the server's
+    default). Their range is checked with every request's (``validation``)."""
+    value = body.get("slo")
+    if value is None:
+        return
+    if not isinstance(value, Mapping) or not set(value) <= {"ttft_ms", "itl_ms"}:
+        raise InvalidRequestError(
+            f'slo must be an object {{"ttft_ms": ..., "itl_ms": ...}} of milliseconds, '
+            f"got {shown(value)}"
+        )
+    for key in ("ttft_ms", "itl_ms"):
+        target = _typed(value, key, lambda v: _is_int(v) or isinstance(v, float), "a number")
+        if target is not None:
+            setattr(slo, key, float(target))
 
 
 def _set_messages(

@@ -37,6 +37,17 @@ def test_target_is_an_alias_of_address() -> None:
     assert parser.parse_args(["--target", "h:2"]).target == "h:2"
 
 
+def test_slo_flags_are_named_as_the_servers_with_the_old_names_as_aliases() -> None:
+    """--ttft-slo-ms / --itl-slo-ms (the server's names) and the older --slo-ttft-ms /
+    --slo-tpot-ms set the same values."""
+    parser = build_parser()
+    for names in (("--ttft-slo-ms", "--itl-slo-ms"), ("--slo-ttft-ms", "--slo-tpot-ms")):
+        args = parser.parse_args([names[0], "500", names[1], "40"])
+        assert (args.ttft_slo_ms, args.itl_slo_ms) == (500.0, 40.0)
+    args = parser.parse_args([])
+    assert (args.ttft_slo_ms, args.itl_slo_ms) == (None, None)
+
+
 def test_no_server_fails_fast_with_a_hint(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

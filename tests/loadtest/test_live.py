@@ -81,7 +81,7 @@ def test_report_schema_and_counts(server: ServerProcess, tmp_path: Path) -> None
     argv = [
         "--target", server.target, "--workload", str(wl_path), "--users", "4",
         "--metrics-url", str(server.metrics_url), "--sample-interval-s", "0.05",
-        "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000",
+        "--ttft-slo-ms", "60000", "--itl-slo-ms", "60000",
         "--out", str(out), "--plot-dir", str(tmp_path / "plots"), "--no-progress",
     ]  # fmt: skip
     assert main(argv) == 0

@@ -10,7 +10,7 @@ from tests.loadtest.helpers import make_report
 def test_summary_without_an_slo_says_no_slo_set() -> None:
     """No --slo-*: the goodput line says "no SLO set" instead of "TTFT <= - ms"."""
     text = format_summary(make_report())
-    assert "goodput: no SLO set (--slo-ttft-ms, --slo-tpot-ms)" in text.splitlines()
+    assert "goodput: no SLO set (--ttft-slo-ms, --itl-slo-ms)" in text.splitlines()
     assert "<= -" not in text
     assert "goodput (" not in text
 

@@ -149,3 +149,25 @@ def test_invalid_parameters(kwargs: dict[str, object], match: str) -> None:
     """A prior of the wrong length, a zero forgetting factor or prior weight: ValueError."""
     with pytest.raises(ValueError, match=match):
         StepCostModel(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_step_far_slower_than_predicted_counts_as_only_1_5x() -> None:
+    """After 50 exact steps (typical error ~0), a step 4x slower than its prediction moves
+    the fit exactly as a step 1.5x slower would (OUTLIER_MIN_RATIO 0.5): one noisy step
+    cannot throw the model off. A step 1.2x slower is folded in as it is."""
+    rng = random.Random(3)
+    shapes = [_random_shape(rng) for _ in range(50)]
+    odd = StepShape.of([(128, 0)], [])
+    fits = []
+    for factor in (4.0, 1.5, 1.2):
+        model = StepCostModel(TRUE_S)
+        for shape in shapes:
+            model.observe(shape, _truth(shape))
+        model.observe(odd, factor * _truth(odd))
+        fits.append(model.coefficients_s)
+    assert fits[0] == pytest.approx(fits[1], rel=1e-9)
+    assert fits[2] != pytest.approx(fits[1], rel=1e-3)
+    model = StepCostModel(TRUE_S)
+    for shape in shapes:
+        model.observe(shape, _truth(shape))
+    assert model.predict(odd) == pytest.approx(_truth(odd), rel=1e-6)

@@ -248,3 +248,92 @@ def test_a_running_prefill_moves_a_block_per_step_when_decodes_fill_the_target()
     assert chunks == [("L", 4, 4, False), ("L", 8, 4, True)]
     run_until_done(sched, runner)
     assert_no_blocks_held(kv)
+
+
+def _prefill(plan: object) -> list[tuple[str, int, int]]:
+    return [(s.request_id, s.start_pos, s.num_tokens) for s in plan.prefill]  # type: ignore[attr-defined]
+
+
+def _bank(sched, runner, num_steps: int) -> float:  # type: ignore[no-untyped-def]
+    """Decode-only steps 10.25 ms apart from t=0.1 (the first decode: first token out then),
+    each banking target - 10.25 ms; returns the time of the next step. (The quarter ms
+    keeps the banked time off the 1 ms a prompt token costs.)"""
+    for i in range(num_steps):
+        s = step(sched, runner, now_s=0.1 + 0.01025 * i)
+        assert not s.plan.prefill
+    return 0.1 + 0.01025 * num_steps
+
+
+def _wave(num_banked: int, **config: object):  # type: ignore[no-untyped-def]
+    """Target 40 ms; d0 (one decode: 10 + 5 = 15 ms) has run ``num_banked`` decode steps
+    (``_bank``); then A, B and C (60 tokens each, TTFT 2 s) arrive. Returns the next plan."""
+    config.setdefault("max_num_batched_tokens", 256)
+    sched, _kv, runner = _slo_scheduler(itl_slo_ms=40, **config)
+    sched.add_request(_request("d0", 2, 30, 900))
+    step(sched, runner, now_s=0.0)
+    now = _bank(sched, runner, num_banked)
+    for i, rid in enumerate("ABC"):
+        sched.add_request(_request(rid, 60, 2, 100 * i + 100, arrival=now))
+    return step(sched, runner, now_s=now).plan
+
+
+def test_prompts_waiting_stretch_the_step_within_the_time_the_decodes_banked() -> None:
+    """Three prompts wait, one decode runs: the step may take 40 x (1 + 3/1) = 160 ms, so
+    145 ms of prefill go in (A 60, B 60, C 25) instead of the 25 tokens of a 40 ms step.
+    After 5 steps 10.25 ms apart d0 has banked 0.04 x 6 tokens - 0.05125 s = 189 ms, more
+    than the 160 ms."""
+    plan = _wave(5)
+    assert [q.request_id for q in plan.decode] == ["d0"]
+    assert _prefill(plan) == [("A", 0, 60), ("B", 0, 60), ("C", 0, 25)]
+
+
+def test_the_stretch_stops_at_the_time_the_decodes_banked() -> None:
+    """After 2 steps 10.25 ms apart d0 has banked 0.04 x 3 - 0.0205 = 99.5 ms: 84.5 ms of
+    prefill (A 60, B 24). Right after its first token (nothing banked but this step's 40 ms) the
+    step keeps its target: 25 tokens of A."""
+    assert _prefill(_wave(2)) == [("A", 0, 60), ("B", 0, 24)]
+    assert _prefill(_wave(0)) == [("A", 0, 25)]
+
+
+def test_without_a_clock_or_with_max_stretch_1_the_step_keeps_its_target() -> None:
+    """The same wave with slo_max_stretch 1, or without ``now_s`` (no time is banked): the
+    step stays at 40 ms, 25 tokens of A."""
+    assert _prefill(_wave(5, slo_max_stretch=1.0)) == [("A", 0, 25)]
+    sched, _kv, runner = _slo_scheduler(itl_slo_ms=40, max_num_batched_tokens=256)
+    sched.add_request(_request("d0", 2, 30, 900))
+    for _ in range(6):
+        step(sched, runner)
+    for i, rid in enumerate("ABC"):
+        sched.add_request(_request(rid, 60, 2, 100 * i + 100))
+    assert _prefill(step(sched, runner).plan) == [("A", 0, 25)]
+
+
+def test_seven_decodes_and_one_prompt_stretch_by_one_seventh() -> None:
+    """Target 50 ms; seven decodes cost 45 ms and one prompt waits: the step may take
+    50 x (1 + 1/7) = 57.1 ms, so P gets 12 tokens (5 at the plain target)."""
+    for max_stretch, chunk in ((8.0, 12), (1.0, 5)):
+        sched, _kv, runner = _slo_scheduler(
+            itl_slo_ms=50, max_num_batched_tokens=256, slo_max_stretch=max_stretch
+        )
+        for i in range(7):
+            sched.add_request(_request(f"d{i}", 2, 30, 100 * i + 100))
+        step(sched, runner, now_s=0.0)
+        now = _bank(sched, runner, 2)
+        sched.add_request(_request("P", 20, 2, 900, arrival=now))
+        s = step(sched, runner, now_s=now)
+        assert len(s.plan.decode) == 7
+        assert _prefill(s.plan) == [("P", 0, chunk)]
+
+
+def test_a_head_that_cannot_make_its_ttft_even_alone_moves_behind_one_that_can() -> None:
+    """Admission by predicted TTFT: at t=0 'big' (200 tokens, deadline 0.15 s) is not late
+    yet, but alone it takes 210 ms: it moves back (to 0.3) behind 'small' (deadline 0.25),
+    which is admitted first. (Plain EDF would admit big first, and both would be late.)"""
+    sched, kv, runner = _slo_scheduler(max_num_seqs=1)
+    sched.add_request(_request("big", 200, 2, 100, arrival=0.0, ttft=0.15))
+    sched.add_request(_request("small", 4, 2, 900, arrival=0.0, ttft=0.25))
+    assert sched.waiting_request_ids() == ["big", "small"]
+    assert _prefill(step(sched, runner, now_s=0.0).plan) == [("small", 0, 4)]
+    assert sched.waiting_request_ids() == ["big"]
+    run_until_done(sched, runner)
+    assert_no_blocks_held(kv)

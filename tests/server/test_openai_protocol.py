@@ -13,6 +13,7 @@ from scheduler.request import FinishReason
 from server import validation
 from server.grpc_service import finish_reason_pb
 from server.openai_protocol import (
+    COMPLETION_FIELDS,
     Answer,
     Choices,
     HttpError,
@@ -116,6 +117,12 @@ def _out(
         ),
         ({"prompt": "x", "logprobs": 2}, False, {"text": "x", "sampling": {"logprobs": 2}}),
         (
+            {"prompt": "x", "slo": {"ttft_ms": 500, "itl_ms": 42.5}},
+            False,
+            {"text": "x", "slo": {"ttft_ms": 500.0, "itl_ms": 42.5}},
+        ),
+        ({**CHAT, "slo": {"itl_ms": 40}}, True, {**CHAT_PB, "slo": {"itl_ms": 40.0}}),
+        (
             {**CHAT, "logprobs": True, "top_logprobs": 3},
             True,
             {**CHAT_PB, "sampling": {"logprobs": 3}},
@@ -193,6 +200,12 @@ def test_parse_body_says_how_to_answer(
          "stream_options is only allowed with stream: true"),
         ({"prompt": "x", "stream": True, "stream_options": 1}, False,
          "stream_options must be an object"),
+        ({"prompt": "x", "slo": 500}, False,
+         'slo must be an object {"ttft_ms": ..., "itl_ms": ...} of milliseconds, got 500'),
+        ({"prompt": "x", "slo": {"ttft": 500}}, False,
+         "slo must be an object {\"ttft_ms\": ..., \"itl_ms\": ...} of milliseconds, got "
+         "{'ttft': 500}"),
+        ({"prompt": "x", "slo": {"itl_ms": "fast"}}, False, "itl_ms must be a number, got 'fast'"),
     ],
 )  # fmt: skip
 def test_parse_body_refuses_with_a_message(body: Any, chat: bool, message: str) -> None:
@@ -248,7 +261,9 @@ def test_unsupported_field_names_are_shown_bounded() -> None:
     assert message.startswith(
         f"unsupported field(s) for /v1/completions: {'0' * 17}...{'0' * 18}, 1"
     )
-    assert " and 4 more; this server takes " in message and len(message) < 600
+    shown_part, known = message.split(" and 4 more; this server takes ")
+    assert len(shown_part) < 300  # the client's part; the rest lists the server's own fields
+    assert known.split(", ") == sorted(set(COMPLETION_FIELDS) - {"echo", "best_of"})
 
 
 @pytest.mark.parametrize(
@@ -278,7 +293,7 @@ def test_parse_body_refuses_values_no_proto_field_holds(
     with pytest.raises((InvalidRequestError, HttpError)) as error:
         parse_body(body, chat, MODEL)
     assert message in str(error.value)
-    assert len(str(error.value)) < 400
+    assert len(str(error.value).split("; this server takes ")[0]) < 400  # the client's part
 
 
 @pytest.mark.parametrize(
@@ -448,3 +463,13 @@ def test_ranges_are_checked_once_by_sampling_params(body: dict[str, Any], messag
     with pytest.raises(InvalidRequestError) as error:
         validation.sampling_params(parsed.request, 1, limits)
     assert http_error(error.value).message == message
+
+
+def test_per_request_targets_are_range_checked_as_the_grpc_ones() -> None:
+    """An slo target of 0 ms parses, and validation refuses it as it does on gRPC."""
+    parsed = parse_body({"prompt": "x", "slo": {"ttft_ms": 0}}, False, MODEL)
+    with pytest.raises(InvalidRequestError) as error:
+        validation.latency_targets(parsed.request.slo)
+    assert http_error(error.value).message.startswith(
+        "slo.ttft_ms must be a number of milliseconds in (0, 86400000], got 0"
+    )
