@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_llama_cpp import LlamaCpp
-from benchmarks.table import Row, fmt, ms, ratio, row_from_report, times, verdict
+from benchmarks.table import Row, fmt, ms, pooled_row, ratio, row_from_report, times, verdict
 from loadtest.stats import SLO
 from loadtest.workload import Workload
 
@@ -39,6 +39,12 @@ TARGET_SPEC_CHAT = 0.95
 # The slo section's targets (issue 12's example): ITL 150 ms, TTFT 2 s.
 SLO_ITL_MS = 150.0
 SLO_TTFT_MS = 2000.0
+# Issue 25's loose-target case (TTFT 3 s) and its targets, slo against stall-free in the same
+# run: the mixed traffic goodput >= 1.1x, ITL p99 <= 0.5x, tok/s >= 0.95x; the loose case
+# tok/s >= 0.97x and ITL p99 no worse.
+SLO_LOOSE_TTFT_MS = 3000.0
+TARGET_SLO_MIX = {"goodput": 1.1, "itl_p99": 0.5, "tok_s": 0.95}
+TARGET_SLO_LOOSE = {"tok_s": 0.97, "itl_p99": 1.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +60,8 @@ class Sizes:
     policy_step_tokens: int  # max_num_batched_tokens (and the largest chunk), both policies
     slo_requests: int
     slo_users: int
+    slo_loose_requests: int  # the loose-target case: chat128, two waves of slo_users
+    slo_rounds: int  # stall-free and slo alternate (ABBA) this many rounds each
     prefix_requests: int
     prefix_users: int
     prefix_num_prefixes: int
@@ -88,6 +96,8 @@ FULL = Sizes(
     policy_step_tokens=512,
     slo_requests=64,
     slo_users=8,
+    slo_loose_requests=16,
+    slo_rounds=2,
     prefix_requests=24,
     prefix_users=2,
     prefix_num_prefixes=4,
@@ -113,6 +123,8 @@ QUICK = Sizes(
     policy_step_tokens=256,
     slo_requests=4,
     slo_users=2,
+    slo_loose_requests=4,
+    slo_rounds=1,
     prefix_requests=4,
     prefix_users=1,
     prefix_num_prefixes=2,
@@ -264,11 +276,21 @@ def prefix(ctx: Context) -> SectionResult:
 
 def slo(ctx: Context) -> SectionResult:
     """stall-free at the default budget (2,048 tokens a step, chunks of 512) against the slo
-    policy at the same targets, on bursty mixed traffic: lognormal prompts and outputs, and
-    one request in eight with a distinct 1,024-token document in front (a closed loop of
-    ``slo_users`` users: arrivals come in waves as answers finish)."""
+    policy at the same targets, on two workloads:
+
+    - mixed traffic: lognormal prompts and outputs, one request in eight with a distinct
+      1,024-token document in front (a closed loop of ``slo_users`` users: arrivals come in
+      waves as answers finish); targets ITL 150 ms, TTFT 2 s;
+    - the loose-target case: chat128 (128 tokens in, 128 out) in two waves of
+      ``slo_users``; targets ITL 150 ms, TTFT 3 s, which stall-free meets by a wide margin,
+      so the slo policy has nothing to win and must not throttle.
+
+    The two policies alternate in rounds (stall-free, slo, slo, stall-free, ...), each on a
+    fresh server, so a drift in the machine's load hits both; the rows pool the rounds."""
+    from benchmarks import bench_serving
+
     s = ctx.sizes
-    workload = Workload.from_dict({
+    mixed = Workload.from_dict({
         "name": "slo_mix_cpu", "seed": 2, "num_requests": s.slo_requests,
         "prompt": {"source": "random", "len": {"type": "lognormal", "median": 96, "sigma": 0.8,
                                                "min": 16, "max": 768}},
@@ -277,23 +299,59 @@ def slo(ctx: Context) -> SectionResult:
                            "max": 192}, "ignore_eos": True},
         "sampling": {"temperature": 0.0},
     })  # fmt: skip
-    targets = ["--itl-slo-ms", str(SLO_ITL_MS), "--ttft-slo-ms", str(SLO_TTFT_MS)]
-
-    def goodput(row: Row) -> float:
-        return float(row.raw["goodput"]["fraction_within_slo"])
-
-    return run_comparison(ctx, Comparison(
-        "slo",
-        f"{s.slo_users} users; lognormal prompts, 1 in 8 +1024 tokens; "
-        f"targets ITL {SLO_ITL_MS:g} ms, TTFT {SLO_TTFT_MS / 1e3:g} s",
-        workload,
-        [(f"kvserve {p}", ["--policy", p, *targets]) for p in ("stall-free", "slo")],
-        s.slo_users, s.slo_requests,
-        lambda base, ours: f"{times(ratio(ours.itl_p99_ms, base.itl_p99_ms), 'ITL p99')}, "
-                           f"{times(ratio(goodput(ours), goodput(base)), 'goodput')}",
-        lambda report: f"goodput {report['goodput']['fraction_within_slo']:.0%}",
-        SLO(ttft_s=SLO_TTFT_MS / 1e3, tpot_s=SLO_ITL_MS / 1e3),
-    ))  # fmt: skip
+    loose = bench_serving.chat128_workload(
+        ctx.workload_file, s.slo_loose_requests, s.chat_output_tokens
+    )
+    cases = [
+        ("mixed", mixed, s.slo_requests, SLO_TTFT_MS, TARGET_SLO_MIX,
+         "lognormal prompts, 1 in 8 +1024 tokens"),
+        ("loose", loose, s.slo_loose_requests, SLO_LOOSE_TTFT_MS, TARGET_SLO_LOOSE,
+         f"chat128 in two waves, {s.chat_output_tokens} out"),
+    ]  # fmt: skip
+    policies = ("stall-free", "slo")
+    rows = []
+    for name, workload, n, ttft_ms, targets, what in cases:
+        flags = ["--itl-slo-ms", f"{SLO_ITL_MS:g}", "--ttft-slo-ms", f"{ttft_ms:g}"]
+        reports: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+        for r in range(s.slo_rounds):
+            for policy in policies if r % 2 == 0 else policies[::-1]:
+                say(f"[slo] {name}, {policy}, round {r + 1}: {n} requests")
+                reports[policy].append(
+                    bench_serving.measure(
+                        ["--threads", str(ctx.threads), "--policy", policy, *flags],
+                        workload,
+                        users=s.slo_users,
+                        num_requests=n,
+                        duration_s=s.run_duration_s,
+                        desc=f"kvserve {policy} ({name})",
+                        progress=ctx.progress,
+                        slo=SLO(ttft_s=ttft_ms / 1e3, tpot_s=SLO_ITL_MS / 1e3),
+                    )
+                )
+        setting = (
+            f"{s.slo_users} users; {what}; targets ITL {SLO_ITL_MS:g} ms, TTFT "
+            f"{ttft_ms / 1e3:g} s; {s.slo_rounds} x {n} req alternating"
+        )
+        base, ours = (pooled_row("slo", setting, f"kvserve {p}", reports[p]) for p in policies)
+        for row in (base, ours):
+            goodput = row.raw["goodput"]
+            row.notes = f"goodput {goodput['fraction_within_slo']:.0%} of {goodput['sent']}"
+        good = ratio(*(r.raw["goodput"]["fraction_within_slo"] for r in (ours, base)))
+        found = {
+            "goodput": good,
+            "itl_p99": ratio(ours.itl_p99_ms, base.itl_p99_ms),
+            "tok_s": ratio(ours.out_tok_s, base.out_tok_s),
+        }
+        words = {"goodput": "goodput", "itl_p99": "ITL p99", "tok_s": "tok/s"}
+        base.vs_baseline = "baseline"
+        ours.vs_baseline = ", ".join(
+            times(found[key], words[key])
+            + (f" ({verdict(found[key], '<=' if key == 'itl_p99' else '>=', targets[key])})"
+               if ctx.full and key in targets else "")
+            for key in words
+        )  # fmt: skip
+        rows += [base, ours]
+    return SectionResult(rows)
 
 
 # ------------------------------------------------------------------ chat128 and llama.cpp
@@ -484,7 +542,7 @@ def spec(ctx: Context) -> SectionResult:
         setting = f"1 user, {name}, {out} out, {sizes.spec_rounds} x {n} req alternating"
         if extra:
             setting += ", " + " ".join(extra)
-        off, on = (_spec_row(name, setting, config, reports[config]) for config in configs)
+        off, on = (_spec_row(setting, config, reports[config]) for config in configs)
         off.vs_baseline = "baseline"
         tok_ratio = ratio(on.out_tok_s, off.out_tok_s)
         on.vs_baseline = times(tok_ratio, "tok/s")
@@ -495,33 +553,19 @@ def spec(ctx: Context) -> SectionResult:
     return SectionResult(rows)
 
 
-def _spec_row(name: str, setting: str, config: str, reports: list[dict[str, Any]]) -> Row:
-    """One configuration's rounds summed: tokens / time; latencies: mean TTFT p50, max ITL
-    p99 over the rounds; the acceptance rate from the server's counters."""
-    tokens = sum(r["output_tokens_total"] for r in reports)
-    duration = sum(r["duration_s"] for r in reports)
+def _spec_row(setting: str, config: str, reports: list[dict[str, Any]]) -> Row:
+    """One configuration's rounds pooled (``pooled_row``); the notes give the acceptance
+    rate from the server's counters."""
     deltas: dict[str, float] = {}
     for r in reports:
         for key, value in ((r.get("server") or {}).get("counter_deltas") or {}).items():
             deltas[key] = deltas.get(key, 0.0) + value
     drafts = deltas.get("kvserve_spec_draft_tokens_total", 0.0)
     accepted = deltas.get("kvserve_spec_accepted_tokens_total", 0.0)
-    ttft = [r["latency_s"]["ttft"]["p50"] for r in reports]
-    itl = [r["latency_s"]["itl"]["p99"] for r in reports]
-    notes = "no drafts"
-    if drafts:
-        notes = f"{drafts:.0f} drafts, {accepted / drafts:.0%} accepted"
-    return Row(
-        section="spec",
-        setting=setting,
-        system=f"kvserve speculation {config}",
-        requests=sum(r["requests"]["ok"] for r in reports),
-        out_tok_s=tokens / duration if duration else None,
-        itl_p99_ms=ms(max(itl)) if None not in itl else None,
-        ttft_p50_ms=ms(sum(ttft) / len(ttft)) if None not in ttft else None,
-        notes=notes,
-        raw={"rounds": reports},
-    )
+    row = pooled_row("spec", setting, f"kvserve speculation {config}", reports)
+    row.ttft_p99_ms = None  # the spec table never showed it: 1 user, a handful of requests
+    row.notes = f"{drafts:.0f} drafts, {accepted / drafts:.0%} accepted" if drafts else "no drafts"
+    return row
 
 
 # ------------------------------------------------------------------ without a server

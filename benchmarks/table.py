@@ -108,3 +108,39 @@ def row_from_report(section: str, setting: str, system: str, report: dict[str, A
         ttft_p99_ms=ms(lat["ttft"]["p99"]),
         raw=report,
     )
+
+
+def pooled_row(section: str, setting: str, system: str, reports: list[dict[str, Any]]) -> Row:
+    """One configuration's rounds (load-test reports, each on a fresh server) as one row:
+    output tok/s = all tokens / all time; TTFT p50 the mean of the rounds', ITL and TTFT p99
+    the worst round's; goodput pooled over every request sent. ``raw``: the rounds and the
+    pooled goodput."""
+    tokens = sum(r["output_tokens_total"] for r in reports)
+    duration = sum(r["duration_s"] for r in reports)
+
+    def over_rounds(metric: str, stat: str) -> list[float] | None:
+        values = [r["latency_s"][metric][stat] for r in reports]
+        return None if None in values else values
+
+    ttft50, ttft99, itl99 = (over_rounds(*m) for m in (("ttft", "p50"), ("ttft", "p99"),
+                                                       ("itl", "p99")))  # fmt: skip
+    within = sum(r["goodput"]["num_ok_within_slo"] for r in reports)
+    sent = sum(r["requests"]["sent"] for r in reports)
+    return Row(
+        section=section,
+        setting=setting,
+        system=system,
+        requests=sum(r["requests"]["ok"] for r in reports),
+        out_tok_s=tokens / duration if duration else None,
+        itl_p99_ms=ms(max(itl99)) if itl99 else None,
+        ttft_p50_ms=ms(sum(ttft50) / len(ttft50)) if ttft50 else None,
+        ttft_p99_ms=ms(max(ttft99)) if ttft99 else None,
+        raw={
+            "rounds": reports,
+            "goodput": {
+                "num_ok_within_slo": within,
+                "sent": sent,
+                "fraction_within_slo": within / sent if sent else 0.0,
+            },
+        },
+    )

@@ -38,6 +38,10 @@ ROUNDS: tuple[Round, ...] = (
 )
 
 
+# Drafts per decode in the speculative rounds (``run_rounds(..., speculative=True)``).
+SPEC_DRAFTS = 3
+
+
 def calibrate(
     runner: Runner, cache: KVCacheConfig, max_model_len: int, *, seed: int = 0
 ) -> StepCostModel:
@@ -61,11 +65,15 @@ def run_rounds(
     rounds: Sequence[Round],
     *,
     seed: int = 0,
+    speculative: bool = False,
 ) -> list[tuple[StepShape, float]]:
     """Run each round (random prompts, greedy, to its end) on a throwaway scheduler and
-    cache manager over ``runner``'s pool; every non-empty step's (shape, execute seconds)."""
+    cache manager over ``runner``'s pool; every non-empty step's (shape, execute seconds).
+    ``speculative``: n-gram drafts on, and each prompt a random 8-token phrase repeated, so
+    the drafter finds matches and decodes carry verification rows."""
     rng = random.Random(seed)
     vocab = runner.info.vocab_size
+    drafts = SPEC_DRAFTS if speculative else 0
     samples: list[tuple[StepShape, float]] = []
     for round_id, (num_reqs, prompt_len, chunk, num_out) in enumerate(rounds):
         prompt_len = min(prompt_len, max_model_len - num_out)
@@ -73,17 +81,20 @@ def run_rounds(
         sched = Scheduler(
             SchedulerConfig(
                 max_num_seqs=num_reqs,
-                max_num_batched_tokens=max(chunk, num_reqs),
+                max_num_batched_tokens=max(chunk, num_reqs * (1 + drafts)),
                 max_model_len=max_model_len,
                 long_prefill_token_threshold=chunk,
+                speculative="ngram" if speculative else "off",
+                num_speculative_tokens=max(drafts, 1),
             ),
             kv,
         )
         for i in range(num_reqs):
+            phrase = [rng.randrange(1, vocab) for _ in range(8 if speculative else prompt_len)]
             sched.add_request(
                 Request(
                     request_id=f"kvserve-calibration-{round_id}-{i}",
-                    prompt_token_ids=[rng.randrange(1, vocab) for _ in range(prompt_len)],
+                    prompt_token_ids=(phrase * (prompt_len // len(phrase) + 1))[:prompt_len],
                     sampling=SamplingParams(max_tokens=num_out, ignore_eos=True, temperature=0),
                 )
             )

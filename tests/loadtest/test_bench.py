@@ -79,7 +79,7 @@ def test_run_all_quick_prints_one_table_and_writes_json(tmp_path: Path) -> None:
     assert [r["section"] for r in rows] == (
         ["chat128"] * 6
         + ["policy"] * 2
-        + ["slo"] * 2
+        + ["slo"] * 4
         + ["prefix"] * 2
         + ["paged"] * 6
         + ["spec"] * 6
@@ -118,8 +118,20 @@ def test_run_all_quick_prints_one_table_and_writes_json(tmp_path: Path) -> None:
         assert report["requests"]["ok"] == r["requests"] == 1
         assert report["output_tokens_total"] == 8 and r["out_tok_s"] > 0
     assert [r["notes"] == "no drafts" for r in spec] == [True, False] * 3
-    served = [r for r in rows if r["system"].startswith("kvserve") and r["section"] != "spec"]
-    assert len(served) == 8  # chat128, policy, slo and prefix: 2 each
+    # slo: mixed traffic, then the loose-target case; stall-free then slo, one round each.
+    slo = [r for r in rows if r["section"] == "slo"]
+    assert [r["system"] for r in slo] == ["kvserve stall-free", "kvserve slo"] * 2
+    for r, planned in zip(slo, (4, 4, 4, 4), strict=True):
+        (report,) = r["raw"]["rounds"]
+        assert report["requests"]["ok"] == r["requests"] == planned
+        assert report["requests"]["failed"] == 0 and r["out_tok_s"] > 0
+        assert r["raw"]["goodput"]["sent"] == planned
+        assert r["notes"].startswith("goodput ") and r["notes"].endswith(f" of {planned}")
+    assert [r["raw"]["rounds"][0]["goodput"]["slo_ttft_s"] for r in slo] == [2.0] * 2 + [3.0] * 2
+    assert slo[1]["vs_baseline"].endswith("x tok/s") and "goodput" in slo[1]["vs_baseline"]
+    served = [r for r in rows if r["system"].startswith("kvserve")]
+    served = [r for r in served if r["section"] not in ("spec", "slo")]
+    assert len(served) == 6  # chat128, policy and prefix: 2 each
     for r in served:
         assert r["raw"]["requests"]["failed"] == 0, r["system"]
         assert r["raw"]["requests"]["ok"] == r["requests"] > 0
