@@ -486,28 +486,31 @@ class Scheduler:
         step.add_decode(self._make_seq(req, 1, drafts), allocation)
 
     def _take_prefills(self, step: StepPlan) -> int:
-        """Prefill chunks: running prefills first (admission order), then admissions."""
+        """Prefill chunks: running prefills first (admission order), then admissions.
+
+        Under the ``slo`` policy a running prefill that can no longer make its TTFT (its
+        rest, prefilled alone from now, is predicted past its deadline) goes last, after the
+        admissions: the step's prefill time goes to prompts that can still make theirs. It
+        still moves by a block every step, so it cannot starve."""
         num_scheduled = 0
         sized = step.slo
         self._slo.stretch(sized, self._prompts_waiting())
+        lost: list[Entry] = []
         for entry in list(self._running.values()):
             req = entry.request
             if req.status is not _PREFILLING or req.request_id in step.prefill:
                 continue
             if req.request_id in self._parked:
                 continue
-            start = req.num_computed_tokens
-            num_new = min(entry.prefill_target - start, self._max_chunk)
+            if self._slo.ttft_lost(req):
+                lost.append(entry)
+                continue
             # The first running prefill always moves by a block at least: its TTFT is bounded
             # even when the decodes fill the slo policy's target.
-            floor = min(num_new, self._block_size) if num_scheduled == 0 else 0
-            num_new = max(sized.chunk_limit(num_new, start), floor)
-            chunk = step.budget.take_up_to(num_new)
-            if chunk == 0:
+            scheduled = self._take_chunk(step, entry, first=num_scheduled == 0)
+            if scheduled is None:
                 return num_scheduled
-            if self._schedule_running(step, entry, chunk, decode=False):
-                num_scheduled += 1
-                sized.add_chunk(chunk, start)
+            num_scheduled += scheduled
         while step.budget.remaining > 0:
             head = self._waiting.peek()
             if head is None:
@@ -520,7 +523,32 @@ class Scheduler:
             if not self._try_admit(step, head):
                 break
             num_scheduled += 1
+        first = True
+        for entry in lost:
+            if entry.request.status is not _PREFILLING:
+                continue  # preempted by an admission above
+            scheduled = self._take_chunk(step, entry, first=first)
+            first = False
+            if scheduled is None:
+                break
+            num_scheduled += scheduled
         return num_scheduled
+
+    def _take_chunk(self, step: StepPlan, entry: Entry, *, first: bool) -> int | None:
+        """A running prefill's next chunk, as long as the step's limit allows (at least a
+        block when ``first``); 1 if scheduled, 0 if not, None when the budget is spent."""
+        req = entry.request
+        start = req.num_computed_tokens
+        num_new = min(entry.prefill_target - start, self._max_chunk)
+        floor = min(num_new, self._block_size) if first else 0
+        num_new = max(step.slo.chunk_limit(num_new, start), floor)
+        chunk = step.budget.take_up_to(num_new)
+        if chunk == 0:
+            return None
+        if not self._schedule_running(step, entry, chunk, decode=False):
+            return 0
+        step.slo.add_chunk(chunk, start)
+        return 1
 
     # -- the slo policy (scheduler.slo) -------------------------------------------------
 

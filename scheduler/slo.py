@@ -301,6 +301,11 @@ class SloPlanner:
         deadline_s = req.arrival_time_s + self.order.ttft_target_s(req)
         return self.now_s + self.cost.predict(rest) <= deadline_s
 
+    def ttft_lost(self, req: Request) -> bool:
+        """Whether ``req``, still waiting for its first token, can no longer make its TTFT
+        (``can_make_ttft``); False without a clock."""
+        return self.now_s is not None and not self.can_make_ttft(req)
+
     def should_preempt(self, sized: SloStep | UnsizedStep, num_decodes: int) -> bool:
         """Whether to preempt a decode: the decodes alone are predicted well over the target
         for a second step in a row (one odd prediction preempts nobody)."""
@@ -354,6 +359,9 @@ class NoSloPlanner:
 
     def stretch(self, sized: SloStep | UnsizedStep, prompts: Iterable[Request]) -> None:
         pass
+
+    def ttft_lost(self, req: Request) -> bool:
+        return False
 
     def move_if_late(self, head: Queued, num_waiting: int) -> bool:
         return False

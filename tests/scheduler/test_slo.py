@@ -337,3 +337,35 @@ def test_a_head_that_cannot_make_its_ttft_even_alone_moves_behind_one_that_can()
     assert sched.waiting_request_ids() == ["big"]
     run_until_done(sched, runner)
     assert_no_blocks_held(kv)
+
+
+def _doc_then_short(doc_ttft_s: float, short_len: int):  # type: ignore[no-untyped-def]
+    """Target 40 ms, no stretch. t=0: d0 and 'doc' (200 tokens) arrive; the first step (no
+    decode: the budget, 32 tokens, is the limit) prefills d0 and 30 tokens of doc. t=0.1:
+    'S' arrives (TTFT 0.3 s) beside d0's decode (15 ms). Returns the plan at t=0.1."""
+    sched, kv, runner = _slo_scheduler(
+        itl_slo_ms=40, max_num_batched_tokens=32, num_blocks=128, slo_max_stretch=1.0
+    )
+    sched.add_request(_request("d0", 2, 30, 900, ttft=0.1))  # deadline first
+    sched.add_request(_request("doc", 200, 2, 100, arrival=0.0, ttft=doc_ttft_s))
+    assert _prefill(step(sched, runner, now_s=0.0).plan) == [("d0", 0, 2), ("doc", 0, 30)]
+    sched.add_request(_request("S", short_len, 2, 600, arrival=0.1, ttft=0.3))
+    plan = step(sched, runner, now_s=0.1).plan
+    assert [q.request_id for q in plan.decode] == ["d0"]
+    run_until_done(sched, runner)
+    assert_no_blocks_held(kv)
+    return plan
+
+
+def test_a_running_prefill_that_can_still_make_its_ttft_keeps_its_turn() -> None:
+    """doc (deadline 0.5 s) can still make it (its 170 tokens alone: 180 ms, done at 0.28 s):
+    running prefills go first, so it takes the 25 tokens the target leaves and S waits."""
+    assert _prefill(_doc_then_short(0.5, 10)) == [("doc", 30, 25)]
+
+
+def test_a_running_prefill_that_cannot_make_its_ttft_yields_to_one_that_can() -> None:
+    """doc's deadline is 0.2 s: alone, its 170 tokens would end at 0.28 s, so it is lost and
+    goes after the admissions: S (10 tokens, deadline 0.4 s) is prefilled first, doc gets
+    the 15 ms left. When S takes the whole target (25 tokens), doc still moves by a block."""
+    assert _prefill(_doc_then_short(0.2, 10)) == [("S", 0, 10), ("doc", 30, 15)]
+    assert _prefill(_doc_then_short(0.2, 25)) == [("S", 0, 25), ("doc", 30, 4)]
