@@ -62,6 +62,39 @@ def queue_panels() -> list[Panel]:
     ]
 
 
+def edge_panels() -> list[Panel]:
+    """Structured outputs (constrained requests, the compile cache, mask time per step) and
+    the connections the HTTP ports closed or refused."""
+    return [
+        timeseries(
+            "Constrained requests / s and compiles",
+            "Finished requests that carried a constraint (JSON schema, regex, choice, grammar, "
+            "tool call); constraints compiled (cache misses) and found in the compile cache.",
+            [
+                (f"sum({rate('kvserve_constrained_requests_total')})", "constrained requests"),
+                (f"sum({rate('kvserve_constraint_compiles_total')})", "compiles"),
+                (f"sum({rate('kvserve_constraint_cache_hits_total')})", "cache hits"),
+            ],
+        ),
+        percentiles(
+            "Constraint mask time per step",
+            "Time computing the token masks of a step's constrained rows (steps that had any).",
+            "kvserve_step_constraint_mask_seconds",
+        ),
+        timeseries(
+            "Connections closed or refused / s",
+            "By port and event: too slow (header_timeout, body_timeout), evicted_idle, "
+            "refused at the cap (503), emfile (out of file descriptors).",
+            [
+                (
+                    f"sum by (server, event) ({rate('kvserve_connection_events_total')})",
+                    "{{server}} {{event}}",
+                )
+            ],
+        ),
+    ]
+
+
 def overview() -> dict[str, Any]:
     panels = layout(
         [
@@ -214,6 +247,8 @@ def overview() -> dict[str, Any]:
             ],
             row("Queue"),
             queue_panels(),
+            row("Structured outputs and connections"),
+            edge_panels(),
         ]
     )
     return dashboard(

@@ -10,10 +10,12 @@ through Prometheus's HTTP API at the end of the load, with Grafana's variables r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import random
 import shlex
+import socket
 import subprocess
 import time
 import urllib.request
@@ -63,7 +65,9 @@ def live(
             "--max-num-seqs 8 --max-num-batched-tokens 256 --grace-period-s 2 --log-level warning "
             # slo: the cost-model panels have data; n-gram speculation with 1-gram matches drafts
             # often, so its panels have data too.
-            "--policy slo --speculative ngram --ngram-min 1"
+            "--policy slo --speculative ngram --ngram-min 1 "
+            # a silent connection to /metrics is closed within a second: the connection panel
+            "--http-header-timeout-s 1"
         ),
         *("--kv-disk-dir", str(workdir / "kv-tier")),  # tier 2: its series have data too
     ]
@@ -96,6 +100,11 @@ async def _one(client: KVServeClient, i: int, rng: random.Random, outcomes: Coun
             return
         elif kind == 5:  # deadline passes mid-generation: DEADLINE_EXCEEDED, deadline
             await client.generate_text(prompt, max_tokens=400, ignore_eos=True, timeout_s=0.05)
+        elif kind == 1:  # structured outputs: the constraint panels have data
+            text, _ = await client.generate_text(
+                prompt, max_tokens=8, choice=["yes", "no"], timeout_s=10
+            )
+            assert text in ("yes", "no"), text
         elif kind == 9:
             await client.kv_cache_stats(timeout_s=10)
             await client.model_info(timeout_s=10)
@@ -134,6 +143,14 @@ def loaded(live: tuple[ServerProcess, PrometheusProcess]) -> tuple[float, Counte
     """Run the load; returns (end time, client-side outcomes, exposition after the load)."""
     server, prom = live
     outcomes = asyncio.run(_load(server.target, LOAD_S))
+    # A connection that never sends a request: the metrics port closes it at the header
+    # timeout and counts it (kvserve_connection_events_total).
+    address = ("127.0.0.1", server.metrics_port)
+    with (
+        socket.create_connection(address, timeout=10) as silent,
+        contextlib.suppress(ConnectionResetError),
+    ):
+        assert silent.recv(1) == b""
     end = time.time()
     # Bounded wait until Prometheus has a scrape from after the load ended.
     deadline = time.monotonic() + 30
