@@ -525,8 +525,9 @@ class Scheduler:
             num_scheduled += 1
         first = True
         for entry in lost:
-            if entry.request.status is not _PREFILLING:
-                continue  # preempted by an admission above
+            req = entry.request
+            if req.status is not _PREFILLING or req.request_id in step.prefill:
+                continue  # preempted by an admission above (and maybe admitted again)
             scheduled = self._take_chunk(step, entry, first=first)
             first = False
             if scheduled is None:
