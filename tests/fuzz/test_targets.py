@@ -67,3 +67,15 @@ def test_gguf_head_count_of_zero_is_a_checkpoint_error(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError) as error:
         read_header(path)
     assert "llama.attention.head_count must be >= 1, got 0" in str(error.value)
+
+
+def test_gguf_kv_head_count_of_zero_is_a_checkpoint_error(tmp_path: Path) -> None:
+    """make fuzz found it (a fresh clone's run): attention.head_count_kv = 0 was a
+    ZeroDivisionError in ModelConfig (heads % kv heads); every size of a model config is now
+    checked >= 1 there, and the loader words it as a CheckpointError naming the file."""
+    path = tmp_path / "bad.gguf"
+    path.write_bytes((FUZZ / "regressions" / "gguf_header" / "zero-kv-head-count").read_bytes())
+    with pytest.raises(CheckpointError) as error:
+        read_header(path)
+    assert str(path) in str(error.value)
+    assert "num_kv_heads must be >= 1, got 0" in str(error.value)
