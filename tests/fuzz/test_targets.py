@@ -11,7 +11,7 @@ import pytest
 from fuzz.run import TARGET_NAMES
 from fuzz.targets import TARGETS
 from model_runner.errors import CheckpointError
-from model_runner.gguf_loader import read_header
+from model_runner.gguf_loader import config_from_metadata, read_header
 
 FUZZ = Path(__file__).resolve().parents[2] / "fuzz"
 
@@ -69,13 +69,33 @@ def test_gguf_head_count_of_zero_is_a_checkpoint_error(tmp_path: Path) -> None:
     assert "llama.attention.head_count must be >= 1, got 0" in str(error.value)
 
 
-def test_gguf_kv_head_count_of_zero_is_a_checkpoint_error(tmp_path: Path) -> None:
-    """make fuzz found it (a fresh clone's run): attention.head_count_kv = 0 was a
-    ZeroDivisionError in ModelConfig (heads % kv heads); every size of a model config is now
-    checked >= 1 there, and the loader words it as a CheckpointError naming the file."""
+def test_gguf_kv_head_count_of_zero_is_a_checkpoint_error() -> None:
+    """make fuzz found it (a fresh clone's run, fuzz/regressions/gguf_header/
+    zero-kv-head-count): attention.head_count_kv = 0 was a ZeroDivisionError in ModelConfig
+    (heads % kv heads); every size of a model config is now checked >= 1 there, and the
+    loader words it as a CheckpointError naming the file. (The file itself now stops earlier,
+    at a tensor without dimensions: the config path is held here directly.)"""
+    metadata = {
+        "general.architecture": "llama",
+        "llama.embedding_length": 64,
+        "llama.attention.head_count": 4,
+        "llama.attention.head_count_kv": 0,
+        "llama.feed_forward_length": 128,
+        "llama.block_count": 2,
+    }
+    with pytest.raises(CheckpointError) as error:
+        config_from_metadata(metadata, {"token_embd.weight": (100, 64)}, "m", "m.gguf")
+    assert "'m.gguf'" in str(error.value)
+    assert "num_kv_heads must be >= 1, got 0" in str(error.value)
+
+
+def test_gguf_tensor_without_dimensions_is_a_checkpoint_error(tmp_path: Path) -> None:
+    """make fuzz found it (a fresh clone's run): a token_embd.weight of 0 dimensions was an
+    IndexError (its row count read as the vocabulary); every tensor of the header now needs a
+    dimension or more, each >= 1, and the embedding 2 of them."""
     path = tmp_path / "bad.gguf"
-    path.write_bytes((FUZZ / "regressions" / "gguf_header" / "zero-kv-head-count").read_bytes())
+    path.write_bytes((FUZZ / "regressions" / "gguf_header" / "zero-dim-embedding").read_bytes())
     with pytest.raises(CheckpointError) as error:
         read_header(path)
     assert str(path) in str(error.value)
-    assert "num_kv_heads must be >= 1, got 0" in str(error.value)
+    assert "every tensor needs one dimension or more" in str(error.value)
