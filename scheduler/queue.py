@@ -104,13 +104,22 @@ class WaitingQueue(Generic[W]):
         self._discarded.add(id(entry))
 
     def head(self, n: int) -> list[W]:
-        """Up to ``n`` waiting entries, the first in admission order (O(heap) per call)."""
+        """Up to ``n`` live waiting entries, the first in admission order: a walk down the
+        heap from its root (O(k log k) for the k items passed, not O(heap): the slo policy
+        calls it every step)."""
+        heap = self._heap
         discarded = self._discarded
-        return [
-            item[3]
-            for item in heapq.nsmallest(n, self._heap)
-            if id(item[3]) not in discarded and item[0] == item[3].sort_key
-        ]
+        found: list[W] = []
+        frontier = [(heap[0], 0)] if heap else []
+        while frontier and len(found) < n:
+            item, i = heapq.heappop(frontier)
+            entry = item[3]
+            if id(entry) not in discarded and item[0] == entry.sort_key:
+                found.append(entry)
+            for child in (2 * i + 1, 2 * i + 2):
+                if child < len(heap):
+                    heapq.heappush(frontier, (heap[child], child))
+        return found
 
     def ordered(self) -> list[W]:
         """Every waiting entry, in admission order (O(n log n): for tests and tooling)."""

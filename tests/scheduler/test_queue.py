@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 from scheduler.queue import WaitingQueue
@@ -74,3 +75,26 @@ def test_discarded_items_are_compacted_once_they_are_the_majority() -> None:
     assert len(queue._heap) == 11  # the 10 live entries and the new one
     assert ids(queue) == [f"r{i}" for i in range(100, 110)] + ["last"]
     assert (len(queue), queue.num_tokens) == (11, 33)
+
+
+def test_head_is_the_first_n_live_entries_past_stale_and_discarded_items() -> None:
+    """head(n) equals the first n of ``ordered()`` after random pushes, requeues (stale
+    items) and discards, for every n."""
+    rng = random.Random(7)
+    queue: WaitingQueue[Entry] = WaitingQueue()
+    live: list[Entry] = []
+    for i in range(200):
+        e = entry(f"r{i}", rng.randrange(50), i)
+        queue.push(e)
+        live.append(e)
+        if rng.random() < 0.3:  # moved back: its old item goes stale
+            moved = rng.choice(live)
+            moved.sort_key += rng.randrange(1, 30)
+            queue.requeue(moved)
+        if rng.random() < 0.2:
+            gone = live.pop(rng.randrange(len(live)))
+            queue.discard(gone)
+    order = queue.ordered()
+    assert len(order) == len(live)
+    for n in (0, 1, 5, 16, len(order), len(order) + 3):
+        assert queue.head(n) == order[:n]
