@@ -193,14 +193,12 @@ class _AdminGate:
                 self.security.authenticate_admin(authorization)
             except (AuthError, NotAdminError) as exc:
                 # Imported here: the metrics server (a cluster replica's) stays light.
-                from server.openai_protocol import error_body
+                from server.openai_protocol import error_body, http_error
 
-                status, kind = (
-                    (401, "authentication_error")
-                    if isinstance(exc, AuthError)
-                    else (403, "permission_error")
+                err = http_error(exc)  # 401 authentication_error / 403 permission_error
+                await JSONResponse(error_body(err.message, err.kind), err.status)(
+                    scope, receive, send
                 )
-                await JSONResponse(error_body(str(exc), kind), status)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

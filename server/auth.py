@@ -67,6 +67,11 @@ class Security:
     metrics_require_key: bool = True
     admin_keys: frozenset[str] = field(default=frozenset(), repr=False)  # also in api_keys
     share_prefix_cache: bool = False
+    # The admin keys' owners, hashed once (every /metrics scrape checks them).
+    _admin_owners: frozenset[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_admin_owners", frozenset(map(key_owner, self.admin_keys)))
 
     @property
     def auth_enabled(self) -> bool:
@@ -99,7 +104,7 @@ class Security:
         owner = self.authenticate(authorization)
         if owner is None:
             return
-        if owner not in {key_owner(k) for k in self.admin_keys}:
+        if owner not in self._admin_owners:
             raise NotAdminError(
                 "this API key may not read the server's global figures (every tenant's): "
                 "use an admin key (--admin-api-key)"

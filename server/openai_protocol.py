@@ -490,9 +490,9 @@ def _set_slo(slo: pb.LatencyTargets, body: Mapping[str, Any]) -> None:
             f"got {shown(value)}"
         )
     for key in ("ttft_ms", "itl_ms"):
-        target = _typed(value, key, lambda v: _is_int(v) or isinstance(v, float), "a number")
+        target = _number(value, key)
         if target is not None:
-            setattr(slo, key, float(target))
+            setattr(slo, key, target)
 
 
 def _set_messages(

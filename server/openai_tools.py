@@ -57,12 +57,6 @@ class ToolCalls:
     def finish_reason(self) -> str:
         return "stop" if self.name is not None else "tool_calls"
 
-    def calls(self, text: str) -> list[dict[str, Any]] | None:
-        """The OpenAI ``tool_calls`` of an answer that ended with stop (the constraint makes
-        it parse); None when it does not (a stop string cut it, or an auto answer called
-        nothing), so it is answered as text."""
-        return self.split(text)[1]
-
     def split(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
         """(content, tool_calls) of a finished answer: no calls -> (text, None)."""
         try:

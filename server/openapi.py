@@ -66,13 +66,29 @@ _USAGE = _obj(
         "prompt_tokens_details": _obj({"cached_tokens": _INT}),
     }
 )
-_FINISH = _nullable({"enum": ["stop", "length", "abort", "error"]})
+_FINISH = _nullable({"enum": ["stop", "length", "abort", "error", "tool_calls"]})
 _LOGPROBS = _nullable({"type": "object"})
+_TOOL_CALL = _obj(
+    {
+        "id": _STR,
+        "type": {"enum": ["function"]},
+        "function": _obj({"name": _STR, "arguments": _STR}),
+    }
+)
 
 
 def _completion(chat: bool) -> dict[str, Any]:
     content = (
-        {"message": _obj({"role": {"enum": ["assistant"]}, "content": _STR})}
+        {
+            "message": _obj(
+                {
+                    "role": {"enum": ["assistant"]},
+                    "content": _nullable(_STR),  # null when the answer is tool calls
+                    "tool_calls": {"type": "array", "items": _TOOL_CALL},
+                },
+                optional=("tool_calls",),
+            )
+        }
         if chat
         else {"text": _STR}
     )
