@@ -363,7 +363,7 @@ class Traffic:
     async def run_one(self, scenario: Callable[[], Awaitable[None]]) -> None:
         try:
             await scenario()
-        except (grpc.aio.AioRpcError, httpx.HTTPError, OSError, TimeoutError) as exc:
+        except Exception as exc:  # an unintended outcome to report, never the soak's end
             detail = (
                 f"{exc.code().name}: {exc.details()}"
                 if isinstance(exc, grpc.aio.AioRpcError)

@@ -90,11 +90,13 @@ def run_rounds(
             kv,
         )
         for i in range(num_reqs):
-            phrase = [rng.randrange(1, vocab) for _ in range(8 if speculative else prompt_len)]
+            ids = [rng.randrange(1, vocab) for _ in range(8 if speculative else prompt_len)]
+            if speculative:  # the 8-token phrase, repeated
+                ids = [ids[j % 8] for j in range(prompt_len)]
             sched.add_request(
                 Request(
                     request_id=f"kvserve-calibration-{round_id}-{i}",
-                    prompt_token_ids=(phrase * (prompt_len // len(phrase) + 1))[:prompt_len],
+                    prompt_token_ids=ids,
                     sampling=SamplingParams(max_tokens=num_out, ignore_eos=True, temperature=0),
                 )
             )
