@@ -50,15 +50,16 @@ from loadtest.launch import ChildServer
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendor/llama.cpp we build
 SLOTS = 32
 # What one build makes: the server (chat128 peer), llama-quantize (the Q4_K_M files of the
-# `models` section) and llama-bench (pp512 / tg128).
-TARGETS = ("llama-server", "llama-quantize", "llama-bench")
+# `models` section), llama-bench (pp512 / tg128) and test-backend-ops (ggml's MUL_MAT op
+# timings, the `kernels` section's peer).
+TARGETS = ("llama-server", "llama-quantize", "llama-bench", "test-backend-ops")
 CTX_PER_SLOT = 512  # chat128 needs 256 (128 prompt + 128 output)
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",
     "-DGGML_OPENMP=ON",
     "-DBUILD_SHARED_LIBS=OFF",
-    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_TESTS=ON",  # for the test-backend-ops target alone
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_BUILD_TOOLS=ON",
     "-DLLAMA_BUILD_SERVER=ON",
