@@ -3,7 +3,7 @@ it started with decode-only steps).
 
 At batch 1 a decode step of a 4-bit model reads ~100 MB of weights, a few milliseconds; the
 same step through PyTorch also dispatches ~30 tensor ops per layer (norms, RoPE, the KV write,
-the attention gather and matmuls), milliseconds more. ``kv_decode_layers`` runs norm, QKV,
+the attention gather and matmuls), milliseconds more. ``kv_step_layers`` runs norm, QKV,
 RoPE, the paged KV write, attention over the block table, the output projection, the gated
 MLP and both residual adds of every layer in C++ (see ``kernels/kernels.cpp``), so Python
 runs the embedding lookup, one call, and the LM head.
@@ -37,7 +37,7 @@ _KV_DTYPES = {
 
 
 class FusedDecode:
-    """Binds a ``LlamaModel`` and its ``KVPool`` to ``kv_decode_layers`` (pointers taken once:
+    """Binds a ``LlamaModel`` and its ``KVPool`` to ``kv_step_layers`` (pointers taken once:
     both own their tensors for the runner's lifetime)."""
 
     def __init__(self, model: LlamaModel, pool: KVPool, sliding_window: int | None) -> None:
@@ -51,12 +51,12 @@ class FusedDecode:
         # [max_len, D/2] complex64 -> [max_len, D/2, 2] (cos, sin), viewed without a copy.
         self.rope = torch.view_as_real(model.rope_cis.squeeze(1)).contiguous()
         scales = getattr(pool, "scales", None)
-        layers = (kernels.DecodeLayer * len(model.layers))()
+        layers = (kernels.StepLayer * len(model.layers))()
         for i, layer in enumerate(model.layers):
             assert isinstance(layer.qkv, QLinear) and isinstance(layer.o, QLinear)
             assert isinstance(layer.gate_up, QLinear) and isinstance(layer.down, QLinear)
             bias = layer.qkv.bias
-            layers[i] = kernels.DecodeLayer(
+            layers[i] = kernels.StepLayer(
                 layer.input_norm.data_ptr(),
                 layer.post_norm.data_ptr(),
                 bias.data_ptr() if bias is not None else None,
@@ -69,7 +69,7 @@ class FusedDecode:
             )
         self.layers = layers
         config = model.config
-        self.step = kernels.DecodeStep()
+        self.step = kernels.StepRows()
         for name, value in (
             ("hidden_size", config.hidden_size),
             ("num_heads", config.num_heads),
@@ -83,6 +83,7 @@ class FusedDecode:
         ):
             setattr(self.step, name, value)
         self.step.eps = model.eps
+        self.step.residual = int(model.activation_bits == 16)
         self.step.rope = self.rope.data_ptr()
 
     @staticmethod
@@ -124,5 +125,5 @@ class FusedDecode:
         step.batch = batch
         step.max_blocks = width
         step.nthreads = torch.get_num_threads()
-        self.lib.kv_decode_layers(self.layers, len(self.model.layers), ctypes.byref(step))
+        self.lib.kv_step_layers(self.layers, len(self.model.layers), ctypes.byref(step))
         return hidden

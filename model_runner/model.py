@@ -256,7 +256,10 @@ class LlamaModel:
         max_model_len: int | None = None,
         use_onednn: bool | None = None,
         attention: AttentionBackend | None = None,
+        activation_bits: int = 16,
     ) -> None:
+        """``activation_bits``: the quantized kernels' activation precision
+        (``quant.ACTIVATION_BITS``)."""
         if config.architecture not in ("llama", "mistral", "qwen2"):
             raise ValueError(
                 f"unsupported architecture {config.architecture!r}: llama, mistral or qwen2"
@@ -273,6 +276,7 @@ class LlamaModel:
         elif use_onednn and (device.type != "cpu" or not onednn_works(dtype)):
             raise ValueError(f"oneDNN linear layers unavailable for {device} / {dtype}")
         self.use_onednn = use_onednn
+        self.activation_bits = activation_bits
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -308,7 +312,7 @@ class LlamaModel:
 
         def linear(w: Weight, bias: torch.Tensor | None = None) -> AnyLinear:
             if isinstance(w, (QuantWeight, QuantStack)):
-                return QLinear(w, bias)
+                return QLinear(w, bias, activation_bits)
             return Linear(final(w), bias, use_onednn)
 
         h, kvh, d = config.num_heads, config.num_kv_heads, config.head_dim

@@ -9,91 +9,66 @@
     --weights auto      native for a GGUF on CPU with fp32 compute and working kernels,
                         else float32
 
-``FORMATS`` is the one table of how each GGUF type is held: its block geometry and the
-tensors its repacked form has. A ``QuantWeight`` is one matrix in one format, in the layout
-``model_runner/kernels/kernels.cpp`` reads (its header comment draws every layout); a
-``QuantStack`` stacks the rows of several (Q, K and V of a Q4_K_M file come as Q4_K, Q4_K and
-Q6_K). Scales are fp32 (GGUF's are fp16) so that row operations at load (folding the softmax
-scale into Q) stay exact; the 6-bit packed scales of Q4_K / Q5_K are unpacked to bytes. A
-Q4_K_M file's weights are held in about 1.05x its bytes on disk.
+``FORMATS`` is the one table of how each GGUF type is held. A ``QuantWeight`` is one matrix in
+one format, held as the file's own blocks with rows interleaved 8 at a time
+(``model_runner/interleave.py`` draws the records; ``blocks()`` gives the file's bytes back);
+a ``QuantStack`` stacks the rows of several (Q, K and V of a Q4_K_M file come as Q4_K, Q4_K
+and Q6_K). A file's weights are held in its own bytes on disk.
 
-``QLinear`` has ``Linear``'s interface. It runs the kernels' integer GEMM (activations
-quantized to int8 per 32-block, as ggml's q8_0; weights unpacked a chunk of rows at a time and
-read once for every row) for every batch shape. Above ``SKINNY_MAX_ROWS`` rows (unbounded by
-default) it would instead dequantize the weight a panel at a time into a reused fp32 buffer
-and run oneDNN's GEMM on it.
+``QLinear`` has ``Linear``'s interface. It runs the kernels' quantized matmul for every batch
+shape: activations quantized to int8 per 32-block, weights decoded in registers 8 rows at a
+time and read once per step whatever the batch (``kernels/qmatmul.h``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from model_runner import kernels, onednn
+from model_runner import interleave, kernels
 
 logger = logging.getLogger(__name__)
 
-WeightsMode = Literal["auto", "float32", "native", "int8"]
 WEIGHT_MODES: tuple[str, ...] = ("auto", "float32", "native", "int8")
 QK = 32
 QK_K = 256
 
 
 class Format(NamedTuple):
-    """How one GGUF type is held: ``block`` values per block, ``block_bytes`` on disk, and
-    the repacked tensors' bytes per block (``qs``, ``qh``, ``sc``; fp32 ``d`` and ``m``)."""
+    """How one GGUF type is held: ``block`` values per block, ``block_bytes`` per block and
+    row (on disk and in memory: records are the file's bytes, rows interleaved)."""
 
     block: int
     block_bytes: int
-    qs: int
-    qh: int = 0
-    sc: int = 0
-    has_m: bool = False
 
 
-# The one table: a GGUF type is kept natively iff it is here (plus its kernels' case).
+# The one table: a GGUF type is kept natively iff it is here (plus its kernels' decoder).
 FORMATS: dict[str, Format] = {
-    "Q4_0": Format(QK, 18, 16),
-    "Q4_1": Format(QK, 20, 16, has_m=True),
-    "Q5_0": Format(QK, 22, 16, qh=4),
-    "Q5_1": Format(QK, 24, 16, qh=4, has_m=True),
-    "Q8_0": Format(QK, 34, 32),
-    "Q4_K": Format(QK_K, 144, 128, sc=16, has_m=True),
-    "Q5_K": Format(QK_K, 176, 128, qh=32, sc=16, has_m=True),
-    "Q6_K": Format(QK_K, 210, 128, qh=64, sc=16),
+    name: Format(block, size) for name, (block, size) in interleave.GEOMETRY.items()
 }
 NATIVE_GGUF_TYPES = tuple(FORMATS)
 # Parameter names (Hugging Face's) of the matrices a weights mode may quantize.
 MATRIX_SUFFIXES = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
-# Up to this many rows, the integer kernels; above, panel dequantization + oneDNN's GEMM.
-# No bound by default: the integer GEMM is about as fast as the panels from 64 rows up, and
-# one arithmetic for every batch shape keeps a row's results independent of its batch. The
-# panel path stays for measurements (set SKINNY_MAX_ROWS) and the tests.
-SKINNY_MAX_ROWS = 1 << 30
-# fp32 elements of the shared dequantization buffer (16 MiB): the LM head goes in panels.
-PANEL_ELEMENTS = 1 << 22
 
 
 @dataclass(slots=True)
 class QuantWeight:
-    """A quantized ``[out_features, in_features]`` weight in one of ``FORMATS``."""
+    """A quantized ``[out_features, in_features]`` weight in one of ``FORMATS``, held as
+    ``interleave``'s 8-row records (``[ceil(out / 8), blocks, record bytes]``, uint8): the
+    GGUF blocks' own bytes, moved so the kernels decode 8 rows in one pass."""
 
     fmt: str
-    qs: torch.Tensor  # uint8 [N, blocks * qs]
-    d: torch.Tensor  # fp32 [N, blocks]
+    records: torch.Tensor
+    out_features: int
     in_features: int
     source: str  # what it was: "Q4_K", "Q8_0", "int8", ...
-    qh: torch.Tensor | None = None  # uint8 [N, blocks * qh]
-    sc: torch.Tensor | None = None  # uint8 (int8 for Q6_K) [N, blocks * sc]
-    m: torch.Tensor | None = None  # fp32 [N, blocks]: Q4_1/Q5_1 mins, K-quant dmin
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -103,22 +78,28 @@ class QuantWeight:
             raise ValueError(
                 f"{self.fmt} rows of {self.in_features} values are not whole 256-blocks"
             )
-        n, nb = self.out_features, self.num_blocks
-        for name, per_block in (("qs", spec.qs), ("qh", spec.qh), ("sc", spec.sc)):
-            t = getattr(self, name)
-            if (t is None) != (per_block == 0) or (
-                t is not None and t.shape != (n, nb * per_block)
-            ):
-                shape = None if t is None else tuple(t.shape)
-                raise ValueError(
-                    f"{self.fmt} weight of {n}x{self.in_features}: {name} {shape} does not fit"
-                )
-        if self.d.shape != (n, nb) or (self.m is not None) != spec.has_m:
-            raise ValueError(f"{self.fmt} weight of {n}x{self.in_features}: scales do not fit")
+        want = (-(-self.out_features // interleave.ROWS), self.num_blocks,
+                interleave.record_bytes(self.fmt))  # fmt: skip
+        if tuple(self.records.shape) != want or self.records.dtype != torch.uint8:
+            raise ValueError(
+                f"{self.fmt} weight of {self.out_features}x{self.in_features}: records "
+                f"{tuple(self.records.shape)} {self.records.dtype}, want {want} uint8"
+            )
 
-    @property
-    def out_features(self) -> int:
-        return int(self.qs.shape[0])
+    @classmethod
+    def from_blocks(
+        cls, raw: np.ndarray, fmt: str, shape: tuple[int, int], source: str = ""
+    ) -> QuantWeight:
+        """From GGUF block bytes ``[n, blocks * block_bytes]`` of an ``[n, k]`` weight
+        (``k`` rounded up to whole blocks for Q8_0 rows of int8)."""
+        n, k = shape
+        spec = FORMATS[fmt]
+        records = interleave.to_records(raw, fmt, n, -(-k // spec.block) * spec.block)
+        return cls(fmt, torch.from_numpy(records), n, k, source or fmt)
+
+    def blocks(self) -> np.ndarray:
+        """The GGUF block bytes (``[out, blocks * block_bytes]``): the file's bytes."""
+        return interleave.to_blocks(self.records.numpy(), self.fmt, self.out_features)
 
     @property
     def num_blocks(self) -> int:
@@ -129,81 +110,53 @@ class QuantWeight:
         return (self.out_features, self.in_features)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.qs, self.qh, self.sc, self.d, self.m) if t is not None]
+        return [self.records]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors())
+        return self.records.nbytes
 
-    def _replace(self, **changes: Any) -> QuantWeight:
-        fields = {
-            f: getattr(self, f)
-            for f in ("fmt", "qs", "d", "in_features", "source", "qh", "sc", "m")
-        }
-        return QuantWeight(**{**fields, **changes})
+    def _with_blocks(self, raw: np.ndarray, rows: int) -> QuantWeight:
+        return QuantWeight.from_blocks(raw, self.fmt, (rows, self.in_features), self.source)
 
     def rows(self, index: torch.Tensor) -> QuantWeight:
         """The rows ``index`` (a permutation or a selection), as a new weight."""
-
-        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-            return t.index_select(0, index) if t is not None else None
-
-        return self._replace(
-            qs=pick(self.qs), d=pick(self.d), qh=pick(self.qh), sc=pick(self.sc), m=pick(self.m)
-        )
+        picked = self.blocks()[index.cpu().numpy()]
+        return self._with_blocks(picked, len(picked))
 
     def scaled(self, factor: float) -> QuantWeight:
-        """``factor * W`` (scales only, so exact up to fp32 rounding of the scales)."""
-        m = self.m * factor if self.m is not None else None
-        return self._replace(d=self.d * factor, m=m)
+        """``factor * W``: the fp16 block scales (and mins) times ``factor``, rounded to fp16
+        (exact for a power of two, such as a 64-wide head's softmax scale)."""
+        raw = self.blocks().reshape(self.out_features, self.num_blocks, -1).copy()
+        for lo in _SCALE_OFFSETS[self.fmt]:
+            half = raw[..., lo : lo + 2].copy().view(np.float16)
+            scaled = (half.astype(np.float32) * np.float32(factor)).astype(np.float16)
+            raw[..., lo : lo + 2] = scaled.view(np.uint8)
+        return self._with_blocks(raw.reshape(self.out_features, -1), self.out_features)
 
     def dequantize(self) -> torch.Tensor:
-        """fp32 ``[N, K]``: the reference the kernels are tested against (pure torch)."""
-        n, nb = self.out_features, self.num_blocks
-        spec = FORMATS[self.fmt]
-        qs = self.qs.view(n, nb, spec.qs)
-        if self.fmt in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
-            q = torch.cat([qs & 0x0F, qs >> 4], dim=2).to(torch.int32)
-            if self.qh is not None:
-                h = self.qh.view(n, nb, 4).to(torch.int64)
-                bits = h[..., 0] | h[..., 1] << 8 | h[..., 2] << 16 | h[..., 3] << 24
-                q = q | (((bits.unsqueeze(2) >> torch.arange(32)) & 1) << 4).to(torch.int32)
-            d = self.d.unsqueeze(2)
-            if self.m is not None:
-                w = q.float() * d + self.m.unsqueeze(2)
-            else:
-                w = (q - (16 if self.qh is not None else 8)).float() * d
-        elif self.fmt == "Q8_0":
-            w = qs.view(torch.int8).float() * self.d.unsqueeze(2)
-        elif self.fmt in ("Q4_K", "Q5_K"):
-            # [n, nb, 4 chunks, 2 halves, 32]: low nibbles are sub-block 2j, high ones 2j + 1.
-            chunks = qs.view(n, nb, 4, 32)
-            q = torch.stack([chunks & 0x0F, chunks >> 4], dim=3).to(torch.int32)
-            if self.qh is not None:
-                h = self.qh.view(n, nb, 1, 1, 32).to(torch.int32)
-                shift = torch.arange(8, dtype=torch.int32).view(1, 1, 4, 2, 1)
-                q = q | (((h >> shift) & 1) << 4)
-            assert self.sc is not None and self.m is not None
-            sc = self.sc.view(n, nb, 16).float()
-            scale = (self.d.unsqueeze(2) * sc[..., :8]).view(n, nb, 4, 2, 1)
-            low = (self.m.unsqueeze(2) * sc[..., 8:]).view(n, nb, 4, 2, 1)
-            w = q.float() * scale - low
-        else:  # Q6_K: element 128 half + 32 c + l; low nibbles of ql[64 half + 32 (c % 2) + l]
-            assert self.qh is not None and self.sc is not None  # (c < 2) or high (c >= 2),
-            ql = qs.view(n, nb, 2, 2, 32).to(torch.int32)  # bits 2c, 2c + 1 of qh[32 half + l]
-            lo = torch.stack([ql & 0x0F, ql >> 4], dim=3).reshape(n, nb, 2, 4, 32)
-            qh = self.qh.view(n, nb, 2, 1, 32).to(torch.int32)
-            hi = (qh >> (2 * torch.arange(4, dtype=torch.int32)).view(1, 1, 1, 4, 1)) & 3
-            q = ((lo | hi << 4) - 32).view(n, nb, 2, 4, 2, 16).float()
-            sc = self.sc.view(torch.int8).view(n, nb, 2, 4, 2, 1).float()  # one per 16 values
-            w = q * sc * self.d.view(n, nb, 1, 1, 1, 1)
-        return w.reshape(n, nb * spec.block)[:, : self.in_features].contiguous()
+        """fp32 ``[N, K]`` by gguf-py's numpy dequantizer (the file format's reference, not
+        our code): what the kernels are tested against."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        values = dequantize(self.blocks(), GGMLQuantizationType[self.fmt])
+        values = np.asarray(values, dtype=np.float32).reshape(self.out_features, -1)
+        return torch.from_numpy(np.ascontiguousarray(values[:, : self.in_features]))
+
+
+# Byte offsets of each format's fp16 scales (and mins) inside a block.
+_SCALE_OFFSETS: dict[str, tuple[int, ...]] = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}  # fmt: skip
 
 
 @dataclass(slots=True)
 class QuantStack:
     """Rows of several ``QuantWeight``s of one ``in_features`` and different formats,
-    stacked (the kernels take up to ``kernels.MAX_PARTS``)."""
+    stacked (the kernels take up to ``kernels.MAX_PARTS``; every part but the last has whole
+    8-row groups)."""
 
     parts: tuple[QuantWeight, ...]
 
@@ -252,65 +205,38 @@ def cat_rows(weights: list[QuantWeight]) -> QuantMatrix:
     merged = [_cat_same(run) for run in runs]
     if len(merged) > kernels.MAX_PARTS:
         raise ValueError(f"{len(merged)} format runs: the kernels take {kernels.MAX_PARTS}")
+    if any(p.out_features % interleave.ROWS for p in merged[:-1]):
+        raise ValueError(
+            "stacked formats need whole 8-row groups before the last part: "
+            + ", ".join(f"{p.fmt} x {p.out_features}" for p in merged)
+        )
     return merged[0] if len(merged) == 1 else QuantStack(tuple(merged))
 
 
 def _cat_same(weights: list[QuantWeight]) -> QuantWeight:
     if len(weights) == 1:
         return weights[0]
-
-    def cat(name: str) -> torch.Tensor | None:
-        ts = [getattr(w, name) for w in weights]
-        return torch.cat(ts) if ts[0] is not None else None
-
     sources = "+".join(dict.fromkeys(w.source for w in weights))
-    return weights[0]._replace(
-        qs=cat("qs"), d=cat("d"), qh=cat("qh"), sc=cat("sc"), m=cat("m"), source=sources
-    )
+    rows = sum(w.out_features for w in weights)
+    if all(w.out_features % interleave.ROWS == 0 for w in weights[:-1]):
+        records = torch.cat([w.records for w in weights])  # whole groups: records concatenate
+        return QuantWeight(weights[0].fmt, records, rows, weights[0].in_features, sources)
+    raw = np.concatenate([w.blocks() for w in weights])
+    return QuantWeight.from_blocks(raw, weights[0].fmt, (rows, weights[0].in_features), sources)
 
 
 # ---------------------------------------------------------------------- making weights
 
 
 def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantWeight:
-    """Repack a GGUF tensor of a ``FORMATS`` type (raw block bytes, ``[N, bytes per row]``)."""
+    """A GGUF tensor of a ``FORMATS`` type (raw block bytes, ``[N, bytes per row]``)."""
     if type_name not in FORMATS:
         raise ValueError(f"GGUF type {type_name} is not kept natively ({', '.join(FORMATS)})")
-    n, k = shape
+    k = shape[1]
     spec = FORMATS[type_name]
     if k % spec.block:
         raise ValueError(f"{type_name} rows of {k} values are not whole {spec.block}-blocks")
-    nb = k // spec.block
-    blocks = np.ascontiguousarray(raw).reshape(n, nb, spec.block_bytes)
-
-    def half(lo: int) -> torch.Tensor:
-        return torch.from_numpy(
-            blocks[:, :, lo : lo + 2].copy().view(np.float16).reshape(n, nb).astype(np.float32)
-        )
-
-    def take(lo: int, width: int) -> torch.Tensor:
-        return torch.from_numpy(blocks[:, :, lo : lo + width].reshape(n, nb * width).copy())
-
-    if type_name == "Q8_0":
-        return QuantWeight(type_name, take(2, 32), half(0), k, type_name)
-    if type_name == "Q4_0":
-        return QuantWeight(type_name, take(2, 16), half(0), k, type_name)
-    if type_name == "Q4_1":
-        return QuantWeight(type_name, take(4, 16), half(0), k, type_name, m=half(2))
-    if type_name == "Q5_0":
-        return QuantWeight(type_name, take(6, 16), half(0), k, type_name, qh=take(2, 4))
-    if type_name == "Q5_1":
-        return QuantWeight(type_name, take(8, 16), half(0), k, type_name, qh=take(4, 4), m=half(2))
-    if type_name == "Q6_K":
-        return QuantWeight(
-            type_name, take(0, 128), half(208), k, type_name, qh=take(128, 64), sc=take(192, 16)
-        )
-    sc = torch.from_numpy(unpack_k_scales(blocks[:, :, 4:16]).reshape(n, nb * 16))
-    if type_name == "Q4_K":
-        return QuantWeight(type_name, take(16, 128), half(0), k, type_name, sc=sc, m=half(2))
-    return QuantWeight(
-        type_name, take(48, 128), half(0), k, type_name, qh=take(16, 32), sc=sc, m=half(2)
-    )
+    return QuantWeight.from_blocks(raw, type_name, shape)
 
 
 def unpack_k_scales(packed: np.ndarray) -> np.ndarray:
@@ -326,38 +252,40 @@ def unpack_k_scales(packed: np.ndarray) -> np.ndarray:
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantWeight:
-    """Symmetric int8 per output channel: ``w[n, :] ~= q[n, :] * s[n]``, ``s = amax / 127``,
-    held as Q8_0 blocks that all carry the row's scale."""
+    """Symmetric int8 per output channel: ``w[n, :] ~= q[n, :] * s[n]``, ``s = amax / 127``
+    (fp16, as Q8_0 holds it), held as Q8_0 blocks that all carry the row's scale."""
     w = weight.detach().to(torch.float32)
     n, k = w.shape
     kb = -(-k // QK)
-    scale = w.abs().amax(dim=1) / 127.0
-    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    q = torch.round(w * inv.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
-    padded = torch.zeros(n, kb * QK, dtype=torch.int8)
-    padded[:, :k] = q
-    d = scale.unsqueeze(1).expand(n, kb).contiguous()
-    return QuantWeight("Q8_0", padded.view(torch.uint8), d, k, "int8")
+    scale = (w.abs().amax(dim=1) / 127.0).to(torch.float16)
+    s32 = scale.to(torch.float32)
+    inv = torch.where(s32 > 0, 1.0 / s32, torch.zeros_like(s32))
+    q = torch.zeros(n, kb * QK, dtype=torch.int8)
+    q[:, :k] = torch.round(w * inv.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
+    raw = np.empty((n, kb, 34), dtype=np.uint8)
+    raw[:, :, 0:2] = scale.numpy().view(np.uint8).reshape(n, 1, 2)
+    raw[:, :, 2:] = q.view(torch.uint8).numpy().reshape(n, kb, 32)
+    return QuantWeight.from_blocks(raw.reshape(n, -1), "Q8_0", (n, k), "int8")
 
 
 def quantize_q4(weight: torch.Tensor) -> QuantWeight:
-    """Asymmetric 4-bit per 32-block (Q4_1's rule: ``d = (max - min) / 15``, ``m = min``);
-    used by the tests to make q4 weights of any shape."""
+    """Asymmetric 4-bit per 32-block (Q4_1's rule: ``d = (max - min) / 15``, ``m = min``, both
+    fp16); used by the tests to make q4 weights of any shape (``k`` a multiple of 32)."""
     w = weight.detach().to(torch.float32)
     n, k = w.shape
-    kb = -(-k // QK)
-    padded = torch.zeros(n, kb * QK)
-    padded[:, :k] = w
-    blocks = padded.view(n, kb, QK)
-    lo = blocks.amin(dim=2)
-    hi = blocks.amax(dim=2)
-    d = (hi - lo) / 15.0
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.round((blocks - lo.unsqueeze(2)) * inv.unsqueeze(2)).clamp_(0, 15).to(torch.uint8)
-    qs = (q[:, :, : QK // 2] | (q[:, :, QK // 2 :] << 4)).reshape(n, kb * QK // 2)
-    # Padding beyond k dequantizes to whatever the block's rule gives: the kernels multiply it
-    # by zero activations, and the m term uses the sum of the real activations only.
-    return QuantWeight("Q4_1", qs.contiguous(), d.contiguous(), k, "q4", m=lo.contiguous())
+    if k % QK:
+        raise ValueError(f"quantize_q4 needs rows of whole 32-blocks, got {k}")
+    blocks = w.view(n, k // QK, QK)
+    lo = blocks.amin(dim=2).to(torch.float16)
+    d = ((blocks.amax(dim=2) - lo.float()) / 15.0).to(torch.float16)
+    inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros(d.shape))
+    q = torch.round((blocks - lo.float().unsqueeze(2)) * inv.unsqueeze(2)).clamp_(0, 15)
+    q = q.to(torch.uint8)
+    raw = np.empty((n, k // QK, 20), dtype=np.uint8)
+    raw[..., 0:2] = d.numpy().view(np.uint8).reshape(n, -1, 2)
+    raw[..., 2:4] = lo.numpy().view(np.uint8).reshape(n, -1, 2)
+    raw[..., 4:] = (q[:, :, : QK // 2] | (q[:, :, QK // 2 :] << 4)).numpy()
+    return QuantWeight.from_blocks(raw.reshape(n, -1), "Q4_1", (n, k), "q4")
 
 
 def resolve_weights_mode(
@@ -406,44 +334,39 @@ def quantize_matrices(
 # ---------------------------------------------------------------------- running them
 
 
-class _Panel(threading.local):
-    """A reused fp32 buffer for dequantized weight panels (one per thread)."""
-
-    def __init__(self) -> None:
-        self.buffer = torch.empty(0)
-
-    def get(self, numel: int) -> torch.Tensor:
-        if self.buffer.numel() < numel:
-            self.buffer = torch.empty(numel)
-        return self.buffer[:numel]
-
-
-_panel = _Panel()
-
-
 def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr() if t is not None else None
 
 
 def describe(weight: QuantMatrix) -> kernels.QW:
-    """The kernels' view of a weight (pointers into its tensors: keep the weight alive)."""
+    """The kernels' view of a weight (pointers into its records: keep the weight alive)."""
     parts = weight.parts if isinstance(weight, QuantStack) else (weight,)
     qw = kernels.QW(len(parts), weight.out_features, weight.in_features, 0)
     for i, p in enumerate(parts):
         qw.parts[i] = kernels.QPart(
-            kernels.FORMAT_CODES[p.fmt], p.out_features,
-            *(_ptr(t) for t in (p.qs, p.qh, p.sc, p.d, p.m)),
-        )  # fmt: skip
+            kernels.FORMAT_CODES[p.fmt], p.out_features, p.records.data_ptr()
+        )
     return qw
+
+
+# Activation precision of the kernels (``--activation-bits``): 16 = int8 plus a residual byte
+# (~15 bits, two vpdpbusd per weight vector), 8 = int8 alone (ggml's q8_0 precision).
+ACTIVATION_BITS = (16, 8)
 
 
 class QLinear:
     """``y = x @ W.T + b`` over a ``QuantWeight`` / ``QuantStack``, with ``Linear``'s fused
-    epilogues. ``x`` is fp32 ``[M, K]`` with unit stride along K; results are fp32."""
+    epilogues. ``x`` is fp32 ``[M, K]`` with unit stride along K; results are fp32.
+    ``activation_bits``: see ``ACTIVATION_BITS``."""
 
-    __slots__ = ("_qw", "bias", "lib", "out_features", "weight")
+    __slots__ = ("_qw", "bias", "lib", "out_features", "residual", "weight")
 
-    def __init__(self, weight: QuantMatrix, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: QuantMatrix, bias: torch.Tensor | None, activation_bits: int = 16
+    ) -> None:
+        if activation_bits not in ACTIVATION_BITS:
+            raise ValueError(f"activation_bits {activation_bits}: use 16 or 8")
+        self.residual = activation_bits == 16
         lib = kernels.load()
         if lib is None:
             raise RuntimeError(f"quantized kernels unavailable: {kernels.unavailable_reason()}")
@@ -468,41 +391,11 @@ class QLinear:
         self.lib.kv_qgemm(
             ctypes.byref(self._qw), x.data_ptr(), x.shape[0], x.stride(0), out.data_ptr(),
             out.stride(0), _ptr(self.bias), _ptr(residual), res_ld, epilogue,
-            torch.get_num_threads(),
+            int(self.residual), torch.get_num_threads(),
         )  # fmt: skip
         return out
 
-    def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        """Prefill: ``x @ W.T`` through panels of dequantized rows and a GEMM: oneDNN's on the
-        plain panel where it works (about 2x torch.matmul's speed here), else torch's."""
-        n, k = self.weight.shape
-        rows = max(1, min(n, PANEL_ELEMENTS // k))
-        threads = torch.get_num_threads()
-        use_onednn = onednn.plain_weights_work()
-        if use_onednn:
-            x = x.contiguous()
-        out: torch.Tensor | None = None
-        for r0 in range(0, n, rows):
-            r1 = min(n, r0 + rows)
-            panel = _panel.get((r1 - r0) * k).view(r1 - r0, k)
-            self.lib.kv_dequant(
-                ctypes.byref(self._qw), None, r0, r1 - r0, panel.data_ptr(), k, threads
-            )
-            part = onednn.linear(x, panel, None, "none", [], "") if use_onednn else x @ panel.t()
-            if r0 == 0 and r1 == n:
-                out = part
-            else:
-                if out is None:
-                    out = torch.empty(x.shape[0], n, dtype=torch.float32)
-                out[:, r0:r1] = part
-        assert out is not None
-        if self.bias is not None:
-            out.add_(self.bias)
-        return out
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > SKINNY_MAX_ROWS:
-            return self._dense(x)
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         return self._gemm(x, out, kernels.EPI_NONE)
 
@@ -516,8 +409,6 @@ class QLinear:
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + linear(x)`` (a new tensor; ``residual`` is not modified)."""
-        if x.shape[0] > SKINNY_MAX_ROWS:
-            return self._dense(x).add_(residual)
         residual = _rows(residual, self.out_features)
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         return self._gemm(x, out, kernels.EPI_ADD, residual)
@@ -525,9 +416,6 @@ class QLinear:
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(x @ Wg.T) * (x @ Wu.T)`` for a weight holding gate rows then up rows."""
         inter = self.out_features // 2
-        if x.shape[0] > SKINNY_MAX_ROWS:
-            gu = self._dense(x)
-            return F.silu(gu[:, :inter]).mul_(gu[:, inter:])
         out = torch.empty(x.shape[0], inter, dtype=torch.float32)
         return self._gemm(x, out, kernels.EPI_SILU_MUL)
 

@@ -100,6 +100,7 @@ class TorchRunner:
         attention_backend: str = "auto",
         cuda_graphs: bool | None = None,
         constraints: ConstraintTracker | None = None,
+        activation_bits: int = 16,
     ) -> None:
         """``num_blocks=None`` sizes the pool from ``kv_budget_bytes`` (default: see
         ``kv_pool.default_kv_budget_bytes``), measured after the weights are on the device.
@@ -116,7 +117,9 @@ class TorchRunner:
         ``model_runner.attention_backends`` (``auto``: torch on CPU). ``cuda_graphs``
         replays decode-only steps from CUDA graphs (``model_runner.cuda_graphs``); None = on
         CUDA with the Triton backend. ``constraints``: the matchers of constrained requests
-        (structured outputs); their masks are computed on a thread while the model runs."""
+        (structured outputs); their masks are computed on a thread while the model runs.
+        ``activation_bits``: the quantized kernels' activation precision (16, the default,
+        keeps the answers of the dequantized model; 8 is ggml's; see ``quant.ACTIVATION_BITS``)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.sliding_window = sliding_window or config.sliding_window
@@ -145,7 +148,14 @@ class TorchRunner:
             attention_sinks=attention_sinks,
         )
         self.model = LlamaModel(
-            config, state_dict, self.dtype, self.device, max_len, use_onednn, self.attention
+            config,
+            state_dict,
+            self.dtype,
+            self.device,
+            max_len,
+            use_onednn,
+            self.attention,
+            activation_bits=activation_bits,
         )
         on_triton_cuda = self.device.type == "cuda" and self.attention.name == "triton"
         if cuda_graphs and not on_triton_cuda:

@@ -101,6 +101,7 @@ def _torch_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]
         attention_sinks=cfg.attention_sinks,
         attention_backend=cfg.attention_backend,
         constraints=constraint_tracker(loaded.tokenizer, loaded.config.vocab_size),
+        activation_bits=cfg.activation_bits,
     )
     del loaded.state_dict  # the runner holds its own copy of the weights
     return_freed_memory()  # the fused projections' parts, freed into malloc's arenas

@@ -117,7 +117,7 @@ _COMPONENTS = {"scheduler": SchedulerConfig, "kv cache": KVCacheConfig}
 def _opt(
     help_text: str,
     *,
-    choices: Sequence[str] | None = None,
+    choices: Sequence[str | int] | None = None,
     group: str = "server",
     repeat: bool = False,
 ) -> Any:
@@ -272,6 +272,13 @@ class ServerConfig:
         "auto: a GGUF's own quantization on CPU (kvserve's kernels), else float; float32: "
         "dequantize; native: keep GGUF Q4_0/Q4_1/Q8_0; int8: quantize every matrix per channel",
         choices=("auto", "float32", "native", "int8"),
+        group="model",
+    )
+    activation_bits: int = _f(
+        16,
+        "quantized weights: the kernels' activation precision; 16: int8 plus a residual byte "
+        "(~15 bits, the dequantized model's answers), 8: int8 alone (ggml's; faster prefill)",
+        choices=(16, 8),
         group="model",
     )
     attention_backend: str = _f(

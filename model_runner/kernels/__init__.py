@@ -5,7 +5,7 @@ once per ISA family and linked into one library with a dispatcher:
 
     portable   plain C++, any CPU
     avx2       AVX2 + FMA + F16C (Zen 3 and the like)
-    avx512     AVX-512 F/BW/VL + VNNI (Zen 4, Zen 5): vpdpbusd on zmm
+    avx512     AVX-512 F/BW/VL + VNNI (Zen 4, Zen 5): vpdpbusd on ymm, 32 registers
 
 The family is chosen at load from cpuid: the best the CPU has, or ``KVSERVE_ISA``
 (``auto``, ``avx512``, ``avx2``, ``portable``; a family the CPU lacks falls back to the best
@@ -35,7 +35,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels.cpp")
+SOURCE = Path(__file__).with_name("kernels.cpp")  # includes the headers beside it
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
 # Per ISA family: the -m flags its object is compiled with (the dispatcher gets none).
 VARIANT_FLAGS: dict[str, tuple[str, ...]] = {
@@ -82,11 +82,9 @@ def variants() -> tuple[str, ...]:
 
 
 class QPart(ctypes.Structure):
-    """Rows of a weight in one format (``model_runner.quant.QuantWeight``'s tensors)."""
+    """Rows of a weight in one format (``model_runner.quant.QuantWeight``'s records)."""
 
-    _fields_ = [("fmt", _I32), ("rows", _I32)] + [
-        (name, _P) for name in ("qs", "qh", "sc", "d", "m")
-    ]
+    _fields_ = [("fmt", _I32), ("rows", _I32), ("rec", _P)]
 
 
 class QW(ctypes.Structure):
@@ -102,8 +100,8 @@ class QW(ctypes.Structure):
     ]
 
 
-class DecodeLayer(ctypes.Structure):
-    """One layer's weights and KV pool slice for ``kv_decode_layers``."""
+class StepLayer(ctypes.Structure):
+    """One layer's weights and KV pool slice for ``kv_step_layers``."""
 
     _fields_ = [
         ("input_norm", _P),
@@ -118,8 +116,8 @@ class DecodeLayer(ctypes.Structure):
     ]
 
 
-class DecodeStep(ctypes.Structure):
-    """One step's rows for ``kv_decode_layers``."""
+class StepRows(ctypes.Structure):
+    """One step's rows for ``kv_step_layers``."""
 
     _fields_ = [
         ("hidden", _P),
@@ -144,14 +142,20 @@ class DecodeStep(ctypes.Structure):
             )
         ],
         ("eps", ctypes.c_float),
-        ("pad", _I32),
+        ("residual", _I32),
     ]
 
 
 def _library_name() -> str:
     flags = " ".join(FLAGS) + repr(sorted(VARIANT_FLAGS.items())) + repr(variants())
-    digest = hashlib.sha256(SOURCE.read_bytes() + flags.encode()).hexdigest()[:12]
+    sources = b"".join(p.read_bytes() for p in _sources())
+    digest = hashlib.sha256(sources + flags.encode()).hexdigest()[:12]
     return f"libkvserve_kernels-{digest}.so"
+
+
+def _sources() -> list[Path]:
+    """kernels.cpp and the headers it includes (all of them name the library)."""
+    return [SOURCE, *sorted(SOURCE.parent.glob("*.h"))]
 
 
 def _build_dirs() -> list[Path]:
@@ -248,20 +252,16 @@ def load() -> ctypes.CDLL | None:
         lib.kv_omp_max_threads.restype = _I
         lib.kv_weight_rows.argtypes = [ctypes.POINTER(QW)]
         lib.kv_weight_rows.restype = _I64
-        lib.kv_qgemm.argtypes = [_P, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I]
+        lib.kv_qgemm.argtypes = [_P, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I]
         lib.kv_qgemm.restype = None
         lib.kv_dequant.argtypes = [_P, _P, _I64, _I, _P, _I, _I]
         lib.kv_dequant.restype = None
-        lib.kv_decode_layers.argtypes = [
-            ctypes.POINTER(DecodeLayer),
-            _I,
-            ctypes.POINTER(DecodeStep),
-        ]
-        lib.kv_decode_layers.restype = None
+        lib.kv_step_layers.argtypes = [ctypes.POINTER(StepLayer), _I, ctypes.POINTER(StepRows)]
+        lib.kv_step_layers.restype = None
         lib.kv_decode_struct_sizes.argtypes = [_I]
         lib.kv_decode_struct_sizes.restype = _I
         sizes = [lib.kv_decode_struct_sizes(i) for i in range(4)]
-        if sizes != [ctypes.sizeof(t) for t in (QW, DecodeLayer, DecodeStep, QPart)]:
+        if sizes != [ctypes.sizeof(t) for t in (QW, StepLayer, StepRows, QPart)]:
             _reason = f"kernel struct sizes {sizes} differ from the Python side's"
             logger.warning("quantized CPU kernels unusable (%s): fp32 weights instead", _reason)
             return None

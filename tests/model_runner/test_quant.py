@@ -1,18 +1,15 @@
 """Quantized weights and kvserve's CPU kernels (model_runner/quant.py, model_runner/kernels).
 
 Every GGUF format the kernels keep (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, and int8
-per row) x every ISA family this CPU has (avx512, avx2, portable) x M = 1..64 rows x K and N
-tails x 1 and 2 threads, against the reference: the activations quantized to int8 per
-32-block exactly as the kernels do it (``act_reference``), times the dequantized weights, in
-float64. The integer dot products are exact, so the kernels may differ from it by fp32
-rounding of the scale products and sums (measured ~3e-7 of max|y|) and, where the residual's
-rounding lands on a tie that fp32 breaks the other way, by one residual unit of one value
-(measured 2e-5): |err| <= 5e-5 * max|y|.
-Against the plain fp32 matmul (no activation quantization) the error is the int8 rounding of
-the activations: |err| <= 2e-2 * max|y| on random data (measured ~5e-3).
-The panel path (above ``SKINNY_MAX_ROWS`` rows, unbounded by default and set to 64 by the
-``panels`` fixture: dequantized panels + oneDNN's GEMM, or torch's where oneDNN is missing)
-equals the fp32 matmul to 1e-5.
+per row) x both activation precisions (16: int8 plus a residual byte, 8: int8) x every ISA
+family this CPU has (avx512, avx2, portable) x M = 1..64 rows x K and N tails x 1 and 2
+threads, against the reference: the activations quantized per 32-block exactly as the kernels
+do it (``act_reference``), times the dequantized weights, in float64. The integer dot products
+are exact, so the kernels may differ from it by fp32 rounding of the scale products and sums
+(measured ~3e-7 of max|y|) and, where the residual's rounding lands on a tie that fp32 breaks
+the other way, by one residual unit of one value: |err| <= 5e-5 * max|y|.
+Against the plain fp32 matmul (no activation quantization) the error is the rounding of the
+activations: |err| <= 2e-2 * max|y| on random data for int8, 2e-4 with the residual.
 """
 
 from __future__ import annotations
@@ -37,13 +34,6 @@ def isa(request: pytest.FixtureRequest) -> str:
     kernels.use_isa(before)
 
 
-@pytest.fixture
-def panels(monkeypatch: pytest.MonkeyPatch) -> int:
-    """QLinear takes the panel path above 64 rows (the default is the integer GEMM always)."""
-    monkeypatch.setattr(quant, "SKINNY_MAX_ROWS", 64)
-    return 64
-
-
 @pytest.fixture(params=[1, 2])
 def threads(request: pytest.FixtureRequest) -> int:
     before = torch.get_num_threads()
@@ -66,26 +56,28 @@ def make_weight(fmt: str, n: int, k: int, seed: int = 0) -> quant.QuantWeight:
     return quant.quantize_int8(w) if fmt == "int8" else quant.quantize_q4(w)
 
 
-def act_reference(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernels see it: per 32-block d = amax / 127, a1 = round(x / d), and the
-    residual's a2 = round(256 (x - d a1) / d) clamped to +-127 (round half to even, in fp32
-    as the kernels compute it): x ~= d a1 + d / 256 a2."""
+def act_reference(x: torch.Tensor, bits: int = 16) -> torch.Tensor:
+    """x as the kernels see it, per 32-block: d = amax / 127, a1 = round(x * (1 / d)) and, with
+    16 bits, the residual's a2 = round((x - a1 * d) * (256 / d)) clamped to +-127 (round half
+    to even, fp32 as the kernels compute it): x ~= d a1 + d / 256 a2."""
     m, k = x.shape
     kp = -(-k // 32) * 32
     padded = torch.zeros(m, kp)
     padded[:, :k] = x
     blocks = padded.view(m, kp // 32, 32)
     d = blocks.abs().amax(dim=2, keepdim=True) / 127.0
-    safe = torch.where(d > 0, d, 1.0)
-    a1 = torch.where(d > 0, torch.round(blocks / safe), 0.0)
-    a2 = torch.where(d > 0, torch.round((blocks - a1 * d) * 256.0 / safe), 0.0).clamp_(-127, 127)
-    unit = (d.double() / 256.0).float()  # the kernels' unit, d / 256 in fp32
-    return ((256.0 * a1 + a2).double() * unit.double()).view(m, kp)[:, :k]
+    inv = torch.where(d > 0, 1.0 / d, 0.0)
+    a1 = torch.round(blocks * inv)
+    if bits == 8:
+        return (a1.double() * d.double()).view(m, kp)[:, :k]
+    a2 = torch.round((blocks - a1 * d) * (256.0 * inv)).clamp_(-127, 127)
+    unit = (d / 256.0).double()  # the kernels' unit, d / 256 in fp32
+    return ((256.0 * a1 + a2).double() * unit).view(m, kp)[:, :k]
 
 
-def reference(w: quant.QuantMatrix, x: torch.Tensor) -> torch.Tensor:
-    """The kernels' int8 activations times the dequantized weights, in float64."""
-    return act_reference(x).double() @ w.dequantize().double().T
+def reference(w: quant.QuantMatrix, x: torch.Tensor, bits: int = 16) -> torch.Tensor:
+    """The kernels' quantized activations times the dequantized weights, in float64."""
+    return act_reference(x, bits).double() @ w.dequantize().double().T
 
 
 def assert_close(y: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
@@ -100,9 +92,9 @@ ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 31, 40, 64]
 
 
 def shapes(fmt: str) -> list[tuple[int, int]]:
-    """N tails (7, 33: not whole 4-row groups or 16-row chunks) and K tails: K-quants come in
-    whole 256-blocks, so their K tail is 768 (not a multiple of 512); 32-block formats go
-    down to K = 32 and 160 (not a multiple of 64, the kernels' step)."""
+    """N tails (7, 33: not whole 8-row records) and K tails: K-quants come in whole
+    256-blocks, so their K tail is 768 (not a multiple of 512); 32-block formats go down to
+    K = 32 and 160 (not a multiple of 64)."""
     if fmt in ("Q4_K", "Q5_K", "Q6_K"):
         return [(64, 256), (7, 768), (33, 512)]
     return [(64, 96), (7, 32), (33, 160)]
@@ -111,33 +103,49 @@ def shapes(fmt: str) -> list[tuple[int, int]]:
 CASES = [(fmt, n, k) for fmt in FORMATS for n, k in shapes(fmt)]
 
 
+@pytest.mark.parametrize("bits", quant.ACTIVATION_BITS)
 @pytest.mark.parametrize("fmt, n, k", CASES)
 def test_gemm_matches_the_reference(
-    fmt: str, n: int, k: int, isa: str, threads: int, monkeypatch: pytest.MonkeyPatch
+    fmt: str, n: int, k: int, bits: int, isa: str, threads: int
 ) -> None:
-    """y = x W^T for M = 1..64 rows (every micro-tile and tail; the fused step runs them up to
-    its batch size) equals the int8-activation reference to fp32 rounding."""
-    monkeypatch.setattr(quant, "SKINNY_MAX_ROWS", max(ROWS))
+    """y = x W^T for M = 1..64 rows (every column tile and tail; the fused step runs them up
+    to its batch size) equals the quantized-activation reference to fp32 rounding."""
     w = make_weight(fmt, n, k)
-    lin = quant.QLinear(w, None)
+    lin = quant.QLinear(w, None, bits)
     for m in ROWS:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         y = lin(x)
         assert y.shape == (m, n)
-        assert_close(y, reference(w, x), KERNEL_TOL)
+        assert_close(y, reference(w, x, bits), KERNEL_TOL)
 
 
+@pytest.mark.parametrize("bits, tol", [(8, 2e-2), (16, 2e-4)])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_gemm_is_close_to_the_fp32_matmul(fmt: str) -> None:
-    """Against x @ dequantize(W).T with fp32 activations the error is the activations' int8
-    rounding: within 2e-2 of max|y|, and far from zero (the kernels do quantize)."""
+def test_gemm_is_close_to_the_fp32_matmul(fmt: str, bits: int, tol: float) -> None:
+    """Against x @ dequantize(W).T with fp32 activations the error is the activations'
+    rounding: within 2e-2 of max|y| for int8, 2e-4 with the residual byte, and far from zero
+    (the kernels do quantize)."""
     n, k = shapes(fmt)[0]
     w = make_weight(fmt, n, k, seed=4)
     x = torch.randn(8, k, generator=torch.Generator().manual_seed(8))
-    y = quant.QLinear(w, None)(x)
+    y = quant.QLinear(w, None, bits)(x)
     exact = x.double() @ w.dequantize().double().T
-    assert_close(y, exact, 2e-2)
-    assert (y.double() - exact).abs().max().item() > 1e-6 * exact.abs().max().item()
+    assert_close(y, exact, tol)
+    assert (y.double() - exact).abs().max().item() > 1e-8 * exact.abs().max().item()
+
+
+@pytest.mark.parametrize("bits", quant.ACTIVATION_BITS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_rows_result_does_not_depend_on_its_batch(fmt: str, bits: int, isa: str) -> None:
+    """Bit for bit, each row of an M-row product (M = 64: eight full column tiles; 13: a
+    tail) equals the same row computed alone: the column tiles run one arithmetic."""
+    n, k = shapes(fmt)[2]
+    lin = quant.QLinear(make_weight(fmt, n, k), None, bits)
+    for m in (64, 13):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        together = lin(x)
+        for i in (0, 5, m - 1):
+            assert torch.equal(lin(x[i : i + 1]), together[i : i + 1]), (m, i)
 
 
 @pytest.mark.parametrize("k", [45, 100, 33])
@@ -145,7 +153,7 @@ def test_int8_odd_k_is_zero_padded(k: int, isa: str, threads: int) -> None:
     """int8 per-channel weights with K not a multiple of 32 (padded blocks) give the
     reference's results for every row count."""
     w = make_weight("int8", 19, k, seed=k)
-    assert w.qs.shape == (19, w.num_blocks * 32) and w.dequantize().shape == (19, k)
+    assert w.records.shape == (3, w.num_blocks, 272) and w.dequantize().shape == (19, k)
     lin = quant.QLinear(w, None)
     for m in ROWS:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
@@ -172,46 +180,11 @@ def test_every_isa_family_gives_the_same_numbers() -> None:
         kernels.use_isa(before)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_prefill_rows_use_panels_and_match_dequantized(fmt: str, threads: int, panels: int) -> None:
-    """Above SKINNY_MAX_ROWS (and with the LM head split into several panels) QLinear equals
-    x @ dequantize(W).T to fp32 rounding."""
-    n, k = shapes(fmt)[0]
-    w = make_weight(fmt, n, k)
-    lin = quant.QLinear(w, torch.randn(n))
-    for m in (quant.SKINNY_MAX_ROWS + 1, 100):
-        x = torch.randn(m, k)
-        assert_close(lin(x), x @ w.dequantize().T + lin.bias, 1e-5)
-    old = quant.PANEL_ELEMENTS
-    quant.PANEL_ELEMENTS = k * 7  # 7-row panels: full panels and a tail
-    try:
-        x = torch.randn(quant.SKINNY_MAX_ROWS + 5, k)
-        assert_close(lin(x), x @ w.dequantize().T + lin.bias, 1e-5)
-    finally:
-        quant.PANEL_ELEMENTS = old
-
-
-def test_panels_fall_back_to_torch_matmul_without_onednn(
-    monkeypatch: pytest.MonkeyPatch, panels: int
-) -> None:
-    """Where oneDNN cannot run a plain weight, the panel path uses torch.matmul: same result."""
-    from model_runner import onednn
-
-    w = make_weight("Q4_1", 40, 64)
-    lin = quant.QLinear(w, torch.randn(40))
-    x = torch.randn(100, 64)
-    fast = lin(x)
-    monkeypatch.setattr(onednn, "plain_weights_work", lambda: False)
-    slow = lin(x)
-    assert_close(slow, x @ w.dequantize().T + lin.bias, 1e-5)
-    assert_close(fast, slow, 1e-5)
-
-
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("m", [1, 5, 40, 70])
-def test_fused_epilogues(fmt: str, m: int, isa: str, panels: int) -> None:
+def test_fused_epilogues(fmt: str, m: int, isa: str) -> None:
     """add (residual + xW^T + b) and silu_mul (silu(x Wg^T) * x Wu^T) equal the unfused ops on
-    the same kernel results, on the integer and the panel path."""
+    the same kernel results."""
     n, k = 64, 256
     w = make_weight(fmt, n, k)
     bias = torch.randn(n)
@@ -281,7 +254,7 @@ def test_row_operations_are_exact() -> None:
 
 
 @pytest.mark.parametrize("m", [1, 6, 70])
-def test_mixed_format_stack_runs_each_part_in_its_format(m: int, isa: str, panels: int) -> None:
+def test_mixed_format_stack_runs_each_part_in_its_format(m: int, isa: str) -> None:
     """A QKV stack of Q4_K, Q4_K and Q6_K rows (as a Q4_K_M file has them) equals the
     reference, with every epilogue: the gate/up split falls inside the stack."""
     parts = [make_weight("Q4_K", 24, 256), make_weight("Q6_K", 16, 256, seed=1),
@@ -289,12 +262,7 @@ def test_mixed_format_stack_runs_each_part_in_its_format(m: int, isa: str, panel
     stack = quant.cat_rows(parts)
     lin = quant.QLinear(stack, None)
     x = torch.randn(m, 256)
-    ref = (
-        reference(stack, x)
-        if m <= quant.SKINNY_MAX_ROWS
-        else x.double() @ stack.dequantize().double().T
-    )
-    assert_close(lin(x), ref, KERNEL_TOL if m <= quant.SKINNY_MAX_ROWS else 1e-5)
+    assert_close(lin(x), reference(stack, x), KERNEL_TOL)
     gu = lin(x)
     torch.testing.assert_close(lin.silu_mul(x), torch.nn.functional.silu(gu[:, :24]) * gu[:, 24:])
 
@@ -306,17 +274,28 @@ def test_embedding_rows_dequantize_exactly() -> None:
     torch.testing.assert_close(quant.QEmbedding(w)(ids), w.dequantize()[ids], rtol=0, atol=0)
 
 
-def test_nbytes_stay_near_the_file_size() -> None:
-    """Resident bytes per format against GGUF's bytes on disk: the K-quants and Q8_0 within
-    6 % (fp32 super-block scales, unpacked 6-bit scales), Q4_0 / Q5_0 within 11 %, Q4_1 /
-    Q5_1 within 20 % (fp32 d and m per 32-block)."""
-    n, k = 64, 512
-    bound = {"Q4_0": 1.12, "Q4_1": 1.2, "Q5_0": 1.1, "Q5_1": 1.17, "Q8_0": 1.06,
-             "Q4_K": 1.06, "Q5_K": 1.05, "Q6_K": 1.01}  # fmt: skip
+def test_weights_are_held_in_the_files_bytes() -> None:
+    """Resident bytes equal GGUF's bytes on disk (records are the blocks' own bytes), plus
+    the zero rows that fill a last record of fewer than 8 rows."""
+    k = 512
     for fmt, spec in quant.FORMATS.items():
-        disk = n * k // spec.block * spec.block_bytes
-        held = make_weight(fmt, n, k).nbytes
-        assert disk <= held <= bound[fmt] * disk, (fmt, held / disk)
+        for n in (64, 13):
+            disk = -(-n // 8) * 8 * k // spec.block * spec.block_bytes
+            assert make_weight(fmt, n, k).nbytes == disk, fmt
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("n", [8, 13, 40])
+def test_interleaved_layout_round_trips_to_the_files_bytes(fmt: str, n: int) -> None:
+    """Records give back the GGUF blocks byte for byte (arbitrary bytes, not only valid
+    weights), for whole and partial 8-row groups."""
+    spec = quant.FORMATS[fmt]
+    k = 2 * spec.block * (3 if spec.block == 32 else 1)
+    raw = np.random.default_rng(n).integers(0, 256, (n, k // spec.block * spec.block_bytes),
+                                            dtype=np.uint8)  # fmt: skip
+    w = quant.QuantWeight.from_blocks(raw, fmt, (n, k))
+    assert np.array_equal(w.blocks(), raw)
+    assert np.array_equal(w.rows(torch.arange(n - 1, -1, -1)).blocks(), raw[::-1])
 
 
 def test_weights_mode_resolution() -> None:
@@ -358,16 +337,13 @@ def quantized_pair(kind: str, fmt: str, **kwargs: object) -> tuple[object, torch
     return runner, hf
 
 
-def hf_logits_int8_acts(hf: torch.nn.Module, ids: list[int], rows: int) -> torch.Tensor:
-    """transformers' logits with every Linear fed the kernels' int8 activations (per row,
-    per 32-block) when its input has at most ``rows`` rows, as the kernels run it; above,
-    fp32 activations, as the panel path runs it."""
+def hf_logits_quantized_acts(hf: torch.nn.Module, ids: list[int], bits: int) -> torch.Tensor:
+    """transformers' logits with every Linear fed the kernels' quantized activations (per
+    row, per 32-block), as the kernels run it."""
     from tests.model_runner.oracle import hf_logits
 
     def forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] <= rows:
-            flat = act_reference(flat.float()).to(x.dtype)
+        flat = act_reference(x.reshape(-1, x.shape[-1]).float(), bits).to(x.dtype)
         return torch.nn.functional.linear(flat.view(x.shape), self.weight, self.bias)
 
     original = torch.nn.Linear.forward
@@ -378,35 +354,32 @@ def hf_logits_int8_acts(hf: torch.nn.Module, ids: list[int], rows: int) -> torch
         torch.nn.Linear.forward = original  # type: ignore[method-assign]
 
 
+@pytest.mark.parametrize("bits, tol", [(16, 2e-3), (8, 5e-2)])
 @pytest.mark.parametrize("kind", ["llama", "llama-gqa", "qwen2"])
 @pytest.mark.parametrize("fmt", ["int8", "q4"])
 def test_quantized_model_tracks_its_dequantized_reference(
-    kind: str, fmt: str, monkeypatch: pytest.MonkeyPatch, panels: int
+    kind: str, fmt: str, bits: int, tol: float
 ) -> None:
-    """Prefill (kernel rows and panel rows) and decode logits of the quantized model equal
-    transformers' on the dequantized weights with the kernels' int8 activations (the panel
-    rows: fp32 ones). Rows through the integer kernels: within 5e-2 of max|logit| (an
-    activation on the other side of an int8 rounding boundary, from fp32 differences
-    upstream, moves logits: measured from 2e-6 up to 2.8 % on these tiny random models; a
-    plumbing error is O(1)); panel rows within 1e-4 (the fp32 oracle's)."""
-    from model_runner import runner as runner_module
+    """Prefill and decode logits of the quantized model equal transformers' on the
+    dequantized weights with the kernels' quantized activations: within 5e-2 of max|logit|
+    for int8 activations (an activation on the other side of a rounding boundary, from fp32
+    differences upstream, moves logits: measured up to 2.8 % on these tiny random models; a
+    plumbing error is O(1)), 2e-3 with the residual byte (a boundary there is 256x finer)."""
     from tests.model_runner.oracle import plan, random_ids, seq
 
-    # The 80-token prompt is over the fused step's row bound: the torch path's panels.
-    monkeypatch.setattr(runner_module, "FUSED_MAX_ROWS", quant.SKINNY_MAX_ROWS)
-    runner, hf = quantized_pair(kind, fmt)
+    runner, hf = quantized_pair(kind, fmt, activation_bits=bits)
     assert runner.info.extra["weights"] in ("int8", "q4")
     ids = random_ids(80, seed=5)
     blocks = list(range(13))
-    ref = hf_logits_int8_acts(hf, ids[:24], quant.SKINNY_MAX_ROWS)
+    ref = hf_logits_quantized_acts(hf, ids, bits)
     short = runner.step_logits(plan(0, prefill=[seq("a", ids, 0, 20, blocks)]))["a"]
-    assert_close(short, ref[:20], 5e-2)
+    assert_close(short, ref[:20], tol)
     for pos in range(20, 24):
         out = runner.step_logits(plan(pos, decode=[seq("a", ids, pos, pos + 1, blocks)]))["a"]
-        assert_close(out, ref[pos : pos + 1], 5e-2)
+        assert_close(out, ref[pos : pos + 1], tol)
     long_blocks = list(range(20, 40))
     long = runner.step_logits(plan(9, prefill=[seq("b", ids, 0, 80, long_blocks)]))["b"]
-    torch.testing.assert_close(long, hf_logits_int8_acts(hf, ids, 0), rtol=0, atol=1e-4)
+    assert_close(long, ref, tol)
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama-gqa", "qwen2", "mistral"])
@@ -436,14 +409,15 @@ def test_fused_decode_equals_the_torch_path(kind: str, kv_dtype: str, isa: str) 
         for r in prompts:
             assert_close(got[r], want[r], 5e-2)
             prompts[r] = [*prompts[r], int(want[r][-1].argmax())]
-    # Layer 0's K/V come before any int8 activation boundary can differ; deeper layers'
-    # within 5e-2 of max, as the logits.
+    # Layer 0's K/V: the two paths' RMS norms round differently in fp32, which can move one
+    # activation by one residual unit (d / 256): within 1e-4; deeper layers' within 5e-2 of
+    # max, as the logits.
     if kv_dtype == "int8":
         diff = (fused.pool.data[0].int() - plain.pool.data[0].int()).abs().max().item()
         assert diff <= 1
         torch.testing.assert_close(fused.pool.scales[0], plain.pool.scales[0], rtol=1e-5, atol=1e-7)
     else:
-        atol = 1e-5 if kv_dtype == "float32" else 2e-3
+        atol = 1e-4 if kv_dtype == "float32" else 2e-3
         torch.testing.assert_close(
             fused.pool.data[0].float(), plain.pool.data[0].float(), rtol=0, atol=atol
         )
@@ -470,7 +444,7 @@ def test_mixed_steps_run_fused_and_equal_the_torch_path(kind: str, isa: str) -> 
     plain, _ = quantized_pair(kind, "q4", fused_decode=False)
     calls = []
     lib = fused._fused.lib  # type: ignore[union-attr]
-    original = lib.kv_decode_layers
+    original = lib.kv_step_layers
 
     def counting(*args: object) -> None:
         calls.append(1)
@@ -481,7 +455,7 @@ def test_mixed_steps_run_fused_and_equal_the_torch_path(kind: str, isa: str) -> 
     first = plan(0, prefill=[seq("a", a, 0, 22, ta), seq("b", b, 0, 10, tb)])
     second = plan(1, prefill=[seq("b", b, 10, 30, tb), seq("c", c, 0, 12, tc)],
                   decode=[seq("a", a, 22, 23, ta)])  # fmt: skip
-    lib.kv_decode_layers = counting
+    lib.kv_step_layers = counting
     try:
         for step in (first, second):
             got = fused.step_logits(step)
@@ -491,19 +465,19 @@ def test_mixed_steps_run_fused_and_equal_the_torch_path(kind: str, isa: str) -> 
                 assert got[r].shape == want[r].shape
                 assert_close(got[r], want[r], 5e-2)
     finally:
-        lib.kv_decode_layers = original
+        lib.kv_step_layers = original
     assert len(calls) == 2, "each mixed step is one kernel call"
-    # Layer 0's K/V come before any int8 activation boundary can differ: fp32 rounding.
-    torch.testing.assert_close(fused.pool.data[0], plain.pool.data[0], rtol=0, atol=1e-5)
+    # Layer 0's K/V: fp32 rounding of the two RMS norms, at most one residual unit (above).
+    torch.testing.assert_close(fused.pool.data[0], plain.pool.data[0], rtol=0, atol=1e-4)
     assert_close(fused.pool.data, plain.pool.data, 5e-2)
     big = plan(2, prefill=[seq("z", random_ids(40, seed=9), 0, 40, list(range(50, 60)))])
     runner_module.FUSED_MAX_ROWS, old = 32, runner_module.FUSED_MAX_ROWS
     try:
-        lib.kv_decode_layers = counting
+        lib.kv_step_layers = counting
         fused.step_logits(big)  # over the row bound: the torch path
     finally:
         runner_module.FUSED_MAX_ROWS = old
-        lib.kv_decode_layers = original
+        lib.kv_step_layers = original
     assert len(calls) == 2
 
 
