@@ -250,6 +250,8 @@ def load() -> ctypes.CDLL | None:
         lib.kv_set_isa.argtypes = [_I]
         lib.kv_set_isa.restype = _I
         lib.kv_omp_max_threads.restype = _I
+        lib.kv_stream_read.argtypes = [_P, _I64, _I]
+        lib.kv_stream_read.restype = ctypes.c_uint64
         lib.kv_weight_rows.argtypes = [ctypes.POINTER(QW)]
         lib.kv_weight_rows.restype = _I64
         lib.kv_qgemm.argtypes = [_P, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I]

@@ -385,6 +385,20 @@ int kv_set_isa(int isa) {
 
 int kv_omp_max_threads(void) { return omp_get_max_threads(); }
 
+// Reads `bytes` (a multiple of 64) from p with `nthreads` threads, each a contiguous slice, and
+// returns a checksum (so the reads cannot be optimized away): the read bandwidth a weight
+// stream can reach, measured the way the kernels read (bench_kernels divides by the time).
+uint64_t kv_stream_read(const void* p, int64_t bytes, int nthreads) {
+  const uint64_t* w = static_cast<const uint64_t*>(p);
+  const int64_t n = bytes / 8;
+  uint64_t sum = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(^ : sum)
+  for (int64_t i = 0; i < n; i += 8) {
+    sum ^= (w[i] + w[i + 1]) ^ (w[i + 2] + w[i + 3]) ^ (w[i + 4] + w[i + 5]) ^ (w[i + 6] + w[i + 7]);
+  }
+  return sum;
+}
+
 // Rows of the weight: -1 when its parts do not add up to n (a caller's bug).
 int64_t kv_weight_rows(const QW* w) { return check_sizes(*w) == w->n ? w->n : -1; }
 

@@ -456,35 +456,50 @@ inline V dot4(V acc, V w, V a) {
 template <bool SIGNED, bool RES, int NC, int I0, int N>
 inline void col_dots(const V* w, const int8_t* ap, int64_t lda, int plane, V* out) {
   constexpr int CH = NC >= 4 ? 1 : NC >= 2 ? 2 : 4;
-  V part[NC * CH];
+  // Few columns: the planes a1 and a2 sum apart (no chain runs through both); more columns
+  // have parallelism enough, and registers for one accumulator each: a1, shift, then a2.
+  constexpr int P = RES && NC < 4 ? 2 : 1;
+  V part[P][NC * CH];
+#pragma GCC unroll 2
+  for (int pl = 0; pl < P; ++pl) {
 #pragma GCC unroll 16
-  for (int j = 0; j < NC * CH; ++j) part[j] = _mm256_setzero_si256();
+    for (int j = 0; j < NC * CH; ++j) part[pl][j] = _mm256_setzero_si256();
+  }
 #pragma GCC unroll 8
   for (int i = 0; i < N; ++i) {
+#pragma GCC unroll 2
+    for (int pl = 0; pl < P; ++pl) {
 #pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) {
-      V& p = part[c * CH + i % CH];
-      p = dot4<SIGNED>(p, w[I0 + i], bcast4(ap + c * lda + 4 * (I0 + i)));
+      for (int c = 0; c < NC; ++c) {
+        V& p = part[pl][c * CH + i % CH];
+        p = dot4<SIGNED>(p, w[I0 + i], bcast4(ap + pl * plane + c * lda + 4 * (I0 + i)));
+      }
     }
   }
-  if (RES) {
+  if (RES && P == 1) {
 #pragma GCC unroll 16
-    for (int j = 0; j < NC * CH; ++j) part[j] = _mm256_slli_epi32(part[j], 8);
+    for (int j = 0; j < NC * CH; ++j) part[0][j] = _mm256_slli_epi32(part[0][j], 8);
 #pragma GCC unroll 8
     for (int i = 0; i < N; ++i) {
 #pragma GCC unroll 8
       for (int c = 0; c < NC; ++c) {
-        V& p = part[c * CH + i % CH];
+        V& p = part[0][c * CH + i % CH];
         p = dot4<SIGNED>(p, w[I0 + i], bcast4(ap + plane + c * lda + 4 * (I0 + i)));
       }
     }
   }
 #pragma GCC unroll 8
   for (int c = 0; c < NC; ++c) {
-    V t = part[c * CH];
-    if (CH == 4) t = _mm256_add_epi32(_mm256_add_epi32(t, part[c * CH + 1]), _mm256_add_epi32(part[c * CH + 2], part[c * CH + 3]));
-    if (CH == 2) t = _mm256_add_epi32(t, part[c * CH + 1]);
-    out[c] = t;
+    V t[P];
+#pragma GCC unroll 2
+    for (int pl = 0; pl < P; ++pl) {
+      t[pl] = part[pl][c * CH];
+      if (CH == 4)
+        t[pl] = _mm256_add_epi32(_mm256_add_epi32(t[pl], part[pl][c * CH + 1]),
+                                 _mm256_add_epi32(part[pl][c * CH + 2], part[pl][c * CH + 3]));
+      if (CH == 2) t[pl] = _mm256_add_epi32(t[pl], part[pl][c * CH + 1]);
+    }
+    out[c] = P == 2 ? _mm256_add_epi32(_mm256_slli_epi32(t[0], 8), t[P - 1]) : t[0];
   }
 }
 
@@ -592,33 +607,54 @@ inline FZ join(F lo, F hi) { return _mm512_insertf32x8(_mm512_castps256_ps512(lo
 
 template <bool RES, int NC, int I0, int N>
 inline void col_dots16(const Z* w, const int8_t* ap, int64_t lda, int plane, Z* out) {
-  Z part[NC];
-#pragma GCC unroll 8
-  for (int c = 0; c < NC; ++c) part[c] = _mm512_setzero_si512();
+  constexpr int CH = NC >= 4 ? 1 : NC >= 2 ? 2 : 4;  // chains and planes as col_dots
+  constexpr int P = RES && NC < 4 ? 2 : 1;
+  Z part[P][NC * CH];
+#pragma GCC unroll 2
+  for (int pl = 0; pl < P; ++pl) {
+#pragma GCC unroll 16
+    for (int j = 0; j < NC * CH; ++j) part[pl][j] = _mm512_setzero_si512();
+  }
 #pragma GCC unroll 8
   for (int i = 0; i < N; ++i) {
+#pragma GCC unroll 2
+    for (int pl = 0; pl < P; ++pl) {
 #pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) {
-      int32_t v;
-      memcpy(&v, ap + c * lda + 4 * (I0 + i), 4);
-      part[c] = _mm512_dpbusd_epi32(part[c], w[I0 + i], _mm512_set1_epi32(v));
+      for (int c = 0; c < NC; ++c) {
+        int32_t v;
+        memcpy(&v, ap + pl * plane + c * lda + 4 * (I0 + i), 4);
+        Z& p = part[pl][c * CH + i % CH];
+        p = _mm512_dpbusd_epi32(p, w[I0 + i], _mm512_set1_epi32(v));
+      }
     }
   }
-  if (RES) {
-#pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) part[c] = _mm512_slli_epi32(part[c], 8);
+  if (RES && P == 1) {
+#pragma GCC unroll 16
+    for (int j = 0; j < NC * CH; ++j) part[0][j] = _mm512_slli_epi32(part[0][j], 8);
 #pragma GCC unroll 8
     for (int i = 0; i < N; ++i) {
 #pragma GCC unroll 8
       for (int c = 0; c < NC; ++c) {
         int32_t v;
         memcpy(&v, ap + plane + c * lda + 4 * (I0 + i), 4);
-        part[c] = _mm512_dpbusd_epi32(part[c], w[I0 + i], _mm512_set1_epi32(v));
+        Z& p = part[0][c * CH + i % CH];
+        p = _mm512_dpbusd_epi32(p, w[I0 + i], _mm512_set1_epi32(v));
       }
     }
   }
 #pragma GCC unroll 8
-  for (int c = 0; c < NC; ++c) out[c] = part[c];
+  for (int c = 0; c < NC; ++c) {
+    Z t[P];
+#pragma GCC unroll 2
+    for (int pl = 0; pl < P; ++pl) {
+      t[pl] = part[pl][c * CH];
+      if (CH == 4)
+        t[pl] = _mm512_add_epi32(_mm512_add_epi32(t[pl], part[pl][c * CH + 1]),
+                                 _mm512_add_epi32(part[pl][c * CH + 2], part[pl][c * CH + 3]));
+      if (CH == 2) t[pl] = _mm512_add_epi32(t[pl], part[pl][c * CH + 1]);
+    }
+    out[c] = P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(t[0], 8), t[P - 1]) : t[0];
+  }
 }
 
 // y[r * ldy + c], r < 16: rows of rec0 then rec1 (the same format), c < NC.
@@ -783,7 +819,7 @@ inline const uint8_t* group_records(const QW& w, int64_t g, int& fmt, int& nrec)
 
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
-constexpr int PAIR_MIN_M = 2;
+constexpr int PAIR_MIN_M = 1;
 
 // y[r * ldy + c] for the rows of ng (1 or 2) groups from g, activation rows c0 .. c0 + nc - 1.
 void run_rows(const QW& w, int g, int ng, const Acts& a, int c0, int nc, float* y, int ldy) {
@@ -819,6 +855,8 @@ void qgemm(const QW& w, const float* x, int M, int ldx, float* out, int ldo, con
   // Row blocks of 2 groups (zmm, where the variant has it) from PAIR_MIN_M activation rows;
   // a lone vpdpbusd stream at M = 1 is bandwidth-bound and ymm reads it as fast.
   const int per = M >= PAIR_MIN_M ? 2 : 1, blocks = (groups + per - 1) / per;
+  // Columns a tile takes: 8, or 4 with the residual (8 would spill its twice as many sums).
+  const int cols = residual ? 4 : 8;
   const int nt = (int64_t)nout * K * M >= 32768 && blocks > 1 ? imin(nthreads, blocks) : 1;
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
@@ -828,8 +866,8 @@ void qgemm(const QW& w, const float* x, int M, int ldx, float* out, int ldo, con
     for (int blk = b0; blk < b1; ++blk) {
       const int g = blk * per, ng = imin(per, groups - g);
       const int rows = imin(ng * ROWS, nout - ROWS * g);
-      for (int c0 = 0; c0 < M; c0 += 8) {
-        const int nc = imin(8, M - c0);
+      for (int c0 = 0; c0 < M; c0 += cols) {
+        const int nc = imin(cols, M - c0);
         run_rows(w, g, ng, acts, c0, nc, yg, 8);
         if (epilogue == EPI_SILU_MUL) run_rows(w, g + up, ng, acts, c0, nc, yu, 8);
         for (int r = 0; r < rows; ++r) {
