@@ -503,14 +503,15 @@ inline void col_dots(const V* w, const int8_t* ap, int64_t lda, int plane, V* ou
   }
 }
 
-// y[r * ldy + c] = dot(W row r of the group, x row c0 + c), r < 8, c < NC, over nrec records.
+// acc[8 c + r] += dot(W row r of the group, x row c0 + c) over nrec records, r < 8, c < NC.
 // The float arithmetic of one (row, column) is the same sequence for every NC (and RES only
-// changes the integers), so a row's result does not depend on its batch.
+// changes the integers; a K range split across calls continues the same sum), so a row's
+// result does not depend on its batch.
 template <class D, bool RES, int NC>
-void tile(const uint8_t* rec, int nrec, const Acts& a, int c0, float* y, int ldy) {
+void tile(const uint8_t* rec, int nrec, const Acts& a, int c0, float* acc_io, int ldc) {
   F acc[NC];  // the column loops unroll fully so that acc stays in registers
 #pragma GCC unroll 8
-  for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+  for (int c = 0; c < NC; ++c) acc[c] = _mm256_loadu_ps(acc_io + ldc * c);
   const int8_t* aq = a.q + (int64_t)c0 * a.lda;
   const float* au = a.u + (int64_t)c0 * a.KB;
   for (int b = 0; b < nrec; ++b, rec += D::RECORD) {
@@ -550,47 +551,43 @@ void tile(const uint8_t* rec, int nrec, const Acts& a, int c0, float* y, int ldy
       }
     }
   }
-  for (int c = 0; c < NC; ++c) {
-    alignas(32) float t[8];
-    _mm256_store_ps(t, acc[c]);
-    for (int r = 0; r < ROWS; ++r) y[(int64_t)r * ldy + c] = t[r];
-  }
+  for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc_io + ldc * c, acc[c]);
 }
 
 template <class D, bool RES>
-void tiles_of(const uint8_t* rec, int nrec, const Acts& a, int c0, int nc, float* y, int ldy) {
+void tiles_of(const uint8_t* rec, int nrec, const Acts& a, int c0, int nc, float* acc, int ldc) {
   switch (nc) {
-    case 8: tile<D, RES, 8>(rec, nrec, a, c0, y, ldy); break;
-    case 7: tile<D, RES, 7>(rec, nrec, a, c0, y, ldy); break;
-    case 6: tile<D, RES, 6>(rec, nrec, a, c0, y, ldy); break;
-    case 5: tile<D, RES, 5>(rec, nrec, a, c0, y, ldy); break;
-    case 4: tile<D, RES, 4>(rec, nrec, a, c0, y, ldy); break;
-    case 3: tile<D, RES, 3>(rec, nrec, a, c0, y, ldy); break;
-    case 2: tile<D, RES, 2>(rec, nrec, a, c0, y, ldy); break;
-    default: tile<D, RES, 1>(rec, nrec, a, c0, y, ldy); break;
+    case 8: tile<D, RES, 8>(rec, nrec, a, c0, acc, ldc); break;
+    case 7: tile<D, RES, 7>(rec, nrec, a, c0, acc, ldc); break;
+    case 6: tile<D, RES, 6>(rec, nrec, a, c0, acc, ldc); break;
+    case 5: tile<D, RES, 5>(rec, nrec, a, c0, acc, ldc); break;
+    case 4: tile<D, RES, 4>(rec, nrec, a, c0, acc, ldc); break;
+    case 3: tile<D, RES, 3>(rec, nrec, a, c0, acc, ldc); break;
+    case 2: tile<D, RES, 2>(rec, nrec, a, c0, acc, ldc); break;
+    default: tile<D, RES, 1>(rec, nrec, a, c0, acc, ldc); break;
   }
 }
 
 template <class D>
-void tiles(const uint8_t* rec, int nrec, const Acts& a, int c0, int nc, float* y, int ldy) {
+void tiles(const uint8_t* rec, int nrec, const Acts& a, int c0, int nc, float* acc, int ldc) {
   if (a.residual) {
-    tiles_of<D, true>(rec, nrec, a, c0, nc, y, ldy);
+    tiles_of<D, true>(rec, nrec, a, c0, nc, acc, ldc);
   } else {
-    tiles_of<D, false>(rec, nrec, a, c0, nc, y, ldy);
+    tiles_of<D, false>(rec, nrec, a, c0, nc, acc, ldc);
   }
 }
 
-// y[r * ldy + c] for the 8 rows of a record run and activation rows c0 .. c0 + nc - 1.
-void group_tile(int fmt, const uint8_t* rec, int nrec, const Acts& a, int c0, int nc, float* y, int ldy) {
+// acc[ldc c + r] += the 8 rows of a record run times activation rows c0 .. c0 + nc - 1.
+void group_tile(int fmt, const uint8_t* rec, int nrec, const Acts& a, int c0, int nc, float* acc, int ldc) {
   switch (fmt) {
-    case Q4_0: tiles<DecQ4_0>(rec, nrec, a, c0, nc, y, ldy); break;
-    case Q4_1: tiles<DecQ4_1>(rec, nrec, a, c0, nc, y, ldy); break;
-    case Q5_0: tiles<DecQ5<false>>(rec, nrec, a, c0, nc, y, ldy); break;
-    case Q5_1: tiles<DecQ5<true>>(rec, nrec, a, c0, nc, y, ldy); break;
-    case Q8_0: tiles<DecQ8_0>(rec, nrec, a, c0, nc, y, ldy); break;
-    case Q4_K: tiles<DecQK<false>>(rec, nrec, a, c0, nc, y, ldy); break;
-    case Q5_K: tiles<DecQK<true>>(rec, nrec, a, c0, nc, y, ldy); break;
-    default: tiles<DecQ6_K>(rec, nrec, a, c0, nc, y, ldy); break;
+    case Q4_0: tiles<DecQ4_0>(rec, nrec, a, c0, nc, acc, ldc); break;
+    case Q4_1: tiles<DecQ4_1>(rec, nrec, a, c0, nc, acc, ldc); break;
+    case Q5_0: tiles<DecQ5<false>>(rec, nrec, a, c0, nc, acc, ldc); break;
+    case Q5_1: tiles<DecQ5<true>>(rec, nrec, a, c0, nc, acc, ldc); break;
+    case Q8_0: tiles<DecQ8_0>(rec, nrec, a, c0, nc, acc, ldc); break;
+    case Q4_K: tiles<DecQK<false>>(rec, nrec, a, c0, nc, acc, ldc); break;
+    case Q5_K: tiles<DecQK<true>>(rec, nrec, a, c0, nc, acc, ldc); break;
+    default: tiles<DecQ6_K>(rec, nrec, a, c0, nc, acc, ldc); break;
   }
 }
 
@@ -657,12 +654,12 @@ inline void col_dots16(const Z* w, const int8_t* ap, int64_t lda, int plane, Z* 
   }
 }
 
-// y[r * ldy + c], r < 16: rows of rec0 then rec1 (the same format), c < NC.
+// acc[16 c + r] += ..., r < 16: rows of rec0 then rec1 (the same format), c < NC.
 template <class D, bool RES, int NC>
-void tile16(const uint8_t* rec0, const uint8_t* rec1, int nrec, const Acts& a, int c0, float* y, int ldy) {
+void tile16(const uint8_t* rec0, const uint8_t* rec1, int nrec, const Acts& a, int c0, float* acc_io) {
   FZ acc[NC];
 #pragma GCC unroll 8
-  for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
+  for (int c = 0; c < NC; ++c) acc[c] = _mm512_loadu_ps(acc_io + 16 * c);
   const int8_t* aq = a.q + (int64_t)c0 * a.lda;
   const float* au = a.u + (int64_t)c0 * a.KB;
   for (int b = 0; b < nrec; ++b, rec0 += D::RECORD, rec1 += D::RECORD) {
@@ -712,64 +709,175 @@ void tile16(const uint8_t* rec0, const uint8_t* rec1, int nrec, const Acts& a, i
       }
     }
   }
-  for (int c = 0; c < NC; ++c) {
-    alignas(64) float t[16];
-    _mm512_store_ps(t, acc[c]);
-    for (int r = 0; r < 2 * ROWS; ++r) y[(int64_t)r * ldy + c] = t[r];
+  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc_io + 16 * c, acc[c]);
+}
+
+// Large M: a row block's K chunk decoded once into an L1 buffer (one 32-block of 16 rows per
+// entry), then every column tile reads it back; the same per-lane arithmetic as tile16.
+struct Unpacked {
+  Z w[8];
+  FZ S0, O0, S1, O1;  // S1 / O1: the second 16-half's (Q6_K), else unused
+};
+
+template <class D>
+void unpack16(const uint8_t* rec0, const uint8_t* rec1, int nrec, Unpacked* out) {
+  for (int b = 0; b < nrec; ++b, rec0 += D::RECORD, rec1 += D::RECORD) {
+    const D d0(rec0), d1(rec1);
+    for (int sub = 0; sub < D::SUBS; ++sub, ++out) {
+      V lo[8], hi[8];
+      d0.unpack(sub, lo);
+      d1.unpack(sub, hi);
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) out->w[i] = join(lo[i], hi[i]);
+      if constexpr (D::HALVES) {
+        F s0a, o0a, s1a, o1a, s0b, o0b, s1b, o1b;
+        d0.scales16(sub, s0a, o0a, s1a, o1a);
+        d1.scales16(sub, s0b, o0b, s1b, o1b);
+        out->S0 = join(s0a, s0b);
+        out->O0 = join(o0a, o0b);
+        out->S1 = join(s1a, s1b);
+        out->O1 = join(o1a, o1b);
+      } else {
+        F sa, oa, sb, ob;
+        d0.scales(sub, sa, oa);
+        d1.scales(sub, sb, ob);
+        out->S0 = join(sa, sb);
+        out->O0 = join(oa, ob);
+      }
+    }
   }
 }
 
-template <class D, bool RES>
-void tiles16_of(const uint8_t* r0, const uint8_t* r1, int nrec, const Acts& a, int c0, int nc, float* y, int ldy) {
+template <bool RES, bool HALVES, int NC>
+void tile16u(const Unpacked* u, int nsub, const Acts& a, int c0, float* acc_io) {
+  FZ acc[NC];
+#pragma GCC unroll 8
+  for (int c = 0; c < NC; ++c) acc[c] = _mm512_loadu_ps(acc_io + 16 * c);
+  const int8_t* aq = a.q + (int64_t)c0 * a.lda;
+  const float* au = a.u + (int64_t)c0 * a.KB;
+  for (int kb = 0; kb < nsub; ++kb, ++u) {
+    const int8_t* ap = aq + 32 * kb;
+    if constexpr (HALVES) {
+      Z i0[NC], i1[NC];
+      col_dots16<RES, NC, 0, 4>(u->w, ap, a.lda, a.K32, i0);
+      col_dots16<RES, NC, 4, 4>(u->w, ap, a.lda, a.K32, i1);
+      const float* as = a.s16 + (int64_t)c0 * 2 * a.KB + 2 * kb;
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) {
+        const FZ du = _mm512_set1_ps(au[(int64_t)c * a.KB + kb]);
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[c]), _mm512_mul_ps(u->S0, du), acc[c]);
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[c]), _mm512_mul_ps(u->S1, du), acc[c]);
+        acc[c] = _mm512_fmadd_ps(u->O0, _mm512_set1_ps(as[(int64_t)c * 2 * a.KB]), acc[c]);
+        acc[c] = _mm512_fmadd_ps(u->O1, _mm512_set1_ps(as[(int64_t)c * 2 * a.KB + 1]), acc[c]);
+      }
+    } else {
+      Z isum[NC];
+      col_dots16<RES, NC, 0, 8>(u->w, ap, a.lda, a.K32, isum);
+      const float* as = a.s + (int64_t)c0 * a.KB + kb;
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) {
+        const FZ du = _mm512_set1_ps(au[(int64_t)c * a.KB + kb]);
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[c]), _mm512_mul_ps(u->S0, du), acc[c]);
+        acc[c] = _mm512_fmadd_ps(u->O0, _mm512_set1_ps(as[(int64_t)c * a.KB]), acc[c]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc_io + 16 * c, acc[c]);
+}
+
+template <bool RES, bool HALVES>
+void tiles16u_of(const Unpacked* u, int nsub, const Acts& a, int c0, int nc, float* acc) {
   switch (nc) {
-    case 8: tile16<D, RES, 8>(r0, r1, nrec, a, c0, y, ldy); break;
-    case 7: tile16<D, RES, 7>(r0, r1, nrec, a, c0, y, ldy); break;
-    case 6: tile16<D, RES, 6>(r0, r1, nrec, a, c0, y, ldy); break;
-    case 5: tile16<D, RES, 5>(r0, r1, nrec, a, c0, y, ldy); break;
-    case 4: tile16<D, RES, 4>(r0, r1, nrec, a, c0, y, ldy); break;
-    case 3: tile16<D, RES, 3>(r0, r1, nrec, a, c0, y, ldy); break;
-    case 2: tile16<D, RES, 2>(r0, r1, nrec, a, c0, y, ldy); break;
-    default: tile16<D, RES, 1>(r0, r1, nrec, a, c0, y, ldy); break;
+    case 8: tile16u<RES, HALVES, 8>(u, nsub, a, c0, acc); break;
+    case 7: tile16u<RES, HALVES, 7>(u, nsub, a, c0, acc); break;
+    case 6: tile16u<RES, HALVES, 6>(u, nsub, a, c0, acc); break;
+    case 5: tile16u<RES, HALVES, 5>(u, nsub, a, c0, acc); break;
+    case 4: tile16u<RES, HALVES, 4>(u, nsub, a, c0, acc); break;
+    case 3: tile16u<RES, HALVES, 3>(u, nsub, a, c0, acc); break;
+    case 2: tile16u<RES, HALVES, 2>(u, nsub, a, c0, acc); break;
+    default: tile16u<RES, HALVES, 1>(u, nsub, a, c0, acc); break;
+  }
+}
+
+// Decode a pair's records [.., nrec) into u (returns false where this variant has no zmm path).
+bool unpack_pair(int fmt, const uint8_t* r0, const uint8_t* r1, int nrec, Unpacked* u) {
+  switch (fmt) {
+    case Q4_0: unpack16<DecQ4_0>(r0, r1, nrec, u); break;
+    case Q4_1: unpack16<DecQ4_1>(r0, r1, nrec, u); break;
+    case Q5_0: unpack16<DecQ5<false>>(r0, r1, nrec, u); break;
+    case Q5_1: unpack16<DecQ5<true>>(r0, r1, nrec, u); break;
+    case Q8_0: unpack16<DecQ8_0>(r0, r1, nrec, u); break;
+    case Q4_K: unpack16<DecQK<false>>(r0, r1, nrec, u); break;
+    case Q5_K: unpack16<DecQK<true>>(r0, r1, nrec, u); break;
+    default: unpack16<DecQ6_K>(r0, r1, nrec, u); break;
+  }
+  return true;
+}
+
+void unpacked_tiles(const Unpacked* u, int nsub, bool halves, const Acts& a, int c0, int nc, float* acc) {
+  if (a.residual) {
+    if (halves) tiles16u_of<true, true>(u, nsub, a, c0, nc, acc); else tiles16u_of<true, false>(u, nsub, a, c0, nc, acc);
+  } else {
+    if (halves) tiles16u_of<false, true>(u, nsub, a, c0, nc, acc); else tiles16u_of<false, false>(u, nsub, a, c0, nc, acc);
+  }
+}
+constexpr bool HAS_UNPACKED = true;
+
+template <class D, bool RES>
+void tiles16_of(const uint8_t* r0, const uint8_t* r1, int nrec, const Acts& a, int c0, int nc, float* acc) {
+  switch (nc) {
+    case 8: tile16<D, RES, 8>(r0, r1, nrec, a, c0, acc); break;
+    case 7: tile16<D, RES, 7>(r0, r1, nrec, a, c0, acc); break;
+    case 6: tile16<D, RES, 6>(r0, r1, nrec, a, c0, acc); break;
+    case 5: tile16<D, RES, 5>(r0, r1, nrec, a, c0, acc); break;
+    case 4: tile16<D, RES, 4>(r0, r1, nrec, a, c0, acc); break;
+    case 3: tile16<D, RES, 3>(r0, r1, nrec, a, c0, acc); break;
+    case 2: tile16<D, RES, 2>(r0, r1, nrec, a, c0, acc); break;
+    default: tile16<D, RES, 1>(r0, r1, nrec, a, c0, acc); break;
   }
 }
 
 template <class D>
-void tiles16(const uint8_t* r0, const uint8_t* r1, int nrec, const Acts& a, int c0, int nc, float* y, int ldy) {
+void tiles16(const uint8_t* r0, const uint8_t* r1, int nrec, const Acts& a, int c0, int nc, float* acc) {
   if (a.residual) {
-    tiles16_of<D, true>(r0, r1, nrec, a, c0, nc, y, ldy);
+    tiles16_of<D, true>(r0, r1, nrec, a, c0, nc, acc);
   } else {
-    tiles16_of<D, false>(r0, r1, nrec, a, c0, nc, y, ldy);
+    tiles16_of<D, false>(r0, r1, nrec, a, c0, nc, acc);
   }
 }
 
 // Two row groups of one format in zmm (see tile16); true when this variant has the path.
-bool pair_tile(int fmt, const uint8_t* r0, const uint8_t* r1, int nrec, const Acts& a, int c0, int nc, float* y,
-               int ldy) {
+bool pair_tile(int fmt, const uint8_t* r0, const uint8_t* r1, int nrec, const Acts& a, int c0, int nc, float* acc) {
   switch (fmt) {
-    case Q4_0: tiles16<DecQ4_0>(r0, r1, nrec, a, c0, nc, y, ldy); break;
-    case Q4_1: tiles16<DecQ4_1>(r0, r1, nrec, a, c0, nc, y, ldy); break;
-    case Q5_0: tiles16<DecQ5<false>>(r0, r1, nrec, a, c0, nc, y, ldy); break;
-    case Q5_1: tiles16<DecQ5<true>>(r0, r1, nrec, a, c0, nc, y, ldy); break;
-    case Q8_0: tiles16<DecQ8_0>(r0, r1, nrec, a, c0, nc, y, ldy); break;
-    case Q4_K: tiles16<DecQK<false>>(r0, r1, nrec, a, c0, nc, y, ldy); break;
-    case Q5_K: tiles16<DecQK<true>>(r0, r1, nrec, a, c0, nc, y, ldy); break;
-    default: tiles16<DecQ6_K>(r0, r1, nrec, a, c0, nc, y, ldy); break;
+    case Q4_0: tiles16<DecQ4_0>(r0, r1, nrec, a, c0, nc, acc); break;
+    case Q4_1: tiles16<DecQ4_1>(r0, r1, nrec, a, c0, nc, acc); break;
+    case Q5_0: tiles16<DecQ5<false>>(r0, r1, nrec, a, c0, nc, acc); break;
+    case Q5_1: tiles16<DecQ5<true>>(r0, r1, nrec, a, c0, nc, acc); break;
+    case Q8_0: tiles16<DecQ8_0>(r0, r1, nrec, a, c0, nc, acc); break;
+    case Q4_K: tiles16<DecQK<false>>(r0, r1, nrec, a, c0, nc, acc); break;
+    case Q5_K: tiles16<DecQK<true>>(r0, r1, nrec, a, c0, nc, acc); break;
+    default: tiles16<DecQ6_K>(r0, r1, nrec, a, c0, nc, acc); break;
   }
   return true;
 }
 #else
-bool pair_tile(int, const uint8_t*, const uint8_t*, int, const Acts&, int, int, float*, int) { return false; }
+bool pair_tile(int, const uint8_t*, const uint8_t*, int, const Acts&, int, int, float*) { return false; }
+struct Unpacked {};
+bool unpack_pair(int, const uint8_t*, const uint8_t*, int, Unpacked*) { return false; }
+void unpacked_tiles(const Unpacked*, int, bool, const Acts&, int, int, float*) {}
+constexpr bool HAS_UNPACKED = false;
 #endif
 
 #else  // portable: one row at a time through decode_row
 
-void group_tile(int fmt, const uint8_t* rec, int nrec, const Acts& a, int c0, int nc, float* y, int ldy) {
+void group_tile(int fmt, const uint8_t* rec, int nrec, const Acts& a, int c0, int nc, float* acc_io, int ldc) {
   const FormatInfo fi = format_info(fmt);
   const int subs = fi.block / 32;
   for (int r = 0; r < ROWS; ++r) {
     for (int c = 0; c < nc; ++c) {
       const int64_t row = c0 + c;
-      float acc = 0.f;
+      float acc = acc_io[ldc * c + r];
       for (int b = 0; b < nrec; ++b) {
         for (int sub = 0; sub < subs; ++sub) {
           uint8_t q[32];
@@ -796,13 +904,19 @@ void group_tile(int fmt, const uint8_t* rec, int nrec, const Acts& a, int c0, in
           }
         }
       }
-      y[(int64_t)r * ldy + c] = acc;
+      acc_io[ldc * c + r] = acc;
     }
   }
 }
 
-bool pair_tile(int, const uint8_t*, const uint8_t*, int, const Acts&, int, int, float*, int) { return false; }
+bool pair_tile(int, const uint8_t*, const uint8_t*, int, const Acts&, int, int, float*) { return false; }
+struct Unpacked {};
+bool unpack_pair(int, const uint8_t*, const uint8_t*, int, Unpacked*) { return false; }
+void unpacked_tiles(const Unpacked*, int, bool, const Acts&, int, int, float*) {}
+constexpr bool HAS_UNPACKED = false;
 #endif
+
+
 
 // ------------------------------------------------------------------ the GEMM
 
@@ -819,21 +933,53 @@ inline const uint8_t* group_records(const QW& w, int64_t g, int& fmt, int& nrec)
 
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
+// From this many activation rows, row blocks of 2 groups in zmm (where the variant has them):
+// from 1, as the M = 1 stream reads faster with 16 rows a broadcast too (measured).
 constexpr int PAIR_MIN_M = 1;
 
-// y[r * ldy + c] for the rows of ng (1 or 2) groups from g, activation rows c0 .. c0 + nc - 1.
-void run_rows(const QW& w, int g, int ng, const Acts& a, int c0, int nc, float* y, int ldy) {
-  int fmt, nrec;
-  const uint8_t* rec = group_records(w, g, fmt, nrec);
+// The activations of columns [k0, ...) only: the same rows, their blocks from k0 / 32 on.
+inline Acts from_column(const Acts& a, int k0) {
+  const int kb = k0 / 32;
+  return Acts{a.q + 32 * kb, a.u + kb, a.s + kb, a.s16 + 2 * kb, a.K32, a.KB, a.lda, a.residual};
+}
+
+// acc[ldc c + r] += rows 8 g .. 8 (g + ng) - 1 (ng = 1 or 2, ldc = 8 ng) times activation rows
+// c0 .. c0 + nc - 1, over the weight columns [k0, k1) (k0 a multiple of 256, or 0).
+void run_rows(const QW& w, int g, int ng, const Acts& a, int k0, int k1, int c0, int nc, float* acc) {
+  const Acts ak = from_column(a, k0);
+  int fmt, all;
+  const uint8_t* rec = group_records(w, g, fmt, all);
+  const FormatInfo fi = format_info(fmt);
+  const int nrec = (k1 - k0 + fi.block - 1) / fi.block;
+  rec += (int64_t)(k0 / fi.block) * fi.record;
   if (ng == 2) {
-    int fmt1, nrec1;
-    const uint8_t* rec1 = group_records(w, g + 1, fmt1, nrec1);
-    if (fmt1 == fmt && pair_tile(fmt, rec, rec1, nrec, a, c0, nc, y, ldy)) return;
-    group_tile(fmt, rec, nrec, a, c0, nc, y, ldy);
-    group_tile(fmt1, rec1, nrec1, a, c0, nc, y + (int64_t)ROWS * ldy, ldy);
+    int fmt1;
+    const uint8_t* rec1 = group_records(w, g + 1, fmt1, all);
+    const FormatInfo f1 = format_info(fmt1);
+    rec1 += (int64_t)(k0 / f1.block) * f1.record;
+    if (fmt1 == fmt && pair_tile(fmt, rec, rec1, nrec, ak, c0, nc, acc)) return;
+    group_tile(fmt, rec, nrec, ak, c0, nc, acc, 16);
+    group_tile(fmt1, rec1, (k1 - k0 + f1.block - 1) / f1.block, ak, c0, nc, acc + ROWS, 16);
     return;
   }
-  group_tile(fmt, rec, nrec, a, c0, nc, y, ldy);
+  group_tile(fmt, rec, nrec, ak, c0, nc, acc, 8);
+}
+
+// Past this many activation rows the K range goes in chunks of K_CHUNK columns: the chunk's
+// activations of every row stay in L2 while each row block's weights pass over them (from L1),
+// instead of every row block streaming all M rows' activations from L3.
+constexpr int CHUNK_MIN_M = 32, K_CHUNK = 512, UNPACK_MIN_M = 32;
+
+// Decodes rows 8 gg .. 8 gg + 15 (one format) over columns [k0, k1) into ub; false when the
+// pair spans two formats (a QuantStack's parts) or the variant has no zmm path.
+bool unpack_chunk(const QW& w, int gg, const Acts&, int k0, int k1, Unpacked* ub) {
+  int fmt, fmt1, all;
+  const uint8_t* r0 = group_records(w, gg, fmt, all);
+  const uint8_t* r1 = group_records(w, gg + 1, fmt1, all);
+  if (fmt != fmt1) return false;
+  const FormatInfo fi = format_info(fmt);
+  const int64_t skip = (int64_t)(k0 / fi.block) * fi.record;
+  return unpack_pair(fmt, r0 + skip, r1 + skip, (k1 - k0 + fi.block - 1) / fi.block, ub);
 }
 
 // out[M, ldo] (epilogue) x[M, ldx] @ W^T; see kv_qgemm.
@@ -845,6 +991,8 @@ void qgemm(const QW& w, const float* x, int M, int ldx, float* out, int ldo, con
   float* u = ubuf.get<float>((size_t)M * KB);
   float* s = sbuf.get<float>((size_t)M * KB);
   float* s16 = s16buf.get<float>((size_t)M * 2 * KB);
+  const int qt = (int64_t)M * K >= 262144 ? nthreads : 1;
+#pragma omp parallel for num_threads(qt) if (qt > 1) schedule(static)
   for (int i = 0; i < M; ++i) {
     quantize_row(x + (int64_t)i * ldx, K, residual != 0, q + (int64_t)i * lda, u + (int64_t)i * KB,
                  s + (int64_t)i * KB, s16 + (int64_t)i * 2 * KB);
@@ -852,36 +1000,61 @@ void qgemm(const QW& w, const float* x, int M, int ldx, float* out, int ldo, con
   const Acts acts{q, u, s, s16, K32, KB, lda, residual != 0};
   const int nout = epilogue == EPI_SILU_MUL ? w.n / 2 : w.n;
   const int groups = (nout + ROWS - 1) / ROWS, up = nout / ROWS;
-  // Row blocks of 2 groups (zmm, where the variant has it) from PAIR_MIN_M activation rows;
-  // a lone vpdpbusd stream at M = 1 is bandwidth-bound and ymm reads it as fast.
-  const int per = M >= PAIR_MIN_M ? 2 : 1, blocks = (groups + per - 1) / per;
+  // Row blocks of 2 groups (zmm, where the variant has it) from PAIR_MIN_M activation rows.
+  const int per = M >= PAIR_MIN_M ? 2 : 1, blocks = (groups + per - 1) / per, rb = per * ROWS;
   // Columns a tile takes: 8, or 4 with the residual (8 would spill its twice as many sums).
   const int cols = residual ? 4 : 8;
+  const int kc = M >= CHUNK_MIN_M && K > K_CHUNK ? K_CHUNK : K;
   const int nt = (int64_t)nout * K * M >= 32768 && blocks > 1 ? imin(nthreads, blocks) : 1;
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
-    float yg[2 * ROWS * 8], yu[2 * ROWS * 8];
+    static thread_local Buf gbuf, ubuf2, unbuf;
+    float* yg = gbuf.get<float>((size_t)M * rb);  // [M][rb]: the running sums, column-major
+    float* yu = epilogue == EPI_SILU_MUL ? ubuf2.get<float>((size_t)M * rb) : nullptr;
+    // Past UNPACK_MIN_M rows a chunk of a row pair is decoded once for all column tiles.
+    Unpacked* ub = HAS_UNPACKED && M >= UNPACK_MIN_M ? unbuf.get<Unpacked>((size_t)(kc + 31) / 32) : nullptr;
     const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
     const int b0 = (int)((int64_t)blocks * t / n_t), b1 = (int)((int64_t)blocks * (t + 1) / n_t);
     for (int blk = b0; blk < b1; ++blk) {
-      const int g = blk * per, ng = imin(per, groups - g);
-      const int rows = imin(ng * ROWS, nout - ROWS * g);
-      for (int c0 = 0; c0 < M; c0 += cols) {
-        const int nc = imin(cols, M - c0);
-        run_rows(w, g, ng, acts, c0, nc, yg, 8);
-        if (epilogue == EPI_SILU_MUL) run_rows(w, g + up, ng, acts, c0, nc, yu, 8);
+      const int g = blk * per, ng = imin(per, groups - g), ldc = ng * ROWS;
+      const int rows = imin(ldc, nout - ROWS * g);
+      memset(yg, 0, sizeof(float) * (size_t)M * ldc);
+      if (yu) memset(yu, 0, sizeof(float) * (size_t)M * ldc);
+      for (int k0 = 0; k0 < K; k0 += kc) {
+        const int k1 = imin(K, k0 + kc);
+        for (int half = 0; half < (yu ? 2 : 1); ++half) {
+          const int gg = half ? g + up : g;
+          float* y = half ? yu : yg;
+          if (ub && ng == 2 && unpack_chunk(w, gg, acts, k0, k1, ub)) {
+            const Acts ak = from_column(acts, k0);
+            int fmt, all;
+            group_records(w, gg, fmt, all);
+            // 8 columns (the weights come from L1), but 4 where Q6_K's two sums per column
+            // and the residual's would spill.
+            const int uc = fmt == Q6_K && residual ? 4 : 8;
+            for (int c0 = 0; c0 < M; c0 += uc) {
+              unpacked_tiles(ub, (k1 - k0 + 31) / 32, fmt == Q6_K, ak, c0, imin(uc, M - c0),
+                             y + (int64_t)c0 * ldc);
+            }
+            continue;
+          }
+          for (int c0 = 0; c0 < M; c0 += cols) {
+            run_rows(w, gg, ng, acts, k0, k1, c0, imin(cols, M - c0), y + (int64_t)c0 * ldc);
+          }
+        }
+      }
+      for (int c = 0; c < M; ++c) {
+        float* o = out + (int64_t)c * ldo + ROWS * g;
+        const float* yc = yg + (int64_t)c * ldc;
         for (int r = 0; r < rows; ++r) {
           const int n = ROWS * g + r;
-          for (int c = 0; c < nc; ++c) {
-            float* o = out + (int64_t)(c0 + c) * ldo + n;
-            const float v = yg[r * 8 + c] + (bias ? bias[n] : 0.f);
-            if (epilogue == EPI_SILU_MUL) {
-              *o = silu(v) * (yu[r * 8 + c] + (bias ? bias[n + nout] : 0.f));
-            } else if (epilogue == EPI_ADD) {
-              *o = res[(int64_t)(c0 + c) * ldr + n] + v;
-            } else {
-              *o = v;
-            }
+          const float v = yc[r] + (bias ? bias[n] : 0.f);
+          if (epilogue == EPI_SILU_MUL) {
+            o[r] = silu(v) * (yu[(int64_t)c * ldc + r] + (bias ? bias[n + nout] : 0.f));
+          } else if (epilogue == EPI_ADD) {
+            o[r] = res[(int64_t)c * ldr + n] + v;
+          } else {
+            o[r] = v;
           }
         }
       }
