@@ -28,9 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
-from model_runner.attention import ForwardBatch
-from model_runner.attention_backends.base import PagedMetadata
-from model_runner.attention_backends.page_table import PageTableTensors, build_page_table
+from model_runner.attention_backends.base import ForwardBatch
+from model_runner.attention_backends.page_table import (
+    PagedMetadata,
+    PageTableTensors,
+    build_page_table,
+)
 from model_runner.config import ModelConfig
 from model_runner.kv_pool import KVPool
 from scheduler.output import ScheduledSeq
@@ -128,8 +131,8 @@ class _Graph:
 class DecodeGraphs:
     """Decode steps captured as CUDA graphs on ``model`` over ``pool`` (CUDA only).
 
-    The model's attention must read its decode page table from ``ForwardBatch.paged``
-    (the Triton backend); the pool must hold the scratch slot ``scratch_slot``."""
+    The model's attention must read its decode page table from the batch's metadata
+    alone (a backend with ``graphs``); the pool must hold the scratch slot ``scratch_slot``."""
 
     def __init__(
         self,
@@ -178,9 +181,8 @@ class DecodeGraphs:
             input_ids=ints64[:size],
             positions=ints64[size : 2 * size],
             slot_mapping=ints64[2 * size :],
-            prefills=[],
-            decodes=[],
-            paged=PagedMetadata(0, None, None, None, table),
+            max_position=0,
+            metadata=PagedMetadata(0, None, None, None, table),
         )
         forward = self.model.forward  # type: ignore[attr-defined]
         stream = torch.cuda.Stream(device)
