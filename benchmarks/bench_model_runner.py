@@ -103,7 +103,7 @@ def load_weights(force_random: bool) -> tuple[ModelConfig, dict[str, torch.Tenso
 
 def quantized_runner(num_blocks: int, force_random: bool) -> tuple[TorchRunner | None, str]:
     """The runner serving uses by default: the GGUF's own Q4_1 / Q8_0 weights on kvserve's
-    kernels, with the fused decode step; None (and why) when the file or kernels are missing."""
+    kernels, with the fused step; None (and why) when the file or kernels are missing."""
     if force_random:
         return None, "not measured (--random-weights)"
     try:
@@ -121,8 +121,8 @@ def quantized_runner(num_blocks: int, force_random: bool) -> tuple[TorchRunner |
     return runner, (
         f"{loaded.name} as stored ({runner.info.extra['weights']}, "
         f"{int(runner.info.extra['weight_bytes']) / 2**20:.0f} MiB), "
-        f"{runner.info.extra['linear_backend']} kernels, fused decode "
-        f"{runner.info.extra['fused_decode']}, KV {runner.info.kv_dtype}"
+        f"{runner.info.extra['linear_backend']} kernels, fused step "
+        f"{runner.info.extra['fused_step']}, KV {runner.info.kv_dtype}"
     )
 
 

@@ -17,7 +17,7 @@ which only helps when the timing split between kinds must be exact; with fusion,
 
 Speculative decoding: a decode with drafts (``ScheduledSeq.num_draft_tokens``) is verified
 in the same pass. Its k + 1 positions are computed like a short prefill chunk attending to the
-request's cached KV (the attention backend's chunk path), or, on the fused decode path, as k + 1
+request's cached KV (the attention backend's chunk path), or, on the fused step, as k + 1
 decode rows sharing one block table (every row's K/V is written before any row attends, and
 each attends up to its own position). Every position samples (``step.verify_rows``: position i
 as output token ``num_output_tokens + i``, with the drafts before it as history), and the
@@ -53,7 +53,7 @@ from model_runner.cuda_graphs import (
     pad_decode,
 )
 from model_runner.device import dtype_name, resolve_dtype, resolve_kv_dtype, select_device
-from model_runner.fused_decode import FusedDecode
+from model_runner.fused_step import FusedStep
 from model_runner.kv_pool import KVPool, default_kv_budget_bytes, num_blocks_for_memory
 from model_runner.model import LlamaModel, rope_inv_freq
 from model_runner.quant import QuantWeight
@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from model_runner.constraints import ConstraintTracker, Masks
 
 # Steps of up to this many token rows (prefill chunks, decodes and draft rows together) run
-# as one fused kernel call when the model allows it (``FusedDecode``); longer ones take the
+# as one fused kernel call when the model allows it (``FusedStep``); longer ones take the
 # torch path. No bound by default: every step of a quantized model is one call, so a row's
 # numbers never depend on what else is in its batch (the torch path's attention sums in
 # another order, and an int8 activation near a rounding boundary could then flip a token).
@@ -94,7 +94,7 @@ class TorchRunner:
         fuse_batches: bool = True,
         use_onednn: bool | None = None,
         name: str | None = None,
-        fused_decode: bool | None = None,
+        fused_step: bool | None = None,
         sliding_window: int | None = None,
         attention_sinks: int = 0,
         attention_backend: str = "auto",
@@ -176,17 +176,17 @@ class TorchRunner:
             )
             with torch.inference_mode():
                 self._graphs.capture()
-        # Decode-only steps in one kernel call (``fused_decode``): None = when supported.
-        self._fused: FusedDecode | None = None
-        unsupported = FusedDecode.unsupported(self.model, self.pool)
+        # Decode-only steps in one kernel call (``fused_step``): None = when supported.
+        self._fused: FusedStep | None = None
+        unsupported = FusedStep.unsupported(self.model, self.pool)
         if attention_sinks:
             unsupported = "attention sinks take the chunk path"
         if not self.attention.yields_to_fused:
             unsupported = f"the {self.attention.name} attention backend runs every step"
-        if fused_decode and unsupported is not None:
-            raise ValueError(f"fused_decode=True but {unsupported}")
-        if fused_decode is not False and unsupported is None:
-            self._fused = FusedDecode(self.model, self.pool, self.sliding_window)
+        if fused_step and unsupported is not None:
+            raise ValueError(f"fused_step=True but {unsupported}")
+        if fused_step is not False and unsupported is None:
+            self._fused = FusedStep(self.model, self.pool, self.sliding_window)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_len
@@ -224,7 +224,7 @@ class TorchRunner:
                 "kv_pool_bytes": str(self.pool.num_bytes),
                 "linear_backend": self._linear_backend(),
                 "weights": self.model.weights_format,
-                "fused_decode": str(self._fused is not None).lower(),
+                "fused_step": str(self._fused is not None).lower(),
                 "weight_bytes": str(self.model.weight_bytes),
                 "fuse_batches": str(fuse_batches).lower(),
                 "attention_backend": self.attention.name,

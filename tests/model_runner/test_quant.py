@@ -411,7 +411,7 @@ def test_quantized_model_tracks_its_dequantized_reference(
 
 @pytest.mark.parametrize("kind", ["llama", "llama-gqa", "qwen2", "mistral"])
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
-def test_fused_decode_equals_the_torch_path(kind: str, kv_dtype: str, isa: str) -> None:
+def test_fused_step_equals_the_torch_path(kind: str, kv_dtype: str, isa: str) -> None:
     """Decode steps through the fused kernel (norms, QKV, RoPE, paged KV write, attention,
     MLP in C++) give the torch path's logits and write the same KV, for batches of different
     context lengths (mistral: past its sliding window of 8). The two paths share the GEMM
@@ -420,10 +420,10 @@ def test_fused_decode_equals_the_torch_path(kind: str, kv_dtype: str, isa: str) 
     test above). The pools agree to fp32 rounding / one fp16 ulp / one int8 step."""
     from tests.model_runner.oracle import plan, random_ids, seq
 
-    fused, _ = quantized_pair(kind, "q4", fused_decode=True, kv_dtype=kv_dtype)
-    plain, _ = quantized_pair(kind, "q4", fused_decode=False, kv_dtype=kv_dtype)
-    assert fused.info.extra["fused_decode"] == "true"
-    assert plain.info.extra["fused_decode"] == "false"
+    fused, _ = quantized_pair(kind, "q4", fused_step=True, kv_dtype=kv_dtype)
+    plain, _ = quantized_pair(kind, "q4", fused_step=False, kv_dtype=kv_dtype)
+    assert fused.info.extra["fused_step"] == "true"
+    assert plain.info.extra["fused_step"] == "false"
     prompts = {f"r{i}": random_ids(n, seed=i) for i, n in enumerate((3, 11, 17))}
     tables = {"r0": [5, 9], "r1": [1, 30, 2, 40, 41], "r2": [7, 8, 3, 4, 50, 51, 52]}
     for runner in (fused, plain):
@@ -466,8 +466,8 @@ def test_mixed_steps_run_fused_and_equal_the_torch_path(kind: str, isa: str) -> 
     from model_runner import runner as runner_module
     from tests.model_runner.oracle import plan, random_ids, seq
 
-    fused, _ = quantized_pair(kind, "q4", fused_decode=True)
-    plain, _ = quantized_pair(kind, "q4", fused_decode=False)
+    fused, _ = quantized_pair(kind, "q4", fused_step=True)
+    plain, _ = quantized_pair(kind, "q4", fused_step=False)
     calls = []
     lib = fused._fused.lib  # type: ignore[union-attr]
     original = lib.kv_decode_layers
