@@ -43,32 +43,18 @@ import torch
 
 from model_runner.attention_backends import AttentionSpec, make_attention_backend
 from model_runner.base import ModelInfo
-from model_runner.block_table import first_key_block
 from model_runner.config import ModelConfig
-from model_runner.cuda_graphs import (
-    GRAPH_BATCH_SIZES,
-    DecodeGraphs,
-    graph_batch_size,
-    graph_memory_bytes,
-    pad_decode,
-)
+from model_runner.cuda_graphs import GRAPH_BATCH_SIZES, graph_memory_bytes
 from model_runner.device import dtype_name, resolve_dtype, resolve_kv_dtype, select_device
-from model_runner.fused_step import FusedStep
 from model_runner.kv_pool import KVPool, default_kv_budget_bytes, num_blocks_for_memory
 from model_runner.model import LlamaModel, rope_inv_freq
+from model_runner.paths import graph_sizes, make_paths
 from model_runner.quant import QuantWeight
 from model_runner.step import StepLimits, StepRows, num_accepted_drafts, verify_rows
 from scheduler.output import ModelOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
 
 if TYPE_CHECKING:
     from model_runner.constraints import ConstraintTracker, Masks
-
-# Steps of up to this many token rows (prefill chunks, decodes and draft rows together) run
-# as one fused kernel call when the model allows it (``FusedStep``); longer ones take the
-# torch path. No bound by default: every step of a quantized model is one call, so a row's
-# numbers never depend on what else is in its batch (the torch path's attention sums in
-# another order, and an int8 activation near a rounding boundary could then flip a token).
-FUSED_MAX_ROWS = 1 << 30
 
 
 class SamplerLike(Protocol):
@@ -95,10 +81,12 @@ class TorchRunner:
         use_onednn: bool | None = None,
         name: str | None = None,
         fused_step: bool | None = None,
+        fused_max_rows: int = 1 << 30,
         sliding_window: int | None = None,
         attention_sinks: int = 0,
         attention_backend: str = "auto",
         cuda_graphs: bool | None = None,
+        max_decode_rows: int = GRAPH_BATCH_SIZES[-1],
         constraints: ConstraintTracker | None = None,
     ) -> None:
         """``num_blocks=None`` sizes the pool from ``kv_budget_bytes`` (default: see
@@ -113,10 +101,13 @@ class TorchRunner:
         (tokens) overrides the config's window; ``attention_sinks`` (tokens, needs a window)
         keeps the first tokens visible and lets positions run past ``max_model_len``
         (see ``attention_backends.torch_backend``). ``attention_backend``: see
-        ``model_runner.attention_backends`` (``auto``: torch on CPU). ``cuda_graphs``
-        replays decode-only steps from CUDA graphs (``model_runner.cuda_graphs``); None = on
-        CUDA with the Triton backend. ``constraints``: the matchers of constrained requests
-        (structured outputs); their masks are computed on a thread while the model runs."""
+        ``model_runner.attention_backends`` (``auto``: torch on CPU). The paths a step may
+        take (``model_runner.paths``): ``fused_step`` runs steps of up to ``fused_max_rows``
+        rows in one CPU kernel call (None = when supported); ``cuda_graphs`` replays decode
+        steps from CUDA graphs captured up to ``max_decode_rows`` rows (``max_num_seqs``,
+        times 1 + k with speculation; None = on CUDA with a backend that has graphs).
+        ``constraints``: the matchers of constrained requests (structured outputs); their
+        masks are computed on a thread while the model runs."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.sliding_window = sliding_window or config.sliding_window
@@ -148,45 +139,30 @@ class TorchRunner:
         self.model = LlamaModel(
             config, state_dict, self.dtype, self.device, self.attention, max_len, use_onednn
         )
-        can_graph = self.device.type == "cuda" and self.attention.graphs
-        if cuda_graphs and not can_graph:
-            raise ValueError("cuda_graphs=True needs a CUDA device and a backend with graphs")
-        use_graphs = can_graph if cuda_graphs is None else cuda_graphs
+        sizes = graph_sizes(cuda_graphs, self.model, max_decode_rows)
         if num_blocks is None:
             # The graphs' memory comes out of the budget BEFORE the pool is sized.
             reserve = 1 << 30
-            if use_graphs:
-                reserve += graph_memory_bytes(config, GRAPH_BATCH_SIZES[-1], self.dtype.itemsize)
+            if sizes:
+                reserve += graph_memory_bytes(config, sizes[-1], self.dtype.itemsize)
             budget = kv_budget_bytes or default_kv_budget_bytes(
                 self.device, activation_reserve_bytes=reserve
             )
             num_blocks = num_blocks_for_memory(config, block_size, self.kv_dtype, budget)
         # With graphs, one more block than the cache manager lends: padding rows write there.
+        num_pool_blocks = num_blocks + int(bool(sizes))
         self.pool = KVPool.from_config(
-            config, num_blocks + int(use_graphs), block_size, self.kv_dtype, self.device, self.dtype
+            config, num_pool_blocks, block_size, self.kv_dtype, self.device, self.dtype
         )
-        self._graphs: DecodeGraphs | None = None
-        if use_graphs:
-            self._graphs = DecodeGraphs(
-                self.model,
-                self.pool,
-                block_size=block_size,
-                max_model_len=max_len,
-                scratch_slot=num_blocks * block_size,
-            )
-            with torch.inference_mode():
-                self._graphs.capture()
-        # Decode-only steps in one kernel call (``fused_step``): None = when supported.
-        self._fused: FusedStep | None = None
-        unsupported = FusedStep.unsupported(self.model, self.pool)
-        if attention_sinks:
-            unsupported = "attention sinks take the chunk path"
-        if not self.attention.yields_to_fused:
-            unsupported = f"the {self.attention.name} attention backend runs every step"
-        if fused_step and unsupported is not None:
-            raise ValueError(f"fused_step=True but {unsupported}")
-        if fused_step is not False and unsupported is None:
-            self._fused = FusedStep(self.model, self.pool, self.sliding_window)
+        self.paths = make_paths(
+            self.model,
+            self.pool,
+            fused_step=fused_step,
+            fused_max_rows=fused_max_rows,
+            graph_sizes=sizes,
+            max_model_len=max_len,
+            scratch_slot=num_blocks * block_size,
+        )
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_len
@@ -224,11 +200,11 @@ class TorchRunner:
                 "kv_pool_bytes": str(self.pool.num_bytes),
                 "linear_backend": self._linear_backend(),
                 "weights": self.model.weights_format,
-                "fused_step": str(self._fused is not None).lower(),
+                "fused_step": str(self.paths.fused is not None).lower(),
                 "weight_bytes": str(self.model.weight_bytes),
                 "fuse_batches": str(fuse_batches).lower(),
                 "attention_backend": self.attention.name,
-                "cuda_graphs": str(use_graphs).lower(),
+                "cuda_graphs": str(self.paths.graphs is not None).lower(),
             },
         )
 
@@ -295,7 +271,7 @@ class TorchRunner:
             raise ValueError(f"invalid plan: {dict(step.failed)}")
         if step.is_empty:
             return {}
-        logits = self.model.compute_logits(self._forward_hidden(step))
+        logits = self.model.compute_logits(self.paths.forward(step))
         out: dict[str, torch.Tensor] = {}
         row = 0
         for s in step.seqs:
@@ -324,54 +300,9 @@ class TorchRunner:
             raise ValueError(f"block copies {bad} outside the pool of {self.num_blocks}")
         self.pool.copy_blocks(block_copies)
 
-    def _forward_hidden(self, step: StepRows) -> torch.Tensor:
-        """Hidden states of every row of ``step``."""
-        if self._fused_fits(step):
-            assert self._fused is not None
-            return self._fused.forward(step.token_ids, step.positions, step.block_tables())
-        graphs = self._graphs
-        if graphs is not None and not step.prefill and not step.num_verify:
-            size = graph_batch_size(len(step.decode), graphs.sizes)
-            if size is not None:
-                padded = pad_decode(
-                    step.decode,
-                    size,
-                    self.block_size,
-                    graphs.max_pages_per_seq,
-                    graphs.scratch_slot,
-                    self.sliding_window,
-                    step.null_block_id,
-                )
-                return graphs.run(padded)
-        return self.model.forward(self.attention.build(step), self.pool)
-
-    def _fused_fits(self, step: StepRows) -> bool:
-        """Whether the step runs as one fused kernel call: any mix of prefill chunks and
-        decodes up to ``FUSED_MAX_ROWS`` rows."""
-        if self._fused is None:
-            return False
-        return step.num_rows <= FUSED_MAX_ROWS and not self._skips_released(step)
-
-    def _skips_released(self, step: StepRows) -> bool:
-        """Whether a seq must skip positions released inside its window (the adaptive
-        KV strategy): the fused kernel reads every block of the window, so the torch path
-        runs such a step."""
-        null = step.null_block_id
-        if null is None:
-            return False
-        bs, window = self.block_size, self.sliding_window
-        for s in step.seqs:
-            if s.block_ids[0] != null:
-                continue
-            pos = s.start_pos
-            live = first_key_block(s.block_ids, pos, bs, None, 0, null)
-            if live > first_key_block(s.block_ids, pos, bs, window, 0, None):
-                return True
-        return False
-
     def _forward_logits(self, step: StepRows) -> torch.Tensor:
         """Logits [R, V] of the rows that sample, prefill rows first, in row order."""
-        hidden = self._forward_hidden(step)
+        hidden = self.paths.forward(step)
         rows = step.sample_rows()
         if not rows:
             return torch.empty(0, self.model.vocab_size, device=self.device)
