@@ -39,6 +39,13 @@ Sections, each comparison measured side by side in the same run:
   side; a table and a PNG (``benchmarks/bench_kv_cache.py``).
 - ``sinks``: perplexity of a long text under attention sinks + window against the window
   alone and full attention (``benchmarks/bench_sinks.py``).
+- ``kernels``: kvserve's quantized matmul against ggml's ``test-backend-ops perf -o MUL_MAT``
+  from the same llama.cpp build, op by op at ggml's perf shapes for every native format (both
+  activation precisions), and M = 1 against the read bandwidth measured in the same process
+  (``benchmarks/bench_kernels.py``).
+- ``models``: real GGUF files (the embedded Q4_1, its Q4_K_M, a random 1B Q4_K_M) against
+  llama.cpp: prefill 512 / decode against ``llama-bench``, chat128 by users against
+  ``llama-server`` (``benchmarks/bench_models.py``).
 
 ``kvcache`` and ``sinks`` run with ``--kv-threads`` (1) torch threads: on a shared machine
 a 2-thread OpenMP team waits on a descheduled thread, and the curve shows the neighbours,
@@ -81,6 +88,7 @@ SECTIONS: dict[str, Callable[[Context], SectionResult]] = {
     "spec": sections.spec,
     "kvcache": sections.kvcache,
     "sinks": sections.sinks,
+    "kernels": sections.kernels,
     "models": sections.models,
 }
 

@@ -679,6 +679,24 @@ def sinks(ctx: Context) -> SectionResult:
     )
 
 
+def kernels(ctx: Context) -> SectionResult:
+    """kvserve's quantized matmul against ggml's test-backend-ops, op by op, and M = 1 against
+    the read bandwidth (bench_kernels; --quick: two types, two shapes, kvserve only when
+    llama.cpp is off)."""
+    from benchmarks import bench_kernels
+
+    ggml = "off" if ctx.llama_cpp_mode == "off" else "cached"
+    if ctx.quick:
+        report = bench_kernels.run(("q4_0", "q4_K"), (1, 8), 0.05, ggml, False, 1, say)
+    else:
+        report = bench_kernels.run(ggml=ggml, say=say)
+    return SectionResult(
+        extra=report,
+        table="Quantized matmul against ggml (kernels), in this run:\n\n"
+        + bench_kernels.format_tables(report),
+    )
+
+
 def models(ctx: Context) -> SectionResult:
     """Real GGUF files against llama.cpp (bench_models): the embedded Q4_1, its Q4_K_M, a
     random 1B Q4_K_M; bandwidth probe, llama-bench, chat128 by users, RSS."""

@@ -259,16 +259,30 @@ void attend_group(const StepRows& st, const StepLayer& L, int b, int g, const fl
   }
 }
 
-void step_layer(const StepRows& st, const StepLayer& L, float* x, float* qkv, float* attn, float* act) {
+// Buffers of a step, shared by its team.
+struct StepBufs {
+  float* x;
+  float* qkv;
+  float* attn;
+  float* act;
+  ActBufs* acts;
+};
+
+// One layer, run by every thread of the step's team (tid of nth): the row-wise ops split by
+// rows, the matmuls by row blocks, attention by (row, KV head) tasks, a barrier between ops.
+void step_layer(const StepRows& st, const StepLayer& L, const StepBufs& sb, int tid, int nth) {
   const int B = st.batch, Hd = st.hidden_size, D = st.head_dim;
   const int H = st.num_heads, KVH = st.num_kv_heads, nq = (H + 2 * KVH) * D;
-  const int nt = st.nthreads;
-  rms_norm(st.hidden, L.input_norm, st.eps, B, Hd, x);
-  qgemm(L.qkv, x, B, Hd, qkv, nq, L.qkv_bias, nullptr, 0, EPI_NONE, st.residual, nt);
-  for (int b = 0; b < B; ++b) {
+  ActBufs& ab = *sb.acts;
+  for (int b = tid; b < B; b += nth) rms_norm(st.hidden + (int64_t)b * Hd, L.input_norm, st.eps, 1, Hd, sb.x + (int64_t)b * Hd);
+  if (nth > 1) {
+#pragma omp barrier
+  }
+  qgemm_team(L.qkv, sb.x, B, Hd, sb.qkv, nq, L.qkv_bias, nullptr, 0, EPI_NONE, st.residual, ab, tid, nth);
+  for (int b = tid; b < B; b += nth) {
     const int64_t pos = st.positions[b];
     const float* cs = st.rope + pos * D;  // [D / 2] pairs of (cos, sin)
-    float* row = qkv + (int64_t)b * nq;
+    float* row = sb.qkv + (int64_t)b * nq;
     for (int h = 0; h < H + KVH; ++h) rope(row + h * D, cs, D / 2);
     const int64_t slot = (int64_t)st.block_tables[(int64_t)b * st.max_blocks + pos / st.block_size] * st.block_size +
                          pos % st.block_size;
@@ -277,31 +291,49 @@ void step_layer(const StepRows& st, const StepLayer& L, float* x, float* qkv, fl
       kv_store(st, L, KVH + j, slot, row + (H + KVH + j) * D);
     }
   }
+  if (nth > 1) {
+#pragma omp barrier
+  }
   const int tasks = B * KVH, G = H / KVH;
-#pragma omp parallel num_threads(tasks > 1 ? nt : 1) if (tasks > 1 && nt > 1)
   {
     float kbuf[512];
 #pragma omp for schedule(dynamic, 1)
     for (int task = 0; task < tasks; ++task) {
       const int b = task / KVH, g = task % KVH;
-      attend_group(st, L, b, g, qkv + (int64_t)b * nq + g * G * D, D, attn + (int64_t)b * H * D + g * G * D, kbuf);
+      attend_group(st, L, b, g, sb.qkv + (int64_t)b * nq + g * G * D, D, sb.attn + (int64_t)b * H * D + g * G * D,
+                   kbuf);
     }
   }
-  qgemm(L.o, attn, B, H * D, st.hidden, Hd, nullptr, st.hidden, Hd, EPI_ADD, st.residual, nt);
-  rms_norm(st.hidden, L.post_norm, st.eps, B, Hd, x);
-  qgemm(L.gate_up, x, B, Hd, act, st.intermediate, nullptr, nullptr, 0, EPI_SILU_MUL, st.residual, nt);
-  qgemm(L.down, act, B, st.intermediate, st.hidden, Hd, nullptr, st.hidden, Hd, EPI_ADD, st.residual, nt);
+  qgemm_team(L.o, sb.attn, B, H * D, st.hidden, Hd, nullptr, st.hidden, Hd, EPI_ADD, st.residual, ab, tid, nth);
+  for (int b = tid; b < B; b += nth) rms_norm(st.hidden + (int64_t)b * Hd, L.post_norm, st.eps, 1, Hd, sb.x + (int64_t)b * Hd);
+  if (nth > 1) {
+#pragma omp barrier
+  }
+  qgemm_team(L.gate_up, sb.x, B, Hd, sb.act, st.intermediate, nullptr, nullptr, 0, EPI_SILU_MUL, st.residual, ab, tid,
+             nth);
+  qgemm_team(L.down, sb.act, B, st.intermediate, st.hidden, Hd, nullptr, st.hidden, Hd, EPI_ADD, st.residual, ab, tid,
+             nth);
 }
 
+// Every layer in one OpenMP team: a barrier between ops instead of a team started per op
+// (a fork and join costs more than a barrier, and a step of a small model runs ~150 of them).
 void step_layers(const StepLayer* layers, int num_layers, const StepRows* step) {
   const StepRows& st = *step;
   const int B = st.batch;
-  Buf xb, qb, ab, mb;
-  float* x = xb.get<float>((size_t)B * st.hidden_size);
-  float* qkv = qb.get<float>((size_t)B * (st.num_heads + 2 * st.num_kv_heads) * st.head_dim);
-  float* attn = ab.get<float>((size_t)B * st.num_heads * st.head_dim);
-  float* act = mb.get<float>((size_t)B * st.intermediate);
-  for (int i = 0; i < num_layers; ++i) step_layer(st, layers[i], x, qkv, attn, act);
+  static thread_local Buf xb, qb, ab, mb;
+  static thread_local ActBufs acts;
+  const int kmax = st.intermediate > st.hidden_size ? st.intermediate : st.hidden_size;
+  acts.reserve(B, kmax > st.num_heads * st.head_dim ? kmax : st.num_heads * st.head_dim);
+  const StepBufs sb{xb.get<float>((size_t)B * st.hidden_size),
+                    qb.get<float>((size_t)B * (st.num_heads + 2 * st.num_kv_heads) * st.head_dim),
+                    ab.get<float>((size_t)B * st.num_heads * st.head_dim), mb.get<float>((size_t)B * st.intermediate),
+                    &acts};
+  const int nt = st.nthreads > 1 ? st.nthreads : 1;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+    for (int i = 0; i < num_layers; ++i) step_layer(st, layers[i], sb, tid, nth);
+  }
 }
 
 }  // namespace KV_VARIANT

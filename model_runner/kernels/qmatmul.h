@@ -259,6 +259,9 @@ inline FormatInfo format_info(int fmt) {
 
 // ------------------------------------------------------------------ SIMD decoders
 
+// The tile loops keep their vectors in registers only when every helper inlines into them.
+#define KV_INLINE inline __attribute__((always_inline))
+
 #if defined(KV_USE_AVX512) || defined(KV_USE_AVX2)
 typedef __m256i V;
 typedef __m256 F;
@@ -269,7 +272,7 @@ inline V low4(V v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
 inline V high4(V v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
 
 // w[i] += 16 where bit 4r + t of mask word `word` is set (lane r, byte t).
-inline V add_high_bit(V w, uint32_t word) {
+KV_INLINE V add_high_bit(V w, uint32_t word) {
 #if defined(KV_USE_AVX512)
   return _mm256_mask_add_epi8(w, (__mmask32)word, w, _mm256_set1_epi8(16));
 #else
@@ -290,7 +293,7 @@ struct DecQ4_0 {
   static constexpr bool HALVES = false, SIGNED = false;
   const uint8_t* r;
   explicit DecQ4_0(const uint8_t* rec) : r(rec) {}
-  void unpack(int, V* w) const {
+  KV_INLINE void unpack(int, V* w) const {
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const V v = ld(r + 16 + 32 * i);
@@ -298,7 +301,7 @@ struct DecQ4_0 {
       w[4 + i] = high4(v);
     }
   }
-  void scales(int, F& S, F& O) const {
+  KV_INLINE void scales(int, F& S, F& O) const {
     S = ld_h8(r);
     O = _mm256_mul_ps(S, _mm256_set1_ps(-8.f));
   }
@@ -309,7 +312,7 @@ struct DecQ4_1 {
   static constexpr bool HALVES = false, SIGNED = false;
   const uint8_t* r;
   explicit DecQ4_1(const uint8_t* rec) : r(rec) {}
-  void unpack(int, V* w) const {
+  KV_INLINE void unpack(int, V* w) const {
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const V v = ld(r + 32 + 32 * i);
@@ -317,7 +320,7 @@ struct DecQ4_1 {
       w[4 + i] = high4(v);
     }
   }
-  void scales(int, F& S, F& O) const {
+  KV_INLINE void scales(int, F& S, F& O) const {
     S = ld_h8(r);
     O = ld_h8(r + 16);
   }
@@ -330,7 +333,7 @@ struct DecQ5 {
   static constexpr int QH = HAS_M ? 32 : 16, QS = QH + 32;
   const uint8_t* r;
   explicit DecQ5(const uint8_t* rec) : r(rec) {}
-  void unpack(int, V* w) const {
+  KV_INLINE void unpack(int, V* w) const {
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const V v = ld(r + QS + 32 * i);
@@ -338,7 +341,7 @@ struct DecQ5 {
       w[4 + i] = add_high_bit(high4(v), rd32(r + QH + 16 + 4 * i));
     }
   }
-  void scales(int, F& S, F& O) const {
+  KV_INLINE void scales(int, F& S, F& O) const {
     S = ld_h8(r);
     O = HAS_M ? ld_h8(r + 16) : _mm256_mul_ps(S, _mm256_set1_ps(-16.f));
   }
@@ -354,14 +357,14 @@ struct DecQ8_0 {
   static constexpr bool HALVES = false;
   const uint8_t* r;
   explicit DecQ8_0(const uint8_t* rec) : r(rec) {}
-  void unpack(int, V* w) const {
+  KV_INLINE void unpack(int, V* w) const {
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
       w[i] = ld(r + 16 + 32 * i);
       if (SIGNED) w[i] = _mm256_xor_si256(w[i], _mm256_set1_epi8((char)0x80));
     }
   }
-  void scales(int, F& S, F& O) const {
+  KV_INLINE void scales(int, F& S, F& O) const {
     S = ld_h8(r);
     O = SIGNED ? _mm256_setzero_ps() : _mm256_mul_ps(S, _mm256_set1_ps(-128.f));
   }
@@ -374,7 +377,7 @@ struct DecQK {  // Q4_K, Q5_K
   const uint8_t* r;
   F d, nmin;
   explicit DecQK(const uint8_t* rec) : r(rec), d(ld_h8(rec)), nmin(_mm256_sub_ps(_mm256_setzero_ps(), ld_h8(rec + 16))) {}
-  void unpack(int sub, V* w) const {
+  KV_INLINE void unpack(int sub, V* w) const {
     const uint8_t* c = r + QS + 256 * (sub >> 1);
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
@@ -383,7 +386,7 @@ struct DecQK {  // Q4_K, Q5_K
       if (FIVE) w[i] = add_high_bit(w[i], rd32(r + 128 + 32 * sub + 4 * i));
     }
   }
-  void scales(int sub, F& S, F& O) const {
+  KV_INLINE void scales(int sub, F& S, F& O) const {
     const V lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 32 + 8 * sub)));
     V hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 96 + 8 * (sub >> 1))));
     if (sub & 1) hi = _mm256_srli_epi32(hi, 4);
@@ -402,7 +405,7 @@ struct DecQ6_K {
   const uint8_t* r;
   F d;
   explicit DecQ6_K(const uint8_t* rec) : r(rec), d(ld_h8(rec)) {}
-  void unpack(int sub, V* w) const {
+  KV_INLINE void unpack(int sub, V* w) const {
     const int h = sub >> 2, qq = sub & 3;
     const uint8_t* ql = r + 656 + 256 * (2 * h + (qq & 1));
     const uint8_t* qh = r + 144 + 256 * h;
@@ -420,17 +423,17 @@ struct DecQ6_K {
       w[i] = _mm256_or_si256(qq >> 1 ? high4(l) : low4(l), _mm256_and_si256(bits, m30));
     }
   }
-  void scales16(int sub, F& S0, F& O0, F& S1, F& O1) const {
+  KV_INLINE void scales16(int sub, F& S0, F& O0, F& S1, F& O1) const {
     const uint8_t* sc = r + 16 + 16 * sub;
     S0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)))));
     S1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8)))));
     O0 = _mm256_mul_ps(S0, _mm256_set1_ps(-32.f));
     O1 = _mm256_mul_ps(S1, _mm256_set1_ps(-32.f));
   }
-  void scales(int, F&, F&) const {}
+  KV_INLINE void scales(int, F&, F&) const {}
 };
 
-inline V bcast4(const int8_t* p) {
+KV_INLINE V bcast4(const int8_t* p) {
   int32_t v;
   memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
@@ -438,7 +441,7 @@ inline V bcast4(const int8_t* p) {
 
 // acc + (w . a) per 4-byte lane.
 template <bool SIGNED>
-inline V dot4(V acc, V w, V a) {
+KV_INLINE V dot4(V acc, V w, V a) {
 #if defined(KV_USE_AVX512)
   return _mm256_dpbusd_epi32(acc, w, a);
 #else
@@ -454,7 +457,7 @@ inline V dot4(V acc, V w, V a) {
 // each, and the scheduler cannot look far enough ahead to overlap whole columns); a lone
 // column splits its sum into CH chains. Integer sums: exact, the same for every NC and CH.
 template <bool SIGNED, bool RES, int NC, int I0, int N>
-inline void col_dots(const V* w, const int8_t* ap, int64_t lda, int plane, V* out) {
+KV_INLINE void col_dots(const V* w, const int8_t* ap, int64_t lda, int plane, V* out) {
   constexpr int CH = NC >= 4 ? 1 : NC >= 2 ? 2 : 4;
   // Few columns: the planes a1 and a2 sum apart (no chain runs through both); more columns
   // have parallelism enough, and registers for one accumulator each: a1, shift, then a2.
@@ -516,7 +519,8 @@ void tile(const uint8_t* rec, int nrec, const Acts& a, int c0, float* acc_io, in
   const float* au = a.u + (int64_t)c0 * a.KB;
   for (int b = 0; b < nrec; ++b, rec += D::RECORD) {
     const D dec(rec);
-    for (int sub = 0; sub < D::SUBS; ++sub) {
+#pragma GCC unroll 8
+    for (int sub = 0; sub < D::SUBS; ++sub) {  // unrolled: each sub-block's decode is static
       V w[8];
       dec.unpack(sub, w);
       const int kb = b * D::SUBS + sub;
@@ -603,7 +607,7 @@ inline Z join(V lo, V hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo)
 inline FZ join(F lo, F hi) { return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1); }
 
 template <bool RES, int NC, int I0, int N>
-inline void col_dots16(const Z* w, const int8_t* ap, int64_t lda, int plane, Z* out) {
+KV_INLINE void col_dots16(const Z* w, const int8_t* ap, int64_t lda, int plane, Z* out) {
   constexpr int CH = NC >= 4 ? 1 : NC >= 2 ? 2 : 4;  // chains and planes as col_dots
   constexpr int P = RES && NC < 4 ? 2 : 1;
   Z part[P][NC * CH];
@@ -664,7 +668,8 @@ void tile16(const uint8_t* rec0, const uint8_t* rec1, int nrec, const Acts& a, i
   const float* au = a.u + (int64_t)c0 * a.KB;
   for (int b = 0; b < nrec; ++b, rec0 += D::RECORD, rec1 += D::RECORD) {
     const D d0(rec0), d1(rec1);
-    for (int sub = 0; sub < D::SUBS; ++sub) {
+#pragma GCC unroll 8
+    for (int sub = 0; sub < D::SUBS; ++sub) {  // unrolled: each sub-block's decode is static
       Z w[8];
       {
         V lo[8], hi[8];
@@ -982,20 +987,36 @@ bool unpack_chunk(const QW& w, int gg, const Acts&, int k0, int k1, Unpacked* ub
   return unpack_pair(fmt, r0 + skip, r1 + skip, (k1 - k0 + fi.block - 1) / fi.block, ub);
 }
 
-// out[M, ldo] (epilogue) x[M, ldx] @ W^T; see kv_qgemm.
-void qgemm(const QW& w, const float* x, int M, int ldx, float* out, int ldo, const float* bias, const float* res,
-           int ldr, int epilogue, int residual, int nthreads) {
+// The activation buffers of one matmul, shared by the team that runs it (sized by `reserve`
+// before the team starts: the team never allocates).
+struct ActBufs {
+  Buf q, u, s, s16;
+  void reserve(int M, int K) {
+    const int KB = (K + 31) / 32;
+    q.get<int8_t>((size_t)M * 2 * 32 * KB);
+    u.get<float>((size_t)M * KB);
+    s.get<float>((size_t)M * KB);
+    s16.get<float>((size_t)M * 2 * KB);
+  }
+};
+
+// out[M, ldo] (epilogue) x[M, ldx] @ W^T (see kv_qgemm), run by thread `tid` of a team of
+// `nth` that all call it: the rows' quantization and then the row blocks are split across
+// the team, with a barrier after each (the caller reads `out` after it returns). `bufs` is
+// shared and reserved for (M, K).
+void qgemm_team(const QW& w, const float* x, int M, int ldx, float* out, int ldo, const float* bias,
+                const float* res, int ldr, int epilogue, int residual, ActBufs& bufs, int tid, int nth) {
   const int K = w.k, KB = (K + 31) / 32, K32 = 32 * KB, lda = residual ? 2 * K32 : K32;
-  static thread_local Buf qbuf, ubuf, sbuf, s16buf;
-  int8_t* q = qbuf.get<int8_t>((size_t)M * lda);
-  float* u = ubuf.get<float>((size_t)M * KB);
-  float* s = sbuf.get<float>((size_t)M * KB);
-  float* s16 = s16buf.get<float>((size_t)M * 2 * KB);
-  const int qt = (int64_t)M * K >= 262144 ? nthreads : 1;
-#pragma omp parallel for num_threads(qt) if (qt > 1) schedule(static)
-  for (int i = 0; i < M; ++i) {
+  int8_t* q = static_cast<int8_t*>(bufs.q.p);
+  float* u = static_cast<float*>(bufs.u.p);
+  float* s = static_cast<float*>(bufs.s.p);
+  float* s16 = static_cast<float*>(bufs.s16.p);
+  for (int i = tid; i < M; i += nth) {
     quantize_row(x + (int64_t)i * ldx, K, residual != 0, q + (int64_t)i * lda, u + (int64_t)i * KB,
                  s + (int64_t)i * KB, s16 + (int64_t)i * 2 * KB);
+  }
+  if (nth > 1) {
+#pragma omp barrier
   }
   const Acts acts{q, u, s, s16, K32, KB, lda, residual != 0};
   const int nout = epilogue == EPI_SILU_MUL ? w.n / 2 : w.n;
@@ -1005,61 +1026,76 @@ void qgemm(const QW& w, const float* x, int M, int ldx, float* out, int ldo, con
   // Columns a tile takes: 8, or 4 with the residual (8 would spill its twice as many sums).
   const int cols = residual ? 4 : 8;
   const int kc = M >= CHUNK_MIN_M && K > K_CHUNK ? K_CHUNK : K;
-  const int nt = (int64_t)nout * K * M >= 32768 && blocks > 1 ? imin(nthreads, blocks) : 1;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
-    static thread_local Buf gbuf, ubuf2, unbuf;
-    float* yg = gbuf.get<float>((size_t)M * rb);  // [M][rb]: the running sums, column-major
-    float* yu = epilogue == EPI_SILU_MUL ? ubuf2.get<float>((size_t)M * rb) : nullptr;
-    // Past UNPACK_MIN_M rows a chunk of a row pair is decoded once for all column tiles.
-    Unpacked* ub = HAS_UNPACKED && M >= UNPACK_MIN_M ? unbuf.get<Unpacked>((size_t)(kc + 31) / 32) : nullptr;
-    const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
-    const int b0 = (int)((int64_t)blocks * t / n_t), b1 = (int)((int64_t)blocks * (t + 1) / n_t);
-    for (int blk = b0; blk < b1; ++blk) {
-      const int g = blk * per, ng = imin(per, groups - g), ldc = ng * ROWS;
-      const int rows = imin(ldc, nout - ROWS * g);
-      memset(yg, 0, sizeof(float) * (size_t)M * ldc);
-      if (yu) memset(yu, 0, sizeof(float) * (size_t)M * ldc);
-      for (int k0 = 0; k0 < K; k0 += kc) {
-        const int k1 = imin(K, k0 + kc);
-        for (int half = 0; half < (yu ? 2 : 1); ++half) {
-          const int gg = half ? g + up : g;
-          float* y = half ? yu : yg;
-          if (ub && ng == 2 && unpack_chunk(w, gg, acts, k0, k1, ub)) {
-            const Acts ak = from_column(acts, k0);
-            int fmt, all;
-            group_records(w, gg, fmt, all);
-            // 8 columns (the weights come from L1), but 4 where Q6_K's two sums per column
-            // and the residual's would spill.
-            const int uc = fmt == Q6_K && residual ? 4 : 8;
-            for (int c0 = 0; c0 < M; c0 += uc) {
-              unpacked_tiles(ub, (k1 - k0 + 31) / 32, fmt == Q6_K, ak, c0, imin(uc, M - c0),
-                             y + (int64_t)c0 * ldc);
-            }
-            continue;
+  static thread_local Buf gbuf, ubuf2, unbuf;
+  float* yg = gbuf.get<float>((size_t)M * rb);  // [M][rb]: the running sums, column-major
+  float* yu = epilogue == EPI_SILU_MUL ? ubuf2.get<float>((size_t)M * rb) : nullptr;
+  // Past UNPACK_MIN_M rows a chunk of a row pair is decoded once for all column tiles.
+  Unpacked* ub = HAS_UNPACKED && M >= UNPACK_MIN_M ? unbuf.get<Unpacked>((size_t)(kc + 31) / 32) : nullptr;
+  const int b0 = (int)((int64_t)blocks * tid / nth), b1 = (int)((int64_t)blocks * (tid + 1) / nth);
+  for (int blk = b0; blk < b1; ++blk) {
+    const int g = blk * per, ng = imin(per, groups - g), ldc = ng * ROWS;
+    const int rows = imin(ldc, nout - ROWS * g);
+    memset(yg, 0, sizeof(float) * (size_t)M * ldc);
+    if (yu) memset(yu, 0, sizeof(float) * (size_t)M * ldc);
+    for (int k0 = 0; k0 < K; k0 += kc) {
+      const int k1 = imin(K, k0 + kc);
+      for (int half = 0; half < (yu ? 2 : 1); ++half) {
+        const int gg = half ? g + up : g;
+        float* y = half ? yu : yg;
+        if (ub && ng == 2 && unpack_chunk(w, gg, acts, k0, k1, ub)) {
+          const Acts ak = from_column(acts, k0);
+          int fmt, all;
+          group_records(w, gg, fmt, all);
+          // 8 columns (the weights come from L1), but 4 where Q6_K's two sums per column and
+          // the residual's would spill.
+          const int uc = fmt == Q6_K && residual ? 4 : 8;
+          for (int c0 = 0; c0 < M; c0 += uc) {
+            unpacked_tiles(ub, (k1 - k0 + 31) / 32, fmt == Q6_K, ak, c0, imin(uc, M - c0), y + (int64_t)c0 * ldc);
           }
-          for (int c0 = 0; c0 < M; c0 += cols) {
-            run_rows(w, gg, ng, acts, k0, k1, c0, imin(cols, M - c0), y + (int64_t)c0 * ldc);
-          }
+          continue;
+        }
+        for (int c0 = 0; c0 < M; c0 += cols) {
+          run_rows(w, gg, ng, acts, k0, k1, c0, imin(cols, M - c0), y + (int64_t)c0 * ldc);
         }
       }
-      for (int c = 0; c < M; ++c) {
-        float* o = out + (int64_t)c * ldo + ROWS * g;
-        const float* yc = yg + (int64_t)c * ldc;
-        for (int r = 0; r < rows; ++r) {
-          const int n = ROWS * g + r;
-          const float v = yc[r] + (bias ? bias[n] : 0.f);
-          if (epilogue == EPI_SILU_MUL) {
-            o[r] = silu(v) * (yu[(int64_t)c * ldc + r] + (bias ? bias[n + nout] : 0.f));
-          } else if (epilogue == EPI_ADD) {
-            o[r] = res[(int64_t)c * ldr + n] + v;
-          } else {
-            o[r] = v;
-          }
+    }
+    for (int c = 0; c < M; ++c) {
+      float* o = out + (int64_t)c * ldo + ROWS * g;
+      const float* yc = yg + (int64_t)c * ldc;
+      for (int r = 0; r < rows; ++r) {
+        const int n = ROWS * g + r;
+        const float v = yc[r] + (bias ? bias[n] : 0.f);
+        if (epilogue == EPI_SILU_MUL) {
+          o[r] = silu(v) * (yu[(int64_t)c * ldc + r] + (bias ? bias[n + nout] : 0.f));
+        } else if (epilogue == EPI_ADD) {
+          o[r] = res[(int64_t)c * ldr + n] + v;
+        } else {
+          o[r] = v;
         }
       }
     }
   }
+  if (nth > 1) {
+#pragma omp barrier
+  }
+}
+
+// The team a matmul of this size is worth: small ones run on the calling thread alone.
+inline int team_size(const QW& w, int M, int nthreads) {
+  return (int64_t)w.n * w.k * M >= 32768 && w.n > 2 * ROWS ? nthreads : 1;
+}
+
+// out[M, ldo] (epilogue) x[M, ldx] @ W^T; see kv_qgemm.
+void qgemm(const QW& w, const float* x, int M, int ldx, float* out, int ldo, const float* bias, const float* res,
+           int ldr, int epilogue, int residual, int nthreads) {
+  static thread_local ActBufs bufs;
+  bufs.reserve(M, w.k);
+  ActBufs* shared = &bufs;  // the calling thread's, taken here: inside the team each thread
+                            // would name its own thread_local
+  const int nt = team_size(w, M, nthreads);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  qgemm_team(w, x, M, ldx, out, ldo, bias, res, ldr, epilogue, residual, *shared, omp_get_thread_num(),
+             omp_get_num_threads());
 }
 
 // Rows of W as fp32: out[r, :K] = W[ids[r]] (ids == NULL: rows row0 .. row0 + nrows - 1).
