@@ -47,6 +47,7 @@ from model_runner.config import ModelConfig
 from model_runner.cuda_graphs import GRAPH_BATCH_SIZES, graph_memory_bytes
 from model_runner.device import dtype_name, resolve_dtype, resolve_kv_dtype, select_device
 from model_runner.kv_pool import KVPool, default_kv_budget_bytes, num_blocks_for_memory
+from model_runner.kv_transfer import PoolBlockIO
 from model_runner.model import LlamaModel, rope_inv_freq
 from model_runner.paths import graph_sizes, make_paths
 from model_runner.quant import QuantWeight
@@ -193,15 +194,15 @@ class TorchRunner:
             device=str(self.device),
             sliding_window=self.sliding_window,
             kv_dtype=dtype_name(self.kv_dtype),
+            weights=self.model.weights_format,
+            weight_bytes=self.model.weight_bytes,
+            linear_backend=self._linear_backend(),
             extra={
                 "architecture": config.architecture,
                 "num_blocks": str(num_blocks),
                 "block_size": str(block_size),
                 "kv_pool_bytes": str(self.pool.num_bytes),
-                "linear_backend": self._linear_backend(),
-                "weights": self.model.weights_format,
                 "fused_step": str(self.paths.fused is not None).lower(),
-                "weight_bytes": str(self.model.weight_bytes),
                 "fuse_batches": str(fuse_batches).lower(),
                 "attention_backend": self.attention.name,
                 "cuda_graphs": str(self.paths.graphs is not None).lower(),
@@ -211,6 +212,10 @@ class TorchRunner:
     @property
     def info(self) -> ModelInfo:
         return self._info
+
+    def block_io(self) -> PoolBlockIO:
+        """The KV pool's blocks as bytes (tier 2)."""
+        return PoolBlockIO(self.pool)
 
     def _linear_backend(self) -> str:
         if self.model.weights_format != "float":

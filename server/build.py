@@ -150,8 +150,8 @@ def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEng
         eos_token_ids=tuple(info.eos_token_ids),
         kv_dtype=info.kv_dtype,
         max_n=max_n_for(cfg),
-        weights=info.extra.get("weights", "float"),
-        weight_bytes=int(info.extra.get("weight_bytes", 0)),
+        weights=info.weights,
+        weight_bytes=info.weight_bytes,
         streams_past_context=kv.streams_past_context,
     )
     return BuiltEngine(engine, runner, scheduler, tokenizer, model, source)

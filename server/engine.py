@@ -206,8 +206,7 @@ class EngineLoop:
     @property
     def constraint_tracker(self) -> ConstraintTracker | None:
         """The runner's structured-output matchers (None: it takes no constraints)."""
-        tracker: ConstraintTracker | None = getattr(self._runner, "constraints", None)
-        return tracker
+        return self._runner.constraints
 
     @property
     def started(self) -> bool:

@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 class ServerTokenizer(Protocol):
     """What the server needs from a tokenizer (``model_runner.tokenizer.Tokenizer`` has it)."""
 
+    # The checkpoint's chat template (None: none); the OpenAI front reads its tool format.
+    chat_template: str | None
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def apply_chat_template(

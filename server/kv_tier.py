@@ -18,16 +18,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
-import struct
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from cache_manager import KVCacheManager, KVTierStats, TierBlock, prefix_block_keys
 from kv_store import BlockStore, EntryError, StoreError, decode_entry, encode_entry, store_key
+from model_runner.base import BlockIO, Runner
 from scheduler.output import SchedulerStats
 from scheduler.request import Request
 
@@ -35,66 +34,6 @@ logger = logging.getLogger(__name__)
 
 # Spilled bytes not yet written: past this, new spills are dropped (counted as "backlog").
 DEFAULT_MAX_PENDING_BYTES = 512 << 20
-
-
-class BlockIO(Protocol):
-    """Whole blocks of the runner's KV as bytes (``model_runner.kv_transfer.PoolBlockIO``)."""
-
-    block_bytes: int
-
-    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]: ...
-
-    def write_blocks(
-        self, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]
-    ) -> None: ...
-
-
-class ShadowBlockIO:
-    """The fake runner's shadow KV (the token id each slot holds) as block bytes, so tests
-    check that a restored block holds exactly the tokens of its position."""
-
-    def __init__(self, runner: object, block_size: int) -> None:
-        self._runner = runner
-        self._fmt = struct.Struct(f"<{block_size}q")
-        self.block_bytes = self._fmt.size
-
-    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
-        read = self._runner.read_kv_block  # type: ignore[attr-defined]
-        return [self._fmt.pack(*(-1 if t is None else t for t in read(b))) for b in block_ids]
-
-    def write_blocks(
-        self, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]
-    ) -> None:
-        write = self._runner.write_kv_block  # type: ignore[attr-defined]
-        for block_id, payload in zip(block_ids, payloads, strict=True):
-            write(block_id, [None if t < 0 else t for t in self._fmt.unpack(payload)])
-
-
-class NullBlockIO:
-    """A runner without KV (the fake runner without a shadow): blocks carry no bytes."""
-
-    block_bytes = 0
-
-    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
-        return [b""] * len(block_ids)
-
-    def write_blocks(
-        self, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]
-    ) -> None:
-        pass
-
-
-def block_io_for(runner: object) -> BlockIO:
-    """The block mover of a runner: its KV pool, the fake runner's shadow KV, or nothing."""
-    pool = getattr(runner, "pool", None)
-    if pool is not None:
-        from model_runner.kv_transfer import PoolBlockIO
-
-        return PoolBlockIO(pool)
-    block_size = getattr(runner, "kv_block_size", None)
-    if block_size is not None:
-        return ShadowBlockIO(runner, block_size)
-    return NullBlockIO()
 
 
 @dataclass(slots=True)
@@ -490,7 +429,7 @@ class KVTier:
 
 def open_kv_tier(
     kv: KVCacheManager,
-    runner: object,
+    runner: Runner,
     *,
     disk_dir: str,
     capacity_bytes: int,
@@ -505,8 +444,7 @@ def open_kv_tier(
     from kv_store import model_fingerprint, open_store
     from kv_store.fingerprint import weights_digest
 
-    info = getattr(runner, "info", None)
-    extra = getattr(info, "extra", {}) or {}
+    info = runner.info
     store: BlockStore | None = None
     error: str | None = None
     try:
@@ -519,15 +457,15 @@ def open_kv_tier(
         digest = weights_digest(source, cache_file)
     fingerprint = model_fingerprint(
         digest,
-        f"{extra.get('weights', 'float')}/{getattr(info, 'dtype', '?')}",
-        str(getattr(info, "kv_dtype", "?")),
+        f"{info.weights}/{info.dtype}",
+        info.kv_dtype,
         block_size,
-        f"{getattr(info, 'name', '?')}/{getattr(info, 'vocab_size', '?')}",
+        f"{info.name}/{info.vocab_size}",
     )
     return KVTier(
         kv,
         store,
-        block_io_for(runner),
+        runner.block_io(),
         fingerprint,
         capacity_bytes=capacity_bytes,
         open_error=error,

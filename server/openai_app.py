@@ -83,7 +83,7 @@ class OpenAIFront:
         self.created = int(time.time())
         self._openapi = openapi_document(self.model.name)
         # tool_choice "auto" needs a template that renders tools (server.openai_tools).
-        self._tool_format = tool_call_format(getattr(frontend.tokenizer, "chat_template", None))
+        self._tool_format = tool_call_format(frontend.tokenizer.chat_template)
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),

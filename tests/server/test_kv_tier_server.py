@@ -54,8 +54,9 @@ def test_prefetch_is_skipped_over_the_staged_bytes_bound(tmp_path: Path) -> None
     recomputes), and the skip is counted as a backlog."""
     from cache_manager import KVCacheConfig, KVCacheManager
     from kv_store import model_fingerprint, open_store
+    from model_runner.base import NullBlockIO
     from scheduler import Request, SamplingParams
-    from server.kv_tier import KVTier, NullBlockIO
+    from server.kv_tier import KVTier
 
     kv = KVCacheManager(KVCacheConfig(num_blocks=8, block_size=4, kv_tier=True))
     store = open_store("lmdb", str(tmp_path), capacity_bytes=1 << 20)
