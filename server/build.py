@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from cache_manager import KVCacheManager, block_bytes
 from cache_manager.sizing import num_blocks_for_budget
@@ -157,7 +158,9 @@ def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEng
     return BuiltEngine(engine, runner, scheduler, tokenizer, model, source)
 
 
-def _kv_tier(cfg: ServerConfig, kv: KVCacheManager, runner: Runner, source: str) -> KVTier | None:
+def _kv_tier(
+    cfg: ServerConfig, kv: KVCacheManager, runner: Runner, source: str
+) -> KVTier[Any] | None:
     """Tier 2 when ``--kv-disk-dir`` is set (``server.kv_tier``)."""
     if cfg.kv_disk_dir is None:
         return None
