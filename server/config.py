@@ -168,7 +168,7 @@ class ServerConfig:
     )
     grace_period_s: float = _f(30.0, "on SIGTERM/SIGINT, let in-flight requests finish this long")
     log_level: str = _f("info", "logging level", choices=("debug", "info", "warning", "error"))
-    # -- HTTP front, TLS, API keys, backpressure (server.openai_app, server.asgi, server.auth)
+    # -- HTTP front, TLS, API keys, backpressure (server.openai, server.asgi, server.auth)
     http: bool = _f(True, "serve the OpenAI-compatible HTTP API", group="http and security")
     http_port: int = _f(
         8000, "OpenAI-compatible HTTP port (0 picks a free port)", group="http and security"

@@ -1,7 +1,7 @@
 """The front-end core both adapters share: what a prompt means, the engine's request, the
 stream of its outputs, and which status a failure gets.
 
-Imports run one way: ``server.lifecycle`` -> the fronts (``grpc_service``, ``openai_app``)
+Imports run one way: ``server.lifecycle`` -> the fronts (``grpc_service``, ``openai.app``)
 -> this module -> ``engine_client``. Errors map to status codes in one place, ``status_of``
 (the HTTP front turns the gRPC code into its own status)::
 
