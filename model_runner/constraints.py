@@ -186,7 +186,8 @@ class ConstraintCompiler:
             raise ConstraintError(f"tokens leave the constraint: {matcher.get_error()}")
         mask = self.empty_masks(1)
         matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
-        return mask[0]
+        row: np.ndarray = mask[0]
+        return row
 
 
 @dataclass(slots=True)
