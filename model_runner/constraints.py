@@ -224,12 +224,6 @@ class ConstraintTracker:
         state = self._states.get(request_id)
         return None if state is None else list(state.token_ids)
 
-    def current_mask(self, request_id: str) -> np.ndarray:
-        """The tracked matcher's mask now (tests compare it with ``replay_mask``)."""
-        mask = self.compiler.empty_masks(1)
-        self._states[request_id].matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
-        return mask[0]
-
     def drop(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
             self._states.pop(request_id, None)
