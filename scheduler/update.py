@@ -16,7 +16,6 @@ token sampled after them, and ``kv.rollback_slots`` drops the KV of the rejected
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 from cache_manager import KVCacheManager
 from scheduler.entry import Counters, Entry, make_output
@@ -29,17 +28,12 @@ _DECODING = RequestStatus.DECODING
 _FINISHED_ERROR = RequestStatus.FINISHED_ERROR
 
 
-class Finish(Protocol):
-    """``Scheduler._finish``: end a request (freeing its blocks once), its final output."""
-
-    def __call__(
-        self,
-        entry: Entry,
-        status: RequestStatus,
-        new_token_ids: list[int] | None = None,
-        new_logprobs: list[TokenLogprobs] | None = None,
-        error: str | None = None,
-    ) -> RequestOutput: ...
+# ``Scheduler._finish(entry, status, new_token_ids, new_logprobs, error)``: end a request
+# (freeing its blocks once) and return its final output.
+Finish = Callable[
+    [Entry, RequestStatus, list[int] | None, list[TokenLogprobs] | None, str | None],
+    RequestOutput,
+]
 
 
 class ResultApplier:
@@ -102,7 +96,7 @@ class ResultApplier:
             num_computed = seq.start_pos + (len(seq.token_ids) if prefill else 1)
             req.num_computed_tokens = num_computed
             if slow and rid in failed:
-                append(self._finish(entry, _FINISHED_ERROR, error=failed[rid]))
+                append(self._finish(entry, _FINISHED_ERROR, None, None, failed[rid]))
                 num_uncounted += 1
                 continue
             new_logprobs: list[TokenLogprobs] = []
@@ -127,7 +121,7 @@ class ResultApplier:
             if token in entry.stop_ids or num_computed >= entry.max_num_tokens - 1:
                 status = stop_status(req, token, entry.max_num_tokens)
                 if status is not None:
-                    append(self._finish(entry, status, [token], new_logprobs))
+                    append(self._finish(entry, status, [token], new_logprobs, None))
                     continue
             append(make_output(entry, [token], new_logprobs, None))
             if drop and not kv.keeps_kv(req):
@@ -144,7 +138,7 @@ class ResultApplier:
         req = entry.request
         rid = req.request_id
         if rid in result.failed:
-            return self._finish(entry, _FINISHED_ERROR, error=result.failed[rid])
+            return self._finish(entry, _FINISHED_ERROR, None, None, result.failed[rid])
         num_drafts = seq.num_draft_tokens
         num_accepted = result.num_accepted_drafts.get(rid, 0)
         if not 0 <= num_accepted <= num_drafts:
@@ -163,7 +157,7 @@ class ResultApplier:
         # but the last.
         req.num_computed_tokens = seq.start_pos + len(new_token_ids)
         if status is not None:
-            return self._finish(entry, status, new_token_ids)
+            return self._finish(entry, status, new_token_ids, None, None)
         kv = self.kv
         kv.rollback_slots(req)
         self._after_tokens(req, seq.start_pos)
