@@ -4,8 +4,9 @@ One step::
 
     plan.block_copies  -> pool.copy_blocks            (copy-on-write, before anything reads)
     plan.prefill/decode -> StepRows.of                 (each seq checked: a bad one fails alone)
-                        -> attention.build(step)       (all index tensors, once per step)
-                        -> model.forward               (fused: prefill chunks + decodes together)
+                        -> paths.choose(step)          (model_runner.paths: the fused CPU kernel,
+                                                        a CUDA graph, or eager: attention.build
+                                                        once, model.forward over every layer)
                         -> rows that sample -> final norm + LM head -> sampler
                         -> ModelOutput
 
