@@ -76,22 +76,34 @@ def make_attention_backend(
     attention_sinks: int = 0,
 ) -> AttentionBackend:
     """The backend for a runner so configured. An explicit choice that cannot serve it
-    raises ``ValueError``; ``auto`` falls back to torch instead."""
+    raises ``ValueError`` (what it cannot serve first, then where it cannot run: the same
+    message on every machine); ``auto`` falls back to torch instead."""
+    if name in ATTENTION_BACKEND_CHOICES and name != "auto":
+        reason = _backend_class(name).unsupported(kv_dtype, attention_sinks)
+        if reason is not None:
+            raise ValueError(reason)
     resolved = resolve_attention_backend(name, device)
-    backend: AttentionBackend
+    if _backend_class(resolved).unsupported(kv_dtype, attention_sinks) is not None:
+        resolved = "torch"  # auto's choice cannot serve it
     if resolved == "triton":
         from model_runner.attention_backends.triton_backend import TritonAttention
 
-        backend = TritonAttention(sliding_window)
-    elif resolved == "flashinfer":
+        return TritonAttention(sliding_window)
+    if resolved == "flashinfer":
         from model_runner.attention_backends.flashinfer_backend import FlashInferAttention
 
-        backend = FlashInferAttention(device, num_heads, num_kv_heads, head_dim, dtype, kv_dtype)
-    else:
-        backend = TorchAttention()
-    reason = backend.unsupported(kv_dtype, attention_sinks)
-    if reason is not None:
-        if name != "auto":
-            raise ValueError(reason)
-        backend = TorchAttention()
-    return backend
+        return FlashInferAttention(device, num_heads, num_kv_heads, head_dim, dtype, kv_dtype)
+    return TorchAttention()
+
+
+def _backend_class(name: str) -> type[AttentionBackend]:
+    """The class of backend ``name`` (importable without triton or flashinfer installed)."""
+    if name == "triton":
+        from model_runner.attention_backends.triton_backend import TritonAttention
+
+        return TritonAttention
+    if name == "flashinfer":
+        from model_runner.attention_backends.flashinfer_backend import FlashInferAttention
+
+        return FlashInferAttention
+    return TorchAttention

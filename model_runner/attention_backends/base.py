@@ -34,8 +34,10 @@ class AttentionBackend(ABC):
 
     name: str = ""
 
-    def unsupported(self, kv_dtype: torch.dtype, attention_sinks: int) -> str | None:
-        """Why this backend cannot serve a runner so configured, or None."""
+    @classmethod
+    def unsupported(cls, kv_dtype: torch.dtype, attention_sinks: int) -> str | None:
+        """Why this backend cannot serve a runner so configured, or None (whatever the
+        device: asked before the backend is built or its device checked)."""
         return None
 
     @abstractmethod
@@ -95,11 +97,12 @@ class TorchAttention(AttentionBackend):
 class PagedAttentionBackend(AttentionBackend):
     """A backend whose kernels read K/V in place through the CSR page table."""
 
-    def unsupported(self, kv_dtype: torch.dtype, attention_sinks: int) -> str | None:
+    @classmethod
+    def unsupported(cls, kv_dtype: torch.dtype, attention_sinks: int) -> str | None:
         if kv_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            return f"the {self.name} backend reads float KV pools, not {kv_dtype}"
+            return f"the {cls.name} backend reads float KV pools, not {kv_dtype}"
         if attention_sinks:
-            return f"the {self.name} backend has no attention sinks (use --attention-backend torch)"
+            return f"the {cls.name} backend has no attention sinks (use --attention-backend torch)"
         return None
 
     def build_batch(

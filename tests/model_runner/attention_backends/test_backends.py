@@ -38,15 +38,23 @@ def test_unknown_and_impossible_choices_raise() -> None:
         resolve_attention_backend("flashinfer", CPU)
 
 
-def test_paged_backends_refuse_int8_pools_and_sinks() -> None:
-    """Triton explicitly asked for with an int8 pool or attention sinks raises; ``auto``
-    would fall back to torch instead."""
+def test_paged_backends_refuse_int8_pools_and_sinks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton or FlashInfer explicitly asked for with an int8 pool or attention sinks raises
+    that refusal first, whether Triton's interpreter is on or off (off: as on a CUDA machine
+    building for a CPU device), before the device's; ``auto`` falls back to torch instead."""
     pytest.importorskip("triton")
-    with pytest.raises(ValueError, match="float KV pools"):
-        _make("triton", kv_dtype=torch.int8)
-    with pytest.raises(ValueError, match="no attention sinks"):
-        _make("triton", attention_sinks=4)
-    assert _make("auto", kv_dtype=torch.int8).name == "torch"
+    import model_runner.attention_backends as backends
+
+    for interpreted in (True, False):
+        monkeypatch.setattr(backends, "triton_interpreted", lambda on=interpreted: on)
+        for name in ("triton", "flashinfer"):
+            with pytest.raises(ValueError, match=f"the {name} backend reads float KV pools"):
+                _make(name, kv_dtype=torch.int8)
+            with pytest.raises(ValueError, match=f"the {name} backend has no attention sinks"):
+                _make(name, attention_sinks=4)
+        assert _make("auto", kv_dtype=torch.int8).name == "torch"
+    with pytest.raises(ValueError, match="runs on CUDA, or on cpu in Triton's interpreter only"):
+        _make("triton")  # a float pool: the device is the one problem left
 
 
 def test_runner_on_triton_matches_the_torch_runner() -> None:
