@@ -3,8 +3,9 @@
 - ``torch``: ``model_runner.attention``, the reference (gathers blocks into padded tensors);
 - ``triton``: ``triton_kernels``, paged prefill and decode reading K/V in place;
 - ``flashinfer``: ``flashinfer-python``'s batch prefill / decode wrappers (CUDA);
-- ``auto``: on CUDA, FlashInfer if installed, else Triton if installed, else torch; on a CPU,
-  torch (Triton runs on a CPU only in its interpreter, for tests).
+- ``auto``: on CUDA, the fastest of the installed backends that measures right against torch
+  on a probe step at the model's attention shape (``probe``); on a CPU, torch (Triton runs on
+  a CPU only in its interpreter, for tests).
 
 The block table -> page table conversion both paged backends read lives in ``page_table``.
 """
@@ -12,6 +13,8 @@ The block table -> page table conversion both paged backends read lives in ``pag
 from __future__ import annotations
 
 import importlib.util
+import logging
+from typing import Any, cast
 
 import torch
 
@@ -19,6 +22,8 @@ from model_runner.attention_backends.base import AttentionBackend, TorchAttentio
 from model_runner.config import ATTENTION_BACKEND_CHOICES
 
 __all__ = ["ATTENTION_BACKEND_CHOICES", "AttentionBackend", "make_attention_backend"]
+
+logger = logging.getLogger(__name__)
 
 
 def _installed(module: str) -> bool:
@@ -34,19 +39,14 @@ def triton_interpreted() -> bool:
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """The backend ``name`` means on ``device`` (``auto`` resolved); raises for one that
-    cannot run there."""
+    """The backend ``name`` means on ``device``: ``auto`` is torch off CUDA, and stays
+    ``auto`` on CUDA (measured when built); raises for one that cannot run there."""
     if name not in ATTENTION_BACKEND_CHOICES:
         raise ValueError(
             f"unknown attention backend {name!r}: use one of {', '.join(ATTENTION_BACKEND_CHOICES)}"
         )
-    if name == "auto":
-        if device.type != "cuda":
-            return "torch"
-        for candidate, module in (("flashinfer", "flashinfer"), ("triton", "triton")):
-            if _installed(module):
-                return candidate
-        return "torch"
+    if name == "auto":  # on CUDA, make_attention_backend measures the installed ones
+        return "auto" if device.type == "cuda" else "torch"
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError(f"--attention-backend flashinfer runs on CUDA, not {device}")
@@ -82,17 +82,47 @@ def make_attention_backend(
         reason = _backend_class(name).unsupported(kv_dtype, attention_sinks)
         if reason is not None:
             raise ValueError(reason)
+    shape = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     resolved = resolve_attention_backend(name, device)
-    if _backend_class(resolved).unsupported(kv_dtype, attention_sinks) is not None:
-        resolved = "torch"  # auto's choice cannot serve it
-    if resolved == "triton":
-        from model_runner.attention_backends.triton_backend import TritonAttention
+    if resolved == "auto":
+        candidates = [
+            _build(n, device, dtype, kv_dtype, sliding_window, **shape)
+            for n in ("flashinfer", "triton")
+            if _installed(n) and _backend_class(n).unsupported(kv_dtype, attention_sinks) is None
+        ]
+        if not candidates:
+            return TorchAttention()
+        from model_runner.attention_backends.probe import choose_backend, measure_backends
 
-        return TritonAttention(sliding_window)
-    if resolved == "flashinfer":
-        from model_runner.attention_backends.flashinfer_backend import FlashInferAttention
+        measured = measure_backends(
+            [*candidates, TorchAttention()], TorchAttention(), device, num_heads=num_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, kv_dtype=kv_dtype,
+            sliding_window=sliding_window,
+        )  # fmt: skip
+        chosen = choose_backend(measured)
+        logger.info("attention backend auto: %s of %s", chosen, measured)
+        return next((b for b in candidates if b.name == chosen), TorchAttention())
+    return _build(resolved, device, dtype, kv_dtype, sliding_window, **shape)
 
-        return FlashInferAttention(device, num_heads, num_kv_heads, head_dim, dtype, kv_dtype)
+
+def _build(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    sliding_window: int | None,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> AttentionBackend:
+    cls: Any = _backend_class(name)
+    if name == "triton":
+        return cast(AttentionBackend, cls(sliding_window))
+    if name == "flashinfer":
+        return cast(
+            AttentionBackend, cls(device, num_heads, num_kv_heads, head_dim, dtype, kv_dtype)
+        )
     return TorchAttention()
 
 

@@ -80,3 +80,50 @@ def test_runner_on_triton_matches_the_torch_runner() -> None:
         assert ref.keys() == ours.keys()
         for rid in ref:
             assert (ours[rid] - ref[rid]).abs().max().item() <= 1e-4
+
+
+def test_auto_takes_the_fastest_backend_that_measures_right() -> None:
+    """Of the backends that match torch within tolerance, the fastest (ties: the first); a
+    faster one that measured wrong or raised never; torch when none is right."""
+    from model_runner.attention_backends.probe import Measurement, choose_backend
+
+    right, wrong = Measurement(1e-5, 1e-3, 0.002), Measurement(0.5, 1e-3, 0.0001)
+    assert choose_backend({"triton": right, "torch": Measurement(0.0, 1e-3, 0.004)}) == "triton"
+    assert choose_backend({"flashinfer": wrong, "triton": right}) == "triton"
+    failed = Measurement(float("inf"), 1e-3, None, "RuntimeError('no nvcc')")
+    assert choose_backend({"flashinfer": failed, "triton": wrong}) == "torch"
+    assert choose_backend({"a": right, "b": Measurement(0.0, 1e-3, 0.002)}) == "a"
+
+
+def test_probe_measures_each_candidate_against_torch() -> None:
+    """The probe step (chunks over prefixes and decodes) through the Triton backend (in the
+    interpreter) and torch: both right, timed; a backend that writes zeros is wrong; one
+    that raises is recorded with its error and no time."""
+    pytest.importorskip("triton")
+    from model_runner.attention_backends.base import TorchAttention
+    from model_runner.attention_backends.probe import ProbeShape, measure_backends
+    from model_runner.attention_backends.triton_backend import TritonAttention
+
+    class Zeros(TorchAttention):
+        name = "zeros"
+
+        def forward(self, layer, qkv, batch, pool, out, num_heads, num_kv_heads) -> None:  # type: ignore[no-untyped-def]
+            out.zero_()
+
+    class Broken(TorchAttention):
+        name = "broken"
+
+        def forward(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+            raise RuntimeError("cannot run here")
+
+    shape = ProbeShape(num_decodes=3, decode_keys=40, num_chunks=1, chunk_len=20,
+                       prefix_len=12, block_size=16, repeats=1)  # fmt: skip
+    measured = measure_backends(
+        [TritonAttention(), TorchAttention(), Zeros(), Broken()], TorchAttention(), CPU,
+        num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+        kv_dtype=torch.float32, shape=shape,
+    )  # fmt: skip
+    assert measured["triton"].right and measured["triton"].max_abs_err < 1e-4
+    assert measured["torch"].right and measured["torch"].max_abs_err == 0.0
+    assert not measured["zeros"].right and measured["zeros"].seconds is not None
+    assert measured["broken"].seconds is None and "cannot run here" in measured["broken"].error

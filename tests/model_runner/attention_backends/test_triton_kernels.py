@@ -393,3 +393,22 @@ def test_split_count_is_a_pure_function_of_the_launch_size() -> None:
     assert num_kv_splits(4, 132, max_splits=16) == 16
     with pytest.raises(ValueError, match="positive"):
         num_kv_splits(0, 132)
+
+
+def test_the_triton_path_never_gathers_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of chunks over prefixes and decodes on the Triton backend with
+    ``KVPool.gather`` made to raise: the kernels read K/V in place, so it still runs."""
+
+    def no_gather(*args: object) -> None:
+        raise AssertionError("the Triton path gathered the cache")
+
+    prefill = [seq("a", _ids(14), 8, 14, [6, 7, 15, 16])]
+    decode = [seq("c", _ids(10), 9, 10, [1, 2, 3])]
+    backend = TritonAttention()
+    pool = KVPool(1, 2, HEAD_DIM, NUM_BLOCKS, BLOCK_SIZE, torch.float32, DEVICE)
+    batch = backend.build_batch(prefill, decode, BLOCK_SIZE, DEVICE, torch.float32)
+    qkv = torch.randn(7, 8, HEAD_DIM, device=DEVICE)
+    out = torch.full((7, 4 * HEAD_DIM), float("nan"), device=DEVICE)
+    monkeypatch.setattr(KVPool, "gather", no_gather)
+    backend.forward(0, qkv, batch, pool, out, 4, 2)
+    assert torch.isfinite(out).all()
