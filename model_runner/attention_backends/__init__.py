@@ -92,14 +92,15 @@ def make_attention_backend(
         ]
         if not candidates:
             return TorchAttention()
-        from model_runner.attention_backends.probe import choose_backend, measure_backends
+        from model_runner.attention_backends import probe
 
-        measured = measure_backends(
-            [*candidates, TorchAttention()], TorchAttention(), device, num_heads=num_heads,
-            num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, kv_dtype=kv_dtype,
-            sliding_window=sliding_window,
-        )  # fmt: skip
-        chosen = choose_backend(measured)
+        model = probe.AttentionShape(
+            num_heads, num_kv_heads, head_dim, dtype, kv_dtype, sliding_window
+        )
+        measured = probe.measure_backends(
+            [*candidates, TorchAttention()], TorchAttention(), device, model
+        )
+        chosen = probe.choose_backend(measured)
         logger.info("attention backend auto: %s of %s", chosen, measured)
         return next((b for b in candidates if b.name == chosen), TorchAttention())
     return _build(resolved, device, dtype, kv_dtype, sliding_window, **shape)

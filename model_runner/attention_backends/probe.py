@@ -83,21 +83,29 @@ def probe_step(shape: ProbeShape) -> tuple[list[ScheduledSeq], list[ScheduledSeq
     return chunks, decodes, next_block
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionShape:
+    """The model's attention, as the probe builds its step: heads, dtypes, window."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    sliding_window: int | None = None
+
+
 def measure_backends(
     candidates: Sequence[AttentionBackend],
     reference: AttentionBackend,
     device: torch.device,
-    *,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    kv_dtype: torch.dtype,
-    sliding_window: int | None = None,
+    model: AttentionShape,
     shape: ProbeShape | None = None,
 ) -> dict[str, Measurement]:
     """Each candidate on the probe step against ``reference`` (see the module docstring)."""
     shape = shape or ProbeShape()
+    num_heads, num_kv_heads, head_dim = model.num_heads, model.num_kv_heads, model.head_dim
+    dtype, kv_dtype = model.dtype, model.kv_dtype
     prefill, decode, num_blocks = probe_step(shape)
     g = torch.Generator().manual_seed(0)
     num_tokens = sum(s.num_tokens for s in (*prefill, *decode))
@@ -108,7 +116,7 @@ def measure_backends(
 
     def layer(backend: AttentionBackend) -> tuple[torch.Tensor, float]:
         batch = backend.build_batch(
-            prefill, decode, shape.block_size, device, dtype, sliding_window
+            prefill, decode, shape.block_size, device, dtype, model.sliding_window
         )
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=dtype, device=device)
 

@@ -101,7 +101,11 @@ def test_probe_measures_each_candidate_against_torch() -> None:
     that raises is recorded with its error and no time."""
     pytest.importorskip("triton")
     from model_runner.attention_backends.base import TorchAttention
-    from model_runner.attention_backends.probe import ProbeShape, measure_backends
+    from model_runner.attention_backends.probe import (
+        AttentionShape,
+        ProbeShape,
+        measure_backends,
+    )
     from model_runner.attention_backends.triton_backend import TritonAttention
 
     class Zeros(TorchAttention):
@@ -118,11 +122,9 @@ def test_probe_measures_each_candidate_against_torch() -> None:
 
     shape = ProbeShape(num_decodes=3, decode_keys=40, num_chunks=1, chunk_len=20,
                        prefix_len=12, block_size=16, repeats=1)  # fmt: skip
-    measured = measure_backends(
-        [TritonAttention(), TorchAttention(), Zeros(), Broken()], TorchAttention(), CPU,
-        num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
-        kv_dtype=torch.float32, shape=shape,
-    )  # fmt: skip
+    model = AttentionShape(4, 2, 16, torch.float32, torch.float32)
+    candidates = [TritonAttention(), TorchAttention(), Zeros(), Broken()]
+    measured = measure_backends(candidates, TorchAttention(), CPU, model, shape)
     assert measured["triton"].right and measured["triton"].max_abs_err < 1e-4
     assert measured["torch"].right and measured["torch"].max_abs_err == 0.0
     assert not measured["zeros"].right and measured["zeros"].seconds is not None
