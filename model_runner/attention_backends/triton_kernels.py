@@ -203,8 +203,9 @@ def _attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    k_base = kv_ptr + kv_head * stride_kvh
-    v_base = kv_ptr + (num_kv_heads + kv_head) * stride_kvh
+    # int64: a head's stride times 2 * kvh overflows int32 in pools past 2^31 elements
+    k_base = kv_ptr + kv_head.to(tl.int64) * stride_kvh
+    v_base = kv_ptr + (num_kv_heads + kv_head).to(tl.int64) * stride_kvh
 
     if HAS_SINKS:
         # R(-d) q on pairs (2i, 2i + 1): q * cos + swap(q) * (-sin, +sin)
