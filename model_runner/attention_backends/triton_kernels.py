@@ -364,7 +364,7 @@ def paged_prefill(
     sink_rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_m: int = 64,
     block_n: int = 64,
-    num_splits: int | None = 1,
+    num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> None:
@@ -373,8 +373,9 @@ def paged_prefill(
     ``q``/``out``: ``[T, H, D]`` (any row and head strides); ``kv``: one layer of the pool,
     ``[2 * kvh, num_blocks, block_size, D]``; the rest: a ``PageTableTensors``'s fields.
     A tile holds ``block_m`` rows: ``block_m / GROUP_PAD`` tokens of one GQA group.
-    ``num_splits`` None: ``num_kv_splits`` of the launch (a short chunk over a long prefix
-    splits its keys); ``sink_rotation``: ``page_table.sink_rotation`` of the rows."""
+    ``num_splits`` None: ``num_kv_splits`` of the launch (requests x query tiles x KV heads:
+    a few short chunks over long prefixes split their keys, a large prefill does not);
+    ``sink_rotation``: ``page_table.sink_rotation`` of the rows."""
     group_pad = triton.next_power_of_2(q.shape[1] // (kv.shape[0] // 2))
     block_q = max(1, max(block_m, MIN_BLOCK_M) // group_pad)
     _launch(
