@@ -10,14 +10,25 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from model_runner.config import ModelConfig
 
-if TYPE_CHECKING:
-    from benchmarks.bench_gpu import Sizes
+
+@dataclass(frozen=True, slots=True)
+class AttentionCases:
+    """What the section times: every (batch, keys) at the kernel's default configuration,
+    then each ``(block_n, num_warps, num_stages)`` of ``configs`` at the ``sweep`` shapes."""
+
+    batches: tuple[int, ...]
+    keys: tuple[int, ...]
+    configs: tuple[tuple[int, int, int], ...]
+    sweep: tuple[tuple[int, int], ...]  # (batch, keys)
+    block_size: int = 16
+    dtype: torch.dtype = torch.bfloat16
+    repeats: int = 5
 
 
 def graph_time_s(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -69,7 +80,7 @@ class DecodeProblem:
 
 def decode_problem(
     config: ModelConfig,
-    sizes: Sizes,
+    cases: AttentionCases,
     kv: torch.Tensor,
     batch: int,
     keys: int,
@@ -77,7 +88,7 @@ def decode_problem(
 ) -> DecodeProblem:
     """``batch`` requests of ``keys`` keys over pool ``kv``, in as many page sets as take
     256 MiB of KV (at most 64, and at most what the pool holds)."""
-    device, bs = kv.device, sizes.block_size
+    device, bs = kv.device, cases.block_size
     dtype_bytes = kv.element_size()
     kv_bytes = batch * keys * 2 * config.num_kv_heads * config.head_dim * dtype_bytes
     pages_per_seq = -(-keys // bs)
@@ -115,22 +126,22 @@ def decode_reference(problem: DecodeProblem, rows: int) -> torch.Tensor:
 
 def measure_attention(
     config: ModelConfig,
-    sizes: Sizes,
+    cases: AttentionCases,
     device: torch.device,
     bandwidth: float,
     on_row: Callable[[dict[str, Any]], None],
 ) -> list[dict[str, Any]]:
     """The ``attention`` section's rows (each handed to ``on_row`` as measured): every
     (batch, keys) at the default configuration, then the sweep's configurations."""
-    cases = [(b, k) for k in sizes.attention_keys for b in sizes.attention_batches]
-    max_pages = max(b * -(-k // sizes.block_size) for b, k in cases)
-    shape = (2 * config.num_kv_heads, max_pages, sizes.block_size, config.head_dim)
+    shapes = [(b, k) for k in cases.keys for b in cases.batches]
+    max_pages = max(b * -(-k // cases.block_size) for b, k in shapes)
+    shape = (2 * config.num_kv_heads, max_pages, cases.block_size, config.head_dim)
     torch.manual_seed(0)
-    kv = torch.randn(shape, device=device, dtype=sizes.dtype)  # random: never time on zeros
+    kv = torch.randn(shape, device=device, dtype=cases.dtype)  # random: never time on zeros
     default = {"block_n": None, "num_warps": None, "num_stages": None}
-    runs = [(b, k, default) for b, k in cases]
-    for b, k in sizes.attention_sweep:
-        for block_n, warps, stages in sizes.attention_configs:
+    runs = [(b, k, default) for b, k in shapes]
+    for b, k in cases.sweep:
+        for block_n, warps, stages in cases.configs:
             runs.append((b, k, {"block_n": block_n, "num_warps": warps, "num_stages": stages}))
     rows: list[dict[str, Any]] = []
     for batch, keys, cfg in runs:
@@ -141,8 +152,8 @@ def measure_attention(
             "config": "{block_n}/{num_warps}/{num_stages}".format(**args) if args else "default",
         }
         try:
-            problem = decode_problem(config, sizes, kv, batch, keys)
-            seconds = graph_time_s(lambda p=problem, a=args: p.run(**a), device, sizes.repeats)
+            problem = decode_problem(config, cases, kv, batch, keys)
+            seconds = graph_time_s(lambda p=problem, a=args: p.run(**a), device, cases.repeats)
             seconds /= len(problem.tables)
             n = min(batch, 8)
             problem.run(**args)

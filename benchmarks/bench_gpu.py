@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_attention import measure_attention
+from benchmarks.bench_attention import AttentionCases, measure_attention
 from benchmarks.bench_transformers import run_batches
 from cache_manager import KVCacheConfig, KVCacheManager
 from model_runner.config import ATTENTION_BACKEND_CHOICES, ModelConfig
@@ -97,11 +97,7 @@ class Sizes:
     output_len: int
     requests_per_user: int
     kv_budget_bytes: int
-    attention_batches: tuple[int, ...]
-    attention_keys: tuple[int, ...]
-    # (block_n, num_warps, num_stages) of the decode kernel, swept at the targets' shapes
-    attention_configs: tuple[tuple[int, int, int], ...]
-    attention_sweep: tuple[tuple[int, int], ...]  # (batch, keys)
+    attention: AttentionCases
     block_size: int = 16
     max_num_batched_tokens: int = 8192
     repeats: int = 5
@@ -122,19 +118,21 @@ FULL = Sizes(
     output_len=128,
     requests_per_user=2,
     kv_budget_bytes=24 << 30,
-    attention_batches=(1, 32, 256),
-    attention_keys=(512, 8192),
-    attention_configs=(
-        (16, 4, 2),
-        (32, 4, 2),
-        (32, 4, 3),
-        (32, 8, 2),
-        (64, 4, 2),
-        (64, 4, 3),
-        (64, 8, 2),
-        (64, 8, 3),
+    attention=AttentionCases(
+        batches=(1, 32, 256),
+        keys=(512, 8192),
+        configs=(
+            (16, 4, 2),
+            (32, 4, 2),
+            (32, 4, 3),
+            (32, 8, 2),
+            (64, 4, 2),
+            (64, 4, 3),
+            (64, 8, 2),
+            (64, 8, 3),
+        ),
+        sweep=((256, 512), (1, 8192)),
     ),
-    attention_sweep=((256, 512), (1, 8192)),
 )
 DRY = Sizes(
     model=TINY,
@@ -151,10 +149,14 @@ DRY = Sizes(
     output_len=4,
     requests_per_user=1,
     kv_budget_bytes=64 << 20,
-    attention_batches=(1, 3),
-    attention_keys=(20, 40),
-    attention_configs=((16, 4, 2), (32, 4, 2)),
-    attention_sweep=((3, 20),),
+    attention=AttentionCases(
+        batches=(1, 3),
+        keys=(20, 40),
+        configs=((16, 4, 2), (32, 4, 2)),
+        sweep=((3, 20),),
+        dtype=torch.float32,
+        repeats=2,
+    ),
     max_num_batched_tokens=512,
     repeats=2,
 )
@@ -460,7 +462,7 @@ class Bench:
                   "| of copy bandwidth | max abs err |\n|---|---|---|---|---|---|---|")  # fmt: skip
         self.report.attention = measure_attention(
             config,
-            self.sizes,
+            self.sizes.attention,
             self.device,
             self.bandwidth,
             self._emit_attention_row,

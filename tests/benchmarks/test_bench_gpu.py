@@ -67,8 +67,8 @@ def test_dry_run_runs_every_section(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert report["sections"] == list(SECTIONS)
     cases = [(r["batch"], r["keys"], r["config"]) for r in report["attention"]]
     assert cases == [
-        *((b, k, "default") for k in DRY.attention_keys for b in DRY.attention_batches),
-        *((3, 20, f"{n}/{w}/{s}") for n, w, s in DRY.attention_configs),
+        *((b, k, "default") for k in DRY.attention.keys for b in DRY.attention.batches),
+        *((3, 20, f"{n}/{w}/{s}") for n, w, s in DRY.attention.configs),
     ]
     assert all(r["gb_s"] > 0 and r["max_abs_err"] < 1e-4 for r in report["attention"])
     assert [d["batch"] for d in report["decode"]] == [1, 32, 128, 256]
