@@ -21,7 +21,7 @@ rewrites ``summary.json`` after each step, so a run cut short keeps what came be
 5. ``bench-torch``: decode and prefill on the torch reference backend, for the comparison.
 
 ``summary.json`` holds each step's exit status, time and test counts, and the targets of issue
-32 (``targets``) read from the benchmark reports beside it.
+32 (``targets``) read from the benchmark reports beside it; ``steps.log`` every step's output.
 """
 
 from __future__ import annotations
@@ -108,7 +108,6 @@ class Step:
     name: str
     argv: tuple[str, ...]
     max_s: int  # its own cap; the budget left may cut it shorter
-    log: str  # file name under the out dir
 
 
 @dataclass(slots=True)
@@ -134,16 +133,15 @@ def plan_steps(out_dir: Path, python: str = sys.executable, xdist: bool = False)
     triton = ("--attention-backend", "triton", "--sections", "decode,prefill,serving")
     torch = ("--attention-backend", "torch", "--sections", "decode,prefill")
     return [
-        Step("kernels", (*pytest, *KERNEL_TESTS), 180, "tests_kernels.log"),
+        Step("kernels", (*pytest, *KERNEL_TESTS), 180),
         Step(
             "attention",
             (*bench, "--sections", "probes,attention", *report("attention")),
             150,
-            "bench_attention.log",
         ),
-        Step("bench-triton", (*bench, *triton, *report("triton")), 240, "bench_triton.log"),
-        Step("cuda-tests", (*pytest, *CUDA_TESTS), 180, "tests_cuda.log"),
-        Step("bench-torch", (*bench, *torch, *report("torch")), 150, "bench_torch.log"),
+        Step("bench-triton", (*bench, *triton, *report("triton")), 240),
+        Step("cuda-tests", (*pytest, *CUDA_TESTS), 180),
+        Step("bench-torch", (*bench, *torch, *report("torch")), 150),
     ]
 
 
@@ -216,12 +214,13 @@ def install_wheels(wheel_dir: Path, site: Path) -> str:
 
 
 def _run_step(step: Step, timeout_s: float, env: dict[str, str], log: Path) -> StepResult:
-    """Run ``step`` (its output to ``log`` and to stdout, line by line); past ``timeout_s``
-    kill its whole process group."""
+    """Run ``step``, its output appended to ``log`` and to stdout line by line; past
+    ``timeout_s`` kill its whole process group."""
     result = StepResult(step.name, " ".join(step.argv), "ok", timeout_s=round(timeout_s))
     t0 = time.monotonic()
     output: list[str] = []
-    with open(log, "w") as f:
+    with open(log, "a") as f:
+        f.write(f"=== {step.name}: {result.command}\n")
         proc = subprocess.Popen(
             step.argv, cwd=ROOT, env=env or None, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -290,7 +289,7 @@ def run(out_dir: Path, budget_s: float, wheel_dir: Path, steps: Sequence[str] | 
             results.append(StepResult(step.name, " ".join(step.argv), "skipped (budget)"))
         else:
             print(f"\n=== {step.name} (up to {timeout:.0f} s): {' '.join(step.argv)}", flush=True)
-            results.append(_run_step(step, timeout, env, out_dir / step.log))
+            results.append(_run_step(step, timeout, env, out_dir / "steps.log"))
         summary["steps"] = [asdict(r) for r in results]
         summary["targets"] = targets(
             _load(out_dir / "bench_attention.json"), _load(out_dir / "bench_triton.json")

@@ -37,7 +37,7 @@ def test_steps_run_kernels_first_and_write_their_reports_under_the_out_dir(tmp_p
 
 def test_a_step_gets_its_cap_or_the_budget_left_or_is_skipped() -> None:
     """Its own cap while the budget allows, then what is left; under MIN_STEP_S, None."""
-    step = Step("x", ("true",), 100, "x.log")
+    step = Step("x", ("true",), 100)
     assert step_timeout(step, elapsed_s=0, budget_s=450) == 100
     assert step_timeout(step, elapsed_s=400, budget_s=450) == 50
     assert step_timeout(step, elapsed_s=450 - MIN_STEP_S + 1, budget_s=450) is None
@@ -89,17 +89,18 @@ def test_summary_table_lists_steps_and_targets() -> None:
 
 
 def test_a_step_is_logged_and_killed_at_its_timeout(tmp_path: Path) -> None:
-    """A step's output goes to its log; one past its timeout is killed with its children
-    and reported as timed out."""
-    ok = Step("ok", (sys.executable, "-c", "print('3 passed in 0.1s')"), 10, "ok.log")
+    """A step's output is appended to the log under its command line; one past its
+    timeout is killed with its children and reported as timed out."""
+    ok = Step("ok", (sys.executable, "-c", "print('3 passed in 0.1s')"), 10)
     result = _run_step(ok, 10, {}, tmp_path / "ok.log")
     assert (result.status, result.tests) == ("ok", {"passed": 3})
-    assert (tmp_path / "ok.log").read_text() == "3 passed in 0.1s\n"
+    log = (tmp_path / "ok.log").read_text()
+    assert log == f"=== ok: {' '.join(ok.argv)}\n3 passed in 0.1s\n"
     code = "import subprocess, sys; subprocess.run(['sleep', '30']); print('late')"
-    slow = Step("slow", (sys.executable, "-c", code), 10, "slow.log")
+    slow = Step("slow", (sys.executable, "-c", code), 10)
     result = _run_step(slow, 1.0, {}, tmp_path / "slow.log")
     assert result.status == "timed out" and result.seconds < 10
-    fail = Step("fail", (sys.executable, "-c", "raise SystemExit(3)"), 10, "f.log")
+    fail = Step("fail", (sys.executable, "-c", "raise SystemExit(3)"), 10)
     assert _run_step(fail, 10, {}, tmp_path / "f.log").status == "failed (rc 3)"
 
 
