@@ -1,27 +1,34 @@
 """Attention backends, chosen once at start-up (``--attention-backend``).
 
-- ``torch``: ``model_runner.attention``, the reference (gathers blocks into padded tensors);
+- ``torch``: ``torch_backend``, the reference (gathers blocks into padded tensors);
 - ``triton``: ``triton_kernels``, paged prefill and decode reading K/V in place;
 - ``flashinfer``: ``flashinfer-python``'s batch prefill / decode wrappers (CUDA);
 - ``auto``: on CUDA, the fastest of the installed backends that measures right against torch
   on a probe step at the model's attention shape (``probe``); on a CPU, torch (Triton runs on
   a CPU only in its interpreter, for tests).
 
-The block table -> page table conversion both paged backends read lives in ``page_table``.
+Each is constructed once with the model's ``AttentionSpec`` (``base``); the block table ->
+page table conversion both paged backends read lives in ``page_table``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-from typing import Any, cast
+from typing import Any
 
 import torch
 
-from model_runner.attention_backends.base import AttentionBackend, TorchAttention
+from model_runner.attention_backends.base import AttentionBackend, AttentionSpec
+from model_runner.attention_backends.torch_backend import TorchAttention
 from model_runner.config import ATTENTION_BACKEND_CHOICES
 
-__all__ = ["ATTENTION_BACKEND_CHOICES", "AttentionBackend", "make_attention_backend"]
+__all__ = [
+    "ATTENTION_BACKEND_CHOICES",
+    "AttentionBackend",
+    "AttentionSpec",
+    "make_attention_backend",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -63,72 +70,8 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
     return name
 
 
-def make_attention_backend(
-    name: str,
-    device: torch.device,
-    *,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    kv_dtype: torch.dtype,
-    sliding_window: int | None = None,
-    attention_sinks: int = 0,
-) -> AttentionBackend:
-    """The backend for a runner so configured. An explicit choice that cannot serve it
-    raises ``ValueError`` (what it cannot serve first, then where it cannot run: the same
-    message on every machine); ``auto`` falls back to torch instead."""
-    if name in ATTENTION_BACKEND_CHOICES and name != "auto":
-        reason = _backend_class(name).unsupported(kv_dtype, attention_sinks)
-        if reason is not None:
-            raise ValueError(reason)
-    shape = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
-    resolved = resolve_attention_backend(name, device)
-    if resolved == "auto":
-        candidates = [
-            _build(n, device, dtype, kv_dtype, sliding_window, **shape)
-            for n in ("flashinfer", "triton")
-            if _installed(n) and _backend_class(n).unsupported(kv_dtype, attention_sinks) is None
-        ]
-        if not candidates:
-            return TorchAttention()
-        from model_runner.attention_backends import probe
-
-        model = probe.AttentionShape(
-            num_heads, num_kv_heads, head_dim, dtype, kv_dtype, sliding_window
-        )
-        measured = probe.measure_backends(
-            [*candidates, TorchAttention()], TorchAttention(), device, model
-        )
-        chosen = probe.choose_backend(measured)
-        logger.info("attention backend auto: %s of %s", chosen, measured)
-        return next((b for b in candidates if b.name == chosen), TorchAttention())
-    return _build(resolved, device, dtype, kv_dtype, sliding_window, **shape)
-
-
-def _build(
-    name: str,
-    device: torch.device,
-    dtype: torch.dtype,
-    kv_dtype: torch.dtype,
-    sliding_window: int | None,
-    *,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-) -> AttentionBackend:
-    cls: Any = _backend_class(name)
-    if name == "triton":
-        return cast(AttentionBackend, cls(sliding_window))
-    if name == "flashinfer":
-        return cast(
-            AttentionBackend, cls(device, num_heads, num_kv_heads, head_dim, dtype, kv_dtype)
-        )
-    return TorchAttention()
-
-
-def _backend_class(name: str) -> type[AttentionBackend]:
-    """The class of backend ``name`` (importable without triton or flashinfer installed)."""
+def backend_class(name: str) -> type[AttentionBackend[Any]]:
+    """The class of a resolved backend name (the paged ones imported only when named)."""
     if name == "triton":
         from model_runner.attention_backends.triton_backend import TritonAttention
 
@@ -138,3 +81,30 @@ def _backend_class(name: str) -> type[AttentionBackend]:
 
         return FlashInferAttention
     return TorchAttention
+
+
+def make_attention_backend(name: str, spec: AttentionSpec) -> AttentionBackend[Any]:
+    """The backend ``name`` bound to ``spec``. An explicit choice that cannot serve it
+    raises ``ValueError``: what it cannot serve first, then where it cannot run, so the
+    message is the same on every machine. ``auto`` on CUDA measures the installed backends
+    that can serve ``spec`` (``probe``) and falls back to torch."""
+    if name in ATTENTION_BACKEND_CHOICES and name != "auto":
+        reason = backend_class(name).unsupported(spec)
+        if reason is not None:
+            raise ValueError(reason)
+    resolved = resolve_attention_backend(name, spec.device)
+    if resolved != "auto":
+        return backend_class(resolved)(spec)
+    candidates = [
+        backend_class(n)(spec)
+        for n in ("flashinfer", "triton")
+        if _installed(n) and backend_class(n).unsupported(spec) is None
+    ]
+    if not candidates:
+        return TorchAttention(spec)
+    from model_runner.attention_backends import probe
+
+    measured = probe.measure_backends([*candidates, TorchAttention(spec)], TorchAttention(spec))
+    chosen = probe.choose_backend(measured)
+    logger.info("attention backend auto: %s of %s", chosen, measured)
+    return next((b for b in candidates if b.name == chosen), TorchAttention(spec))

@@ -1,6 +1,6 @@
 """``auto`` on CUDA: the fastest attention backend that measures right, chosen at start-up.
 
-Each installed candidate runs one layer of a synthetic step at the model's attention shape
+Each installed candidate runs one layer of a synthetic step at the model's ``AttentionSpec``
 (prefill chunks over cached prefixes and a batch of decodes, random pool and queries); its
 output is held against the torch reference's (``max |ours - torch|`` within the KV dtype's
 tolerance), then timed (median of a few eager calls after a warm-up, which also compiles).
@@ -12,11 +12,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from model_runner.attention_backends.base import AttentionBackend
 from model_runner.kv_pool import KVPool
+from model_runner.step import StepRows
 from scheduler.output import ScheduledSeq
 from scheduler.request import SamplingParams
 
@@ -59,18 +61,17 @@ class ProbeShape:
     num_chunks: int = 2
     chunk_len: int = 128
     prefix_len: int = 128
-    block_size: int = 16
     repeats: int = 5
 
 
-def probe_step(shape: ProbeShape) -> tuple[list[ScheduledSeq], list[ScheduledSeq], int]:
-    """(prefill chunks, decodes, blocks used) of ``shape``, each request on its own blocks."""
-    bs, next_block = shape.block_size, 0
+def probe_step(shape: ProbeShape, block_size: int) -> tuple[StepRows, int]:
+    """The probe's rows (each request on its own blocks) and the blocks they use."""
+    next_block = 0
     greedy = SamplingParams(temperature=0.0)
 
     def entry(rid: str, start: int, end: int) -> ScheduledSeq:
         nonlocal next_block
-        n = -(-end // bs)
+        n = -(-end // block_size)
         blocks = list(range(next_block, next_block + n))
         next_block += n
         return ScheduledSeq(rid, [1] * (end - start), start, blocks, greedy, True)
@@ -80,48 +81,35 @@ def probe_step(shape: ProbeShape) -> tuple[list[ScheduledSeq], list[ScheduledSeq
     decodes = [
         entry(f"d{i}", shape.decode_keys - 1, shape.decode_keys) for i in range(shape.num_decodes)
     ]
-    return chunks, decodes, next_block
-
-
-@dataclass(frozen=True, slots=True)
-class AttentionShape:
-    """The model's attention, as the probe builds its step: heads, dtypes, window."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    kv_dtype: torch.dtype
-    sliding_window: int | None = None
+    return StepRows.from_seqs(chunks, decodes, block_size), next_block
 
 
 def measure_backends(
-    candidates: Sequence[AttentionBackend],
-    reference: AttentionBackend,
-    device: torch.device,
-    model: AttentionShape,
+    candidates: Sequence[AttentionBackend[Any]],
+    reference: AttentionBackend[Any],
     shape: ProbeShape | None = None,
 ) -> dict[str, Measurement]:
-    """Each candidate on the probe step against ``reference`` (see the module docstring)."""
+    """Each candidate on the probe step against ``reference`` (see the module docstring);
+    all bound to the reference's ``AttentionSpec``."""
     shape = shape or ProbeShape()
-    num_heads, num_kv_heads, head_dim = model.num_heads, model.num_kv_heads, model.head_dim
-    dtype, kv_dtype = model.dtype, model.kv_dtype
-    prefill, decode, num_blocks = probe_step(shape)
+    spec = reference.spec
+    step, num_blocks = probe_step(shape, spec.block_size)
     g = torch.Generator().manual_seed(0)
-    num_tokens = sum(s.num_tokens for s in (*prefill, *decode))
-    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=g) * 0.5
-    qkv = qkv.to(device, dtype)
-    pool = KVPool(1, num_kv_heads, head_dim, num_blocks, shape.block_size, kv_dtype, device)
-    pool.data.copy_(torch.randn(pool.data.shape, generator=g).to(kv_dtype))
+    num_rows = step.num_rows
+    qkv = torch.randn(num_rows, spec.num_heads + 2 * spec.num_kv_heads, spec.head_dim, generator=g)
+    qkv = (qkv * 0.5).to(spec.device, spec.dtype)
+    pool = KVPool(
+        1, spec.num_kv_heads, spec.head_dim, num_blocks, spec.block_size, spec.kv_dtype, spec.device
+    )
+    pool.data.copy_(torch.randn(pool.data.shape, generator=g).to(spec.kv_dtype))
+    device = spec.device
 
-    def layer(backend: AttentionBackend) -> tuple[torch.Tensor, float]:
-        batch = backend.build_batch(
-            prefill, decode, shape.block_size, device, dtype, model.sliding_window
-        )
-        out = torch.empty(num_tokens, num_heads * head_dim, dtype=dtype, device=device)
+    def layer(backend: AttentionBackend[Any]) -> tuple[torch.Tensor, float]:
+        batch = backend.build(step)
+        out = torch.empty(num_rows, spec.num_heads * spec.head_dim, dtype=spec.dtype, device=device)
 
         def call() -> None:
-            backend.forward(0, qkv, batch, pool, out, num_heads, num_kv_heads)
+            backend.forward(0, qkv, batch, pool, out)
 
         call()  # warm-up: compiles
         times = []
@@ -136,7 +124,7 @@ def measure_backends(
         return out.float(), sorted(times)[len(times) // 2]
 
     ref, _ = layer(reference)
-    tolerance = TOLERANCE.get(kv_dtype, 0.0)
+    tolerance = TOLERANCE.get(spec.kv_dtype, 0.0)
     measured = {}
     for backend in candidates:
         try:

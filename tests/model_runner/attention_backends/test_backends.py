@@ -6,22 +6,29 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_runner.attention_backends import make_attention_backend, resolve_attention_backend
-from tests.model_runner.oracle import DEVICE, make_runner, plan, random_ids, seq, tiny_hf
+from model_runner.attention_backends import (
+    AttentionBackend,
+    AttentionSpec,
+    make_attention_backend,
+    resolve_attention_backend,
+)
+from tests.model_runner.oracle import make_runner, plan, random_ids, seq, tiny_hf
 
 CPU = torch.device("cpu")
+# Where Triton runs here: the GPU, else a CPU in its interpreter (see conftest.py).
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _make(name: str, device: torch.device = CPU, **kw: object):
-    args: dict[str, object] = {
-        "num_heads": 4,
-        "num_kv_heads": 2,
-        "head_dim": 16,
-        "dtype": torch.float32,
-        "kv_dtype": torch.float32,
-    }
-    args.update(kw)
-    return make_attention_backend(name, device, **args)  # type: ignore[arg-type]
+def _make(
+    name: str,
+    kv_dtype: torch.dtype = torch.float32,
+    sinks: int = 0,
+    device: torch.device = CPU,
+) -> AttentionBackend:
+    inv_freq = torch.ones(8) if sinks else None
+    window = 16 if sinks else None
+    spec = AttentionSpec(4, 2, 16, 4, torch.float32, kv_dtype, device, window, sinks, inv_freq)
+    return make_attention_backend(name, spec)
 
 
 def test_auto_is_torch_on_a_cpu() -> None:
@@ -51,7 +58,7 @@ def test_paged_backends_refuse_int8_pools_and_sinks(monkeypatch: pytest.MonkeyPa
             with pytest.raises(ValueError, match=f"the {name} backend reads float KV pools"):
                 _make(name, kv_dtype=torch.int8)
             with pytest.raises(ValueError, match=f"the {name} backend has no attention sinks"):
-                _make(name, attention_sinks=4)
+                _make(name, sinks=4)
         assert _make("auto", kv_dtype=torch.int8).name == "torch"
     with pytest.raises(ValueError, match="runs on CUDA, or on cpu in Triton's interpreter only"):
         _make("triton")  # a float pool: the device is the one problem left
@@ -97,34 +104,30 @@ def test_auto_takes_the_fastest_backend_that_measures_right() -> None:
 
 def test_probe_measures_each_candidate_against_torch() -> None:
     """The probe step (chunks over prefixes and decodes) through the Triton backend (on CUDA,
-    else in the interpreter) and torch: both right, timed; a backend that writes zeros is wrong; one
-    that raises is recorded with its error and no time."""
+    else in the interpreter) and torch: both right, timed; a backend that writes zeros is
+    wrong; one that raises is recorded with its error and no time."""
     pytest.importorskip("triton")
-    from model_runner.attention_backends.base import TorchAttention
-    from model_runner.attention_backends.probe import (
-        AttentionShape,
-        ProbeShape,
-        measure_backends,
-    )
+    from model_runner.attention_backends.probe import ProbeShape, measure_backends
+    from model_runner.attention_backends.torch_backend import TorchAttention
     from model_runner.attention_backends.triton_backend import TritonAttention
 
     class Zeros(TorchAttention):
         name = "zeros"
 
-        def forward(self, layer, qkv, batch, pool, out, num_heads, num_kv_heads) -> None:  # type: ignore[no-untyped-def]
+        def attend(self, layer, qkv, meta, pool, out) -> None:  # type: ignore[no-untyped-def]
             out.zero_()
 
     class Broken(TorchAttention):
         name = "broken"
 
-        def forward(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        def attend(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
             raise RuntimeError("cannot run here")
 
+    spec = AttentionSpec(4, 2, 16, 16, torch.float32, torch.float32, TRITON_DEVICE)
     shape = ProbeShape(num_decodes=3, decode_keys=40, num_chunks=1, chunk_len=20,
-                       prefix_len=12, block_size=16, repeats=1)  # fmt: skip
-    model = AttentionShape(4, 2, 16, torch.float32, torch.float32)
-    candidates = [TritonAttention(), TorchAttention(), Zeros(), Broken()]
-    measured = measure_backends(candidates, TorchAttention(), DEVICE, model, shape)
+                       prefix_len=12, repeats=1)  # fmt: skip
+    candidates = [TritonAttention(spec), TorchAttention(spec), Zeros(spec), Broken(spec)]
+    measured = measure_backends(candidates, TorchAttention(spec), shape)
     assert measured["triton"].right and measured["triton"].max_abs_err < 1e-4
     assert measured["torch"].right and measured["torch"].max_abs_err <= 1e-6
     assert not measured["zeros"].right and measured["zeros"].seconds is not None

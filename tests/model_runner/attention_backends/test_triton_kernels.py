@@ -11,10 +11,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from model_runner.attention_backends.base import TorchAttention
+from model_runner.attention_backends.base import AttentionSpec
 from model_runner.attention_backends.page_table import build_page_table
+from model_runner.attention_backends.torch_backend import TorchAttention
 from model_runner.attention_backends.triton_backend import TritonAttention
 from model_runner.kv_pool import KVPool
+from model_runner.step import StepRows
 from tests.model_runner.oracle import seq
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -34,16 +36,18 @@ def _run_both(
     num_tokens = sum(s.num_tokens for s in (*prefill, *decode))
     qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, HEAD_DIM, generator=g)
     qkv = (qkv * 0.5).to(dtype).to(DEVICE)
+    spec = AttentionSpec(
+        num_heads, num_kv_heads, HEAD_DIM, BLOCK_SIZE, dtype, dtype, DEVICE, window
+    )
+    step = StepRows.from_seqs(prefill, decode, BLOCK_SIZE, null_block)
     outs = []
-    for backend in (TorchAttention(), TritonAttention(window)):
+    for backend in (TorchAttention(spec), TritonAttention(spec)):
         p = KVPool(1, num_kv_heads, HEAD_DIM, NUM_BLOCKS, BLOCK_SIZE, dtype, DEVICE)
         p.data.copy_(pool.data)
-        batch = backend.build_batch(
-            prefill, decode, BLOCK_SIZE, DEVICE, dtype, window, null_block_id=null_block
-        )
+        batch = backend.build(step)
         out = torch.full((num_tokens, num_heads * HEAD_DIM), float("nan"), dtype=dtype)
         out = out.to(DEVICE)
-        backend.forward(0, qkv.clone(), batch, p, out, num_heads, num_kv_heads)
+        backend.forward(0, qkv.clone(), batch, p, out)
         outs.append(out.float().cpu())
     return outs
 
@@ -178,9 +182,9 @@ def test_random_ragged_steps(seed: int) -> None:
 
 
 # ------------------------------------------------------------------ the kernels, called directly
-# Each case: the torch reference (``ForwardBatch.build`` + ``paged_attention``: gathers, masks,
-# SDPA, sinks) against ``paged_prefill`` / ``paged_decode`` over ``build_page_table``'s tables,
-# with tiny tiles (16 rows, 16 keys) so a few dozen keys span several tiles and pages.
+# Each case: the torch reference (``TorchAttention``: gathers, masks, SDPA, sinks) against
+# ``paged_prefill`` / ``paged_decode`` over ``build_page_table``'s tables, with tiny tiles
+# (16 rows, 16 keys) so a few dozen keys span several tiles and pages.
 
 ROPE_INV_FREQ = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM))
 HEADS = {1: (2, 2), 4: (4, 1), 8: (8, 1)}  # GQA group -> (query heads, KV heads)
@@ -204,7 +208,6 @@ def _kernels_vs_reference(
     """(reference, ours) [T, H * D] of one layer over the same random pool and qkv; decode
     tables padded with empty slots to ``pad_decode_to`` (their rows returned after the real
     ones). ``poison`` (bool [num_blocks, block_size]): those pool slots hold NaN for ours."""
-    from model_runner.attention import ForwardBatch, paged_attention
     from model_runner.attention_backends import triton_kernels
     from model_runner.attention_backends.page_table import sink_rotation
 
@@ -215,14 +218,15 @@ def _kernels_vs_reference(
     num_tokens = sum(s.num_tokens for s in (*prefill, *decode))
     qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, HEAD_DIM, generator=g)
     qkv = (qkv * 0.5).to(dtype).to(DEVICE)
-    batch = ForwardBatch.build(
-        prefill, decode, block_size, DEVICE, dtype, window,
-        attention_sinks=sinks, rope_inv_freq=ROPE_INV_FREQ.float() if sinks else None,
-    )  # fmt: skip
+    inv_freq = ROPE_INV_FREQ.float().to(DEVICE) if sinks else None
+    spec = AttentionSpec(num_heads, num_kv_heads, HEAD_DIM, block_size, dtype, dtype, DEVICE,
+                         window, sinks, inv_freq)  # fmt: skip
+    reference = TorchAttention(spec)
+    batch = reference.build(StepRows.from_seqs(prefill, decode, block_size))
     ref_pool = KVPool(1, num_kv_heads, HEAD_DIM, num_blocks, block_size, dtype, DEVICE)
     ref_pool.data.copy_(pool.data)
     ref = torch.empty(num_tokens, num_heads * HEAD_DIM, dtype=dtype, device=DEVICE)
-    paged_attention(0, qkv, batch, ref_pool, ref, num_heads, num_kv_heads)
+    reference.forward(0, qkv, batch, ref_pool, ref)
 
     pool.write(0, qkv[:, num_heads:], batch.slot_mapping)
     if poison is not None:
@@ -404,11 +408,12 @@ def test_the_triton_path_never_gathers_the_cache(monkeypatch: pytest.MonkeyPatch
 
     prefill = [seq("a", _ids(14), 8, 14, [6, 7, 15, 16])]
     decode = [seq("c", _ids(10), 9, 10, [1, 2, 3])]
-    backend = TritonAttention()
+    spec = AttentionSpec(4, 2, HEAD_DIM, BLOCK_SIZE, torch.float32, torch.float32, DEVICE)
+    backend = TritonAttention(spec)
     pool = KVPool(1, 2, HEAD_DIM, NUM_BLOCKS, BLOCK_SIZE, torch.float32, DEVICE)
-    batch = backend.build_batch(prefill, decode, BLOCK_SIZE, DEVICE, torch.float32)
+    batch = backend.build(StepRows.from_seqs(prefill, decode, BLOCK_SIZE))
     qkv = torch.randn(7, 8, HEAD_DIM, device=DEVICE)
     out = torch.full((7, 4 * HEAD_DIM), float("nan"), device=DEVICE)
     monkeypatch.setattr(KVPool, "gather", no_gather)
-    backend.forward(0, qkv, batch, pool, out, 4, 2)
+    backend.forward(0, qkv, batch, pool, out)
     assert torch.isfinite(out).all()
