@@ -368,7 +368,7 @@ def test_quantized_model_tracks_its_dequantized_reference(
     from tests.model_runner.oracle import plan, random_ids, seq
 
     runner, hf = quantized_pair(kind, fmt, activation_bits=bits)
-    assert runner.info.extra["weights"] in ("int8", "q4")
+    assert runner.info.weights in ("int8", "q4")
     ids = random_ids(80, seed=5)
     blocks = list(range(13))
     ref = hf_logits_quantized_acts(hf, ids, bits)
