@@ -270,7 +270,7 @@ typedef __m256 F;
 // the next group's begins; the hardware prefetcher ramps up on each such stream too late
 // (a 576-wide model streamed at 7 GB/s a core without this, measured). So each record asks
 // for the bytes PREFETCH_AHEAD further on, which run into the next groups.
-constexpr int PREFETCH_AHEAD = 1536;
+constexpr int PREFETCH_AHEAD = 2048;
 KV_INLINE void prefetch_ahead(const uint8_t* rec, int bytes) {
   for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_AHEAD + o), _MM_HINT_T0);
 }
