@@ -41,7 +41,7 @@ class LocalCluster:
         return metrics_port
 
 
-def wait_served(address: str, timeout_s: float = 30.0) -> None:
+def wait_served(address: str, timeout_s: float = 120.0) -> None:
     """Until the proxy routes to the (only) app: it learns of new apps asynchronously."""
     import grpc
 
@@ -107,7 +107,7 @@ def targets(metrics_port: int) -> list[str]:
     return list(json.loads(body)[0]["targets"])
 
 
-def replica_targets(metrics_port: int, num_replicas: int, timeout_s: float = 20.0) -> list[str]:
+def replica_targets(metrics_port: int, num_replicas: int, timeout_s: float = 60.0) -> list[str]:
     """Wait until every replica has reported its metrics address to the router."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -148,7 +148,8 @@ def replica_actor(replica_id: str) -> Any:
     raise LookupError(f"no actor for replica {replica_id}")
 
 
-async def wait_for(predicate: Any, timeout_s: float = 20.0, interval_s: float = 0.1) -> None:
+async def wait_for(predicate: Any, timeout_s: float = 60.0, interval_s: float = 0.1) -> None:
+    """Until ``predicate()`` holds; ``timeout_s`` is only the safety net against a hang."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:

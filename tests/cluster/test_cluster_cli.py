@@ -14,7 +14,7 @@ import pytest
 
 from cluster.cli import build_parser, cluster_config
 from server.client import KVServeClient
-from tests.cluster.helpers import ROOT, replica_targets, scrape, total, wait_served
+from tests.cluster.helpers import ROOT, replica_targets, scrape, total, wait_for, wait_served
 from tests.metrics.helpers import free_port
 
 
@@ -87,10 +87,7 @@ async def test_two_replicas_of_the_embedded_model_answer_as_one_server(tmp_path:
     try:
         await asyncio.to_thread(wait_served, f"127.0.0.1:{port}", 240.0)
         port_file = tmp_path / "port"
-        for _ in range(100):  # written once the app is up, just after the proxy answers
-            if port_file.exists():
-                break
-            await asyncio.sleep(0.1)
+        await wait_for(port_file.exists)  # written once the app is up, after the proxy answers
         assert port_file.read_text() == f"{port}\n"
         got = [await greedy(f"127.0.0.1:{port}", p, f"c-{i}") for i, p in enumerate(PROMPTS)]
         urls = replica_targets(metrics_port, 2)
