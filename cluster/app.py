@@ -39,7 +39,7 @@ class ClusterConfig:
 
     engine: dict[str, Any] = field(default_factory=dict)  # ServerConfig keys
     num_replicas: int = 2
-    router: str = "prefix"
+    router: str = "cost"
     imbalance_abs: int = 8  # prefix router's load guard: busiest - idlest > this ...
     imbalance_rel: float = 1.5  # ... and busiest > this x idlest -> power of two choices
     router_metrics_port: int | None = None  # /metrics + /targets of the router (proxy)
@@ -83,6 +83,9 @@ def build_app(cfg: ClusterConfig) -> Any:
 
     engine = build_config(cfg.engine, environ={})
     capacity_blocks = engine.num_blocks or 4096  # refined by each replica's own report
+    shared_tier_blocks = None
+    if engine.kv_disk_dir is not None:  # one store shared by the replicas: a key per block
+        shared_tier_blocks = 8 * capacity_blocks
     router_config = RequestRouterConfig(
         request_router_class=ROUTER_CLASS,
         request_router_kwargs={
@@ -94,6 +97,8 @@ def build_app(cfg: ClusterConfig) -> Any:
             "imbalance_rel": cfg.imbalance_rel,
             "metrics_host": cfg.metrics_host,
             "metrics_port": cfg.router_metrics_port,
+            "shared_tier_blocks": shared_tier_blocks,
+            "chunk_tokens": engine.long_prefill_token_threshold or engine.max_num_batched_tokens,
         },
         request_routing_stats_period_s=cfg.routing_stats_period_s,
         request_routing_stats_timeout_s=max(cfg.routing_stats_period_s, 1.0),
@@ -108,7 +113,12 @@ def build_app(cfg: ClusterConfig) -> Any:
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
         request_router_config=router_config,
     )
-    return deployment.bind(dict(cfg.engine), metrics_host=cfg.metrics_host, metrics_port=0)
+    return deployment.bind(
+        dict(cfg.engine),
+        metrics_host=cfg.metrics_host,
+        metrics_port=0,
+        report_prices=cfg.router == "cost",
+    )
 
 
 def app_builder(args: dict[str, Any]) -> Any:

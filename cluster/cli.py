@@ -39,8 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     cluster = serve.add_argument_group("cluster")
     cluster.add_argument("--replicas", type=int, default=2, help="(default: %(default)s)")
     cluster.add_argument(
-        "--router", choices=ROUTERS, default="prefix",
-        help="how requests pick a replica (default: %(default)s)",
+        "--router", choices=ROUTERS, default="cost",
+        help="how requests pick a replica: cost = the lowest estimated time to first token "
+        "over each replica's RAM, the shared KV tier and recomputation; prefix = the longest "
+        "prefix held in RAM (default: %(default)s)",
     )  # fmt: skip
     cluster.add_argument(
         "--imbalance-abs", type=int, default=8,

@@ -11,23 +11,65 @@ Load is counted here, per replica: requests sent and not yet completed. Each rep
 report (``KVServeReplica.record_routing_stats``) adds the block keys it admitted, so the
 index also learns what other proxies sent, and marks a draining replica, which gets no new
 requests.
+
+The cost router (``--router cost``) also needs prices and the shared tier's contents. Each
+replica reports its step-cost model's coefficients and what a tier-2 restore cost it; the
+router prices prefills with their mean. A request that completed had its blocks freed, and
+so spilled: with a shared tier (``--kv-disk-dir``), its keys become shared-tier hits.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import pickle
-from collections import Counter
+import time
+from collections import Counter, OrderedDict
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from cluster.routing import (
+    CostModelPrice,
+    CostRouter,
     PrefixRouter,
     ReplicaLoad,
     make_router,
     routing_keys,
 )
+from scheduler.cost_model import FEATURES, StepCostModel, StepShape
+
+# Keys of requests chosen but not yet routed / completed, at most this many (a request Ray
+# gave up on between the two leaves its entry behind).
+_MAX_TRACKED = 65_536
+
+
+def prices_from_reports(
+    reports: list[dict[str, Any]], chunk_tokens: int
+) -> tuple[CostModelPrice | None, float | None]:
+    """The mean of the replicas' reported step-cost models (None unless it prices more tokens
+    higher), and the mean reported restore seconds per block (None when none restored yet)."""
+    models = [
+        r["cost_model_s"]
+        for r in reports
+        if isinstance(r.get("cost_model_s"), list | tuple)
+        and len(r["cost_model_s"]) == len(FEATURES)
+        and all(isinstance(c, int | float) and math.isfinite(c) for c in r["cost_model_s"])
+    ]
+    price = None
+    if models:
+        mean = [sum(column) / len(models) for column in zip(*models, strict=True)]
+        model = StepCostModel(mean)
+        short = model.predict(StepShape.of([(chunk_tokens // 2, 0)], []))
+        if model.predict(StepShape.of([(chunk_tokens, 0)], [])) > short > 0:
+            price = CostModelPrice(model, chunk_tokens)
+    restores = [
+        float(r["restore_s_per_block"])
+        for r in reports
+        if isinstance(r.get("restore_s_per_block"), int | float) and r["restore_s_per_block"] > 0
+    ]
+    return price, (sum(restores) / len(restores) if restores else None)
+
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +99,8 @@ class KVServeRequestRouter(RequestRouter):
         metrics_host: str = "127.0.0.1",
         metrics_port: int | None = None,
         seed: int | None = None,
+        shared_tier_blocks: int | None = None,
+        chunk_tokens: int = 512,
         **_: Any,
     ) -> None:
         self.router_name = router
@@ -66,7 +110,12 @@ class KVServeRequestRouter(RequestRouter):
             imbalance_abs=imbalance_abs,
             imbalance_rel=imbalance_rel,
             seed=seed,
+            block_size=block_size,
+            shared_capacity_blocks=shared_tier_blocks,
+            restore_s_per_block=1e-3,  # until a replica reports its own
         )
+        self.chunk_tokens = chunk_tokens
+        self._keys_of: OrderedDict[str, list[int]] = OrderedDict()  # internal id -> keys
         self.block_size = block_size
         self._engine = dict(engine or {})
         self._tokenizer: Any = None
@@ -122,16 +171,31 @@ class KVServeRequestRouter(RequestRouter):
 
     # ------------------------------------------------------------------ RequestRouter
     def _learn_reports(self, replicas: list[RunningReplica]) -> None:
-        if not isinstance(self.router, PrefixRouter):
+        router = self.router
+        if not isinstance(router, PrefixRouter | CostRouter):
             return
-        index = self.router.index
+        index = router.index
         index.retain(r.replica_id.unique_id for r in replicas)
+        fresh = []
         for r in replicas:
             rid = r.replica_id.unique_id
             reported = r.routing_stats.get("keys")
             if reported and self._learned.get(rid) is not reported:  # each report once
                 index.add(rid, reported)
                 self._learned[rid] = reported
+                fresh.append(r.routing_stats)
+        if fresh and isinstance(router, CostRouter):
+            price, restore_s = prices_from_reports(
+                [r.routing_stats for r in replicas], self.chunk_tokens
+            )
+            if price is not None:
+                router.price = price
+            if restore_s is not None:
+                router.restore_s_per_block = restore_s
+            sizes = [r.routing_stats.get("tier2_capacity_blocks") for r in replicas]
+            known = [n for n in sizes if isinstance(n, int) and n > 0]
+            if router.shared is not None and known:
+                router.shared.capacity_blocks = max(known)
 
     async def choose_replicas(
         self,
@@ -150,7 +214,13 @@ class KVServeRequestRouter(RequestRouter):
         if pending_request is None or not num_prompt_tokens:
             least = min(live, key=lambda r: (r.num_ongoing, r.replica_id))
             return [[by_id[least.replica_id]]]
-        decision = self.router.choose(live, keys)
+        decision = self.router.choose(
+            live, keys, num_prompt_tokens=num_prompt_tokens, now_s=time.monotonic()
+        )
+        if keys:
+            self._keys_of[pending_request.metadata.internal_request_id] = keys
+            while len(self._keys_of) > _MAX_TRACKED:
+                self._keys_of.popitem(last=False)
         if self.metrics is not None:
             self.metrics.record(decision, self.block_size, num_prompt_tokens)
         return [[by_id[decision.replica_id]]]
@@ -166,9 +236,14 @@ class KVServeRequestRouter(RequestRouter):
         rid = self._sent.pop(internal_request_id, replica_id.unique_id)
         if self._in_flight[rid] > 0:
             self._in_flight[rid] -= 1
+        keys = self._keys_of.pop(internal_request_id, None)
+        if keys:
+            self.router.on_finished(rid, keys)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._in_flight.pop(replica_id.unique_id, None)
-        if isinstance(self.router, PrefixRouter):
+        if isinstance(self.router, CostRouter):
+            self.router.forget(replica_id.unique_id)
+        elif isinstance(self.router, PrefixRouter):
             self.router.index.drop(replica_id.unique_id)

@@ -121,6 +121,7 @@ class KVServeReplica:
         *,
         metrics_host: str = "127.0.0.1",
         metrics_port: int = 0,
+        report_prices: bool = False,
     ) -> None:
         from ray import serve
 
@@ -132,6 +133,14 @@ class KVServeReplica:
         rank = getattr(context, "rank", None)
         self.replica = str(getattr(rank, "rank", rank) if rank is not None else self.replica_id)
         built = build_engine(cfg)
+        if report_prices and built.engine.cost_model is None:
+            # The cost router prices prefills with this replica's own step-cost model
+            # (fitted online from every step, as the slo policy's is).
+            from server.calibration import calibrate
+
+            built.engine.cost_model = calibrate(
+                built.runner, built.scheduler.kv.config, built.model.max_model_len
+            )
         self.built = built
         self.model = built.model
         self.arrivals = _ArrivalKeys(built.model.num_blocks, built.model.block_size)
@@ -167,15 +176,28 @@ class KVServeReplica:
 
     # ------------------------------------------------------------------ Ray Serve hooks
     def record_routing_stats(self) -> dict[str, Any]:
-        """What the router reads (Ray polls it every ``request_routing_stats_period_s``)."""
+        """What the router reads (Ray polls it every ``request_routing_stats_period_s``):
+        load, recent block keys, and the prices the cost router charges (this replica's
+        step-cost model and its mean tier-2 restore time per block, when it has them)."""
+        engine = self.built.engine
+        model = engine.cost_model
+        tier2 = engine.latest_stats.kv.tier2
+        restore_s = tier_blocks = None
+        if tier2 is not None and tier2.restore_blocks_total:
+            restore_s = tier2.restore_seconds_total / tier2.restore_blocks_total
+        if tier2 is not None and self.model.num_blocks:
+            tier_blocks = tier2.capacity_bytes * self.model.num_blocks // self.model.kv_memory_bytes
         return {
             "replica": self.replica,
             "num_ongoing": self.client.num_in_flight,
             # A dead engine answers UNAVAILABLE until Ray replaces the replica: route around it.
-            "draining": self.draining or not self.built.engine.is_alive,
+            "draining": self.draining or not engine.is_alive,
             "block_size": self.model.block_size,
             "keys": self.arrivals.snapshot(),
             "metrics_url": self.metrics_url,
+            "cost_model_s": None if model is None else list(model.coefficients_s),
+            "restore_s_per_block": restore_s,
+            "tier2_capacity_blocks": tier_blocks,
         }
 
     def check_health(self) -> None:

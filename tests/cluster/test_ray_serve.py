@@ -120,8 +120,10 @@ async def test_both_replicas_metrics_are_listed_with_their_labels(cluster: Local
     assert total(samples, "kvserve_requests_finished_total", finish_reason="length") == 4
     assert len({replica_id_of(s) for s in samples}) == 2
     router = scrape(f"127.0.0.1:{metrics_port}")
-    assert total([router], "kvserve_router_decisions_total", router="prefix") == 4
+    assert total([router], "kvserve_router_decisions_total", router="cost") == 4
     assert total([router], "kvserve_router_decisions_total", reason="prefix_miss") == 4
+    # Each prompt: BOS + 88 bytes, 5 full blocks of 16 before its last token, none cached.
+    assert total([router], "kvserve_router_prefix_blocks_total", tier="none") == 4 * 5
 
 
 def shared_prefix_prompts(seed: int) -> list[tuple[str, str]]:
@@ -231,7 +233,7 @@ async def test_shipped_yaml_config_deploys(cluster: LocalCluster) -> None:
     (app,) = schema.applications
     assert app.import_path == "cluster.app:app_builder"
     args = dict(app.args)
-    assert args["router"] == "prefix"
+    assert args["router"] == "cost"
     args["engine"] = {**args["engine"], **FAKE}
     args["router_metrics_port"] = free_port()
     for name in list(serve.status().applications):
