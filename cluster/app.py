@@ -8,16 +8,16 @@ or from a Ray Serve config file (``cluster/kvserve.yaml``; ``serve run`` / ``ser
 whose ``args`` reach ``app_builder``. The engine settings are ``kvserve serve``'s
 (``server.config.ServerConfig`` keys), validated here, before any replica starts.
 
-The hook for an HTTP front end (the OpenAI-compatible API): an ingress deployment that takes
-the replicas' handle and streams their ``Generate``, routed by the same router::
+The OpenAI-compatible API is a second application, one ingress (``cluster.openai_ingress``)
+at route ``/`` of Ray Serve's HTTP proxy, that reaches the replicas through their handle, so
+through the same request router as gRPC::
 
-    @serve.deployment
-    class HTTPIngress:
-        def __init__(self, replicas: DeploymentHandle) -> None:
-            self.replicas = replicas.options(stream=True, method_name="Generate")
-        ...   # async for response in self.replicas.remote(pb.GenerateRequest(...)): ...
+    serve.start(grpc_options=grpc_options(50051), http_options={"port": 8000})
+    serve.run(build_app(cfg), name="kvserve", route_prefix=GRPC_ROUTE_PREFIX)
+    serve.run(build_openai_app(cfg, "kvserve"), name="kvserve-openai", route_prefix="/")
 
-    serve.run(HTTPIngress.bind(build_app(cfg)), name="kvserve")
+(The gRPC proxy sends a call without ``application`` metadata to the replicas' application:
+``cluster.ingress`` makes it, so a plain gRPC client works with both applications up.)
 """
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ from server.config import build_config
 GENERATION_SERVICER = "cluster.ingress.add_generation_service"
 ROUTER_CLASS = "cluster.ray_router:KVServeRequestRouter"
 DEFAULT_APP_NAME = "kvserve"
+OPENAI_APP_NAME = "kvserve-openai"  # the OpenAI ingress: an application of its own, route "/"
+# The replicas' application needs a route for Ray's gRPC proxy to see it at all; "/" is the
+# OpenAI ingress's, so it gets this one (nothing of the HTTP API lives under it).
+GRPC_ROUTE_PREFIX = "/_kvserve_grpc"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +53,7 @@ class ClusterConfig:
     routing_stats_period_s: float = 1.0  # how often Ray polls each replica's report
     health_check_period_s: float = 2.0
     graceful_shutdown_timeout_s: float = 30.0  # a stopping replica drains this long
+    num_http_ingress: int = 1  # OpenAI ingress replicas (cluster.openai_ingress)
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -62,6 +67,8 @@ class ClusterConfig:
             )
         if self.replica_num_cpus < 0:
             raise ValueError(f"replica_num_cpus must be >= 0, got {self.replica_num_cpus}")
+        if self.num_http_ingress < 1:
+            raise ValueError(f"num_http_ingress must be >= 1, got {self.num_http_ingress}")
         build_config(self.engine, environ={})  # engine settings fail here, with their name
 
 
@@ -79,6 +86,7 @@ def build_app(cfg: ClusterConfig) -> Any:
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
+    from cluster.openai_ingress import REPLICA_DEPLOYMENT
     from cluster.replica import KVServeReplica
 
     engine = build_config(cfg.engine, environ={})
@@ -105,7 +113,7 @@ def build_app(cfg: ClusterConfig) -> Any:
     )
     deployment = serve.deployment(
         KVServeReplica,
-        name="KVServeReplica",
+        name=REPLICA_DEPLOYMENT,
         num_replicas=cfg.num_replicas,
         max_ongoing_requests=cfg.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.replica_num_cpus},
@@ -121,13 +129,44 @@ def build_app(cfg: ClusterConfig) -> Any:
     )
 
 
-def app_builder(args: dict[str, Any]) -> Any:
-    """``import_path: cluster.app:app_builder`` for ``serve run`` / ``serve deploy``."""
+def build_openai_app(cfg: ClusterConfig, replicas_app: str = DEFAULT_APP_NAME) -> Any:
+    """The OpenAI-compatible API of the replicas of application ``replicas_app``: one ingress
+    (``cluster.openai_ingress``) to ``serve.run`` as an application of its own, with
+    ``route_prefix="/"``."""
+    from ray import serve
+
+    from cluster.openai_ingress import OpenAIIngress
+
+    deployment = serve.deployment(
+        serve.ingress()(OpenAIIngress),
+        name="OpenAIIngress",
+        num_replicas=cfg.num_http_ingress,
+        max_ongoing_requests=cfg.max_ongoing_requests * cfg.num_replicas,
+        ray_actor_options={"num_cpus": 0},
+        health_check_period_s=cfg.health_check_period_s,
+        graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
+    )
+    return deployment.bind(dict(cfg.engine), replicas_app)
+
+
+def _cluster_config(args: dict[str, Any], *extra: str) -> ClusterConfig:
     known = set(ClusterConfig.__dataclass_fields__)
-    unknown = sorted(set(args) - known)
+    unknown = sorted(set(args) - known - set(extra))
     if unknown:
         raise ValueError(
             f"unknown kvserve cluster setting(s) {', '.join(unknown)}; known: "
-            f"{', '.join(sorted(known))}"
+            f"{', '.join(sorted(known | set(extra)))}"
         )
-    return build_app(ClusterConfig(**args))
+    return ClusterConfig(**{k: v for k, v in args.items() if k in known})
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """``import_path: cluster.app:app_builder`` for ``serve run`` / ``serve deploy``."""
+    return build_app(_cluster_config(args))
+
+
+def openai_app_builder(args: dict[str, Any]) -> Any:
+    """``import_path: cluster.app:openai_app_builder``: the OpenAI API of the replicas of the
+    application named ``replicas_app`` (default ``kvserve``), with the same ``engine``."""
+    replicas_app = str(args.get("replicas_app", DEFAULT_APP_NAME))
+    return build_openai_app(_cluster_config(args, "replicas_app"), replicas_app)

@@ -29,6 +29,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from cluster.openai_ingress import GENERATE_METHOD, tokenizer_for
 from cluster.routing import (
     CostModelPrice,
     CostRouter,
@@ -38,6 +39,7 @@ from cluster.routing import (
     routing_keys,
 )
 from scheduler.cost_model import FEATURES, StepCostModel, StepShape
+from scheduler.request import Request
 
 # Keys of requests chosen but not yet routed / completed, at most this many (a request Ray
 # gave up on between the two leaves its entry behind).
@@ -72,17 +74,6 @@ def prices_from_reports(
 
 
 logger = logging.getLogger(__name__)
-
-
-def _tokenizer_for(engine: dict[str, Any]) -> Any:
-    """The tokenizer a replica with these engine settings uses (no weights are loaded)."""
-    if engine.get("runner") == "fake":
-        from server.fake_tokenizer import ByteTokenizer
-
-        return ByteTokenizer()
-    from model_runner.loader import load_tokenizer
-
-    return load_tokenizer(engine.get("model"))
 
 
 class KVServeRequestRouter(RequestRouter):
@@ -150,8 +141,19 @@ class KVServeRequestRouter(RequestRouter):
 
     # ------------------------------------------------------------------ prompt -> keys
     def _prompt_keys(self, pending: PendingRequest | None) -> tuple[list[int], int]:
-        """The request's block keys and prompt length; empty for non-Generate calls."""
-        if pending is None or not pending.args or pending.metadata.call_method != "Generate":
+        """The request's block keys and prompt length; empty for calls that generate nothing.
+
+        ``Generate`` (the gRPC proxy) carries a ``GenerateRequest``, tokenized here;
+        ``generate_request`` (the OpenAI ingress) an engine request, tokenized already."""
+        if pending is None or not pending.args:
+            return [], 0
+        if pending.metadata.call_method == GENERATE_METHOD:
+            engine_request = pending.args[0]
+            if not isinstance(engine_request, Request):
+                return [], 0
+            ids = engine_request.prompt_token_ids
+            return routing_keys(ids, self.block_size, engine_request.cache_salt), len(ids)
+        if pending.metadata.call_method != "Generate":
             return [], 0
         from server.frontend import prompt_token_ids
         from server.rpc import generation_pb2 as pb
@@ -162,7 +164,7 @@ class KVServeRequestRouter(RequestRouter):
             if not isinstance(request, pb.GenerateRequest):
                 return [], 0
             if self._tokenizer is None:
-                self._tokenizer = _tokenizer_for(self._engine)
+                self._tokenizer = tokenizer_for(self._engine)
             ids = prompt_token_ids(self._tokenizer, request)
         except Exception:  # an invalid request: the replica answers it with a clear status
             logger.debug("no routing keys for request", exc_info=True)

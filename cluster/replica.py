@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,7 +34,7 @@ from cluster.routing import routing_keys
 from scheduler.request import Request
 from server.config import ServerConfig, build_config
 from server.engine_client import EngineClient
-from server.frontend import Frontend
+from server.frontend import Frontend, ServedModel
 from server.grpc_service import GenerationServicer
 from server.outputs import GenerationOutput
 from server.rpc import generation_pb2 as pb
@@ -162,8 +163,17 @@ class KVServeReplica:
             self._metrics_server = start_metrics_server(metrics_host, metrics_port, served)
             self.metrics_url = f"{advertised_host(metrics_host)}:{self._metrics_server.port}"
         self.client = _ReportingClient(built.engine, self.arrivals)
-        self.frontend = Frontend(self.client, built.tokenizer, built.model)
-        self.servicer = GenerationServicer(self.frontend, sink=sink)
+        # A single server's API keys, tenants and structured outputs, on the gRPC path too.
+        security = cfg.security()
+        tracker = built.engine.constraint_tracker
+        self.frontend = Frontend(
+            self.client,
+            built.tokenizer,
+            built.model,
+            security=security,
+            constraints=tracker.compiler if tracker is not None else None,
+        )
+        self.servicer = GenerationServicer(self.frontend, sink=sink, security=security)
         built.engine.start()
         logger.info(
             "replica %s (%s): %s, %d KV blocks, metrics %s",
@@ -235,6 +245,27 @@ class KVServeReplica:
         self, request: pb.GetKVCacheStatsRequest, grpc_context: Any = None
     ) -> Any:
         return await self.servicer.GetKVCacheStats(request, _RayContext(grpc_context))  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ the OpenAI ingress
+    async def generate_request(
+        self, request: Request, timeout_s: float | None = None
+    ) -> AsyncIterator[GenerationOutput]:
+        """An engine request the cluster's OpenAI ingress built (validated, tokenized, its
+        owner's salt and tenant set): its outputs as the engine publishes them. The caller
+        cancelling the call aborts the request here."""
+        if not self.frontend.accepting:
+            from server.frontend import RpcError
+
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        now = time.monotonic()
+        request.arrival_time_s = now  # this host's clock: queue and TTFT are timed here
+        deadline_s = None if timeout_s is None else now + timeout_s
+        async for out in self.client.generate(request, deadline_s=deadline_s):
+            yield out
+
+    def served_model(self) -> ServedModel:
+        """What the OpenAI ingress serves: this replica's model, context and limits."""
+        return self.model
 
     async def Abort(self, request: pb.AbortRequest, grpc_context: Any = None) -> Any:
         # Ray routes an Abort to any replica: it finds the request only where it runs. Client

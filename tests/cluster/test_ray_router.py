@@ -143,3 +143,54 @@ def test_targets_advertise_a_reachable_address() -> None:
 
     assert advertised_host("127.0.0.1") == "127.0.0.1"
     assert advertised_host("0.0.0.0") == get_node_ip_address() != "0.0.0.0"
+
+
+async def test_a_cancelled_grpc_call_cancels_the_proxys_calls_to_replicas() -> None:
+    """The proxy's calls to a replica made while serving a Generate call are recorded, and
+    cancelled when the client's call ends cancelled (not when it ends normally)."""
+    from ray.serve._private import proxy
+
+    from cluster.ingress import cancel_reaches_the_replica, install_recorded_replica_calls
+
+    install_recorded_replica_calls()
+
+    class Response:
+        def __init__(self) -> None:
+            self.was_cancelled = False
+
+        def cancelled(self) -> bool:
+            return self.was_cancelled
+
+        def cancel(self) -> None:
+            self.was_cancelled = True
+
+    class Context:
+        def __init__(self) -> None:
+            self.callbacks: list[Any] = []
+            self.is_cancelled = False
+
+        def add_done_callback(self, callback: Any) -> None:
+            self.callbacks.append(callback)
+
+        def cancelled(self) -> bool:
+            return self.is_cancelled
+
+        def end(self, cancelled: bool) -> None:
+            self.is_cancelled = cancelled
+            for callback in self.callbacks:
+                callback(self)
+
+    responses: list[Response] = []
+
+    async def ray_handler(request: Any, context: Any) -> Any:
+        response = Response()
+        responses.append(response)
+        proxy.ProxyResponseGenerator(response)  # what Ray's proxy builds per replica call
+        yield "message"
+
+    for cancelled in (True, False):
+        context = Context()
+        stream = cancel_reaches_the_replica(ray_handler)("request", context)
+        assert await anext(stream) == "message"
+        context.end(cancelled)
+        assert responses[-1].was_cancelled is cancelled

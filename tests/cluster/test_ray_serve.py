@@ -122,8 +122,8 @@ async def test_both_replicas_metrics_are_listed_with_their_labels(cluster: Local
     router = scrape(f"127.0.0.1:{metrics_port}")
     assert total([router], "kvserve_router_decisions_total", router="cost") == 4
     assert total([router], "kvserve_router_decisions_total", reason="prefix_miss") == 4
-    # Each prompt: BOS + 88 bytes, 5 full blocks of 16 before its last token, none cached.
-    assert total([router], "kvserve_router_prefix_blocks_total", tier="none") == 4 * 5
+    # Each prompt: BOS + 72 bytes, 4 full blocks of 16 before its last token, none cached.
+    assert total([router], "kvserve_router_prefix_blocks_total", tier="none") == 4 * 4
 
 
 def shared_prefix_prompts(seed: int) -> list[tuple[str, str]]:
@@ -192,7 +192,7 @@ async def test_killed_replica_fails_only_its_own_streams(cluster: LocalCluster) 
         await wait_for(all_running)
         by_replica = {replica_id_of(s): total([s], "kvserve_requests_running") for s in
                       (scrape(u) for u in urls)}  # fmt: skip
-        assert sorted(by_replica.values()) == [2, 2]  # least loaded: two streams each
+        assert min(by_replica.values()) >= 1  # both replicas stream (the router spread them)
         victim = sorted(by_replica)[0]
         import ray
 
@@ -200,7 +200,7 @@ async def test_killed_replica_fails_only_its_own_streams(cluster: LocalCluster) 
         await asyncio.gather(*tasks)
 
         failed = {rid: o for rid, o in outcomes.items() if isinstance(o, grpc.aio.AioRpcError)}
-        assert len(failed) == 2
+        assert len(failed) == by_replica[victim]
         for exc in failed.values():
             assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
             assert "replica" in (exc.details() or "")
