@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 import yaml
 
@@ -25,6 +26,7 @@ from tests.cluster.helpers import (
     start_local_cluster,
     total,
     wait_for,
+    wait_http,
     wait_served,
 )
 from tests.metrics.helpers import free_port
@@ -220,28 +222,37 @@ async def test_killed_replica_fails_only_its_own_streams(cluster: LocalCluster) 
 
 
 async def test_shipped_yaml_config_deploys(cluster: LocalCluster) -> None:
-    """cluster/kvserve.yaml is a valid Ray Serve config whose app (engine switched to the fake
-    runner) serves Generate through the proxy with the servicer function it names."""
+    """cluster/kvserve.yaml is a valid Ray Serve config whose two apps (engine switched to the
+    fake runner) serve Generate through the gRPC proxy with the servicer function it names,
+    and the OpenAI API through the HTTP proxy."""
     from ray import serve
     from ray.serve.schema import ServeDeploySchema
 
-    from cluster.app import GENERATION_SERVICER, app_builder
+    from cluster.app import GENERATION_SERVICER, app_builder, openai_app_builder
 
     config = yaml.safe_load(YAML_PATH.read_text())
     schema = ServeDeploySchema.model_validate(config)
     assert schema.grpc_options.grpc_servicer_functions == [GENERATION_SERVICER]
-    (app,) = schema.applications
-    assert app.import_path == "cluster.app:app_builder"
-    args = dict(app.args)
+    replicas, ingress = schema.applications
+    assert replicas.import_path == "cluster.app:app_builder"
+    assert ingress.import_path == "cluster.app:openai_app_builder"
+    assert ingress.route_prefix == "/" and ingress.args["replicas_app"] == replicas.name
+    args = dict(replicas.args)
     assert args["router"] == "cost"
     args["engine"] = {**args["engine"], **FAKE}
     args["router_metrics_port"] = free_port()
     for name in list(serve.status().applications):
         serve.delete(name)
-    serve.run(app_builder(args), name=app.name)
+    serve.run(app_builder(args), name=replicas.name, route_prefix=replicas.route_prefix)
+    ingress_args = {**ingress.args, "engine": args["engine"]}
+    serve.run(openai_app_builder(ingress_args), name=ingress.name, route_prefix="/")
     wait_served(cluster.address)
+    wait_http(cluster.http_url)
     async with KVServeClient(cluster.address) as client:
         assert await collect(client, "from yaml", "y-1", 4) == fake_tokens("y-1", 4)
+    async with httpx.AsyncClient(base_url=cluster.http_url, timeout=60) as http:
+        reply = await http.post("/v1/completions", json={"prompt": "from yaml", "max_tokens": 4})
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
     with pytest.raises(ValueError, match="unknown kvserve cluster setting"):
         app_builder({"replicas": 2})
 
