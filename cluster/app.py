@@ -31,6 +31,7 @@ from server.config import build_config
 GENERATION_SERVICER = "cluster.ingress.add_generation_service"
 ROUTER_CLASS = "cluster.ray_router:KVServeRequestRouter"
 DEFAULT_APP_NAME = "kvserve"
+PREFILL_DEPLOYMENT = "KVServePrefill"  # the prefill replicas of a prefill / decode split
 OPENAI_APP_NAME = "kvserve-openai"  # the OpenAI ingress: an application of its own, route "/"
 # The replicas' application needs a route for Ray's gRPC proxy to see it at all; "/" is the
 # OpenAI ingress's, so it gets this one (nothing of the HTTP API lives under it).
@@ -54,6 +55,14 @@ class ClusterConfig:
     health_check_period_s: float = 2.0
     graceful_shutdown_timeout_s: float = 30.0  # a stopping replica drains this long
     num_http_ingress: int = 1  # OpenAI ingress replicas (cluster.openai_ingress)
+    # Prefill / decode split (cluster.pd): this many prefill replicas beside num_replicas
+    # decode replicas; 0: every replica does both.
+    num_prefill_replicas: int = 0
+    # Engine settings of the prefill replicas that differ from ``engine`` (their pool, their
+    # threads); the shared tier's settings must stay the same.
+    prefill_engine: dict[str, Any] = field(default_factory=dict)
+    transfer_timeout_s: float = 60.0  # a decode replica's wait for a prefill replica
+    transfer_min_tokens: int = 64  # fewer new prompt tokens: the decode replica computes them
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -69,7 +78,27 @@ class ClusterConfig:
             raise ValueError(f"replica_num_cpus must be >= 0, got {self.replica_num_cpus}")
         if self.num_http_ingress < 1:
             raise ValueError(f"num_http_ingress must be >= 1, got {self.num_http_ingress}")
-        build_config(self.engine, environ={})  # engine settings fail here, with their name
+        engine = build_config(self.engine, environ={})  # engine settings fail here, by name
+        if self.num_prefill_replicas < 0:
+            raise ValueError(f"prefill replicas must be >= 0, got {self.num_prefill_replicas}")
+        prefill = build_config({**self.engine, **self.prefill_engine}, environ={})
+        if (prefill.kv_disk_dir, prefill.kv_disk_store) != (
+            engine.kv_disk_dir,
+            engine.kv_disk_store,
+        ):
+            raise ValueError(
+                "prefill_engine must keep the shared tier (kv_disk_dir, kv_disk_store)"
+            )
+        if self.num_prefill_replicas and engine.kv_disk_dir is None:
+            raise ValueError(
+                "prefill replicas hand their KV to decode replicas through the shared KV "
+                "tier: set --kv-disk-dir (one directory all replicas reach)"
+            )
+        if self.transfer_timeout_s <= 0 or self.transfer_min_tokens < 1:
+            raise ValueError(
+                f"transfer_timeout_s must be > 0 and transfer_min_tokens >= 1, got "
+                f"{self.transfer_timeout_s} and {self.transfer_min_tokens}"
+            )
 
 
 def grpc_options(port: int = 50051) -> Any:
@@ -82,11 +111,39 @@ def grpc_options(port: int = 50051) -> Any:
 
 
 def build_app(cfg: ClusterConfig) -> Any:
-    """The Ray Serve application (``serve.run`` it)."""
+    """The Ray Serve application (``serve.run`` it): ``num_replicas`` replicas that do both
+    prefill and decode, or, with ``num_prefill_replicas``, that many prefill replicas behind
+    ``num_replicas`` decode replicas (the ingress; ``cluster.pd``)."""
+    from cluster.openai_ingress import REPLICA_DEPLOYMENT
+
+    split = cfg.num_prefill_replicas > 0
+    options = {
+        "metrics_host": cfg.metrics_host,
+        "metrics_port": 0,
+        "report_prices": cfg.router == "cost",
+    }
+    prefill = None
+    if split:
+        prefill = _replicas(cfg, PREFILL_DEPLOYMENT, cfg.num_prefill_replicas, None).bind(
+            {**cfg.engine, **cfg.prefill_engine}, role="prefill", **options
+        )
+    ingress = _replicas(cfg, REPLICA_DEPLOYMENT, cfg.num_replicas, cfg.router_metrics_port)
+    return ingress.bind(
+        dict(cfg.engine),
+        role="decode" if split else "both",
+        prefill=prefill,
+        transfer_timeout_s=cfg.transfer_timeout_s,
+        transfer_min_tokens=cfg.transfer_min_tokens,
+        **options,
+    )
+
+
+def _replicas(cfg: ClusterConfig, name: str, num_replicas: int, metrics_port: int | None) -> Any:
+    """A deployment of ``KVServeReplica`` routed by ``KVServeRequestRouter`` (whose metrics
+    the ingress's router serves on ``metrics_port``; None: not served)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from cluster.openai_ingress import REPLICA_DEPLOYMENT
     from cluster.replica import KVServeReplica
 
     engine = build_config(cfg.engine, environ={})
@@ -104,28 +161,22 @@ def build_app(cfg: ClusterConfig) -> Any:
             "imbalance_abs": cfg.imbalance_abs,
             "imbalance_rel": cfg.imbalance_rel,
             "metrics_host": cfg.metrics_host,
-            "metrics_port": cfg.router_metrics_port,
+            "metrics_port": metrics_port,
             "shared_tier_blocks": shared_tier_blocks,
             "chunk_tokens": engine.long_prefill_token_threshold or engine.max_num_batched_tokens,
         },
         request_routing_stats_period_s=cfg.routing_stats_period_s,
         request_routing_stats_timeout_s=max(cfg.routing_stats_period_s, 1.0),
     )
-    deployment = serve.deployment(
+    return serve.deployment(
         KVServeReplica,
-        name=REPLICA_DEPLOYMENT,
-        num_replicas=cfg.num_replicas,
+        name=name,
+        num_replicas=num_replicas,
         max_ongoing_requests=cfg.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.replica_num_cpus},
         health_check_period_s=cfg.health_check_period_s,
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
         request_router_config=router_config,
-    )
-    return deployment.bind(
-        dict(cfg.engine),
-        metrics_host=cfg.metrics_host,
-        metrics_port=0,
-        report_prices=cfg.router == "cost",
     )
 
 

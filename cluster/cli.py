@@ -57,6 +57,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="... and busiest / idlest above this -> power of two choices (default: %(default)s)",
     )  # fmt: skip
     cluster.add_argument(
+        "--prefill-replicas", type=int, default=0,
+        help="prefill / decode split: this many prefill replicas, and --replicas decode "
+        "replicas that read their KV from the shared tier (needs --kv-disk-dir); 0: every "
+        "replica does both (default: %(default)s)",
+    )  # fmt: skip
+    cluster.add_argument(
+        "--pd-transfer-timeout-s", type=float, default=60.0,
+        help="a decode replica's wait for a prefill replica; past it, it computes the prompt "
+        "itself (default: %(default)s)",
+    )  # fmt: skip
+    cluster.add_argument(
+        "--pd-min-transfer-tokens", type=int, default=64,
+        help="prompts with fewer new tokens are computed on the decode replica "
+        "(default: %(default)s)",
+    )  # fmt: skip
+    cluster.add_argument(
         "--replica-cpus", type=float, default=1.0,
         help="Ray CPUs each replica reserves (default: %(default)s)",
     )  # fmt: skip
@@ -86,6 +102,9 @@ def cluster_config(args: argparse.Namespace) -> tuple[Any, Any]:
         router_metrics_port=engine.metrics_port if engine.metrics else None,
         metrics_host=engine.metrics_host,
         replica_num_cpus=args.replica_cpus,
+        num_prefill_replicas=args.prefill_replicas,
+        transfer_timeout_s=args.pd_transfer_timeout_s,
+        transfer_min_tokens=args.pd_min_transfer_tokens,
         graceful_shutdown_timeout_s=engine.grace_period_s,
     )
     return cfg, engine
@@ -119,8 +138,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if engine.http:
         serve.run(build_openai_app(cfg, APP_NAME), name=OPENAI_APP_NAME, route_prefix="/")
     scheme = "https" if engine.tls_cert else "http"
+    roles = (
+        f"{cfg.num_prefill_replicas} prefill + {cfg.num_replicas} decode replicas"
+        if cfg.num_prefill_replicas
+        else f"{cfg.num_replicas} replicas"
+    )
     print(
-        f"kvserve cluster: {cfg.num_replicas} replicas ({engine.runner}), router {cfg.router}, "
+        f"kvserve cluster: {roles} ({engine.runner}), router {cfg.router}, "
         f"gRPC on :{engine.port}"
         + (f", OpenAI-compatible API on {scheme}://{engine.host}:{http_port}/v1"
            if engine.http else "")

@@ -30,6 +30,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from cluster.openai_ingress import GENERATE_METHOD, tokenizer_for
+from cluster.pd import PREFILL_METHOD
 from cluster.routing import (
     CostModelPrice,
     CostRouter,
@@ -136,7 +137,13 @@ class KVServeRequestRouter(RequestRouter):
             )
 
     def _replica_metrics_urls(self) -> list[str]:
-        urls = [r.routing_stats.get("metrics_url", "") for r in list(self._replicas.values())]
+        """The metrics addresses of the replicas this router routes to, and of the replicas
+        they call (a decode replica's prefill replicas)."""
+        urls: set[str] = set()
+        for replica in list(self._replicas.values()):
+            stats = replica.routing_stats
+            urls.add(str(stats.get("metrics_url", "")))
+            urls.update(str(u) for u in stats.get("peer_metrics_urls") or ())
         return sorted(u for u in urls if u)
 
     # ------------------------------------------------------------------ prompt -> keys
@@ -144,10 +151,11 @@ class KVServeRequestRouter(RequestRouter):
         """The request's block keys and prompt length; empty for calls that generate nothing.
 
         ``Generate`` (the gRPC proxy) carries a ``GenerateRequest``, tokenized here;
-        ``generate_request`` (the OpenAI ingress) an engine request, tokenized already."""
+        ``generate_request`` (the OpenAI ingress) and ``prefill_request`` (a decode replica's
+        handoff) an engine request, tokenized already."""
         if pending is None or not pending.args:
             return [], 0
-        if pending.metadata.call_method == GENERATE_METHOD:
+        if pending.metadata.call_method in (GENERATE_METHOD, PREFILL_METHOD):
             engine_request = pending.args[0]
             if not isinstance(engine_request, Request):
                 return [], 0

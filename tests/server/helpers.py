@@ -41,6 +41,7 @@ class RecordingSink:
         self.rejected: list[str] = []
         self.rpcs: list[tuple[str, str]] = []
         self.connection_events: list[tuple[str, str]] = []
+        self.transfers: list[tuple[str, int, int, float]] = []
 
     def on_step(self, record: StepRecord) -> None:
         with self.lock:
@@ -61,6 +62,10 @@ class RecordingSink:
     def on_connection_event(self, server: str, event: str) -> None:
         with self.lock:
             self.connection_events.append((server, event))
+
+    def on_kv_transfer(self, outcome: str, num_blocks: int, num_bytes: int, seconds: float) -> None:
+        with self.lock:
+            self.transfers.append((outcome, num_blocks, num_bytes, seconds))
 
     def request(self, request_id: str) -> RequestRecord:
         with self.lock:
