@@ -46,7 +46,7 @@ class Point:
 
 
 def load_runner(max_len: int, threads: int) -> Any:
-    """The default serving runner (native GGUF weights, fused decode, fp16 KV)."""
+    """The default serving runner (native GGUF weights, fused step, fp16 KV)."""
     import torch
 
     from model_runner.loader import load_model

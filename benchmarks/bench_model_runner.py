@@ -36,6 +36,7 @@ import torch
 from model_runner.config import ModelConfig
 from model_runner.device import resolve_kv_dtype
 from model_runner.kv_pool import KVPool
+from model_runner.paths import EagerPath, ForwardPaths
 from model_runner.reference import build_hf_model
 from model_runner.runner import TorchRunner
 from scheduler.output import ScheduledSeq, SchedulerOutput
@@ -101,9 +102,12 @@ def load_weights(force_random: bool) -> tuple[ModelConfig, dict[str, torch.Tenso
     return c, state, f"random weights of SmolLM2-135M's shapes ({reason})"
 
 
-def quantized_runner(num_blocks: int, force_random: bool) -> tuple[TorchRunner | None, str]:
+def quantized_runner(
+    num_blocks: int, force_random: bool, fused_step: bool | None = None
+) -> tuple[TorchRunner | None, str]:
     """The runner serving uses by default: the GGUF's own Q4_1 / Q8_0 weights on kvserve's
-    kernels, with the fused decode step; None (and why) when the file or kernels are missing."""
+    kernels, with the fused step (``fused_step=False``: without); None (and why) when the
+    file or kernels are missing."""
     if force_random:
         return None, "not measured (--random-weights)"
     try:
@@ -116,13 +120,19 @@ def quantized_runner(num_blocks: int, force_random: bool) -> tuple[TorchRunner |
     except (ImportError, RuntimeError, OSError) as exc:
         return None, f"not measured: {exc}"
     runner = TorchRunner(
-        loaded.config, loaded.state_dict, num_blocks, BLOCK_SIZE, torch.float32, "cpu"
+        loaded.config,
+        loaded.state_dict,
+        num_blocks,
+        BLOCK_SIZE,
+        torch.float32,
+        "cpu",
+        fused_step=fused_step,
     )
     return runner, (
         f"{loaded.name} as stored ({runner.info.extra['weights']}, "
         f"{int(runner.info.extra['weight_bytes']) / 2**20:.0f} MiB), "
-        f"{runner.info.extra['linear_backend']} kernels, fused decode "
-        f"{runner.info.extra['fused_decode']}, KV {runner.info.kv_dtype}"
+        f"{runner.info.extra['linear_backend']} kernels, fused step "
+        f"{runner.info.extra['fused_step']}, KV {runner.info.kv_dtype}"
     )
 
 
@@ -165,7 +175,9 @@ class OursDecode:
 
 
 def with_kv_dtype(runner: TorchRunner, kv_dtype: str) -> TorchRunner:
-    """The same model (weights shared, not copied) over a fresh pool in ``kv_dtype``."""
+    """The same model (weights shared, not copied) over a fresh pool in ``kv_dtype``, on
+    the eager path (the float runner's only one)."""
+    assert runner.paths.fused is None and runner.paths.graphs is None
     other = copy.copy(runner)
     other.pool = KVPool.from_config(
         runner.config,
@@ -175,6 +187,7 @@ def with_kv_dtype(runner: TorchRunner, kv_dtype: str) -> TorchRunner:
         runner.device,
         runner.dtype,
     )
+    other.paths = ForwardPaths(EagerPath(runner.model, other.pool))
     return other
 
 
@@ -369,7 +382,9 @@ def main() -> None:
         )
 
     if quant is not None:
-        mixed_step_table(quant, prompt, prompt_base, args.context, steps)
+        torch_path, _ = quantized_runner(num_blocks, args.random_weights, fused_step=False)
+        assert torch_path is not None
+        mixed_step_table(quant, torch_path, prompt, prompt_base, args.context, steps)
 
     if 1 in quant_ms:
         ratio = quant_ms[1] / decode_ms[1]
@@ -401,15 +416,19 @@ def main() -> None:
 
 
 def mixed_step_table(
-    runner: TorchRunner, prompt: list[int], prompt_base: int, context: int, steps: int
+    runner: TorchRunner,
+    torch_path: TorchRunner,
+    prompt: list[int],
+    prompt_base: int,
+    context: int,
+    steps: int,
 ) -> None:
-    """The cost of holding a prefill chunk beside decodes, on the quantized runner: 8 decodes,
-    a 64-token chunk alone, and both in one step, through the fused step (every row in one
-    kernel call) and through the torch path (``FUSED_MAX_ROWS = 0``: what a step with a
-    prefill chunk did before). ``extra`` = mixed - (decodes + chunk): the fixed cost of
-    mixing; ``ratio`` = mixed / (decodes + chunk), the issue's bound is 1.3."""
-    from model_runner import runner as runner_module
-
+    """The cost of holding a prefill chunk beside decodes, on the quantized weights: 8
+    decodes, a 64-token chunk alone, and both in one step, through the fused step (``runner``:
+    every row in one kernel call) and through the torch path (``torch_path``, built with
+    ``fused_step=False``: what a step with a prefill chunk did before). ``extra`` = mixed -
+    (decodes + chunk): the fixed cost of mixing; ``ratio`` = mixed / (decodes + chunk), the
+    issue's bound is 1.3."""
     dec = OursDecode(runner, 8, context, runner.model.vocab_size)
     table = list(range(prompt_base, prompt_base + -(-64 // BLOCK_SIZE)))
     chunk = ScheduledSeq("c", prompt[:64], 0, table, GREEDY, True)
@@ -421,17 +440,13 @@ def mixed_step_table(
     print("\n| quantized step (ms) | 8 decodes | 64-token chunk | chunk + 8 decodes "
           "| extra | mixed / (decodes + chunk) |")  # fmt: skip
     print("|---|---|---|---|---|---|")
-    bound = runner_module.FUSED_MAX_ROWS
-    try:
-        for label, rows in (("fused step", bound), ("torch path (before)", 0)):
-            runner_module.FUSED_MAX_ROWS = rows
-            t = interleaved_ms({k: lambda p=p: runner.execute(p) for k, p in plans.items()}, steps)
-            extra = t["mixed"] - t["decodes"] - t["chunk"]
-            ratio = t["mixed"] / (t["decodes"] + t["chunk"])
-            print(f"| {label} | {t['decodes']:.1f} | {t['chunk']:.1f} | {t['mixed']:.1f} "
-                  f"| {extra:+.1f} | {ratio:.2f} |")  # fmt: skip
-    finally:
-        runner_module.FUSED_MAX_ROWS = bound
+    for label, ours in (("fused step", runner), ("torch path (before)", torch_path)):
+        run = ours.execute
+        t = interleaved_ms({k: lambda p=p: run(p) for k, p in plans.items()}, steps)  # noqa: B023
+        extra = t["mixed"] - t["decodes"] - t["chunk"]
+        ratio = t["mixed"] / (t["decodes"] + t["chunk"])
+        print(f"| {label} | {t['decodes']:.1f} | {t['chunk']:.1f} | {t['mixed']:.1f} "
+              f"| {extra:+.1f} | {ratio:.2f} |")  # fmt: skip
 
 
 def kv_table(

@@ -521,7 +521,7 @@ def spec(ctx: Context) -> SectionResult:
     edit = Workload.load(EDIT128)
     edit = replace(edit, num_requests=n, output_len=LengthDist(value=out))
     chat = bench_serving.chat128_workload(ctx.workload_file, n, out)
-    # (name, workload, serve flags of both sides): the defaults (Q4 weights, fused decode),
+    # (name, workload, serve flags of both sides): the defaults (Q4 weights, fused step),
     # then fp32 weights, where a decode step is bound by streaming the weights.
     runs = [("edit128", edit, []), ("chat128", chat, []), ("edit128", edit, F32)]
     configs = {"off": ["--speculative", "off"], "on": ["--speculative", "ngram"]}

@@ -1,2 +1,3 @@
 """HOW a step is computed. The only package that imports torch, and only in its torch modules:
-``model_runner.base``, ``model_runner.fake`` and ``model_runner.sim`` stay torch-free."""
+``model_runner.base``, ``model_runner.fake``, ``model_runner.sim`` and ``model_runner.step``
+stay torch-free."""

@@ -1,9 +1,12 @@
 """CUDA graphs for decode steps: one captured forward pass per batch size, replayed.
 
 A decode step of a bf16 8B model on an H100 launches ~10 kernels per layer; at batch 1 the
-launches, not the weights, would bound the step. So decode-only steps (no prefill, no
-drafts) replay a graph captured for the next size up in ``GRAPH_BATCH_SIZES``, with the
-inputs padded::
+launches, not the weights, would bound the step. So decode steps (no prefill rows) replay a
+graph captured for the next size up, with the inputs padded. The sizes are sized to the
+server: ``capture_sizes`` keeps those of ``GRAPH_BATCH_SIZES`` below the most rows a decode
+step can hold (``max_num_seqs``, times 1 + k with k drafts each) and that number itself. A
+decode with drafts is k + 1 rows, each a one-token decode over its request's table (every
+row's K/V is written before any row attends, and each attends up to its own position)::
 
     rows     | dec 0 | dec 1 | dec 2 | pad | pad | pad | pad | pad |     3 decodes -> graph 8
     token    |  t0   |  t1   |  t2   |  0  ...
@@ -16,9 +19,10 @@ device copy per step fills them) and the page table has a fixed capacity
 key loop bound is read from ``kv_lens`` on the device, so one graph serves any contexts.
 
 Memory: graphs share one memory pool, captured largest first, so the pool holds about one
-step's activations at the largest size. ``graph_memory_bytes`` estimates it, and the runner
-takes it out of the KV budget BEFORE sizing the pool (the graphs are captured after, since
-they read the pool). Everything here but ``DecodeGraphs`` is pure and tested on CPU.
+step's activations at the largest captured size. ``graph_memory_bytes`` estimates it, and
+the runner takes it out of the KV budget BEFORE sizing the pool (the graphs are captured
+after, since they read the pool). Everything here but ``DecodeGraphs`` (the sizes, the
+bucket a step takes, the padding) is pure and tested on CPU.
 """
 
 from __future__ import annotations
@@ -28,32 +32,48 @@ from dataclasses import dataclass
 
 import torch
 
-from model_runner.attention import ForwardBatch
-from model_runner.attention_backends.base import PagedMetadata
-from model_runner.attention_backends.page_table import PageTableTensors, build_page_table
+from model_runner.attention_backends.base import ForwardBatch
+from model_runner.attention_backends.page_table import (
+    PagedMetadata,
+    PageTableTensors,
+    build_page_table,
+)
 from model_runner.config import ModelConfig
 from model_runner.kv_pool import KVPool
-from scheduler.output import ScheduledSeq
+from model_runner.step import StepRows
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-def graph_batch_size(num_seqs: int, sizes: Sequence[int] = GRAPH_BATCH_SIZES) -> int | None:
-    """The smallest captured size holding ``num_seqs`` decodes; None above the largest (the
-    step then runs eagerly)."""
-    if num_seqs < 1:
-        raise ValueError(f"a decode step has at least one sequence, got {num_seqs}")
+def graph_batch_size(num_rows: int, sizes: Sequence[int] = GRAPH_BATCH_SIZES) -> int | None:
+    """The smallest of ``sizes`` (ascending) holding ``num_rows`` decode rows; None above
+    the largest (the step then runs eagerly)."""
+    if num_rows < 1:
+        raise ValueError(f"a decode step has at least one row, got {num_rows}")
     for size in sizes:
-        if size >= num_seqs:
+        if size >= num_rows:
             return size
     return None
 
 
-def capture_sizes(max_num_seqs: int, sizes: Sequence[int] = GRAPH_BATCH_SIZES) -> tuple[int, ...]:
-    """The sizes worth capturing when at most ``max_num_seqs`` decode at once: every size up
-    to the first that holds ``max_num_seqs`` (all of them above the largest)."""
-    top = graph_batch_size(max_num_seqs, sizes) or sizes[-1]
-    return tuple(s for s in sizes if s <= top)
+def capture_sizes(max_rows: int, sizes: Sequence[int] = GRAPH_BATCH_SIZES) -> tuple[int, ...]:
+    """The sizes worth capturing when a decode step holds at most ``max_rows`` rows: those
+    of ``sizes`` below it, then ``max_rows`` itself (no graph pads past the largest step);
+    every size when ``max_rows`` is above the largest."""
+    if max_rows < 1:
+        raise ValueError(f"a decode step holds at least one row, got {max_rows}")
+    if max_rows > sizes[-1]:
+        return tuple(sizes)
+    return (*(s for s in sizes if s < max_rows), max_rows)
+
+
+def graph_bucket(step: StepRows, sizes: Sequence[int]) -> int | None:
+    """The captured size ``step`` replays: the smallest that holds its rows when every row
+    is a decode's (drafts and constrained decodes included); None for a step with prefill
+    rows or more rows than the largest size (it runs eagerly)."""
+    if step.prefill or step.is_empty:
+        return None
+    return graph_batch_size(step.num_rows, sizes)
 
 
 def graph_memory_bytes(config: ModelConfig, max_batch: int, dtype_bytes: int) -> int:
@@ -78,7 +98,7 @@ class PaddedDecode:
     docstring); ``kv_indices`` has ``batch_size * max_pages_per_seq`` entries."""
 
     batch_size: int
-    num_seqs: int
+    num_rows: int  # the real rows, before the padding
     input_ids: list[int]
     positions: list[int]
     slot_mapping: list[int]
@@ -88,29 +108,30 @@ class PaddedDecode:
 
 
 def pad_decode(
-    decode: Sequence[ScheduledSeq],
+    step: StepRows,
     batch_size: int,
-    block_size: int,
     max_pages_per_seq: int,
     scratch_slot: int,
     sliding_window: int | None = None,
-    null_block_id: int | None = None,
 ) -> PaddedDecode:
-    """``decode`` (one token each) as the inputs of the graph of ``batch_size``."""
-    num_pad = batch_size - len(decode)
+    """The rows of decode step ``step`` as the inputs of the graph of ``batch_size``: one
+    page table entry per row (``StepRows.one_row_decodes``), then the padding rows."""
+    if step.prefill:
+        raise ValueError("a step with prefill rows has no graph")
+    num_rows = step.num_rows
+    num_pad = batch_size - num_rows
     if num_pad < 0:
-        raise ValueError(f"{len(decode)} decodes do not fit a graph of {batch_size}")
-    table = build_page_table(decode, block_size, sliding_window, null_block_id)
+        raise ValueError(f"{num_rows} decode rows do not fit a graph of {batch_size}")
+    rows = step.one_row_decodes()
+    table = build_page_table(rows, step.block_size, sliding_window, step.null_block_id)
     table = table.padded(batch_size)
-    slots = [s.block_ids[s.start_pos // block_size] * block_size + s.start_pos % block_size
-             for s in decode]  # fmt: skip
     indices = table.kv_indices + [0] * (batch_size * max_pages_per_seq - len(table.kv_indices))
     return PaddedDecode(
         batch_size=batch_size,
-        num_seqs=len(decode),
-        input_ids=[s.token_ids[0] for s in decode] + [0] * num_pad,
-        positions=[s.start_pos for s in decode] + [0] * num_pad,
-        slot_mapping=slots + [scratch_slot] * num_pad,
+        num_rows=num_rows,
+        input_ids=step.token_ids + [0] * num_pad,
+        positions=step.positions + [0] * num_pad,
+        slot_mapping=step.slot_mapping + [scratch_slot] * num_pad,
         kv_indptr=table.kv_indptr,
         kv_indices=indices,
         kv_lens=table.kv_lens,
@@ -128,8 +149,8 @@ class _Graph:
 class DecodeGraphs:
     """Decode steps captured as CUDA graphs on ``model`` over ``pool`` (CUDA only).
 
-    The model's attention must read its decode page table from ``ForwardBatch.paged``
-    (the Triton backend); the pool must hold the scratch slot ``scratch_slot``."""
+    The model's attention must read its decode page table from the batch's metadata
+    alone (a backend with ``graphs``); the pool must hold the scratch slot ``scratch_slot``."""
 
     def __init__(
         self,
@@ -139,7 +160,7 @@ class DecodeGraphs:
         block_size: int,
         max_model_len: int,
         scratch_slot: int,
-        sizes: Sequence[int] = GRAPH_BATCH_SIZES,
+        sizes: Sequence[int],
     ) -> None:
         if pool.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {pool.device}")
@@ -178,9 +199,8 @@ class DecodeGraphs:
             input_ids=ints64[:size],
             positions=ints64[size : 2 * size],
             slot_mapping=ints64[2 * size :],
-            prefills=[],
-            decodes=[],
-            paged=PagedMetadata(0, None, None, None, table),
+            max_position=0,
+            metadata=PagedMetadata(0, None, None, None, table),
         )
         forward = self.model.forward  # type: ignore[attr-defined]
         stream = torch.cuda.Stream(device)
@@ -205,4 +225,4 @@ class DecodeGraphs:
         entry.ints64.copy_(host64.pin_memory(), non_blocking=True)
         entry.ints32.copy_(host32.pin_memory(), non_blocking=True)
         entry.graph.replay()
-        return entry.hidden[: padded.num_seqs]
+        return entry.hidden[: padded.num_rows]

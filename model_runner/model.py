@@ -25,13 +25,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from model_runner import onednn
-from model_runner.attention import ForwardBatch
-from model_runner.attention_backends.base import AttentionBackend, TorchAttention
+from model_runner.attention_backends.base import AttentionBackend, ForwardBatch
 from model_runner.config import ModelConfig
 from model_runner.kv_pool import KVPool
 from model_runner.quant import QEmbedding, QLinear, QuantStack, QuantWeight, cat_rows
@@ -253,9 +253,9 @@ class LlamaModel:
         state_dict: Mapping[str, torch.Tensor | QuantWeight],
         dtype: torch.dtype,
         device: torch.device,
+        attention: AttentionBackend[Any],
         max_model_len: int | None = None,
         use_onednn: bool | None = None,
-        attention: AttentionBackend | None = None,
     ) -> None:
         if config.architecture not in ("llama", "mistral", "qwen2"):
             raise ValueError(
@@ -266,7 +266,7 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.device = device
-        self.attention = attention or TorchAttention()
+        self.attention = attention
         self.max_model_len = max_model_len or config.max_position_embeddings
         if use_onednn is None:
             use_onednn = device.type == "cpu" and onednn_works(dtype)
@@ -384,7 +384,7 @@ class LlamaModel:
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch[Any], pool: KVPool) -> torch.Tensor:
         """Hidden states [T, hidden] after the last layer (before the final norm) of every
         token in ``batch``; writes every layer's K/V of those tokens into ``pool``."""
         h_heads, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -416,7 +416,7 @@ class LlamaModel:
                 torch.view_as_complex(rot).mul_(cis)
             else:
                 _rope_real_(rot, cos, sin)
-            self.attention.forward(i, qkv, batch, pool, attn_out, h_heads, kvh)
+            self.attention.forward(i, qkv, batch, pool, attn_out)
             hidden = layer.o.add(attn_out, hidden)
             x = F.rms_norm(hidden, normed_shape, layer.post_norm, self.eps)
             if layer.gate_up is not None:

@@ -3,8 +3,8 @@
 One step::
 
     plan.block_copies  -> pool.copy_blocks            (copy-on-write, before anything reads)
-    plan.prefill/decode -> validate each seq           (a bad seq fails alone, see below)
-                        -> ForwardBatch.build          (all index tensors, once per step)
+    plan.prefill/decode -> StepRows.of                 (each seq checked: a bad one fails alone)
+                        -> attention.build(step)       (all index tensors, once per step)
                         -> model.forward               (fused: prefill chunks + decodes together)
                         -> rows that sample -> final norm + LM head -> sampler
                         -> ModelOutput
@@ -17,11 +17,11 @@ which only helps when the timing split between kinds must be exact; with fusion,
 
 Speculative decoding: a decode with drafts (``ScheduledSeq.num_draft_tokens``) is verified
 in the same pass. Its k + 1 positions are computed like a short prefill chunk attending to the
-request's cached KV (``ForwardBatch``'s chunk path), or, on the fused decode path, as k + 1
+request's cached KV (the attention backend's chunk path), or, on the fused step, as k + 1
 decode rows sharing one block table (every row's K/V is written before any row attends, and
-each attends up to its own position). Every position samples (``_verify_rows``: position i
+each attends up to its own position). Every position samples (``step.verify_rows``: position i
 as output token ``num_output_tokens + i``, with the drafts before it as history), and the
-drafts are accepted while they equal the sampled tokens (``_accept``).
+drafts are accepted while they equal the sampled tokens (``step.num_accepted_drafts``).
 
 Failures that belong to one request go to ``ModelOutput.failed`` and the rest of the batch
 carries on: a seq whose block table or positions are inconsistent, token ids outside the
@@ -34,7 +34,6 @@ runner failure and propagates.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,33 +41,20 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from model_runner.attention import first_key_block
-from model_runner.attention_backends import make_attention_backend
+from model_runner.attention_backends import AttentionSpec, make_attention_backend
 from model_runner.base import ModelInfo
 from model_runner.config import ModelConfig
-from model_runner.cuda_graphs import (
-    GRAPH_BATCH_SIZES,
-    DecodeGraphs,
-    graph_batch_size,
-    graph_memory_bytes,
-    pad_decode,
-)
+from model_runner.cuda_graphs import GRAPH_BATCH_SIZES, graph_memory_bytes
 from model_runner.device import dtype_name, resolve_dtype, resolve_kv_dtype, select_device
-from model_runner.fused_decode import FusedDecode
 from model_runner.kv_pool import KVPool, default_kv_budget_bytes, num_blocks_for_memory
-from model_runner.model import LlamaModel
+from model_runner.model import LlamaModel, rope_inv_freq
+from model_runner.paths import graph_sizes, make_paths
 from model_runner.quant import QuantWeight
+from model_runner.step import StepLimits, StepRows, num_accepted_drafts, verify_rows
 from scheduler.output import ModelOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
 
 if TYPE_CHECKING:
     from model_runner.constraints import ConstraintTracker, Masks
-
-# Steps of up to this many token rows (prefill chunks, decodes and draft rows together) run
-# as one fused kernel call when the model allows it (``FusedDecode``); longer ones take the
-# torch path. No bound by default: every step of a quantized model is one call, so a row's
-# numbers never depend on what else is in its batch (the torch path's attention sums in
-# another order, and an int8 activation near a rounding boundary could then flip a token).
-FUSED_MAX_ROWS = 1 << 30
 
 
 class SamplerLike(Protocol):
@@ -94,11 +80,13 @@ class TorchRunner:
         fuse_batches: bool = True,
         use_onednn: bool | None = None,
         name: str | None = None,
-        fused_decode: bool | None = None,
+        fused_step: bool | None = None,
+        fused_max_rows: int = 1 << 30,
         sliding_window: int | None = None,
         attention_sinks: int = 0,
         attention_backend: str = "auto",
         cuda_graphs: bool | None = None,
+        max_decode_rows: int = GRAPH_BATCH_SIZES[-1],
         constraints: ConstraintTracker | None = None,
     ) -> None:
         """``num_blocks=None`` sizes the pool from ``kv_budget_bytes`` (default: see
@@ -112,11 +100,14 @@ class TorchRunner:
         sizes the pool, and attention still computes in ``dtype``. ``sliding_window``
         (tokens) overrides the config's window; ``attention_sinks`` (tokens, needs a window)
         keeps the first tokens visible and lets positions run past ``max_model_len``
-        (see ``model_runner.attention``). ``attention_backend``: see
-        ``model_runner.attention_backends`` (``auto``: torch on CPU). ``cuda_graphs``
-        replays decode-only steps from CUDA graphs (``model_runner.cuda_graphs``); None = on
-        CUDA with the Triton backend. ``constraints``: the matchers of constrained requests
-        (structured outputs); their masks are computed on a thread while the model runs."""
+        (see ``attention_backends.torch_backend``). ``attention_backend``: see
+        ``model_runner.attention_backends`` (``auto``: torch on CPU). The paths a step may
+        take (``model_runner.paths``): ``fused_step`` runs steps of up to ``fused_max_rows``
+        rows in one CPU kernel call (None = when supported); ``cuda_graphs`` replays decode
+        steps from CUDA graphs captured up to ``max_decode_rows`` rows (``max_num_seqs``,
+        times 1 + k with speculation; None = on CUDA with a backend that has graphs).
+        ``constraints``: the matchers of constrained requests (structured outputs); their
+        masks are computed on a thread while the model runs."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.sliding_window = sliding_window or config.sliding_window
@@ -125,7 +116,6 @@ class TorchRunner:
             raise ValueError(
                 f"attention_sinks={attention_sinks} needs a sliding window and must be >= 0"
             )
-        self._null_block_id: int | None = None  # of the plan being run
         self.device = select_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(kv_dtype, self.dtype, self.device)
@@ -133,62 +123,57 @@ class TorchRunner:
             max_model_len or config.max_position_embeddings, config.max_position_embeddings
         )
         self.config = config
-        self.attention = make_attention_backend(
-            attention_backend,
-            self.device,
+        spec = AttentionSpec(
             num_heads=config.num_heads,
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
+            block_size=block_size,
             dtype=self.dtype,
             kv_dtype=self.kv_dtype,
+            device=self.device,
             sliding_window=self.sliding_window,
             attention_sinks=attention_sinks,
+            rope_inv_freq=rope_inv_freq(config).to(self.device) if attention_sinks else None,
         )
+        self.attention = make_attention_backend(attention_backend, spec)
         self.model = LlamaModel(
-            config, state_dict, self.dtype, self.device, max_len, use_onednn, self.attention
+            config, state_dict, self.dtype, self.device, self.attention, max_len, use_onednn
         )
-        on_triton_cuda = self.device.type == "cuda" and self.attention.name == "triton"
-        if cuda_graphs and not on_triton_cuda:
-            raise ValueError("cuda_graphs=True needs a CUDA device and the triton backend")
-        use_graphs = on_triton_cuda if cuda_graphs is None else cuda_graphs
+        sizes = graph_sizes(cuda_graphs, self.model, max_decode_rows)
         if num_blocks is None:
             # The graphs' memory comes out of the budget BEFORE the pool is sized.
             reserve = 1 << 30
-            if use_graphs:
-                reserve += graph_memory_bytes(config, GRAPH_BATCH_SIZES[-1], self.dtype.itemsize)
+            if sizes:
+                reserve += graph_memory_bytes(config, sizes[-1], self.dtype.itemsize)
             budget = kv_budget_bytes or default_kv_budget_bytes(
                 self.device, activation_reserve_bytes=reserve
             )
             num_blocks = num_blocks_for_memory(config, block_size, self.kv_dtype, budget)
         # With graphs, one more block than the cache manager lends: padding rows write there.
+        num_pool_blocks = num_blocks + int(bool(sizes))
         self.pool = KVPool.from_config(
-            config, num_blocks + int(use_graphs), block_size, self.kv_dtype, self.device, self.dtype
+            config, num_pool_blocks, block_size, self.kv_dtype, self.device, self.dtype
         )
-        self._graphs: DecodeGraphs | None = None
-        if use_graphs:
-            self._graphs = DecodeGraphs(
-                self.model,
-                self.pool,
-                block_size=block_size,
-                max_model_len=max_len,
-                scratch_slot=num_blocks * block_size,
-            )
-            with torch.inference_mode():
-                self._graphs.capture()
-        # Decode-only steps in one kernel call (``fused_decode``): None = when supported.
-        self._fused: FusedDecode | None = None
-        unsupported = FusedDecode.unsupported(self.model, self.pool)
-        if attention_sinks:
-            unsupported = "attention sinks take the chunk path"
-        if self.attention.name != "torch":
-            unsupported = f"the {self.attention.name} attention backend runs every step"
-        if fused_decode and unsupported is not None:
-            raise ValueError(f"fused_decode=True but {unsupported}")
-        if fused_decode is not False and unsupported is None:
-            self._fused = FusedDecode(self.model, self.pool, self.sliding_window)
+        self.paths = make_paths(
+            self.model,
+            self.pool,
+            fused_step=fused_step,
+            fused_max_rows=fused_max_rows,
+            graph_sizes=sizes,
+            max_model_len=max_len,
+            scratch_slot=num_blocks * block_size,
+        )
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_len
+        self.limits = StepLimits(
+            block_size,
+            num_blocks,
+            max_len,
+            self.model.vocab_size,
+            self.sliding_window,
+            unbounded_positions=attention_sinks > 0,
+        )
         self.fuse_batches = fuse_batches
         if sampler is None:
             from model_runner.sampler import Sampler
@@ -215,11 +200,11 @@ class TorchRunner:
                 "kv_pool_bytes": str(self.pool.num_bytes),
                 "linear_backend": self._linear_backend(),
                 "weights": self.model.weights_format,
-                "fused_decode": str(self._fused is not None).lower(),
+                "fused_step": str(self.paths.fused is not None).lower(),
                 "weight_bytes": str(self.model.weight_bytes),
                 "fuse_batches": str(fuse_batches).lower(),
                 "attention_backend": self.attention.name,
-                "cuda_graphs": str(use_graphs).lower(),
+                "cuda_graphs": str(self.paths.graphs is not None).lower(),
             },
         )
 
@@ -242,59 +227,54 @@ class TorchRunner:
         for every seq with ``do_sample``. Never mutates ``plan``."""
         t0 = time.perf_counter()
         result = ModelOutput()
-        self._null_block_id = plan.null_block_id
         if self.constraints is not None:
             self.constraints.drop(plan.finished_request_ids)
-        prefill, decode = self._prepare(plan, result.failed)
-        if not prefill and not decode:
+        self._copy_blocks(plan.block_copies)
+        step = StepRows.of(plan, self.limits)
+        result.failed.update(step.failed)
+        if step.is_empty:
             return result
-        sample_prefill = [s for s in prefill if s.do_sample]
-        sample_decode = [s for s in decode if s.do_sample]
-        masks = self._start_masks(sample_prefill + sample_decode)
-        if self.fuse_batches or not (prefill and decode):
-            logits = self._forward_logits(prefill, decode)
-            self._sample(logits, sample_prefill + sample_decode, result, masks)
+        sampled = step.sampled()
+        masks = self._start_masks(sampled)
+        if self.fuse_batches or not (step.prefill and step.decode):
+            logits = self._forward_logits(step)
+            self._sample(logits, sampled, result, masks)
             elapsed = time.perf_counter() - t0
-            num_prefill = sum(s.num_tokens for s in prefill)
-            share = num_prefill / (num_prefill + sum(s.num_tokens for s in decode))
+            share = step.num_prefill_rows / step.num_rows
             result.prefill_time_s = elapsed * share
             result.decode_time_s = elapsed - result.prefill_time_s
         else:
-            logits_p = self._forward_logits(prefill, [])
+            prefill, decode = step.split()
+            logits_p = self._forward_logits(prefill)
             self._sync()
             t1 = time.perf_counter()
-            logits_d = self._forward_logits([], decode)
+            logits_d = self._forward_logits(decode)
             self._sync()
             t2 = time.perf_counter()
-            self._sample(
-                torch.cat([logits_p, logits_d]), sample_prefill + sample_decode, result, masks
-            )
+            self._sample(torch.cat([logits_p, logits_d]), sampled, result, masks)
             t3 = time.perf_counter()
-            rows = len(sample_prefill) + sum(s.num_tokens for s in sample_decode)
-            share = len(sample_prefill) / rows if rows else 0.0
+            num_p = len(prefill.sample_rows())
+            share = num_p / (num_p + len(decode.sample_rows()) or 1)
             result.prefill_time_s = (t1 - t0) + (t3 - t2) * share
             result.decode_time_s = (t2 - t1) + (t3 - t2) * (1.0 - share)
         if result.failed:
-            self._scrub_failed(prefill, decode, result.failed)
+            self._scrub_failed(step, result.failed)
         return result
 
     @torch.inference_mode()
     def step_logits(self, plan: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Run ``plan`` like ``execute`` but return fp32 logits of EVERY computed position,
         per request (``[num_tokens, V]``), instead of sampling. For tests and tools."""
-        failed: dict[str, str] = {}
-        self._null_block_id = plan.null_block_id
-        prefill, decode = self._prepare(plan, failed)
-        if failed:
-            raise ValueError(f"invalid plan: {failed}")
-        seqs = list(prefill) + list(decode)
-        if not seqs:
+        self._copy_blocks(plan.block_copies)
+        step = StepRows.of(plan, self.limits)
+        if step.failed:
+            raise ValueError(f"invalid plan: {dict(step.failed)}")
+        if step.is_empty:
             return {}
-        hidden = self._forward_hidden(prefill, decode)
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(self.paths.forward(step))
         out: dict[str, torch.Tensor] = {}
         row = 0
-        for s in seqs:  # rows: prefill chunks, then decodes (drafts included) in _prepare order
+        for s in step.seqs:
             out[s.request_id] = logits[row : row + s.num_tokens]
             row += s.num_tokens
         return out
@@ -311,146 +291,22 @@ class TorchRunner:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="kvserve-masks")
         return self._mask_thread.submit(tracker.compute_masks, seqs)
 
-    def _prepare(
-        self, plan: SchedulerOutput, failed: dict[str, str]
-    ) -> tuple[list[ScheduledSeq], list[ScheduledSeq]]:
-        if plan.block_copies:
-            bad = [c for c in plan.block_copies if not all(0 <= b < self.num_blocks for b in c)]
-            if bad:
-                raise ValueError(f"block copies {bad} outside the pool of {self.num_blocks}")
-            self.pool.copy_blocks(plan.block_copies)
-        prefill = [s for s in plan.prefill if self._check(s, False, failed)]
-        decode = [s for s in plan.decode if self._check(s, True, failed)]
-        # Decodes with drafts first (their rows follow the prefill rows on every path), then
-        # longest context first: ForwardBatch groups decodes of similar length (less padding).
-        decode.sort(key=lambda s: (not s.num_draft_tokens, -s.start_pos))
-        return prefill, decode
+    def _copy_blocks(self, block_copies: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write, before anything reads: a copy outside the pool is a bug."""
+        if not block_copies:
+            return
+        bad = [c for c in block_copies if not all(0 <= b < self.num_blocks for b in c)]
+        if bad:
+            raise ValueError(f"block copies {bad} outside the pool of {self.num_blocks}")
+        self.pool.copy_blocks(block_copies)
 
-    def _check(self, seq: ScheduledSeq, is_decode: bool, failed: dict[str, str]) -> bool:
-        """Whether ``seq`` can run; if not, records why in ``failed``."""
-        error = self._seq_error(seq, is_decode)
-        if error is not None:
-            failed[seq.request_id] = error
-            return False
-        return True
-
-    def _seq_error(self, seq: ScheduledSeq, is_decode: bool) -> str | None:
-        n = len(seq.token_ids)
-        num_drafts = seq.num_draft_tokens
-        if n == 0 or (is_decode and n != 1 + num_drafts) or (num_drafts and not is_decode):
-            kind = "decode" if is_decode else "prefill"
-            return f"{kind} entry with {n} tokens and {num_drafts} drafts"
-        if num_drafts and not seq.do_sample:
-            return f"decode entry with {num_drafts} drafts that does not sample"
-        if seq.start_pos < 0 or (seq.end_pos > self.max_model_len and not self.attention_sinks):
-            return (
-                f"positions {seq.start_pos}..{seq.end_pos - 1} outside the model's "
-                f"max_model_len {self.max_model_len}"
-            )
-        if min(seq.token_ids) < 0 or max(seq.token_ids) >= self.model.vocab_size:
-            return f"token id outside the vocabulary of {self.model.vocab_size}"
-        needed = -(-seq.end_pos // self.block_size)
-        if len(seq.block_ids) < needed:
-            return (
-                f"block table of {len(seq.block_ids)} blocks cannot hold position "
-                f"{seq.end_pos - 1} with block_size {self.block_size}"
-            )
-        first = 0
-        window = self.sliding_window
-        if window is not None:
-            first = max(0, seq.start_pos - window + 1) // self.block_size
-        used = seq.block_ids[first:needed]
-        if min(used) < 0 or max(used) >= self.num_blocks:
-            return f"block id outside the pool of {self.num_blocks} blocks in {list(used)}"
-        return None
-
-    def _forward_hidden(
-        self, prefill: Sequence[ScheduledSeq], decode: Sequence[ScheduledSeq]
-    ) -> torch.Tensor:
-        """Hidden states of every computed position: prefill chunks, then the decodes in
-        order, a decode with drafts taking 1 + k rows."""
-        if self._fused_fits(prefill, decode):
-            # One flattened token batch: a prefill chunk is consecutive rows of one block
-            # table, a decode with drafts k + 1 rows, a plain decode one row.
-            assert self._fused is not None
-            seqs = [*prefill, *decode]
-            token_ids = [t for s in seqs for t in s.token_ids]
-            positions = [p for s in seqs for p in range(s.start_pos, s.end_pos)]
-            tables = [s.block_ids for s in seqs for _ in s.token_ids]
-            return self._fused.forward(token_ids, positions, tables)
-        graphs = self._graphs
-        if graphs is not None and not prefill and not any(s.num_draft_tokens for s in decode):
-            size = graph_batch_size(len(decode), graphs.sizes)
-            if size is not None:
-                padded = pad_decode(
-                    decode,
-                    size,
-                    self.block_size,
-                    graphs.max_pages_per_seq,
-                    graphs.scratch_slot,
-                    self.sliding_window,
-                    self._null_block_id,
-                )
-                return graphs.run(padded)
-        # Drafts are verified as chunks attending to the request's cached KV (they come
-        # first among the decodes, see _prepare, so rows stay in order).
-        num_verify = sum(1 for s in decode if s.num_draft_tokens)
-        batch = self.attention.build_batch(
-            [*prefill, *decode[:num_verify]],
-            decode[num_verify:],
-            self.block_size,
-            self.device,
-            self.dtype,
-            self.sliding_window,
-            attention_sinks=self.attention_sinks,
-            null_block_id=self._null_block_id,
-            rope_inv_freq=self.model.inv_freq,
-        )
-        return self.model.forward(batch, self.pool)
-
-    def _fused_fits(self, prefill: Sequence[ScheduledSeq], decode: Sequence[ScheduledSeq]) -> bool:
-        """Whether the step runs as one fused kernel call: any mix of prefill chunks and
-        decodes up to ``FUSED_MAX_ROWS`` rows."""
-        if self._fused is None:
-            return False
-        rows = sum(s.num_tokens for s in prefill) + sum(s.num_tokens for s in decode)
-        return rows <= FUSED_MAX_ROWS and not self._skips_released([*prefill, *decode])
-
-    def _skips_released(self, decode: Sequence[ScheduledSeq]) -> bool:
-        """Whether a decode must skip positions released inside its window (the adaptive
-        KV strategy): the fused kernel reads every block of the window, so the torch path
-        runs such a step."""
-        null = self._null_block_id
-        if null is None:
-            return False
-        bs, window = self.block_size, self.sliding_window
-        for s in decode:
-            if s.block_ids[0] != null:
-                continue
-            pos = s.start_pos
-            live = first_key_block(s.block_ids, pos, bs, None, 0, null)
-            if live > first_key_block(s.block_ids, pos, bs, window, 0, None):
-                return True
-        return False
-
-    def _forward_logits(
-        self, prefill: Sequence[ScheduledSeq], decode: Sequence[ScheduledSeq]
-    ) -> torch.Tensor:
-        """Logits [R, V] of the rows that sample, prefill rows first, in plan order."""
-        hidden = self._forward_hidden(prefill, decode)
-        rows: list[int] = []
-        row = 0
-        for s in prefill:
-            row += s.num_tokens
-            if s.do_sample:
-                rows.append(row - 1)
-        for s in decode:
-            if s.do_sample:
-                rows.extend(range(row, row + s.num_tokens))  # a row per draft position too
-            row += s.num_tokens
+    def _forward_logits(self, step: StepRows) -> torch.Tensor:
+        """Logits [R, V] of the rows that sample, prefill rows first, in row order."""
+        hidden = self.paths.forward(step)
+        rows = step.sample_rows()
         if not rows:
             return torch.empty(0, self.model.vocab_size, device=self.device)
-        if len(rows) != row:
+        if len(rows) != step.num_rows:
             index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
             hidden = hidden.index_select(0, index)
         return self.model.compute_logits(hidden)
@@ -463,14 +319,14 @@ class TorchRunner:
         masks: Future[Masks] | None = None,
     ) -> None:
         """Sample the rows of ``logits`` (one per seq, k + 1 per seq with drafts; see
-        ``_verify_rows``) and put one token per seq into ``result``, after the drafts it
-        accepted (``_accept``). Constrained rows are masked first and their matchers
-        advanced by the accepted tokens."""
+        ``verify_rows``) and put one token per seq into ``result``, after the drafts it
+        accepted (``num_accepted_drafts``). Constrained rows are masked first and their
+        matchers advanced by the accepted tokens."""
         if not seqs:
             return
         rows: Sequence[ScheduledSeq] = seqs
         if any(s.num_draft_tokens for s in seqs):
-            rows = [r for s in seqs for r in (_verify_rows(s) if s.num_draft_tokens else (s,))]
+            rows = [r for s in seqs for r in (verify_rows(s) if s.num_draft_tokens else (s,))]
         failed: dict[str, str] = {}
         if masks is not None:
             step_masks = masks.result()
@@ -490,7 +346,7 @@ class TorchRunner:
             if rid not in failed:
                 num_accepted = 0
                 if seq.num_draft_tokens:
-                    num_accepted = _accept(seq, token_ids[row : row + num_rows])
+                    num_accepted = num_accepted_drafts(seq, token_ids[row : row + num_rows])
                     result.num_accepted_drafts[rid] = num_accepted
                     result.sampled_token_ids[rid] = int(token_ids[row + num_accepted])
                 else:
@@ -541,16 +397,11 @@ class TorchRunner:
                 logprobs.extend(row_logprobs)
             return token_ids, logprobs, failed
 
-    def _scrub_failed(
-        self,
-        prefill: Sequence[ScheduledSeq],
-        decode: Sequence[ScheduledSeq],
-        failed: Mapping[str, str],
-    ) -> None:
+    def _scrub_failed(self, step: StepRows, failed: Mapping[str, str]) -> None:
         """Zero non-finite KV left by requests that failed in this step's forward pass."""
         block_ids = [
             b
-            for s in (*prefill, *decode)
+            for s in step.seqs
             if s.request_id in failed
             for b in s.block_ids[: -(-s.end_pos // self.block_size)]
         ]
@@ -559,49 +410,6 @@ class TorchRunner:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-
-def _verify_rows(seq: ScheduledSeq) -> list[ScheduledSeq]:
-    """What the sampler sees at each of the k + 1 positions of a decode with drafts: row i
-    samples output token ``num_output_tokens + i`` (min_tokens and a seeded draw key on it),
-    with the i drafts before it as history (penalties), as if they had been generated."""
-    drafts = seq.token_ids[1:]
-    sampling = seq.sampling
-    history = (
-        sampling.repetition_penalty != 1.0
-        or sampling.presence_penalty != 0.0
-        or sampling.frequency_penalty != 0.0
-    )
-    return [
-        dataclasses.replace(
-            seq,
-            token_ids=[token],
-            start_pos=seq.start_pos + i,
-            all_token_ids=[*seq.all_token_ids, *drafts[:i]] if history and i else seq.all_token_ids,
-            num_output_tokens=seq.num_output_tokens + i,
-            num_draft_tokens=0,
-        )
-        for i, token in enumerate(seq.token_ids)
-    ]
-
-
-def _accept(seq: ScheduledSeq, tokens: Sequence[int]) -> int:
-    """How many drafts of ``seq`` are accepted, given the tokens sampled at its k + 1
-    positions: the longest prefix of drafts equal to the tokens sampled before them.
-
-    For greedy rows that is the longest matching prefix. For sampled rows it is rejection
-    sampling with a point-mass draft q (the n-gram drafter proposes one token, q(d) = 1):
-    the standard rule accepts d with probability min(1, p(d) / q(d)) = p(d) and otherwise
-    draws from norm(max(0, p - q)), which is p without d, renormalised. Drawing x ~ p and
-    accepting iff x == d has exactly that law, with x as the correction token. So every
-    emitted token is distributed as the target model says, and a seeded request draws the
-    same uniforms (keyed on its output index) and emits the same tokens as without drafts.
-    """
-    drafts = seq.token_ids[1:]
-    num_accepted = 0
-    while num_accepted < len(drafts) and tokens[num_accepted] == drafts[num_accepted]:
-        num_accepted += 1
-    return num_accepted
 
 
 def _unpack(res: object) -> tuple[list[int], list[TokenLogprobs | None], dict[str, str]]:

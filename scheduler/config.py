@@ -133,6 +133,14 @@ class SchedulerConfig:
         return self.ttft_slo_ms / 1e3
 
     @property
+    def max_decode_rows(self) -> int:
+        """The most token rows a step's decode batch holds: one per running request, and
+        its drafts with speculation, within the step's token budget (the runner sizes its
+        CUDA graphs to it)."""
+        per_seq = 1 + self.num_speculative_tokens if self.speculative != "off" else 1
+        return min(self.max_num_seqs * per_seq, self.max_num_batched_tokens)
+
+    @property
     def max_chunk_tokens(self) -> int:
         """The largest prefill chunk one request may get in one step."""
         threshold = self.long_prefill_token_threshold

@@ -100,6 +100,7 @@ def _torch_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]
         sliding_window=cfg.sliding_window,
         attention_sinks=cfg.attention_sinks,
         attention_backend=cfg.attention_backend,
+        max_decode_rows=cfg.scheduler_config(cfg.max_model_len or 1).max_decode_rows,
         constraints=constraint_tracker(loaded.tokenizer, loaded.config.vocab_size),
     )
     del loaded.state_dict  # the runner holds its own copy of the weights

@@ -1,24 +1,32 @@
 """Attention backends, chosen once at start-up (``--attention-backend``).
 
-- ``torch``: ``model_runner.attention``, the reference (gathers blocks into padded tensors);
+- ``torch``: ``torch_backend``, the reference (gathers blocks into padded tensors);
 - ``triton``: ``triton_kernels``, paged prefill and decode reading K/V in place;
 - ``flashinfer``: ``flashinfer-python``'s batch prefill / decode wrappers (CUDA);
 - ``auto``: on CUDA, FlashInfer if installed, else Triton if installed, else torch; on a CPU,
   torch (Triton runs on a CPU only in its interpreter, for tests).
 
-The block table -> page table conversion both paged backends read lives in ``page_table``.
+Each is constructed once with the model's ``AttentionSpec`` (``base``); the block table ->
+page table conversion both paged backends read lives in ``page_table``.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import torch
 
-from model_runner.attention_backends.base import AttentionBackend, TorchAttention
+from model_runner.attention_backends.base import AttentionBackend, AttentionSpec
+from model_runner.attention_backends.torch_backend import TorchAttention
 from model_runner.config import ATTENTION_BACKEND_CHOICES
 
-__all__ = ["ATTENTION_BACKEND_CHOICES", "AttentionBackend", "make_attention_backend"]
+__all__ = [
+    "ATTENTION_BACKEND_CHOICES",
+    "AttentionBackend",
+    "AttentionSpec",
+    "make_attention_backend",
+]
 
 
 def _installed(module: str) -> bool:
@@ -63,35 +71,26 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
     return name
 
 
-def make_attention_backend(
-    name: str,
-    device: torch.device,
-    *,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    kv_dtype: torch.dtype,
-    sliding_window: int | None = None,
-    attention_sinks: int = 0,
-) -> AttentionBackend:
-    """The backend for a runner so configured. An explicit choice that cannot serve it
-    raises ``ValueError``; ``auto`` falls back to torch instead."""
-    resolved = resolve_attention_backend(name, device)
-    backend: AttentionBackend
-    if resolved == "triton":
+def backend_class(name: str) -> type[AttentionBackend[Any]]:
+    """The class of a resolved backend name (the paged ones imported only when named)."""
+    if name == "triton":
         from model_runner.attention_backends.triton_backend import TritonAttention
 
-        backend = TritonAttention(sliding_window)
-    elif resolved == "flashinfer":
+        return TritonAttention
+    if name == "flashinfer":
         from model_runner.attention_backends.flashinfer_backend import FlashInferAttention
 
-        backend = FlashInferAttention(device, num_heads, num_kv_heads, head_dim, dtype, kv_dtype)
-    else:
-        backend = TorchAttention()
-    reason = backend.unsupported(kv_dtype, attention_sinks)
+        return FlashInferAttention
+    return TorchAttention
+
+
+def make_attention_backend(name: str, spec: AttentionSpec) -> AttentionBackend[Any]:
+    """The backend ``name`` bound to ``spec``. An explicit choice that cannot serve it
+    raises ``ValueError``; ``auto`` falls back to torch instead."""
+    cls = backend_class(resolve_attention_backend(name, spec.device))
+    reason = cls.unsupported(spec)
     if reason is not None:
         if name != "auto":
             raise ValueError(reason)
-        backend = TorchAttention()
-    return backend
+        cls = TorchAttention
+    return cls(spec)

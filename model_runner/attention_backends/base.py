@@ -1,171 +1,127 @@
-"""The attention backend interface, and the step batch the paged backends share.
+"""The attention backend interface: bound once at start-up, built once per step, run per layer.
 
-A backend does two things for the model: ``build_batch`` turns a step's scheduled
-sequences into a ``ForwardBatch`` once per step (index tensors every layer shares), and
-``forward`` runs one layer's attention over it. The torch backend is today's path
-(``model_runner.attention``: gathers into padded tensors, the reference); the paged ones
-(Triton, FlashInfer) read K/V in place through ``page_table.build_page_table``.
+    backend = make_attention_backend(name, spec)   # start-up: the model's attention shape
+    batch = backend.build(step)                    # per step: StepRows -> ForwardBatch
+    backend.forward(layer, qkv, batch, pool, out)  # per layer
 
-Rows of a paged batch: the chunks (prefill and draft verification), then the decodes::
+``AttentionSpec`` carries everything fixed at start-up (heads, block size, dtypes, device,
+window, sinks), so a step passes only its rows and a layer only its tensors. What a backend
+supports is said by class attributes (``graphs``, ``kv_dtypes``, ``sinks``,
+``yields_to_fused``), which ``unsupported`` and the runner read; nothing checks a name.
 
-    rows: | chunk a | chunk b | ... | dec 0 | dec 1 | ... |
-            prefill page table        decode page table (one query per request)
+A ``ForwardBatch`` holds what every layer shares: the row tensors the model reads (token ids,
+positions, KV slots) and the backend's own per-step ``metadata`` (the torch backend's gathers
+and masks, the paged backends' page tables).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import ClassVar, Generic, TypeVar
 
 import torch
 
-from model_runner.attention import ForwardBatch, _extend_slots, paged_attention
-from model_runner.attention_backends.page_table import (
-    PagedMetadata,
-    build_page_table,
-)
 from model_runner.kv_pool import KVPool
-from scheduler.output import ScheduledSeq
+from model_runner.step import StepRows
+
+FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+M = TypeVar("M")
 
 
-class AttentionBackend(ABC):
+@dataclass(frozen=True, slots=True)
+class AttentionSpec:
+    """The model's attention as the runner configured it, fixed for the runner's life."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int  # tokens per KV block
+    dtype: torch.dtype  # compute: Q, outputs, masks
+    kv_dtype: torch.dtype  # the pool's storage
+    device: torch.device
+    sliding_window: int | None = None  # tokens a query sees, itself included (None = all)
+    attention_sinks: int = 0  # first tokens always visible (needs a window)
+    # RoPE inverse frequencies [D/2], on ``device``: the torch backend re-rotates sink scores.
+    rope_inv_freq: torch.Tensor | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.attention_sinks < 0 or (
+            self.attention_sinks and (self.sliding_window is None or self.rope_inv_freq is None)
+        ):
+            raise ValueError(
+                f"attention_sinks={self.attention_sinks} needs a sliding window and the RoPE "
+                "frequencies, and must be >= 0"
+            )
+
+
+@dataclass(slots=True)
+class ForwardBatch(Generic[M]):
+    """The tensors of one forward pass, shared by all layers."""
+
+    num_tokens: int
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset
+    max_position: int  # the largest position in ``positions``
+    metadata: M  # the backend's per-step data
+
+
+class AttentionBackend(ABC, Generic[M]):
     """One layer's attention over a step, and the step's metadata; chosen once at start-up."""
 
-    name: str = ""
+    name: ClassVar[str]
+    graphs: ClassVar[bool] = False  # decode steps may be captured as CUDA graphs
+    kv_dtypes: ClassVar[frozenset[torch.dtype] | None] = None  # pool dtypes read; None: any
+    sinks: ClassVar[bool] = False  # attention sinks
+    # Steps the fused CPU kernel fits run there instead (its attention is this one's).
+    yields_to_fused: ClassVar[bool] = False
 
-    def unsupported(self, kv_dtype: torch.dtype, attention_sinks: int) -> str | None:
-        """Why this backend cannot serve a runner so configured, or None."""
+    def __init__(self, spec: AttentionSpec) -> None:
+        reason = self.unsupported(spec)
+        if reason is not None:
+            raise ValueError(reason)
+        self.spec = spec
+
+    @classmethod
+    def unsupported(cls, spec: AttentionSpec) -> str | None:
+        """Why this backend cannot serve ``spec``, or None."""
+        if cls.kv_dtypes is not None and spec.kv_dtype not in cls.kv_dtypes:
+            return f"the {cls.name} backend reads float KV pools, not {spec.kv_dtype}"
+        if spec.attention_sinks and not cls.sinks:
+            return f"the {cls.name} backend has no attention sinks (use --attention-backend torch)"
         return None
 
     @abstractmethod
-    def build_batch(
-        self,
-        prefill: Sequence[ScheduledSeq],
-        decode: Sequence[ScheduledSeq],
-        block_size: int,
-        device: torch.device,
-        dtype: torch.dtype,
-        sliding_window: int | None = None,
-        *,
-        attention_sinks: int = 0,
-        null_block_id: int | None = None,
-        rope_inv_freq: torch.Tensor | None = None,
-    ) -> ForwardBatch:
-        """The step's batch: ``prefill`` chunks' rows, then one row per ``decode``."""
+    def build(self, step: StepRows) -> ForwardBatch[M]:
+        """The step's batch: rows in ``step``'s order, metadata every layer shares."""
+
+    def forward(
+        self, layer: int, qkv: torch.Tensor, batch: ForwardBatch[M], pool: KVPool, out: torch.Tensor
+    ) -> None:
+        """Store the step's K/V into the pool, then write the attention of every row into
+        ``out`` [T, H * head_dim]. ``qkv`` is [T, H + 2 kvh, D] with RoPE applied to Q and
+        K, Q pre-scaled (attention runs with scale 1). Every row's key is stored before any
+        row attends, so each reads its own from wherever it reads keys."""
+        pool.write(layer, qkv[:, self.spec.num_heads :], batch.slot_mapping)
+        self.attend(layer, qkv, batch.metadata, pool, out)
 
     @abstractmethod
-    def forward(
-        self,
-        layer: int,
-        qkv: torch.Tensor,
-        batch: ForwardBatch,
-        pool: KVPool,
-        out: torch.Tensor,
-        num_heads: int,
-        num_kv_heads: int,
+    def attend(
+        self, layer: int, qkv: torch.Tensor, meta: M, pool: KVPool, out: torch.Tensor
     ) -> None:
-        """``paged_attention``'s contract: store the step's K/V into the pool, then write the
-        attention of every row into ``out`` [T, H * head_dim] (``qkv`` [T, H + 2 kvh, D],
-        RoPE applied, Q pre-scaled)."""
+        """``forward`` after the K/V are stored."""
 
 
-class TorchAttention(AttentionBackend):
-    """Today's path (``model_runner.attention``), the reference every backend is held to."""
-
-    name = "torch"
-
-    def build_batch(self, *args: Any, **kwargs: Any) -> ForwardBatch:
-        """``ForwardBatch.build`` with the interface's arguments: no page tables."""
-        return ForwardBatch.build(*args, **kwargs)
-
-    def forward(
-        self,
-        layer: int,
-        qkv: torch.Tensor,
-        batch: ForwardBatch,
-        pool: KVPool,
-        out: torch.Tensor,
-        num_heads: int,
-        num_kv_heads: int,
-    ) -> None:
-        paged_attention(layer, qkv, batch, pool, out, num_heads, num_kv_heads)
-
-
-class PagedAttentionBackend(AttentionBackend):
-    """A backend whose kernels read K/V in place through the CSR page table."""
-
-    def unsupported(self, kv_dtype: torch.dtype, attention_sinks: int) -> str | None:
-        if kv_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            return f"the {self.name} backend reads float KV pools, not {kv_dtype}"
-        if attention_sinks:
-            return f"the {self.name} backend has no attention sinks (use --attention-backend torch)"
-        return None
-
-    def build_batch(
-        self,
-        prefill: Sequence[ScheduledSeq],
-        decode: Sequence[ScheduledSeq],
-        block_size: int,
-        device: torch.device,
-        dtype: torch.dtype,
-        sliding_window: int | None = None,
-        *,
-        attention_sinks: int = 0,
-        null_block_id: int | None = None,
-        rope_inv_freq: torch.Tensor | None = None,
-    ) -> ForwardBatch:
-        assert not attention_sinks, "rejected at start-up (unsupported)"
-        batch = build_paged_batch(
-            prefill, decode, block_size, device, sliding_window, null_block_id
-        )
-        self.plan(batch, sliding_window)
-        return batch
-
-    def plan(self, batch: ForwardBatch, sliding_window: int | None) -> None:
-        """Per-step work shared by every layer (FlashInfer's ``plan``); none by default."""
-
-
-def build_paged_batch(
-    prefill: Sequence[ScheduledSeq],
-    decode: Sequence[ScheduledSeq],
-    block_size: int,
-    device: torch.device,
-    sliding_window: int | None = None,
-    null_block_id: int | None = None,
-) -> ForwardBatch:
-    """A ``ForwardBatch`` with token ids, positions, slots and the two page tables (no
-    gathers, no masks: the paged kernels need neither)."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    for seq in (*prefill, *decode):
-        input_ids.extend(seq.token_ids)
-        positions.extend(range(seq.start_pos, seq.end_pos))
-        _extend_slots(slots, seq.block_ids, seq.start_pos, seq.end_pos, block_size)
-    n = len(input_ids)
-    flat = torch.tensor(input_ids + positions + slots, dtype=torch.int64).to(
-        device, non_blocking=True
-    )
-    prefill_table = decode_table = None
-    if prefill:
-        prefill_table = build_page_table(prefill, block_size, sliding_window, null_block_id)
-    if decode:
-        decode_table = build_page_table(decode, block_size, sliding_window, null_block_id)
-    paged = PagedMetadata(
-        num_prefill_rows=sum(s.num_tokens for s in prefill),
-        prefill_table=prefill_table,
-        decode_table=decode_table,
-        prefill=None if prefill_table is None else prefill_table.to_device(device),
-        decode=None if decode_table is None else decode_table.to_device(device),
-    )
-    return ForwardBatch(
-        num_tokens=n,
-        input_ids=flat[:n],
-        positions=flat[n : 2 * n],
-        slot_mapping=flat[2 * n :],
-        prefills=[],
-        decodes=[],
-        max_position=max(positions, default=0),
-        paged=paged,
-    )
+def row_tensors(
+    step: StepRows, device: torch.device, extra: Sequence[int] = ()
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids, positions and slots of ``step``'s rows, and ``extra`` (a backend's own
+    indices), as int64 on ``device`` in one host-to-device copy."""
+    n = step.num_rows
+    flat = torch.tensor(
+        step.token_ids + step.positions + step.slot_mapping + list(extra), dtype=torch.int64
+    ).to(device, non_blocking=True)
+    return flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n], flat[3 * n :]

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from model_runner.attention import ForwardBatch
-from model_runner.attention_backends.base import PagedAttentionBackend
-from model_runner.attention_backends.page_table import PageTable
+from model_runner.attention_backends.base import AttentionSpec
+from model_runner.attention_backends.page_table import PagedMetadata, PageTable
+from model_runner.attention_backends.paged import PagedAttentionBackend
 from model_runner.kv_pool import KVPool
 
 # FlashInfer's split-KV scheduler workspace (its examples use 128 MiB).
@@ -38,29 +38,19 @@ def window_left(sliding_window: int | None) -> int:
     return -1 if sliding_window is None else sliding_window - 1
 
 
-def flashinfer_plan_args(
-    table: PageTable,
-    *,
-    decode: bool,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    q_dtype: torch.dtype,
-    kv_dtype: torch.dtype,
-    sliding_window: int | None,
-) -> FlashInferPlan:
+def flashinfer_plan_args(table: PageTable, spec: AttentionSpec, *, decode: bool) -> FlashInferPlan:
     """The plan of ``BatchDecodeWithPagedKVCacheWrapper`` (``decode``) or of
-    ``BatchPrefillWithPagedKVCacheWrapper`` (causal) for ``table``. The positional arguments
-    are the ones every FlashInfer 0.2+ release takes in this order; ``sm_scale`` is 1 because
-    Q carries the softmax scale (folded in at load time)."""
+    ``BatchPrefillWithPagedKVCacheWrapper`` (causal) for ``table`` under ``spec``. The
+    positional arguments are the ones every FlashInfer 0.2+ release takes in this order;
+    ``sm_scale`` is 1 because Q carries the softmax scale (folded in at load time)."""
     kwargs: dict[str, Any] = {
-        "window_left": window_left(sliding_window),
+        "window_left": window_left(spec.sliding_window),
         "sm_scale": 1.0,
-        "q_data_type": q_dtype,
-        "kv_data_type": kv_dtype,
+        "q_data_type": spec.dtype,
+        "kv_data_type": spec.kv_dtype,
     }
     pages = (table.kv_indptr, table.kv_indices, table.kv_last_page_len)
-    shape = (num_heads, num_kv_heads, head_dim, table.block_size)
+    shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim, table.block_size)
     if decode:
         return FlashInferPlan((*pages, *shape), kwargs)
     return FlashInferPlan((table.qo_indptr, *pages, *shape), {"causal": True, **kwargs})
@@ -69,76 +59,48 @@ def flashinfer_plan_args(
 class FlashInferAttention(PagedAttentionBackend):
     name = "flashinfer"
 
-    def __init__(
-        self,
-        device: torch.device,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        q_dtype: torch.dtype,
-        kv_dtype: torch.dtype,
-    ) -> None:
+    def __init__(self, spec: AttentionSpec) -> None:
+        super().__init__(spec)
         import flashinfer  # flashinfer-python, CUDA only
 
-        if device.type != "cuda":
-            raise ValueError(f"the flashinfer backend runs on CUDA, not {device}")
-        self.device = device
-        self.shape = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
-        self.q_dtype = q_dtype
-        self.kv_dtype = kv_dtype
-        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        if spec.device.type != "cuda":
+            raise ValueError(f"the flashinfer backend runs on CUDA, not {spec.device}")
+        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=spec.device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND")
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
 
-    def plan(self, batch: ForwardBatch, sliding_window: int | None) -> None:
-        paged = batch.paged
-        assert paged is not None
+    def plan(self, meta: PagedMetadata) -> None:
         for table, wrapper, decode in (
-            (paged.prefill_table, self._prefill, False),
-            (paged.decode_table, self._decode, True),
+            (meta.prefill_table, self._prefill, False),
+            (meta.decode_table, self._decode, True),
         ):
             if table is None:
                 continue
-            plan = flashinfer_plan_args(
-                table,
-                decode=decode,
-                q_dtype=self.q_dtype,
-                kv_dtype=self.kv_dtype,
-                sliding_window=sliding_window,
-                **self.shape,
-            )
+            plan = flashinfer_plan_args(table, self.spec, decode=decode)
             # Index lists: indptr and last-page lengths on the host (FlashInfer schedules on
             # the CPU), page ids on the device (the kernels read them).
             args = [
                 a
                 if not isinstance(a, list)
                 else torch.tensor(
-                    a, dtype=torch.int32, device=self.device if a is table.kv_indices else "cpu"
+                    a,
+                    dtype=torch.int32,
+                    device=self.spec.device if a is table.kv_indices else "cpu",
                 )
                 for a in plan.args
             ]
             wrapper.plan(*args, **plan.kwargs)
 
-    def forward(
-        self,
-        layer: int,
-        qkv: torch.Tensor,
-        batch: ForwardBatch,
-        pool: KVPool,
-        out: torch.Tensor,
-        num_heads: int,
-        num_kv_heads: int,
+    def attend(
+        self, layer: int, qkv: torch.Tensor, meta: PagedMetadata, pool: KVPool, out: torch.Tensor
     ) -> None:
-        paged = batch.paged
-        assert paged is not None
-        pool.write(layer, qkv[:, num_heads:], batch.slot_mapping)
+        num_heads, num_kv_heads = self.spec.num_heads, self.spec.num_kv_heads
         data = pool.data[layer]
         kv = (data[:num_kv_heads].transpose(0, 1), data[num_kv_heads:].transpose(0, 1))
-        head_dim = qkv.shape[-1]
-        o = out.view(out.shape[0], num_heads, head_dim)
+        o = out.view(out.shape[0], num_heads, self.spec.head_dim)
         q = qkv[:, :num_heads]
-        r = paged.num_prefill_rows
-        if paged.prefill_table is not None:
+        r = meta.num_prefill_rows
+        if meta.prefill_table is not None:
             o[:r] = self._prefill.run(q[:r].contiguous(), kv)
-        if paged.decode_table is not None:
+        if meta.decode_table is not None:
             o[r:] = self._decode.run(q[r:].contiguous(), kv)

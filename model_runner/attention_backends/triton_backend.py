@@ -1,51 +1,44 @@
 """The Triton backend: ``triton_kernels``' paged prefill and decode over the step's page tables.
 
-Runs on CUDA; on a CPU only under ``TRITON_INTERPRET=1`` (the CI tests)."""
+Runs on CUDA; on a CPU only under ``TRITON_INTERPRET=1`` (the CI tests). Its decode reads the
+page table from device tensors alone, so decode steps may be captured as CUDA graphs."""
 
 from __future__ import annotations
 
 import torch
 
-from model_runner.attention import ForwardBatch
-from model_runner.attention_backends.base import PagedAttentionBackend
+from model_runner.attention_backends.base import AttentionSpec
+from model_runner.attention_backends.page_table import PagedMetadata
+from model_runner.attention_backends.paged import PagedAttentionBackend
 from model_runner.kv_pool import KVPool
 
 
 class TritonAttention(PagedAttentionBackend):
     name = "triton"
+    graphs = True
 
-    def __init__(self, sliding_window: int | None = None) -> None:
+    def __init__(self, spec: AttentionSpec) -> None:
+        super().__init__(spec)
         from model_runner.attention_backends import triton_kernels  # needs triton
 
         self._kernels = triton_kernels
-        self.sliding_window = sliding_window
 
-    def forward(
-        self,
-        layer: int,
-        qkv: torch.Tensor,
-        batch: ForwardBatch,
-        pool: KVPool,
-        out: torch.Tensor,
-        num_heads: int,
-        num_kv_heads: int,
+    def attend(
+        self, layer: int, qkv: torch.Tensor, meta: PagedMetadata, pool: KVPool, out: torch.Tensor
     ) -> None:
-        paged = batch.paged
-        assert paged is not None, "a Triton step is built by build_paged_batch"
-        pool.write(layer, qkv[:, num_heads:], batch.slot_mapping)
+        num_heads, window = self.spec.num_heads, self.spec.sliding_window
         kv = pool.data[layer]
-        head_dim = qkv.shape[-1]
         q = qkv[:, :num_heads]
-        o = out.view(out.shape[0], num_heads, head_dim)
-        r = paged.num_prefill_rows
-        if paged.prefill is not None:
-            t = paged.prefill
+        o = out.view(out.shape[0], num_heads, self.spec.head_dim)
+        r = meta.num_prefill_rows
+        if meta.prefill is not None:
+            t = meta.prefill
             self._kernels.paged_prefill(
                 q[:r], kv, o[:r], t.qo_indptr, t.kv_indptr, t.kv_indices, t.kv_lens,
-                t.max_qo_len, self.sliding_window,
+                t.max_qo_len, window,
             )  # fmt: skip
-        if paged.decode is not None:
-            t = paged.decode
+        if meta.decode is not None:
+            t = meta.decode
             self._kernels.paged_decode(
-                q[r:], kv, o[r:], t.kv_indptr, t.kv_indices, t.kv_lens, self.sliding_window
+                q[r:], kv, o[r:], t.kv_indptr, t.kv_indices, t.kv_lens, window
             )

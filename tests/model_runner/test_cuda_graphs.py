@@ -1,7 +1,11 @@
-"""CUDA graphs for decode steps: the pure parts (sizes, padding, the memory estimate) on any
-machine; capture and replay against eager steps where CUDA is present."""
+"""CUDA graphs for decode steps: the pure parts (sizes, the bucket a step takes, padding, the
+memory estimate) on any machine; capture and replay against eager steps where CUDA is
+present."""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -11,9 +15,12 @@ from model_runner.cuda_graphs import (
     GRAPH_BATCH_SIZES,
     capture_sizes,
     graph_batch_size,
+    graph_bucket,
     graph_memory_bytes,
     pad_decode,
 )
+from model_runner.step import StepRows
+from scheduler.request import Constraint, SamplingParams
 from tests.model_runner.oracle import seq
 
 
@@ -31,11 +38,38 @@ def test_a_batch_takes_the_next_size_up() -> None:
         graph_batch_size(0)
 
 
-def test_capture_sizes_stop_at_the_first_that_holds_max_num_seqs() -> None:
-    """max_num_seqs 48 captures 1..64; 256 and 1000 capture every size."""
-    assert capture_sizes(48) == (1, 2, 4, 8, 16, 32, 64)
+def test_capture_sizes_end_at_the_most_rows_a_step_holds() -> None:
+    """48 rows capture 1..32 and 48; 8 rows 1, 2, 4, 8; 1 row only 1; 256 and 1000 every
+    size; 0 raises."""
+    assert capture_sizes(48) == (1, 2, 4, 8, 16, 32, 48)
+    assert capture_sizes(8) == (1, 2, 4, 8)
+    assert capture_sizes(1) == (1,)
     assert capture_sizes(256) == GRAPH_BATCH_SIZES
     assert capture_sizes(1000) == GRAPH_BATCH_SIZES
+    with pytest.raises(ValueError, match="at least one row"):
+        capture_sizes(0)
+
+
+def _draft(rid: str, ids: list[int], pos: int, num_drafts: int, table: list[int]) -> Any:
+    s = seq(rid, ids, pos, pos + 1 + num_drafts, table)
+    return dataclasses.replace(s, all_token_ids=ids[: pos + 1], num_draft_tokens=num_drafts)
+
+
+def test_the_bucket_counts_rows_and_refuses_prefill() -> None:
+    """A decode with 2 drafts and a constrained decode are 4 rows: graph 4 of (1, 2, 4, 8),
+    graph 8 of (1, 2, 8); a step with a prefill chunk, or 9 rows over (1, 2, 4, 8), has none."""
+    ids = list(range(20))
+    constrained = dataclasses.replace(
+        seq("c", ids, 9, 10, [1, 2, 3]),
+        sampling=SamplingParams(constraint=Constraint("regex", "[0-9]+")),
+    )
+    step = StepRows.from_seqs([], [_draft("v", ids, 4, 2, [4, 5]), constrained], 4)
+    assert graph_bucket(step, (1, 2, 4, 8)) == 4
+    assert graph_bucket(step, (1, 2, 8)) == 8
+    mixed = StepRows.from_seqs([seq("p", ids, 0, 3, [6])], [constrained], 4)
+    assert graph_bucket(mixed, (1, 2, 4, 8)) is None
+    many = StepRows.from_seqs([], [seq(f"d{i}", ids, 9, 10, [1, 2, 3]) for i in range(9)], 4)
+    assert graph_bucket(many, (1, 2, 4, 8)) is None
 
 
 def test_padding_rows_write_the_scratch_slot_and_have_no_keys() -> None:
@@ -47,8 +81,9 @@ def test_padding_rows_write_the_scratch_slot_and_have_no_keys() -> None:
         seq("b", list(range(3)), 2, 3, [4]),
         seq("c", list(range(5)), 4, 5, [2, 7]),
     ]
-    padded = pad_decode(decode, 4, block_size=4, max_pages_per_seq=3, scratch_slot=400)
-    assert (padded.batch_size, padded.num_seqs) == (4, 3)
+    step = StepRows.from_seqs([], decode, 4)
+    padded = pad_decode(step, 4, max_pages_per_seq=3, scratch_slot=400)
+    assert (padded.batch_size, padded.num_rows) == (4, 3)
     assert padded.input_ids == [9, 2, 4, 0]
     assert padded.positions == [9, 2, 4, 0]
     assert padded.slot_mapping == [33, 18, 28, 400]
@@ -56,7 +91,21 @@ def test_padding_rows_write_the_scratch_slot_and_have_no_keys() -> None:
     assert padded.kv_lens == [10, 3, 5, 0]
     assert padded.kv_indices == [5, 1, 8, 4, 2, 7] + [0] * 6
     with pytest.raises(ValueError, match="do not fit"):
-        pad_decode(decode, 2, block_size=4, max_pages_per_seq=3, scratch_slot=400)
+        pad_decode(step, 2, max_pages_per_seq=3, scratch_slot=400)
+
+
+def test_draft_rows_are_one_token_decodes_over_their_table() -> None:
+    """A decode at 5 with 2 drafts (table [3, 6]) padded to 4: rows at 5, 6 and 7, each
+    seeing keys up to itself (6, 7, 8 keys) over the same two pages, then one padding row."""
+    ids = list(range(10))
+    step = StepRows.from_seqs([], [_draft("v", ids, 5, 2, [3, 6])], 4)
+    padded = pad_decode(step, 4, max_pages_per_seq=2, scratch_slot=400)
+    assert padded.input_ids == [5, 6, 7, 0]
+    assert padded.positions == [5, 6, 7, 0]
+    assert padded.slot_mapping == [25, 26, 27, 400]
+    assert padded.kv_indptr == [0, 2, 4, 6, 6]
+    assert padded.kv_lens == [6, 7, 8, 0]
+    assert padded.kv_indices == [3, 6, 3, 6, 3, 6, 0, 0]
 
 
 def test_graph_memory_estimate_for_a_llama_3_8b_shape() -> None:

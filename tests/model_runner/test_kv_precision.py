@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from cache_manager.sizing import block_bytes
-from model_runner.attention import ForwardBatch, paged_attention
+from model_runner.attention_backends.base import AttentionSpec
+from model_runner.attention_backends.torch_backend import TorchAttention
 from model_runner.device import resolve_kv_dtype
 from model_runner.kv_pool import KVPool, num_blocks_for_memory
 from model_runner.runner import TorchRunner
+from model_runner.step import StepRows
 from scheduler.output import ScheduledSeq
 from tests.model_runner.oracle import DEVICE, make_runner, plan, random_ids, seq, tiny_hf
 from tests.model_runner.test_kv_pool import CONFIG
@@ -166,15 +168,17 @@ def _run_attention(kv_dtype: str, window: int | None) -> list[torch.Tensor]:
     (seeded) are the same for every dtype."""
     pool = KVPool(1, KVH, D, 20, BS, KV_DTYPES[kv_dtype], DEVICE, torch.float32)
     g = torch.Generator().manual_seed(0)
+    spec = AttentionSpec(H, KVH, D, BS, torch.float32, KV_DTYPES[kv_dtype], DEVICE, window)
+    attention = TorchAttention(spec)
     outs = []
     for prefill, decode in _steps():
-        batch = ForwardBatch.build(prefill, decode, BS, DEVICE, torch.float32, window)
+        batch = attention.build(StepRows.from_seqs(prefill, decode, BS))
         # Q as the model hands it over, pre-scaled by 1/sqrt(D); K, V ~ N(0, 1): scores
         # have std 2.
         qkv = torch.randn(batch.num_tokens, H + 2 * KVH, D, generator=g).to(DEVICE)
         qkv[:, :H] *= 2.0 / D**0.5
         out = torch.empty(batch.num_tokens, H * D, device=DEVICE)
-        paged_attention(0, qkv, batch, pool, out, H, KVH)
+        attention.forward(0, qkv, batch, pool, out)
         outs.append(out)
     return outs
 

@@ -380,21 +380,17 @@ def hf_logits_int8_acts(hf: torch.nn.Module, ids: list[int], rows: int) -> torch
 
 @pytest.mark.parametrize("kind", ["llama", "llama-gqa", "qwen2"])
 @pytest.mark.parametrize("fmt", ["int8", "q4"])
-def test_quantized_model_tracks_its_dequantized_reference(
-    kind: str, fmt: str, monkeypatch: pytest.MonkeyPatch, panels: int
-) -> None:
+def test_quantized_model_tracks_its_dequantized_reference(kind: str, fmt: str, panels: int) -> None:
     """Prefill (kernel rows and panel rows) and decode logits of the quantized model equal
     transformers' on the dequantized weights with the kernels' int8 activations (the panel
     rows: fp32 ones). Rows through the integer kernels: within 5e-2 of max|logit| (an
     activation on the other side of an int8 rounding boundary, from fp32 differences
     upstream, moves logits: measured from 2e-6 up to 2.8 % on these tiny random models; a
     plumbing error is O(1)); panel rows within 1e-4 (the fp32 oracle's)."""
-    from model_runner import runner as runner_module
     from tests.model_runner.oracle import plan, random_ids, seq
 
     # The 80-token prompt is over the fused step's row bound: the torch path's panels.
-    monkeypatch.setattr(runner_module, "FUSED_MAX_ROWS", quant.SKINNY_MAX_ROWS)
-    runner, hf = quantized_pair(kind, fmt)
+    runner, hf = quantized_pair(kind, fmt, fused_max_rows=quant.SKINNY_MAX_ROWS)
     assert runner.info.extra["weights"] in ("int8", "q4")
     ids = random_ids(80, seed=5)
     blocks = list(range(13))
@@ -411,7 +407,7 @@ def test_quantized_model_tracks_its_dequantized_reference(
 
 @pytest.mark.parametrize("kind", ["llama", "llama-gqa", "qwen2", "mistral"])
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
-def test_fused_decode_equals_the_torch_path(kind: str, kv_dtype: str, isa: str) -> None:
+def test_fused_step_equals_the_torch_path(kind: str, kv_dtype: str, isa: str) -> None:
     """Decode steps through the fused kernel (norms, QKV, RoPE, paged KV write, attention,
     MLP in C++) give the torch path's logits and write the same KV, for batches of different
     context lengths (mistral: past its sliding window of 8). The two paths share the GEMM
@@ -420,10 +416,10 @@ def test_fused_decode_equals_the_torch_path(kind: str, kv_dtype: str, isa: str) 
     test above). The pools agree to fp32 rounding / one fp16 ulp / one int8 step."""
     from tests.model_runner.oracle import plan, random_ids, seq
 
-    fused, _ = quantized_pair(kind, "q4", fused_decode=True, kv_dtype=kv_dtype)
-    plain, _ = quantized_pair(kind, "q4", fused_decode=False, kv_dtype=kv_dtype)
-    assert fused.info.extra["fused_decode"] == "true"
-    assert plain.info.extra["fused_decode"] == "false"
+    fused, _ = quantized_pair(kind, "q4", fused_step=True, kv_dtype=kv_dtype)
+    plain, _ = quantized_pair(kind, "q4", fused_step=False, kv_dtype=kv_dtype)
+    assert fused.info.extra["fused_step"] == "true"
+    assert plain.info.extra["fused_step"] == "false"
     prompts = {f"r{i}": random_ids(n, seed=i) for i, n in enumerate((3, 11, 17))}
     tables = {"r0": [5, 9], "r1": [1, 30, 2, 40, 41], "r2": [7, 8, 3, 4, 50, 51, 52]}
     for runner in (fused, plain):
@@ -462,14 +458,15 @@ def test_mixed_steps_run_fused_and_equal_the_torch_path(kind: str, isa: str) -> 
     flattened: a chunk is consecutive rows of one block table) and gives the torch path's
     logits and KV: a fresh prompt, a second chunk over a cached prefix, and decodes at
     other lengths, in one step; then a prefill-only step. Logits and deeper layers' KV within
-    5e-2 of max (int8 activation boundaries, as above); layer 0's KV to fp32 rounding."""
-    from model_runner import runner as runner_module
+    5e-2 of max (int8 activation boundaries, as above); layer 0's KV to fp32 rounding. With
+    ``fused_max_rows=32`` a 40-row step takes the torch path, a 32-row one the fused step."""
+    from model_runner.step import StepRows
     from tests.model_runner.oracle import plan, random_ids, seq
 
-    fused, _ = quantized_pair(kind, "q4", fused_decode=True)
-    plain, _ = quantized_pair(kind, "q4", fused_decode=False)
+    fused, _ = quantized_pair(kind, "q4", fused_step=True)
+    plain, _ = quantized_pair(kind, "q4", fused_step=False)
     calls = []
-    lib = fused._fused.lib  # type: ignore[union-attr]
+    lib = fused.paths.fused.kernel.lib  # type: ignore[attr-defined]
     original = lib.kv_decode_layers
 
     def counting(*args: object) -> None:
@@ -496,15 +493,13 @@ def test_mixed_steps_run_fused_and_equal_the_torch_path(kind: str, isa: str) -> 
     # Layer 0's K/V come before any int8 activation boundary can differ: fp32 rounding.
     torch.testing.assert_close(fused.pool.data[0], plain.pool.data[0], rtol=0, atol=1e-5)
     assert_close(fused.pool.data, plain.pool.data, 5e-2)
+    # Over the fused path's row bound, a step takes the torch path.
+    bounded, _ = quantized_pair(kind, "q4", fused_step=True, fused_max_rows=32)
     big = plan(2, prefill=[seq("z", random_ids(40, seed=9), 0, 40, list(range(50, 60)))])
-    runner_module.FUSED_MAX_ROWS, old = 32, runner_module.FUSED_MAX_ROWS
-    try:
-        lib.kv_decode_layers = counting
-        fused.step_logits(big)  # over the row bound: the torch path
-    finally:
-        runner_module.FUSED_MAX_ROWS = old
-        lib.kv_decode_layers = original
-    assert len(calls) == 2
+    small = plan(2, prefill=[seq("z", random_ids(32, seed=9), 0, 32, list(range(50, 60)))])
+    limits = bounded.limits  # type: ignore[attr-defined]
+    assert bounded.paths.choose(StepRows.of(big, limits)).name == "eager"  # type: ignore[attr-defined]
+    assert bounded.paths.choose(StepRows.of(small, limits)).name == "fused"  # type: ignore[attr-defined]
 
 
 def test_a_rows_numbers_do_not_depend_on_its_batch(isa: str) -> None:

@@ -45,13 +45,13 @@ def test_verify_positions_equal_a_full_forward(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ["llama-gqa", "mistral"])
 def test_fused_verify_rows_equal_the_torch_path(kind: str) -> None:
-    """On the fused decode kernel a decode with drafts runs as k + 1 rows sharing a block
+    """On the fused step kernel a decode with drafts runs as k + 1 rows sharing a block
     table; its logits and KV equal the torch path's chunk, next to a plain decode (layer 0's
     KV to fp32 rounding, deeper layers' within activation-rounding flips)."""
     from tests.model_runner.test_quant import quantized_pair
 
-    fused, _ = quantized_pair(kind, "q4", fused_decode=True)
-    plain, _ = quantized_pair(kind, "q4", fused_decode=False)
+    fused, _ = quantized_pair(kind, "q4", fused_step=True)
+    plain, _ = quantized_pair(kind, "q4", fused_step=False)
     ids = random_ids(20, seed=4)
     other = random_ids(9, seed=5)
     blocks, other_blocks = [3, 8, 1, 12, 6], [20, 21, 22]
@@ -168,7 +168,7 @@ def test_runs_with_drafts_equal_runs_without(
 
 @pytest.mark.slow
 def test_embedded_model_greedy_tokens_equal_with_and_without_drafts() -> None:
-    """SmolLM2 on its own Q4 weights (the fused decode path, the server's default): greedy
+    """SmolLM2 on its own Q4 weights (the fused step, the server's default): greedy
     tokens with n-gram speculation equal those without, on chat128 and edit128 prompts run
     one at a time (k + 1 fused rows) and all together (verify chunks next to prefills);
     drafts were accepted and rejected."""

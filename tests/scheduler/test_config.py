@@ -44,3 +44,12 @@ def test_config_is_frozen_and_chunk_cap_follows_threshold() -> None:
     assert config.max_chunk_tokens == 256
     assert dataclasses.replace(config, long_prefill_token_threshold=0).max_chunk_tokens == 1024
     assert dataclasses.replace(config, long_prefill_token_threshold=4096).max_chunk_tokens == 1024
+
+
+def test_max_decode_rows_counts_drafts_within_the_budget() -> None:
+    """48 requests: 48 rows; with 3 ngram drafts each 192; with a budget of 100 tokens 100."""
+    config = SchedulerConfig(max_num_seqs=48)
+    assert config.max_decode_rows == 48
+    spec = dataclasses.replace(config, speculative="ngram", num_speculative_tokens=3)
+    assert spec.max_decode_rows == 192
+    assert dataclasses.replace(spec, max_num_batched_tokens=100).max_decode_rows == 100

@@ -6,22 +6,29 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_runner.attention_backends import make_attention_backend, resolve_attention_backend
+from model_runner.attention_backends import (
+    AttentionBackend,
+    AttentionSpec,
+    make_attention_backend,
+    resolve_attention_backend,
+)
 from tests.model_runner.oracle import make_runner, plan, random_ids, seq, tiny_hf
 
 CPU = torch.device("cpu")
+# Where Triton runs here: the GPU, else a CPU in its interpreter (see conftest.py).
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _make(name: str, device: torch.device = CPU, **kw: object):
-    args: dict[str, object] = {
-        "num_heads": 4,
-        "num_kv_heads": 2,
-        "head_dim": 16,
-        "dtype": torch.float32,
-        "kv_dtype": torch.float32,
-    }
-    args.update(kw)
-    return make_attention_backend(name, device, **args)  # type: ignore[arg-type]
+def _make(
+    name: str,
+    kv_dtype: torch.dtype = torch.float32,
+    sinks: int = 0,
+    device: torch.device = CPU,
+) -> AttentionBackend:
+    inv_freq = torch.ones(8) if sinks else None
+    window = 16 if sinks else None
+    spec = AttentionSpec(4, 2, 16, 4, torch.float32, kv_dtype, device, window, sinks, inv_freq)
+    return make_attention_backend(name, spec)
 
 
 def test_auto_is_torch_on_a_cpu() -> None:
@@ -43,10 +50,10 @@ def test_paged_backends_refuse_int8_pools_and_sinks() -> None:
     would fall back to torch instead."""
     pytest.importorskip("triton")
     with pytest.raises(ValueError, match="float KV pools"):
-        _make("triton", kv_dtype=torch.int8)
+        _make("triton", kv_dtype=torch.int8, device=TRITON_DEVICE)
     with pytest.raises(ValueError, match="no attention sinks"):
-        _make("triton", attention_sinks=4)
-    assert _make("auto", kv_dtype=torch.int8).name == "torch"
+        _make("triton", sinks=4, device=TRITON_DEVICE)
+    assert _make("auto", kv_dtype=torch.int8, device=TRITON_DEVICE).name == "torch"
 
 
 def test_runner_on_triton_matches_the_torch_runner() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from model_runner.attention_backends.base import AttentionSpec
 from model_runner.attention_backends.flashinfer_backend import (
     FlashInferPlan,
     flashinfer_plan_args,
@@ -11,6 +12,8 @@ from model_runner.attention_backends.flashinfer_backend import (
 )
 from model_runner.attention_backends.page_table import build_page_table
 from tests.model_runner.oracle import seq
+
+CPU = torch.device("cpu")
 
 
 def _ids(n: int) -> list[int]:
@@ -99,16 +102,8 @@ def test_flashinfer_decode_plan_arguments() -> None:
     table = build_page_table(
         [seq("a", _ids(10), 9, 10, [5, 1, 8]), seq("b", _ids(3), 2, 3, [4])], block_size=4
     )
-    plan = flashinfer_plan_args(
-        table,
-        decode=True,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        q_dtype=torch.bfloat16,
-        kv_dtype=torch.bfloat16,
-        sliding_window=4096,
-    )
+    spec = AttentionSpec(32, 8, 128, 4, torch.bfloat16, torch.bfloat16, CPU, 4096)
+    plan = flashinfer_plan_args(table, spec, decode=True)
     assert plan == FlashInferPlan(
         ([0, 3, 4], [5, 1, 8, 4], [2, 3], 32, 8, 128, 4),
         {
@@ -123,16 +118,8 @@ def test_flashinfer_decode_plan_arguments() -> None:
 def test_flashinfer_prefill_plan_arguments() -> None:
     """The prefill wrapper's plan: qo_indptr first, causal, no window (-1)."""
     table = build_page_table([seq("a", _ids(7), 2, 7, [6, 2])], block_size=4)
-    plan = flashinfer_plan_args(
-        table,
-        decode=False,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        q_dtype=torch.float16,
-        kv_dtype=torch.float16,
-        sliding_window=None,
-    )
+    spec = AttentionSpec(4, 2, 16, 4, torch.float16, torch.float16, CPU)
+    plan = flashinfer_plan_args(table, spec, decode=False)
     assert plan.args == ([0, 5], [0, 2], [6, 2], [3], 4, 2, 16, 4)
     assert plan.kwargs == {
         "causal": True,

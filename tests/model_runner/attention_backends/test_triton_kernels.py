@@ -11,10 +11,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from model_runner.attention_backends.base import TorchAttention
+from model_runner.attention_backends.base import AttentionSpec
 from model_runner.attention_backends.page_table import build_page_table
+from model_runner.attention_backends.torch_backend import TorchAttention
 from model_runner.attention_backends.triton_backend import TritonAttention
 from model_runner.kv_pool import KVPool
+from model_runner.step import StepRows
 from tests.model_runner.oracle import seq
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -34,16 +36,18 @@ def _run_both(
     num_tokens = sum(s.num_tokens for s in (*prefill, *decode))
     qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, HEAD_DIM, generator=g)
     qkv = (qkv * 0.5).to(dtype).to(DEVICE)
+    spec = AttentionSpec(
+        num_heads, num_kv_heads, HEAD_DIM, BLOCK_SIZE, dtype, dtype, DEVICE, window
+    )
+    step = StepRows.from_seqs(prefill, decode, BLOCK_SIZE, null_block)
     outs = []
-    for backend in (TorchAttention(), TritonAttention(window)):
+    for backend in (TorchAttention(spec), TritonAttention(spec)):
         p = KVPool(1, num_kv_heads, HEAD_DIM, NUM_BLOCKS, BLOCK_SIZE, dtype, DEVICE)
         p.data.copy_(pool.data)
-        batch = backend.build_batch(
-            prefill, decode, BLOCK_SIZE, DEVICE, dtype, window, null_block_id=null_block
-        )
+        batch = backend.build(step)
         out = torch.full((num_tokens, num_heads * HEAD_DIM), float("nan"), dtype=dtype)
         out = out.to(DEVICE)
-        backend.forward(0, qkv.clone(), batch, p, out, num_heads, num_kv_heads)
+        backend.forward(0, qkv.clone(), batch, p, out)
         outs.append(out.float().cpu())
     return outs
 

@@ -1,4 +1,5 @@
-"""Paged attention: the step's index tensors, and the prefill and decode attention paths.
+"""The torch backend, the reference every backend is held to: the step's gathers and masks,
+and the prefill and decode attention paths in plain tensor ops.
 
 One step's tokens are laid out as one flat batch, prefill chunks first, then decode tokens::
 
@@ -7,7 +8,7 @@ One step's tokens are laid out as one flat batch, prefill chunks first, then dec
                                                           per group of similar lengths
 
 Every index tensor (token ids, positions, KV slots, block gathers, masks) is built ONCE per
-step in ``ForwardBatch.build`` and shared by all layers; a layer only runs tensor ops.
+step in ``TorchAttention.build`` and shared by all layers; a layer only runs tensor ops.
 
 Prefill attends causally over the chunk plus the request's cached prefix, which it gathers
 from the pool (``| cached prefix (in pool) | this chunk |``). A chunk that starts at position
@@ -45,19 +46,15 @@ time), so attention here runs with scale 1.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from model_runner.attention_backends.base import AttentionBackend, ForwardBatch, row_tensors
 from model_runner.block_table import first_key_block
 from model_runner.kv_pool import KVPool
-from scheduler.output import ScheduledSeq
-
-if TYPE_CHECKING:
-    from model_runner.attention_backends.page_table import PagedMetadata
+from model_runner.step import StepRows
 
 
 def _sdpa_supports_gqa() -> bool:
@@ -78,7 +75,7 @@ _MIN_SPLIT_BLOCKS = 8
 
 @dataclass(slots=True)
 class PrefillChunk:
-    """One request's prefill chunk: rows ``row_start:row_end`` of the flat batch, query
+    """One request's chunk: rows ``row_start:row_end`` of the flat batch, query
     positions ``start_pos ..``; keys ``key_start .. end_pos - 1`` (gathered from
     ``block_index``), or, when ``block_index`` is None, the chunk's own keys (causal).
     With attention sinks the keys are the sink blocks' then the window's, and
@@ -107,56 +104,43 @@ class DecodeBatch:
 
 
 @dataclass(slots=True)
-class ForwardBatch:
-    """The index tensors of one forward pass, shared by all layers."""
+class GatherMetadata:
+    """The torch backend's per-step data: the chunks (prefill and draft verification), then
+    the one-row decodes in groups of similar context length."""
 
-    num_tokens: int
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset
     prefills: list[PrefillChunk]
-    decodes: list[DecodeBatch]  # decode rows in groups of similar context length
-    max_position: int = 0  # the largest position in ``positions``
-    # The page tables of the paged backends (Triton, FlashInfer); None on the torch path.
-    paged: PagedMetadata | None = None
+    decodes: list[DecodeBatch]
 
-    @classmethod
-    def build(
-        cls,
-        prefill: Sequence[ScheduledSeq],
-        decode: Sequence[ScheduledSeq],
-        block_size: int,
-        device: torch.device,
-        mask_dtype: torch.dtype,
-        sliding_window: int | None = None,
-        *,
-        attention_sinks: int = 0,
-        null_block_id: int | None = None,
-        rope_inv_freq: torch.Tensor | None = None,
-    ) -> ForwardBatch:
-        """Index tensors for ``prefill`` chunks then ``decode`` tokens. Block tables must
-        cover every computed position (the runner validates that before calling).
-        ``attention_sinks`` needs ``sliding_window`` and ``rope_inv_freq``; then decodes
-        run as one-token chunks. Table positions at ``null_block_id`` are never gathered."""
-        sinks = attention_sinks
+
+class TorchAttention(AttentionBackend[GatherMetadata]):
+    """Gathers blocks into padded tensors, then SDPA (chunks) or batched matmuls (decodes)."""
+
+    name = "torch"
+    sinks = True
+    yields_to_fused = True
+
+    def build(self, step: StepRows) -> ForwardBatch[GatherMetadata]:
+        """Index tensors for ``step``: its chunks, then its one-row decodes (with attention
+        sinks every seq is a chunk). Table positions at the null block are never gathered."""
+        spec = self.spec
+        block_size, window, sinks = spec.block_size, spec.sliding_window, spec.attention_sinks
+        device = spec.device
         num_sink_blocks = -(-sinks // block_size)
+        chunk_seqs, decode = step.chunks, step.plain_decodes
         if sinks:
-            assert sliding_window is not None and rope_inv_freq is not None
-            prefill, decode = [*prefill, *decode], []
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        gathers: list[int] = []  # prefill gathers then the padded decode gather
+            assert window is not None and spec.rope_inv_freq is not None
+            chunk_seqs, decode = step.seqs, ()
+        null_block_id = step.null_block_id
+        gathers: list[int] = []  # chunk gathers then the padded decode gather
         # (start, end, key_start, gather start, gather end, sink blocks gathered apart,
         # first window block)
         chunk_info: list[tuple[int, int, int, int, int, int, int]] = []
-        for seq in prefill:
+        num_chunk_rows = 0
+        for seq in chunk_seqs:
             start, end = seq.start_pos, seq.end_pos
-            input_ids.extend(seq.token_ids)
-            positions.extend(range(start, end))
-            _extend_slots(slots, seq.block_ids, start, end, block_size)
+            num_chunk_rows += end - start
             first = first_key_block(
-                seq.block_ids, start, block_size, sliding_window, num_sink_blocks, null_block_id
+                seq.block_ids, start, block_size, window, num_sink_blocks, null_block_id
             )
             if sinks and first <= num_sink_blocks:
                 first = 0  # no gap yet: the sinks and the window are one run from 0
@@ -168,21 +152,15 @@ class ForwardBatch:
             key_start = 0 if sinks else first * block_size
             chunk_info.append((start, end, key_start, gather_start, len(gathers), num_apart, first))
 
-        num_prefill_rows = len(input_ids)
         # Decode groups: consecutive seqs whose contexts (in blocks) are within 2x of the
-        # group's longest, so padding wastes at most half of a group's gather. Callers pass
-        # decodes longest first (TorchRunner does), which makes the groups contiguous runs.
+        # group's longest, so padding wastes at most half of a group's gather. Decodes come
+        # longest first (``StepRows.of``), which makes the groups contiguous runs.
         groups: list[tuple[int, int, int]] = []  # (first seq, end seq, max blocks)
         dec_rows: list[list[int]] = []
         dec_key_starts: list[int] = []
         for i, seq in enumerate(decode):
             pos = seq.start_pos
-            input_ids.append(seq.token_ids[0])
-            positions.append(pos)
-            slots.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
-            first = first_key_block(
-                seq.block_ids, pos, block_size, sliding_window, 0, null_block_id
-            )
+            first = first_key_block(seq.block_ids, pos, block_size, window, 0, null_block_id)
             row_blocks = seq.block_ids[first : pos // block_size + 1]
             dec_rows.append(row_blocks)
             dec_key_starts.append(first * block_size)
@@ -201,21 +179,14 @@ class ForwardBatch:
                 # data, so non-finite KV elsewhere cannot leak into this row through 0 * NaN.
                 gathers.extend([r[-1]] * (g_max - len(r)))
 
-        num_tokens = len(input_ids)
-        flat = torch.tensor(
-            input_ids + positions + slots + gathers + dec_key_starts, dtype=torch.int64
-        ).to(device, non_blocking=True)
-        ids_t = flat[:num_tokens]
-        pos_t = flat[num_tokens : 2 * num_tokens]
-        slot_t = flat[2 * num_tokens : 3 * num_tokens]
-        gather_t = flat[3 * num_tokens : 3 * num_tokens + len(gathers)]
-        key_start_t = flat[3 * num_tokens + len(gathers) :]
-
+        ids_t, pos_t, slot_t, extra_t = row_tensors(step, device, gathers + dec_key_starts)
+        gather_t = extra_t[: len(gathers)]
+        key_start_t = extra_t[len(gathers) :]
         chunks: list[PrefillChunk] = []
         row = 0
         for start, end, key_start, g0, g1, num_apart, first in chunk_info:
             n = end - start
-            if start == 0 and (sliding_window is None or n <= sliding_window):
+            if start == 0 and (window is None or n <= window):
                 chunks.append(PrefillChunk(row, row + n, n, None, None))
                 row += n
                 continue
@@ -232,17 +203,17 @@ class ForwardBatch:
                 )
             k_pos = k_pos.unsqueeze(0)
             mask = k_pos <= q_pos
-            if sliding_window is not None:
-                visible = k_pos > q_pos - sliding_window
+            if window is not None:
+                visible = k_pos > q_pos - window
                 if sinks:
                     visible |= k_pos < sinks
                 mask &= visible
             rotation = None
-            if sinks and sliding_window is not None and end > sliding_window + sinks:
-                assert rope_inv_freq is not None
-                gap = (q_pos.squeeze(1) - (sliding_window - 1 + sinks)).clamp_(min=0)
-                angles = -gap.double().unsqueeze(1) * rope_inv_freq.double().unsqueeze(0)
-                rotation = (angles.cos().to(mask_dtype), angles.sin().to(mask_dtype))
+            if sinks and window is not None and end > window + sinks:
+                assert spec.rope_inv_freq is not None
+                gap = (q_pos.squeeze(1) - (window - 1 + sinks)).clamp_(min=0)
+                angles = -gap.double().unsqueeze(1) * spec.rope_inv_freq.double().unsqueeze(0)
+                rotation = (angles.cos().to(spec.dtype), angles.sin().to(spec.dtype))
             num_keys = k_pos.shape[1]
             chunks.append(PrefillChunk(row, row + n, num_keys, block_index, mask, sinks, rotation))
             row += n
@@ -250,86 +221,61 @@ class ForwardBatch:
         decodes: list[DecodeBatch] = []
         for (g0, g1, g_max), gather_start in zip(groups, dec_gather_starts, strict=True):
             context_len = g_max * block_size
-            rows = slice(num_prefill_rows + g0, num_prefill_rows + g1)
+            rows = slice(num_chunk_rows + g0, num_chunk_rows + g1)
             k_pos = key_start_t[g0:g1].unsqueeze(1) + torch.arange(context_len, device=device)
             q_pos = pos_t[rows].unsqueeze(1)
             visible = k_pos <= q_pos
-            if sliding_window is not None:
-                visible &= k_pos > q_pos - sliding_window
-            mask = torch.zeros(g1 - g0, context_len, dtype=mask_dtype, device=device)
+            if window is not None:
+                visible &= k_pos > q_pos - window
+            mask = torch.zeros(g1 - g0, context_len, dtype=spec.dtype, device=device)
             mask.masked_fill_(~visible, float("-inf"))
             decodes.append(
                 DecodeBatch(
-                    row_start=num_prefill_rows + g0,
+                    row_start=num_chunk_rows + g0,
                     num_seqs=g1 - g0,
                     context_len=context_len,
                     block_index=gather_t[gather_start : gather_start + (g1 - g0) * g_max],
                     mask=mask.unsqueeze(1),
                 )
             )
-        max_position = max(positions) if positions else 0
-        return cls(num_tokens, ids_t, pos_t, slot_t, chunks, decodes, max_position)
+        meta = GatherMetadata(chunks, decodes)
+        return ForwardBatch(step.num_rows, ids_t, pos_t, slot_t, step.max_position, meta)
 
-
-def _extend_slots(
-    slots: list[int], block_ids: Sequence[int], start: int, end: int, block_size: int
-) -> None:
-    """Append the flat slots of positions ``start .. end - 1``: one ``range`` per block."""
-    pos = start
-    while pos < end:
-        block, offset = divmod(pos, block_size)
-        n = min(block_size - offset, end - pos)
-        base = block_ids[block] * block_size + offset
-        slots.extend(range(base, base + n))
-        pos += n
-
-
-def paged_attention(
-    layer: int,
-    qkv: torch.Tensor,
-    batch: ForwardBatch,
-    pool: KVPool,
-    out: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-) -> None:
-    """Attention of one layer for the whole step, written into ``out`` [T, H * head_dim].
-
-    ``qkv`` is ``[T, H + 2 * kvh, head_dim]`` with RoPE applied to Q and K (Q pre-scaled).
-    Stores the step's keys and values into the pool first, so every path reads the current
-    token's own key from wherever it gathers.
-    """
-    head_dim = qkv.shape[-1]
-    kv_new = qkv[:, num_heads:]
-    pool.write(layer, kv_new, batch.slot_mapping)
-    for chunk in batch.prefills:
-        r0, r1 = chunk.row_start, chunk.row_end
-        q = qkv[r0:r1, :num_heads].transpose(0, 1)  # [H, T, D]
-        if chunk.block_index is None:
-            k = qkv[r0:r1, num_heads : num_heads + num_kv_heads].transpose(0, 1)
-            v = qkv[r0:r1, num_heads + num_kv_heads :].transpose(0, 1)
-        else:
-            kv = pool.gather(layer, chunk.block_index)
-            k = kv[:num_kv_heads, : chunk.num_keys]
-            v = kv[num_kv_heads:, : chunk.num_keys]
-        if chunk.num_sink_keys and chunk.mask is not None:
-            o = _sink_attention(q, k, v, chunk, num_heads // num_kv_heads)
-        else:
-            o = _sdpa(q, k, v, chunk.mask, num_heads // num_kv_heads)
-        out[r0:r1].view(r1 - r0, num_heads, head_dim).copy_(o.transpose(0, 1))
-    group = num_heads // num_kv_heads
-    for dec in batch.decodes:
-        b, d0 = dec.num_seqs, dec.row_start
-        kv = pool.gather(layer, dec.block_index).view(2 * num_kv_heads, b, -1, head_dim)
-        q = qkv[d0 : d0 + b, :num_heads].reshape(b, num_kv_heads, group, head_dim)
-        scores = torch.matmul(q.transpose(0, 1), kv[:num_kv_heads].transpose(-1, -2))
-        scores += dec.mask  # [kvh, B, g, L] + [B, 1, L]
-        if scores.dtype == torch.float32:
-            probs = torch.softmax(scores, dim=-1)
-        else:
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
-        o = torch.matmul(probs, kv[num_kv_heads:])  # [kvh, B, g, D]
-        out[d0 : d0 + b].view(b, num_kv_heads, group, head_dim).copy_(o.transpose(0, 1))
+    def attend(
+        self, layer: int, qkv: torch.Tensor, meta: GatherMetadata, pool: KVPool, out: torch.Tensor
+    ) -> None:
+        """Each chunk through SDPA over its own or its gathered keys, each decode group
+        through two batched matmuls over its padded gather."""
+        num_heads, num_kv_heads = self.spec.num_heads, self.spec.num_kv_heads
+        head_dim = qkv.shape[-1]
+        for chunk in meta.prefills:
+            r0, r1 = chunk.row_start, chunk.row_end
+            q = qkv[r0:r1, :num_heads].transpose(0, 1)  # [H, T, D]
+            if chunk.block_index is None:
+                k = qkv[r0:r1, num_heads : num_heads + num_kv_heads].transpose(0, 1)
+                v = qkv[r0:r1, num_heads + num_kv_heads :].transpose(0, 1)
+            else:
+                kv = pool.gather(layer, chunk.block_index)
+                k = kv[:num_kv_heads, : chunk.num_keys]
+                v = kv[num_kv_heads:, : chunk.num_keys]
+            if chunk.num_sink_keys and chunk.mask is not None:
+                o = _sink_attention(q, k, v, chunk, num_heads // num_kv_heads)
+            else:
+                o = _sdpa(q, k, v, chunk.mask, num_heads // num_kv_heads)
+            out[r0:r1].view(r1 - r0, num_heads, head_dim).copy_(o.transpose(0, 1))
+        group = num_heads // num_kv_heads
+        for dec in meta.decodes:
+            b, d0 = dec.num_seqs, dec.row_start
+            kv = pool.gather(layer, dec.block_index).view(2 * num_kv_heads, b, -1, head_dim)
+            q = qkv[d0 : d0 + b, :num_heads].reshape(b, num_kv_heads, group, head_dim)
+            scores = torch.matmul(q.transpose(0, 1), kv[:num_kv_heads].transpose(-1, -2))
+            scores += dec.mask  # [kvh, B, g, L] + [B, 1, L]
+            if scores.dtype == torch.float32:
+                probs = torch.softmax(scores, dim=-1)
+            else:
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+            o = torch.matmul(probs, kv[num_kv_heads:])  # [kvh, B, g, D]
+            out[d0 : d0 + b].view(b, num_kv_heads, group, head_dim).copy_(o.transpose(0, 1))
 
 
 def _sink_attention(

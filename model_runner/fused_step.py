@@ -1,5 +1,5 @@
-"""A step's whole layer stack in one call of kvserve's CPU kernels (the name is historical:
-it started with decode-only steps).
+"""A step's whole layer stack in one call of kvserve's CPU kernels: prefill chunks, decodes
+and draft rows alike.
 
 At batch 1 a decode step of a 4-bit model reads ~100 MB of weights, a few milliseconds; the
 same step through PyTorch also dispatches ~30 tensor ops per layer (norms, RoPE, the KV write,
@@ -13,7 +13,7 @@ table, a decode one row, a speculative verification k + 1 rows (``TorchRunner`` 
 them). Every row's K/V is written before any row attends, and each row attends up to its
 own position, so chunks are causal. Used for every step when every matrix is quantized
 (``QLinear``), compute is fp32 on CPU, and the pool is fp32, fp16 or int8;
-``FusedDecode.unsupported`` names the reason otherwise (the runner then takes the PyTorch
+``FusedStep.unsupported`` names the reason otherwise (the runner then takes the PyTorch
 path; both paths write the same pool).
 """
 
@@ -36,14 +36,14 @@ _KV_DTYPES = {
 }
 
 
-class FusedDecode:
+class FusedStep:
     """Binds a ``LlamaModel`` and its ``KVPool`` to ``kv_decode_layers`` (pointers taken once:
     both own their tensors for the runner's lifetime)."""
 
     def __init__(self, model: LlamaModel, pool: KVPool, sliding_window: int | None) -> None:
         reason = self.unsupported(model, pool)
         if reason is not None:
-            raise ValueError(f"fused decode unavailable: {reason}")
+            raise ValueError(f"fused step unavailable: {reason}")
         self.lib = kernels.load()
         self.model = model
         self.pool = pool

@@ -1,0 +1,273 @@
+"""One step as the runner computes it: ``StepRows``, built once per step in
+``TorchRunner.execute`` from the plan, passed down to the path that runs it, never stored.
+
+A step is one flat batch of token rows::
+
+    rows | chunk a (Ta) | chunk b (Tb) | verify v (1 + k) | dec 0 | dec 1 | ... | dec B-1 |
+         `-- prefill --------------'`-- decodes with drafts -'`-- one row each, longest first
+         `-------- chunks: attend over their request's cached prefix --'
+
+Row r computes ``token_ids[r]`` at ``positions[r]``, writes its K/V to ``slot_mapping[r]``
+(``block_id * block_size + offset``) and reads keys through its request's block table
+(``block_tables()[r]``). A decode with k drafts is k + 1 rows sharing one table, each
+attending up to its own position. The rows whose logits are sampled are ``sample_rows()``:
+a sampling chunk's last row, every row of a sampling decode.
+
+Pure Python (no torch): the runner's paths and the attention backends turn it into tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from scheduler.output import ScheduledSeq, SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class StepLimits:
+    """What every scheduled seq must fit: the runner's start-up constants."""
+
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    vocab_size: int
+    sliding_window: int | None = None
+    # Attention sinks stream past the context: positions are not bounded by max_model_len.
+    unbounded_positions: bool = False
+
+    def seq_error(self, seq: ScheduledSeq, is_decode: bool) -> str | None:
+        """Why ``seq`` cannot run (inconsistent entry, positions, token ids or block
+        table), or None."""
+        n = len(seq.token_ids)
+        num_drafts = seq.num_draft_tokens
+        if n == 0 or (is_decode and n != 1 + num_drafts) or (num_drafts and not is_decode):
+            kind = "decode" if is_decode else "prefill"
+            return f"{kind} entry with {n} tokens and {num_drafts} drafts"
+        if num_drafts and not seq.do_sample:
+            return f"decode entry with {num_drafts} drafts that does not sample"
+        if seq.start_pos < 0 or (seq.end_pos > self.max_model_len and not self.unbounded_positions):
+            return (
+                f"positions {seq.start_pos}..{seq.end_pos - 1} outside the model's "
+                f"max_model_len {self.max_model_len}"
+            )
+        if min(seq.token_ids) < 0 or max(seq.token_ids) >= self.vocab_size:
+            return f"token id outside the vocabulary of {self.vocab_size}"
+        bs = self.block_size
+        needed = -(-seq.end_pos // bs)
+        if len(seq.block_ids) < needed:
+            return (
+                f"block table of {len(seq.block_ids)} blocks cannot hold position "
+                f"{seq.end_pos - 1} with block_size {bs}"
+            )
+        first = 0
+        if self.sliding_window is not None:
+            first = max(0, seq.start_pos - self.sliding_window + 1) // bs
+        used = seq.block_ids[first:needed]
+        if min(used) < 0 or max(used) >= self.num_blocks:
+            return f"block id outside the pool of {self.num_blocks} blocks in {list(used)}"
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class StepRows:
+    """The rows of one step (see the module docstring). Read-only: nothing mutates it or
+    its lists after ``of`` / ``from_seqs`` built it."""
+
+    prefill: tuple[ScheduledSeq, ...]
+    decode: tuple[ScheduledSeq, ...]  # those with drafts first (see ``num_verify``)
+    block_size: int
+    null_block_id: int | None  # released table positions point here; never read
+    num_verify: int  # decodes with drafts: the first ``num_verify`` of ``decode``
+    token_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    # Seqs of the plan refused by ``StepLimits.seq_error`` (request id -> why); not rows.
+    failed: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, plan: SchedulerOutput, limits: StepLimits) -> StepRows:
+        """The rows of ``plan``'s seqs that fit ``limits`` (the rest in ``failed``). Decodes
+        with drafts come first, then by context, longest first (the torch backend groups
+        decodes of similar length, so less padding)."""
+        failed: dict[str, str] = {}
+        checked: list[list[ScheduledSeq]] = [[], []]
+        for is_decode, seqs in ((False, plan.prefill), (True, plan.decode)):
+            for seq in seqs:
+                error = limits.seq_error(seq, is_decode)
+                if error is None:
+                    checked[is_decode].append(seq)
+                else:
+                    failed[seq.request_id] = error
+        prefill, decode = checked
+        decode.sort(key=lambda s: (not s.num_draft_tokens, -s.start_pos))
+        return cls.from_seqs(prefill, decode, limits.block_size, plan.null_block_id, failed)
+
+    @classmethod
+    def from_seqs(
+        cls,
+        prefill: Sequence[ScheduledSeq],
+        decode: Sequence[ScheduledSeq],
+        block_size: int,
+        null_block_id: int | None = None,
+        failed: Mapping[str, str] | None = None,
+    ) -> StepRows:
+        """The rows of seqs already checked, in the order given; decodes with drafts must
+        come first among ``decode``."""
+        num_verify = 0
+        while num_verify < len(decode) and decode[num_verify].num_draft_tokens:
+            num_verify += 1
+        if any(s.num_draft_tokens for s in decode[num_verify:]):
+            raise ValueError("decodes with drafts must come first")
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for seq in (*prefill, *decode):
+            token_ids.extend(seq.token_ids)
+            positions.extend(range(seq.start_pos, seq.end_pos))
+            extend_slots(slots, seq.block_ids, seq.start_pos, seq.end_pos, block_size)
+        return cls(
+            tuple(prefill),
+            tuple(decode),
+            block_size,
+            null_block_id,
+            num_verify,
+            token_ids,
+            positions,
+            slots,
+            dict(failed or {}),
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prefill_rows(self) -> int:
+        return sum(s.num_tokens for s in self.prefill)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.token_ids
+
+    @property
+    def chunks(self) -> tuple[ScheduledSeq, ...]:
+        """Seqs of more than one query row over a cached prefix, in row order: the prefill
+        chunks, then the decodes with drafts (verified as short chunks)."""
+        return self.prefill + self.decode[: self.num_verify]
+
+    @property
+    def plain_decodes(self) -> tuple[ScheduledSeq, ...]:
+        """The decodes without drafts (one row each), after ``chunks`` in row order."""
+        return self.decode[self.num_verify :]
+
+    @property
+    def seqs(self) -> tuple[ScheduledSeq, ...]:
+        return self.prefill + self.decode
+
+    @property
+    def max_position(self) -> int:
+        return max(self.positions, default=0)
+
+    def block_tables(self) -> list[Sequence[int]]:
+        """Each row's block table (its request's, shared by the request's rows)."""
+        return [s.block_ids for s in self.seqs for _ in s.token_ids]
+
+    def sampled(self) -> list[ScheduledSeq]:
+        """The seqs that sample, prefill first, in row order."""
+        return [s for s in self.seqs if s.do_sample]
+
+    def sample_rows(self) -> list[int]:
+        """The rows whose logits are sampled, ascending: a sampling chunk's last row, every
+        row of a sampling decode (k + 1 for one with drafts)."""
+        rows: list[int] = []
+        row = 0
+        for s in self.prefill:
+            row += s.num_tokens
+            if s.do_sample:
+                rows.append(row - 1)
+        for s in self.decode:
+            if s.do_sample:
+                rows.extend(range(row, row + s.num_tokens))
+            row += s.num_tokens
+        return rows
+
+    def split(self) -> tuple[StepRows, StepRows]:
+        """The prefill rows and the decode rows as two steps (``fuse_batches=False``)."""
+        bs, null = self.block_size, self.null_block_id
+        return (
+            StepRows.from_seqs(self.prefill, (), bs, null),
+            StepRows.from_seqs((), self.decode, bs, null),
+        )
+
+    def one_row_decodes(self) -> list[ScheduledSeq]:
+        """The decodes as one seq per row: a decode with k drafts as k + 1 one-token decodes
+        at consecutive positions over its table (each attends up to its own position, and
+        every row's K/V is written before any row attends)."""
+        rows: list[ScheduledSeq] = []
+        for s in self.decode:
+            if not s.num_draft_tokens:
+                rows.append(s)
+                continue
+            rows.extend(
+                dataclasses.replace(s, token_ids=[t], start_pos=s.start_pos + i, num_draft_tokens=0)
+                for i, t in enumerate(s.token_ids)
+            )
+        return rows
+
+
+def extend_slots(
+    slots: list[int], block_ids: Sequence[int], start: int, end: int, block_size: int
+) -> None:
+    """Append the flat slots of positions ``start .. end - 1``: one ``range`` per block."""
+    pos = start
+    while pos < end:
+        block, offset = divmod(pos, block_size)
+        n = min(block_size - offset, end - pos)
+        base = block_ids[block] * block_size + offset
+        slots.extend(range(base, base + n))
+        pos += n
+
+
+def verify_rows(seq: ScheduledSeq) -> list[ScheduledSeq]:
+    """What the sampler sees at each of the k + 1 positions of a decode with drafts: row i
+    samples output token ``num_output_tokens + i`` (min_tokens and a seeded draw key on it),
+    with the i drafts before it as history (penalties), as if they had been generated."""
+    drafts = seq.token_ids[1:]
+    sampling = seq.sampling
+    history = (
+        sampling.repetition_penalty != 1.0
+        or sampling.presence_penalty != 0.0
+        or sampling.frequency_penalty != 0.0
+    )
+    return [
+        dataclasses.replace(
+            seq,
+            token_ids=[token],
+            start_pos=seq.start_pos + i,
+            all_token_ids=[*seq.all_token_ids, *drafts[:i]] if history and i else seq.all_token_ids,
+            num_output_tokens=seq.num_output_tokens + i,
+            num_draft_tokens=0,
+        )
+        for i, token in enumerate(seq.token_ids)
+    ]
+
+
+def num_accepted_drafts(seq: ScheduledSeq, tokens: Sequence[int]) -> int:
+    """How many drafts of ``seq`` are accepted, given the tokens sampled at its k + 1
+    positions: the longest prefix of drafts equal to the tokens sampled before them.
+
+    For greedy rows that is the longest matching prefix. For sampled rows it is rejection
+    sampling with a point-mass draft q (the n-gram drafter proposes one token, q(d) = 1):
+    the standard rule accepts d with probability min(1, p(d) / q(d)) = p(d) and otherwise
+    draws from norm(max(0, p - q)), which is p without d, renormalised. Drawing x ~ p and
+    accepting iff x == d has exactly that law, with x as the correction token. So every
+    emitted token is distributed as the target model says, and a seeded request draws the
+    same uniforms (keyed on its output index) and emits the same tokens as without drafts.
+    """
+    drafts = seq.token_ids[1:]
+    num_accepted = 0
+    while num_accepted < len(drafts) and tokens[num_accepted] == drafts[num_accepted]:
+        num_accepted += 1
+    return num_accepted
