@@ -39,6 +39,11 @@ Sections, each comparison measured side by side in the same run:
   side; a table and a PNG (``benchmarks/bench_kv_cache.py``).
 - ``sinks``: perplexity of a long text under attention sinks + window against the window
   alone and full attention (``benchmarks/bench_sinks.py``).
+- ``models``: real GGUF files against llama.cpp (``benchmarks/bench_models.py``).
+- ``kvtier``: KV tier 2 as users run it (``benchmarks/bench_kv_tier_served.py``): multi-turn
+  conversations, returning turns' TTFT with the tier on a pool that holds only the turns in
+  flight, against a pool that holds every conversation and against llama.cpp's
+  ``--cache-ram`` on the same conversations; the embedded model and a 1B Q4_K_M.
 
 ``kvcache`` and ``sinks`` run with ``--kv-threads`` (1) torch threads: on a shared machine
 a 2-thread OpenMP team waits on a descheduled thread, and the curve shows the neighbours,
@@ -82,6 +87,7 @@ SECTIONS: dict[str, Callable[[Context], SectionResult]] = {
     "kvcache": sections.kvcache,
     "sinks": sections.sinks,
     "models": sections.models,
+    "kvtier": sections.kvtier,
 }
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.pd import DEFAULT_MIN_TRANSFER_TOKENS
 from cluster.routing import ROUTERS
 from server.config import build_config
 
@@ -62,7 +63,7 @@ class ClusterConfig:
     # threads); the shared tier's settings must stay the same.
     prefill_engine: dict[str, Any] = field(default_factory=dict)
     transfer_timeout_s: float = 60.0  # a decode replica's wait for a prefill replica
-    transfer_min_tokens: int = 64  # fewer new prompt tokens: the decode replica computes them
+    transfer_min_tokens: int = DEFAULT_MIN_TRANSFER_TOKENS  # fewer: computed where they land
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:

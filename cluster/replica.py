@@ -32,7 +32,7 @@ from cluster.metrics import (
     labelled_registry,
     start_metrics_server,
 )
-from cluster.pd import ROLES, PrefillHandoff, Role, prefill_job
+from cluster.pd import DEFAULT_MIN_TRANSFER_TOKENS, ROLES, PrefillHandoff, Role, prefill_job
 from cluster.routing import routing_keys
 from metrics.records import NullSink
 from scheduler.request import Request
@@ -136,7 +136,7 @@ class KVServeReplica:
         role: Role = "both",
         prefill: Any = None,
         transfer_timeout_s: float = 60.0,
-        transfer_min_tokens: int = 64,
+        transfer_min_tokens: int = DEFAULT_MIN_TRANSFER_TOKENS,
     ) -> None:
         from ray import serve
 

@@ -69,7 +69,11 @@ async def test_a_prefill_replica_publishes_and_the_decode_replica_reads_it(
     which prefills only the 7 tokens after them itself; the tokens are the fake runner's
     exact ones, and each replica's series carry its role."""
     metrics_port = cluster.deploy(
-        "pd-ok", engine=engine(tmp_path), num_replicas=1, num_prefill_replicas=1
+        "pd-ok",
+        engine=engine(tmp_path),
+        num_replicas=1,
+        num_prefill_replicas=1,
+        transfer_min_tokens=16,
     )
     for i, prompt in enumerate(PROMPTS):
         assert await generate(cluster, prompt, f"pd-{i}", 5) == fake_tokens(f"pd-{i}", 5)
@@ -101,6 +105,7 @@ async def test_a_prefill_replica_killed_mid_transfer_costs_no_request(
         engine=engine(tmp_path),
         num_replicas=1,
         num_prefill_replicas=1,
+        transfer_min_tokens=16,
         prefill_engine={
             "fake_step_sleep_s": 3.0,
             "max_num_seqs": 16,
@@ -137,6 +142,7 @@ async def test_a_corrupt_block_and_a_full_store_cost_no_request(
         engine=engine(corrupt_dir, kv_disk_store="file"),
         num_replicas=2,
         num_prefill_replicas=1,
+        transfer_min_tokens=16,
         router="round-robin",
     )
     assert await generate(cluster, PROMPTS[0], "c-0", 4) == fake_tokens("c-0", 4)
@@ -155,6 +161,7 @@ async def test_a_corrupt_block_and_a_full_store_cost_no_request(
         engine=engine(full_dir, kv_disk_bytes="1"),
         num_replicas=1,
         num_prefill_replicas=1,
+        transfer_min_tokens=16,
     )
     for i, prompt in enumerate(PROMPTS):
         assert await generate(cluster, prompt, f"f-{i}", 4) == fake_tokens(f"f-{i}", 4)
