@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=None)
     p.add_argument("--users", type=int, default=4, help="pd: closed-loop users")
     p.add_argument("--document-len", type=int, default=1024)
-    p.add_argument("--pd-min-transfer-tokens", type=int, default=256)
+    p.add_argument("--pd-min-transfer-tokens", type=int, default=32)
     p.add_argument("--workload-file", type=Path, default=CHAT128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny counts (wiring, not figures)")
@@ -322,7 +322,6 @@ def main(argv: list[str] | None = None) -> int:
         args.output_len = args.output_len or (4 if args.quick else 64)
     if args.quick:
         args.tenants, args.system_len, args.document_len = 6, 64, 128
-        args.pd_min_transfer_tokens = 64  # the short document still goes to the prefill replica
 
     from tests.cluster.helpers import start_local_cluster
 

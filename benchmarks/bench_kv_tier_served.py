@@ -236,7 +236,11 @@ def run_llama_cpp(
 
     try:
         with server:
-            asyncio.run(main(server.target))
+            try:
+                asyncio.run(main(server.target))
+            except httpx.HTTPError as exc:  # the server went away mid-run: say how it ended
+                tail = server.log()[-600:]
+                raise RuntimeError(f"{exc!r}; llama-server's log ends: {tail}") from exc
     except (RuntimeError, TimeoutError, OSError) as exc:
         fig.note = f"not measured: {type(exc).__name__}: {exc}"
         fig.ttft_s.clear()
@@ -271,13 +275,17 @@ def run(
             f"(all) / {pools.in_flight} (in flight) blocks"
         )
         common = (workload, vocab, users, threads)
-        out.append(run_kvserve(model, path, CONFIGS[0], pools.all_conversations, *common, None))
         tier_dir = os.path.join(root, f"tier-{model}")
-        out.append(run_kvserve(model, path, CONFIGS[1], pools.in_flight, *common, tier_dir))
-        out.append(run_kvserve(model, path, CONFIGS[2], pools.in_flight, *common, None))
+        kvserve = (
+            (CONFIGS[0], pools.all_conversations, None),
+            (CONFIGS[1], pools.in_flight, tier_dir),
+            (CONFIGS[2], pools.in_flight, None),
+        )
+        for config, pool, disk_dir in kvserve:
+            out.append(run_kvserve(model, path, config, pool, *common, disk_dir))
+            say(f"  {json.dumps(out[-1].summary())}")
         out.append(run_llama_cpp(model, path, llama_server, *common, pools))
-        for fig in out[-4:]:
-            say(f"  {json.dumps(fig.summary())}")
+        say(f"  {json.dumps(out[-1].summary())}")
     return out
 
 

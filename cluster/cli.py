@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         "itself (default: %(default)s)",
     )  # fmt: skip
     cluster.add_argument(
-        "--pd-min-transfer-tokens", type=int, default=256,
+        "--pd-min-transfer-tokens", type=int, default=32,
         help="prompts with fewer new tokens are computed on the decode replica "
         "(default: %(default)s)",
     )  # fmt: skip

@@ -38,6 +38,7 @@ request's time to first token the same way). The lowest estimate wins; the load 
 from __future__ import annotations
 
 import random
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -182,14 +183,8 @@ class Router(Protocol):
         ...
 
 
-class _NoFeedback:
-    def on_finished(self, replica_id: str, keys: Sequence[int]) -> None:
-        return None
-
-
-class RoundRobinRouter(_NoFeedback):
-    def __init__(self) -> None:
-        self._next = 0
+class _LoadOnly(ABC):
+    """A router that looks at load alone: no prefix, no feedback."""
 
     def choose(
         self,
@@ -199,26 +194,34 @@ class RoundRobinRouter(_NoFeedback):
         num_prompt_tokens: int = 0,
         now_s: float = 0.0,
     ) -> Decision:
+        return self.decide(replicas)
+
+    @abstractmethod
+    def decide(self, replicas: Sequence[ReplicaLoad]) -> Decision:
+        """Pick one of ``replicas`` by load alone."""
+
+    def on_finished(self, replica_id: str, keys: Sequence[int]) -> None:
+        return None
+
+
+class RoundRobinRouter(_LoadOnly):
+    def __init__(self) -> None:
+        self._next = 0
+
+    def decide(self, replicas: Sequence[ReplicaLoad]) -> Decision:
         ordered = sorted(replicas, key=lambda r: r.replica_id)
         chosen = ordered[self._next % len(ordered)]
         self._next += 1
         return Decision(chosen.replica_id, "round_robin", 0)
 
 
-class PowerOfTwoRouter(_NoFeedback):
+class PowerOfTwoRouter(_LoadOnly):
     """The less loaded of two replicas drawn at random (ties: the first drawn)."""
 
     def __init__(self, rng: random.Random | None = None) -> None:
         self.rng = rng or random.Random()
 
-    def choose(
-        self,
-        replicas: Sequence[ReplicaLoad],
-        keys: Sequence[int],
-        *,
-        num_prompt_tokens: int = 0,
-        now_s: float = 0.0,
-    ) -> Decision:
+    def decide(self, replicas: Sequence[ReplicaLoad]) -> Decision:
         return Decision(self.pick(replicas).replica_id, "power_of_two", 0)
 
     def pick(self, replicas: Sequence[ReplicaLoad]) -> ReplicaLoad:
@@ -243,7 +246,7 @@ def is_imbalanced(replicas: Sequence[ReplicaLoad], imbalance_abs: int, rel: floa
     return busiest - idlest > imbalance_abs and busiest > rel * idlest
 
 
-class PrefixRouter(_NoFeedback):
+class PrefixRouter:
     """Longest held prefix, ties to the less loaded; power of two choices when imbalanced.
 
     A request that hits nowhere goes to the least loaded replica, ties to the one holding
@@ -297,6 +300,9 @@ class PrefixRouter(_NoFeedback):
             reason = "prefix_hit" if hit else "prefix_miss"
         index.add(chosen.replica_id, keys)
         return Decision(chosen.replica_id, reason, hit)
+
+    def on_finished(self, replica_id: str, keys: Sequence[int]) -> None:
+        return None  # what RAM holds is learned from what was sent and what replicas report
 
 
 class PrefillPrice(Protocol):

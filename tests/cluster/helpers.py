@@ -184,3 +184,11 @@ async def wait_for(predicate: Any, timeout_s: float = 60.0, interval_s: float = 
         if time.monotonic() > deadline:
             raise TimeoutError("condition not met in time")
         await asyncio.sleep(interval_s)
+
+
+def running_by_replica(urls: list[str]) -> dict[str, float]:
+    """Requests running on each replica (by Ray Serve replica id), from their metrics."""
+    return {
+        replica_id_of(samples): total([samples], "kvserve_requests_running")
+        for samples in (scrape(u) for u in urls)
+    }

@@ -19,8 +19,8 @@ from server.fake_tokenizer import ByteTokenizer
 from tests.cluster.helpers import (
     LocalCluster,
     replica_actor,
-    replica_id_of,
     replica_targets,
+    running_by_replica,
     scrape,
     start_local_cluster,
     total,
@@ -199,8 +199,7 @@ async def test_a_killed_replica_ends_its_http_streams_with_an_error_that_says_re
         return total([scrape(u) for u in urls], "kvserve_requests_running") == 4
 
     await wait_for(all_running)
-    by_replica = {replica_id_of(s): total([s], "kvserve_requests_running") for s in
-                  (scrape(u) for u in urls)}  # fmt: skip
+    by_replica = running_by_replica(urls)
     assert min(by_replica.values()) >= 1  # both replicas stream (the router spread them)
     victim = sorted(by_replica)[0]
     ray.kill(replica_actor(victim), no_restart=True)

@@ -22,6 +22,7 @@ from tests.cluster.helpers import (
     replica_actor,
     replica_id_of,
     replica_targets,
+    running_by_replica,
     scrape,
     start_local_cluster,
     total,
@@ -192,8 +193,7 @@ async def test_killed_replica_fails_only_its_own_streams(cluster: LocalCluster) 
             return total([scrape(u) for u in urls], "kvserve_requests_running") == 4
 
         await wait_for(all_running)
-        by_replica = {replica_id_of(s): total([s], "kvserve_requests_running") for s in
-                      (scrape(u) for u in urls)}  # fmt: skip
+        by_replica = running_by_replica(urls)
         assert min(by_replica.values()) >= 1  # both replicas stream (the router spread them)
         victim = sorted(by_replica)[0]
         import ray
