@@ -173,8 +173,14 @@ def llama_cpp_generate(http: Any) -> Generate:
                 chunk = json.loads(line[len("data: ") :])
                 new = list(chunk.get("tokens") or [])
                 if chunk.get("stop"):  # the final message may repeat what was streamed
-                    missing = int(chunk.get("tokens_predicted", len(tokens))) - len(tokens)
+                    predicted = int(chunk.get("tokens_predicted", len(tokens)))
+                    missing = predicted - len(tokens)
                     new = new[len(new) - missing :] if missing > 0 else []
+                    # A last token whose text is an incomplete UTF-8 character is never
+                    # streamed (nor in the final message): its id stands in as the previous
+                    # one. The next turn's prompt then differs from llama.cpp's cached state
+                    # at that one token, which it recomputes with the new user message.
+                    new += tokens[-1:] * (missing - len(new))
                 if new and not tokens:
                     first = time.perf_counter() - t0
                 tokens += new
