@@ -4,7 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-deps test-fast lint bench soak proto clean fuzz fuzz-install
+.PHONY: install serve test test-deps test-fast lint bench soak proto clean fuzz fuzz-install \
+	gpu-wheels gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,7 +39,7 @@ test-fast: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy --strict scheduler cache_manager
+	$(VENV)/bin/mypy --strict scheduler cache_manager kv_store model_runner/base.py model_runner/step.py
 
 # The first run builds llama.cpp's server (the chat128 peer) into ~/.cache/kvserve; later runs
 # reuse it. BENCH_QUICK=1: a smoke run of every section with tiny counts (wiring, not figures).
@@ -63,6 +64,19 @@ fuzz: $(addprefix fuzz-,$(FUZZ_TARGETS))
 
 fuzz-%: fuzz-install
 	$(PY) -m fuzz.run $* --seconds $(FUZZ_SECONDS)
+
+# The CUDA path on a GPU machine without network (benchmarks/gpu_check.py). Here, with PyPI:
+# `make gpu-wheels` puts the wheels that machine lacks into .gpu-wheels/ (git-ignored: a tool
+# that copies the tree there must carry it). There, from the repository root, with the
+# machine's own python3 (it has torch and triton; no venv, no install step):
+# `make gpu-check` installs them, runs the CUDA tests and bench_gpu in about 8 minutes, and
+# writes summary.json and the reports into GPU_OUT.
+GPU_OUT ?= $(or $(OUT),gpu-check)
+gpu-wheels: install
+	$(PY) -m benchmarks.gpu_check wheels
+
+gpu-check:
+	$(PYTHON) -m benchmarks.gpu_check run --out-dir $(GPU_OUT) $(GPU_CHECK_ARGS)
 
 proto: install
 	$(PY) -m server.rpc.gen

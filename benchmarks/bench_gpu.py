@@ -2,32 +2,42 @@
 serving against transformers' static batching on the same GPU.
 
     python -m benchmarks.bench_gpu                 # any CUDA machine with kvserve installed
+    python -m benchmarks.bench_gpu --sections probes,attention --out gpu.json
     python -m benchmarks.bench_gpu --dry-run       # the same code on CPU, tiny shapes (CI)
 
 The model is Llama-3-8B-SHAPED with RANDOM weights in bf16 (32 layers, hidden 4096, 32 / 8
 heads of 128, MLP 14336, vocab 128256): timings depend on shapes, not on values, and no
 checkpoint download is needed. Generation is greedy with ``ignore_eos``, so every request
-produces exactly its output length. Sections:
+produces exactly its output length. Each section prints its table as soon as it is measured
+and ``--out`` is rewritten after each, so a run cut short keeps what came before; ``--sections``
+picks some (the probes always run: the others are measured against them). Sections:
 
-1. **Probes**: device copy bandwidth (``dst.copy_(src)`` of a large buffer, read + write
+1. **probes**: device copy bandwidth (``dst.copy_(src)`` of a large buffer, read + write
    bytes) and matmul peak (a square GEMM in the model's dtype), best of a few runs.
-2. **Decode**: step time at batch 1 / 32 / 128 / 256 with every request at the same
+2. **attention**: the Triton paged decode kernel alone (no model), at batch 1 / 32 / 256 x
+   512 and 8,192 keys on scattered pages: GB/s of KV read against the copy bandwidth, each
+   timed as CUDA-graph replays over enough page sets to overflow the L2 cache, checked
+   against a torch reference; then a sweep of tile and launch configurations at the two
+   shapes the targets name (batch 256 x 512, batch 1 x 8,192).
+3. **decode**: step time at batch 1 / 32 / 128 / 256 with every request at the same
    context, against the HBM roofline (weights + KV read once per step / copy bandwidth) and,
    for the compute-bound batches, against the matmul peak (linear and attention FLOPs).
-3. **Prefill**: one step of several fresh prompts, FLOPs / time against the matmul peak.
-4. **Serving**: chat128-like traffic (128-token prompts, 128 output tokens) from 1 / 32 / 256
+4. **prefill**: one step of several fresh prompts, FLOPs / time against the matmul peak.
+5. **serving**: chat128-like traffic (128-token prompts, 128 output tokens) from 1 / 32 / 256
    closed-loop users through the engine's three-call step (``schedule``, ``execute``,
    ``update``, in process), against transformers' ``generate()`` on static batches of the
    same size on the same prompts, same GPU, same run.
 
-``--dry-run`` shrinks every shape (a 2-layer model in fp32 on CPU) and runs the same code, so
-CI proves the program runs; its figures mean nothing.
+``--dry-run`` shrinks every shape (a 2-layer model in fp32 on CPU, the attention kernel in
+Triton's interpreter) and runs the same code, so CI proves the program runs; its figures mean
+nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -35,6 +45,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.bench_attention import AttentionCases, measure_attention
 from benchmarks.bench_transformers import run_batches
 from cache_manager import KVCacheConfig, KVCacheManager
 from model_runner.config import ATTENTION_BACKEND_CHOICES, ModelConfig
@@ -86,6 +97,7 @@ class Sizes:
     output_len: int
     requests_per_user: int
     kv_budget_bytes: int
+    attention: AttentionCases
     block_size: int = 16
     max_num_batched_tokens: int = 8192
     repeats: int = 5
@@ -106,6 +118,21 @@ FULL = Sizes(
     output_len=128,
     requests_per_user=2,
     kv_budget_bytes=24 << 30,
+    attention=AttentionCases(
+        batches=(1, 32, 256),
+        keys=(512, 8192),
+        configs=(
+            (16, 4, 2),
+            (32, 4, 2),
+            (32, 4, 3),
+            (32, 8, 2),
+            (64, 4, 2),
+            (64, 4, 3),
+            (64, 8, 2),
+            (64, 8, 3),
+        ),
+        sweep=((256, 512), (1, 8192)),
+    ),
 )
 DRY = Sizes(
     model=TINY,
@@ -122,6 +149,14 @@ DRY = Sizes(
     output_len=4,
     requests_per_user=1,
     kv_budget_bytes=64 << 20,
+    attention=AttentionCases(
+        batches=(1, 3),
+        keys=(20, 40),
+        configs=((16, 4, 2), (32, 4, 2)),
+        sweep=((3, 20),),
+        dtype=torch.float32,
+        repeats=2,
+    ),
     max_num_batched_tokens=512,
     repeats=2,
 )
@@ -254,14 +289,18 @@ def _plan(step: int, prefill=(), decode=()) -> SchedulerOutput:  # type: ignore[
 
 # ---------------------------------------------------------------------------- sections
 
+SECTIONS = ("probes", "attention", "decode", "prefill", "serving")
+
 
 @dataclass(slots=True)
 class Report:
     device: str
     dtype: str
     attention_backend: str
+    sections: list[str] = field(default_factory=list)  # those measured, in order
     copy_bandwidth_gb_s: float = 0.0
     matmul_peak_tflop_s: float = 0.0
+    attention: list[dict[str, Any]] = field(default_factory=list)
     decode: list[dict[str, float]] = field(default_factory=list)
     prefill: dict[str, float] = field(default_factory=dict)
     serving: list[dict[str, float]] = field(default_factory=list)
@@ -352,95 +391,176 @@ def serve_closed_loop(
     return {"output_tokens": output_tokens, "wall_s": wall, "tok_s": output_tokens / wall}
 
 
-def run(sizes: Sizes, device: torch.device, backend: str) -> Report:
-    hf, config = make_models(sizes, device)
-    dtype_bytes = torch.empty(0, dtype=sizes.dtype).element_size()
-    runner = make_runner(hf, config, sizes, device, backend)
-    report = Report(str(device), str(sizes.dtype).removeprefix("torch."), runner.attention.name)
-    bandwidth = copy_bandwidth(device, sizes.copy_bytes, sizes.repeats)
-    peak = matmul_peak(device, sizes.matmul_n, sizes.dtype, sizes.repeats)
-    report.copy_bandwidth_gb_s = bandwidth / 1e9
-    report.matmul_peak_tflop_s = peak / 1e12
+class Bench:
+    """One run: the sections in order, each printed and saved as soon as it is measured.
+    The models and the runner are built when a section first needs them."""
 
-    ctx = sizes.decode_context
-    for batch in sizes.decode_batches:
-        step_s = measure_decode(runner, sizes, batch)
-        roofline_s = decode_step_bytes(config, batch, ctx, dtype_bytes) / bandwidth
-        flop_s = decode_step_flops(config, batch, ctx) / step_s
-        report.decode.append(
-            {
+    def __init__(
+        self,
+        sizes: Sizes,
+        device: torch.device,
+        backend: str,
+        emit: Callable[[str], None] = print,
+        save: Callable[[Report], None] | None = None,
+    ) -> None:
+        self.sizes = sizes
+        self.device = device
+        self.backend = backend
+        self.emit = emit
+        self.save = save
+        self.dtype_bytes = torch.empty(0, dtype=sizes.dtype).element_size()
+        self.report = Report(str(device), str(sizes.dtype).removeprefix("torch."), backend)
+        self._models: tuple[Any, ModelConfig] | None = None
+        self._runner: TorchRunner | None = None
+        self.bandwidth = self.peak = 0.0
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.models[1]
+
+    @property
+    def models(self) -> tuple[Any, ModelConfig]:
+        if self._models is None:
+            self._models = make_models(self.sizes, self.device)
+        return self._models
+
+    @property
+    def runner(self) -> TorchRunner:
+        if self._runner is None:
+            hf, config = self.models
+            self._runner = make_runner(hf, config, self.sizes, self.device, self.backend)
+            self.report.attention_backend = self._runner.attention.name
+            self.emit(f"attention backend: {self.report.attention_backend}")
+        return self._runner
+
+    def run(self, sections: Sequence[str]) -> Report:
+        self.emit(f"device {self.device}, {self.report.dtype}")
+        for name in ("probes", *(s for s in SECTIONS if s in sections and s != "probes")):
+            getattr(self, f"section_{name}")()
+            self.report.sections.append(name)
+            if self.save is not None:
+                self.save(self.report)
+        return self.report
+
+    def section_probes(self) -> None:
+        s = self.sizes
+        self.bandwidth = copy_bandwidth(self.device, s.copy_bytes, s.repeats)
+        self.peak = matmul_peak(self.device, s.matmul_n, s.dtype, s.repeats)
+        self.report.copy_bandwidth_gb_s = self.bandwidth / 1e9
+        self.report.matmul_peak_tflop_s = self.peak / 1e12
+        self.emit(
+            f"copy bandwidth {self.bandwidth / 1e9:.1f} GB/s, matmul peak "
+            f"{self.peak / 1e12:.2f} TFLOP/s (measured in this run)"
+        )
+
+    def section_attention(self) -> None:
+        from transformers import LlamaConfig
+
+        hf_config = LlamaConfig(**self.sizes.model).to_dict()
+        config = ModelConfig.from_hf_config(normalize_hf_config(hf_config), name="shape")
+        self.emit("\n| decode kernel: batch | keys | config (block_n/warps/stages) | us | GB/s "
+                  "| of copy bandwidth | max abs err |\n|---|---|---|---|---|---|---|")  # fmt: skip
+        self.report.attention = measure_attention(
+            config,
+            self.sizes.attention,
+            self.device,
+            self.bandwidth,
+            self._emit_attention_row,
+        )
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _emit_attention_row(self, r: dict[str, Any]) -> None:
+        head = f"| {r['batch']} | {r['keys']} | {r['config']} "
+        if "error" in r:
+            self.emit(head + f"| {r['error']} | | | |")
+            return
+        self.emit(
+            head + f"| {r['us']:.1f} | {r['gb_s']:.0f} | {r['of_copy_bandwidth']:.0%} "
+            f"| {r['max_abs_err']:.1e} |"
+        )
+
+    def section_decode(self) -> None:
+        ctx, runner = self.sizes.decode_context, self.runner
+        self.emit("\n| decode batch | context | step ms | HBM roofline ms | of roofline "
+                  "| of matmul peak |\n|---|---|---|---|---|---|")  # fmt: skip
+        for batch in self.sizes.decode_batches:
+            step_s = measure_decode(runner, self.sizes, batch)
+            roofline_s = decode_step_bytes(self.config, batch, ctx, self.dtype_bytes)
+            roofline_s /= self.bandwidth
+            d = {
                 "batch": batch,
                 "context": ctx,
                 "step_ms": step_s * 1e3,
                 "hbm_roofline_ms": roofline_s * 1e3,
                 "of_hbm_roofline": roofline_s / step_s,
-                "of_matmul_peak": flop_s / peak,
+                "of_matmul_peak": decode_step_flops(self.config, batch, ctx) / step_s / self.peak,
             }
-        )
-    prefill_s = measure_prefill(runner, sizes)
-    flop_s = prefill_flops(config, sizes.prefill_seqs, sizes.prefill_len) / prefill_s
-    report.prefill = {
-        "seqs": sizes.prefill_seqs,
-        "tokens_each": sizes.prefill_len,
-        "step_ms": prefill_s * 1e3,
-        "tflop_s": flop_s / 1e12,
-        "of_matmul_peak": flop_s / peak,
-    }
+            self.report.decode.append(d)
+            self.emit(
+                f"| {batch} | {ctx} | {d['step_ms']:.2f} | {d['hbm_roofline_ms']:.2f} "
+                f"| {d['of_hbm_roofline']:.0%} | {d['of_matmul_peak']:.0%} |"
+            )
 
-    served: dict[int, dict[str, float]] = {}
-    for users in sizes.users:
-        prompts = prompts_for(sizes, users * sizes.requests_per_user, config.vocab_size)
-        served[users] = serve_closed_loop(runner, sizes, users, prompts)
-    del runner
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    for users in sizes.users:
-        prompts = prompts_for(sizes, users * sizes.requests_per_user, config.vocab_size)
-        hf_run = run_batches(
-            hf, prompts, batch_size=users, max_new_tokens=sizes.output_len, pad_id=0
+    def section_prefill(self) -> None:
+        s = self.sizes
+        prefill_s = measure_prefill(self.runner, s)
+        flop_s = prefill_flops(self.config, s.prefill_seqs, s.prefill_len) / prefill_s
+        p = self.report.prefill = {
+            "seqs": s.prefill_seqs,
+            "tokens_each": s.prefill_len,
+            "step_ms": prefill_s * 1e3,
+            "tflop_s": flop_s / 1e12,
+            "of_matmul_peak": flop_s / self.peak,
+        }
+        self.emit(
+            f"\nprefill {p['seqs']} x {p['tokens_each']} tokens: {p['step_ms']:.1f} ms, "
+            f"{p['tflop_s']:.2f} TFLOP/s = {p['of_matmul_peak']:.0%} of the matmul peak"
         )
-        ours = served[users]
-        report.serving.append(
-            {
+
+    def section_serving(self) -> None:
+        s = self.sizes
+        hf, config = self.models
+        served: dict[int, dict[str, float]] = {}
+        for users in s.users:
+            prompts = prompts_for(s, users * s.requests_per_user, config.vocab_size)
+            served[users] = serve_closed_loop(self.runner, s, users, prompts)
+        self._runner = None  # transformers needs the memory the pool held
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.emit("\n| users | requests | kvserve tok/s | transformers static tok/s "
+                  "| kvserve / transformers |\n|---|---|---|---|---|")  # fmt: skip
+        for users in s.users:
+            prompts = prompts_for(s, users * s.requests_per_user, config.vocab_size)
+            hf_run = run_batches(
+                hf, prompts, batch_size=users, max_new_tokens=s.output_len, pad_id=0
+            )
+            ours = served[users]
+            row = {
                 "users": users,
                 "requests": len(prompts),
                 "kvserve_tok_s": ours["tok_s"],
                 "transformers_static_tok_s": hf_run.output_tokens_per_s,
                 "ratio": ours["tok_s"] / hf_run.output_tokens_per_s,
             }
-        )
-    return report
+            self.report.serving.append(row)
+            self.emit(
+                f"| {users} | {row['requests']} | {row['kvserve_tok_s']:.1f} "
+                f"| {row['transformers_static_tok_s']:.1f} | {row['ratio']:.2f}x |"
+            )
 
 
-def format_report(report: Report) -> str:
-    lines = [
-        f"device {report.device}, {report.dtype}, attention backend {report.attention_backend}",
-        f"copy bandwidth {report.copy_bandwidth_gb_s:.1f} GB/s, "
-        f"matmul peak {report.matmul_peak_tflop_s:.2f} TFLOP/s (measured in this run)",
-        "",
-        "| decode batch | context | step ms | HBM roofline ms | of roofline | of matmul peak |",
-        "|---|---|---|---|---|---|",
-    ]
-    for d in report.decode:
-        lines.append(
-            f"| {d['batch']} | {d['context']} | {d['step_ms']:.2f} | {d['hbm_roofline_ms']:.2f} "
-            f"| {d['of_hbm_roofline']:.0%} | {d['of_matmul_peak']:.0%} |"
+def parse_sections(text: str) -> list[str]:
+    """``--sections``: comma-separated names of ``SECTIONS`` (``all``: every one)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if names == ["all"]:
+        return list(SECTIONS)
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown sections {unknown or text!r}: use some of {', '.join(SECTIONS)} or all"
         )
-    p = report.prefill
-    lines += [
-        "",
-        f"prefill {p['seqs']} x {p['tokens_each']} tokens: {p['step_ms']:.1f} ms, "
-        f"{p['tflop_s']:.2f} TFLOP/s = {p['of_matmul_peak']:.0%} of the matmul peak",
-        "",
-        "| users | requests | kvserve tok/s | transformers static tok/s | kvserve / transformers |",
-        "|---|---|---|---|---|",
-    ]
-    for s in report.serving:
-        lines.append(
-            f"| {s['users']} | {s['requests']} | {s['kvserve_tok_s']:.1f} "
-            f"| {s['transformers_static_tok_s']:.1f} | {s['ratio']:.2f}x |"
-        )
-    return "\n".join(lines)
+    return names
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -448,16 +568,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (CI)")
     parser.add_argument("--device", default=None, help="default: cuda (cpu with --dry-run)")
     parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKEND_CHOICES)
-    parser.add_argument("--out", default=None, help="write the report as JSON here")
+    parser.add_argument(
+        "--sections", type=parse_sections, default=list(SECTIONS),
+        help=f"comma-separated, of {', '.join(SECTIONS)} (default: all)",
+    )  # fmt: skip
+    parser.add_argument("--out", default=None, help="write the report as JSON here (per section)")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cpu" if args.dry_run else "cuda"))
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device: run on a GPU machine, or pass --dry-run")
-    report = run(DRY if args.dry_run else FULL, device, args.attention_backend)
-    print(format_report(report))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(asdict(report), f, indent=2)
+    if device.type != "cuda" and "attention" in args.sections:
+        # Triton runs off CUDA only in its interpreter; read when its kernels are decorated.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+    def save(report: Report) -> None:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(asdict(report), f, indent=2)
+
+    def emit(line: str) -> None:
+        print(line, flush=True)
+
+    sizes = DRY if args.dry_run else FULL
+    Bench(sizes, device, args.attention_backend, emit, save).run(args.sections)
     return 0
 
 

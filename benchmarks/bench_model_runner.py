@@ -129,9 +129,9 @@ def quantized_runner(
         fused_step=fused_step,
     )
     return runner, (
-        f"{loaded.name} as stored ({runner.info.extra['weights']}, "
-        f"{int(runner.info.extra['weight_bytes']) / 2**20:.0f} MiB), "
-        f"{runner.info.extra['linear_backend']} kernels, fused step "
+        f"{loaded.name} as stored ({runner.info.weights}, "
+        f"{runner.info.weight_bytes / 2**20:.0f} MiB), "
+        f"{runner.info.linear_backend} kernels, fused step "
         f"{runner.info.extra['fused_step']}, KV {runner.info.kv_dtype}"
     )
 
@@ -288,7 +288,7 @@ def main() -> None:
     )
     print(f"# weights: {source}")
     print(
-        f"# kvserve: linear layers via {ours.info.extra['linear_backend']}; "
+        f"# kvserve: linear layers via {ours.info.linear_backend}; "
         "'kvserve F.linear' = same runner with plain torch F.linear (ablation)"
     )
     print(

@@ -69,7 +69,8 @@ from typing import Any
 
 from benchmarks import sections
 from benchmarks.bench_llama_cpp import LlamaCpp, find_llama_cpp, llama_cpp_note
-from benchmarks.sections import FULL, QUICK, Context, SectionResult, say
+from benchmarks.sections import Context, SectionResult, say
+from benchmarks.sizes import FULL, QUICK
 from benchmarks.table import Row, format_table
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

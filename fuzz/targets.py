@@ -25,7 +25,8 @@ from google.protobuf.message import DecodeError
 from model_runner.errors import CheckpointError
 from model_runner.gguf_loader import read_header
 from model_runner.tokenizer import IncrementalDetokenizer, Tokenizer, byte_to_unicode
-from server.openai_protocol import HttpError, http_error, load_body, parse_body
+from server.openai.fields import HttpError, http_error
+from server.openai.parse import load_body, parse_body
 from server.rpc import generation_pb2 as pb
 from server.validation import (
     InvalidRequestError,

@@ -1,4 +1,5 @@
-"""The store interface of tier 2, its errors, and ``open_store``."""
+"""The store interface of tier 2, its kinds and its errors (``open_store`` is in the package:
+the stores import this module, so it imports none of them)."""
 
 from __future__ import annotations
 
@@ -50,18 +51,3 @@ class BlockStore(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-def open_store(kind: str, path: str, capacity_bytes: int) -> BlockStore:
-    """Open (creating) the store at ``path``; StoreError("open") when it cannot be used."""
-    if capacity_bytes < 1:
-        raise ValueError(f"capacity_bytes must be >= 1, got {capacity_bytes}")
-    if kind == "lmdb":
-        from kv_store.lmdb_store import LmdbStore
-
-        return LmdbStore(path, capacity_bytes)
-    if kind == "file":
-        from kv_store.file_store import FileStore
-
-        return FileStore(path, capacity_bytes)
-    raise ValueError(f"unknown store kind {kind!r}; use one of {list(STORE_KINDS)}")

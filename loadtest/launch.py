@@ -25,13 +25,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class ChildServer:
-    """A server child process with a private temporary folder and a log file in it; as a
-    context manager ``start()`` on entry, ``stop()`` and the folder's removal on exit.
-    Subclasses set ``proc`` in ``start()``."""
+    """A server child process with a private temporary folder and a log file (in it unless
+    ``log_path`` says where: a log there outlives the folder); as a context manager
+    ``start()`` on entry, ``stop()`` and the folder's removal on exit. Subclasses set
+    ``proc`` in ``start()``."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, log_path: Path | None = None) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix=prefix)
-        self.log_path = Path(self._tmp.name) / "server.log"
+        self.log_path = log_path if log_path is not None else Path(self._tmp.name) / "server.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Self:
@@ -77,12 +78,13 @@ class ServerProcess(ChildServer):
         metrics: bool = True,
         startup_timeout_s: float = 300.0,
         env: dict[str, str] | None = None,
+        log_path: Path | None = None,
     ) -> None:
         self.serve_args = list(serve_args)
         self.metrics = metrics
         self.startup_timeout_s = startup_timeout_s
         self.env = env
-        super().__init__("kvserve-server-")
+        super().__init__("kvserve-server-", log_path)
         self.port_file = Path(self._tmp.name) / "port"
         self.metrics_port_file = Path(self._tmp.name) / "metrics-port"
         self.http_port_file = Path(self._tmp.name) / "http-port"

@@ -25,7 +25,6 @@ import contextlib
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from pathlib import Path
 import grpc
 import httpx
 
+from loadtest.launch import ServerProcess
 from server.rpc import generation_pb2 as pb
 from server.rpc import generation_pb2_grpc as pb_grpc
 
@@ -47,85 +47,35 @@ STALLED_TIMEOUT_S = 2.0
 HEADER_TIMEOUT_S = 2.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# The soak's server: the fake runner, slow enough to hold streams, quick to stall and time out.
+SERVE_ARGS = [
+    "--runner", "fake", "--fake-step-sleep-s", "0.002",
+    "--stalled-stream-timeout-s", str(STALLED_TIMEOUT_S), "--max-unread-outputs", "8",
+    "--http-header-timeout-s", str(HEADER_TIMEOUT_S), "--log-level", "warning",
+    *(a for k in KEYS for a in ("--api-key", k)), "--admin-api-key", ADMIN,
+]  # fmt: skip
 
 
-@dataclass
-class Server:
-    proc: subprocess.Popen[bytes]
-    grpc_port: int
-    http_port: int
-    metrics_port: int
-    log: Path
+def start_server(log: Path, extra: list[str]) -> ServerProcess:
+    """A soak server (``loadtest.launch``: ports from its port files), its output in ``log``."""
+    return ServerProcess([*SERVE_ARGS, *extra], startup_timeout_s=120, log_path=log).start()
 
-    @classmethod
-    def start(cls, log: Path, extra: list[str]) -> Server:
-        ports = [_free_port() for _ in range(3)]
-        args = [
-            sys.executable,
-            "-m",
-            "server.cli",
-            "serve",
-            "--runner",
-            "fake",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(ports[0]),
-            "--http-port",
-            str(ports[1]),
-            "--metrics-port",
-            str(ports[2]),
-            "--fake-step-sleep-s",
-            "0.002",
-            "--stalled-stream-timeout-s",
-            str(STALLED_TIMEOUT_S),
-            "--max-unread-outputs",
-            "8",
-            "--http-header-timeout-s",
-            str(HEADER_TIMEOUT_S),
-            "--log-level",
-            "warning",
-            *(a for k in KEYS for a in ("--api-key", k)),
-            "--admin-api-key",
-            ADMIN,
-            *extra,
-        ]
-        with log.open("wb") as out:
-            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while b"OpenAI-compatible API on" not in log.read_bytes():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.1)
-        return cls(proc, *ports, log)
 
-    def rss_bytes(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError("no VmRSS")
+def rss_bytes(server: ServerProcess) -> int:
+    assert server.proc is not None
+    for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
 
-    async def metrics(self) -> str:
-        async with httpx.AsyncClient(timeout=10.0) as http:
-            reply = await http.get(
-                f"http://127.0.0.1:{self.metrics_port}/metrics",
-                headers={"Authorization": f"Bearer {ADMIN}"},
-            )
-        reply.raise_for_status()
-        return reply.text
 
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(30)
-            if self.proc.poll() is None:
-                self.proc.kill()
-        return self.proc.wait()
+async def scrape(server: ServerProcess) -> str:
+    """The server's /metrics (with the admin key)."""
+    assert server.metrics_url is not None
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        reply = await http.get(server.metrics_url, headers={"Authorization": f"Bearer {ADMIN}"})
+    reply.raise_for_status()
+    return reply.text
 
 
 def metric(text: str, name: str, labels: str = "") -> float:
@@ -156,11 +106,11 @@ async def _drain(call: AsyncIterator[object]) -> None:
 class Traffic:
     """The scenarios; each records its outcome in ``tally``."""
 
-    def __init__(self, server: Server, rng: random.Random, tally: Tally) -> None:
+    def __init__(self, server: ServerProcess, rng: random.Random, tally: Tally) -> None:
         self.server, self.rng, self.tally = server, rng, tally
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}")
+        self.channel = grpc.aio.insecure_channel(server.target)
         self.stub = pb_grpc.GenerationStub(self.channel)
-        self.http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}", timeout=60.0)
+        self.http = httpx.AsyncClient(base_url=server.http_url, timeout=60.0)
         self.seq = 0
 
     def _key(self) -> str:
@@ -326,7 +276,7 @@ class Traffic:
     async def stalled_client(self) -> None:
         """A stream its client never reads: parked, then aborted (ABORTED) by the server."""
         channel = grpc.aio.insecure_channel(
-            f"127.0.0.1:{self.server.grpc_port}", options=[("grpc.http2.bdp_probe", 0)]
+            self.server.target, options=[("grpc.http2.bdp_probe", 0)]
         )
         try:
             stub = pb_grpc.GenerationStub(channel)
@@ -378,10 +328,11 @@ class Traffic:
 
 async def soak(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="kvserve-soak-"))
-    server = Server.start(workdir / "server.log", [])
+    server = start_server(workdir / "server.log", [])
+    assert server.proc is not None
     print(
         f"soak: {args.minutes:g} min, {args.workers} clients, fake runner, server pid "
-        f"{server.proc.pid}, log {server.log}",
+        f"{server.proc.pid}, log {server.log_path}",
         flush=True,
     )
     rng = random.Random(args.seed)
@@ -411,10 +362,10 @@ async def soak(args: argparse.Namespace) -> int:
             flush=True,
         )
         while True:
-            text = await server.metrics()
+            text = await scrape(server)
             row = (
                 time.monotonic() - t0,
-                server.rss_bytes(),
+                rss_bytes(server),
                 metric(text, "kvserve_kv_cache_blocks", '{state="used"}'),
                 metric(text, "kvserve_requests_running"),
                 metric(text, "kvserve_requests_waiting"),
@@ -434,7 +385,7 @@ async def soak(args: argparse.Namespace) -> int:
         # Idle: every request ended, so nothing may hold a block or a seat.
         deadline = time.monotonic() + 15
         while True:
-            text = await server.metrics()
+            text = await scrape(server)
             left = [
                 metric(text, "kvserve_kv_cache_blocks", '{state="used"}'),
                 metric(text, "kvserve_requests_running"),
@@ -467,10 +418,10 @@ async def soak(args: argparse.Namespace) -> int:
     finally:
         await traffic.close()
         code = server.stop()
-    log_text = server.log.read_text()
+    log_text = server.log()
     for bad in ("Traceback", "ERROR"):
         if bad in log_text:
-            failures.append(f"{bad!r} in the server log ({server.log})")
+            failures.append(f"{bad!r} in the server log ({server.log_path})")
     after = [s for s in samples if s[0] >= warmup_s]
     if len(after) >= 2:
         base, last = after[0][1], after[-1][1]
@@ -503,7 +454,9 @@ async def soak(args: argparse.Namespace) -> int:
 async def crash_drill(workdir: Path, rng: random.Random) -> list[str]:
     """A server whose runner raises at its 300th step, under streams: every stream ends with
     UNAVAILABLE (none hangs) and the server exits with status 1, saying why."""
-    server = Server.start(workdir / "crash.log", ["--fake-crash-at-step", "300"])
+    server = start_server(workdir / "crash.log", ["--fake-crash-at-step", "300"])
+    proc = server.proc
+    assert proc is not None
     tally = Tally()
     traffic = Traffic(server, rng, tally)
     codes: Counter[str] = Counter()
@@ -519,13 +472,13 @@ async def crash_drill(workdir: Path, rng: random.Random) -> list[str]:
     try:
         async with asyncio.timeout(60):
             await asyncio.gather(*(stream() for _ in range(8)))
-        exit_code = await asyncio.get_running_loop().run_in_executor(None, server.proc.wait, 30)
+        exit_code = await asyncio.get_running_loop().run_in_executor(None, proc.wait, 30)
     except (TimeoutError, subprocess.TimeoutExpired):
         exit_code = None
     finally:
         await traffic.close()
         server.stop()
-    said = "runner died" in server.log.read_text()
+    said = "runner died" in server.log()
     print(
         f"crash drill: streams ended {dict(codes)}, server exit status {exit_code}, "
         f"'runner died' logged: {said}"

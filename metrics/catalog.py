@@ -23,7 +23,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from cache_manager.stats import KVCacheStats
+from cache_manager.stats import TIER_ERROR_KINDS, KVCacheStats, KVTierStats
 from metrics.histogram import (
     INTER_TOKEN_BUCKETS_S,
     PREDICTION_ERROR_BUCKETS,
@@ -35,7 +35,6 @@ from metrics.histogram import (
     TOKEN_COUNT_BUCKETS,
     TTFT_BUCKETS_S,
 )
-from metrics.kv_tier import TIER_FIELD_METRICS
 from scheduler.output import SchedulerStats
 from scheduler.request import AbortReason, FinishReason
 
@@ -63,18 +62,22 @@ INFO_LABELS = ("model", "dtype", "device", "block_size", "num_blocks")
 @dataclass(frozen=True, slots=True)
 class SnapshotMetric:
     """One metric read from the snapshot. ``read`` returns its value, or with ``label`` a
-    {label value: value} mapping (an info metric: the label's text). ``kv_fields``: the
-    ``KVCacheStats`` fields it exports, in the order of its label values."""
+    {label value: value} mapping (an info metric: the label's text); None when the metric
+    is absent from this snapshot (tier 2's store while it is off). ``kv_fields``: the
+    ``KVCacheStats`` fields it exports, in the order of its label values (None: a label value
+    no field holds, such as a figure derived from others)."""
 
     name: str
     kind: str
     doc: str
     read: Callable[[SchedulerStats], Any]
     label: str | None = None
-    kv_fields: tuple[str, ...] = ()
+    kv_fields: tuple[str | None, ...] = ()
 
-    def family(self, stats: SchedulerStats) -> Metric:
+    def family(self, stats: SchedulerStats) -> Metric | None:
         value = self.read(stats)
+        if value is None:
+            return None
         if self.kind == INFO:
             info = InfoMetricFamily(PREFIX + self.name, self.doc)
             info.add_metric([], {str(self.label): str(value)})
@@ -96,12 +99,14 @@ class SnapshotMetric:
         if not self.kv_fields:
             return {}
         if self.kind == INFO:
-            return {self.kv_fields[0]: f"{name}_info{{{self.label}}}"}
+            return {str(self.kv_fields[0]): f"{name}_info{{{self.label}}}"}
         if self.label is None:
-            return dict.fromkeys(self.kv_fields, name)
+            return {f: name for f in self.kv_fields if f is not None}
         states = self.read(SchedulerStats.make_empty(KVCacheStats.make_empty()))
         return {
-            f: f'{name}{{{self.label}="{s}"}}' for f, s in zip(self.kv_fields, states, strict=True)
+            f: f'{name}{{{self.label}="{s}"}}'
+            for f, s in zip(self.kv_fields, states, strict=True)
+            if f is not None
         }
 
 
@@ -119,6 +124,33 @@ def _finished(s: SchedulerStats) -> dict[str, int]:
     finished = dict.fromkeys((f.value for f in FinishReason), 0)
     finished.update(s.num_finished_total)
     return dict(sorted(finished.items()))
+
+
+def _tier1_hit_tokens(kv: KVCacheStats) -> int:
+    """Tier 1's prefix hits: all hits minus tier 2's."""
+    return max(kv.prefix_hits_tokens_total - kv.tier2_hit_tokens_total, 0)
+
+
+def _by_tier(
+    kv: KVCacheStats, tier1: float, tier2: Callable[[KVTierStats], float]
+) -> dict[str, float]:
+    """{"1": tier1, "2": tier2(the store's figures)}, "2" only while tier 2 is on."""
+    values = {"1": tier1}
+    if kv.tier2 is not None:
+        values["2"] = tier2(kv.tier2)
+    return values
+
+
+def _store(name: str, doc: str, field: str) -> SnapshotMetric:
+    """A counter of tier 2's store (``KVTierStats.field``), absent while the tier is off."""
+    return SnapshotMetric(
+        name, COUNTER, doc, lambda s: None if s.kv.tier2 is None else getattr(s.kv.tier2, field)
+    )
+
+
+def _store_errors(s: SchedulerStats) -> dict[str, int] | None:
+    store = s.kv.tier2
+    return None if store is None else {k: store.errors_total.get(k, 0) for k in TIER_ERROR_KINDS}
 
 
 # KV blocks by state: label value -> KVCacheStats field.
@@ -207,12 +239,50 @@ SNAPSHOT_METRICS: tuple[SnapshotMetric, ...] = (
     _kv("kv_cache_strategy_windowed_tokens_total", COUNTER,
         "Old KV token slots the adaptive strategy released from the longest requests under "
         "memory pressure.", "strategy_windowed_tokens_total"),
+    # --- the KV tiers: 1 is the pool's prefix cache, 2 the store (``server.kv_tier``). Hits
+    # are counters by tier, so a hit rate by tier is computed from them. ---
+    SnapshotMetric("kv_tier_hits_blocks_total", COUNTER, "Prefix-hit blocks by tier.",
+                   lambda s: {"1": _tier1_hit_tokens(s.kv) // max(s.kv.block_size, 1),
+                              "2": s.kv.tier2_hit_blocks_total},
+                   "tier", (None, "tier2_hit_blocks_total")),
+    SnapshotMetric("kv_tier_hits_tokens_total", COUNTER, "Prefix-hit tokens by tier.",
+                   lambda s: {"1": _tier1_hit_tokens(s.kv), "2": s.kv.tier2_hit_tokens_total},
+                   "tier", (None, "tier2_hit_tokens_total")),
+    SnapshotMetric("kv_tier_blocks", GAUGE, "Blocks holding KV, by tier.",
+                   lambda s: _by_tier(s.kv, s.kv.num_blocks_used + s.kv.num_blocks_cached_free,
+                                      lambda t: t.num_blocks), "tier"),
+    SnapshotMetric("kv_tier_bytes", GAUGE, "Bytes of KV held, by tier.",
+                   lambda s: _by_tier(s.kv, (s.kv.num_blocks_used + s.kv.num_blocks_cached_free)
+                                      * s.kv.block_bytes, lambda t: t.num_bytes), "tier"),
+    SnapshotMetric("kv_tier_capacity_bytes", GAUGE, "Bytes a tier may hold.",
+                   lambda s: _by_tier(s.kv, s.kv.total_memory_bytes, lambda t: t.capacity_bytes),
+                   "tier"),
+    _kv("kv_tier2_spill_planned_blocks_total", COUNTER,
+        "Keyed blocks the cache manager planned to spill to tier 2 (once per key).",
+        "tier2_spill_blocks_total"),
+    SnapshotMetric("kv_tier2", INFO, "Tier 2's storage engine (off: not opened).",
+                   lambda s: None if s.kv.tier2 is None else s.kv.tier2.backend, "backend",
+                   ("tier2",)),
+    _store("kv_tier2_spill_blocks_total", "Blocks written to tier 2 (duplicates skipped).",
+           "spill_blocks_total"),
+    _store("kv_tier2_spill_bytes_total", "Entry bytes written to tier 2.", "spill_bytes_total"),
+    _store("kv_tier2_spill_seconds_total", "Background writer time.", "spill_seconds_total"),
+    _store("kv_tier2_restore_blocks_total", "Blocks restored from tier 2 into the pool.",
+           "restore_blocks_total"),
+    _store("kv_tier2_restore_bytes_total", "KV bytes restored from tier 2.",
+           "restore_bytes_total"),
+    _store("kv_tier2_restore_seconds_total",
+           "Store reads (background) and copies into the pool.", "restore_seconds_total"),
+    _store("kv_tier2_lookups_blocks_total", "Blocks looked up in tier 2.",
+           "lookups_blocks_total"),
+    SnapshotMetric("kv_tier2_errors_total", COUNTER,
+                   "Tier-2 failures by kind (each a miss or a dropped spill; requests never "
+                   "fail).", _store_errors, "kind"),
 )  # fmt: skip
 
 # Every KVCacheStats field -> the series that exports it (an info metric: ``name{label}``).
 KV_FIELD_METRICS: dict[str, str] = {
-    **{field: series for m in SNAPSHOT_METRICS for field, series in m.field_metrics().items()},
-    **TIER_FIELD_METRICS,  # the KV tiers' families (metrics.kv_tier)
+    field: series for m in SNAPSHOT_METRICS for field, series in m.field_metrics().items()
 }
 
 

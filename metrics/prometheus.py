@@ -51,7 +51,6 @@ from metrics.catalog import (
     TRANSFER_OUTCOMES,
 )
 from metrics.histogram import Histogram
-from metrics.kv_tier import kv_tier_families
 from metrics.records import RequestRecord, StepRecord
 from scheduler.output import SchedulerStats
 from scheduler.request import AbortReason, FinishReason
@@ -281,8 +280,9 @@ class PrometheusSink:
             }
         yield self._info_family(stats.kv)
         for metric in SNAPSHOT_METRICS:
-            yield metric.family(stats)
-        yield from kv_tier_families(stats.kv)
+            family = metric.family(stats)
+            if family is not None:
+                yield family
         yield from hists
         for name, samples in events.items():
             labels, doc = EVENT_COUNTERS[name]

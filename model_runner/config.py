@@ -40,6 +40,9 @@ KV_DTYPE_CHOICES = ("auto", *DTYPES)
 # Attention backends (``model_runner.attention_backends``); auto: FlashInfer, else Triton, on
 # CUDA when installed, else the torch reference.
 ATTENTION_BACKEND_CHOICES = ("auto", "torch", "triton", "flashinfer")
+# How the loader holds a checkpoint's matrices (``loader.load_model(weights=...)``): here, not
+# in ``quant``, so the CLI reads the choices without importing torch.
+WEIGHT_MODES: tuple[str, ...] = ("auto", "float32", "native", "int8")
 
 
 @dataclass(frozen=True, slots=True)

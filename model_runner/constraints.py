@@ -186,7 +186,8 @@ class ConstraintCompiler:
             raise ConstraintError(f"tokens leave the constraint: {matcher.get_error()}")
         mask = self.empty_masks(1)
         matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
-        return mask[0]
+        row: np.ndarray = mask[0]
+        return row
 
 
 @dataclass(slots=True)
@@ -222,12 +223,6 @@ class ConstraintTracker:
         """The output tokens the request's matcher has consumed (None: no state)."""
         state = self._states.get(request_id)
         return None if state is None else list(state.token_ids)
-
-    def current_mask(self, request_id: str) -> np.ndarray:
-        """The tracked matcher's mask now (tests compare it with ``replay_mask``)."""
-        mask = self.compiler.empty_masks(1)
-        self._states[request_id].matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
-        return mask[0]
 
     def drop(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:

@@ -42,12 +42,13 @@ For tests the runner can also:
 from __future__ import annotations
 
 import hashlib
+import struct
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
 from cache_manager.sizing import ModelShape
-from model_runner.base import ModelInfo
+from model_runner.base import ModelInfo, NullBlockIO
 from scheduler.output import ModelOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -138,12 +139,13 @@ class FakeRunner:
     def info(self) -> ModelInfo:
         return self._info
 
-    # -- the shadow KV as block bytes (tier 2: server.kv_tier.ShadowBlockIO) -------------
+    # -- the shadow KV as block bytes (tier 2) -------------------------------------------
 
-    @property
-    def kv_block_size(self) -> int | None:
-        """Slots per block of the shadow KV (None: no shadow KV is kept)."""
-        return self._kv_block_size
+    def block_io(self) -> ShadowBlockIO | NullBlockIO:
+        """The shadow KV as block bytes (``ShadowBlockIO``), or no bytes without one."""
+        if self._kv_block_size is None:
+            return NullBlockIO()
+        return ShadowBlockIO(self, self._kv_block_size)
 
     def read_kv_block(self, block_id: int) -> list[int | None]:
         """The token each slot of ``block_id`` holds in the shadow KV (None: never written)."""
@@ -336,3 +338,25 @@ class FakeRunner:
                         f"{seq.request_id}: position {pos} in block {block_id} holds {held}, "
                         f"expected {expected[pos]}"
                     )
+
+
+class ShadowBlockIO:
+    """A ``FakeRunner``'s shadow KV (the token id each slot holds) as block bytes, so tier-2
+    tests check that a restored block holds exactly the tokens of its position."""
+
+    def __init__(self, runner: FakeRunner, block_size: int) -> None:
+        self._runner = runner
+        self._fmt = struct.Struct(f"<{block_size}q")
+        self.block_bytes = self._fmt.size
+
+    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        read = self._runner.read_kv_block
+        return [self._fmt.pack(*(-1 if t is None else t for t in read(b))) for b in block_ids]
+
+    def write_blocks(
+        self, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]
+    ) -> None:
+        for block_id, payload in zip(block_ids, payloads, strict=True):
+            self._runner.write_kv_block(
+                block_id, [None if t < 0 else t for t in self._fmt.unpack(payload)]
+            )

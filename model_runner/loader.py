@@ -59,7 +59,7 @@ def load_model(
 
     ``None`` is the embedded SmolLM2 GGUF; a ``.gguf`` file (or any file starting with the
     GGUF magic) goes through ``load_gguf``; a directory through ``hf_loader.load_hf_dir``
-    plus its ``tokenizer.json``. ``weights`` (``quant.WEIGHT_MODES``) says whether matrices
+    plus its ``tokenizer.json``. ``weights`` (``config.WEIGHT_MODES``) says whether matrices
     are dequantized / cast to ``dtype`` or kept quantized for ``device``'s kernels.
     """
     torch_dtype = resolve_dtype(dtype, torch.device("cpu"))

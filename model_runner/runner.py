@@ -4,8 +4,9 @@ One step::
 
     plan.block_copies  -> pool.copy_blocks            (copy-on-write, before anything reads)
     plan.prefill/decode -> StepRows.of                 (each seq checked: a bad one fails alone)
-                        -> attention.build(step)       (all index tensors, once per step)
-                        -> model.forward               (fused: prefill chunks + decodes together)
+                        -> paths.choose(step)          (model_runner.paths: the fused CPU kernel,
+                                                        a CUDA graph, or eager: attention.build
+                                                        once, model.forward over every layer)
                         -> rows that sample -> final norm + LM head -> sampler
                         -> ModelOutput
 
@@ -47,18 +48,22 @@ from model_runner.config import ModelConfig
 from model_runner.cuda_graphs import GRAPH_BATCH_SIZES, graph_memory_bytes
 from model_runner.device import dtype_name, resolve_dtype, resolve_kv_dtype, select_device
 from model_runner.kv_pool import KVPool, default_kv_budget_bytes, num_blocks_for_memory
+from model_runner.kv_transfer import PoolBlockIO
 from model_runner.model import LlamaModel, rope_inv_freq
 from model_runner.paths import graph_sizes, make_paths
 from model_runner.quant import QuantWeight
+from model_runner.sampler import Sampler, SampleResult, apply_token_bitmask
 from model_runner.step import StepLimits, StepRows, num_accepted_drafts, verify_rows
-from scheduler.output import ModelOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
+from scheduler.output import ModelOutput, ScheduledSeq, SchedulerOutput
 
 if TYPE_CHECKING:
     from model_runner.constraints import ConstraintTracker, Masks
 
 
 class SamplerLike(Protocol):
-    def sample(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> object: ...
+    """``sampler.Sampler``'s contract: one token (and logprobs) per row of ``logits``."""
+
+    def sample(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> SampleResult: ...
 
 
 class TorchRunner:
@@ -175,11 +180,7 @@ class TorchRunner:
             unbounded_positions=attention_sinks > 0,
         )
         self.fuse_batches = fuse_batches
-        if sampler is None:
-            from model_runner.sampler import Sampler
-
-            sampler = Sampler()
-        self.sampler = sampler
+        self.sampler = sampler if sampler is not None else Sampler()
         self.constraints = constraints
         self._mask_thread: ThreadPoolExecutor | None = None
         self._info = ModelInfo(
@@ -193,15 +194,15 @@ class TorchRunner:
             device=str(self.device),
             sliding_window=self.sliding_window,
             kv_dtype=dtype_name(self.kv_dtype),
+            weights=self.model.weights_format,
+            weight_bytes=self.model.weight_bytes,
+            linear_backend=self._linear_backend(),
             extra={
                 "architecture": config.architecture,
                 "num_blocks": str(num_blocks),
                 "block_size": str(block_size),
                 "kv_pool_bytes": str(self.pool.num_bytes),
-                "linear_backend": self._linear_backend(),
-                "weights": self.model.weights_format,
                 "fused_step": str(self.paths.fused is not None).lower(),
-                "weight_bytes": str(self.model.weight_bytes),
                 "fuse_batches": str(fuse_batches).lower(),
                 "attention_backend": self.attention.name,
                 "cuda_graphs": str(self.paths.graphs is not None).lower(),
@@ -211,6 +212,10 @@ class TorchRunner:
     @property
     def info(self) -> ModelInfo:
         return self._info
+
+    def block_io(self) -> PoolBlockIO:
+        """The KV pool's blocks as bytes (tier 2)."""
+        return PoolBlockIO(self.pool)
 
     def _linear_backend(self) -> str:
         if self.model.weights_format != "float":
@@ -333,11 +338,10 @@ class TorchRunner:
             failed.update(step_masks.failed)
             result.constraint_mask_time_s = step_masks.compute_time_s
             if step_masks.bitmask is not None:
-                from model_runner.sampler import apply_token_bitmask
-
                 apply_token_bitmask(logits, torch.from_numpy(step_masks.bitmask))
-        token_ids, logprobs, sample_failed = self._sample_rows(logits, rows)
-        failed.update(sample_failed)
+        sampled = self._sample_rows(logits, rows)
+        token_ids, logprobs = sampled.token_ids, sampled.logprobs
+        failed.update(sampled.failed)
         result.failed.update(failed)
         row = 0
         for seq in seqs:
@@ -372,30 +376,23 @@ class TorchRunner:
             result.num_accepted_drafts.pop(rid, None)
             result.logprobs.pop(rid, None)
 
-    def _sample_rows(
-        self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]
-    ) -> tuple[list[int], list[TokenLogprobs | None], dict[str, str]]:
+    def _sample_rows(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> SampleResult:
         """A token (and logprobs) per row; a row that fails fails its request."""
         try:
-            return _unpack(self.sampler.sample(logits, seqs))
+            return self.sampler.sample(logits, seqs)
         except Exception:
             # Isolate the culprit: re-sample row by row; only rows that raise fail.
-            token_ids: list[int] = []
-            logprobs: list[TokenLogprobs | None] = []
-            failed: dict[str, str] = {}
+            result = SampleResult(token_ids=[], logprobs=[])
             for i, seq in enumerate(seqs):
                 try:
-                    row_tokens, row_logprobs, row_failed = _unpack(
-                        self.sampler.sample(logits[i : i + 1], [seq])
-                    )
+                    row = self.sampler.sample(logits[i : i + 1], [seq])
                 except Exception as exc:
-                    failed[seq.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
-                    row_tokens, row_logprobs = [0], [None]
-                else:
-                    failed.update(row_failed)
-                token_ids.extend(row_tokens)
-                logprobs.extend(row_logprobs)
-            return token_ids, logprobs, failed
+                    error = f"sampling failed: {type(exc).__name__}: {exc}"
+                    row = SampleResult([0], [None], {seq.request_id: error})
+                result.token_ids.extend(row.token_ids)
+                result.logprobs.extend(row.logprobs)
+                result.failed.update(row.failed)
+            return result
 
     def _scrub_failed(self, step: StepRows, failed: Mapping[str, str]) -> None:
         """Zero non-finite KV left by requests that failed in this step's forward pass."""
@@ -410,10 +407,3 @@ class TorchRunner:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-
-def _unpack(res: object) -> tuple[list[int], list[TokenLogprobs | None], dict[str, str]]:
-    token_ids: list[int] = list(res.token_ids)  # type: ignore[attr-defined]
-    logprobs: list[TokenLogprobs | None] = list(res.logprobs)  # type: ignore[attr-defined]
-    failed: dict[str, str] = dict(getattr(res, "failed", {}) or {})
-    return token_ids, logprobs, failed

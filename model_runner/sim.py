@@ -65,7 +65,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from cache_manager.sizing import ModelShape
-from model_runner.base import ModelInfo
+from model_runner.base import ModelInfo, NullBlockIO
 from model_runner.fake import FakeRunner
 from scheduler.cost_model import StepCostModel, StepShape
 from scheduler.output import ModelOutput, SchedulerOutput
@@ -291,11 +291,14 @@ class SimRunner:
     def now_s(self) -> float:
         return self.clock.now_s
 
-    def step_cost(self, plan: SchedulerOutput) -> StepCost:
-        prefill, decode, num_sampled = plan_chunks(plan)
-        return estimate_step(
-            self.profile.model, self.profile.hardware, prefill + decode, num_sampled
-        )
+    @property
+    def constraints(self) -> None:
+        """No structured outputs: the simulation samples no masks."""
+        return None
+
+    def block_io(self) -> NullBlockIO:
+        """No KV bytes: a simulated runner holds none."""
+        return NullBlockIO()
 
     def execute(
         self, plan: SchedulerOutput, *, padding: Sequence[tuple[int, int]] = ()

@@ -1,16 +1,25 @@
-"""The scheduler's bookkeeping types: one ``Entry`` per request, the ``RequestOutput`` and
-``ScheduledSeq`` constructors' partner ``make_output``, the cumulative ``Counters``, and the
-``StepPlan`` a step is built in. Plain data; the ``Scheduler`` owns every change."""
+"""The scheduler's bookkeeping types: one ``Entry`` per request, the one constructors of
+``RequestOutput`` and ``ScheduledSeq`` (``make_output``, ``make_seq``), the cumulative
+``Counters``, and the ``StepPlan`` a step is built in. Plain data; the ``Scheduler`` owns
+every change."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
-from cache_manager import Allocation
+from cache_manager import Allocation, KVCacheManager
 from scheduler.fork import ForkGroup
-from scheduler.output import RequestOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
+from scheduler.output import (
+    RequestOutput,
+    ScheduledSeq,
+    SchedulerOutput,
+    SchedulerStats,
+    TokenLogprobs,
+)
 from scheduler.policies import TokenBudget
+from scheduler.queue import WaitingQueue
 from scheduler.request import FinishReason, Request
 from scheduler.slo import NO_TARGET, SloStep, UnsizedStep
 
@@ -103,6 +112,30 @@ def make_output(
     )
 
 
+def make_seq(
+    req: Request, num_new: int, block_ids: list[int], drafts: list[int] | None = None
+) -> ScheduledSeq:
+    """The next ``num_new`` tokens of ``req`` to compute (then its speculative ``drafts``,
+    if any) over its current ``block_ids`` (a copy the seq keeps). The one ``ScheduledSeq``
+    constructor: positional, as it runs for every decode."""
+    start = req.num_computed_tokens
+    end = start + num_new
+    all_token_ids = req.all_token_ids
+    return ScheduledSeq(
+        req.request_id,
+        all_token_ids[start:end] + drafts if drafts else all_token_ids[start:end],
+        start,
+        block_ids,
+        req.sampling,
+        end == len(all_token_ids),
+        all_token_ids,
+        len(req.prompt_token_ids),
+        len(req.output_token_ids),
+        req.eos_token_ids,
+        len(drafts) if drafts else 0,
+    )
+
+
 @dataclass(slots=True)
 class Counters:
     """Cumulative counts for ``make_stats``, and the last plan's composition (not the plan
@@ -121,6 +154,37 @@ class Counters:
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     num_finished: Counter[str] = field(default_factory=Counter)  # by FinishReason.value
+
+    def snapshot(
+        self,
+        step_id: int,
+        num_running: int,
+        waiting: WaitingQueue[Any],
+        num_parked: int,
+        kv: KVCacheManager,
+    ) -> SchedulerStats:
+        """The scheduler's stats: these counts, the queue's and the cache manager's."""
+        return SchedulerStats(
+            step_id=step_id,
+            num_running=num_running,
+            num_waiting=waiting.num_requests,
+            num_preempted=waiting.num_preempted,
+            num_prefill_tokens=self.num_prefill_tokens,
+            num_prefill_reqs=self.num_prefill_reqs,
+            num_decode_reqs=self.num_decode_reqs,
+            num_steps_prefill_total=self.num_steps_prefill,
+            num_steps_decode_total=self.num_steps_decode,
+            num_preemptions_total=self.num_preemptions,
+            num_recomputed_tokens_total=self.num_recomputed_tokens,
+            num_prompt_tokens_total=self.num_prompt_tokens,
+            num_generation_tokens_total=self.num_generation_tokens,
+            num_finished_total=dict(self.num_finished),
+            num_waiting_tokens=waiting.num_tokens,
+            kv=kv.make_stats(),
+            num_parked=num_parked,
+            num_spec_draft_tokens_total=self.num_spec_draft_tokens,
+            num_spec_accepted_tokens_total=self.num_spec_accepted_tokens,
+        )
 
 
 @dataclass(slots=True)

@@ -92,10 +92,6 @@ class SchedulerOutput:
         return sum(len(s.token_ids) for s in self.prefill)
 
     @property
-    def num_decode_seqs(self) -> int:
-        return len(self.decode)
-
-    @property
     def num_draft_tokens(self) -> int:
         """Speculative drafts in the decode batch (each decode has 1 token plus its drafts)."""
         return sum(s.num_draft_tokens for s in self.decode)

@@ -28,13 +28,6 @@ class TokenBudget:
     def __init__(self, num_tokens: int) -> None:
         self.remaining = num_tokens
 
-    def try_take(self, num_tokens: int) -> bool:
-        """Take ``num_tokens`` if they all fit; return whether they did."""
-        if num_tokens > self.remaining:
-            return False
-        self.remaining -= num_tokens
-        return True
-
     def take_up_to(self, num_tokens: int) -> int:
         """Take as many of ``num_tokens`` as fit and return how many."""
         taken = min(num_tokens, self.remaining)

@@ -18,15 +18,12 @@ the chunk of exactly that last token. ``schedule`` allocates blocks for every sc
 token; ``update`` advances ``num_computed_tokens`` to the chunk's end and registers newly
 full blocks in the prefix cache.
 
+``update`` applies the result batch by batch (``scheduler.update.ResultApplier``).
+
 Speculative decoding (``speculative="ngram"``): a decode carries up to k drafts from
 ``scheduler.spec.NgramDrafter``, counted in the step's token budget and given KV slots like
 any token (drafts never preempt: without room the decode runs alone). ``update`` appends the
-accepted drafts and the token sampled after them, then ``kv.rollback_slots`` drops the KV of
-the rejected ones::
-
-    | computed ........ | last | draft 0 | draft 1 | draft 2 |     scheduled: 1 + k tokens
-    | computed ...................... | accepted | rejected  |     + the sampled token
-                                      ^ num_computed_tokens: slots past it are rolled back
+accepted drafts and the token sampled after them, and rolls back the KV of the rejected ones.
 
 Request states: ``WAITING -> PREFILLING -> DECODING -> FINISHED_*``, and
 ``PREFILLING|DECODING -> PREEMPTED`` (back in the waiting queue, at its old place in line)
@@ -42,12 +39,11 @@ from cache_manager import Allocation, KVCacheManager, PrefixHit
 from scheduler.admission import check_can_ever_run, check_not_overloaded
 from scheduler.config import SchedulerConfig
 from scheduler.cost_model import CostPredictor
-from scheduler.entry import Counters, Entry, StepPlan, make_output
+from scheduler.entry import Counters, Entry, StepPlan, make_output, make_seq
 from scheduler.fork import ForkTable, make_sample
 from scheduler.output import (
     ModelOutput,
     RequestOutput,
-    ScheduledSeq,
     SchedulerOutput,
     SchedulerStats,
     TokenLogprobs,
@@ -60,16 +56,16 @@ from scheduler.policies import (
     make_victim_rule,
 )
 from scheduler.queue import WaitingQueue
-from scheduler.request import Request, RequestStatus, stop_status
+from scheduler.request import Request, RequestStatus
 from scheduler.slo import SloStep, UnsizedStep, make_slo_planner
 from scheduler.spec import NgramDrafter
+from scheduler.update import ResultApplier
 
 _WAITING = RequestStatus.WAITING
 _PREFILLING = RequestStatus.PREFILLING
 _DECODING = RequestStatus.DECODING
 _PREEMPTED = RequestStatus.PREEMPTED
 _FINISHED_STOPPED = RequestStatus.FINISHED_STOPPED
-_FINISHED_LENGTH = RequestStatus.FINISHED_LENGTH
 _FINISHED_ABORTED = RequestStatus.FINISHED_ABORTED
 _FINISHED_ERROR = RequestStatus.FINISHED_ERROR
 _NUM_WEIGHED = 16  # waiting requests the slo policy weighs against a step's decodes
@@ -117,6 +113,9 @@ class Scheduler:
         self._step_id = 0
         self._arrival_seq = 0
         self._counters = Counters()
+        self._results = ResultApplier(
+            self._running, kv, self._counters, self._finish, self._fork_children
+        )
 
     # -- queries ------------------------------------------------------------------------
 
@@ -287,142 +286,9 @@ class Scheduler:
         """
         outputs = self._pending_outputs
         self._pending_outputs = []
-        self._apply(plan.prefill, result, outputs, prefill=True)
-        self._apply(plan.decode, result, outputs, prefill=False)
+        self._results.apply(plan.prefill, result, outputs, prefill=True)
+        self._results.apply(plan.decode, result, outputs, prefill=False)
         return outputs
-
-    def _apply(
-        self,
-        batch: list[ScheduledSeq],
-        result: ModelOutput,
-        outputs: list[RequestOutput],
-        *,
-        prefill: bool,
-    ) -> None:
-        """Apply one batch's result. The per-token hot path: 1,024 decodes a step must cost
-        well under a millisecond here, so what a plain decode never needs is branched off
-        under ``slow``: prefill chunks (a middle one samples nothing, the one that reaches
-        the fork forks; a sampling one turns the request DECODING), failures, a sliding
-        window, logprobs. The end of a request branches off at its token."""
-        running = self._running
-        block_size = self._block_size
-        kv = self.kv
-        window = self._sliding_window is not None
-        drop = not kv.strategy.always_retains  # the strategy may drop KV after a token
-        sampled = result.sampled_token_ids
-        failed = result.failed
-        logprobs = result.logprobs
-        slow = prefill or window or bool(failed) or bool(logprobs) or drop
-        append = outputs.append
-        num_outputs_before = len(outputs)
-        num_uncounted = 0  # outputs not of one generated token: failures, verified drafts
-        for seq in batch:
-            rid = seq.request_id
-            try:  # dict lookups in try: no method call per token
-                entry = running[rid]
-            except KeyError:  # ended (aborted, failed) after it was planned
-                continue
-            req = entry.request
-            if seq.num_draft_tokens:
-                append(self._apply_verified(entry, seq, result))
-                num_uncounted += 1
-                continue
-            # The chunk's end; a decode is one token.
-            num_computed = seq.start_pos + (len(seq.token_ids) if prefill else 1)
-            req.num_computed_tokens = num_computed
-            if slow and rid in failed:
-                append(self._finish(entry, _FINISHED_ERROR, error=failed[rid]))
-                num_uncounted += 1
-                continue
-            new_logprobs: list[TokenLogprobs] = []
-            if slow:
-                self._after_tokens(req, seq.start_pos)
-                if not seq.do_sample:
-                    if entry.group is not None and num_computed == entry.prefill_target:
-                        self._fork_children(entry)
-                    continue
-                req.status = _DECODING
-                if rid in logprobs:
-                    new_logprobs.append(logprobs[rid])
-            elif num_computed // block_size > seq.start_pos // block_size:
-                kv.cache_full_blocks(req)  # _after_tokens, inline on the hot path
-            try:
-                token = sampled[rid]
-            except KeyError:
-                raise _no_token(rid) from None
-            req.append_output_token(token)
-            # The guard keeps the full check off the usual token (num_computed is one short
-            # of the tokens now: this chunk ended at the last one).
-            if token in entry.stop_ids or num_computed >= entry.max_num_tokens - 1:
-                status = stop_status(req, token, entry.max_num_tokens)
-                if status is not None:
-                    append(self._finish(entry, status, [token], new_logprobs))
-                    continue
-            append(make_output(entry, [token], new_logprobs, None))
-            if drop and not kv.keeps_kv(req):
-                self._recompute_next_step(entry)
-        # Every output since the batch began carries one new token, but those uncounted.
-        self._counters.num_generation_tokens += len(outputs) - num_outputs_before - num_uncounted
-
-    def _apply_verified(
-        self, entry: Entry, seq: ScheduledSeq, result: ModelOutput
-    ) -> RequestOutput:
-        """A decode with drafts: append the accepted drafts and the token sampled after them
-        (each checked for a stop like any token), advance to the tokens whose KV is now
-        computed, and roll back the KV slots of the rejected drafts."""
-        req = entry.request
-        rid = req.request_id
-        if rid in result.failed:
-            return self._finish(entry, _FINISHED_ERROR, error=result.failed[rid])
-        num_drafts = seq.num_draft_tokens
-        num_accepted = result.num_accepted_drafts.get(rid, 0)
-        if not 0 <= num_accepted <= num_drafts:
-            msg = f"runner accepted {num_accepted} of {num_drafts} drafts for {rid!r}"
-            raise RuntimeError(msg)
-        try:
-            sampled = result.sampled_token_ids[rid]
-        except KeyError:
-            raise _no_token(rid) from None
-        counters = self._counters
-        counters.num_spec_draft_tokens += num_drafts
-        counters.num_spec_accepted_tokens += num_accepted
-        new_token_ids: list[int] = []
-        status: RequestStatus | None = None
-        for token in [*seq.token_ids[1 : 1 + num_accepted], sampled]:
-            req.append_output_token(token)
-            new_token_ids.append(token)
-            if token in entry.stop_ids or req.num_tokens >= entry.max_num_tokens:
-                status = stop_status(req, token, entry.max_num_tokens)
-                if status is not None:
-                    break
-        counters.num_generation_tokens += len(new_token_ids)
-        # KV is computed for the scheduled token and the accepted drafts: every new token
-        # but the last.
-        req.num_computed_tokens = seq.start_pos + len(new_token_ids)
-        if status is not None:
-            return self._finish(entry, status, new_token_ids)
-        kv = self.kv
-        kv.rollback_slots(req)
-        self._after_tokens(req, seq.start_pos)
-        if not kv.strategy.always_retains and not kv.keeps_kv(req):
-            self._recompute_next_step(entry)
-        return make_output(entry, new_token_ids, [], None)
-
-    def _recompute_next_step(self, entry: Entry) -> None:
-        """The KV strategy keeps no KV for this request between steps: free its blocks now,
-        and the next step prefills its whole sequence again (the full-recompute baseline)."""
-        req = entry.request
-        self.kv.drop_kv(req.request_id)
-        req.num_computed_tokens = 0
-        req.status = _PREFILLING
-
-    def _after_tokens(self, req: Request, start_pos: int) -> None:
-        """KV upkeep once a step advanced ``req`` from ``start_pos``: newly full blocks get
-        their prefix-cache key, and blocks the sliding window left behind are released."""
-        if req.num_computed_tokens // self._block_size > start_pos // self._block_size:
-            self.kv.cache_full_blocks(req)
-        if self._sliding_window is not None:
-            self.kv.release_out_of_window(req)
 
     # -- batch formation (the kinds the policy orders) -----------------------------------
 
@@ -433,7 +299,7 @@ class Scheduler:
         """One token for every decoding request, in admission order."""
         budget = step.budget
         allocate_slots = self.kv.allocate_slots
-        make_seq = self._make_seq
+        block_ids = self._block_ids
         decode = step.decode
         num_before = len(decode)
         decoding = _DECODING
@@ -459,7 +325,8 @@ class Scheduler:
                 self._schedule_running(step, entry, 1, decode=True, allocation=allocation)
                 remaining = budget.remaining
             else:
-                decode[req.request_id] = make_seq(req, 1)
+                rid = req.request_id
+                decode[rid] = make_seq(req, 1, block_ids(rid))
         budget.remaining = remaining
         return len(decode) - num_before
 
@@ -483,7 +350,7 @@ class Scheduler:
                 self._schedule_running(step, entry, 1, decode=True)
                 return
         budget.remaining -= len(drafts)
-        step.add_decode(self._make_seq(req, 1, drafts), allocation)
+        step.add_decode(make_seq(req, 1, self._block_ids(req.request_id), drafts), allocation)
 
     def _take_prefills(self, step: StepPlan) -> int:
         """Prefill chunks: running prefills first (admission order), then admissions.
@@ -614,7 +481,7 @@ class Scheduler:
                 return False
             self._preempt(step, victim)
             allocation = self.kv.allocate_slots(req, num_new)
-        seq = self._make_seq(req, num_new)
+        seq = make_seq(req, num_new, self._block_ids(req.request_id))
         if decode:
             step.add_decode(seq, allocation)
         else:
@@ -655,7 +522,7 @@ class Scheduler:
         if entry.group is not None:
             self._forks.hold_seats(entry.group)
         if chunk:
-            step.add_prefill(self._make_seq(req, chunk), allocation)
+            step.add_prefill(make_seq(req, chunk, self._block_ids(req.request_id)), allocation)
         else:
             self._fork_children(entry)
         sized.add_chunk(chunk, num_hit)
@@ -691,30 +558,6 @@ class Scheduler:
         if self._reserve:
             return self.kv.reserve_slots(entry.request, entry.max_num_tokens, hit, chunk)
         return self.kv.allocate_slots(entry.request, chunk, hit)
-
-    def _make_seq(
-        self, req: Request, num_new: int, drafts: list[int] | None = None
-    ) -> ScheduledSeq:
-        """The next ``num_new`` tokens of ``req`` to compute (then its speculative
-        ``drafts``, if any), with its current block table. The one ``ScheduledSeq``
-        constructor: positional, as it runs for every decode."""
-        start = req.num_computed_tokens
-        end = start + num_new
-        all_token_ids = req.all_token_ids
-        rid = req.request_id
-        return ScheduledSeq(
-            rid,
-            all_token_ids[start:end] + drafts if drafts else all_token_ids[start:end],
-            start,
-            self._block_ids(rid),  # a copy
-            req.sampling,
-            end == len(all_token_ids),
-            all_token_ids,
-            len(req.prompt_token_ids),
-            len(req.output_token_ids),
-            req.eos_token_ids,
-            len(drafts) if drafts else 0,
-        )
 
     # -- preemption ---------------------------------------------------------------------
 
@@ -809,30 +652,6 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         """A snapshot after the last step (batch composition of the last plan)."""
-        c = self._counters
-        waiting = self._waiting
-        return SchedulerStats(
-            step_id=self._step_id,
-            num_running=len(self._running),
-            num_waiting=waiting.num_requests,
-            num_preempted=waiting.num_preempted,
-            num_prefill_tokens=c.num_prefill_tokens,
-            num_prefill_reqs=c.num_prefill_reqs,
-            num_decode_reqs=c.num_decode_reqs,
-            num_steps_prefill_total=c.num_steps_prefill,
-            num_steps_decode_total=c.num_steps_decode,
-            num_preemptions_total=c.num_preemptions,
-            num_recomputed_tokens_total=c.num_recomputed_tokens,
-            num_prompt_tokens_total=c.num_prompt_tokens,
-            num_generation_tokens_total=c.num_generation_tokens,
-            num_finished_total=dict(c.num_finished),
-            num_waiting_tokens=waiting.num_tokens,
-            kv=self.kv.make_stats(),
-            num_parked=len(self._parked),
-            num_spec_draft_tokens_total=c.num_spec_draft_tokens,
-            num_spec_accepted_tokens_total=c.num_spec_accepted_tokens,
+        return self._counters.snapshot(
+            self._step_id, len(self._running), self._waiting, len(self._parked), self.kv
         )
-
-
-def _no_token(request_id: str) -> RuntimeError:
-    return RuntimeError(f"runner returned no token for {request_id!r}, which was to sample")

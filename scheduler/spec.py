@@ -11,12 +11,17 @@ propose the tokens that followed them there::
 The longest suffix (``ngram_max`` down to ``ngram_min`` tokens) that occurs earlier wins;
 among its occurrences, the most recent. The scheduler verifies the draft in one forward pass
 (the request's last token plus the draft, k + 1 positions) and keeps the longest prefix the
-model agrees with; see ``Scheduler`` and ``ScheduledSeq.num_draft_tokens``.
+model agrees with (``append_verified``); see ``Scheduler`` and
+``ScheduledSeq.num_draft_tokens``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from scheduler.entry import Entry
+from scheduler.output import ScheduledSeq
+from scheduler.request import RequestStatus, stop_status
 
 
 class NgramDrafter:
@@ -72,3 +77,21 @@ class NgramDrafter:
         if best_len < self.ngram_min:
             return []
         return tokens[best_end + 1 : best_end + 1 + limit]
+
+
+def append_verified(
+    entry: Entry, seq: ScheduledSeq, num_accepted: int, sampled: int
+) -> tuple[list[int], RequestStatus | None]:
+    """Append to the request the first ``num_accepted`` drafts of its verified decode ``seq``
+    and the token sampled after them, each checked for a stop like any token. Returns the
+    tokens appended (up to the one that stopped it) and its finished status, or None."""
+    req = entry.request
+    new_token_ids: list[int] = []
+    for token in [*seq.token_ids[1 : 1 + num_accepted], sampled]:
+        req.append_output_token(token)
+        new_token_ids.append(token)
+        if token in entry.stop_ids or req.num_tokens >= entry.max_num_tokens:
+            status = stop_status(req, token, entry.max_num_tokens)
+            if status is not None:
+                return new_token_ids, status
+    return new_token_ids, None

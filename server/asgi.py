@@ -193,7 +193,7 @@ class _AdminGate:
                 self.security.authenticate_admin(authorization)
             except (AuthError, NotAdminError) as exc:
                 # Imported here: the metrics server (a cluster replica's) stays light.
-                from server.openai_protocol import error_body, http_error
+                from server.openai.fields import error_body, http_error
 
                 err = http_error(exc)  # 401 authentication_error / 403 permission_error
                 await JSONResponse(error_body(err.message, err.kind), err.status)(

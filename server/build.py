@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from cache_manager import KVCacheManager, block_bytes
 from cache_manager.sizing import num_blocks_for_budget
@@ -151,14 +152,16 @@ def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEng
         eos_token_ids=tuple(info.eos_token_ids),
         kv_dtype=info.kv_dtype,
         max_n=max_n_for(cfg),
-        weights=info.extra.get("weights", "float"),
-        weight_bytes=int(info.extra.get("weight_bytes", 0)),
+        weights=info.weights,
+        weight_bytes=info.weight_bytes,
         streams_past_context=kv.streams_past_context,
     )
     return BuiltEngine(engine, runner, scheduler, tokenizer, model, source)
 
 
-def _kv_tier(cfg: ServerConfig, kv: KVCacheManager, runner: Runner, source: str) -> KVTier | None:
+def _kv_tier(
+    cfg: ServerConfig, kv: KVCacheManager, runner: Runner, source: str
+) -> KVTier[Any] | None:
     """Tier 2 when ``--kv-disk-dir`` is set (``server.kv_tier``)."""
     if cfg.kv_disk_dir is None:
         return None

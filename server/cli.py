@@ -181,7 +181,7 @@ def write_port_file(path: str, port: int) -> None:
 
 
 def _backend(built: Any) -> str:
-    backend = built.runner.info.extra.get("linear_backend")
+    backend = built.runner.info.linear_backend
     return f" (linear layers: {backend})" if backend else ""
 
 

@@ -28,7 +28,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from cache_manager.config import EVICTION_POLICIES, KVCacheConfig
 from cache_manager.strategy import KV_STRATEGIES
-from model_runner.config import ATTENTION_BACKEND_CHOICES, KV_DTYPE_CHOICES, MODEL_DTYPES
+from kv_store import STORE_KINDS
+from model_runner.config import (
+    ATTENTION_BACKEND_CHOICES,
+    KV_DTYPE_CHOICES,
+    MODEL_DTYPES,
+    WEIGHT_MODES,
+)
 from model_runner.sim import PROFILES as SIM_PROFILES
 from scheduler.config import (
     MEMORY_MODES,
@@ -168,7 +174,7 @@ class ServerConfig:
     )
     grace_period_s: float = _f(30.0, "on SIGTERM/SIGINT, let in-flight requests finish this long")
     log_level: str = _f("info", "logging level", choices=("debug", "info", "warning", "error"))
-    # -- HTTP front, TLS, API keys, backpressure (server.openai_app, server.asgi, server.auth)
+    # -- HTTP front, TLS, API keys, backpressure (server.openai, server.asgi, server.auth)
     http: bool = _f(True, "serve the OpenAI-compatible HTTP API", group="http and security")
     http_port: int = _f(
         8000, "OpenAI-compatible HTTP port (0 picks a free port)", group="http and security"
@@ -270,8 +276,9 @@ class ServerConfig:
     weights: str = _f(
         "auto",
         "auto: a GGUF's own quantization on CPU (kvserve's kernels), else float; float32: "
-        "dequantize; native: keep GGUF Q4_0/Q4_1/Q8_0; int8: quantize every matrix per channel",
-        choices=("auto", "float32", "native", "int8"),
+        "dequantize; native: keep the GGUF's formats that kvserve's kernels hold (the others "
+        "dequantize); int8: quantize every matrix per channel",
+        choices=WEIGHT_MODES,
         group="model",
     )
     attention_backend: str = _f(
@@ -325,9 +332,7 @@ class ServerConfig:
     kv_disk_bytes: str = _f(
         "4GiB", "tier 2: bound of the store's entries (LRU by last use beyond it)", group="kv cache"
     )
-    kv_disk_store: str = _f(
-        "lmdb", "tier 2 storage engine", choices=("lmdb", "file"), group="kv cache"
-    )
+    kv_disk_store: str = _f("lmdb", "tier 2 storage engine", choices=STORE_KINDS, group="kv cache")
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):

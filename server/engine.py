@@ -21,9 +21,10 @@ Backpressure: each stream counts what was emitted and what its client took
 (kept, not scheduled) until it has read half of them, and aborted (reason STALLED) when
 parked for ``stalled_stream_timeout_s``.
 
-Tier 2 (``server.kv_tier``, ``--kv-disk-dir``): a new request whose prefix tier 1 lacks is
-held while its blocks are read from the store (other requests keep stepping), then admitted;
-each step's spills and restores move right after ``schedule``, before ``execute``.
+Tier 2 (``server.kv_tier.Tier``, ``--kv-disk-dir``; a null object when off): a new request
+whose prefix tier 1 lacks is held while its blocks are read from the store (other requests
+keep stepping), then admitted; each step's spills and restores move right after
+``schedule``, before ``execute``, and the blocks ``update`` freed right after it.
 
 If the runner (or the scheduler) raises, the engine is dead: every stream gets
 ``EngineDeadError``, later submissions raise it, and ``on_death`` is called once.
@@ -47,7 +48,7 @@ from scheduler.cost_model import StepCostModel, StepShape
 from scheduler.errors import OverloadError
 from scheduler.output import ModelOutput, RequestOutput, SchedulerOutput, SchedulerStats
 from scheduler.request import AbortReason, Request
-from server.kv_tier import KVTier
+from server.kv_tier import NoTier, Tier
 from server.outputs import EndsRequests, Item, OutputProcessor, TextStreamFactory
 
 if TYPE_CHECKING:
@@ -159,7 +160,7 @@ class EngineLoop:
         stalled_stream_timeout_s: float = 30.0,
         name: str = "kvserve-engine",
         cost_model: StepCostModel | None = None,
-        kv_tier: KVTier | None = None,
+        kv_tier: Tier[_Add] | None = None,
     ) -> None:
         """``cost_model``: fed every step's shape and measured iteration time (the slo
         policy's scheduler holds the same model). ``kv_tier``: tier 2 under the prefix cache
@@ -187,13 +188,11 @@ class EngineLoop:
         self._pending: dict[asyncio.AbstractEventLoop, _Batch] = {}
         self._flush_needed = False
         self._stalled = False
-        # Tier 2: requests held while their prefix is read from the store.
-        self.kv_tier = kv_tier
-        self._held: dict[str, _Add] = {}
-        if kv_tier is not None:
-            kv_tier.set_wake(self._wake)
+        # Tier 2 holds new requests while their prefix is read, and moves block bytes.
+        self.tier: Tier[_Add] = kv_tier if kv_tier is not None else NoTier()
+        self.tier.attach(self._wake, self._is_waiting)
         # Read from other threads: a reference swap per step.
-        self.latest_stats: SchedulerStats = self._annotate(scheduler.make_stats())
+        self.latest_stats: SchedulerStats = self.tier.annotate(scheduler.make_stats())
         tracker = self.constraint_tracker
         self._constraint_compiler = tracker.compiler if tracker is not None else None
         self.num_steps = 0
@@ -206,8 +205,7 @@ class EngineLoop:
     @property
     def constraint_tracker(self) -> ConstraintTracker | None:
         """The runner's structured-output matchers (None: it takes no constraints)."""
-        tracker: ConstraintTracker | None = getattr(self._runner, "constraints", None)
-        return tracker
+        return self._runner.constraints
 
     @property
     def started(self) -> bool:
@@ -273,9 +271,6 @@ class EngineLoop:
         with self._cond:
             self._cond.notify()
 
-    def _annotate(self, stats: SchedulerStats) -> SchedulerStats:
-        return stats if self.kv_tier is None else self.kv_tier.annotate(stats)
-
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         try:
@@ -287,15 +282,13 @@ class EngineLoop:
                     elif isinstance(msg, _Resume):
                         continue  # _check_parked below looks at every parked client
                     else:
-                        if msg.request_id in self._held:  # admitted so that it is aborted
-                            self._admit(self._held.pop(msg.request_id), prefetched=True)
+                        held = self.tier.release(msg.request_id)
+                        if held is not None:  # admitted so that it is aborted
+                            self._admit(held, prefetched=True)
                         if self.outputs.abort(msg.request_id, msg.reason, time.monotonic()):
                             self._flush_needed, self._stalled = True, False
-                if self.kv_tier is not None and self.kv_tier.has_ready:
-                    for request_id in self.kv_tier.poll():
-                        held = self._held.pop(request_id, None)
-                        if held is not None:
-                            self._admit(held, prefetched=True)
+                for held in self.tier.released():
+                    self._admit(held, prefetched=True)
                 if stopping:
                     self._shutdown()
                     return
@@ -311,9 +304,7 @@ class EngineLoop:
 
     def _has_work(self) -> bool:
         return (
-            self._flush_needed
-            or self._scheduler.has_unfinished_requests()
-            or (self.kv_tier is not None and self.kv_tier.has_ready)
+            self._flush_needed or self._scheduler.has_unfinished_requests() or self.tier.has_ready
         )
 
     def _wait_for_work(self) -> tuple[list[_Add | _Abort | _Resume], bool]:
@@ -336,9 +327,8 @@ class EngineLoop:
 
     def _admit(self, msg: _Add, prefetched: bool = False) -> None:
         request = msg.request
-        if not prefetched and self.kv_tier is not None and self.kv_tier.prefetch(request):
-            self._held[request.request_id] = msg  # admitted when its blocks are read
-            return
+        if not prefetched and self.tier.hold(request, msg):
+            return  # admitted when its blocks are read
         try:
             text = self.outputs.text_stream(request)
             self._scheduler.add_request(request)  # a duplicate id raises here
@@ -359,8 +349,7 @@ class EngineLoop:
         iter0 = time.perf_counter()
         cpu0 = time.thread_time()
         plan = sched.schedule(time.monotonic())
-        if self.kv_tier is not None:  # spills out, restores in, before anything runs
-            self.kv_tier.move_blocks(self._is_waiting)
+        self.tier.before_execute()
         cpu1 = time.thread_time()
         self.outputs.on_scheduled((seq.request_id for seq in plan.prefill), time.monotonic())
         wall0 = time.perf_counter()
@@ -371,8 +360,7 @@ class EngineLoop:
         wall1 = time.perf_counter()
         cpu2 = time.thread_time()
         outs = sched.update(plan, result)
-        if self.kv_tier is not None:  # finished requests' blocks: spilled now, not next step
-            self.kv_tier.move_blocks(self._is_waiting)
+        self.tier.after_update()
         cpu3 = time.thread_time()
         self._stalled = plan.is_empty and sched.has_unfinished_requests()
         self.num_steps += 1
@@ -382,7 +370,7 @@ class EngineLoop:
         predicted_s = None
         if self.cost_model is not None and not plan.is_empty:
             predicted_s = self.cost_model.observe(StepShape.of_plan(plan), iteration_s)
-        stats = self._annotate(sched.make_stats())
+        stats = self.tier.annotate(sched.make_stats())
         self.latest_stats = stats
         compiler = self._constraint_compiler
         self.sink.on_step(
@@ -461,27 +449,23 @@ class EngineLoop:
                 loop.call_soon_threadsafe(_deliver, items)
 
     def _shutdown(self) -> None:
-        for msg in list(self._held.values()):  # admitted so that they are aborted
+        for msg in self.tier.release_all():  # admitted so that they are aborted
             self._admit(msg, prefetched=True)
-        self._held.clear()
         self.outputs.abort_all(AbortReason.SHUTDOWN, time.monotonic())
         self._flush_needed = True
         # Forked samples aborted with their parent report in this update.
         while self._has_work() and self.outputs.num_clients:
             self._step()
         self._publish()
-        if self.kv_tier is not None:
-            self.kv_tier.move_blocks(lambda _: False)  # the last spills
-            self.kv_tier.close()  # writes what is queued: a restart finds it
-        self.latest_stats = self._annotate(self._scheduler.make_stats())
+        self.tier.shutdown()
+        self.latest_stats = self.tier.annotate(self._scheduler.make_stats())
 
     def _die(self, exc: BaseException) -> None:
         logger.error("engine loop died: %r", exc, exc_info=exc)
         with self._cond:
             self._dead = exc
             stranded = [m for m in self._inbox if isinstance(m, _Add)]
-            stranded += self._held.values()
-            self._held.clear()
+            stranded += self.tier.release_all()
             self._inbox.clear()
         error = EngineDeadError(f"engine loop died: {exc!r}")
         self.outputs.fail_all(error)

@@ -54,9 +54,6 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._active)
 
-    def is_active(self, request_id: str) -> bool:
-        return request_id in self._active
-
     async def generate(
         self,
         request: Request,

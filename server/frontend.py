@@ -1,7 +1,7 @@
 """The front-end core both adapters share: what a prompt means, the engine's request, the
 stream of its outputs, and which status a failure gets.
 
-Imports run one way: ``server.lifecycle`` -> the fronts (``grpc_service``, ``openai_app``)
+Imports run one way: ``server.lifecycle`` -> the fronts (``grpc_service``, ``openai.app``)
 -> this module -> ``engine_client``. Errors map to status codes in one place, ``status_of``
 (the HTTP front turns the gRPC code into its own status)::
 
@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 
 class ServerTokenizer(Protocol):
     """What the server needs from a tokenizer (``model_runner.tokenizer.Tokenizer`` has it)."""
+
+    # The checkpoint's chat template (None: none); the OpenAI front reads its tool format.
+    chat_template: str | None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 

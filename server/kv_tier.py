@@ -2,11 +2,14 @@
 
 The cache manager decides (``cache_manager.tier``); this moves bytes, on three threads::
 
-    engine thread   prefetch(request) ---------> reader thread: store.get, verify -> ready
-                    poll(): ready -> kv.stage_tier_blocks; the request is admitted
-                    move_blocks(): take_tier_plan(); spills: copy out of the pool (memcpy)
-                                   -> writer queue; restores: staged bytes -> pool (memcpy)
+    engine thread   hold(request): prefetch ------> reader thread: store.get, verify -> ready
+                    released(): ready -> kv.stage_tier_blocks; the held requests to admit
+                    before_execute() / after_update(): take_tier_plan(); spills: copy out of
+                                   the pool -> writer queue; restores: staged bytes -> pool
     writer thread   encode + store.put_many (+ LRU touches of restored blocks), one batch
+
+The engine loop drives a ``Tier``: ``KVTier`` when tier 2 is on, ``NoTier`` (holds nothing,
+moves nothing) when it is off, as ``NoSloPlanner`` stands in for the slo planner.
 
 A step never waits on the disk: reads happen while the request waits (other requests keep
 stepping), writes after the step started. Every store failure is a miss or a dropped spill,
@@ -18,16 +21,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
-import struct
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from cache_manager import KVCacheManager, KVTierStats, TierBlock, prefix_block_keys
 from kv_store import BlockStore, EntryError, StoreError, decode_entry, encode_entry, store_key
+from model_runner.base import BlockIO, Runner
 from scheduler.output import SchedulerStats
 from scheduler.request import Request
 
@@ -36,65 +39,91 @@ logger = logging.getLogger(__name__)
 # Spilled bytes not yet written: past this, new spills are dropped (counted as "backlog").
 DEFAULT_MAX_PENDING_BYTES = 512 << 20
 
-
-class BlockIO(Protocol):
-    """Whole blocks of the runner's KV as bytes (``model_runner.kv_transfer.PoolBlockIO``)."""
-
-    block_bytes: int
-
-    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]: ...
-
-    def write_blocks(
-        self, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]
-    ) -> None: ...
+T = TypeVar("T")
 
 
-class ShadowBlockIO:
-    """The fake runner's shadow KV (the token id each slot holds) as block bytes, so tests
-    check that a restored block holds exactly the tokens of its position."""
+class Tier(Protocol[T]):
+    """Tier 2 as the engine loop drives it, on the engine thread. ``T`` is what the engine
+    holds for a request it cannot admit yet (its admission message)."""
 
-    def __init__(self, runner: object, block_size: int) -> None:
-        self._runner = runner
-        self._fmt = struct.Struct(f"<{block_size}q")
-        self.block_bytes = self._fmt.size
+    def attach(self, wake: Callable[[], None], is_waiting: Callable[[str], bool]) -> None:
+        """``wake`` (any thread) when held requests are ready; ``is_waiting``: whether a
+        request with staged blocks may still be admitted."""
+        ...
 
-    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
-        read = self._runner.read_kv_block  # type: ignore[attr-defined]
-        return [self._fmt.pack(*(-1 if t is None else t for t in read(b))) for b in block_ids]
+    def hold(self, request: Request, item: T) -> bool:
+        """Whether to hold ``request`` (with ``item``) while its prefix is read; False:
+        admit it now."""
+        ...
 
-    def write_blocks(
-        self, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]
-    ) -> None:
-        write = self._runner.write_kv_block  # type: ignore[attr-defined]
-        for block_id, payload in zip(block_ids, payloads, strict=True):
-            write(block_id, [None if t < 0 else t for t in self._fmt.unpack(payload)])
+    @property
+    def has_ready(self) -> bool:
+        """Whether ``released`` has items to return."""
+        ...
+
+    def released(self) -> list[T]:
+        """The held items whose reads finished (their blocks are staged): admit them."""
+        ...
+
+    def release(self, request_id: str) -> T | None:
+        """Stop holding ``request_id`` (an abort): its item, or None when not held."""
+        ...
+
+    def release_all(self) -> list[T]:
+        """Every held item (shutdown, death)."""
+        ...
+
+    def before_execute(self) -> None:
+        """The planned spills out and restores in, after ``schedule``, before anything
+        writes the pool."""
+        ...
+
+    def after_update(self) -> None:
+        """The spills of blocks ``update`` freed, now rather than a step later."""
+        ...
+
+    def annotate(self, stats: SchedulerStats) -> SchedulerStats:
+        """``stats`` with tier 2's own figures."""
+        ...
+
+    def shutdown(self) -> None:
+        """The last spills, written before the store closes (a restart finds them)."""
+        ...
 
 
-class NullBlockIO:
-    """A runner without KV (the fake runner without a shadow): blocks carry no bytes."""
+class NoTier(Generic[T]):
+    """Tier 2 off: holds nothing, moves nothing."""
 
-    block_bytes = 0
-
-    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
-        return [b""] * len(block_ids)
-
-    def write_blocks(
-        self, block_ids: Sequence[int], payloads: Sequence[bytes | memoryview]
-    ) -> None:
+    def attach(self, wake: Callable[[], None], is_waiting: Callable[[str], bool]) -> None:
         pass
 
+    def hold(self, request: Request, item: T) -> bool:
+        return False
 
-def block_io_for(runner: object) -> BlockIO:
-    """The block mover of a runner: its KV pool, the fake runner's shadow KV, or nothing."""
-    pool = getattr(runner, "pool", None)
-    if pool is not None:
-        from model_runner.kv_transfer import PoolBlockIO
+    @property
+    def has_ready(self) -> bool:
+        return False
 
-        return PoolBlockIO(pool)
-    block_size = getattr(runner, "kv_block_size", None)
-    if block_size is not None:
-        return ShadowBlockIO(runner, block_size)
-    return NullBlockIO()
+    def released(self) -> list[T]:
+        return []
+
+    def release(self, request_id: str) -> T | None:
+        return None
+
+    def release_all(self) -> list[T]:
+        return []
+
+    def before_execute(self) -> None:
+        pass
+
+    def after_update(self) -> None:
+        pass
+
+    def annotate(self, stats: SchedulerStats) -> SchedulerStats:
+        return stats
+
+    def shutdown(self) -> None:
+        pass
 
 
 @dataclass(slots=True)
@@ -112,7 +141,7 @@ class _Spill:
     payload: bytes
 
 
-class KVTier:
+class KVTier(Generic[T]):
     """See the module docstring. ``store`` None: the store could not be opened, the tier
     only counts (spills are dropped, lookups miss)."""
 
@@ -134,6 +163,8 @@ class KVTier:
         self.capacity_bytes = capacity_bytes
         self.max_pending_bytes = max_pending_bytes
         self._wake: Callable[[], None] = lambda: None
+        self._is_waiting: Callable[[str], bool] = lambda _: False
+        self._held: dict[str, T] = {}  # engine thread: requests held while being read
         self._lock = threading.Lock()
         self._errors: Counter[str] = Counter()
         self._logged: set[str] = set()
@@ -165,9 +196,39 @@ class KVTier:
 
     # ------------------------------------------------------------------ engine thread
 
-    def set_wake(self, wake: Callable[[], None]) -> None:
-        """Called (from the reader thread) when a prefetch is ready: wakes the engine."""
+    def attach(self, wake: Callable[[], None], is_waiting: Callable[[str], bool]) -> None:
         self._wake = wake
+        self._is_waiting = is_waiting
+
+    def hold(self, request: Request, item: T) -> bool:
+        if not self.prefetch(request):
+            return False
+        self._held[request.request_id] = item
+        return True
+
+    def released(self) -> list[T]:
+        if not self._ready:
+            return []
+        held = (self._held.pop(request_id, None) for request_id in self.poll())
+        return [item for item in held if item is not None]
+
+    def release(self, request_id: str) -> T | None:
+        return self._held.pop(request_id, None)
+
+    def release_all(self) -> list[T]:
+        items = list(self._held.values())
+        self._held.clear()
+        return items
+
+    def before_execute(self) -> None:
+        self.move_blocks(self._is_waiting)
+
+    def after_update(self) -> None:
+        self.move_blocks(self._is_waiting)
+
+    def shutdown(self) -> None:
+        self.move_blocks(lambda _: False)
+        self.close()
 
     def prefetch(self, request: Request) -> bool:
         """Start reading ``request``'s prefix from the store; True: hold the request until
@@ -507,14 +568,14 @@ class KVTier:
 
 def open_kv_tier(
     kv: KVCacheManager,
-    runner: object,
+    runner: Runner,
     *,
     disk_dir: str,
     capacity_bytes: int,
     store_kind: str,
     source: str,
     block_size: int,
-) -> KVTier:
+) -> KVTier[Any]:
     """Tier 2 for a built engine: the store under ``disk_dir`` (a failure to open it is
     logged and counted, and the tier stays off), keyed by the model fingerprint."""
     import os
@@ -522,8 +583,7 @@ def open_kv_tier(
     from kv_store import model_fingerprint, open_store
     from kv_store.fingerprint import weights_digest
 
-    info = getattr(runner, "info", None)
-    extra = getattr(info, "extra", {}) or {}
+    info = runner.info
     store: BlockStore | None = None
     error: str | None = None
     try:
@@ -536,15 +596,15 @@ def open_kv_tier(
         digest = weights_digest(source, cache_file)
     fingerprint = model_fingerprint(
         digest,
-        f"{extra.get('weights', 'float')}/{getattr(info, 'dtype', '?')}",
-        str(getattr(info, "kv_dtype", "?")),
+        f"{info.weights}/{info.dtype}",
+        info.kv_dtype,
         block_size,
-        f"{getattr(info, 'name', '?')}/{getattr(info, 'vocab_size', '?')}",
+        f"{info.name}/{info.vocab_size}",
     )
     return KVTier(
         kv,
         store,
-        block_io_for(runner),
+        runner.block_io(),
         fingerprint,
         capacity_bytes=capacity_bytes,
         open_error=error,

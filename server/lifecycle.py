@@ -1,7 +1,7 @@
 """The server's lifecycle: one engine behind the gRPC and OpenAI fronts, health, reflection,
 graceful shutdown and engine death.
 
-Imports run one way: this module -> the fronts (``grpc_service``, ``openai_app``, served by
+Imports run one way: this module -> the fronts (``grpc_service``, ``openai.app``, served by
 ``asgi``) -> ``frontend`` -> ``engine_client``.
 """
 
@@ -32,7 +32,7 @@ from server.grpc_service import (
     generation_handler,
 )
 from server.http_guard import EdgeLimits
-from server.openai_app import OpenAIFront
+from server.openai.app import OpenAIFront
 from server.validation import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)

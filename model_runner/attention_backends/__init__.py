@@ -3,8 +3,9 @@
 - ``torch``: ``torch_backend``, the reference (gathers blocks into padded tensors);
 - ``triton``: ``triton_kernels``, paged prefill and decode reading K/V in place;
 - ``flashinfer``: ``flashinfer-python``'s batch prefill / decode wrappers (CUDA);
-- ``auto``: on CUDA, FlashInfer if installed, else Triton if installed, else torch; on a CPU,
-  torch (Triton runs on a CPU only in its interpreter, for tests).
+- ``auto``: on CUDA, the fastest of the installed backends that measures right against torch
+  on a probe step at the model's attention shape (``probe``); on a CPU, torch (Triton runs on
+  a CPU only in its interpreter, for tests).
 
 Each is constructed once with the model's ``AttentionSpec`` (``base``); the block table ->
 page table conversion both paged backends read lives in ``page_table``.
@@ -13,6 +14,7 @@ page table conversion both paged backends read lives in ``page_table``.
 from __future__ import annotations
 
 import importlib.util
+import logging
 from typing import Any
 
 import torch
@@ -28,6 +30,8 @@ __all__ = [
     "make_attention_backend",
 ]
 
+logger = logging.getLogger(__name__)
+
 
 def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
@@ -42,19 +46,14 @@ def triton_interpreted() -> bool:
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """The backend ``name`` means on ``device`` (``auto`` resolved); raises for one that
-    cannot run there."""
+    """The backend ``name`` means on ``device``: ``auto`` is torch off CUDA, and stays
+    ``auto`` on CUDA (measured when built); raises for one that cannot run there."""
     if name not in ATTENTION_BACKEND_CHOICES:
         raise ValueError(
             f"unknown attention backend {name!r}: use one of {', '.join(ATTENTION_BACKEND_CHOICES)}"
         )
-    if name == "auto":
-        if device.type != "cuda":
-            return "torch"
-        for candidate, module in (("flashinfer", "flashinfer"), ("triton", "triton")):
-            if _installed(module):
-                return candidate
-        return "torch"
+    if name == "auto":  # on CUDA, make_attention_backend measures the installed ones
+        return "auto" if device.type == "cuda" else "torch"
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError(f"--attention-backend flashinfer runs on CUDA, not {device}")
@@ -86,11 +85,26 @@ def backend_class(name: str) -> type[AttentionBackend[Any]]:
 
 def make_attention_backend(name: str, spec: AttentionSpec) -> AttentionBackend[Any]:
     """The backend ``name`` bound to ``spec``. An explicit choice that cannot serve it
-    raises ``ValueError``; ``auto`` falls back to torch instead."""
-    cls = backend_class(resolve_attention_backend(name, spec.device))
-    reason = cls.unsupported(spec)
-    if reason is not None:
-        if name != "auto":
+    raises ``ValueError``: what it cannot serve first, then where it cannot run, so the
+    message is the same on every machine. ``auto`` on CUDA measures the installed backends
+    that can serve ``spec`` (``probe``) and falls back to torch."""
+    if name in ATTENTION_BACKEND_CHOICES and name != "auto":
+        reason = backend_class(name).unsupported(spec)
+        if reason is not None:
             raise ValueError(reason)
-        cls = TorchAttention
-    return cls(spec)
+    resolved = resolve_attention_backend(name, spec.device)
+    if resolved != "auto":
+        return backend_class(resolved)(spec)
+    candidates = [
+        backend_class(n)(spec)
+        for n in ("flashinfer", "triton")
+        if _installed(n) and backend_class(n).unsupported(spec) is None
+    ]
+    if not candidates:
+        return TorchAttention(spec)
+    from model_runner.attention_backends import probe
+
+    measured = probe.measure_backends([*candidates, TorchAttention(spec)], TorchAttention(spec))
+    chosen = probe.choose_backend(measured)
+    logger.info("attention backend auto: %s of %s", chosen, measured)
+    return next((b for b in candidates if b.name == chosen), TorchAttention(spec))

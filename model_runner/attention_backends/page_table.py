@@ -113,10 +113,18 @@ def build_page_table(
     block_size: int,
     sliding_window: int | None = None,
     null_block_id: int | None = None,
+    attention_sinks: int = 0,
 ) -> PageTable:
     """The page table of ``seqs`` (each computing ``start_pos .. end_pos - 1``): pages from the
     first block holding a key the chunk's FIRST query sees, through the block of ``end_pos - 1``.
-    Later queries of a chunk see fewer of those keys; the window mask drops the rest."""
+    Later queries of a chunk see fewer of those keys; the window mask drops the rest.
+
+    With ``attention_sinks`` S (needs a window) the sink blocks come first, then the window's
+    (``| sinks | window |``, as the torch path gathers them), or one run from block 0 while
+    the window still reaches them; the first S listed keys are then positions 0 .. S - 1.
+    Relative positions past the sink blocks shift by the gap, the same for keys and queries,
+    so the window mask still holds and hides the sink blocks' keys past S."""
+    num_sink_blocks = -(-attention_sinks // block_size)
     qo_indptr = [0]
     kv_indptr = [0]
     kv_indices: list[int] = []
@@ -124,14 +132,37 @@ def build_page_table(
     kv_start_pos: list[int] = []
     for seq in seqs:
         start, end = seq.start_pos, seq.end_pos
-        first = first_key_block(seq.block_ids, start, block_size, sliding_window, 0, null_block_id)
+        first = first_key_block(
+            seq.block_ids, start, block_size, sliding_window, num_sink_blocks, null_block_id
+        )
         last = (end - 1) // block_size
+        if num_sink_blocks and first <= num_sink_blocks:
+            first = 0  # no gap yet: the sinks and the window are one run from 0
+        elif num_sink_blocks:
+            kv_indices.extend(seq.block_ids[:num_sink_blocks])
         kv_indices.extend(seq.block_ids[first : last + 1])
         qo_indptr.append(qo_indptr[-1] + end - start)
         kv_indptr.append(len(kv_indices))
         last_page_len.append(end - last * block_size)
-        kv_start_pos.append(first * block_size)
+        kv_start_pos.append(0 if num_sink_blocks else first * block_size)
     return PageTable(block_size, qo_indptr, kv_indptr, kv_indices, last_page_len, kv_start_pos)
+
+
+def sink_rotation(
+    seqs: Sequence[ScheduledSeq],
+    sliding_window: int,
+    attention_sinks: int,
+    rope_inv_freq: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query row of ``seqs`` (in order), fp32 ``cos, sin`` ``[rows, D/2]`` of ``-d * inv_freq``
+    with ``d = max(0, p - W + 1 - S)`` (``model_runner.attention``'s gap): the rotation that
+    scores the sink keys with the query at its cache position (identity while d is 0)."""
+    positions = torch.tensor(
+        [p for s in seqs for p in range(s.start_pos, s.end_pos)], dtype=torch.float64
+    )
+    gap = (positions - (sliding_window - 1 + attention_sinks)).clamp_(min=0)
+    angles = -gap.unsqueeze(1) * rope_inv_freq.double().cpu().unsqueeze(0)
+    return angles.cos().float(), angles.sin().float()
 
 
 @dataclass(slots=True)

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
+import pytest
+import torch
+
 from benchmarks.bench_gpu import (
+    DRY,
     LLAMA3_8B,
+    SECTIONS,
+    Bench,
+    Report,
     decode_step_bytes,
     kv_bytes_per_token,
     linear_params_per_token,
     main,
+    parse_sections,
     prefill_flops,
 )
 from model_runner.config import ModelConfig
@@ -46,16 +55,52 @@ def test_decode_bytes_and_prefill_flops_count_what_a_step_reads_and_does() -> No
     assert prefill_flops(config, 2, 1) == 2 * one_token
 
 
-def test_dry_run_runs_every_section(tmp_path: Path) -> None:
-    """``--dry-run`` (tiny model, CPU) reports decode at batch 1/32/128/256, a prefill, and
-    serving at three user counts against transformers, with positive figures."""
+def test_dry_run_runs_every_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--dry-run`` (tiny model, CPU, the kernel interpreted) reports the decode kernel at
+    every (batch, keys) and the sweep, each within 1e-4 of the reference, decode at batch
+    1/32/128/256, a prefill, and serving at three user counts against transformers, with
+    positive figures, each section's table printed in order."""
     out = tmp_path / "report.json"
     assert main(["--dry-run", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["device"] == "cpu"
+    assert report["sections"] == list(SECTIONS)
+    cases = [(r["batch"], r["keys"], r["config"]) for r in report["attention"]]
+    assert cases == [
+        *((b, k, "default") for k in DRY.attention.keys for b in DRY.attention.batches),
+        *((3, 20, f"{n}/{w}/{s}") for n, w, s in DRY.attention.configs),
+    ]
+    assert all(r["gb_s"] > 0 and r["max_abs_err"] < 1e-4 for r in report["attention"])
     assert [d["batch"] for d in report["decode"]] == [1, 32, 128, 256]
     assert all(d["step_ms"] > 0 and d["of_hbm_roofline"] > 0 for d in report["decode"])
     assert report["prefill"]["of_matmul_peak"] > 0
     assert [s["users"] for s in report["serving"]] == [1, 4, 8]
     assert all(s["ratio"] > 0 for s in report["serving"])
     assert report["copy_bandwidth_gb_s"] > 0 and report["matmul_peak_tflop_s"] > 0
+    printed = capsys.readouterr().out
+    marks = ["copy bandwidth", "| decode kernel", "| decode batch", "prefill 2 x 32", "| users"]
+    assert [printed.index(m) for m in marks] == sorted(printed.index(m) for m in marks)
+
+
+def test_sections_pick_some_and_each_is_saved_as_measured(tmp_path: Path) -> None:
+    """``--sections attention`` measures the probes (the denominators) and the kernel only;
+    the JSON is written after each section, so it holds the probes before the kernel runs."""
+    out = tmp_path / "report.json"
+    seen: list[list[str]] = []
+
+    def save(report: Report) -> None:
+        seen.append(list(report.sections))
+
+    report = Bench(DRY, torch.device("cpu"), "auto", lambda _: None, save).run(["attention"])
+    assert seen == [["probes"], ["probes", "attention"]]
+    assert report.decode == [] and report.serving == [] and report.prefill == {}
+    assert main(["--dry-run", "--sections", "probes", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["sections"] == ["probes"]
+
+
+def test_sections_argument_names_known_sections() -> None:
+    """``all`` is every section; an unknown name is refused with the known ones."""
+    assert parse_sections("all") == list(SECTIONS)
+    assert parse_sections("decode, attention") == ["decode", "attention"]
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown sections"):
+        parse_sections("decode,bogus")

@@ -20,6 +20,7 @@ from model_runner.constraints import (
 )
 from model_runner.fake import FakeRunner, make_fake_info
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+from scheduler.output import ScheduledSeq
 from scheduler.request import Constraint, FinishReason, SamplingParamsError
 from server.fake_tokenizer import EOS_TOKEN_ID, ByteTokenizer
 
@@ -108,7 +109,15 @@ def run(
             assert tracker.token_ids(rid) == out_ids == req.output_token_ids
             constraint = req.sampling.constraint
             assert constraint is not None
-            assert (tracker.current_mask(rid) == compiler.replay_mask(constraint, out_ids)).all()
+            # The tracked matcher's mask now (it is level: computing it changes no state).
+            now = ScheduledSeq(
+                rid, [0], 0, [], req.sampling, True,
+                all_token_ids=[*req.prompt_token_ids, *out_ids],
+                num_prompt_tokens=len(req.prompt_token_ids),
+            )  # fmt: skip
+            masks = tracker.compute_masks([now])
+            assert masks.bitmask is not None and not masks.failed
+            assert (masks.bitmask[0] == compiler.replay_mask(constraint, out_ids)).all()
     else:
         raise AssertionError("the run did not finish")
     runner.execute(scheduler.schedule())  # the last finished ids reach the runner

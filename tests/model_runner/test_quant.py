@@ -391,7 +391,7 @@ def test_quantized_model_tracks_its_dequantized_reference(kind: str, fmt: str, p
 
     # The 80-token prompt is over the fused step's row bound: the torch path's panels.
     runner, hf = quantized_pair(kind, fmt, fused_max_rows=quant.SKINNY_MAX_ROWS)
-    assert runner.info.extra["weights"] in ("int8", "q4")
+    assert runner.info.weights in ("int8", "q4")
     ids = random_ids(80, seed=5)
     blocks = list(range(13))
     ref = hf_logits_int8_acts(hf, ids[:24], quant.SKINNY_MAX_ROWS)

@@ -12,16 +12,9 @@ from scheduler.output import TokenLogprobs
 from scheduler.request import FinishReason
 from server import validation
 from server.grpc_service import finish_reason_pb
-from server.openai_protocol import (
-    COMPLETION_FIELDS,
-    Answer,
-    Choices,
-    HttpError,
-    finish_reason,
-    http_error,
-    load_body,
-    parse_body,
-)
+from server.openai.answer import Answer, Choices, finish_reason
+from server.openai.fields import COMPLETION_FIELDS, HttpError, http_error
+from server.openai.parse import load_body, parse_body
 from server.outputs import GenerationOutput
 from server.rpc import generation_pb2 as pb
 from server.validation import InvalidRequestError, Limits

@@ -12,14 +12,9 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from server.openai_protocol import (
-    CHAT_FIELDS,
-    COMPLETION_FIELDS,
-    REQUIRED_FIELDS,
-    HttpError,
-    parse_body,
-)
-from server.openapi import openapi_document, request_schema
+from server.openai.fields import CHAT_FIELDS, COMPLETION_FIELDS, REQUIRED_FIELDS, HttpError
+from server.openai.openapi import openapi_document, request_schema
+from server.openai.parse import parse_body
 from server.validation import InvalidRequestError
 from tests.server.helpers import Harness, assert_idle_and_sound, serve_in_thread
 

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from server.openai_protocol import CHAT_FIELDS, COMPLETION_FIELDS
+from server.openai.fields import CHAT_FIELDS, COMPLETION_FIELDS
 from server.rpc import generation_pb2 as pb
 from server.rpc import generation_pb2_grpc
 from server.validation import CHAT_ROLES

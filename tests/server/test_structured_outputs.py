@@ -91,7 +91,7 @@ async def test_http_fields_constrain_the_output() -> None:
 
 def test_parse_body_maps_every_field_to_the_oneof() -> None:
     """Each HTTP field lands in the GenerateRequest's constraint oneof as documented."""
-    from server.openai_protocol import parse_body
+    from server.openai.parse import parse_body
 
     cases = [
         ({"response_format": {"type": "json_object"}}, "json_object", True),

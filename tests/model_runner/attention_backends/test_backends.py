@@ -45,15 +45,23 @@ def test_unknown_and_impossible_choices_raise() -> None:
         resolve_attention_backend("flashinfer", CPU)
 
 
-def test_paged_backends_refuse_int8_pools_and_sinks() -> None:
-    """Triton explicitly asked for with an int8 pool or attention sinks raises; ``auto``
-    would fall back to torch instead."""
+def test_paged_backends_refuse_int8_pools_and_sinks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton or FlashInfer explicitly asked for with an int8 pool or attention sinks raises
+    that refusal first, whether Triton's interpreter is on or off (off: as on a CUDA machine
+    building for a CPU device), before the device's; ``auto`` falls back to torch instead."""
     pytest.importorskip("triton")
-    with pytest.raises(ValueError, match="float KV pools"):
-        _make("triton", kv_dtype=torch.int8, device=TRITON_DEVICE)
-    with pytest.raises(ValueError, match="no attention sinks"):
-        _make("triton", sinks=4, device=TRITON_DEVICE)
-    assert _make("auto", kv_dtype=torch.int8, device=TRITON_DEVICE).name == "torch"
+    import model_runner.attention_backends as backends
+
+    for interpreted in (True, False):
+        monkeypatch.setattr(backends, "triton_interpreted", lambda on=interpreted: on)
+        for name in ("triton", "flashinfer"):
+            with pytest.raises(ValueError, match=f"the {name} backend reads float KV pools"):
+                _make(name, kv_dtype=torch.int8)
+            with pytest.raises(ValueError, match=f"the {name} backend has no attention sinks"):
+                _make(name, sinks=4)
+        assert _make("auto", kv_dtype=torch.int8).name == "torch"
+    with pytest.raises(ValueError, match="runs on CUDA, or on cpu in Triton's interpreter only"):
+        _make("triton")  # a float pool: the device is the one problem left
 
 
 def test_runner_on_triton_matches_the_torch_runner() -> None:
@@ -79,3 +87,48 @@ def test_runner_on_triton_matches_the_torch_runner() -> None:
         assert ref.keys() == ours.keys()
         for rid in ref:
             assert (ours[rid] - ref[rid]).abs().max().item() <= 1e-4
+
+
+def test_auto_takes_the_fastest_backend_that_measures_right() -> None:
+    """Of the backends that match torch within tolerance, the fastest (ties: the first); a
+    faster one that measured wrong or raised never; torch when none is right."""
+    from model_runner.attention_backends.probe import Measurement, choose_backend
+
+    right, wrong = Measurement(1e-5, 1e-3, 0.002), Measurement(0.5, 1e-3, 0.0001)
+    assert choose_backend({"triton": right, "torch": Measurement(0.0, 1e-3, 0.004)}) == "triton"
+    assert choose_backend({"flashinfer": wrong, "triton": right}) == "triton"
+    failed = Measurement(float("inf"), 1e-3, None, "RuntimeError('no nvcc')")
+    assert choose_backend({"flashinfer": failed, "triton": wrong}) == "torch"
+    assert choose_backend({"a": right, "b": Measurement(0.0, 1e-3, 0.002)}) == "a"
+
+
+def test_probe_measures_each_candidate_against_torch() -> None:
+    """The probe step (chunks over prefixes and decodes) through the Triton backend (on CUDA,
+    else in the interpreter) and torch: both right, timed; a backend that writes zeros is
+    wrong; one that raises is recorded with its error and no time."""
+    pytest.importorskip("triton")
+    from model_runner.attention_backends.probe import ProbeShape, measure_backends
+    from model_runner.attention_backends.torch_backend import TorchAttention
+    from model_runner.attention_backends.triton_backend import TritonAttention
+
+    class Zeros(TorchAttention):
+        name = "zeros"
+
+        def attend(self, layer, qkv, meta, pool, out) -> None:  # type: ignore[no-untyped-def]
+            out.zero_()
+
+    class Broken(TorchAttention):
+        name = "broken"
+
+        def attend(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+            raise RuntimeError("cannot run here")
+
+    spec = AttentionSpec(4, 2, 16, 16, torch.float32, torch.float32, TRITON_DEVICE)
+    shape = ProbeShape(num_decodes=3, decode_keys=40, num_chunks=1, chunk_len=20,
+                       prefix_len=12, repeats=1)  # fmt: skip
+    candidates = [TritonAttention(spec), TorchAttention(spec), Zeros(spec), Broken(spec)]
+    measured = measure_backends(candidates, TorchAttention(spec), shape)
+    assert measured["triton"].right and measured["triton"].max_abs_err < 1e-4
+    assert measured["torch"].right and measured["torch"].max_abs_err <= 1e-6
+    assert not measured["zeros"].right and measured["zeros"].seconds is not None
+    assert measured["broken"].seconds is None and "cannot run here" in measured["broken"].error

@@ -10,7 +10,7 @@ from model_runner.attention_backends.flashinfer_backend import (
     flashinfer_plan_args,
     window_left,
 )
-from model_runner.attention_backends.page_table import build_page_table
+from model_runner.attention_backends.page_table import build_page_table, sink_rotation
 from tests.model_runner.oracle import seq
 
 CPU = torch.device("cpu")
@@ -67,6 +67,37 @@ def test_released_null_blocks_are_never_listed() -> None:
     assert table.kv_indices == [5, 6]
     assert table.kv_start_pos == [8]
     assert table.kv_lens == [7]
+
+
+def test_sinks_list_the_sink_blocks_then_the_window() -> None:
+    """4 sinks, window 8, block size 4: a decode at 17 lists the sink block, then blocks 2..4
+    (14 relative keys); one at 9 still reaches the sinks, so its pages run from block 0."""
+    table = build_page_table(
+        [
+            seq("a", _ids(18), 17, 18, [7, 0, 4, 5, 6]),
+            seq("b", _ids(10), 9, 10, [1, 2, 3]),
+        ],
+        block_size=4,
+        sliding_window=8,
+        attention_sinks=4,
+    )
+    assert table.kv_indices == [7, 4, 5, 6, 1, 2, 3]
+    assert table.kv_indptr == [0, 4, 7]
+    assert table.kv_lens == [14, 10]
+    assert table.kv_start_pos == [0, 0]
+
+
+def test_sink_rotation_turns_each_row_back_by_its_gap() -> None:
+    """Window 8, 4 sinks: rows at 10, 11 and 20 have gaps 0, 0 and 9; the rotation is
+    ``-gap * inv_freq`` as fp32 cos and sin."""
+    inv_freq = torch.tensor([1.0, 0.25], dtype=torch.float64)
+    cos, sin = sink_rotation(
+        [seq("a", _ids(12), 10, 12, [1, 2, 3]), seq("b", _ids(21), 20, 21, [4])], 8, 4, inv_freq
+    )
+    angles = torch.tensor([[0.0, 0.0], [0.0, 0.0], [-9.0, -2.25]], dtype=torch.float64)
+    assert cos.dtype == torch.float32
+    assert torch.equal(cos, angles.cos().float())
+    assert torch.equal(sin, angles.sin().float())
 
 
 def test_padding_appends_empty_slots() -> None:

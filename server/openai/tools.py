@@ -1,5 +1,6 @@
 """Tool calls on the OpenAI front: ``tools`` + ``tool_choice`` -> a JSON-schema constraint and a
-system note that lists the tools; the constrained answer -> OpenAI's ``tool_calls``. Pure.
+system note that lists the tools, and a ``ToolCalls`` that tells ``answer`` how the answer's
+text becomes OpenAI's ``tool_calls`` (``answer.split_tool_calls``). Pure.
 
 - ``tool_choice: {"type": "function", "function": {"name": N}}``: the output is N's
   arguments, constrained to its ``parameters`` schema; the answer carries one call to N and
@@ -23,8 +24,6 @@ template may render no tools).
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +32,6 @@ from server.validation import InvalidRequestError
 
 MAX_PARALLEL_CALLS = 8
 HERMES = "hermes"
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def tool_call_format(chat_template: str | None) -> str | None:
@@ -46,9 +44,9 @@ def tool_call_format(chat_template: str | None) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class ToolCalls:
-    """How a chat answer's text becomes ``tool_calls``: the named function's arguments
-    (``name`` set), a JSON array of calls (tool_choice required), or Hermes-format calls
-    inside free text (``auto``)."""
+    """How a chat answer's text becomes ``tool_calls`` (``answer.split_tool_calls``): the
+    named function's arguments (``name`` set), a JSON array of calls (tool_choice
+    required), or Hermes-format calls inside free text (``auto``)."""
 
     name: str | None
     auto: bool = False
@@ -56,31 +54,6 @@ class ToolCalls:
     @property
     def finish_reason(self) -> str:
         return "stop" if self.name is not None else "tool_calls"
-
-    def split(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
-        """(content, tool_calls) of a finished answer: no calls -> (text, None)."""
-        try:
-            if self.auto:
-                found = [json.loads(m) for m in _HERMES_CALL.findall(text)]
-                if not found:
-                    return text, None
-                content = _HERMES_CALL.sub("", text).strip() or None
-                return content, [tool_call(c["name"], json.dumps(c["arguments"])) for c in found]
-            if self.name is not None:
-                json.loads(text)
-                return None, [tool_call(self.name, text)]
-            calls = [tool_call(c["name"], json.dumps(c["arguments"])) for c in json.loads(text)]
-            return None, calls
-        except (ValueError, TypeError, KeyError):
-            return text, None
-
-
-def tool_call(name: str, arguments: str) -> dict[str, Any]:
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": name, "arguments": arguments},
-    }
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """The OpenAPI document of the HTTP front, served at ``GET /openapi.json``.
 
-Request bodies are written from ``openai_protocol``'s field tables, the ones its parser reads
+Request bodies are written from ``fields``' tables, the ones its parser reads
 (a field, its type and its integer range have one home); responses follow the builders there
 (``Answer``, ``error_body``). ``tests/server/test_openapi.py`` checks the parser against it, and
 schemathesis checks a live server against it.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.openai_protocol import CHAT_FIELDS, COMPLETION_FIELDS, REQUIRED_FIELDS
+from server.openai.fields import CHAT_FIELDS, COMPLETION_FIELDS, REQUIRED_FIELDS
 
 _NULL = {"type": "null"}
 _INT = {"type": "integer"}
@@ -127,7 +127,7 @@ _MODELS = _obj(
     }
 )
 
-# Failures a generation can meet, by HTTP status (openai_protocol's module docstring).
+# Failures a generation can meet, by HTTP status (``fields``' module docstring).
 _GENERATION_ERRORS = {
     "400": "invalid request: the message names the field and what to change",
     "401": "no API key, or a wrong one",

@@ -1,7 +1,8 @@
 """Triton runs on the GPU when there is one, else in its interpreter (``TRITON_INTERPRET=1``).
 
 Triton reads the variable when a kernel is decorated, so it is set here, before any test
-module of this package imports ``model_runner.attention_backends.triton_kernels``."""
+module imports ``model_runner.attention_backends.triton_kernels`` (the attention backends'
+tests, and ``bench_gpu``'s attention section in its dry run)."""
 
 import os
 

@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP front: a Starlette app over the shared ``Frontend``.
 
 A thin adapter over the same engine as gRPC. A JSON body becomes a ``GenerateRequest``
-(``openai_protocol.parse_body``) and takes the gRPC path (``Frontend.engine_request``: one
+(``parse.parse_body``) and takes the gRPC path (``Frontend.engine_request``: one
 validation, one tokenizer call, one engine client); the outputs become OpenAI's JSON or
-server-sent events (``openai_protocol.Answer``)::
+server-sent events (``answer.Answer``)::
 
     POST /v1/completions       prompt (text or token ids)       -> text_completion
     POST /v1/chat/completions  messages (chat template)         -> chat.completion
@@ -38,19 +38,11 @@ from starlette.routing import Route
 from metrics.records import MetricsSink, NullSink
 from server.auth import AuthError, Security
 from server.frontend import Frontend
-from server.openai_protocol import (
-    Answer,
-    Choices,
-    HttpError,
-    body_too_large,
-    error_body,
-    http_error,
-    load_body,
-    parse_body,
-    sse,
-)
-from server.openai_tools import tool_call_format
-from server.openapi import openapi_document
+from server.openai.answer import Answer, Choices, sse
+from server.openai.fields import HttpError, body_too_large, error_body, http_error
+from server.openai.openapi import openapi_document
+from server.openai.parse import load_body, parse_body
+from server.openai.tools import tool_call_format
 from server.outputs import GenerationOutput
 from server.validation import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -82,8 +74,8 @@ class OpenAIFront:
         self.model = frontend.model
         self.created = int(time.time())
         self._openapi = openapi_document(self.model.name)
-        # tool_choice "auto" needs a template that renders tools (server.openai_tools).
-        self._tool_format = tool_call_format(getattr(frontend.tokenizer, "chat_template", None))
+        # tool_choice "auto" needs a template that renders tools (server.openai.tools).
+        self._tool_format = tool_call_format(frontend.tokenizer.chat_template)
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
