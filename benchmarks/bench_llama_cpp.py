@@ -249,14 +249,22 @@ def _run(cmd: Sequence[str], log: Any, what: str, log_path: Path, nice: bool = F
 # ------------------------------------------------------------------------------ server
 
 
-def server_args(model: Path, port: int, threads: int) -> list[str]:
-    """The measured configuration (see the module docstring)."""
+def server_args(
+    model: Path,
+    port: int,
+    threads: int,
+    *,
+    slots: int = SLOTS,
+    ctx_per_slot: int = CTX_PER_SLOT,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The measured configuration (see the module docstring); ``extra`` flags go last."""
     return [
         "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
         "--threads", str(threads), "--threads-batch", str(threads),
         "--flash-attn", "on", "--cont-batching",
-        "--parallel", str(SLOTS), "--ctx-size", str(SLOTS * CTX_PER_SLOT),
-        "--no-webui",
+        "--parallel", str(slots), "--ctx-size", str(slots * ctx_per_slot),
+        "--no-webui", *extra,
     ]  # fmt: skip
 
 
@@ -270,12 +278,23 @@ class LlamaServer(ChildServer):
     """A ``llama-server`` child on 127.0.0.1; a context manager (``target`` is its base URL)."""
 
     def __init__(
-        self, binary: Path, model: Path, threads: int, startup_timeout_s: float = 300.0
+        self,
+        binary: Path,
+        model: Path,
+        threads: int,
+        startup_timeout_s: float = 300.0,
+        *,
+        slots: int = SLOTS,
+        ctx_per_slot: int = CTX_PER_SLOT,
+        extra: Sequence[str] = (),
     ) -> None:
         self.binary = binary
         self.model = model
         self.threads = threads
         self.startup_timeout_s = startup_timeout_s
+        self.slots = slots
+        self.ctx_per_slot = ctx_per_slot
+        self.extra = tuple(extra)
         self.port = 0
         self.args: list[str] = []
         self.metrics_url: str | None = None
@@ -287,7 +306,14 @@ class LlamaServer(ChildServer):
 
     def start(self) -> Self:
         self.port = _free_port()
-        self.args = server_args(self.model, self.port, self.threads)
+        self.args = server_args(
+            self.model,
+            self.port,
+            self.threads,
+            slots=self.slots,
+            ctx_per_slot=self.ctx_per_slot,
+            extra=self.extra,
+        )
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 [str(self.binary), *self.args], stdout=log, stderr=subprocess.STDOUT

@@ -46,6 +46,10 @@ Sections, each comparison measured side by side in the same run:
 - ``models``: real GGUF files (the embedded Q4_1, its Q4_K_M, a random 1B Q4_K_M) against
   llama.cpp: prefill 512 / decode against ``llama-bench``, chat128 by users against
   ``llama-server`` (``benchmarks/bench_models.py``).
+- ``kvtier``: KV tier 2 as users run it (``benchmarks/bench_kv_tier_served.py``): multi-turn
+  conversations, returning turns' TTFT with the tier on a pool that holds only the turns in
+  flight, against a pool that holds every conversation and against llama.cpp's
+  ``--cache-ram`` on the same conversations; the embedded model and a 1B Q4_K_M.
 
 ``kvcache`` and ``sinks`` run with ``--kv-threads`` (1) torch threads: on a shared machine
 a 2-thread OpenMP team waits on a descheduled thread, and the curve shows the neighbours,
@@ -91,6 +95,7 @@ SECTIONS: dict[str, Callable[[Context], SectionResult]] = {
     "sinks": sections.sinks,
     "kernels": sections.kernels,
     "models": sections.models,
+    "kvtier": sections.kvtier,
 }
 
 

@@ -631,3 +631,56 @@ def models(ctx: Context) -> SectionResult:
         table="Real GGUF files (models), kvserve against llama.cpp in this run:\n\n"
         + bench_models.format_table(rows),
     )
+
+
+def kvtier(ctx: Context) -> SectionResult:
+    """KV tier 2 as users run it (bench_kv_tier_served): returning turns' TTFT with the tier
+    against a pool that holds every conversation, and against llama.cpp's --cache-ram on the
+    same conversations, per model."""
+    import shutil
+    import tempfile
+
+    from benchmarks import bench_kv_tier_served, bench_llama_cpp, bench_models
+
+    sizes = ctx.sizes
+    cache_dir = bench_llama_cpp.default_cache_dir(os.environ)
+    quantize = Path("/nonexistent")
+    if ctx.llama_cpp_mode != "off":
+        tools = bench_llama_cpp.ensure_tools(cache_dir, build=False)
+        quantize = tools.get("llama-quantize", quantize)
+    paths = bench_models.build_models(
+        list(sizes.kvtier_models), cache_dir.parent.parent / "models", quantize
+    )
+    workload = bench_kv_tier_served.workload_for(sizes.kvtier_quick)
+    root = tempfile.mkdtemp(prefix="kvserve-kvtier-")
+    try:
+        figures = bench_kv_tier_served.run(
+            {name: path for name, (path, _) in paths.items()},
+            workload,
+            sizes.kvtier_users,
+            ctx.threads,
+            ctx.llama_cpp.binary,
+            root,
+            say=say,
+        )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    verdicts = bench_kv_tier_served.verdicts(figures)
+    pools = bench_kv_tier_served.Pools.of(workload, sizes.kvtier_users)
+    return SectionResult(
+        extra={
+            "workload": {
+                "conversations": workload.num_conversations,
+                "turns": workload.num_turns,
+                "first_len": workload.first_len,
+                "output_len": workload.output_len,
+                "users": sizes.kvtier_users,
+            },
+            "runs": [f.summary() for f in figures],
+            "verdicts": verdicts if ctx.full else None,
+        },
+        table=f"KV tier 2 as users run it (kvtier): {workload.num_conversations} conversations x "
+        f"{workload.num_turns} turns, {sizes.kvtier_users} users; the tier's pool "
+        f"({pools.in_flight} blocks) holds the turns in flight, not every history "
+        f"({pools.all_conversations} blocks):\n\n" + bench_kv_tier_served.format_table(figures),
+    )

@@ -42,6 +42,10 @@ class Sizes:
     models: tuple[str, ...] = ("embedded", "embedded-q4km", "random-1b-q4km")
     models_levels: tuple[tuple[int, int], ...] = ((1, 4), (8, 16), (32, 64))
     models_output_tokens: int = 128
+    # kvtier: which models, and the multi-turn workload's size (bench_kv_tier_served).
+    kvtier_models: tuple[str, ...] = ("embedded", "random-1b-q4km")
+    kvtier_quick: bool = False
+    kvtier_users: int = 2
 
 
 FULL = Sizes(
@@ -104,4 +108,6 @@ QUICK = Sizes(
     models=("embedded",),
     models_levels=((1, 1), (2, 2)),
     models_output_tokens=8,
+    kvtier_models=("embedded",),
+    kvtier_quick=True,
 )

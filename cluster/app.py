@@ -8,16 +8,16 @@ or from a Ray Serve config file (``cluster/kvserve.yaml``; ``serve run`` / ``ser
 whose ``args`` reach ``app_builder``. The engine settings are ``kvserve serve``'s
 (``server.config.ServerConfig`` keys), validated here, before any replica starts.
 
-The hook for an HTTP front end (the OpenAI-compatible API): an ingress deployment that takes
-the replicas' handle and streams their ``Generate``, routed by the same router::
+The OpenAI-compatible API is a second application, one ingress (``cluster.openai_ingress``)
+at route ``/`` of Ray Serve's HTTP proxy, that reaches the replicas through their handle, so
+through the same request router as gRPC::
 
-    @serve.deployment
-    class HTTPIngress:
-        def __init__(self, replicas: DeploymentHandle) -> None:
-            self.replicas = replicas.options(stream=True, method_name="Generate")
-        ...   # async for response in self.replicas.remote(pb.GenerateRequest(...)): ...
+    serve.start(grpc_options=grpc_options(50051), http_options={"port": 8000})
+    serve.run(build_app(cfg), name="kvserve", route_prefix=GRPC_ROUTE_PREFIX)
+    serve.run(build_openai_app(cfg, "kvserve"), name="kvserve-openai", route_prefix="/")
 
-    serve.run(HTTPIngress.bind(build_app(cfg)), name="kvserve")
+(The gRPC proxy sends a call without ``application`` metadata to the replicas' application:
+``cluster.ingress`` makes it, so a plain gRPC client works with both applications up.)
 """
 
 from __future__ import annotations
@@ -25,12 +25,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.pd import DEFAULT_MIN_TRANSFER_TOKENS
 from cluster.routing import ROUTERS
 from server.config import build_config
 
 GENERATION_SERVICER = "cluster.ingress.add_generation_service"
 ROUTER_CLASS = "cluster.ray_router:KVServeRequestRouter"
 DEFAULT_APP_NAME = "kvserve"
+PREFILL_DEPLOYMENT = "KVServePrefill"  # the prefill replicas of a prefill / decode split
+OPENAI_APP_NAME = "kvserve-openai"  # the OpenAI ingress: an application of its own, route "/"
+# The replicas' application needs a route for Ray's gRPC proxy to see it at all; "/" is the
+# OpenAI ingress's, so it gets this one (nothing of the HTTP API lives under it).
+GRPC_ROUTE_PREFIX = "/_kvserve_grpc"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +45,7 @@ class ClusterConfig:
 
     engine: dict[str, Any] = field(default_factory=dict)  # ServerConfig keys
     num_replicas: int = 2
-    router: str = "prefix"
+    router: str = "cost"
     imbalance_abs: int = 8  # prefix router's load guard: busiest - idlest > this ...
     imbalance_rel: float = 1.5  # ... and busiest > this x idlest -> power of two choices
     router_metrics_port: int | None = None  # /metrics + /targets of the router (proxy)
@@ -49,6 +55,15 @@ class ClusterConfig:
     routing_stats_period_s: float = 1.0  # how often Ray polls each replica's report
     health_check_period_s: float = 2.0
     graceful_shutdown_timeout_s: float = 30.0  # a stopping replica drains this long
+    num_http_ingress: int = 1  # OpenAI ingress replicas (cluster.openai_ingress)
+    # Prefill / decode split (cluster.pd): this many prefill replicas beside num_replicas
+    # decode replicas; 0: every replica does both.
+    num_prefill_replicas: int = 0
+    # Engine settings of the prefill replicas that differ from ``engine`` (their pool, their
+    # threads); the shared tier's settings must stay the same.
+    prefill_engine: dict[str, Any] = field(default_factory=dict)
+    transfer_timeout_s: float = 60.0  # a decode replica's wait for a prefill replica
+    transfer_min_tokens: int = DEFAULT_MIN_TRANSFER_TOKENS  # fewer: computed where they land
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -62,7 +77,29 @@ class ClusterConfig:
             )
         if self.replica_num_cpus < 0:
             raise ValueError(f"replica_num_cpus must be >= 0, got {self.replica_num_cpus}")
-        build_config(self.engine, environ={})  # engine settings fail here, with their name
+        if self.num_http_ingress < 1:
+            raise ValueError(f"num_http_ingress must be >= 1, got {self.num_http_ingress}")
+        engine = build_config(self.engine, environ={})  # engine settings fail here, by name
+        if self.num_prefill_replicas < 0:
+            raise ValueError(f"prefill replicas must be >= 0, got {self.num_prefill_replicas}")
+        prefill = build_config({**self.engine, **self.prefill_engine}, environ={})
+        if (prefill.kv_disk_dir, prefill.kv_disk_store) != (
+            engine.kv_disk_dir,
+            engine.kv_disk_store,
+        ):
+            raise ValueError(
+                "prefill_engine must keep the shared tier (kv_disk_dir, kv_disk_store)"
+            )
+        if self.num_prefill_replicas and engine.kv_disk_dir is None:
+            raise ValueError(
+                "prefill replicas hand their KV to decode replicas through the shared KV "
+                "tier: set --kv-disk-dir (one directory all replicas reach)"
+            )
+        if self.transfer_timeout_s <= 0 or self.transfer_min_tokens < 1:
+            raise ValueError(
+                f"transfer_timeout_s must be > 0 and transfer_min_tokens >= 1, got "
+                f"{self.transfer_timeout_s} and {self.transfer_min_tokens}"
+            )
 
 
 def grpc_options(port: int = 50051) -> Any:
@@ -75,7 +112,36 @@ def grpc_options(port: int = 50051) -> Any:
 
 
 def build_app(cfg: ClusterConfig) -> Any:
-    """The Ray Serve application (``serve.run`` it)."""
+    """The Ray Serve application (``serve.run`` it): ``num_replicas`` replicas that do both
+    prefill and decode, or, with ``num_prefill_replicas``, that many prefill replicas behind
+    ``num_replicas`` decode replicas (the ingress; ``cluster.pd``)."""
+    from cluster.openai_ingress import REPLICA_DEPLOYMENT
+
+    split = cfg.num_prefill_replicas > 0
+    options = {
+        "metrics_host": cfg.metrics_host,
+        "metrics_port": 0,
+        "report_prices": cfg.router == "cost",
+    }
+    prefill = None
+    if split:
+        prefill = _replicas(cfg, PREFILL_DEPLOYMENT, cfg.num_prefill_replicas, None).bind(
+            {**cfg.engine, **cfg.prefill_engine}, role="prefill", **options
+        )
+    ingress = _replicas(cfg, REPLICA_DEPLOYMENT, cfg.num_replicas, cfg.router_metrics_port)
+    return ingress.bind(
+        dict(cfg.engine),
+        role="decode" if split else "both",
+        prefill=prefill,
+        transfer_timeout_s=cfg.transfer_timeout_s,
+        transfer_min_tokens=cfg.transfer_min_tokens,
+        **options,
+    )
+
+
+def _replicas(cfg: ClusterConfig, name: str, num_replicas: int, metrics_port: int | None) -> Any:
+    """A deployment of ``KVServeReplica`` routed by ``KVServeRequestRouter`` (whose metrics
+    the ingress's router serves on ``metrics_port``; None: not served)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -83,6 +149,9 @@ def build_app(cfg: ClusterConfig) -> Any:
 
     engine = build_config(cfg.engine, environ={})
     capacity_blocks = engine.num_blocks or 4096  # refined by each replica's own report
+    shared_tier_blocks = None
+    if engine.kv_disk_dir is not None:  # one store shared by the replicas: a key per block
+        shared_tier_blocks = 8 * capacity_blocks
     router_config = RequestRouterConfig(
         request_router_class=ROUTER_CLASS,
         request_router_kwargs={
@@ -93,31 +162,63 @@ def build_app(cfg: ClusterConfig) -> Any:
             "imbalance_abs": cfg.imbalance_abs,
             "imbalance_rel": cfg.imbalance_rel,
             "metrics_host": cfg.metrics_host,
-            "metrics_port": cfg.router_metrics_port,
+            "metrics_port": metrics_port,
+            "shared_tier_blocks": shared_tier_blocks,
+            "chunk_tokens": engine.long_prefill_token_threshold or engine.max_num_batched_tokens,
         },
         request_routing_stats_period_s=cfg.routing_stats_period_s,
         request_routing_stats_timeout_s=max(cfg.routing_stats_period_s, 1.0),
     )
-    deployment = serve.deployment(
+    return serve.deployment(
         KVServeReplica,
-        name="KVServeReplica",
-        num_replicas=cfg.num_replicas,
+        name=name,
+        num_replicas=num_replicas,
         max_ongoing_requests=cfg.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.replica_num_cpus},
         health_check_period_s=cfg.health_check_period_s,
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
         request_router_config=router_config,
     )
-    return deployment.bind(dict(cfg.engine), metrics_host=cfg.metrics_host, metrics_port=0)
+
+
+def build_openai_app(cfg: ClusterConfig, replicas_app: str = DEFAULT_APP_NAME) -> Any:
+    """The OpenAI-compatible API of the replicas of application ``replicas_app``: one ingress
+    (``cluster.openai_ingress``) to ``serve.run`` as an application of its own, with
+    ``route_prefix="/"``."""
+    from ray import serve
+
+    from cluster.openai_ingress import OpenAIIngress
+
+    deployment = serve.deployment(
+        serve.ingress()(OpenAIIngress),
+        name="OpenAIIngress",
+        num_replicas=cfg.num_http_ingress,
+        max_ongoing_requests=cfg.max_ongoing_requests * cfg.num_replicas,
+        ray_actor_options={"num_cpus": 0},
+        health_check_period_s=cfg.health_check_period_s,
+        graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
+    )
+    return deployment.bind(dict(cfg.engine), replicas_app)
+
+
+def _cluster_config(args: dict[str, Any], *extra: str) -> ClusterConfig:
+    known = set(ClusterConfig.__dataclass_fields__)
+    unknown = sorted(set(args) - known - set(extra))
+    if unknown:
+        raise ValueError(
+            f"unknown kvserve cluster setting(s) {', '.join(unknown)}; known: "
+            f"{', '.join(sorted(known | set(extra)))}"
+        )
+    return ClusterConfig(**{k: v for k, v in args.items() if k in known})
 
 
 def app_builder(args: dict[str, Any]) -> Any:
     """``import_path: cluster.app:app_builder`` for ``serve run`` / ``serve deploy``."""
-    known = set(ClusterConfig.__dataclass_fields__)
-    unknown = sorted(set(args) - known)
-    if unknown:
-        raise ValueError(
-            f"unknown kvserve cluster setting(s) {', '.join(unknown)}; known: "
-            f"{', '.join(sorted(known))}"
-        )
-    return build_app(ClusterConfig(**args))
+    return build_app(_cluster_config(args))
+
+
+def openai_app_builder(args: dict[str, Any]) -> Any:
+    """``import_path: cluster.app:openai_app_builder``: the OpenAI API of the replicas of the
+    application named ``replicas_app`` (default ``kvserve``), with the same ``engine``."""
+    replicas_app = str(args.get("replicas_app", DEFAULT_APP_NAME))
+    return build_openai_app(_cluster_config(args, "replicas_app"), replicas_app)

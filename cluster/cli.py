@@ -1,12 +1,15 @@
-"""``kvserve cluster serve``: N kvserve replicas on Ray Serve behind one gRPC address.
+"""``kvserve cluster serve``: N kvserve replicas on Ray Serve behind one gRPC address and one
+OpenAI-compatible HTTP address.
 
-    kvserve cluster serve --replicas 2 --router prefix [...the engine flags of kvserve serve]
+    kvserve cluster serve --replicas 2 --router cost [...the engine flags of kvserve serve]
 
 Every ``kvserve serve`` flag configures each replica's engine; ``--port`` is the gRPC proxy's
-port (default 50051) and ``--metrics-port`` the router's ``/metrics`` + ``/targets``
-(Prometheus HTTP service discovery of every replica's metrics). Joins the Ray cluster at
-``--ray-address`` (default: a running one if there is, else a local one), runs until SIGINT /
-SIGTERM, then shuts the application down (replicas drain for ``--grace-period-s``).
+port (default 50051), ``--http-port`` Ray Serve's HTTP proxy's (default 8000; ``--no-http``:
+no OpenAI API; the API keys, limits and TLS files are the single server's flags), and
+``--metrics-port`` the router's ``/metrics`` + ``/targets`` (Prometheus HTTP service discovery
+of every replica's metrics). Joins the Ray cluster at ``--ray-address`` (default: a running
+one if there is, else a local one), runs until SIGINT / SIGTERM, then shuts the applications
+down (replicas drain for ``--grace-period-s``).
 """
 
 from __future__ import annotations
@@ -31,16 +34,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     serve = sub.add_parser(
         "serve",
-        help="serve N replicas behind Ray Serve's gRPC proxy",
+        help="serve N replicas behind Ray Serve's gRPC and HTTP proxies",
         description="Serve N kvserve replicas on Ray Serve. The engine flags are kvserve "
-        "serve's; --port is the gRPC proxy's, --metrics-port the router's /metrics and "
-        "/targets.",
+        "serve's; --port is the gRPC proxy's, --http-port the HTTP proxy's (the OpenAI API), "
+        "--metrics-port the router's /metrics and /targets.",
     )
     cluster = serve.add_argument_group("cluster")
     cluster.add_argument("--replicas", type=int, default=2, help="(default: %(default)s)")
     cluster.add_argument(
-        "--router", choices=ROUTERS, default="prefix",
-        help="how requests pick a replica (default: %(default)s)",
+        "--router", choices=ROUTERS, default="cost",
+        help="how requests pick a replica: cost = the lowest estimated time to first token "
+        "over each replica's RAM, the shared KV tier and recomputation; prefix = the longest "
+        "prefix held in RAM (default: %(default)s)",
     )  # fmt: skip
     cluster.add_argument(
         "--imbalance-abs", type=int, default=8,
@@ -50,6 +55,22 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument(
         "--imbalance-rel", type=float, default=1.5,
         help="... and busiest / idlest above this -> power of two choices (default: %(default)s)",
+    )  # fmt: skip
+    cluster.add_argument(
+        "--prefill-replicas", type=int, default=0,
+        help="prefill / decode split: this many prefill replicas, and --replicas decode "
+        "replicas that read their KV from the shared tier (needs --kv-disk-dir); 0: every "
+        "replica does both (default: %(default)s)",
+    )  # fmt: skip
+    cluster.add_argument(
+        "--pd-transfer-timeout-s", type=float, default=60.0,
+        help="a decode replica's wait for a prefill replica; past it, it computes the prompt "
+        "itself (default: %(default)s)",
+    )  # fmt: skip
+    cluster.add_argument(
+        "--pd-min-transfer-tokens", type=int, default=32,
+        help="prompts with fewer new tokens are computed on the decode replica "
+        "(default: %(default)s)",
     )  # fmt: skip
     cluster.add_argument(
         "--replica-cpus", type=float, default=1.0,
@@ -81,6 +102,9 @@ def cluster_config(args: argparse.Namespace) -> tuple[Any, Any]:
         router_metrics_port=engine.metrics_port if engine.metrics else None,
         metrics_host=engine.metrics_host,
         replica_num_cpus=args.replica_cpus,
+        num_prefill_replicas=args.prefill_replicas,
+        transfer_timeout_s=args.pd_transfer_timeout_s,
+        transfer_min_tokens=args.pd_min_transfer_tokens,
         graceful_shutdown_timeout_s=engine.grace_period_s,
     )
     return cfg, engine
@@ -104,23 +128,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from cluster.app import GRPC_ROUTE_PREFIX, OPENAI_APP_NAME, build_openai_app
+    from server.cli import write_port_file
+
     ray.init(address=args.ray_address, include_dashboard=False)
-    serve.start(grpc_options=options, http_options={"host": engine.host, "port": 0})
-    serve.run(build_app(cfg), name=APP_NAME)
+    http_port = engine.http_port if engine.http_port or not engine.http else _free_port()
+    serve.start(grpc_options=options, http_options=http_options(engine, http_port))
+    serve.run(build_app(cfg), name=APP_NAME, route_prefix=GRPC_ROUTE_PREFIX)
+    if engine.http:
+        serve.run(build_openai_app(cfg, APP_NAME), name=OPENAI_APP_NAME, route_prefix="/")
+    scheme = "https" if engine.tls_cert else "http"
+    roles = (
+        f"{cfg.num_prefill_replicas} prefill + {cfg.num_replicas} decode replicas"
+        if cfg.num_prefill_replicas
+        else f"{cfg.num_replicas} replicas"
+    )
     print(
-        f"kvserve cluster: {cfg.num_replicas} replicas ({engine.runner}), router {cfg.router}, "
+        f"kvserve cluster: {roles} ({engine.runner}), router {cfg.router}, "
         f"gRPC on :{engine.port}"
+        + (f", OpenAI-compatible API on {scheme}://{engine.host}:{http_port}/v1"
+           if engine.http else "")
         + (
             f", metrics + targets on http://{cfg.metrics_host}:{cfg.router_metrics_port}"
             if cfg.router_metrics_port is not None
             else ""
         ),
         flush=True,
-    )
-    from server.cli import write_port_file
-
+    )  # fmt: skip
     if engine.port_file:
         write_port_file(engine.port_file, engine.port)
+    if engine.http and engine.http_port_file:
+        write_port_file(engine.http_port_file, http_port)
     if engine.metrics_port_file and cfg.router_metrics_port is not None:
         write_port_file(engine.metrics_port_file, cfg.router_metrics_port)
     stop = threading.Event()
@@ -128,9 +166,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     print("kvserve cluster: stopping (replicas drain in-flight requests)", flush=True)
+    if engine.http:
+        serve.delete(OPENAI_APP_NAME)
     serve.delete(APP_NAME)
     serve.shutdown()
     return 0
+
+
+def http_options(engine: Any, port: int) -> dict[str, Any]:
+    """Ray Serve's HTTP proxy on ``engine.host``:``port``, with the TLS files of
+    ``--tls-cert`` / ``--tls-key`` when given (as a single server's HTTP front)."""
+    options: dict[str, Any] = {"host": engine.host, "port": port}
+    if engine.tls_cert is not None and engine.tls_key is not None:
+        options |= {"ssl_certfile": engine.tls_cert, "ssl_keyfile": engine.tls_key}
+    return options
+
+
+def _free_port() -> int:
+    """A free port now (Ray's proxy binds a fixed one; port 0 asks for any)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def main(argv: list[str] | None = None) -> int:

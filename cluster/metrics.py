@@ -17,7 +17,7 @@ from prometheus_client.metrics_core import Metric
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from cluster.routing import REASONS, Decision
+from cluster.routing import REASONS, TIERS, Decision
 from metrics.histogram import TOKEN_COUNT_BUCKETS
 from server.asgi import (
     ThreadedAsgiServer,
@@ -82,13 +82,27 @@ class RouterMetrics:
             ["router"],
             registry=registry,
         )
+        self.prefix_blocks = Counter(
+            "kvserve_router_prefix_blocks",
+            "Full prompt blocks routed, by where the chosen replica finds them: ram (its "
+            "prefix cache), shared (the KV tier 2 the replicas share), none (recomputed)",
+            ["router", "tier"],
+            registry=registry,
+        )
         for reason in REASONS:  # the series exist from the first scrape on
             self.decisions.labels(router, reason)
+        for tier in TIERS:
+            self.prefix_blocks.labels(router, tier)
 
     def record(self, decision: Decision, block_size: int, num_prompt_tokens: int) -> None:
         self.decisions.labels(self.router, decision.reason).inc()
         self.prefix_hit_tokens.labels(self.router).observe(decision.num_prefix_blocks * block_size)
         self.prompt_tokens.labels(self.router).inc(num_prompt_tokens)
+        ram, shared = decision.num_prefix_blocks, decision.num_shared_blocks
+        num_blocks = max(num_prompt_tokens - 1, 0) // block_size  # a hit never covers the last
+        self.prefix_blocks.labels(self.router, "ram").inc(ram)
+        self.prefix_blocks.labels(self.router, "shared").inc(shared)
+        self.prefix_blocks.labels(self.router, "none").inc(max(num_blocks - ram - shared, 0))
 
 
 def start_router_metrics_server(

@@ -16,24 +16,29 @@ stand-in for "which prefixes does my cache hold".
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
+from cache_manager import prefix_block_keys
 from cluster.metrics import (
     advertised_host,
     labelled_registry,
     start_metrics_server,
 )
+from cluster.pd import DEFAULT_MIN_TRANSFER_TOKENS, ROLES, PrefillHandoff, Role, prefill_job
 from cluster.routing import routing_keys
+from metrics.records import NullSink
 from scheduler.request import Request
 from server.config import ServerConfig, build_config
 from server.engine_client import EngineClient
-from server.frontend import Frontend
+from server.frontend import Frontend, ServedModel
 from server.grpc_service import GenerationServicer
 from server.outputs import GenerationOutput
 from server.rpc import generation_pb2 as pb
@@ -93,16 +98,22 @@ class _ArrivalKeys:
 
 
 class _ReportingClient(EngineClient):
-    """An ``EngineClient`` that notes each admitted prompt's block keys for the router."""
+    """An ``EngineClient`` that notes each admitted prompt's block keys for the router; on a
+    decode replica it first hands the prompt to a prefill replica (``cluster.pd``)."""
 
-    def __init__(self, engine: Any, arrivals: _ArrivalKeys) -> None:
+    def __init__(
+        self, engine: Any, arrivals: _ArrivalKeys, handoff: PrefillHandoff | None = None
+    ) -> None:
         super().__init__(engine)
         self.arrivals = arrivals
+        self.handoff = handoff
 
     async def generate(
         self, request: Request, *, deadline_s: float | None = None
     ) -> AsyncIterator[GenerationOutput]:
         self.arrivals.add(request)
+        if self.handoff is not None:
+            await self.handoff.before(request)
         async for out in super().generate(request, deadline_s=deadline_s):
             yield out
 
@@ -121,17 +132,37 @@ class KVServeReplica:
         *,
         metrics_host: str = "127.0.0.1",
         metrics_port: int = 0,
+        report_prices: bool = False,
+        role: Role = "both",
+        prefill: Any = None,
+        transfer_timeout_s: float = 60.0,
+        transfer_min_tokens: int = DEFAULT_MIN_TRANSFER_TOKENS,
     ) -> None:
         from ray import serve
 
         from server.build import build_engine
 
         cfg: ServerConfig = build_config(engine or {}, environ={})
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if role != "both" and cfg.kv_disk_dir is None:
+            raise ValueError(f"a {role} replica needs the shared KV tier: set kv_disk_dir")
+        if role == "decode" and prefill is None:
+            raise ValueError("a decode replica needs the prefill deployment's handle")
+        self.role = role
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         rank = getattr(context, "rank", None)
         self.replica = str(getattr(rank, "rank", rank) if rank is not None else self.replica_id)
         built = build_engine(cfg)
+        if report_prices and built.engine.cost_model is None:
+            # The cost router prices prefills with this replica's own step-cost model
+            # (fitted online from every step, as the slo policy's is).
+            from server.calibration import calibrate
+
+            built.engine.cost_model = calibrate(
+                built.runner, built.scheduler.kv.config, built.model.max_model_len
+            )
         self.built = built
         self.model = built.model
         self.arrivals = _ArrivalKeys(built.model.num_blocks, built.model.block_size)
@@ -149,16 +180,37 @@ class KVServeReplica:
                 inner, model_info={"model": built.model.name, "replica_id": self.replica_id}
             )
             built.engine.sink = sink
-            served = labelled_registry(inner, {"replica": self.replica})
+            served = labelled_registry(inner, {"replica": self.replica, "role": role})
             self._metrics_server = start_metrics_server(metrics_host, metrics_port, served)
             self.metrics_url = f"{advertised_host(metrics_host)}:{self._metrics_server.port}"
-        self.client = _ReportingClient(built.engine, self.arrivals)
-        self.frontend = Frontend(self.client, built.tokenizer, built.model)
-        self.servicer = GenerationServicer(self.frontend, sink=sink)
+        handoff = None
+        if role == "decode":
+            handoff = PrefillHandoff(
+                prefill,
+                built.scheduler.kv.has_cached_key,
+                built.model.block_size,
+                built.model.kv_memory_bytes // max(built.model.num_blocks, 1),
+                sink if sink is not None else NullSink(),
+                timeout_s=transfer_timeout_s,
+                min_tokens=transfer_min_tokens,
+            )
+        self.client = _ReportingClient(built.engine, self.arrivals, handoff)
+        # A single server's API keys, tenants and structured outputs, on the gRPC path too.
+        security = cfg.security()
+        tracker = built.engine.constraint_tracker
+        self.frontend = Frontend(
+            self.client,
+            built.tokenizer,
+            built.model,
+            security=security,
+            constraints=tracker.compiler if tracker is not None else None,
+        )
+        self.servicer = GenerationServicer(self.frontend, sink=sink, security=security)
         built.engine.start()
         logger.info(
-            "replica %s (%s): %s, %d KV blocks, metrics %s",
+            "replica %s (%s, %s): %s, %d KV blocks, metrics %s",
             self.replica,
+            role,
             self.replica_id,
             built.model.name,
             built.model.num_blocks,
@@ -167,15 +219,32 @@ class KVServeReplica:
 
     # ------------------------------------------------------------------ Ray Serve hooks
     def record_routing_stats(self) -> dict[str, Any]:
-        """What the router reads (Ray polls it every ``request_routing_stats_period_s``)."""
+        """What the router reads (Ray polls it every ``request_routing_stats_period_s``):
+        load, recent block keys, and the prices the cost router charges (this replica's
+        step-cost model and its mean tier-2 restore time per block, when it has them)."""
+        engine = self.built.engine
+        handoff = self.client.handoff
+        model = engine.cost_model
+        tier2 = engine.latest_stats.kv.tier2
+        restore_s = tier_blocks = None
+        if tier2 is not None and tier2.restore_blocks_total:
+            restore_s = tier2.restore_seconds_total / tier2.restore_blocks_total
+        if tier2 is not None and self.model.num_blocks:
+            tier_blocks = tier2.capacity_bytes * self.model.num_blocks // self.model.kv_memory_bytes
         return {
             "replica": self.replica,
+            "role": self.role,
             "num_ongoing": self.client.num_in_flight,
             # A dead engine answers UNAVAILABLE until Ray replaces the replica: route around it.
-            "draining": self.draining or not self.built.engine.is_alive,
+            "draining": self.draining or not engine.is_alive,
             "block_size": self.model.block_size,
             "keys": self.arrivals.snapshot(),
             "metrics_url": self.metrics_url,
+            "cost_model_s": None if model is None else list(model.coefficients_s),
+            "restore_s_per_block": restore_s,
+            # A decode replica's prefill replicas: listed at the router's /targets too.
+            "peer_metrics_urls": handoff.peer_metrics_urls() if handoff is not None else [],
+            "tier2_capacity_blocks": tier_blocks,
         }
 
     def check_health(self) -> None:
@@ -213,6 +282,43 @@ class KVServeReplica:
         self, request: pb.GetKVCacheStatsRequest, grpc_context: Any = None
     ) -> Any:
         return await self.servicer.GetKVCacheStats(request, _RayContext(grpc_context))  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ the OpenAI ingress
+    async def generate_request(
+        self, request: Request, timeout_s: float | None = None
+    ) -> AsyncIterator[GenerationOutput]:
+        """An engine request the cluster's OpenAI ingress built (validated, tokenized, its
+        owner's salt and tenant set): its outputs as the engine publishes them. The caller
+        cancelling the call aborts the request here."""
+        if not self.frontend.accepting:
+            from server.frontend import RpcError
+
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        now = time.monotonic()
+        request.arrival_time_s = now  # this host's clock: queue and TTFT are timed here
+        deadline_s = None if timeout_s is None else now + timeout_s
+        async for out in self.client.generate(request, deadline_s=deadline_s):
+            yield out
+
+    async def prefill_request(self, request: Request) -> dict[str, Any]:
+        """A decode replica's handoff (``cluster.pd``): compute ``request``'s prompt KV here
+        and publish its full blocks to the shared store; once written, how many (``blocks``)
+        and where this replica's metrics are (``metrics_url``)."""
+        job = prefill_job(request)
+        async for _ in self.client.generate(job):
+            pass
+        tier = self.built.engine.kv_tier
+        if tier is None:
+            raise RuntimeError("no shared KV tier (kv_disk_dir) to publish the blocks to")
+        tokens = job.prompt_token_ids
+        keys = prefix_block_keys(tokens[: len(tokens) - 1], self.model.block_size, job.cache_salt)
+        if not await asyncio.to_thread(tier.wait_written, keys, job.cache_salt):
+            raise TimeoutError(f"{len(keys)} blocks not written to the shared store in time")
+        return {"blocks": len(keys), "metrics_url": self.metrics_url}
+
+    def served_model(self) -> ServedModel:
+        """What the OpenAI ingress serves: this replica's model, context and limits."""
+        return self.model
 
     async def Abort(self, request: pb.AbortRequest, grpc_context: Any = None) -> Any:
         # Ray routes an Abort to any replica: it finds the request only where it runs. Client

@@ -534,6 +534,8 @@ def scheduler_kv() -> dict[str, Any]:
             ],
             row("KV tiers"),
             kv_tier_panels(),
+            row("Prefill / decode transfer"),
+            transfer_panels(),
             [model_table()],
         ]
     )
@@ -577,6 +579,44 @@ def kv_tier_panels() -> list[Panel]:
                 (f"sum({rate('kvserve_kv_tier2_restore_bytes_total')})", "restored bytes"),
                 (f"sum by (kind) ({rate('kvserve_kv_tier2_errors_total')})", "errors {{kind}}"),
             ],
+        ),
+    ]
+
+
+def transfer_panels() -> list[Panel]:
+    """The prefill / decode split (kvserve cluster serve --prefill-replicas): a decode
+    replica's prompts handed to prefill replicas, published to the shared store and read
+    back as tier-2 hits. Zero outside decode replicas."""
+    seconds = "kvserve_kv_transfer_seconds"
+    return [
+        timeseries(
+            "Transfers / s by outcome",
+            "Prompts a decode replica handed to a prefill replica: ok (the KV is in the shared "
+            "store), prefill_failed / timeout (recomputed on the decode replica; no request "
+            "fails). Fallbacks = all but ok.",
+            [(f"sum by (outcome) ({rate('kvserve_kv_transfers_total')})", "{{outcome}}")],
+        ),
+        timeseries(
+            "Transferred blocks and bytes / s",
+            "Blocks (and their bytes) prefill replicas published for decode replicas; the "
+            "decode replicas read them back as tier-2 hits (KV tiers row).",
+            [
+                (f"sum({rate('kvserve_kv_transfer_blocks_total')})", "published blocks"),
+                (f"sum({rate('kvserve_kv_transfer_bytes_total')})", "published bytes"),
+            ],
+        ),
+        timeseries(
+            "Transfer wait (mean)",
+            "A decode replica's mean wait for a prefill replica (its queue, the prefill, the "
+            "writes to the store), per transfer; 0 while there are none.",
+            [
+                (
+                    f"sum({rate(seconds + '_sum')}) / clamp_min(sum({rate(seconds + '_count')}), "
+                    "1e-9)",
+                    "mean s per transfer",
+                )
+            ],
+            unit="s",
         ),
     ]
 

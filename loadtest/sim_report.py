@@ -100,6 +100,7 @@ def report(run: RunSpec, engines: Sequence[Recorded]) -> dict[str, Any]:
     queue = [t.first_scheduled_s - t.arrival_s for t in done if t.first_scheduled_s is not None]
     all_stats = [e.sched.make_stats() for e in engines]
     hits = sum(s.kv.prefix_hits_tokens_total for s in all_stats)
+    tier2_hits = sum(s.kv.tier2_hit_tokens_total for s in all_stats)
     queries = sum(s.kv.prefix_queries_tokens_total for s in all_stats)
     goodput = _goodput(done, run.config.ttft_slo_s, run.config.itl_slo_s)
 
@@ -149,7 +150,8 @@ def report(run: RunSpec, engines: Sequence[Recorded]) -> dict[str, Any]:
                 else 0.0
             ),
             "max_usage": max(e.max_usage for e in engines),
-            "prefix_hit_rate": hits / queries if queries else 0.0,
+            "prefix_hit_rate": hits / queries if queries else 0.0,  # tier 1 and tier 2
+            "tier2_hit_rate": tier2_hits / queries if queries else 0.0,
             "evictions": sum(s.kv.evictions_total for s in all_stats),
         },
     }
@@ -229,7 +231,11 @@ def format_cluster_table(runs: Sequence[dict[str, Any]]) -> str:
         ("TTFT p99", lambda r: _fmt_ms(r["ttft_s"], "p99")),
         ("TPOT p50", lambda r: _fmt_ms(r["tpot_s"], "p50")),
         ("hit", lambda r: f"{r['kv']['prefix_hit_rate']:.0%}"),
+        ("tier 2", lambda r: f"{r['kv']['tier2_hit_rate']:.0%}"),
         ("evictions", lambda r: str(r["kv"]["evictions"])),
     ]
-    note = "\n(latencies in ms; hit = prefix-cache hit rate over all replicas)"
+    note = (
+        "\n(latencies in ms; hit = prefix-cache hit rate over all replicas, of which tier 2 "
+        "= restored from the shared tier)"
+    )
     return _render(columns, runs, 2) + note

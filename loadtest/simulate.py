@@ -110,6 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(ROUTERS),
         help=f"routers to compare, comma-separated (default: {','.join(ROUTERS)})",
     )
+    cluster.add_argument(
+        "--kv-tier-gib",
+        type=float,
+        default=0.0,
+        help="a KV tier 2 of this size shared by the replicas (0: none)",
+    )
+    cluster.add_argument(
+        "--kv-tier-gbps",
+        type=float,
+        default=6.0,
+        help="tier 2 read bandwidth, GB/s, to the KV pool (default %(default)s: an NVMe "
+        "drive; ~25 for host memory over PCIe)",
+    )
     return parser
 
 
@@ -215,10 +228,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     report: dict[str, Any] = {"profile": profile.name, "workload": workload.describe()}
     if args.replicas:
+        tier = ""
+        if args.kv_tier_gib > 0:
+            tier = (
+                f"; a shared KV tier 2 of {args.kv_tier_gib:g} GiB read at "
+                f"{args.kv_tier_gbps:g} GB/s"
+            )
         print(
-            f"{geometry} per replica; workload {workload.name}, {num_requests} requests and "
-            f"rate {args.rate:g}/s per replica; goodput: TTFT <= {args.ttft_slo_ms:g} ms and "
-            f"TPOT <= {args.itl_slo_ms:g} ms",
+            f"{geometry} per replica{tier}; workload {workload.name}, {num_requests} requests "
+            f"and rate {args.rate:g}/s per replica; goodput: TTFT <= {args.ttft_slo_ms:g} ms "
+            f"and TPOT <= {args.itl_slo_ms:g} ms",
             flush=True,
         )
         results = _simulate_replicas(args, workload, profile, runs[0], num_requests, num_blocks)
@@ -268,6 +287,10 @@ def _simulate_replicas(
     num_blocks: int,
 ) -> list[dict[str, Any]]:
     """``--replicas``: every (replica count, router) on the same arrivals per count."""
+    block_bytes = profile.model.kv_bytes_per_token * args.block_size
+    tier_blocks = int(args.kv_tier_gib * 2**30) // block_bytes if args.kv_tier_gib > 0 else None
+    if args.kv_tier_gbps <= 0:
+        raise ValueError(f"--kv-tier-gbps must be > 0, got {args.kv_tier_gbps}")
     results = []
     for n in args.replicas:
         total = num_requests * n
@@ -286,6 +309,8 @@ def _simulate_replicas(
                     block_size=args.block_size,
                     enable_prefix_caching=not args.no_prefix_caching,
                     seed=args.seed,
+                    tier_capacity_blocks=tier_blocks,
+                    restore_s_per_block=block_bytes / (args.kv_tier_gbps * 1e9),
                 )
             )
     return results

@@ -51,6 +51,8 @@ REJECT_REASONS = ("overload", "invalid")
 # The HTTP ports and what their guard does to a connection (server.http_guard).
 CONNECTION_SERVERS = ("http", "metrics")
 CONNECTION_EVENTS = ("header_timeout", "body_timeout", "evicted_idle", "refused", "emfile")
+# How a prefill/decode transfer ended (cluster.pd): published, or recomputed and why.
+TRANSFER_OUTCOMES = ("ok", "prefill_failed", "timeout")
 OTHER = "other"
 MAX_RPC_SERIES = 256
 # Model info labels always present (filled from the KV snapshot when not given).
@@ -343,6 +345,11 @@ HISTOGRAMS: tuple[HistogramSpec, ...] = (
     HistogramSpec("step_error", "step_prediction_error_ratio",
                   "|predicted - measured| / measured iteration time, per step (slo policy).",
                   PREDICTION_ERROR_BUCKETS),
+    # Prefill / decode split (cluster.pd): a decode replica's wait for a prefill replica.
+    HistogramSpec("kv_transfer", "kv_transfer_seconds",
+                  "Prefill / decode split: a decode replica's wait for a prefill replica to "
+                  "compute a prompt's KV and publish it to the shared store (every outcome).",
+                  REQUEST_LATENCY_BUCKETS_S),
     # Structured outputs.
     HistogramSpec("step_constraint_mask", "step_constraint_mask_seconds",
                   "Time computing the token masks of constrained rows, per step that had any "
@@ -404,5 +411,19 @@ EVENT_COUNTERS: Mapping[str, tuple[tuple[str, ...], str]] = {
     "constraint_cache_hits_total": (
         (),
         "Constraints found in the compile cache (a request or check that compiled nothing).",
+    ),
+    "kv_transfers_total": (
+        ("outcome",),
+        "Prefill / decode split, on a decode replica: prompts handed to a prefill replica, by "
+        "outcome: ok (its KV is in the shared store; read back as a tier-2 hit), "
+        "prefill_failed or timeout (recomputed here; the request goes on).",
+    ),
+    "kv_transfer_blocks_total": (
+        (),
+        "Prefill / decode split: KV blocks prefill replicas published for this replica.",
+    ),
+    "kv_transfer_bytes_total": (
+        (),
+        "Prefill / decode split: bytes of those blocks.",
     ),
 }

@@ -48,6 +48,7 @@ from metrics.catalog import (
     SNAPSHOT_METRICS,
     STEP_DURATION,
     STEP_KINDS,
+    TRANSFER_OUTCOMES,
 )
 from metrics.histogram import Histogram
 from metrics.records import RequestRecord, StepRecord
@@ -128,6 +129,9 @@ class PrometheusSink:
         self._rejected = dict.fromkeys(REJECT_REASONS, 0)
         self._rpcs: dict[tuple[str, str], int] = {}
         self._connections = {(s, e): 0 for s in CONNECTION_SERVERS for e in CONNECTION_EVENTS}
+        self._transfers = dict.fromkeys(TRANSFER_OUTCOMES, 0)
+        self._transfer_blocks = 0
+        self._transfer_bytes = 0
         self._sink_errors = 0
         self._constrained = 0
         self._constraint_compiles = 0
@@ -241,6 +245,15 @@ class PrometheusSink:
         with self._lock:
             self._connections[key] = self._connections.get(key, 0) + 1
 
+    @_never_raise
+    def on_kv_transfer(self, outcome: str, num_blocks: int, num_bytes: int, seconds: float) -> None:
+        key = outcome if outcome in self._transfers else OTHER
+        with self._lock:
+            self._transfers[key] = self._transfers.get(key, 0) + 1
+            self._transfer_blocks += int(num_blocks)
+            self._transfer_bytes += int(num_bytes)
+            self._hist["kv_transfer"].observe(_nonneg(seconds))
+
     # ----------------------------------------------------------------- Collector
     def describe(self) -> Iterator[Metric]:
         # Names only, for the registry's duplicate check (two sinks on one registry fail).
@@ -261,6 +274,9 @@ class PrometheusSink:
                 "constrained_requests_total": [((), self._constrained)],
                 "constraint_compiles_total": [((), self._constraint_compiles)],
                 "constraint_cache_hits_total": [((), self._constraint_cache_hits)],
+                "kv_transfers_total": [((k,), v) for k, v in sorted(self._transfers.items())],
+                "kv_transfer_blocks_total": [((), self._transfer_blocks)],
+                "kv_transfer_bytes_total": [((), self._transfer_bytes)],
             }
         yield self._info_family(stats.kv)
         for metric in SNAPSHOT_METRICS:

@@ -77,6 +77,11 @@ class MetricsSink(Protocol):
         """An HTTP port ("http", "metrics") closed or refused a connection, or could not
         accept one (``server.http_guard.CONNECTION_EVENTS``)."""
 
+    def on_kv_transfer(self, outcome: str, num_blocks: int, num_bytes: int, seconds: float) -> None:
+        """A decode replica waited ``seconds`` for a prefill replica to publish a request's KV
+        (``cluster.pd``): ``outcome`` "ok" (``num_blocks`` blocks, ``num_bytes`` bytes in the
+        shared store) or why it recomputes instead ("prefill_failed", "timeout")."""
+
 
 class NullSink:
     """A sink that drops everything (metrics disabled, or tests that do not look)."""
@@ -94,4 +99,7 @@ class NullSink:
         pass
 
     def on_connection_event(self, server: str, event: str) -> None:
+        pass
+
+    def on_kv_transfer(self, outcome: str, num_blocks: int, num_bytes: int, seconds: float) -> None:
         pass

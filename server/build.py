@@ -67,6 +67,7 @@ def _fake_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]:
     runner = FakeRunner(
         info,
         sleep_s=cfg.fake_step_sleep_s,
+        sleep_per_token_s=cfg.fake_token_sleep_s,
         crash_at_step=cfg.fake_crash_at_step,
         constraints=constraint_tracker(tokenizer, info.vocab_size),
     )

@@ -297,6 +297,9 @@ class ServerConfig:
     threads: int | None = _f(None, "torch CPU threads (default: torch's choice)", group="model")
     max_model_len: int | None = _f(None, "context limit (default: the model's)", group="model")
     fake_step_sleep_s: float = _f(0.0, "fake runner: seconds each step sleeps", group="model")
+    fake_token_sleep_s: float = _f(
+        0.0, "fake runner: and seconds per scheduled token (a prefill's cost)", group="model"
+    )
     fake_crash_at_step: int | None = _f(
         None, "fake runner: raise at this engine step (a runner-death drill)", group="model"
     )
@@ -374,8 +377,11 @@ class ServerConfig:
         self.edge_limits()  # validates the timeouts and caps
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
-        if self.fake_step_sleep_s < 0:
-            raise ValueError(f"fake_step_sleep_s must be >= 0, got {self.fake_step_sleep_s}")
+        if self.fake_step_sleep_s < 0 or self.fake_token_sleep_s < 0:
+            raise ValueError(
+                f"fake_step_sleep_s and fake_token_sleep_s must be >= 0, got "
+                f"{self.fake_step_sleep_s} and {self.fake_token_sleep_s}"
+            )
         if self.kv_memory is not None:
             parse_bytes(self.kv_memory)
         if parse_bytes(self.kv_disk_bytes) < 1:

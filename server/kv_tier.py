@@ -365,6 +365,23 @@ class KVTier(Generic[T]):
                 errors_total=dict(self._errors),
             )
 
+    def wait_written(
+        self, keys: Sequence[bytes], cache_salt: str | None, timeout_s: float = 30.0
+    ) -> bool:
+        """Whether the spills of the prefix-cache ``keys`` (of ``cache_salt``) queued so far
+        left the write queue (written, or dropped by a failing store) within ``timeout_s``.
+        Thread-safe: a prefill replica waits here before saying its blocks are published."""
+        skeys = [store_key(self.fingerprint, key, cache_salt) for key in keys]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                pending = any(skey in self._pending for skey in skeys)
+            if not pending:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+
     def drain(self, timeout_s: float = 30.0) -> None:
         """Wait until every queued write and read is done (tests, benchmarks, shutdown)."""
         deadline = time.monotonic() + timeout_s

@@ -21,27 +21,56 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @dataclass(slots=True)
 class LocalCluster:
-    """Ray + Serve started in this process; ``deploy`` runs one kvserve app at a time."""
+    """Ray + Serve started in this process; ``deploy`` runs one kvserve app at a time
+    (``deploy_openai``: with the OpenAI ingress app beside it)."""
 
     grpc_port: int
     address: str
+    http_port: int = 0
 
-    def deploy(self, name: str, **cluster: Any) -> int:
-        """Replace the running app with ``name`` (fresh replicas); the router metrics port."""
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def deploy(self, name: str, *, openai: bool = False, **cluster: Any) -> int:
+        """Replace the running apps with ``name`` (fresh replicas), and its OpenAI ingress
+        app with ``openai``; the router metrics port."""
         from ray import serve
 
-        from cluster.app import ClusterConfig, build_app
+        from cluster.app import GRPC_ROUTE_PREFIX, ClusterConfig, build_app, build_openai_app
 
         for app in list(serve.status().applications):
             serve.delete(app)
         metrics_port = free_port()
         cfg = ClusterConfig(router_metrics_port=metrics_port, **cluster)
-        serve.run(build_app(cfg), name=name)
+        serve.run(build_app(cfg), name=name, route_prefix=GRPC_ROUTE_PREFIX)
+        if openai:
+            serve.run(build_openai_app(cfg, name), name=f"{name}-openai", route_prefix="/")
+            wait_http(self.http_url)
         wait_served(self.address)
         return metrics_port
 
+    def deploy_openai(self, name: str, **cluster: Any) -> int:
+        return self.deploy(name, openai=True, **cluster)
 
-def wait_served(address: str, timeout_s: float = 30.0) -> None:
+
+def wait_http(url: str, timeout_s: float = 120.0) -> None:
+    """Until the HTTP proxy routes to the OpenAI app (its /health answers 200)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url}/health did not answer 200 in {timeout_s:g}s")
+        time.sleep(0.2)
+
+
+def wait_served(address: str, timeout_s: float = 120.0) -> None:
     """Until the proxy routes to the (only) app: it learns of new apps asynchronously."""
     import grpc
 
@@ -77,13 +106,13 @@ def start_local_cluster() -> Iterator[LocalCluster]:
     )
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a throwaway local cluster
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = free_port()
+    port, http_port = free_port(), free_port()
     try:
         serve.start(
             grpc_options=grpc_options(port),
-            http_options={"host": "127.0.0.1", "port": free_port()},
+            http_options={"host": "127.0.0.1", "port": http_port},
         )
-        yield LocalCluster(port, f"127.0.0.1:{port}")
+        yield LocalCluster(port, f"127.0.0.1:{port}", http_port)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -107,7 +136,7 @@ def targets(metrics_port: int) -> list[str]:
     return list(json.loads(body)[0]["targets"])
 
 
-def replica_targets(metrics_port: int, num_replicas: int, timeout_s: float = 20.0) -> list[str]:
+def replica_targets(metrics_port: int, num_replicas: int, timeout_s: float = 60.0) -> list[str]:
     """Wait until every replica has reported its metrics address to the router."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -148,9 +177,18 @@ def replica_actor(replica_id: str) -> Any:
     raise LookupError(f"no actor for replica {replica_id}")
 
 
-async def wait_for(predicate: Any, timeout_s: float = 20.0, interval_s: float = 0.1) -> None:
+async def wait_for(predicate: Any, timeout_s: float = 60.0, interval_s: float = 0.1) -> None:
+    """Until ``predicate()`` holds; ``timeout_s`` is only the safety net against a hang."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
             raise TimeoutError("condition not met in time")
         await asyncio.sleep(interval_s)
+
+
+def running_by_replica(urls: list[str]) -> dict[str, float]:
+    """Requests running on each replica (by Ray Serve replica id), from their metrics."""
+    return {
+        replica_id_of(samples): total([samples], "kvserve_requests_running")
+        for samples in (scrape(u) for u in urls)
+    }

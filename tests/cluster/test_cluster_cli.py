@@ -4,17 +4,20 @@ SmolLM2 (a real Ray cluster in a child process)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import openai
 import pytest
 
 from cluster.cli import build_parser, cluster_config
 from server.client import KVServeClient
-from tests.cluster.helpers import ROOT, replica_targets, scrape, total, wait_served
+from tests.cluster.helpers import ROOT, replica_targets, scrape, total, wait_for, wait_served
 from tests.metrics.helpers import free_port
 
 
@@ -66,10 +69,57 @@ async def greedy(address: str, prompt: str, request_id: str) -> list[int]:
         ]
 
 
+async def openai_answers(url: str) -> list[Any]:
+    """Greedy answers through the openai SDK: a completion, a streamed chat, a JSON-schema
+    answer and a forced tool call."""
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    model = (await client.models.list()).data[0].id
+    chat: dict[str, Any] = {"model": model, "temperature": 0.0}
+    out: list[Any] = []
+    done = await client.completions.create(prompt="The capital of France is", max_tokens=8, **chat)
+    out.append(done.choices[0].text)
+    stream = await client.chat.completions.create(
+        messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=12, stream=True, **chat
+    )
+    out.append("".join([c.choices[0].delta.content or "" async for c in stream if c.choices]))
+    shaped = await client.chat.completions.create(
+        messages=[{"role": "user", "content": "Is Paris in France? Answer in JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}},
+        max_tokens=40, **chat,
+    )  # fmt: skip
+    out.append(json.loads(shaped.choices[0].message.content or ""))
+    tool = await client.chat.completions.create(
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[{"type": "function", "function": {"name": "weather", "parameters": CITY}}],
+        tool_choice={"type": "function", "function": {"name": "weather"}},
+        max_tokens=40, **chat,
+    )  # fmt: skip
+    calls = tool.choices[0].message.tool_calls or []
+    out.append([(c.function.name, json.loads(c.function.arguments)) for c in calls])  # type: ignore[union-attr]
+    await client.close()
+    return out
+
+
+ANSWER = {
+    "type": "object",
+    "properties": {"yes": {"type": "boolean"}},
+    "required": ["yes"],
+    "additionalProperties": False,
+}
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
 @pytest.mark.slow
 async def test_two_replicas_of_the_embedded_model_answer_as_one_server(tmp_path: Path) -> None:
     """kvserve cluster serve --replicas 2 with SmolLM2: both replicas serve, and every greedy
-    answer equals a single in-process server's; SIGINT stops the cluster with status 0."""
+    answer equals a single in-process server's, on gRPC and on the OpenAI API (the openai SDK:
+    a completion, a streamed chat, a JSON-schema answer, a tool call); SIGINT stops the
+    cluster with status 0."""
     from server.build import build_engine
     from server.config import build_config
     from server.lifecycle import KVServeServer
@@ -80,19 +130,17 @@ async def test_two_replicas_of_the_embedded_model_answer_as_one_server(tmp_path:
     proc = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "cluster", "serve", "--replicas", "2",
          "--replica-cpus", "0", "--threads", "1", "--kv-memory", "32MiB", "--router", "round-robin",
-         "--port", str(port), "--metrics-port", str(metrics_port),
-         "--port-file", str(tmp_path / "port")],
+         "--port", str(port), "--metrics-port", str(metrics_port), "--http-port", "0",
+         "--port-file", str(tmp_path / "port"), "--http-port-file", str(tmp_path / "http")],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
         await asyncio.to_thread(wait_served, f"127.0.0.1:{port}", 240.0)
-        port_file = tmp_path / "port"
-        for _ in range(100):  # written once the app is up, just after the proxy answers
-            if port_file.exists():
-                break
-            await asyncio.sleep(0.1)
+        port_file, http_file = tmp_path / "port", tmp_path / "http"
+        await wait_for(http_file.exists)  # written once both apps are up
         assert port_file.read_text() == f"{port}\n"
         got = [await greedy(f"127.0.0.1:{port}", p, f"c-{i}") for i, p in enumerate(PROMPTS)]
+        got_http = await openai_answers(f"http://127.0.0.1:{int(http_file.read_text())}")
         urls = replica_targets(metrics_port, 2)
         finished = [
             total([scrape(u)], "kvserve_requests_finished_total", finish_reason="length")
@@ -101,7 +149,7 @@ async def test_two_replicas_of_the_embedded_model_answer_as_one_server(tmp_path:
         ]
         # Round robin, so both replicas answer (prefix routing sends every chat to one: they
         # share the chat template's system prompt, a cached prefix).
-        assert sorted(finished) == [2, 2]
+        assert sorted(finished) == [4, 4]  # 4 gRPC calls and 4 HTTP calls
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 0
     finally:
@@ -113,11 +161,14 @@ async def test_two_replicas_of_the_embedded_model_answer_as_one_server(tmp_path:
     # The reference: one kvserve server in this process, with the same engine settings.
     built = build_engine(build_config({"threads": 1, "kv_memory": "32MiB"}, environ={}))
     server = KVServeServer(built.engine, built.tokenizer, built.model)
-    single = await server.start("127.0.0.1", 0)
+    single = await server.start("127.0.0.1", 0, http_port=0)
     try:
         want = [await greedy(f"127.0.0.1:{single}", p, f"r-{i}") for i, p in enumerate(PROMPTS)]
+        want_http = await openai_answers(f"http://127.0.0.1:{server.http_port}")
     finally:
         await server.shutdown(0.5)
     assert got == want
+    assert got_http == want_http
+    print(f"OpenAI answers through the cluster: {got_http}")
     text = built.tokenizer.decode(got[0])
     assert "Paris" in text

@@ -8,11 +8,12 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 from ray.serve._private.common import RequestMetadata, gRPCRequest
 from ray.serve.request_router import PendingRequest
 
-from cluster.ray_router import KVServeRequestRouter
-from cluster.routing import routing_keys
+from cluster.ray_router import KVServeRequestRouter, prices_from_reports
+from cluster.routing import CostModelPrice, CostRouter, routing_keys
 from server.fake_tokenizer import ByteTokenizer
 from server.rpc import generation_pb2 as pb
 
@@ -99,6 +100,41 @@ async def test_other_methods_and_bad_requests_go_to_the_least_loaded() -> None:
     assert await chosen(router, [a, b], broken) == "b"
 
 
+async def test_cost_routing_learns_prices_and_the_shared_tier() -> None:
+    """The cost router takes the mean of the replicas' reported step-cost models as its price
+    and their restore time per block; a completed request's keys become shared-tier hits, so
+    the same prompt then goes to the idle replica, which restores it (the prefix router would
+    keep it where it ran)."""
+    router = make_router(router="cost", shared_tier_blocks=1024, chunk_tokens=64)
+    model = [0.01, 1e-3, 0.0, 0.0, 0.0, 0.0]  # 10 ms + 1 ms a token per step
+    a = replica("a", keys=[7], cost_model_s=model, restore_s_per_block=1e-4)
+    b = replica("b", keys=[8], cost_model_s=[2 * c for c in model], restore_s_per_block=3e-4)
+    prompt = "a prompt that is routed twice, long enough for blocks " * 2
+    assert await chosen(router, [a, b], generate(prompt, 1)) == "a"
+    cost = router.router
+    assert isinstance(cost, CostRouter) and isinstance(cost.price, CostModelPrice)
+    assert cost.price.model.coefficients_s == pytest.approx([0.015, 1.5e-3, 0, 0, 0, 0])
+    assert cost.restore_s_per_block == pytest.approx(2e-4)
+    router.on_request_routed(generate("", 1), a.replica_id, None)  # type: ignore[arg-type]
+    router.on_request_completed(a.replica_id, "i1")  # type: ignore[arg-type]
+    keys = routing_keys(ByteTokenizer().encode(prompt), 4, None)
+    assert cost.shared is not None and cost.shared.chain_length(keys) == len(keys)
+    # "a" still has the first one's backlog; "b" restores the whole prefix for less.
+    assert await chosen(router, [a, b], generate(prompt, 2)) == "b"
+
+
+def test_a_model_that_does_not_price_more_tokens_higher_is_not_used() -> None:
+    """A reported model whose longer prefill is not dearer (fitted to noise) is ignored, and
+    so are malformed reports; restore prices come only from replicas that restored."""
+    flat = [0.01, 0.0, 0.0, 0.0, 0.0, 0.0]
+    price, restore = prices_from_reports(
+        [{"cost_model_s": flat}, {"restore_s_per_block": 0}, {}], chunk_tokens=64
+    )
+    assert price is None and restore is None
+    price, _ = prices_from_reports([{"cost_model_s": ["x"] * 6}], chunk_tokens=64)
+    assert price is None
+
+
 def test_targets_advertise_a_reachable_address() -> None:
     """A wildcard bind is listed as this node's IP; a concrete host as itself."""
     from ray.util import get_node_ip_address
@@ -107,3 +143,54 @@ def test_targets_advertise_a_reachable_address() -> None:
 
     assert advertised_host("127.0.0.1") == "127.0.0.1"
     assert advertised_host("0.0.0.0") == get_node_ip_address() != "0.0.0.0"
+
+
+async def test_a_cancelled_grpc_call_cancels_the_proxys_calls_to_replicas() -> None:
+    """The proxy's calls to a replica made while serving a Generate call are recorded, and
+    cancelled when the client's call ends cancelled (not when it ends normally)."""
+    from ray.serve._private import proxy
+
+    from cluster.ingress import cancel_reaches_the_replica, install_recorded_replica_calls
+
+    install_recorded_replica_calls()
+
+    class Response:
+        def __init__(self) -> None:
+            self.was_cancelled = False
+
+        def cancelled(self) -> bool:
+            return self.was_cancelled
+
+        def cancel(self) -> None:
+            self.was_cancelled = True
+
+    class Context:
+        def __init__(self) -> None:
+            self.callbacks: list[Any] = []
+            self.is_cancelled = False
+
+        def add_done_callback(self, callback: Any) -> None:
+            self.callbacks.append(callback)
+
+        def cancelled(self) -> bool:
+            return self.is_cancelled
+
+        def end(self, cancelled: bool) -> None:
+            self.is_cancelled = cancelled
+            for callback in self.callbacks:
+                callback(self)
+
+    responses: list[Response] = []
+
+    async def ray_handler(request: Any, context: Any) -> Any:
+        response = Response()
+        responses.append(response)
+        proxy.ProxyResponseGenerator(response)  # what Ray's proxy builds per replica call
+        yield "message"
+
+    for cancelled in (True, False):
+        context = Context()
+        stream = cancel_reaches_the_replica(ray_handler)("request", context)
+        assert await anext(stream) == "message"
+        context.end(cancelled)
+        assert responses[-1].was_cancelled is cancelled

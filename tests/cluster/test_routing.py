@@ -8,15 +8,20 @@ import pytest
 
 from cache_manager import prefix_block_keys
 from cluster.routing import (
+    CostModelPrice,
+    CostRouter,
     Decision,
+    KeyLRU,
     PowerOfTwoRouter,
     PrefixIndex,
     PrefixRouter,
     ReplicaLoad,
     RoundRobinRouter,
+    TokenPrice,
     make_router,
     routing_keys,
 )
+from scheduler.cost_model import StepCostModel, StepShape
 
 
 def loads(*pairs: tuple[str, int]) -> list[ReplicaLoad]:
@@ -103,7 +108,105 @@ def test_prefix_index_is_a_bounded_lru_per_replica() -> None:
 def test_make_router_names_the_choices() -> None:
     """An unknown --router value says which ones exist."""
     assert isinstance(make_router("prefix"), PrefixRouter)
-    with pytest.raises(ValueError, match="round-robin, power-of-two, prefix"):
+    assert isinstance(make_router("cost"), CostRouter)
+    with pytest.raises(ValueError, match="round-robin, power-of-two, prefix, cost"):
         make_router("random")
     with pytest.raises(ValueError, match="imbalance_rel"):
         PrefixRouter(PrefixIndex(4), imbalance_rel=0.5)
+
+
+# The cost router: 4-token blocks, 1 s per prefilled token, 0.25 s per restored block (so a
+# restored block costs 1/16 of recomputing it), replicas "a" and "b" idle unless said.
+def cost_router(shared: bool = True, **kwargs: object) -> CostRouter:
+    return CostRouter(
+        PrefixIndex(64),
+        TokenPrice(1.0),
+        block_size=4,
+        shared=KeyLRU(64) if shared else None,
+        restore_s_per_block=0.25,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+IDLE = loads(("a", 0), ("b", 0))
+
+
+def test_cost_router_prices_ram_then_the_shared_tier_then_recomputation() -> None:
+    """A 17-token prompt (4 keys): "a" holds 2 blocks in RAM and the shared tier the first
+    3, so "a" restores 1 block and prefills 5 tokens (5.25 s) while "b" restores 3 and
+    prefills 5 (5.75 s): "a" wins; its estimate names each tier's blocks."""
+    router = cost_router()
+    router.index.add("a", [1, 2])
+    router.learn_shared([1, 2, 3])
+    a = router.estimate("a", [1, 2, 3, 4], 17, now_s=0.0)
+    b = router.estimate("b", [1, 2, 3, 4], 17, now_s=0.0)
+    assert (a.num_ram_blocks, a.num_shared_blocks, a.work_s) == (2, 1, 5.25)
+    assert (b.num_ram_blocks, b.num_shared_blocks, b.work_s) == (0, 3, 5.75)
+    decision = router.choose(IDLE, [1, 2, 3, 4], num_prompt_tokens=17, now_s=0.0)
+    assert decision == Decision("a", "prefix_hit", 2, 1)
+
+
+def test_cost_router_restores_elsewhere_when_the_holder_has_a_backlog() -> None:
+    """Two requests for one 17-token prompt whose 4 blocks are in the shared tier: the first
+    goes to "a" (a tie, by id) and costs 2 s there (4 restores of 0.25 s, 1 token). At the same
+    instant the second would cost 2 s of backlog + 1 s on "a" (its RAM holds the prefix now)
+    and 2 s on "b", which restores it: "b". The prefix router would send both to "a"."""
+    router = cost_router()
+    router.learn_shared([1, 2, 3, 4])
+    keys = [1, 2, 3, 4]
+    first = router.choose(IDLE, keys, num_prompt_tokens=17, now_s=0.0)
+    assert first == Decision("a", "shared_hit", 0, 4)
+    assert router.backlog_s("a", now_s=0.0) == 2.0
+    second = router.choose(IDLE, keys, num_prompt_tokens=17, now_s=0.0)
+    assert second == Decision("b", "shared_hit", 0, 4)
+
+
+def test_cost_router_stays_with_ram_while_the_backlog_costs_less_than_recomputing() -> None:
+    """Without a shared tier, "b" must recompute the 17-token prompt (17 s): "a" holds its
+    prefix in RAM (1 s of work), so requests keep going to "a" until backlog + 1 s reaches
+    17 s (a tie goes to the replica holding fewer keys); the backlog runs down with time."""
+    router = cost_router(shared=False)
+    router.index.add("a", [1, 2, 3, 4])
+    keys = [1, 2, 3, 4]
+    picks = [router.choose(IDLE, keys, num_prompt_tokens=17, now_s=0.0).replica_id]
+    while picks[-1] == "a":
+        picks.append(router.choose(IDLE, keys, num_prompt_tokens=17, now_s=0.0).replica_id)
+    assert picks == ["a"] * 16 + ["b"]
+    assert router.backlog_s("a", now_s=10.0) == 6.0
+    assert router.backlog_s("a", now_s=20.0) == 0.0
+
+
+def test_cost_router_keeps_the_load_guard() -> None:
+    """Past the imbalance threshold the cost router picks by power of two choices, and still
+    credits the chosen replica with the keys."""
+    router = cost_router(imbalance_abs=4, imbalance_rel=1.5, rng=random.Random(1))
+    router.index.add("a", [1, 2])
+    decision = router.choose(loads(("a", 5), ("b", 0)), [1, 2], num_prompt_tokens=9)
+    assert decision == Decision("b", "load_guard", 0, 0)
+    assert router.index.num_prefix_blocks("b", [1, 2]) == 2
+
+
+def test_cost_router_learns_the_shared_tier_from_finished_requests_only_with_a_tier() -> None:
+    """A request that ended has its blocks spilled: its keys become shared-tier hits for every
+    replica; replicas that share no tier learn nothing from it."""
+    router = cost_router()
+    router.on_finished("a", [5, 6])
+    assert router.estimate("b", [5, 6, 7], 13, now_s=0.0).num_shared_blocks == 2
+    alone = cost_router(shared=False)
+    alone.on_finished("a", [5, 6])
+    assert alone.estimate("b", [5, 6, 7], 13, now_s=0.0).num_shared_blocks == 0
+    alone.forget("a")
+    assert alone.index.num_keys("a") == 0
+
+
+def test_cost_model_price_is_one_predicted_step_per_chunk() -> None:
+    """600 new tokens after 100 cached, chunks of 256: the predictions of chunks (256, 100),
+    (256, 356) and (88, 612), summed."""
+    model = StepCostModel([0.01, 1e-4, 0.0, 1e-8, 0.0, 0.002])
+    price = CostModelPrice(model, chunk_tokens=256)
+    want = sum(
+        model.predict(StepShape.of([(n, start)], []))
+        for n, start in ((256, 100), (256, 356), (88, 612))
+    )
+    assert price.prefill_s(600, 100) == pytest.approx(want)
+    assert price.prefill_s(0, 100) == 0.0

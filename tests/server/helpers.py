@@ -17,6 +17,7 @@ from metrics.records import RequestRecord, StepRecord
 from model_runner.base import ModelInfo, Runner
 from model_runner.fake import FakeRunner
 from scheduler import Scheduler, SchedulerConfig
+from scheduler.output import ModelOutput, SchedulerOutput
 from server.auth import Security, client_id, scoped_id
 from server.client import KVServeClient
 from server.engine import EngineLoop
@@ -40,6 +41,7 @@ class RecordingSink:
         self.rejected: list[str] = []
         self.rpcs: list[tuple[str, str]] = []
         self.connection_events: list[tuple[str, str]] = []
+        self.transfers: list[tuple[str, int, int, float]] = []
 
     def on_step(self, record: StepRecord) -> None:
         with self.lock:
@@ -60,6 +62,10 @@ class RecordingSink:
     def on_connection_event(self, server: str, event: str) -> None:
         with self.lock:
             self.connection_events.append((server, event))
+
+    def on_kv_transfer(self, outcome: str, num_blocks: int, num_bytes: int, seconds: float) -> None:
+        with self.lock:
+            self.transfers.append((outcome, num_blocks, num_bytes, seconds))
 
     def request(self, request_id: str) -> RequestRecord:
         with self.lock:
@@ -87,6 +93,43 @@ def make_fake_runner(max_model_len: int = MAX_MODEL_LEN, **kwargs: Any) -> FakeR
     """A FakeRunner over the byte tokenizer's vocabulary (258 ids, EOS 257)."""
     kwargs.setdefault("verify_kv_block_size", BLOCK_SIZE)
     return FakeRunner(fake_info(max_model_len), **kwargs)
+
+
+def make_gated_runner(max_model_len: int = MAX_MODEL_LEN, **kwargs: Any) -> GatedRunner:
+    """``make_fake_runner``'s runner with a gate on its steps (``GatedRunner``)."""
+    kwargs.setdefault("verify_kv_block_size", BLOCK_SIZE)
+    return GatedRunner(fake_info(max_model_len), **kwargs)
+
+
+class GatedRunner(FakeRunner):
+    """A FakeRunner whose steps wait at a gate while it is closed: a test holds the engine
+    inside a step for as long as it looks, instead of hoping a sleep lasts long enough.
+
+    ``close()`` then ``await wait_until(runner.is_held)``: the engine thread is inside
+    ``execute`` and stays there until ``open()``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._gate = threading.Event()
+        self._gate.set()
+        self._held = threading.Event()
+
+    def close(self) -> None:
+        self._gate.clear()
+
+    def open(self) -> None:
+        self._gate.set()
+
+    def is_held(self) -> bool:
+        return self._held.is_set()
+
+    def execute(self, plan: SchedulerOutput) -> ModelOutput:
+        if not self._gate.is_set():
+            self._held.set()
+            self._gate.wait()
+            self._held.clear()
+        return super().execute(plan)
 
 
 @dataclass
@@ -207,7 +250,7 @@ def serve_in_thread(**kwargs: Any) -> Iterator[Harness]:
             loop.close()
 
 
-def assert_idle_and_sound(h: Harness, timeout_s: float = 10.0) -> None:
+def assert_idle_and_sound(h: Harness, timeout_s: float = 60.0) -> None:
     """Wait until no request runs, waits or holds a block, then check the cache manager's
     invariants (safe from another thread: an idle engine does not touch them)."""
     deadline = time.monotonic() + timeout_s
@@ -240,10 +283,13 @@ def expected_tokens(
 
 async def wait_until(
     predicate: Callable[[], Awaitable[bool]] | Callable[[], bool],
-    timeout_s: float = 1.0,
+    timeout_s: float = 60.0,
     interval_s: float = 0.01,
 ) -> float:
-    """Poll until ``predicate()`` is true; returns the seconds it took, raises on timeout."""
+    """Poll until ``predicate()`` is true; returns the seconds it took, raises on timeout.
+
+    Wait on the condition a test checks, never sleep and then assert: ``timeout_s`` is only
+    the safety net against a hang, long enough for a machine whose cores are all busy."""
     start = time.monotonic()
     while True:
         result = predicate()

@@ -10,7 +10,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from server.rpc import generation_pb2 as pb
-from tests.server.helpers import collect, engine_id, expected_tokens, make_fake_runner, serve
+from tests.server.helpers import (
+    collect,
+    engine_id,
+    expected_tokens,
+    make_fake_runner,
+    serve,
+    wait_until,
+)
 
 S = pb.SamplingOptions
 T = pb.StoppingOptions
@@ -149,11 +156,10 @@ async def test_overload_gets_resource_exhausted() -> None:
     async with serve(
         runner, max_num_seqs=1, max_num_batched_tokens=64, max_waiting_requests=1
     ) as h:
-        running = h.client.generate("a", request_id="a", max_tokens=300)
+        running = h.client.generate("a", request_id="a", max_tokens=1000)  # until aborted
         await anext(running)
         waiting = asyncio.create_task(collect(h.client.generate("b", request_id="b", max_tokens=2)))
-        while h.engine.latest_stats.num_waiting != 1:
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: h.engine.latest_stats.num_waiting == 1)
         code, details = await _status(h.client.generate("c", request_id="c", max_tokens=2))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_waiting_requests=1" in details
@@ -195,7 +201,7 @@ async def test_runner_death_fails_in_flight_with_unavailable_and_not_serving() -
             await anext(s)
         runner.crash_next_step()
         codes = await asyncio.gather(*(_status(s) for s in streams))
-        exit_code = await asyncio.wait_for(h.server.wait(), 2.0)
+        exit_code = await asyncio.wait_for(h.server.wait(), 60)
         health = health_pb2_grpc.HealthStub(h.channel)
         statuses = [
             (await health.Check(health_pb2.HealthCheckRequest(service=name))).status
@@ -211,22 +217,26 @@ async def test_runner_death_fails_in_flight_with_unavailable_and_not_serving() -
 
 async def test_graceful_shutdown_drains_in_flight_and_refuses_new_calls() -> None:
     """shutdown(): NOT_SERVING and UNAVAILABLE for new calls; the in-flight stream completes."""
-    runner = make_fake_runner(sleep_s=0.01)
+    runner = make_fake_runner(max_model_len=1024, sleep_s=0.01)
     async with serve(runner) as h:
-        stream = h.client.generate("x", request_id="drain", max_tokens=40)
+        # 2 s of steps: still draining while the new call and the health check are made.
+        stream = h.client.generate("x", request_id="drain", max_tokens=200)
         await anext(stream)
         rest_task = asyncio.create_task(collect(stream))
-        shutdown = asyncio.create_task(h.server.shutdown(grace_s=10.0))
-        await asyncio.sleep(0.05)
+        shutdown = asyncio.create_task(h.server.shutdown(grace_s=60.0))
         health = health_pb2_grpc.HealthStub(h.channel)
-        status = (await health.Check(health_pb2.HealthCheckRequest())).status
+
+        async def not_serving() -> bool:
+            status = (await health.Check(health_pb2.HealthCheckRequest())).status
+            return bool(status == health_pb2.HealthCheckResponse.NOT_SERVING)
+
+        await wait_until(not_serving)
         code, details = await _status(h.client.generate("y", request_id="new", max_tokens=2))
         rest = await rest_task
         await shutdown
-    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
     assert code == grpc.StatusCode.UNAVAILABLE and "shutting down" in details
     assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
-    assert rest[-1].usage.completion_tokens == 40
+    assert rest[-1].usage.completion_tokens == 200
 
 
 async def test_shutdown_grace_period_aborts_what_is_left() -> None:

@@ -9,7 +9,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_requests import Client
 
-from tests.server.helpers import collect, expected_tokens, make_fake_runner, serve
+from tests.server.helpers import (
+    collect,
+    expected_tokens,
+    make_gated_runner,
+    serve,
+    wait_until,
+)
 
 
 async def test_health_serving_for_server_and_service() -> None:
@@ -55,9 +61,11 @@ async def test_generic_reflection_client_calls_generate() -> None:
     assert responses[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
 
 
-async def test_health_answers_fast_while_the_engine_is_saturated() -> None:
-    """With 96 streams on a runner that sleeps 20 ms per step, health checks stay < 50 ms."""
-    runner = make_fake_runner(max_model_len=1024, sleep_s=0.02)
+async def test_health_answers_while_the_engine_is_saturated_and_inside_a_step() -> None:
+    """With 96 streams (every one of 64 seats taken), and the engine held inside a step that
+    does not end until the test lets it: 20 health checks answer SERVING. Health never waits
+    for a step, so it is as fast as the event loop (typically well under 50 ms a check)."""
+    runner = make_gated_runner(max_model_len=1024, sleep_s=0.02)
     async with serve(runner, max_num_seqs=64, num_blocks=4096) as h:
         stub = health_pb2_grpc.HealthStub(h.channel)
         streams = [
@@ -66,19 +74,19 @@ async def test_health_answers_fast_while_the_engine_is_saturated() -> None:
             )
             for i in range(96)
         ]
-        while h.engine.latest_stats.num_running < 64:  # saturated: every seat taken
-            await asyncio.sleep(0.01)
-        for _ in range(5):  # warm-up: first calls pay for connection and code paths
-            await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        await wait_until(lambda: h.engine.latest_stats.num_running == 64)  # every seat taken
+        runner.close()
+        await wait_until(runner.is_held)
         latencies = []
         for _ in range(20):
             start = time.perf_counter()
-            response = await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            response = await stub.Check(health_pb2.HealthCheckRequest(), timeout=30)
             latencies.append(time.perf_counter() - start)
             assert response.status == health_pb2.HealthCheckResponse.SERVING
-            await asyncio.sleep(0.01)
-        assert h.engine.latest_stats.num_running == 64, "the engine went idle during the checks"
+        held = runner.is_held()
+        runner.open()
         for task in streams:
             task.cancel()
         await asyncio.gather(*streams, return_exceptions=True)
-    assert max(latencies) < 0.050, f"health check latencies (s): {sorted(latencies)}"
+    assert held, "the step ended while the checks ran"
+    print(f"health check latencies (s): {sorted(latencies)}")

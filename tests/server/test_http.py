@@ -115,26 +115,27 @@ async def test_openai_sdk_error_cases() -> None:
             await client.completions.create(model="fake", prompt="x", max_tokens=5000)
         with pytest.raises(openai.NotFoundError) as unknown:
             await client.completions.create(model="gpt-4", prompt="x")
+        # Runs until cancelled below (1,000 steps of 10 ms), so it holds the one seat.
         running = asyncio.create_task(
-            client.completions.create(model="fake", prompt="a", max_tokens=300,
+            client.completions.create(model="fake", prompt="a", max_tokens=1000,
                                       extra_headers={"X-Request-Id": "dup"})
         )  # fmt: skip
-        while h.engine.latest_stats.num_running != 1:
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: h.engine.latest_stats.num_running == 1)
         with pytest.raises(openai.ConflictError) as dup:
             await client.completions.create(
                 model="fake", prompt="b", extra_headers={"X-Request-Id": "dup"}
             )
         waiting = asyncio.create_task(client.completions.create(model="fake", prompt="w"))
-        while h.engine.latest_stats.num_waiting != 1:
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: h.engine.latest_stats.num_waiting == 1)
         with pytest.raises(openai.RateLimitError) as overloaded:
             await client.completions.create(model="fake", prompt="c")
         h.server.frontend.accepting = False
         with pytest.raises(openai.InternalServerError) as closing:
             await client.completions.create(model="fake", prompt="d")
         h.server.frontend.accepting = True
-        await asyncio.gather(running, waiting)
+        running.cancel()  # its connection closes: the request is aborted, "w" runs
+        await asyncio.gather(running, return_exceptions=True)
+        await waiting
         await client.close()
     assert bad.value.status_code == 400 and "temperature must be >= 0" in bad.value.message
     assert "unsupported field(s) for /v1/chat/completions: functions" in unsupported.value.message
@@ -157,7 +158,7 @@ async def test_closed_http_stream_aborts_the_request_and_frees_its_blocks() -> N
                 async for _line in r.aiter_lines():
                     break
         await wait_until(
-            lambda: bool(h.sink.requests) and h.engine.latest_stats.kv.num_blocks_used == 0, 10
+            lambda: bool(h.sink.requests) and h.engine.latest_stats.kv.num_blocks_used == 0
         )
     record = h.sink.request("gone")
     assert record.abort_reason == "client_cancel" and record.num_output_tokens < 500
@@ -276,7 +277,7 @@ async def test_a_client_that_hangs_up_on_a_whole_answer_aborts_it() -> None:
             with pytest.raises(httpx.ReadTimeout):
                 await http.post("/v1/completions", json=body, headers={"X-Request-Id": "hup"})
         await wait_until(
-            lambda: bool(h.sink.requests) and h.engine.latest_stats.kv.num_blocks_used == 0, 10
+            lambda: bool(h.sink.requests) and h.engine.latest_stats.kv.num_blocks_used == 0
         )
     record = h.sink.request("hup")
     assert record.abort_reason == "client_cancel" and record.num_output_tokens < 500

@@ -9,11 +9,13 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from typing import Any
 
 import grpc
 import httpx
 import pytest
 
+from scheduler import SchedulerStats
 from server.auth import Security
 from server.rpc import generation_pb2 as pb
 from tests.server.helpers import Harness, collect, make_fake_runner, serve, wait_until
@@ -50,55 +52,70 @@ async def _run(
     return ttft, [first, *[m async for m in call]]
 
 
-async def test_one_keys_flood_is_refused_while_another_key_is_admitted() -> None:
-    """One request runs at a time, 8 may wait, 3 per key. Alice's 4th waiting request gets
-    RESOURCE_EXHAUSTED naming her share (HTTP: 429) while Bob's are admitted, on both
-    fronts; with the per-key bound at the global one (the control), Bob is refused too."""
-    outcomes = {}
-    for per_key in (3, 8):
-        runner = make_fake_runner(sleep_s=0.005)
-        async with serve(
-            runner, http=True, security=_security(), max_num_seqs=1,
-            max_waiting_requests=8, max_waiting_requests_per_tenant=per_key,
-        ) as h:  # fmt: skip
-            calls = [
-                h.client.stub.Generate(_request("x", 100, f"a{i}"), metadata=_meta(ALICE))
-                for i in range(1 + per_key)  # one runs, the rest wait
-            ]
-            flood = [asyncio.ensure_future(collect(c)) for c in calls]
-            await wait_until(
-                lambda n=per_key: h.engine.latest_stats.num_waiting == n,  # type: ignore[misc]
-                timeout_s=10,
-            )
-            with pytest.raises(grpc.aio.AioRpcError) as alice:
-                await collect(h.client.stub.Generate(_request("x", 1), metadata=_meta(ALICE)))
-            async with httpx.AsyncClient(base_url=h.http_url) as http:
-                bob_http = await http.post(
+async def _flood_then_bob(per_key: int) -> tuple[Any, ...]:
+    """Alice fills her share of the waiting queue (one of hers running, ``per_key`` waiting),
+    sends one more, then Bob sends one request on each front. Returns (Alice's extra
+    request's code and details, Bob's gRPC code, Bob's HTTP status).
+
+    Driven by the engine's own counts, not by time: Alice's first request is running (it asks
+    for more steps than the test lasts) before her others are sent, one at a time (admitted in
+    one inbox drain, they would all count at once), and Bob's two are admitted (or refused)
+    before Alice's are cancelled."""
+    runner = make_fake_runner(max_model_len=8192, sleep_s=0.01)
+    async with serve(
+        runner, http=True, security=_security(), max_num_seqs=1, num_blocks=4096,
+        max_waiting_requests=8, max_waiting_requests_per_tenant=per_key,
+    ) as h:  # fmt: skip
+
+        def stats() -> SchedulerStats:
+            return h.engine.latest_stats
+
+        calls, flood = [], []
+        for i in range(1 + per_key):
+            request = _request("x", 8000, f"a{i}")
+            calls.append(h.client.stub.Generate(request, metadata=_meta(ALICE)))
+            flood.append(asyncio.ensure_future(collect(calls[-1])))
+            if i == 0:
+                await wait_until(lambda: stats().num_running == 1)
+            else:
+                await wait_until(lambda n=i: stats().num_waiting == n)  # type: ignore[misc]
+        with pytest.raises(grpc.aio.AioRpcError) as alice:
+            await collect(h.client.stub.Generate(_request("x", 1), metadata=_meta(ALICE)))
+        async with httpx.AsyncClient(base_url=h.http_url, timeout=60) as http:
+            bob_http = asyncio.ensure_future(
+                http.post(
                     "/v1/completions",
                     json={"prompt": "y", "max_tokens": 1, "stream": True},
                     headers={"Authorization": f"Bearer {BOB}"},
                 )
-            try:
-                bob = await asyncio.wait_for(
-                    collect(h.client.stub.Generate(_request("y", 1), metadata=_meta(BOB))), 30
-                )
-                bob_code = grpc.StatusCode.OK if bob[-1].finished else None
-            except grpc.aio.AioRpcError as exc:
-                bob_code = exc.code()
+            )
+            bob = asyncio.ensure_future(
+                collect(h.client.stub.Generate(_request("y", 1), metadata=_meta(BOB)))
+            )
+            # Admitted (both wait behind Alice's running request) or refused (the control).
+            await wait_until(
+                lambda: stats().num_waiting == per_key + 2 or (bob.done() and bob_http.done())
+            )
             for call in calls:
                 call.cancel()
             await asyncio.gather(*flood, return_exceptions=True)
-        outcomes[per_key] = (
-            alice.value.code(),
-            alice.value.details(),
-            bob_code,
-            bob_http.status_code,
-        )
-    code, details, bob_code, bob_http_status = outcomes[3]
+            try:
+                bob_code = grpc.StatusCode.OK if (await bob)[-1].finished else None
+            except grpc.aio.AioRpcError as exc:
+                bob_code = exc.code()
+            bob_http_status = (await bob_http).status_code
+    return alice.value.code(), alice.value.details(), bob_code, bob_http_status
+
+
+async def test_one_keys_flood_is_refused_while_another_key_is_admitted() -> None:
+    """One request runs at a time, 8 may wait, 3 per key. Alice's 4th waiting request gets
+    RESOURCE_EXHAUSTED naming her share (HTTP: 429) while Bob's are admitted, on both
+    fronts; with the per-key bound at the global one (the control), Bob is refused too."""
+    code, details, bob_code, bob_http_status = await _flood_then_bob(per_key=3)
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max_waiting_requests_per_tenant=3" in (details or "")
     assert (bob_code, bob_http_status) == (grpc.StatusCode.OK, 200)
-    code, details, bob_code, bob_http_status = outcomes[8]  # the control: no share of his own
+    code, details, bob_code, bob_http_status = await _flood_then_bob(per_key=8)  # the control
     assert code == bob_code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert bob_http_status == 429
 
@@ -192,8 +209,8 @@ async def test_deadline_and_cancel_counts_match_what_clients_saw(
             )
             await writer.drain()
             writer.close()
-            await wait_until(lambda: len(h.sink.requests) == 10, timeout_s=10)
-            await wait_until(lambda: len(h.sink.rpcs) == 11, timeout_s=10)
+            await wait_until(lambda: len(h.sink.requests) == 10)
+            await wait_until(lambda: len(h.sink.rpcs) == 11)
     aborts = Counter(r.abort_reason for r in h.sink.requests)
     assert seen == {"DEADLINE_EXCEEDED": 6, "CANCELLED": 4}
     assert aborts == {"deadline": 6, "client_cancel": 4}

@@ -44,6 +44,9 @@ class InvariantSink:
     def on_connection_event(self, server: str, event: str) -> None:
         pass
 
+    def on_kv_transfer(self, outcome: str, num_blocks: int, num_bytes: int, seconds: float) -> None:
+        pass
+
 
 @dataclass(slots=True)
 class Conversation:

@@ -1,0 +1,142 @@
+"""The OpenAI-compatible API of a cluster: the single server's OpenAI front in a Ray Serve
+ingress deployment, reaching the replicas through the same request router as gRPC.
+
+    client --HTTP--> Ray Serve HTTP proxy --> OpenAIIngress (an application of its own, "/")
+                       OpenAIFront + Frontend: keys, tenants, validation, tokenizing,
+                       structured outputs, tools, SSE, the OpenAPI document
+                         | RemoteEngineClient: the engine request (scheduler.Request)
+                         v DeploymentHandle, KVServeRequestRouter (cluster.ray_router)
+                       KVServeReplica.generate_request --> the replica's engine
+
+Everything a single server's HTTP front does happens here, unchanged: ``OpenAIFront`` over a
+``Frontend`` whose engine client is remote. A replica runs the engine request and streams
+its ``GenerationOutput`` back; closing the stream (the HTTP client hung up) cancels the call,
+which aborts the request on its replica. A per-key flood is refused by each replica's waiting
+queue, as on one server (``max_waiting_requests_per_tenant`` per replica).
+
+A replica that dies mid-stream ends its streams with an SSE error event (HTTP 503's
+``service_unavailable``) saying to retry; new requests go to the live replicas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from scheduler.request import Request
+from server.config import build_config
+from server.engine import EngineDeadError
+from server.outputs import GenerationOutput
+
+GENERATE_METHOD = "generate_request"
+REPLICA_DEPLOYMENT = "KVServeReplica"
+
+
+class ReplicaDiedError(EngineDeadError):
+    """The replica running a request died (its engine went with it): retry, it may work now."""
+
+
+def unwrap_ray_error(exc: BaseException) -> BaseException:
+    """What a replica raised (``OverloadError``, ``ValueError``...), out of Ray's wrapper; a
+    replica that died is a ``ReplicaDiedError``."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+
+    if isinstance(exc, ActorDiedError | ActorUnavailableError) or type(exc) is RayActorError:
+        return ReplicaDiedError(
+            f"the replica serving this request died; retry: {type(exc).__name__}"
+        )
+    if isinstance(exc, RayTaskError):
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, BaseException):
+            return cause
+    return exc
+
+
+def tokenizer_for(engine: dict[str, Any]) -> Any:
+    """The tokenizer a replica with these engine settings uses (no weights are loaded)."""
+    if engine.get("runner") == "fake":
+        from server.fake_tokenizer import ByteTokenizer
+
+        return ByteTokenizer()
+    from model_runner.loader import load_tokenizer
+
+    return load_tokenizer(engine.get("model"))
+
+
+class RemoteEngineClient:
+    """``EngineClient``'s face (what ``Frontend`` calls) over the replicas' handle.
+
+    ``generate`` sends the engine request to a replica chosen by the deployment's request
+    router and yields its outputs; leaving early cancels the call there (an abort).
+    """
+
+    def __init__(self, replicas: Any) -> None:
+        self._handle = replicas.options(stream=True, method_name=GENERATE_METHOD)
+        self._active: set[str] = set()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._active)
+
+    def active_request_ids(self) -> list[str]:
+        return list(self._active)
+
+    async def generate(
+        self, request: Request, *, deadline_s: float | None = None
+    ) -> AsyncIterator[GenerationOutput]:
+        # A deadline is a monotonic time of this host: sent as the seconds left.
+        timeout_s = None if deadline_s is None else deadline_s - time.monotonic()
+        self._active.add(request.request_id)
+        responses = self._handle.remote(request, timeout_s)
+        finished = False
+        try:
+            async for out in responses:
+                yield out
+            finished = True
+        except Exception as exc:
+            finished = True  # the call is over: nothing to cancel
+            raise unwrap_ray_error(exc) from exc
+        finally:
+            self._active.discard(request.request_id)
+            if not finished:
+                with contextlib.suppress(Exception):
+                    responses.cancel()
+
+
+class OpenAIIngress:
+    """The Ray Serve ingress deployment class (``cluster.app.build_openai_app`` wraps it with
+    ``serve.deployment`` and ``serve.ingress``): the single server's ``OpenAIFront``.
+
+    ``engine`` holds the replicas' ``ServerConfig`` settings: the same API keys, limits and
+    model as a single server started with them.
+    """
+
+    async def __init__(
+        self, engine: dict[str, Any] | None = None, replicas_app: str = "kvserve"
+    ) -> None:
+        from ray import serve
+
+        from server.build import constraint_tracker
+        from server.frontend import Frontend
+        from server.openai_app import OpenAIFront
+
+        cfg = build_config(engine or {}, environ={})
+        replicas = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=replicas_app)
+        model = await replicas.options(method_name="served_model").remote()
+        tokenizer = tokenizer_for({"runner": cfg.runner, "model": cfg.model})
+        tracker = constraint_tracker(tokenizer, model.vocab_size)
+        security = cfg.security()
+        self.client = RemoteEngineClient(replicas)
+        self.frontend = Frontend(
+            self.client,  # type: ignore[arg-type]  # EngineClient's face, remote
+            tokenizer,
+            model,
+            security=security,
+            constraints=tracker.compiler if tracker is not None else None,
+        )
+        self.front = OpenAIFront(self.frontend, security, max_request_bytes=cfg.max_request_bytes)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self.front.app
