@@ -120,7 +120,7 @@ class OpenAIIngress:
 
         from server.build import constraint_tracker
         from server.frontend import Frontend
-        from server.openai_app import OpenAIFront
+        from server.openai.app import OpenAIFront
 
         cfg = build_config(engine or {}, environ={})
         replicas = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=replicas_app)
