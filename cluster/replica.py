@@ -40,6 +40,7 @@ from server.config import ServerConfig, build_config
 from server.engine_client import EngineClient
 from server.frontend import Frontend, ServedModel
 from server.grpc_service import GenerationServicer
+from server.kv_tier import KVTier
 from server.outputs import GenerationOutput
 from server.rpc import generation_pb2 as pb
 
@@ -307,8 +308,8 @@ class KVServeReplica:
         job = prefill_job(request)
         async for _ in self.client.generate(job):
             pass
-        tier = self.built.engine.kv_tier
-        if tier is None:
+        tier = self.built.engine.tier
+        if not isinstance(tier, KVTier):
             raise RuntimeError("no shared KV tier (kv_disk_dir) to publish the blocks to")
         tokens = job.prompt_token_ids
         keys = prefix_block_keys(tokens[: len(tokens) - 1], self.model.block_size, job.cache_salt)
