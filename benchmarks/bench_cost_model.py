@@ -11,7 +11,7 @@ online model (refitted after every step, as the engine does). Then speculative r
 (``SPEC_HELD_OUT``, n-gram drafts on repetitive prompts: decodes with 3 verification rows
 beside prefill chunks), shapes the calibration never ran, reported on their own.
 
-Every step of a quantized model is one fused kernel call (``runner.FUSED_MAX_ROWS``): prefill
+Every step of a quantized model is one fused kernel call (``model_runner.fused_step``): prefill
 chunks, decodes and draft rows alike; the fit's ``has_prefill`` coefficient is what a step
 with a chunk still costs beyond its tokens and attention.
 """
