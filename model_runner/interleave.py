@@ -112,10 +112,20 @@ def _q5_k_unmask(masks: np.ndarray) -> np.ndarray:
     return qh.transpose(0, 3, 1, 2, 4).reshape(g, ROWS, nb, 32)
 
 
+def unpack_k_scales(packed: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K's 12 bytes of 6-bit scales and mins (``[..., 12]``) -> ``[..., 16]`` bytes:
+    the 8 sub-block scales, then the 8 mins (ggml's ``get_scale_min_k4``)."""
+    q = packed.astype(np.uint8)
+    sc = np.empty((*q.shape[:-1], 16), dtype=np.uint8)
+    sc[..., 0:4] = q[..., 0:4] & 63
+    sc[..., 8:12] = q[..., 4:8] & 63
+    sc[..., 4:8] = (q[..., 8:12] & 0x0F) | ((q[..., 0:4] >> 6) << 4)
+    sc[..., 12:16] = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
+    return sc
+
+
 def _k_scales(packed: np.ndarray) -> np.ndarray:
     """GGUF's 12 bytes ``[G, 8, nb, 12]`` -> the record's 96 bytes ``[G, nb, 96]``."""
-    from model_runner.quant import unpack_k_scales
-
     sc = unpack_k_scales(packed)  # [G, 8, nb, 16]: 8 scales, 8 mins
     s, m = _rows_minor(sc[..., :8]), _rows_minor(sc[..., 8:])  # [G, nb, 8 sub, 8 rows]
     lo = (s & 15) | ((m & 15) << 4)
@@ -139,7 +149,7 @@ def _k_unscales(rec: np.ndarray) -> np.ndarray:
 
 
 def pack_k_scales(sc: np.ndarray) -> np.ndarray:
-    """The inverse of ``quant.unpack_k_scales``: ``[..., 16]`` six-bit values -> 12 bytes."""
+    """The inverse of ``unpack_k_scales``: ``[..., 16]`` six-bit values -> 12 bytes."""
     s, m = sc[..., :8].astype(np.uint8), sc[..., 8:].astype(np.uint8)
     out = np.empty((*sc.shape[:-1], 12), dtype=np.uint8)
     out[..., 0:4] = (s[..., 0:4] & 63) | ((s[..., 4:8] >> 4) << 6)

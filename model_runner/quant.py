@@ -239,18 +239,6 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) ->
     return QuantWeight.from_blocks(raw, type_name, shape)
 
 
-def unpack_k_scales(packed: np.ndarray) -> np.ndarray:
-    """Q4_K / Q5_K's 12 bytes of 6-bit scales and mins (``[..., 12]``) -> ``[..., 16]`` bytes:
-    the 8 sub-block scales, then the 8 mins (ggml's ``get_scale_min_k4``)."""
-    q = packed.astype(np.uint8)
-    sc = np.empty((*q.shape[:-1], 16), dtype=np.uint8)
-    sc[..., 0:4] = q[..., 0:4] & 63
-    sc[..., 8:12] = q[..., 4:8] & 63
-    sc[..., 4:8] = (q[..., 8:12] & 0x0F) | ((q[..., 0:4] >> 6) << 4)
-    sc[..., 12:16] = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
-    return sc
-
-
 def quantize_int8(weight: torch.Tensor) -> QuantWeight:
     """Symmetric int8 per output channel: ``w[n, :] ~= q[n, :] * s[n]``, ``s = amax / 127``
     (fp16, as Q8_0 holds it), held as Q8_0 blocks that all carry the row's scale."""

@@ -85,7 +85,7 @@ def test_run_all_quick_prints_one_table_and_writes_json(tmp_path: Path) -> None:
         + ["slo"] * 4
         + ["prefix"] * 2
         + ["paged"] * 6
-        + ["spec"] * 6
+        + ["spec"] * 8  # edit128 and chat128 off / k = 3 / k = 4, edit128 on fp32 off / k = 3
     )
     assert list(SECTIONS) == [
         "chat128", "policy", "slo", "prefix", "paged", "spec", "kvcache", "sinks", "models",

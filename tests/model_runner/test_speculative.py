@@ -47,7 +47,7 @@ def test_verify_positions_equal_a_full_forward(kind: str) -> None:
 def test_fused_verify_rows_equal_the_torch_path(kind: str) -> None:
     """On the fused step kernel a decode with drafts runs as k + 1 rows sharing a block
     table; its logits and KV equal the torch path's chunk, next to a plain decode (layer 0's
-    KV to fp32 rounding, deeper layers' within activation-rounding flips)."""
+    KV to one activation residual unit, deeper layers' within activation-rounding flips)."""
     from tests.model_runner.test_quant import quantized_pair
 
     fused, _ = quantized_pair(kind, "q4", fused_step=True)
@@ -66,10 +66,11 @@ def test_fused_verify_rows_equal_the_torch_path(kind: str) -> None:
     got, want = fused.step_logits(step), plain.step_logits(step)
     for rid in ("v", "o"):
         torch.testing.assert_close(got[rid], want[rid], rtol=0, atol=1e-3)
-    # Layer 0's K/V come before any activation rounding boundary can differ between the
-    # paths (attention sums in another order): fp32 rounding. Deeper layers: within 1e-2 of
-    # max, as test_quant holds the fused path to the torch path.
-    torch.testing.assert_close(fused.pool.data[0], plain.pool.data[0], rtol=0, atol=1e-5)
+    # Layer 0's K/V: the two paths' RMS norms round differently in fp32, which moves a
+    # 16-bit activation by at most one residual unit (as test_quant's mixed-step test holds
+    # it). Deeper layers: within 1e-2 of max, as test_quant holds the fused path to the torch
+    # path.
+    torch.testing.assert_close(fused.pool.data[0], plain.pool.data[0], rtol=0, atol=1e-4)
     err = (fused.pool.data - plain.pool.data).abs().max().item()
     assert err <= 1e-2 * plain.pool.data.abs().max().item()
 
