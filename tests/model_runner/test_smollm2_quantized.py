@@ -3,8 +3,11 @@ LM head) through kvserve's kernels, against the same weights dequantized to fp32
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
+from benchmarks.bench_answers import PROMPTS  # the 8 chat prompts vLLM's rule is checked on
 from model_runner import kernels
 from model_runner.loader import LoadedModel, load_model
 from scheduler import Request, SamplingParams
@@ -15,16 +18,6 @@ pytestmark = [
     pytest.mark.skipif(not kernels.available(), reason="kernels not built"),
 ]
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three primary colors.",
-    "What is 12 times 7?",
-    "Explain photosynthesis in one sentence.",
-    "Who wrote Romeo and Juliet?",
-    "Give me a tip for learning Python.",
-    "What is the boiling point of water?",
-]
 NUM_TOKENS = 64
 
 
@@ -39,7 +32,7 @@ def dense() -> LoadedModel:
 
 
 def greedy(
-    model: LoadedModel, prompts: list[str], together: bool, kv_dtype: str | None = None
+    model: LoadedModel, prompts: Sequence[str], together: bool, kv_dtype: str | None = None
 ) -> dict[str, list[int]]:
     """64 greedy tokens per prompt: all prompts in one continuous batch, or one at a time."""
     sampling = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
@@ -182,7 +175,9 @@ def test_greedy_is_logprobs_close_to_the_dequantized_model(
     assert_logprobs_close(native, dense, PROMPTS)
 
 
-def assert_logprobs_close(model_a: LoadedModel, model_b: LoadedModel, prompts: list[str]) -> None:
+def assert_logprobs_close(
+    model_a: LoadedModel, model_b: LoadedModel, prompts: Sequence[str]
+) -> None:
     """vLLM's check_logprobs_close: free-running greedy tokens of both models; where they
     first differ, each side's token is in the other's top-5, within 0.5 nats of its top."""
     for prompt in prompts:
