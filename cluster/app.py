@@ -22,6 +22,7 @@ through the same request router as gRPC::
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,21 @@ OPENAI_APP_NAME = "kvserve-openai"  # the OpenAI ingress: an application of its 
 # The replicas' application needs a route for Ray's gRPC proxy to see it at all; "/" is the
 # OpenAI ingress's, so it gets this one (nothing of the HTTP API lives under it).
 GRPC_ROUTE_PREFIX = "/_kvserve_grpc"
+
+# Ray Serve gives its proxy 5 s to answer a readiness check and kills it after 3 missed
+# health checks: on a host whose cores are busy with other work (a compiler, a test run) a
+# starting proxy missed them and `serve.start` died with ActorDiedError. Set (unless the
+# environment says otherwise) before ray.init, so the processes Ray starts inherit them.
+RAY_ENV_FOR_BUSY_HOSTS = {
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+}
+
+
+def set_ray_env(environ: MutableMapping[str, str]) -> None:
+    """``RAY_ENV_FOR_BUSY_HOSTS`` into ``environ`` (``os.environ``), where it is not set."""
+    for key, value in RAY_ENV_FOR_BUSY_HOSTS.items():
+        environ.setdefault(key, value)
 
 
 @dataclass(frozen=True, slots=True)

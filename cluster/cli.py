@@ -15,6 +15,7 @@ down (replicas drain for ``--grace-period-s``).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -128,9 +129,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from cluster.app import GRPC_ROUTE_PREFIX, OPENAI_APP_NAME, build_openai_app
+    from cluster.app import GRPC_ROUTE_PREFIX, OPENAI_APP_NAME, build_openai_app, set_ray_env
     from server.cli import write_port_file
 
+    set_ray_env(os.environ)
     ray.init(address=args.ray_address, include_dashboard=False)
     http_port = engine.http_port if engine.http_port or not engine.http else _free_port()
     serve.start(grpc_options=options, http_options=http_options(engine, http_port))

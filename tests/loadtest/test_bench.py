@@ -88,8 +88,8 @@ def test_run_all_quick_prints_one_table_and_writes_json(tmp_path: Path) -> None:
         + ["spec"] * 8  # edit128 and chat128 off / k = 3 / k = 4, edit128 on fp32 off / k = 3
     )
     assert list(SECTIONS) == [
-        "chat128", "policy", "slo", "prefix", "paged", "spec", "kvcache", "sinks", "models",
-        "kvtier",
+        "chat128", "policy", "slo", "prefix", "paged", "spec", "kvcache", "sinks", "kernels",
+        "models", "kvtier",
     ]  # fmt: skip
     # models (quick: the embedded file only, llama.cpp off): kvserve's rows, the peers'
     # reasons, a bandwidth probe.
@@ -102,6 +102,15 @@ def test_run_all_quick_prints_one_table_and_writes_json(tmp_path: Path) -> None:
     ]  # fmt: skip
     assert all(kvtier[c]["ttft_p50_s"] > 0 for c in list(kvtier)[:3])
     assert kvtier["llama.cpp --cache-ram"]["note"] == "not measured: no llama-server build"
+    # kernels (quick: two types at n = 1 and 8, llama.cpp off): kvserve's timings at both
+    # activation precisions, ggml's reason.
+    kern = doc["kernels"]
+    assert kern["ggml"].startswith("not measured")
+    assert [t["type"] for t in kern["types"]] == ["q4_0", "q4_K"]
+    for t in kern["types"]:
+        assert set(t["kv16_us"]) == set(t["kv8_us"]) == {"1", "8"}
+        assert all(us > 0 for us in [*t["kv16_us"].values(), *t["kv8_us"].values()])
+    assert "Quantized matmul against ggml (kernels)" in done.stdout
     (model,) = doc["models"]
     assert model["model"] == "embedded" and model["read_gbs"] > 0
     assert model["kv_prefill_tok_s"] > 0 and model["kv_decode_tok_s"] > 0
@@ -125,12 +134,13 @@ def test_run_all_quick_prints_one_table_and_writes_json(tmp_path: Path) -> None:
     assert sinks["window 128 alone"]["peak_kv_slots"] <= 128 + 64 + 16
     assert sinks["sinks 4 + window 124"]["peak_kv_slots"] <= 16 + 124 + 64 + 16
     spec = [r for r in rows if r["section"] == "spec"]
-    assert [r["system"] for r in spec] == ["kvserve speculation off", "kvserve speculation on"] * 3
+    off, k3, k4 = (f"kvserve speculation {c}" for c in ("off", "on k=3", "on k=4"))
+    assert [r["system"] for r in spec] == [off, k3, k4, off, k3, k4, off, k3]
     for r in spec:
         (report,) = r["raw"]["rounds"]
         assert report["requests"]["ok"] == r["requests"] == 1
         assert report["output_tokens_total"] == 8 and r["out_tok_s"] > 0
-    assert [r["notes"] == "no drafts" for r in spec] == [True, False] * 3
+    assert [r["notes"] == "no drafts" for r in spec] == [r["system"] == off for r in spec]
     # slo: mixed traffic, then the loose-target case; stall-free then slo, one round each.
     slo = [r for r in rows if r["section"] == "slo"]
     assert [r["system"] for r in slo] == ["kvserve stall-free", "kvserve slo"] * 2
