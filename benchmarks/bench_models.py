@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CHAT128 = REPO_ROOT.parent / "shared" / "workloads" / "chat128.json"
+from loadtest.workload import CHAT128_PROMPTS
+
 MODELS = ("embedded", "embedded-q4km", "random-1b-q4km")
 
 
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--levels", default="1:4,8:16,32:64", help="USERS:REQUESTS,...")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out-tokens", type=int, default=128)
-    p.add_argument("--workload-file", type=Path, default=DEFAULT_CHAT128)
+    p.add_argument("--workload-file", type=Path, default=CHAT128_PROMPTS)
     p.add_argument("--work-dir", type=Path, default=None, help="where built models are cached")
     p.add_argument("--no-serving", action="store_true", help="only the runner / llama-bench rows")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here too")

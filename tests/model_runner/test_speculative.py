@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from cache_manager import KVCacheConfig, KVCacheManager
+from loadtest.workload import CHAT128_PROMPTS, WORKLOADS_DIR
 from model_runner.runner import TorchRunner
 from scheduler import Request, SamplingParams, ScheduledSeq, Scheduler, SchedulerConfig
 from tests.model_runner.oracle import (
@@ -174,7 +175,6 @@ def test_embedded_model_greedy_tokens_equal_with_and_without_drafts() -> None:
     one at a time (k + 1 fused rows) and all together (verify chunks next to prefills);
     drafts were accepted and rejected."""
     import json
-    from pathlib import Path
 
     from model_runner import kernels
     from model_runner.loader import load_model
@@ -182,9 +182,8 @@ def test_embedded_model_greedy_tokens_equal_with_and_without_drafts() -> None:
     if not kernels.available():
         pytest.skip("kernels not built")
     model = load_model(None, weights="native")
-    root = Path(__file__).resolve().parents[2]
-    chat = json.loads((root.parent / "shared/workloads/chat128.json").read_text())["prompts"]
-    edit = json.loads((root / "loadtest/workloads/prompts/edit128.json").read_text())["prompts"]
+    chat = json.loads(CHAT128_PROMPTS.read_text())["prompts"]
+    edit = json.loads((WORKLOADS_DIR / "prompts/edit128.json").read_text())["prompts"]
     texts = [chat[0], *edit[:2]]
     prompts = [model.tokenizer.encode(t, add_special_tokens=False) for t in texts]
     sampling = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
