@@ -50,7 +50,7 @@ class FusedStep:
         assert model.rope_cis is not None
         # [max_len, D/2] complex64 -> [max_len, D/2, 2] (cos, sin), viewed without a copy.
         self.rope = torch.view_as_real(model.rope_cis.squeeze(1)).contiguous()
-        scales = getattr(pool, "scales", None)
+        scales = pool.scales
         layers = (kernels.StepLayer * len(model.layers))()
         for i, layer in enumerate(model.layers):
             assert isinstance(layer.qkv, QLinear) and isinstance(layer.o, QLinear)
@@ -102,8 +102,6 @@ class FusedStep:
             return "more than 64 query heads per KV head"
         if pool.dtype not in _KV_DTYPES:
             return f"KV pool dtype {pool.dtype} (fp32, fp16 or int8 only)"
-        if getattr(pool, "scales", None) is None and pool.dtype == torch.int8:
-            return "int8 pool without scales"
         return None
 
     def forward(self, token_ids: Sequence[int], positions: Sequence[int],

@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from model_runner import interleave, kernels
+from model_runner.config import WEIGHT_MODES
 
 logger = logging.getLogger(__name__)
 
-WEIGHT_MODES: tuple[str, ...] = ("auto", "float32", "native", "int8")
 QK = 32
 QK_K = 256
 
