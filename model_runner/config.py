@@ -37,9 +37,17 @@ DTYPES: dict[str, DType] = {
 }
 MODEL_DTYPES = tuple(name for name, d in DTYPES.items() if not d.kv_only)
 KV_DTYPE_CHOICES = ("auto", *DTYPES)
-# Attention backends (``model_runner.attention_backends``); auto: FlashInfer, else Triton, on
-# CUDA when installed, else the torch reference.
-ATTENTION_BACKEND_CHOICES = ("auto", "torch", "triton", "flashinfer")
+# The one table of attention backends (``model_runner.attention_backends``): name -> its class,
+# as "module:Class" so the CLI reads the names without importing torch. The CLI's choices,
+# ``resolve_attention_backend`` and ``auto`` read it; each class says where it runs
+# (``available``) and what it serves (``unsupported``). ``auto``: on CUDA, the fastest of those
+# that can run that matches the torch reference on a probe step; elsewhere torch.
+ATTENTION_BACKENDS: dict[str, str] = {
+    "torch": "model_runner.attention_backends.torch_backend:TorchAttention",
+    "triton": "model_runner.attention_backends.triton_backend:TritonAttention",
+    "flashinfer": "model_runner.attention_backends.flashinfer_backend:FlashInferAttention",
+}
+ATTENTION_BACKEND_CHOICES = ("auto", *ATTENTION_BACKENDS)
 # How the loader holds a checkpoint's matrices (``loader.load_model(weights=...)``): here, not
 # in ``quant``, so the CLI reads the choices without importing torch.
 WEIGHT_MODES: tuple[str, ...] = ("auto", "float32", "native", "int8")

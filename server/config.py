@@ -290,7 +290,8 @@ class ServerConfig:
     )
     attention_backend: str = _f(
         "auto",
-        "auto: flashinfer, else triton, on CUDA when installed, else torch (the reference)",
+        "auto: on CUDA, the fastest backend that can run there and matches torch on a probe "
+        "step; elsewhere torch (the reference)",
         choices=ATTENTION_BACKEND_CHOICES,
         group="model",
     )

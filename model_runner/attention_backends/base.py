@@ -7,7 +7,8 @@
 ``AttentionSpec`` carries everything fixed at start-up (heads, block size, dtypes, device,
 window, sinks), so a step passes only its rows and a layer only its tensors. What a backend
 supports is said by class attributes (``graphs``, ``kv_dtypes``, ``sinks``,
-``yields_to_fused``), which ``unsupported`` and the runner read; nothing checks a name.
+``yields_to_fused``), which ``unsupported`` and the runner read, and where it runs by
+``available(device)``; nothing checks a name.
 
 A ``ForwardBatch`` holds what every layer shares: the row tensors the model reads (token ids,
 positions, KV slots) and the backend's own per-step ``metadata`` (the torch backend's gathers
@@ -81,9 +82,21 @@ class AttentionBackend(ABC, Generic[M]):
 
     def __init__(self, spec: AttentionSpec) -> None:
         reason = self.unsupported(spec)
-        if reason is not None:
-            raise ValueError(reason)
+        where = self.unavailable(spec.device)
+        if reason is not None or where is not None:
+            raise ValueError(reason or f"the {self.name} backend {where}")
         self.spec = spec
+
+    @classmethod
+    def unavailable(cls, device: torch.device) -> str | None:
+        """Why this backend cannot run on ``device`` ("runs on CUDA, not cpu", "needs ...
+        installed"), or None: where it runs, whatever the model."""
+        return None
+
+    @classmethod
+    def available(cls, device: torch.device) -> bool:
+        """Whether this backend can run on ``device``."""
+        return cls.unavailable(device) is None
 
     @classmethod
     def unsupported(cls, spec: AttentionSpec) -> str | None:
