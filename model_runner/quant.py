@@ -407,6 +407,9 @@ class QLinear:
         out = torch.empty(x.shape[0], inter, dtype=torch.float32)
         return self._gemm(x, out, kernels.EPI_SILU_MUL)
 
+    def tensors(self) -> list[torch.Tensor]:
+        return self.weight.tensors() if self.bias is None else [*self.weight.tensors(), self.bias]
+
 
 def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
     """``x`` as fp32 rows of ``width`` with unit stride (a copy only when it must)."""
@@ -424,6 +427,9 @@ class QEmbedding:
         self.lib: Any = kernels.load()
         self.weight = weight
         self._qw = describe(weight)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.weight.tensors()
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weight

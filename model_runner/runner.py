@@ -206,7 +206,7 @@ class TorchRunner:
             kv_dtype=dtype_name(self.kv_dtype),
             weights=self.model.weights_format,
             weight_bytes=self.model.weight_bytes,
-            linear_backend=self._linear_backend(),
+            linear_backend=self.model.linear_backend,
             extra={
                 "architecture": config.architecture,
                 "num_blocks": str(num_blocks),
@@ -226,13 +226,6 @@ class TorchRunner:
     def block_io(self) -> PoolBlockIO:
         """The KV pool's blocks as bytes (tier 2)."""
         return PoolBlockIO(self.pool)
-
-    def _linear_backend(self) -> str:
-        if self.model.weights_format != "float":
-            from model_runner import kernels
-
-            return f"kvserve-{kernels.isa()}-a{self.model.activation_bits}"
-        return "onednn" if self.model.use_onednn else "torch"
 
     # ------------------------------------------------------------------ the step
 
