@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from model_runner.block_table import first_key_block
-from model_runner.cuda_graphs import DecodeGraphs, capture_sizes, graph_bucket, pad_decode
+from model_runner.cuda_graphs import DecodeGraphs, capture_sizes, graph_bucket
 from model_runner.fused_step import FusedStep
 from model_runner.kv_pool import KVPool
 from model_runner.model import LlamaModel
@@ -83,21 +83,14 @@ class GraphPath:
 
     name = "graphs"
 
-    def __init__(self, graphs: DecodeGraphs, sliding_window: int | None) -> None:
+    def __init__(self, graphs: DecodeGraphs) -> None:
         self.graphs = graphs
-        self.sliding_window = sliding_window
 
     def fits(self, step: StepRows) -> bool:
         return graph_bucket(step, self.graphs.sizes) is not None
 
     def forward(self, step: StepRows) -> torch.Tensor:
-        graphs = self.graphs
-        size = graph_bucket(step, graphs.sizes)
-        assert size is not None, "chosen only when it fits"
-        padded = pad_decode(
-            step, size, graphs.max_pages_per_seq, graphs.scratch_slot, self.sliding_window
-        )
-        return graphs.run(padded)
+        return self.graphs.run(step)
 
 
 @dataclass(slots=True)
@@ -161,16 +154,11 @@ def make_paths(
         paths.fused = FusedPath(kernel, spec.sliding_window, fused_max_rows)
     if graph_sizes:
         graphs = DecodeGraphs(
-            model,
-            pool,
-            block_size=spec.block_size,
-            max_model_len=max_model_len,
-            scratch_slot=scratch_slot,
-            sizes=graph_sizes,
+            model, pool, max_model_len=max_model_len, scratch_slot=scratch_slot, sizes=graph_sizes
         )
         with torch.inference_mode():
             graphs.capture()
-        paths.graphs = GraphPath(graphs, spec.sliding_window)
+        paths.graphs = GraphPath(graphs)
     return paths
 
 
