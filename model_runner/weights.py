@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +36,9 @@ from model_runner import onednn
 from model_runner.config import ModelConfig
 from model_runner.quant import QEmbedding, QLinear, QuantStack, QuantWeight, cat_rows
 
-Weight = torch.Tensor | QuantWeight | QuantStack
-StateDict = Mapping[str, torch.Tensor | QuantWeight]
+Matrix = torch.Tensor | QuantWeight  # as a checkpoint holds it
+Weight = Matrix | QuantStack  # prepared: Q, K and V of several formats stack
+StateDict = Mapping[str, Matrix]
 
 
 class Linear:
@@ -182,7 +184,7 @@ class Linears:
             return QLinear(weight, bias, self.activation_bits)
         return Linear(self.dense(weight), bias, self.use_onednn)
 
-    def make_gate_up(self, gate: Weight, up: Weight) -> AnyLinear | GateUp:
+    def make_gate_up(self, gate: Matrix, up: Matrix) -> AnyLinear | GateUp:
         """``silu(gate) * up`` (``silu_mul``): one fused matrix, or oneDNN's two GEMMs."""
         if self.use_onednn and not isinstance(gate, QuantWeight):
             return GateUp(*(Linear(self.dense(_dense(w)), None, True) for w in (gate, up)))
@@ -282,7 +284,7 @@ class _Prepared:
             w = w.dequantize()
         return w.to(device=self.device, dtype=torch.float32)
 
-    def matrix(self, name: str) -> Weight:
+    def matrix(self, name: str) -> Matrix:
         w = self.state_dict[name]
         return w if isinstance(w, QuantWeight) else self.vector(name)
 
@@ -319,7 +321,11 @@ def _layer(config: ModelConfig, w: _Prepared, linears: Linears, i: int) -> Layer
     )
 
 
-def _interleave_rows(w: Weight, num_heads: int, head_dim: int) -> Weight:
+@overload
+def _interleave_rows(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor: ...
+@overload
+def _interleave_rows(w: Matrix, num_heads: int, head_dim: int) -> Matrix: ...
+def _interleave_rows(w: Matrix, num_heads: int, head_dim: int) -> Matrix:
     """Permute each head's rows from half-split (HF) to interleaved RoPE pair order."""
     half = head_dim // 2
     order = torch.stack([torch.arange(half), torch.arange(half, head_dim)], dim=1).flatten()
@@ -330,7 +336,7 @@ def _interleave_rows(w: Weight, num_heads: int, head_dim: int) -> Weight:
     return w.reshape(num_heads, head_dim, -1)[:, order].reshape(shape)
 
 
-def _scaled(w: Weight, factor: float) -> Weight:
+def _scaled(w: Matrix, factor: float) -> Matrix:
     return w.scaled(factor) if isinstance(w, QuantWeight) else w * factor
 
 
@@ -338,7 +344,7 @@ def _dense(w: Weight) -> torch.Tensor:
     return w.dequantize() if isinstance(w, (QuantWeight, QuantStack)) else w
 
 
-def _cat_rows(weights: list[Weight]) -> Weight:
+def _cat_rows(weights: list[Matrix]) -> Weight:
     """Stack row blocks; quantized ones stay quantized, each in its own format (else fp32)."""
     if all(isinstance(w, QuantWeight) for w in weights):
         quant = [w for w in weights if isinstance(w, QuantWeight)]
