@@ -61,16 +61,15 @@ def free_running(model: object, ids: list[int], tokens: int) -> tuple[list[int],
     through the runner: a prefill, then decode steps)."""
     import torch
 
+    from model_runner.config import RunnerOptions
     from model_runner.runner import TorchRunner
     from scheduler import SamplingParams
     from scheduler.output import ScheduledSeq, SchedulerOutput
 
     block = 16
     blocks = -(-(len(ids) + tokens) // block)
-    runner = TorchRunner(
-        model.config, model.state_dict, blocks, block, torch.float32, "cpu",  # type: ignore[attr-defined]
-        kv_dtype="float32",
-    )  # fmt: skip
+    options = RunnerOptions(blocks, block, dtype=torch.float32, device="cpu", kv_dtype="float32")
+    runner = TorchRunner(model.config, model.state_dict, options)  # type: ignore[attr-defined]
     table = list(range(blocks))
     greedy = SamplingParams(temperature=0.0)
     step = SchedulerOutput(0, prefill=[ScheduledSeq("a", list(ids), 0, table, greedy, True)])

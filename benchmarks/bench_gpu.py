@@ -48,7 +48,7 @@ import torch
 from benchmarks.bench_attention import AttentionCases, measure_attention
 from benchmarks.bench_transformers import run_batches
 from cache_manager import KVCacheConfig, KVCacheManager
-from model_runner.config import ATTENTION_BACKEND_CHOICES, ModelConfig
+from model_runner.config import ATTENTION_BACKEND_CHOICES, ModelConfig, RunnerOptions
 from model_runner.hf_loader import normalize_hf_config
 from model_runner.runner import TorchRunner
 from scheduler import Request, Scheduler, SchedulerConfig
@@ -267,9 +267,7 @@ def make_models(sizes: Sizes, device: torch.device) -> tuple[Any, ModelConfig]:
 
 def make_runner(hf: Any, config: ModelConfig, sizes: Sizes, device: torch.device, backend: str):
     state = dict(hf.state_dict())
-    return TorchRunner(
-        config,
-        state,
+    options = RunnerOptions(
         block_size=sizes.block_size,
         dtype=sizes.dtype,
         device=device,
@@ -277,6 +275,7 @@ def make_runner(hf: Any, config: ModelConfig, sizes: Sizes, device: torch.device
         kv_dtype=sizes.dtype,
         attention_backend=backend,
     )
+    return TorchRunner(config, state, options)
 
 
 def _seq(rid: str, token_ids: list[int], start: int, block_ids: list[int]) -> ScheduledSeq:

@@ -125,6 +125,7 @@ def runner_rates(path: Path, threads: int, prompt_len: int = 512) -> tuple[float
     resident weight bytes, KV bytes read per decode step) through kvserve's runner."""
     import torch
 
+    from model_runner.config import RunnerOptions
     from model_runner.loader import load_model
     from model_runner.runner import TorchRunner
     from scheduler import SamplingParams
@@ -134,7 +135,8 @@ def runner_rates(path: Path, threads: int, prompt_len: int = 512) -> tuple[float
     model = load_model(str(path), weights="auto")
     block = 16
     blocks = -(-(prompt_len + 64) // block)
-    runner = TorchRunner(model.config, model.state_dict, blocks + 1, block, torch.float32, "cpu")
+    options = RunnerOptions(blocks + 1, block, dtype=torch.float32, device="cpu")
+    runner = TorchRunner(model.config, model.state_dict, options)
     greedy = SamplingParams(temperature=0.0)
     ids = torch.randint(
         100, 1000, (prompt_len + 64,), generator=torch.Generator().manual_seed(0)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from model_runner import interleave, kernels
-from model_runner.config import WEIGHT_MODES
+from model_runner.config import ACTIVATION_BITS, WEIGHT_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -335,11 +335,6 @@ def describe(weight: QuantMatrix) -> kernels.QW:
             kernels.FORMAT_CODES[p.fmt], p.out_features, p.records.data_ptr()
         )
     return qw
-
-
-# Activation precision of the kernels (``--activation-bits``): 16 = int8 plus a residual byte
-# (~15 bits, two vpdpbusd per weight vector), 8 = int8 alone (ggml's q8_0 precision).
-ACTIVATION_BITS = (16, 8)
 
 
 class QLinear:

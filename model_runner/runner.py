@@ -44,16 +44,16 @@ import torch
 
 from model_runner.attention_backends import AttentionSpec, make_attention_backend
 from model_runner.base import ModelInfo
-from model_runner.config import ModelConfig
+from model_runner.config import ModelConfig, RunnerOptions
 from model_runner.cuda_graphs import GRAPH_BATCH_SIZES, graph_memory_bytes
 from model_runner.device import dtype_name, resolve_dtype, resolve_kv_dtype, select_device
 from model_runner.kv_pool import KVPool, default_kv_budget_bytes, num_blocks_for_memory
 from model_runner.kv_transfer import PoolBlockIO
 from model_runner.model import LlamaModel, rope_inv_freq
 from model_runner.paths import graph_sizes, make_paths
-from model_runner.quant import QuantWeight
 from model_runner.sampler import Sampler, SampleResult, apply_token_bitmask
 from model_runner.step import StepLimits, StepRows, num_accepted_drafts, verify_rows
+from model_runner.weights import StateDict
 from scheduler.output import ModelOutput, ScheduledSeq, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -72,131 +72,92 @@ class TorchRunner:
     def __init__(
         self,
         config: ModelConfig,
-        state_dict: Mapping[str, torch.Tensor | QuantWeight],
-        num_blocks: int | None = None,
-        block_size: int = 16,
-        dtype: torch.dtype | str | None = None,
-        device: torch.device | str | None = None,
+        state_dict: StateDict,
+        options: RunnerOptions | None = None,
         *,
-        kv_budget_bytes: int | None = None,
-        kv_dtype: torch.dtype | str | None = None,
-        max_model_len: int | None = None,
         sampler: SamplerLike | None = None,
-        fuse_batches: bool = True,
-        use_onednn: bool | None = None,
-        name: str | None = None,
-        fused_step: bool | None = None,
-        fused_max_rows: int = 1 << 30,
-        sliding_window: int | None = None,
-        attention_sinks: int = 0,
-        attention_backend: str = "auto",
-        cuda_graphs: bool | None = None,
-        max_decode_rows: int = GRAPH_BATCH_SIZES[-1],
         constraints: ConstraintTracker | None = None,
-        activation_bits: int = 16,
     ) -> None:
-        """``num_blocks=None`` sizes the pool from ``kv_budget_bytes`` (default: see
-        ``kv_pool.default_kv_budget_bytes``), measured after the weights are on the device.
-        ``max_model_len`` (default and cap: the config's ``max_position_embeddings``) bounds
-        positions and sizes the RoPE table. ``state_dict`` uses Hugging Face names; it is read,
-        not kept. ``use_onednn=None`` uses oneDNN-packed linear layers on CPU when they pass a
-        self-check; ``fuse_batches`` runs prefill and decode in one forward pass.
-        ``kv_dtype`` is the KV cache's storage precision (``device.resolve_kv_dtype``;
-        default ``"auto"``: float16 on CPU for a float32 model, else the model's dtype); it
-        sizes the pool, and attention still computes in ``dtype``. ``sliding_window``
-        (tokens) overrides the config's window; ``attention_sinks`` (tokens, needs a window)
-        keeps the first tokens visible and lets positions run past ``max_model_len``
-        (see ``attention_backends.torch_backend``). ``attention_backend``: see
-        ``model_runner.attention_backends`` (``auto``: torch on CPU). The paths a step may
-        take (``model_runner.paths``): ``fused_step`` runs steps of up to ``fused_max_rows``
-        rows in one CPU kernel call (None = when supported); ``cuda_graphs`` replays decode
-        steps from CUDA graphs captured up to ``max_decode_rows`` rows (``max_num_seqs``,
-        times 1 + k with speculation; None = on CUDA with a backend that has graphs).
+        """``config``'s model from ``state_dict`` (Hugging Face names; read, not kept), run
+        as ``options`` says (``RunnerOptions``; default: every default), over a KV pool
+        sized after the weights are on the device. ``sampler``: ``Sampler()`` by default.
         ``constraints``: the matchers of constrained requests (structured outputs); their
-        masks are computed on a thread while the model runs. ``activation_bits``: the
-        quantized kernels' activation precision (16, the default, keeps the answers of the
-        dequantized model; 8 is ggml's; see ``quant.ACTIVATION_BITS``)."""
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.sliding_window = sliding_window or config.sliding_window
-        self.attention_sinks = attention_sinks
-        if attention_sinks < 0 or (attention_sinks and self.sliding_window is None):
-            raise ValueError(
-                f"attention_sinks={attention_sinks} needs a sliding window and must be >= 0"
-            )
-        self.device = select_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        self.kv_dtype = resolve_kv_dtype(kv_dtype, self.dtype, self.device)
-        max_len = min(
-            max_model_len or config.max_position_embeddings, config.max_position_embeddings
-        )
+        masks are computed on a thread while the model runs."""
+        o = options if options is not None else RunnerOptions()
         self.config = config
-        spec = AttentionSpec(
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            block_size=block_size,
+        self.device = select_device(o.device)
+        self.dtype = resolve_dtype(o.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(o.kv_dtype, self.dtype, self.device)
+        self.sliding_window = o.sliding_window or config.sliding_window
+        self.attention_sinks = o.attention_sinks
+        self.block_size = o.block_size
+        self.max_model_len = max_len = min(
+            o.max_model_len or config.max_position_embeddings, config.max_position_embeddings
+        )
+        self.attention = make_attention_backend(o.attention_backend, self._attention_spec())
+        self.model = LlamaModel(
+            config, state_dict, self.dtype, self.device, self.attention, max_len,
+            o.use_onednn, o.activation_bits,
+        )  # fmt: skip
+        sizes = graph_sizes(o.cuda_graphs, self.model, o.max_decode_rows or GRAPH_BATCH_SIZES[-1])
+        self.num_blocks = o.num_blocks or self._num_blocks_for_budget(o.kv_budget_bytes, sizes)
+        # With graphs, one more block than the cache manager lends: padding rows write there.
+        self.pool = KVPool.from_config(
+            config, self.num_blocks + int(bool(sizes)), o.block_size, self.kv_dtype,
+            self.device, self.dtype,
+        )  # fmt: skip
+        self.paths = make_paths(
+            self.model,
+            self.pool,
+            fused_step=o.fused_step,
+            fused_max_rows=o.fused_max_rows,
+            graph_sizes=sizes,
+            max_model_len=max_len,
+            scratch_slot=self.num_blocks * o.block_size,
+        )
+        self.limits = StepLimits(
+            o.block_size, self.num_blocks, max_len, self.model.vocab_size, self.sliding_window,
+            unbounded_positions=o.attention_sinks > 0,
+        )  # fmt: skip
+        self.fuse_batches = o.fuse_batches
+        self.sampler = sampler if sampler is not None else Sampler()
+        self.constraints = constraints
+        self._mask_thread: ThreadPoolExecutor | None = None
+        self._info = self._model_info(o.name)
+
+    def _attention_spec(self) -> AttentionSpec:
+        """The model's attention as this runner runs it (``__init__``'s first step)."""
+        c = self.config
+        return AttentionSpec(
+            num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            block_size=self.block_size,
             dtype=self.dtype,
             kv_dtype=self.kv_dtype,
             device=self.device,
             sliding_window=self.sliding_window,
-            attention_sinks=attention_sinks,
-            rope_inv_freq=rope_inv_freq(config).to(self.device) if attention_sinks else None,
+            attention_sinks=self.attention_sinks,
+            rope_inv_freq=rope_inv_freq(c).to(self.device) if self.attention_sinks else None,
         )
-        self.attention = make_attention_backend(attention_backend, spec)
-        self.model = LlamaModel(
-            config,
-            state_dict,
-            self.dtype,
-            self.device,
-            self.attention,
-            max_len,
-            use_onednn,
-            activation_bits=activation_bits,
+
+    def _num_blocks_for_budget(self, budget_bytes: int | None, sizes: tuple[int, ...]) -> int:
+        """The pool's blocks in ``budget_bytes`` (default: what the device has left, less
+        1 GiB of activations and the graphs' memory, taken out BEFORE the pool is sized)."""
+        reserve = 1 << 30
+        if sizes:
+            reserve += graph_memory_bytes(self.config, sizes[-1], self.dtype.itemsize)
+        budget = budget_bytes or default_kv_budget_bytes(
+            self.device, activation_reserve_bytes=reserve
         )
-        sizes = graph_sizes(cuda_graphs, self.model, max_decode_rows)
-        if num_blocks is None:
-            # The graphs' memory comes out of the budget BEFORE the pool is sized.
-            reserve = 1 << 30
-            if sizes:
-                reserve += graph_memory_bytes(config, sizes[-1], self.dtype.itemsize)
-            budget = kv_budget_bytes or default_kv_budget_bytes(
-                self.device, activation_reserve_bytes=reserve
-            )
-            num_blocks = num_blocks_for_memory(config, block_size, self.kv_dtype, budget)
-        # With graphs, one more block than the cache manager lends: padding rows write there.
-        num_pool_blocks = num_blocks + int(bool(sizes))
-        self.pool = KVPool.from_config(
-            config, num_pool_blocks, block_size, self.kv_dtype, self.device, self.dtype
-        )
-        self.paths = make_paths(
-            self.model,
-            self.pool,
-            fused_step=fused_step,
-            fused_max_rows=fused_max_rows,
-            graph_sizes=sizes,
-            max_model_len=max_len,
-            scratch_slot=num_blocks * block_size,
-        )
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.max_model_len = max_len
-        self.limits = StepLimits(
-            block_size,
-            num_blocks,
-            max_len,
-            self.model.vocab_size,
-            self.sliding_window,
-            unbounded_positions=attention_sinks > 0,
-        )
-        self.fuse_batches = fuse_batches
-        self.sampler = sampler if sampler is not None else Sampler()
-        self.constraints = constraints
-        self._mask_thread: ThreadPoolExecutor | None = None
-        self._info = ModelInfo(
+        return num_blocks_for_memory(self.config, self.block_size, self.kv_dtype, budget)
+
+    def _model_info(self, name: str | None) -> ModelInfo:
+        config = self.config
+        return ModelInfo(
             name=name or config.name or config.architecture,
             vocab_size=config.vocab_size,
-            max_model_len=max_len,
+            max_model_len=self.max_model_len,
             shape=config.kv_shape(dtype_name(self.kv_dtype)),
             eos_token_ids=config.eos_token_ids,
             bos_token_id=config.bos_token_id,
@@ -209,11 +170,11 @@ class TorchRunner:
             linear_backend=self.model.linear_backend,
             extra={
                 "architecture": config.architecture,
-                "num_blocks": str(num_blocks),
-                "block_size": str(block_size),
+                "num_blocks": str(self.num_blocks),
+                "block_size": str(self.block_size),
                 "kv_pool_bytes": str(self.pool.num_bytes),
                 "fused_step": str(self.paths.fused is not None).lower(),
-                "fuse_batches": str(fuse_batches).lower(),
+                "fuse_batches": str(self.fuse_batches).lower(),
                 "attention_backend": self.attention.name,
                 "cuda_graphs": str(self.paths.graphs is not None).lower(),
             },

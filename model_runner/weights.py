@@ -92,12 +92,12 @@ class Linear:
 
 
 class GateUp:
-    """``silu(gate) * up`` as two oneDNN-packed GEMMs: SiLU fused into the gate's, the
-    product into the up's (one fused matrix would need the split and SiLU as two more ops)."""
+    """``silu(gate) * up`` as two GEMMs: on oneDNN SiLU fused into the gate's, the product
+    into the up's (one fused matrix would need the split and SiLU as two more ops)."""
 
     __slots__ = ("gate", "up")
 
-    def __init__(self, gate: Linear, up: Linear) -> None:
+    def __init__(self, gate: Linear | QLinear, up: Linear | QLinear) -> None:
         self.gate = gate
         self.up = up
 
@@ -187,7 +187,7 @@ class Linears:
     def make_gate_up(self, gate: Matrix, up: Matrix) -> AnyLinear | GateUp:
         """``silu(gate) * up`` (``silu_mul``): one fused matrix, or oneDNN's two GEMMs."""
         if self.use_onednn and not isinstance(gate, QuantWeight):
-            return GateUp(*(Linear(self.dense(_dense(w)), None, True) for w in (gate, up)))
+            return GateUp(self.make_linear(gate), self.make_linear(up))
         return self.make_linear(_cat_rows([gate, up]))
 
     def make_embedding(self, weight: Weight) -> Embedding | QEmbedding:

@@ -15,6 +15,7 @@ from cache_manager import KVCacheManager, block_bytes
 from cache_manager.sizing import num_blocks_for_budget
 from metrics.records import MetricsSink
 from model_runner.base import Runner
+from model_runner.config import RunnerOptions
 from model_runner.constraints import ConstraintCompiler, ConstraintTracker
 from model_runner.fake import FakeRunner, make_fake_info
 from model_runner.sim import roofline_cost_model
@@ -80,6 +81,25 @@ def _fake_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]:
     return runner, tokenizer, num_blocks, "fake"
 
 
+def runner_options(cfg: ServerConfig, name: str | None = None) -> RunnerOptions:
+    """The torch runner's options, from the server's flags (built once, at start-up)."""
+    return RunnerOptions(
+        num_blocks=cfg.num_blocks,
+        block_size=cfg.block_size,
+        kv_budget_bytes=cfg.kv_memory_bytes,
+        kv_dtype=cfg.kv_dtype,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        max_model_len=cfg.max_model_len,
+        sliding_window=cfg.sliding_window,
+        attention_sinks=cfg.attention_sinks,
+        attention_backend=cfg.attention_backend,
+        activation_bits=cfg.activation_bits,
+        max_decode_rows=cfg.scheduler_config(cfg.max_model_len or 1).max_decode_rows,
+        name=name,
+    )
+
+
 def _torch_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]:
     from model_runner.device import configure_threads, resolve_dtype, select_device
     from model_runner.loader import load_model, return_freed_memory
@@ -91,20 +111,8 @@ def _torch_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]
     runner = TorchRunner(
         loaded.config,
         loaded.state_dict,
-        num_blocks=cfg.num_blocks,
-        block_size=cfg.block_size,
-        dtype=cfg.dtype,
-        device=cfg.device,
-        kv_budget_bytes=cfg.kv_memory_bytes,
-        kv_dtype=cfg.kv_dtype,
-        max_model_len=cfg.max_model_len,
-        name=loaded.name,
-        sliding_window=cfg.sliding_window,
-        attention_sinks=cfg.attention_sinks,
-        attention_backend=cfg.attention_backend,
-        max_decode_rows=cfg.scheduler_config(cfg.max_model_len or 1).max_decode_rows,
+        runner_options(cfg, loaded.name),
         constraints=constraint_tracker(loaded.tokenizer, loaded.config.vocab_size),
-        activation_bits=cfg.activation_bits,
     )
     del loaded.state_dict  # the runner holds its own copy of the weights
     return_freed_memory()  # the fused projections' parts, freed into malloc's arenas

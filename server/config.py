@@ -30,10 +30,12 @@ from cache_manager.config import EVICTION_POLICIES, KVCacheConfig
 from cache_manager.strategy import KV_STRATEGIES
 from kv_store import STORE_KINDS
 from model_runner.config import (
+    ACTIVATION_BITS,
     ATTENTION_BACKEND_CHOICES,
     KV_DTYPE_CHOICES,
     MODEL_DTYPES,
     WEIGHT_MODES,
+    RunnerOptions,
 )
 from model_runner.sim import PROFILES as SIM_PROFILES
 from scheduler.config import (
@@ -54,6 +56,10 @@ ENV_PREFIX = "KVSERVE_"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 RUNNERS = ("torch", "fake")
+# The defaults of the flags the components below take as they come: read from their code.
+_RUNNER = RunnerOptions()
+_HTTP = HttpLimits()
+_EDGE = EdgeLimits()
 
 # Choices of the component fields, from the registries of the packages that implement them.
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -229,19 +235,19 @@ class ServerConfig:
         group="connections and tenants",
     )  # fmt: skip
     http_header_timeout_s: float = _f(
-        10.0, "close an HTTP connection whose request headers took longer (gRPC: the "
-        "HTTP/2 handshake)", group="connections and tenants",
+        _HTTP.header_timeout_s, "close an HTTP connection whose request headers took longer "
+        "(gRPC: the HTTP/2 handshake)", group="connections and tenants",
     )  # fmt: skip
     http_body_timeout_s: float = _f(
-        30.0, "close an HTTP connection whose request body took longer",
+        _HTTP.body_timeout_s, "close an HTTP connection whose request body took longer",
         group="connections and tenants",
     )  # fmt: skip
     http_idle_timeout_s: float = _f(
-        5.0, "close a keep-alive HTTP connection idle this long between requests",
+        _HTTP.idle_timeout_s, "close a keep-alive HTTP connection idle this long between requests",
         group="connections and tenants",
     )  # fmt: skip
     grpc_idle_timeout_s: float = _f(
-        300.0, "close a gRPC connection with no call open this long",
+        _EDGE.grpc_idle_timeout_s, "close a gRPC connection with no call open this long",
         group="connections and tenants",
     )  # fmt: skip
     admin_api_key: tuple[str, ...] = _f(
@@ -282,14 +288,14 @@ class ServerConfig:
         group="model",
     )
     activation_bits: int = _f(
-        16,
+        _RUNNER.activation_bits,
         "quantized weights: the kernels' activation precision; 16: int8 plus a residual byte "
         "(~15 bits, the dequantized model's answers), 8: int8 alone (ggml's; faster prefill)",
-        choices=(16, 8),
+        choices=ACTIVATION_BITS,
         group="model",
     )
     attention_backend: str = _f(
-        "auto",
+        _RUNNER.attention_backend,
         "auto: on CUDA, the fastest backend that can run there and matches torch on a probe "
         "step; elsewhere torch (the reference)",
         choices=ATTENTION_BACKEND_CHOICES,

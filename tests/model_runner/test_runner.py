@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 import torch
 
 from cache_manager.sizing import block_bytes
+from model_runner.config import RunnerOptions
 from model_runner.runner import TorchRunner
 from model_runner.sampler import Sampler, SampleResult
 from scheduler.output import ScheduledSeq
@@ -258,23 +260,19 @@ def test_num_blocks_sized_from_a_memory_budget(hf: torch.nn.Module) -> None:
     config = our_config(hf)
     per_block = block_bytes(config.kv_shape("float32"), 4)
     state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
-    kw = {"kv_dtype": "float32"}
-    runner = TorchRunner(
-        config, state, None, 4, torch.float32, DEVICE, kv_budget_bytes=7 * per_block + 5, **kw
-    )
+    options = RunnerOptions(block_size=4, dtype=torch.float32, device=DEVICE, kv_dtype="float32")
+    runner = TorchRunner(config, state, replace(options, kv_budget_bytes=7 * per_block + 5))
     assert runner.num_blocks == 7
     assert runner.pool.num_bytes == 7 * per_block
     with pytest.raises(ValueError, match="holds no block"):
-        TorchRunner(
-            config, state, None, 4, torch.float32, DEVICE, kv_budget_bytes=per_block - 1, **kw
-        )
+        TorchRunner(config, state, replace(options, kv_budget_bytes=per_block - 1))
 
 
 def test_missing_weights_are_named(hf: torch.nn.Module) -> None:
     """A state dict without a weight the config needs is refused with the weight's name."""
     state = {k: v for k, v in hf.state_dict().items() if "layers.1.mlp.up_proj" not in k}
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
-        TorchRunner(our_config(hf), state, 8, 4, torch.float32, DEVICE)
+        TorchRunner(our_config(hf), state, RunnerOptions(8, 4, dtype=torch.float32, device=DEVICE))
 
 
 def run_sampled(

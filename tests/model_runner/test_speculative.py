@@ -8,6 +8,7 @@ import torch
 
 from cache_manager import KVCacheConfig, KVCacheManager
 from loadtest.workload import CHAT128_PROMPTS, WORKLOADS_DIR
+from model_runner.config import RunnerOptions
 from model_runner.runner import TorchRunner
 from scheduler import Request, SamplingParams, ScheduledSeq, Scheduler, SchedulerConfig
 from tests.model_runner.oracle import (
@@ -189,7 +190,8 @@ def test_embedded_model_greedy_tokens_equal_with_and_without_drafts() -> None:
     sampling = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
     def greedy(speculative: str, together: bool) -> tuple[list[list[int]], Scheduler]:
-        runner = TorchRunner(model.config, model.state_dict, 160, 16, torch.float32, "cpu")
+        options = RunnerOptions(160, 16, dtype=torch.float32, device="cpu")
+        runner = TorchRunner(model.config, model.state_dict, options)
         kv = KVCacheManager(KVCacheConfig(num_blocks=160, block_size=16))
         config = SchedulerConfig(max_model_len=1024, speculative=speculative)
         scheduler = Scheduler(config, kv)
