@@ -22,6 +22,10 @@ through the same request router as gRPC::
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import signal
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +33,8 @@ from typing import Any
 from cluster.pd import DEFAULT_MIN_TRANSFER_TOKENS
 from cluster.routing import ROUTERS
 from server.config import build_config
+
+logger = logging.getLogger(__name__)
 
 GENERATION_SERVICER = "cluster.ingress.add_generation_service"
 ROUTER_CLASS = "cluster.ray_router:KVServeRequestRouter"
@@ -53,6 +59,50 @@ def set_ray_env(environ: MutableMapping[str, str]) -> None:
     """``RAY_ENV_FOR_BUSY_HOSTS`` into ``environ`` (``os.environ``), where it is not set."""
     for key, value in RAY_ENV_FOR_BUSY_HOSTS.items():
         environ.setdefault(key, value)
+
+
+# Ray 2.60.0 gives a new local node 30 s (hard-coded) to register with its GCS; on a host
+# whose cores are busy with other work, starting one took 31-52 s (load 15 on 2 cores).
+RAY_START_ATTEMPTS = 3
+
+
+def init_ray(**init_kwargs: Any) -> None:
+    """``ray.init(**init_kwargs)`` after ``set_ray_env``. A local node that missed its start-up
+    window is started again (its processes, children of this one, stopped first), up to
+    ``RAY_START_ATTEMPTS`` times."""
+    import ray
+
+    set_ray_env(os.environ)
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        before = _descendants(os.getpid())
+        try:
+            ray.init(**init_kwargs)
+            return
+        except Exception as exc:
+            if "timed out during startup" not in str(exc) or attempt == RAY_START_ATTEMPTS:
+                raise
+            for pid in _descendants(os.getpid()) - before:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            ray.shutdown()
+            logger.warning("Ray's node did not start in time (busy host?); starting it again")
+
+
+def _descendants(pid: int) -> set[int]:
+    """The processes below ``pid`` (Linux /proc; elsewhere none are known)."""
+    parents: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError):
+                    stat = open(f"/proc/{entry}/stat").read()  # noqa: SIM115
+                    parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,6 @@ down (replicas drain for ``--grace-period-s``).
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
@@ -121,7 +120,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"kvserve cluster serve: {exc}", file=sys.stderr)
         return 2
     try:
-        import ray
         from ray import serve
     except ModuleNotFoundError:
         print(
@@ -129,11 +127,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from cluster.app import GRPC_ROUTE_PREFIX, OPENAI_APP_NAME, build_openai_app, set_ray_env
+    from cluster.app import GRPC_ROUTE_PREFIX, OPENAI_APP_NAME, build_openai_app, init_ray
+    from cluster.ray_patches import check_ray_names
     from server.cli import write_port_file
 
-    set_ray_env(os.environ)
-    ray.init(address=args.ray_address, include_dashboard=False)
+    try:
+        check_ray_names()
+    except RuntimeError as exc:
+        print(f"kvserve cluster serve: {exc}", file=sys.stderr)
+        return 2
+    init_ray(address=args.ray_address, include_dashboard=False)
     http_port = engine.http_port if engine.http_port or not engine.http else _free_port()
     serve.start(grpc_options=options, http_options=http_options(engine, http_port))
     serve.run(build_app(cfg), name=APP_NAME, route_prefix=GRPC_ROUTE_PREFIX)
