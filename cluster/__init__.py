@@ -1,6 +1,6 @@
 """kvserve on Ray Serve: many replicas behind one gRPC address, routed by held prefix.
 
-    routing.py     pure: routers (round-robin, power-of-two, prefix + load guard), PrefixIndex
+    routing.py     pure: routers (round-robin, power-of-two, a score + load guard), PrefixIndex
     replica.py     one engine per Ray Serve replica; reports load and recent block keys
     ray_router.py  Ray Serve RequestRouter running routing.py in the proxy
     ingress.py     kvserve.v1.Generation on Ray Serve's gRPC proxy; dead replica -> UNAVAILABLE
