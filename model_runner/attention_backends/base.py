@@ -176,7 +176,7 @@ class AttentionBackend(ABC, Generic[M]):
 
     def fill(self, padded: PaddedDecode) -> None:
         """Write ``padded``'s rows into the graph batch of ``padded.batch_size`` (made by
-        ``graph_batch``), without allocating: the captured graph reads those tensors."""
+        ``graph_batch``), in place: the captured graph reads those tensors."""
         raise NotImplementedError(f"the {self.name} backend has no CUDA graphs")
 
 

@@ -103,6 +103,8 @@ class PagedAttentionBackend(AttentionBackend[PagedMetadata]):
         )
 
     def fill(self, padded: PaddedDecode) -> None:
+        if not self.graphs:
+            return super().fill(padded)
         inputs = self._graph_inputs[padded.batch_size]
         table = graph_page_table(padded, inputs.max_pages, self.spec.sliding_window)
         _copy_in(inputs.ints64, padded.row_ids())
