@@ -14,7 +14,9 @@ Hugging Face parameter names come in; at load time the weights are rearranged fo
   streams fp32 weights near memory bandwidth where MKL's ``F.linear`` reaches about half
   of it, and which fuses SiLU into the gate GEMM, the ``* up`` product into the up GEMM and
   the residual add into the output and down GEMMs. Elsewhere (CUDA, or when the self-check
-  fails) plain ``F.linear`` / ``addmm`` with a fused gate+up matrix.
+  fails) plain ``F.linear`` / ``addmm`` with a fused gate+up matrix; on CUDA the small ops
+  between them run as three Triton kernels (``triton_fusions``: residual add + RMSNorm,
+  RoPE + the KV write, SiLU x up).
 
 No ``nn.Module``: a step is a loop over plain tensors, so Python overhead per layer is a few
 dozen tensor ops and nothing else.
@@ -247,6 +249,11 @@ class LayerWeights:
 class LlamaModel:
     """Weights plus the forward pass of one step over a ``KVPool``."""
 
+    # The layer fusions (``triton_fusions``) in ``forward``: None = on CUDA, where they
+    # apply (``_fusion_ops``); True / False forces them on / off (tests run them in
+    # Triton's interpreter on CPU).
+    fusions: bool | None = None
+
     def __init__(
         self,
         config: ModelConfig,
@@ -391,6 +398,9 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch[Any], pool: KVPool) -> torch.Tensor:
         """Hidden states [T, hidden] after the last layer (before the final norm) of every
         token in ``batch``; writes every layer's K/V of those tokens into ``pool``."""
+        ops = self._fusion_ops(batch, pool)
+        if ops is not None:
+            return self._forward_fused(ops, batch, pool)
         h_heads, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         n_rot = h_heads + kvh
         num_tokens = batch.num_tokens
@@ -430,6 +440,55 @@ class LlamaModel:
                 act = layer.up.mul(x, layer.gate.silu(x))
             hidden = layer.down.add(act, hidden)
         return hidden
+
+    def _fusion_ops(self, batch: ForwardBatch[Any], pool: KVPool) -> Any:
+        """The ``triton_fusions`` module when this step can take it, else None: fusions on
+        (``fusions``), float weights in plain ``Linear`` layers (no oneDNN, nothing
+        quantized), a float pool, positions inside the RoPE table, a power-of-two head_dim,
+        and Triton importable."""
+        on = self.device.type == "cuda" if self.fusions is None else self.fusions
+        d = self.head_dim
+        if not on or self.use_onednn or self.weights_format != "float" or d & (d - 1):
+            return None
+        if getattr(pool, "scales", None) is not None or batch.max_position >= self.max_model_len:
+            return None
+        try:
+            from model_runner import triton_fusions
+        except ImportError:
+            return None
+        return triton_fusions
+
+    def _forward_fused(self, ops: Any, batch: ForwardBatch[Any], pool: KVPool) -> torch.Tensor:
+        """``forward`` with the layer fusions: the residual stream is updated in place by
+        ``add_rms_norm`` (which also gives the next norm's input), RoPE and the KV write are
+        one kernel, ``silu(gate) * up`` another. The same arithmetic as the torch path,
+        rounded once per fused op."""
+        h_heads, d = self.num_heads, self.head_dim
+        num_tokens = batch.num_tokens
+        residual = self.embed_rows(batch.input_ids)
+        if self.rope_cis is not None:  # fp32: the complex table's (cos, sin) pairs, strided
+            pairs = torch.view_as_real(self.rope_cis.squeeze(1))
+            cos, sin = pairs[..., 0], pairs[..., 1]
+        else:
+            assert self.rope_cos is not None and self.rope_sin is not None
+            cos, sin = self.rope_cos.squeeze(1), self.rope_sin.squeeze(1)
+        attn_out = torch.empty(num_tokens, h_heads * d, dtype=self.dtype, device=self.device)
+        layers = self.layers
+        x = ops.add_rms_norm(None, residual, layers[0].input_norm, self.eps)
+        for i, layer in enumerate(layers):
+            assert layer.gate_up is not None, "fusions need the fused gate+up matrix"
+            qkv = layer.qkv(x).view(num_tokens, -1, d)
+            ops.rope_kv_write(
+                qkv, cos, sin, batch.positions, batch.slot_mapping, pool.data[i], h_heads
+            )
+            self.attention.attend(i, qkv, batch.metadata, pool, attn_out)
+            x = ops.add_rms_norm(layer.o(attn_out), residual, layer.post_norm, self.eps)
+            down = layer.down(ops.silu_mul(layer.gate_up(x)))
+            if i + 1 < len(layers):
+                x = ops.add_rms_norm(down, residual, layers[i + 1].input_norm, self.eps)
+            else:
+                residual.add_(down)
+        return residual
 
     def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings [T, hidden] of ``token_ids`` (quantized tables dequantize just these)."""
