@@ -25,6 +25,7 @@ dozen tensor ops and nothing else.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -250,8 +251,8 @@ class LlamaModel:
     """Weights plus the forward pass of one step over a ``KVPool``."""
 
     # The layer fusions (``triton_fusions``) in ``forward``: None = on CUDA, where they
-    # apply (``_fusion_ops``); True / False forces them on / off (tests run them in
-    # Triton's interpreter on CPU).
+    # apply (``_fusion_ops``), unless KVSERVE_FUSIONS=0; True / False forces them on / off
+    # (tests run them in Triton's interpreter on CPU).
     fusions: bool | None = None
 
     def __init__(
@@ -446,7 +447,9 @@ class LlamaModel:
         (``fusions``), float weights in plain ``Linear`` layers (no oneDNN, nothing
         quantized), a float pool, positions inside the RoPE table, a power-of-two head_dim,
         and Triton importable."""
-        on = self.device.type == "cuda" if self.fusions is None else self.fusions
+        on = self.fusions
+        if on is None:
+            on = self.device.type == "cuda" and os.environ.get("KVSERVE_FUSIONS") != "0"
         d = self.head_dim
         if not on or self.use_onednn or self.weights_format != "float" or d & (d - 1):
             return None

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 from model_runner import triton_fusions as tf
 from model_runner.kv_pool import KVPool
-from model_runner.model import _rope_real_
+from model_runner.model import _rope_real_, onednn_works
 from model_runner.runner import TorchRunner
 from model_runner.step import StepRows
 from tests.model_runner.oracle import our_config, plan, random_ids, seq, tiny_hf
@@ -232,27 +232,31 @@ def test_the_fused_forward_equals_the_torch_forward(
         ]
 
 
-def test_the_fusions_stay_off_where_they_do_not_apply() -> None:
-    """On CPU by default, with oneDNN-packed layers, an int8 pool, or positions past the
-    RoPE table (attention sinks): the torch forward."""
+def test_the_fusions_stay_off_where_they_do_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off on CPU by default, and on a CUDA model with ``KVSERVE_FUSIONS=0``; off with
+    oneDNN-packed layers, an int8 pool, or positions past the RoPE table (attention sinks):
+    the torch forward."""
     hf = tiny_hf("llama-gqa")
     state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
     config = our_config(hf)
     runner = TorchRunner(config, state, 8, 4, "float32", "cpu", use_onednn=False)
-    batch = runner.attention.build(StepRows.of(plan(0, prefill=[seq("a", [5, 6], 0, 2, [0])]),
-                                               runner.limits))  # fmt: skip
-    model = runner.model
-    if not torch.cuda.is_available():
-        assert model._fusion_ops(batch, runner.pool) is None  # fusions=None: off on CPU
+    step = StepRows.of(plan(0, prefill=[seq("a", [5, 6], 0, 2, [0])]), runner.limits)
+    batch = runner.attention.build(step)
+    model, pool = runner.model, runner.pool
+    assert model._fusion_ops(batch, pool) is None  # fusions=None on a CPU model: off
+    monkeypatch.setattr(model, "device", torch.device("cuda"))  # all the check reads
+    assert model._fusion_ops(batch, pool) is tf
+    monkeypatch.setenv("KVSERVE_FUSIONS", "0")
+    assert model._fusion_ops(batch, pool) is None
     model.fusions = True
-    assert model._fusion_ops(batch, runner.pool) is tf
+    assert model._fusion_ops(batch, pool) is tf
     batch.max_position = model.max_model_len
-    assert model._fusion_ops(batch, runner.pool) is None
+    assert model._fusion_ops(batch, pool) is None
     batch.max_position = 1
     int8 = TorchRunner(config, state, 8, 4, "float32", "cpu", kv_dtype="int8", use_onednn=False)
     int8.model.fusions = True
     assert int8.model._fusion_ops(batch, int8.pool) is None
-    if runner.model.use_onednn is False and TorchRunner(config, state, 8, 4).model.use_onednn:
-        packed = TorchRunner(config, state, 8, 4, "float32", "cpu")
+    if onednn_works(torch.float32):
+        packed = TorchRunner(config, state, 8, 4, "float32", "cpu", use_onednn=True)
         packed.model.fusions = True
         assert packed.model._fusion_ops(batch, packed.pool) is None
