@@ -104,14 +104,15 @@ def test_dry_run_runs_every_section(tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_quick_sizes_keep_every_headline_shape() -> None:
     """``--quick``: the full model and context, the decode kernel at 1 x 8,192 keys (the
     sweep there too), decode and the profile at batch 1 and 256, serving and the server at
-    256 users with 2 requests each; no transformers."""
+    256 users with 2 requests each; transformers only when asked (``--transformers``),
+    always in the dry run."""
     assert QUICK.model == FULL.model and QUICK.dtype == FULL.dtype
     assert QUICK.decode_context == FULL.decode_context == 512
     assert QUICK.decode_batches == QUICK.profile_batches == (1, 256)
     assert (1, 8192) in QUICK.attention.sweep and 8192 in QUICK.attention.keys
     assert 1 in QUICK.attention.batches and 256 in QUICK.attention.batches
     assert QUICK.users == (256,) and QUICK.requests_per_user == 2
-    assert not QUICK.transformers and FULL.transformers
+    assert not QUICK.transformers and not FULL.transformers and DRY.transformers
     assert QUICK.decode_steps > QUICK.profile_steps
 
 
