@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import tempfile
@@ -573,8 +574,11 @@ class Bench:
                       "| TPOT p50 ms |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
             self._runner = self._models = None  # the server needs the GPU's memory
             del hf
+            gc.collect()  # the runner's cycles (graphs, threads) hold the pool and weights
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+                held = torch.cuda.memory_reserved(self.device) / 2**30
+                self.emit(f"(this process holds {held:.1f} GiB of GPU memory for the server's run)")
             serve_http(
                 Path(folder), load, device=str(self.device), dtype=dtype_name(s.dtype),
                 backend=self.backend, emit=emit,

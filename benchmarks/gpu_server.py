@@ -41,7 +41,7 @@ def write_checkpoint(hf: Any, dest: Path) -> Path:
     """``hf`` (a transformers causal LM) saved as a model directory ``kvserve serve --model``
     loads: ``config.json``, safetensors, ``tokenizer.json``."""
     dest.mkdir(parents=True, exist_ok=True)
-    hf.save_pretrained(dest, safe_serialization=True)
+    hf.save_pretrained(dest)  # safetensors (transformers 5 writes nothing else)
     write_tokenizer(dest, int(hf.config.vocab_size))
     return dest
 
