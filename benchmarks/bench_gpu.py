@@ -37,9 +37,9 @@ picks some (the probes always run: the others are measured against them). Sectio
 
 ``--quick`` keeps every headline figure (the decode kernel at 1 x 8,192 keys, decode at batch
 1 and 256, the profile, serving and the server at 256 users) with fewer cases and steps.
-``--dry-run`` shrinks every shape (a 2-layer model in fp32 on CPU, the
-attention kernel in Triton's interpreter, the server on CPU) and runs the same code, so CI
-proves the program runs; its figures mean nothing.
+``--dry-run`` shrinks every shape (a 2-layer model in fp32 on CPU, the attention kernel in
+Triton's interpreter, the server on CPU) and runs the same code, so CI proves the program
+runs; its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -556,6 +556,8 @@ class Bench:
             row["closed_loop_tok_s"] = loop
             row["of_closed_loop"] = None if not loop else row["tok_s"] / loop
             self.report.server.append(row)
+            if self.save is not None:  # each user count kept as soon as it is measured
+                self.save(self.report)
             ratio = "-" if row["of_closed_loop"] is None else f"{row['of_closed_loop']:.2f}x"
             ttft, tpot = row["ttft_p50_s"], row["tpot_p50_s"]
             self.emit(

@@ -15,7 +15,7 @@ nor GEMM). Three kernels do their work (vLLM's ``fused_add_rms_norm``,
 Each program does one token (row): it loads whole rows in 16-byte vectors, computes in fp32
 and rounds once to the tensor's dtype. RoPE pairs are adjacent elements ``(2i, 2i + 1)``
 (``model.py``'s interleaved layout), split and joined in registers so the loads stay
-vectors. ``model.LlamaModel.forward`` takes these on CUDA (``fused_ops``); the torch ops stay
+vectors. ``model.LlamaModel.forward`` takes these on CUDA (``_fusion_ops``); the torch ops stay
 the CPU path and the reference these are tested against (in Triton's interpreter on CPU, and
 compiled for sm_90 in the codegen test).
 """
