@@ -3,11 +3,6 @@ Triton's interpreter on CPU (compiled where there is a GPU), and compiled for sm
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +15,7 @@ from model_runner.model import _rope_real_, onednn_works
 from model_runner.runner import TorchRunner
 from model_runner.step import StepRows
 from tests.model_runner.oracle import our_config, plan, random_ids, seq, tiny_hf
+from tests.model_runner.sm90 import compiled_counts
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -152,16 +148,7 @@ def test_fusions_compile_to_16_byte_accesses_without_spills_for_sm90() -> None:
     """At Llama-3-8B's shapes in bf16 (hidden 4096, 32 / 8 heads of 128, MLP 14336): every
     load and store of a row moves 16 bytes (``v4.b32``), RoPE's tables 8 (``v2.b32``), the
     position and slot one int64 each; nothing is spilled to local memory."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.model_runner.fusions_codegen"],
-        env=env, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
-        pytest.skip("this Triton has no ptxas for sm_90")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    counts = compiled_counts("tests.model_runner.fusions_codegen")
     allowed = {
         "add_rms_norm": {"ld.global.v4.b32", "st.global.v4.b32"},
         "silu_mul": {"ld.global.v4.b32", "st.global.v4.b32"},
