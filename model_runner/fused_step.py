@@ -88,14 +88,18 @@ class FusedStep:
 
     @staticmethod
     def unsupported(model: LlamaModel, pool: KVPool) -> str | None:
-        """Why this model + pool cannot take the fused path, or None."""
-        if not kernels.available():
-            return f"kernels unavailable ({kernels.unavailable_reason()})"
+        """Why this model + pool cannot take the fused path, or None.
+
+        The device, dtype and weights are looked at first: the kernels are loaded (built,
+        the first time: minutes of g++) only for a CPU model whose matrices are all
+        quantized, so a CUDA or float runner never touches them."""
         if model.device.type != "cpu" or model.dtype != torch.float32 or model.rope_cis is None:
             return "needs fp32 compute on CPU"
         linears = [(l.qkv, l.o, l.gate_up, l.down) for l in model.layers]  # noqa: E741
         if not all(isinstance(lin, QLinear) for group in linears for lin in group):
             return "needs every layer matrix quantized"
+        if not kernels.available():
+            return f"kernels unavailable ({kernels.unavailable_reason()})"
         if model.config.head_dim > 512:
             return f"head_dim {model.config.head_dim} (the kernels take up to 512)"
         if model.config.num_heads // model.config.num_kv_heads > 64:

@@ -5,6 +5,8 @@ Its weights come prepared from ``weights.load_weights`` (Q, K and V fused, the s
 in Q, RoPE pairs interleaved, each matrix a layer chosen by ``Linears.make_linear``), so the
 forward pass calls ``linear(x)`` and the layers' fused epilogues and never asks what a
 weight is held as.
+On CUDA the small ops between the GEMMs run as three Triton kernels
+(``triton_fusions``: residual add + RMSNorm, RoPE + the KV write, SiLU x up).
 
 No ``nn.Module``: a step is a loop over plain tensors, so Python overhead per layer is a few
 dozen tensor ops and nothing else.
@@ -13,6 +15,7 @@ dozen tensor ops and nothing else.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -78,6 +81,11 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class LlamaModel:
     """Weights plus the forward pass of one step over a ``KVPool``."""
 
+    # The layer fusions (``triton_fusions``) in ``forward``: None = on CUDA, where they
+    # apply (``_fusion_ops``), unless KVSERVE_FUSIONS=0; True / False forces them on / off
+    # (tests run them in Triton's interpreter on CPU).
+    fusions: bool | None = None
+
     def __init__(
         self,
         config: ModelConfig,
@@ -135,6 +143,9 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch[Any], pool: KVPool) -> torch.Tensor:
         """Hidden states [T, hidden] after the last layer (before the final norm) of every
         token in ``batch``; writes every layer's K/V of those tokens into ``pool``."""
+        ops = self._fusion_ops(batch, pool)
+        if ops is not None:
+            return self._forward_fused(ops, batch, pool)
         h_heads, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         n_rot = h_heads + kvh
         num_tokens = batch.num_tokens
@@ -169,6 +180,58 @@ class LlamaModel:
             x = F.rms_norm(hidden, normed_shape, layer.post_norm, self.eps)
             hidden = layer.down.add(layer.gate_up.silu_mul(x), hidden)
         return hidden
+
+    def _fusion_ops(self, batch: ForwardBatch[Any], pool: KVPool) -> Any:
+        """The ``triton_fusions`` module when this step can take it, else None: fusions on
+        (``fusions``), float weights in plain ``Linear`` layers (no oneDNN, nothing
+        quantized), a float pool, positions inside the RoPE table, a power-of-two head_dim,
+        and Triton importable."""
+        on = self.fusions
+        if on is None:
+            on = self.device.type == "cuda" and os.environ.get("KVSERVE_FUSIONS") != "0"
+        d = self.head_dim
+        if not on or self.linear_backend != "torch" or d & (d - 1):
+            return None
+        if pool.scales is not None or batch.max_position >= self.max_model_len:
+            return None
+        try:
+            from model_runner import triton_fusions
+        except ImportError:
+            return None
+        return triton_fusions
+
+    def _forward_fused(self, ops: Any, batch: ForwardBatch[Any], pool: KVPool) -> torch.Tensor:
+        """``forward`` with the layer fusions: the residual stream is updated in place by
+        ``add_rms_norm`` (which also gives the next norm's input), RoPE and the KV write are
+        one kernel, ``silu(gate) * up`` another. The same arithmetic as the torch path,
+        rounded once per fused op."""
+        h_heads, d = self.num_heads, self.head_dim
+        num_tokens = batch.num_tokens
+        residual = self.embed_rows(batch.input_ids)
+        if self.rope_cis is not None:  # fp32: the complex table's (cos, sin) pairs, strided
+            pairs = torch.view_as_real(self.rope_cis.squeeze(1))
+            cos, sin = pairs[..., 0], pairs[..., 1]
+        else:
+            assert self.rope_cos is not None and self.rope_sin is not None
+            cos, sin = self.rope_cos.squeeze(1), self.rope_sin.squeeze(1)
+        attn_out = torch.empty(num_tokens, h_heads * d, dtype=self.dtype, device=self.device)
+        layers = self.layers
+        x = ops.add_rms_norm(None, residual, layers[0].input_norm, self.eps)
+        for i, layer in enumerate(layers):
+            gate_up = layer.gate_up  # the torch backend fuses gate and up in one matrix
+            assert callable(gate_up), "fusions need the fused gate+up matrix"
+            qkv = layer.qkv(x).view(num_tokens, -1, d)
+            ops.rope_kv_write(
+                qkv, cos, sin, batch.positions, batch.slot_mapping, pool.data[i], h_heads
+            )
+            self.attention.attend(i, qkv, batch.metadata, pool, attn_out)
+            x = ops.add_rms_norm(layer.o(attn_out), residual, layer.post_norm, self.eps)
+            down = layer.down(ops.silu_mul(gate_up(x)))
+            if i + 1 < len(layers):
+                x = ops.add_rms_norm(down, residual, layers[i + 1].input_norm, self.eps)
+            else:
+                residual.add_(down)
+        return residual
 
     def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings [T, hidden] of ``token_ids`` (quantized tables dequantize just these)."""

@@ -141,11 +141,12 @@ def make_paths(
     not. ``graph_sizes`` (from ``graph_sizes``) are captured here, after the pool exists;
     ``scratch_slot`` is a slot the cache manager never lends (padding rows write there)."""
     spec = model.attention.spec
-    unsupported = FusedStep.unsupported(model, pool)
-    if spec.attention_sinks:
-        unsupported = "attention sinks take the chunk path"
     if not model.attention.yields_to_fused:
-        unsupported = f"the {model.attention.name} attention backend runs every step"
+        unsupported: str | None = f"the {model.attention.name} attention backend runs every step"
+    elif spec.attention_sinks:
+        unsupported = "attention sinks take the chunk path"
+    else:  # the last check: it may load the CPU kernels (only for a quantized CPU model)
+        unsupported = FusedStep.unsupported(model, pool)
     if fused_step and unsupported is not None:
         raise ValueError(f"fused_step=True but {unsupported}")
     paths = ForwardPaths(EagerPath(model, pool))
