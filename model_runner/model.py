@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from model_runner import onednn
 from model_runner.attention_backends.base import AttentionBackend, ForwardBatch
 from model_runner.config import ModelConfig
+from model_runner.future import FutureTokens
 from model_runner.kv_pool import KVPool
 from model_runner.quant import QEmbedding, QLinear, QuantStack, QuantWeight, cat_rows
 
@@ -247,6 +248,10 @@ class LayerWeights:
 class LlamaModel:
     """Weights plus the forward pass of one step over a ``KVPool``."""
 
+    # Scheduling one step ahead: negative token ids stand for the previous step's sampled
+    # ids, resolved in ``embed_rows`` (set by the runner before any graph is captured).
+    future: FutureTokens | None = None
+
     def __init__(
         self,
         config: ModelConfig,
@@ -432,7 +437,10 @@ class LlamaModel:
         return hidden
 
     def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Embeddings [T, hidden] of ``token_ids`` (quantized tables dequantize just these)."""
+        """Embeddings [T, hidden] of ``token_ids`` (quantized tables dequantize just these);
+        placeholder ids are resolved first, on the device (``future``)."""
+        if self.future is not None:
+            token_ids = self.future.resolve(token_ids)
         if isinstance(self.embed, QEmbedding):
             return self.embed(token_ids)
         return F.embedding(token_ids, self.embed)
