@@ -54,6 +54,7 @@ ENV_PREFIX = "KVSERVE_"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 RUNNERS = ("torch", "fake")
+ASYNC_SCHEDULING_MODES = ("auto", "on", "off")
 
 # Choices of the component fields, from the registries of the packages that implement them.
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -305,6 +306,14 @@ class ServerConfig:
     )
     # -- scheduler (and, generated, every SchedulerConfig field but max_model_len)
     max_n: int = _f(16, "largest n (parallel samples) a request may ask for", group="scheduler")
+    async_scheduling: str = _f(
+        "auto",
+        "plan each step while the device runs the one before (vLLM's --async-scheduling, "
+        "SGLang's overlap schedule); auto: on a GPU; on: also on CPU, with the model's steps on "
+        "a thread of their own; off: one step at a time",
+        choices=ASYNC_SCHEDULING_MODES,
+        group="scheduler",
+    )
     cost_model_prior: str = _f(
         "calibrate",
         "slo: where the step-cost model starts: calibrate (a few seconds of scripted steps at "

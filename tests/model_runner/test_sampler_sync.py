@@ -1,4 +1,5 @@
-"""The sampler's device phase never makes the host wait for the device.
+"""The sampler's device phase never makes the host wait for the device, and a runner that
+runs a step ahead takes its placeholder tokens where it computes.
 
 On CPU every op is synchronous, so the check is on the code path: ``NoHostSync`` (a
 ``TorchFunctionMode``) raises on every call that would read a device value back on a GPU
@@ -183,3 +184,65 @@ def test_cuda_sampling_makes_no_synchronisation() -> None:
     assert got.failed.keys() == want.failed.keys()
     for i in (0, 4):  # the greedy rows
         assert got.token_ids[i] == want.token_ids[i], i
+
+
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_runner_running_ahead_gives_the_synchronous_tokens(device: str) -> None:
+    """Two requests, a prefill then two decodes, each decode submitted before the step that
+    samples its input is read (its token a placeholder, resolved from the previous step's
+    sampled ids on the device): the tokens equal those of the same steps run one at a time,
+    on a CPU step thread and on CUDA (through the decode graphs when the backend has them)."""
+    from model_runner.runner import TorchRunner
+    from tests.model_runner.oracle import GREEDY, our_config, plan, random_ids, seq, tiny_hf
+
+    hf = tiny_hf("llama-gqa", seed=3)
+    state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
+    prompts = {"a": random_ids(6, seed=1), "b": random_ids(9, seed=2)}
+    tables = {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8, 9]}
+
+    def make() -> TorchRunner:
+        return TorchRunner(our_config(hf), state, 16, 4, torch.float32, device, kv_dtype="float32")
+
+    def decode(rid: str, known: list[int], ahead: bool) -> ScheduledSeq:
+        prompt = prompts[rid]
+        return ScheduledSeq(
+            rid,
+            [PLACEHOLDER_TOKEN_ID] if ahead else [known[-1]],
+            len(known) - (0 if ahead else 1),
+            tables[rid],
+            GREEDY,
+            True,
+            list(known),
+            len(prompt),
+            len(known) - len(prompt) + ahead,
+        )
+
+    prefill = plan(0, prefill=[seq(r, p, 0, len(p), tables[r]) for r, p in prompts.items()])
+    sync = make()
+    known = {r: list(p) for r, p in prompts.items()}
+    for step in range(3):
+        todo = (
+            prefill if step == 0 else plan(step, decode=[decode(r, known[r], False) for r in known])
+        )
+        for rid, token in sync.execute(todo).sampled_token_ids.items():
+            known[rid].append(token)
+
+    ahead = make()
+    ahead.use_step_thread(device == "cpu")
+    assert ahead.can_run_ahead
+    mine = {r: list(p) for r, p in prompts.items()}
+    first = ahead.submit(prefill)
+    second = ahead.submit(plan(1, decode=[decode(r, mine[r], True) for r in mine]))
+    for rid, token in first.result().sampled_token_ids.items():
+        mine[rid].append(token)
+    third = ahead.submit(plan(2, decode=[decode(r, mine[r], True) for r in mine]))
+    for handle in (second, third):
+        result = handle.result()
+        assert not result.failed, result.failed
+        for rid, token in result.sampled_token_ids.items():
+            mine[rid].append(token)
+    ahead.use_step_thread(False)
+    assert mine == known
