@@ -15,15 +15,16 @@ down (replicas drain for ``--grace-period-s``).
 from __future__ import annotations
 
 import argparse
-import os
+import dataclasses
 import signal
 import sys
 import threading
 from typing import Any
 
-from cluster.routing import ROUTERS
+from cluster.app import ClusterConfig
 
 APP_NAME = "kvserve"
+CLUSTER_FLAGS = [f for f in dataclasses.fields(ClusterConfig) if "flag" in f.metadata]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,42 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port the router's /metrics and /targets.",
     )
     cluster = serve.add_argument_group("cluster")
-    cluster.add_argument("--replicas", type=int, default=2, help="(default: %(default)s)")
-    cluster.add_argument(
-        "--router", choices=ROUTERS, default="cost",
-        help="how requests pick a replica: cost = the lowest estimated time to first token "
-        "over each replica's RAM, the shared KV tier and recomputation; prefix = the longest "
-        "prefix held in RAM (default: %(default)s)",
-    )  # fmt: skip
-    cluster.add_argument(
-        "--imbalance-abs", type=int, default=8,
-        help="prefix router load guard: busiest - idlest replica, in requests "
-        "(default: %(default)s)",
-    )  # fmt: skip
-    cluster.add_argument(
-        "--imbalance-rel", type=float, default=1.5,
-        help="... and busiest / idlest above this -> power of two choices (default: %(default)s)",
-    )  # fmt: skip
-    cluster.add_argument(
-        "--prefill-replicas", type=int, default=0,
-        help="prefill / decode split: this many prefill replicas, and --replicas decode "
-        "replicas that read their KV from the shared tier (needs --kv-disk-dir); 0: every "
-        "replica does both (default: %(default)s)",
-    )  # fmt: skip
-    cluster.add_argument(
-        "--pd-transfer-timeout-s", type=float, default=60.0,
-        help="a decode replica's wait for a prefill replica; past it, it computes the prompt "
-        "itself (default: %(default)s)",
-    )  # fmt: skip
-    cluster.add_argument(
-        "--pd-min-transfer-tokens", type=int, default=32,
-        help="prompts with fewer new tokens are computed on the decode replica "
-        "(default: %(default)s)",
-    )  # fmt: skip
-    cluster.add_argument(
-        "--replica-cpus", type=float, default=1.0,
-        help="Ray CPUs each replica reserves (default: %(default)s)",
-    )  # fmt: skip
+    for f in CLUSTER_FLAGS:
+        flag = dict(f.metadata)
+        default = flag.pop("default", f.default)
+        cluster.add_argument(
+            flag.pop("flag"), dest=f.name, type=type(default), default=default,
+            help=flag.pop("help") + " (default: %(default)s)", **flag,
+        )  # fmt: skip
     cluster.add_argument(
         "--ray-address", default=None,
         help="Ray cluster to join, e.g. auto or ray://head:10001 (default: a running one, "
@@ -88,25 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cluster_config(args: argparse.Namespace) -> tuple[Any, Any]:
     """(ClusterConfig, the resolved ServerConfig) from the parsed flags."""
-    import dataclasses
-
-    from cluster.app import ClusterConfig
     from server.config import build_config
 
     engine = build_config(args)  # flags > KVSERVE_* > --config > defaults, validated
     cfg = ClusterConfig(
         engine={f.name: getattr(engine, f.name) for f in dataclasses.fields(engine)},
-        num_replicas=args.replicas,
-        router=args.router,
-        imbalance_abs=args.imbalance_abs,
-        imbalance_rel=args.imbalance_rel,
         router_metrics_port=engine.metrics_port if engine.metrics else None,
         metrics_host=engine.metrics_host,
-        replica_num_cpus=args.replica_cpus,
-        num_prefill_replicas=args.prefill_replicas,
-        transfer_timeout_s=args.pd_transfer_timeout_s,
-        transfer_min_tokens=args.pd_min_transfer_tokens,
         graceful_shutdown_timeout_s=engine.grace_period_s,
+        **{f.name: getattr(args, f.name) for f in CLUSTER_FLAGS},
     )
     return cfg, engine
 
@@ -121,7 +83,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"kvserve cluster serve: {exc}", file=sys.stderr)
         return 2
     try:
-        import ray
         from ray import serve
     except ModuleNotFoundError:
         print(
@@ -129,11 +90,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from cluster.app import GRPC_ROUTE_PREFIX, OPENAI_APP_NAME, build_openai_app, set_ray_env
+    from cluster.app import GRPC_ROUTE_PREFIX, OPENAI_APP_NAME, build_openai_app, init_ray
+    from cluster.ray_patches import check_ray_names
     from server.cli import write_port_file
 
-    set_ray_env(os.environ)
-    ray.init(address=args.ray_address, include_dashboard=False)
+    try:
+        check_ray_names()
+    except RuntimeError as exc:
+        print(f"kvserve cluster serve: {exc}", file=sys.stderr)
+        return 2
+
+    init_ray(address=args.ray_address, include_dashboard=False)
     http_port = engine.http_port if engine.http_port or not engine.http else _free_port()
     serve.start(grpc_options=options, http_options=http_options(engine, http_port))
     serve.run(build_app(cfg), name=APP_NAME, route_prefix=GRPC_ROUTE_PREFIX)

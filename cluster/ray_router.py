@@ -21,7 +21,6 @@ so spilled: with a shared tier (``--kv-disk-dir``), its keys become shared-tier 
 from __future__ import annotations
 
 import logging
-import math
 import pickle
 import time
 from collections import Counter, OrderedDict
@@ -31,15 +30,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from cluster.openai_ingress import GENERATE_METHOD, tokenizer_for
 from cluster.pd import PREFILL_METHOD
-from cluster.routing import (
-    CostModelPrice,
-    CostRouter,
-    PrefixRouter,
-    ReplicaLoad,
-    make_router,
-    routing_keys,
-)
-from scheduler.cost_model import FEATURES, StepCostModel, StepShape
+from cluster.routing import DEFAULT_GUARD, LoadGuard, ReplicaLoad, make_router, routing_keys
 from scheduler.request import Request
 
 # Keys of requests chosen but not yet routed / completed, at most this many (a request Ray
@@ -47,38 +38,11 @@ from scheduler.request import Request
 _MAX_TRACKED = 65_536
 
 
-def prices_from_reports(
-    reports: list[dict[str, Any]], chunk_tokens: int
-) -> tuple[CostModelPrice | None, float | None]:
-    """The mean of the replicas' reported step-cost models (None unless it prices more tokens
-    higher), and the mean reported restore seconds per block (None when none restored yet)."""
-    models = [
-        r["cost_model_s"]
-        for r in reports
-        if isinstance(r.get("cost_model_s"), list | tuple)
-        and len(r["cost_model_s"]) == len(FEATURES)
-        and all(isinstance(c, int | float) and math.isfinite(c) for c in r["cost_model_s"])
-    ]
-    price = None
-    if models:
-        mean = [sum(column) / len(models) for column in zip(*models, strict=True)]
-        model = StepCostModel(mean)
-        short = model.predict(StepShape.of([(chunk_tokens // 2, 0)], []))
-        if model.predict(StepShape.of([(chunk_tokens, 0)], [])) > short > 0:
-            price = CostModelPrice(model, chunk_tokens)
-    restores = [
-        float(r["restore_s_per_block"])
-        for r in reports
-        if isinstance(r.get("restore_s_per_block"), int | float) and r["restore_s_per_block"] > 0
-    ]
-    return price, (sum(restores) / len(restores) if restores else None)
-
-
 logger = logging.getLogger(__name__)
 
 
 class KVServeRequestRouter(RequestRouter):
-    """``--router {round-robin,power-of-two,prefix}`` inside Ray Serve."""
+    """``--router {cost,prefix,power-of-two,round-robin}`` inside Ray Serve."""
 
     def initialize_state(
         self,
@@ -86,8 +50,8 @@ class KVServeRequestRouter(RequestRouter):
         engine: dict[str, Any] | None = None,
         block_size: int = 16,
         capacity_blocks: int = 4096,
-        imbalance_abs: int = 8,
-        imbalance_rel: float = 1.5,
+        imbalance_abs: int = DEFAULT_GUARD.imbalance_abs,
+        imbalance_rel: float = DEFAULT_GUARD.imbalance_rel,
         metrics_host: str = "127.0.0.1",
         metrics_port: int | None = None,
         seed: int | None = None,
@@ -99,14 +63,13 @@ class KVServeRequestRouter(RequestRouter):
         self.router = make_router(
             router,
             capacity_blocks=capacity_blocks,
-            imbalance_abs=imbalance_abs,
-            imbalance_rel=imbalance_rel,
+            guard=LoadGuard(imbalance_abs, imbalance_rel),
             seed=seed,
             block_size=block_size,
             shared_capacity_blocks=shared_tier_blocks,
             restore_s_per_block=1e-3,  # until a replica reports its own
+            chunk_tokens=chunk_tokens,
         )
-        self.chunk_tokens = chunk_tokens
         self._keys_of: OrderedDict[str, list[int]] = OrderedDict()  # internal id -> keys
         self.block_size = block_size
         self._engine = dict(engine or {})
@@ -181,31 +144,19 @@ class KVServeRequestRouter(RequestRouter):
 
     # ------------------------------------------------------------------ RequestRouter
     def _learn_reports(self, replicas: list[RunningReplica]) -> None:
+        """Each replica's latest report, once: the keys it admitted, and the prices."""
         router = self.router
-        if not isinstance(router, PrefixRouter | CostRouter):
-            return
-        index = router.index
-        index.retain(r.replica_id.unique_id for r in replicas)
-        fresh = []
+        router.retain(r.replica_id.unique_id for r in replicas)
+        fresh = False
         for r in replicas:
             rid = r.replica_id.unique_id
             reported = r.routing_stats.get("keys")
-            if reported and self._learned.get(rid) is not reported:  # each report once
-                index.add(rid, reported)
+            if reported and self._learned.get(rid) is not reported:
+                router.learn(rid, reported)
                 self._learned[rid] = reported
-                fresh.append(r.routing_stats)
-        if fresh and isinstance(router, CostRouter):
-            price, restore_s = prices_from_reports(
-                [r.routing_stats for r in replicas], self.chunk_tokens
-            )
-            if price is not None:
-                router.price = price
-            if restore_s is not None:
-                router.restore_s_per_block = restore_s
-            sizes = [r.routing_stats.get("tier2_capacity_blocks") for r in replicas]
-            known = [n for n in sizes if isinstance(n, int) and n > 0]
-            if router.shared is not None and known:
-                router.shared.capacity_blocks = max(known)
+                fresh = True
+        if fresh:
+            router.reprice([r.routing_stats for r in replicas])
 
     async def choose_replicas(
         self,
@@ -253,7 +204,4 @@ class KVServeRequestRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._in_flight.pop(replica_id.unique_id, None)
-        if isinstance(self.router, CostRouter):
-            self.router.forget(replica_id.unique_id)
-        elif isinstance(self.router, PrefixRouter):
-            self.router.index.drop(replica_id.unique_id)
+        self.router.forget(replica_id.unique_id)

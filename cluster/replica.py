@@ -34,13 +34,11 @@ from cluster.metrics import (
 )
 from cluster.pd import DEFAULT_MIN_TRANSFER_TOKENS, ROLES, PrefillHandoff, Role, prefill_job
 from cluster.routing import routing_keys
-from metrics.records import NullSink
 from scheduler.request import Request
 from server.config import ServerConfig, build_config
 from server.engine_client import EngineClient
 from server.frontend import Frontend, ServedModel
 from server.grpc_service import GenerationServicer
-from server.kv_tier import KVTier
 from server.outputs import GenerationOutput
 from server.rpc import generation_pb2 as pb
 
@@ -141,7 +139,7 @@ class KVServeReplica:
     ) -> None:
         from ray import serve
 
-        from server.build import build_engine
+        from server.build import attach_metrics, build_engine
 
         cfg: ServerConfig = build_config(engine or {}, environ={})
         if role not in ROLES:
@@ -170,18 +168,9 @@ class KVServeReplica:
         self.draining = False
         self._metrics_server: Any = None
         self.metrics_url = ""
-        sink = None
-        if cfg.metrics:
-            from prometheus_client import CollectorRegistry
-
-            from metrics.prometheus import PrometheusSink
-
-            inner = CollectorRegistry()
-            sink = PrometheusSink(
-                inner, model_info={"model": built.model.name, "replica_id": self.replica_id}
-            )
-            built.engine.sink = sink
-            served = labelled_registry(inner, {"replica": self.replica, "role": role})
+        sink, registry = attach_metrics(built, cfg, replica_id=self.replica_id)
+        if registry is not None:
+            served = labelled_registry(registry, {"replica": self.replica, "role": role})
             self._metrics_server = start_metrics_server(metrics_host, metrics_port, served)
             self.metrics_url = f"{advertised_host(metrics_host)}:{self._metrics_server.port}"
         handoff = None
@@ -191,7 +180,7 @@ class KVServeReplica:
                 built.scheduler.kv.has_cached_key,
                 built.model.block_size,
                 built.model.kv_memory_bytes // max(built.model.num_blocks, 1),
-                sink if sink is not None else NullSink(),
+                sink,
                 timeout_s=transfer_timeout_s,
                 min_tokens=transfer_min_tokens,
             )
@@ -308,13 +297,14 @@ class KVServeReplica:
         job = prefill_job(request)
         async for _ in self.client.generate(job):
             pass
-        tier = self.built.engine.tier
-        if not isinstance(tier, KVTier):
-            raise RuntimeError("no shared KV tier (kv_disk_dir) to publish the blocks to")
         tokens = job.prompt_token_ids
         keys = prefix_block_keys(tokens[: len(tokens) - 1], self.model.block_size, job.cache_salt)
+        tier = self.built.engine.tier
         if not await asyncio.to_thread(tier.wait_written, keys, job.cache_salt):
-            raise TimeoutError(f"{len(keys)} blocks not written to the shared store in time")
+            raise TimeoutError(
+                f"{len(keys)} blocks not published: the shared KV tier (kv_disk_dir) did not "
+                "write them in time, or there is none"
+            )
         return {"blocks": len(keys), "metrics_url": self.metrics_url}
 
     def served_model(self) -> ServedModel:

@@ -13,7 +13,7 @@ from typing import Any
 
 from cache_manager import KVCacheManager, block_bytes
 from cache_manager.sizing import num_blocks_for_budget
-from metrics.records import MetricsSink
+from metrics.records import MetricsSink, NullSink
 from model_runner.base import Runner
 from model_runner.constraints import ConstraintCompiler, ConstraintTracker
 from model_runner.fake import FakeRunner, make_fake_info
@@ -205,3 +205,39 @@ def max_n_for(cfg: ServerConfig) -> int:
         return 1
     max_num_seqs: int = cfg.max_num_seqs
     return min(cfg.max_n, max_num_seqs)
+
+
+def attach_metrics(
+    built: BuiltEngine, cfg: ServerConfig, **labels: str
+) -> tuple[MetricsSink, Any | None]:
+    """The engine's metrics, set as its sink: with ``cfg.metrics`` a ``PrometheusSink`` on a
+    registry of its own (returned to serve), whose ``kvserve_model_info`` carries the model's
+    facts and ``labels``; otherwise a ``NullSink`` and no registry. ``kvserve serve`` and each
+    cluster replica assemble their metrics here."""
+    if not cfg.metrics:
+        built.engine.sink = NullSink()
+        return built.engine.sink, None
+    from prometheus_client import CollectorRegistry
+
+    from metrics.prometheus import PrometheusSink
+
+    model = built.model
+    registry = CollectorRegistry()
+    sink = PrometheusSink(
+        registry,
+        model_info={
+            "model": model.name,
+            "dtype": model.dtype,
+            "device": model.device,
+            "weights": model.weights,
+            "weight_bytes": str(model.weight_bytes),
+            "kv_dtype": model.kv_dtype,
+            "block_size": str(model.block_size),
+            "num_blocks": str(model.num_blocks),
+            **labels,
+        },
+        stats=built.engine.latest_stats,  # the pool's sizes are known now: exported at once
+        slo_targets_s=(cfg.ttft_slo_ms / 1e3, cfg.itl_slo_ms / 1e3),
+    )
+    built.engine.sink = sink
+    return sink, registry

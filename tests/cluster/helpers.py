@@ -99,14 +99,13 @@ def start_local_cluster() -> Iterator[LocalCluster]:
     import ray
     from ray import serve
 
-    from cluster.app import grpc_options, set_ray_env
+    from cluster.app import grpc_options, init_ray
 
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p
     )
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a throwaway local cluster
-    set_ray_env(os.environ)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    init_ray(num_cpus=4, include_dashboard=False, log_to_driver=False)
     port, http_port = free_port(), free_port()
     try:
         serve.start(

@@ -12,8 +12,14 @@ import pytest
 from ray.serve._private.common import RequestMetadata, gRPCRequest
 from ray.serve.request_router import PendingRequest
 
-from cluster.ray_router import KVServeRequestRouter, prices_from_reports
-from cluster.routing import CostModelPrice, CostRouter, routing_keys
+from cluster.ray_router import KVServeRequestRouter
+from cluster.routing import (
+    CostModelPrice,
+    CostScore,
+    GuardedRouter,
+    prices_from_reports,
+    routing_keys,
+)
 from server.fake_tokenizer import ByteTokenizer
 from server.rpc import generation_pb2 as pb
 
@@ -86,7 +92,8 @@ async def test_reported_keys_are_learned_once() -> None:
     keys = routing_keys(ByteTokenizer().encode(prompt), 4, None)
     a, b = replica("a"), replica("b", keys=keys)
     assert await chosen(router, [a, b], generate(prompt, 1)) == "b"
-    assert router.router.index.num_prefix_blocks("b", keys) == len(keys)  # type: ignore[attr-defined]
+    assert isinstance(router.router, GuardedRouter)
+    assert router.router.score.index.num_prefix_blocks("b", keys) == len(keys)
 
 
 async def test_other_methods_and_bad_requests_go_to_the_least_loaded() -> None:
@@ -111,8 +118,9 @@ async def test_cost_routing_learns_prices_and_the_shared_tier() -> None:
     b = replica("b", keys=[8], cost_model_s=[2 * c for c in model], restore_s_per_block=3e-4)
     prompt = "a prompt that is routed twice, long enough for blocks " * 2
     assert await chosen(router, [a, b], generate(prompt, 1)) == "a"
-    cost = router.router
-    assert isinstance(cost, CostRouter) and isinstance(cost.price, CostModelPrice)
+    assert isinstance(router.router, GuardedRouter)
+    cost = router.router.score
+    assert isinstance(cost, CostScore) and isinstance(cost.price, CostModelPrice)
     assert cost.price.model.coefficients_s == pytest.approx([0.015, 1.5e-3, 0, 0, 0, 0])
     assert cost.restore_s_per_block == pytest.approx(2e-4)
     router.on_request_routed(generate("", 1), a.replica_id, None)  # type: ignore[arg-type]
@@ -143,54 +151,3 @@ def test_targets_advertise_a_reachable_address() -> None:
 
     assert advertised_host("127.0.0.1") == "127.0.0.1"
     assert advertised_host("0.0.0.0") == get_node_ip_address() != "0.0.0.0"
-
-
-async def test_a_cancelled_grpc_call_cancels_the_proxys_calls_to_replicas() -> None:
-    """The proxy's calls to a replica made while serving a Generate call are recorded, and
-    cancelled when the client's call ends cancelled (not when it ends normally)."""
-    from ray.serve._private import proxy
-
-    from cluster.ingress import cancel_reaches_the_replica, install_recorded_replica_calls
-
-    install_recorded_replica_calls()
-
-    class Response:
-        def __init__(self) -> None:
-            self.was_cancelled = False
-
-        def cancelled(self) -> bool:
-            return self.was_cancelled
-
-        def cancel(self) -> None:
-            self.was_cancelled = True
-
-    class Context:
-        def __init__(self) -> None:
-            self.callbacks: list[Any] = []
-            self.is_cancelled = False
-
-        def add_done_callback(self, callback: Any) -> None:
-            self.callbacks.append(callback)
-
-        def cancelled(self) -> bool:
-            return self.is_cancelled
-
-        def end(self, cancelled: bool) -> None:
-            self.is_cancelled = cancelled
-            for callback in self.callbacks:
-                callback(self)
-
-    responses: list[Response] = []
-
-    async def ray_handler(request: Any, context: Any) -> Any:
-        response = Response()
-        responses.append(response)
-        proxy.ProxyResponseGenerator(response)  # what Ray's proxy builds per replica call
-        yield "message"
-
-    for cancelled in (True, False):
-        context = Context()
-        stream = cancel_reaches_the_replica(ray_handler)("request", context)
-        assert await anext(stream) == "message"
-        context.end(cancelled)
-        assert responses[-1].was_cancelled is cancelled
