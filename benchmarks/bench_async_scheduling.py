@@ -1,7 +1,7 @@
 """Async scheduling on and off, side by side: ``kvserve serve --async-scheduling on|off`` on the
 embedded model, under the load tester's chat128 workload (closed loop), A B A B on fresh servers.
 
-    python -m benchmarks.bench_async_scheduling [--users 1,8] [--rounds 2] [--requests 16]
+    python -m benchmarks.bench_async_scheduling [--users 1,8] [--requests 8,16] [--rounds 2]
 
 Every run gets a fresh server (``bench_serving.measure``: no prefix cache carried over, a
 two-request warm-up). The runs of one user count alternate on and off, so a machine whose
@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--users", default="1,8", help="comma-separated user counts")
     parser.add_argument("--rounds", type=int, default=2, help="on/off pairs per user count")
-    parser.add_argument("--requests", type=int, default=16, help="requests per run")
+    parser.add_argument(
+        "--requests", default="8,16", help="requests per run, one count per --users entry"
+    )
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--chat128", type=Path, default=DEFAULT_CHAT128)
     parser.add_argument("--threads", type=int, default=None, help="--threads of the server")
@@ -82,8 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info(args.threads or 0)
     print(f"CPU: {machine['cpu']} ({machine['logical_cpus']} logical CPUs)", flush=True)
     table: list[dict[str, Any]] = []
-    for users in (int(u) for u in args.users.split(",")):
-        rows = run(users, args.rounds, args.requests, args.output_tokens, args.chat128, extra)
+    user_counts = [int(u) for u in args.users.split(",")]
+    request_counts = [int(n) for n in args.requests.split(",")]
+    if len(request_counts) != len(user_counts):
+        parser.error("--requests needs one count per --users entry")
+    for users, num_requests in zip(user_counts, request_counts, strict=True):
+        rows = run(users, args.rounds, num_requests, args.output_tokens, args.chat128, extra)
         table.extend(rows)
         for row in rows:
             print(

@@ -1,14 +1,22 @@
 """TorchRunner: executes one ``SchedulerOutput`` on the real model over the paged KV pool.
 
-One step::
+One step, ``submit(plan) -> handle`` then ``handle.result()`` (``execute`` is both)::
 
-    plan.block_copies  -> pool.copy_blocks            (copy-on-write, before anything reads)
-    plan.prefill/decode -> StepRows.of                 (each seq checked: a bad one fails alone)
-                        -> paths.choose(step)          (model_runner.paths: the fused CPU kernel,
-                                                        a CUDA graph, or eager: attention.build
-                                                        once, model.forward over every layer)
-                        -> rows that sample -> final norm + LM head -> sampler
-                        -> ModelOutput
+    host    _prepare   plan.prefill/decode -> StepRows.of   (each seq checked: a bad one fails
+                       alone; a placeholder token becomes the id of last step's sampled row)
+                       -> sampler.prepare                    (parameters, uniforms, penalties)
+    device  _run       scrub / pool.copy_blocks              (copy-on-write, before any read)
+                       -> paths.choose(step)                 (model_runner.paths: the fused CPU
+                                                             kernel, a CUDA graph, or eager)
+                       -> rows that sample -> final norm + LM head -> sampler.launch
+                       -> sampled ids published (model_runner.future) and copied to the
+                          host on a side stream (CUDA), an event when they are there
+    host    _finish    sampler.collect -> drafts accepted, matchers advanced -> ModelOutput
+
+``_prepare`` reads everything from the plan on the caller's thread; ``_run`` runs there too
+(its kernels are queued on CUDA, so ``submit`` returns at once) or on the CPU step thread
+(``use_step_thread``); ``result`` waits only for the copy of the sampled ids. Nothing in a
+step synchronises with the device: timings are CUDA events, read after the copy.
 
 Fused or separate: by default both batches of a step go through ONE forward pass (every
 linear layer sees prefill and decode tokens together, so weights are read once per step;
@@ -28,19 +36,19 @@ Failures that belong to one request go to ``ModelOutput.failed`` and the rest of
 carries on: a seq whose block table or positions are inconsistent, token ids outside the
 vocabulary, non-finite logits (the sampler reports them), or a sampler that raises for one
 row (the batch is then re-sampled row by row to isolate it). A request that failed after its
-forward pass has its blocks scrubbed of non-finite keys/values, so whoever gets those blocks
-next is not poisoned through masked slots. An exception from the forward pass itself is a
-runner failure and propagates.
+forward pass has its blocks scrubbed of non-finite keys/values at the start of the next step,
+so whoever gets those blocks next is not poisoned through masked slots. An exception from the
+forward pass itself is a runner failure and propagates.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -70,28 +78,6 @@ if TYPE_CHECKING:
     from model_runner.constraints import ConstraintTracker, Masks
 
 
-class SamplerLike(Protocol):
-    """``sampler.Sampler``'s contract: one token (and logprobs) per row of the logits, in
-    three phases (host before the step, device, host after it)."""
-
-    def prepare(
-        self,
-        seqs: Sequence[ScheduledSeq],
-        device: torch.device,
-        vocab_size: int,
-        placeholders: Mapping[str, int] | None = None,
-    ) -> SamplingBatch: ...
-
-    def launch(
-        self,
-        logits: torch.Tensor,
-        batch: SamplingBatch,
-        resolve: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> DeviceSample: ...
-
-    def collect(self, batch: SamplingBatch, host: DeviceSample) -> SampleResult: ...
-
-
 # The placeholder buffer holds at least this many rows (sampled seqs of one step).
 _FUTURE_ROWS = 4096
 
@@ -112,6 +98,7 @@ class _Step:
     publishes: bool = False  # its sampled ids feed the next step's placeholders
     masks: Future[Masks] | None = None
     batch: SamplingBatch | None = None  # None: the sampler raised, rows go one by one
+    row_batches: list[SamplingBatch | str] = field(default_factory=list)  # or the error
     mask_failed: Mapping[str, str] = field(default_factory=dict)
     clock: _Clock | None = None
     host: DeviceSample | None = None  # the sample, on the host once ``copied`` fired
@@ -159,7 +146,7 @@ class TorchRunner:
         kv_budget_bytes: int | None = None,
         kv_dtype: torch.dtype | str | None = None,
         max_model_len: int | None = None,
-        sampler: SamplerLike | None = None,
+        sampler: Sampler | None = None,
         fuse_batches: bool = True,
         use_onednn: bool | None = None,
         name: str | None = None,
@@ -403,12 +390,19 @@ class TorchRunner:
             self._future_index = {sampled[j].request_id: FutureTokens.encode(j) for j in range(num)}
         step.placeholders = placeholders
         step.masks = self._start_masks(sampled)
+        prepare = self.sampler.prepare
+        vocab_size = self.model.vocab_size
         try:
-            step.batch = self.sampler.prepare(
-                step.sample_rows, self.device, self.model.vocab_size, placeholders
-            )
+            step.batch = prepare(step.sample_rows, self.device, vocab_size, placeholders)
         except Exception:
-            step.batch = None  # sampled row by row in _run, so only the culprit fails
+            # Row by row, so only the culprit fails (an error path).
+            for seq in step.sample_rows:
+                try:
+                    batch = prepare([seq], self.device, vocab_size, placeholders)
+                except Exception as exc:
+                    step.row_batches.append(f"sampling failed: {type(exc).__name__}: {exc}")
+                else:
+                    step.row_batches.append(batch)
         return step
 
     def _check_copies(self, block_copies: Sequence[tuple[int, int]]) -> None:
@@ -504,14 +498,16 @@ class TorchRunner:
         that raise (an error path: it waits for each row's token)."""
         result = SampleResult(token_ids=[], logprobs=[])
         sampler = self.sampler
-        for i, seq in enumerate(step.sample_rows):
-            try:
-                batch = sampler.prepare([seq], self.device, logits.shape[1], step.placeholders)
-                sample = sampler.launch(logits[i : i + 1], batch, self.future.resolve)
-                row = sampler.collect(batch, sample.map(lambda t: t.cpu()))
-            except Exception as exc:
-                error = f"sampling failed: {type(exc).__name__}: {exc}"
-                row = SampleResult([0], [None], {seq.request_id: error})
+        for i, (seq, batch) in enumerate(zip(step.sample_rows, step.row_batches, strict=True)):
+            if isinstance(batch, str):  # its inputs could not be prepared
+                row = SampleResult([0], [None], {seq.request_id: batch})
+            else:
+                try:
+                    sample = sampler.launch(logits[i : i + 1], batch, self.future.resolve)
+                    row = sampler.collect(batch, sample.map(lambda t: t.cpu()))
+                except Exception as exc:
+                    error = f"sampling failed: {type(exc).__name__}: {exc}"
+                    row = SampleResult([0], [None], {seq.request_id: error})
             result.token_ids.extend(row.token_ids)
             result.logprobs.extend(row.logprobs)
             result.failed.update(row.failed)

@@ -161,6 +161,7 @@ class _Launched:
     plan: SchedulerOutput
     handle: StepHandle | None
     started_s: float  # perf_counter when its iteration began (before schedule)
+    submitted_s: float  # perf_counter just before the runner got it
     schedule_cpu_s: float
 
 
@@ -410,10 +411,11 @@ class EngineLoop:
         schedule_cpu_s = time.thread_time() - cpu0
         self.outputs.on_scheduled((seq.request_id for seq in plan.prefill), time.monotonic())
         handle: StepHandle | None = None
+        submitted_s = time.perf_counter()
         if not (plan.is_empty and not plan.finished_request_ids and not plan.block_copies):
             runner = self._runner
             handle = runner.submit(plan) if self._submits else _Executed(runner, plan)
-        launched = _Launched(plan, handle, started_s, schedule_cpu_s)
+        launched = _Launched(plan, handle, started_s, submitted_s, schedule_cpu_s)
         previous, self._in_flight = self._in_flight, None
         flush = False
         if previous is not None:
@@ -437,7 +439,6 @@ class EngineLoop:
         scheduler (a stop string, a detokenizer failure): the next step reports it."""
         sched = self._scheduler
         plan = launched.plan
-        wall0 = time.perf_counter()
         handle = launched.handle
         result = handle.result() if handle is not None else ModelOutput.make_empty()
         wall1 = time.perf_counter()
@@ -455,7 +456,7 @@ class EngineLoop:
             step_s = result.prefill_time_s + result.decode_time_s
             iteration_s = now - max(launched.started_s, self._last_applied_s)
         else:
-            step_s = wall1 - wall0
+            step_s = wall1 - launched.submitted_s
             iteration_s = now - launched.started_s
         self._last_applied_s = now
         predicted_s = None

@@ -10,7 +10,7 @@ from collections import defaultdict
 from hypothesis import HealthCheck, given, settings
 
 from model_runner.fake import FakeRunner
-from scheduler import ModelOutput, RequestOutput, SchedulerOutput
+from scheduler import ModelOutput, RequestOutput, Scheduler, SchedulerOutput
 from scheduler.cost_model import StepShape
 from scheduler.output import PLACEHOLDER_TOKEN_ID
 from scheduler.request import Constraint, FinishReason
@@ -34,7 +34,7 @@ class Ahead:
     """Drives a scheduler one step ahead: ``step`` plans and computes N+1, then applies N
     (a plan that cannot run ahead is applied at once). Invariants after every call."""
 
-    def __init__(self, scheduler, runner: FakeRunner) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, scheduler: Scheduler, runner: FakeRunner) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.in_flight: tuple[SchedulerOutput, ModelOutput] | None = None
