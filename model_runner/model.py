@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from model_runner.attention_backends.base import AttentionBackend, ForwardBatch
 from model_runner.config import ModelConfig
+from model_runner.future import FutureTokens
 from model_runner.kv_pool import KVPool
 from model_runner.weights import Linears, StateDict, load_weights
 
@@ -85,6 +86,9 @@ class LlamaModel:
     # apply (``_fusion_ops``), unless KVSERVE_FUSIONS=0; True / False forces them on / off
     # (tests run them in Triton's interpreter on CPU).
     fusions: bool | None = None
+    # Scheduling one step ahead: negative token ids stand for the previous step's sampled
+    # ids, resolved in ``embed_rows`` (set by the runner before any graph is captured).
+    future: FutureTokens | None = None
 
     def __init__(
         self,
@@ -234,7 +238,10 @@ class LlamaModel:
         return residual
 
     def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Embeddings [T, hidden] of ``token_ids`` (quantized tables dequantize just these)."""
+        """Embeddings [T, hidden] of ``token_ids`` (quantized tables dequantize just these);
+        placeholder ids are resolved first, on the device (``future``)."""
+        if self.future is not None:
+            token_ids = self.future.resolve(token_ids)
         return self.embed(token_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

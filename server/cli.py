@@ -89,6 +89,10 @@ async def _serve(cfg: Any) -> int:
         f"max_num_batched_tokens={cfg.max_num_batched_tokens}, queue={cfg.queue_order}, "
         f"memory={cfg.memory_mode}  (loaded in {time.monotonic() - t0:.1f}s)"
     )
+    _say(
+        f"async scheduling: {'on' if built.engine.overlap else 'off'} (--async-scheduling "
+        f"{cfg.async_scheduling})"
+    )
     if cfg.policy == "slo":
         _say(
             f"slo: ITL target {cfg.itl_slo_ms:g} ms, TTFT target {cfg.ttft_slo_ms:g} ms; "

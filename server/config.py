@@ -56,6 +56,7 @@ ENV_PREFIX = "KVSERVE_"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 RUNNERS = ("torch", "fake")
+ASYNC_SCHEDULING_MODES = ("auto", "on", "off")
 # The defaults of the flags the components below take as they come: read from their code.
 _RUNNER = RunnerOptions()
 _HTTP = HttpLimits()
@@ -312,6 +313,14 @@ class ServerConfig:
     )
     # -- scheduler (and, generated, every SchedulerConfig field but max_model_len)
     max_n: int = _f(16, "largest n (parallel samples) a request may ask for", group="scheduler")
+    async_scheduling: str = _f(
+        "auto",
+        "plan each step while the device runs the one before (vLLM's --async-scheduling, "
+        "SGLang's overlap schedule); auto: on a GPU; on: also on CPU, with the model's steps on "
+        "a thread of their own; off: one step at a time",
+        choices=ASYNC_SCHEDULING_MODES,
+        group="scheduler",
+    )
     cost_model_prior: str = _f(
         "calibrate",
         "slo: where the step-cost model starts: calibrate (a few seconds of scripted steps at "

@@ -11,7 +11,8 @@ import torch
 from model_runner.config import ModelConfig, RunnerOptions
 from model_runner.constraints import ConstraintTracker
 from model_runner.hf_loader import normalize_hf_config
-from model_runner.runner import SamplerLike, TorchRunner
+from model_runner.runner import TorchRunner
+from model_runner.sampler import Sampler
 from scheduler.output import ScheduledSeq, SchedulerOutput
 from scheduler.request import SamplingParams
 
@@ -94,7 +95,7 @@ def make_runner(
     num_blocks: int = 64,
     block_size: int = 4,
     *,
-    sampler: SamplerLike | None = None,
+    sampler: Sampler | None = None,
     constraints: ConstraintTracker | None = None,
     **options: Any,
 ) -> TorchRunner:

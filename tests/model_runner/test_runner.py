@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 from cache_manager.sizing import block_bytes
 from model_runner.config import RunnerOptions
 from model_runner.runner import TorchRunner
-from model_runner.sampler import Sampler, SampleResult
+from model_runner.sampler import Sampler, SamplingBatch
 from scheduler.output import ScheduledSeq
 from scheduler.request import SamplingParams
 from tests.model_runner.oracle import (
@@ -136,32 +137,33 @@ def test_decode_padding_never_reads_another_requests_blocks(hf: torch.nn.Module)
 
 
 def test_failed_request_leaves_no_nan_behind(hf: torch.nn.Module) -> None:
-    """After a fails with NaN, its blocks are scrubbed: c, which gets a's block 11 and
-    decodes with the unwritten (masked) tail of that block in its gather, still matches."""
+    """After a fails with NaN, its blocks are scrubbed before the next step runs (they are
+    free once its result is applied): c, which gets a's block 11 and decodes with the
+    unwritten (masked) tail of that block in its gather, still matches."""
     runner = make_runner(hf)
     a = random_ids(7, seed=7)
     runner.execute(plan(0, prefill=[seq("a", a, 0, 6, [10, 11])]))
     runner.pool.data[:, :, 10] = float("nan")
     result = runner.execute(plan(1, decode=[seq("a", a, 6, 7, [10, 11])]))
     assert set(result.failed) == {"a"}
-    assert bool(torch.isfinite(runner.pool.data).all())
     c = random_ids(2, seed=9)
     runner.execute(plan(2, prefill=[seq("c", c, 0, 1, [11])]))
+    assert bool(torch.isfinite(runner.pool.data).all())
     result = runner.execute(plan(3, decode=[seq("c", c, 1, 2, [11])]))
     assert result.sampled_token_ids == {"c": greedy_next(hf, c)}
 
 
-class RaisingSampler:
-    """The real sampler, except that any batch holding ``bad_id`` raises."""
+class RaisingSampler(Sampler):
+    """The real sampler, except that preparing any batch holding ``bad_id`` raises."""
 
     def __init__(self, bad_id: str) -> None:
+        super().__init__()
         self.bad_id = bad_id
-        self.inner = Sampler()
 
-    def sample(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> SampleResult:
+    def prepare(self, seqs: Sequence[ScheduledSeq], *args: Any, **kwargs: Any) -> SamplingBatch:
         if any(s.request_id == self.bad_id for s in seqs):
             raise RuntimeError("boom")
-        return self.inner.sample(logits, seqs)
+        return super().prepare(seqs, *args, **kwargs)
 
 
 def test_sampler_raising_for_one_request_fails_only_that_request(hf: torch.nn.Module) -> None:

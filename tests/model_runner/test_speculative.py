@@ -153,7 +153,9 @@ def test_runs_with_drafts_equal_runs_without(
     rejected (rolled back) along the way. The request aborted midway has the same tokens
     as far as both runs got."""
     hf = tiny_hf(kind, seed=11)
-    sampling = SamplingParams(temperature=temperature, seed=5, max_tokens=24, ignore_eos=True)
+    # Seed 8: the seeded runs of all three models accept some drafts (mistral's accept none
+    # with seeds 5..7; the draws are a pure function of the seed and the output index).
+    sampling = SamplingParams(temperature=temperature, seed=8, max_tokens=24, ignore_eos=True)
     off, sched_off = run(make_runner(hf, 64, BLOCK_SIZE), PROMPTS, sampling, "off", num_blocks)
     on, sched_on = run(make_runner(hf, 64, BLOCK_SIZE), PROMPTS, sampling, "ngram", num_blocks)
     aborted_on, aborted_off = on.pop(ABORTED), off.pop(ABORTED)
