@@ -175,18 +175,17 @@ def test_running_out_of_descriptors_is_one_warning_a_count_and_idle_connections_
         guard_closing = False
 
         def __init__(self, n: int) -> None:
-            self.guard_last_active_s = float(n)
             self.n = n
-
-        def guard_is_idle(self) -> bool:
-            return True
 
         def guard_close(self, event: str) -> None:
             self.guard_closing = True
             closed.append(self.n)
             state.on_event(event)
 
-    state.open.update(Idle(n) for n in range(16))
+    for n in range(16):  # idle in this order
+        idle = Idle(n)
+        state.open.add(idle)
+        state.note(idle, idle=True)
     loop = asyncio.new_event_loop()
     others: list[str] = []
     loop.set_exception_handler(lambda _, ctx: others.append(ctx["message"]))
