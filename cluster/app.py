@@ -23,6 +23,7 @@ through the same request router as gRPC::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -30,6 +31,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.edge import INTERNAL_ROUTE
 from cluster.pd import DEFAULT_MIN_TRANSFER_TOKENS
 from cluster.routing import DEFAULT_GUARD, ROUTERS, LoadGuard
 from server.config import build_config
@@ -42,8 +44,11 @@ DEFAULT_APP_NAME = "kvserve"
 PREFILL_DEPLOYMENT = "KVServePrefill"  # the prefill replicas of a prefill / decode split
 OPENAI_APP_NAME = "kvserve-openai"  # the OpenAI ingress: an application of its own, route "/"
 # The replicas' application needs a route for Ray's gRPC proxy to see it at all; "/" is the
-# OpenAI ingress's, so it gets this one (nothing of the HTTP API lives under it).
-GRPC_ROUTE_PREFIX = "/_kvserve_grpc"
+# OpenAI ingress's, so it gets this one (the proxy's edge answers 404 there: cluster.edge).
+GRPC_ROUTE_PREFIX = INTERNAL_ROUTE
+# How often a stopping replica looks whether its requests ended (Ray's default: 2 s, slept
+# before the first look, although the cluster's drain has emptied it already).
+SHUTDOWN_WAIT_LOOP_S = 0.2
 
 # Ray Serve gives its proxy 5 s to answer a readiness check and kills it after 3 missed
 # health checks: on a host whose cores are busy with other work (a compiler, a test run) a
@@ -151,7 +156,14 @@ class ClusterConfig:
     routing_stats_period_s: float = 1.0  # how often Ray polls each replica's report
     health_check_period_s: float = 2.0
     graceful_shutdown_timeout_s: float = 30.0  # a stopping replica drains this long
-    num_http_ingress: int = 1  # OpenAI ingress replicas (cluster.openai_ingress)
+    num_http_ingress: int = field(
+        default=1,
+        metadata=_flag(
+            "--http-ingress-replicas",
+            "OpenAI ingress replicas (cluster.openai_ingress); with more than one, a killed "
+            "ingress's new requests go to another",
+        ),
+    )
     # Prefill / decode split (cluster.pd): this many prefill replicas beside num_replicas
     # decode replicas; 0: every replica does both.
     num_prefill_replicas: int = field(
@@ -171,6 +183,14 @@ class ClusterConfig:
         metadata=_flag(
             "--pd-transfer-timeout-s",
             "a decode replica's wait for a prefill replica; past it, it computes the prompt itself",
+        ),
+    )
+    startup_timeout_s: float = field(
+        default=600.0,
+        metadata=_flag(
+            "--startup-timeout-s",
+            "how long the replicas may take to start (placed, model loaded); past it the CLI "
+            "says why (Ray's message) and exits 1",
         ),
     )
     transfer_min_tokens: int = field(
@@ -212,6 +232,12 @@ class ClusterConfig:
                 f"transfer_timeout_s must be > 0 and transfer_min_tokens >= 1, got "
                 f"{self.transfer_timeout_s} and {self.transfer_min_tokens}"
             )
+
+
+def replica_logging(log_level: str) -> dict[str, Any]:
+    """Ray Serve's logging of a replica: ``--log-level``, and no line per request (a single
+    server logs none; the metrics count every request)."""
+    return {"log_level": log_level.upper(), "enable_access_log": False}
 
 
 def grpc_options(port: int = 50051) -> Any:
@@ -260,6 +286,8 @@ def _replicas(cfg: ClusterConfig, name: str, num_replicas: int, metrics_port: in
     from cluster.replica import KVServeReplica
 
     engine = build_config(cfg.engine, environ={})
+    security = engine.security()
+    gate = security.owner_gate()
     capacity_blocks = engine.num_blocks or 4096  # refined by each replica's own report
     shared_tier_blocks = None
     if engine.kv_disk_dir is not None:  # one store shared by the replicas: a key per block
@@ -277,6 +305,16 @@ def _replicas(cfg: ClusterConfig, name: str, num_replicas: int, metrics_port: in
             "metrics_port": metrics_port,
             "shared_tier_blocks": shared_tier_blocks,
             "chunk_tokens": engine.long_prefill_token_threshold or engine.max_num_batched_tokens,
+            "auth": security.auth_enabled,
+            # Key digests, never the keys: Ray keeps these settings in the deployment config.
+            "metrics_gate": {
+                "api_owners": sorted(gate.api_owners),
+                "admin_owners": sorted(gate.admin_owners),
+                "metrics_require_key": gate.metrics_require_key,
+            }
+            if gate.auth_enabled
+            else None,
+            "metrics_limits": dataclasses.asdict(engine.edge_limits().metrics),
         },
         request_routing_stats_period_s=cfg.routing_stats_period_s,
         request_routing_stats_timeout_s=max(cfg.routing_stats_period_s, 1.0),
@@ -284,11 +322,13 @@ def _replicas(cfg: ClusterConfig, name: str, num_replicas: int, metrics_port: in
     return serve.deployment(
         KVServeReplica,
         name=name,
+        logging_config=replica_logging(engine.log_level),
         num_replicas=num_replicas,
         max_ongoing_requests=cfg.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.replica_num_cpus},
         health_check_period_s=cfg.health_check_period_s,
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,
         request_router_config=router_config,
     )
 
@@ -304,11 +344,13 @@ def build_openai_app(cfg: ClusterConfig, replicas_app: str = DEFAULT_APP_NAME) -
     deployment = serve.deployment(
         serve.ingress()(OpenAIIngress),
         name="OpenAIIngress",
+        logging_config=replica_logging(build_config(cfg.engine, environ={}).log_level),
         num_replicas=cfg.num_http_ingress,
         max_ongoing_requests=cfg.max_ongoing_requests * cfg.num_replicas,
         ray_actor_options={"num_cpus": 0},
         health_check_period_s=cfg.health_check_period_s,
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,
     )
     return deployment.bind(dict(cfg.engine), replicas_app)
 

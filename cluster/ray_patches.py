@@ -1,10 +1,12 @@
 """Every reach into Ray Serve's private modules, in one place, each written for ``RAY_VERSION``.
 
-Ray Serve's gRPC proxy is kvserve's front door (``cluster.ingress``), and three of its
-behaviours do not suit kvserve, so the proxy process patches them (idempotently):
+Ray Serve's proxy is kvserve's front door (``cluster.ingress``, ``cluster.edge``), and some
+of its behaviours do not suit kvserve, so the proxy process patches them (idempotently):
 
 - ``unavailable_on_replica_death``: a call whose replica died ends with UNAVAILABLE ("retry,
-  it may work now"), where Ray says INTERNAL (``proxy.get_grpc_response_status``).
+  it may work now"), where Ray says INTERNAL; and a status a replica set on purpose (a
+  refusal: UNAUTHENTICATED, RESOURCE_EXHAUSTED, ...) passes without Ray's traceback in the
+  log (``proxy.get_grpc_response_status``).
 - ``default_application``: a call without ``application`` metadata goes to the replicas'
   application, however many applications run (``ProxyRouter.get_handle_for_endpoint``).
 - ``recorded_replica_calls``: each call the proxy makes to a replica is recorded for the
@@ -13,6 +15,10 @@ behaviours do not suit kvserve, so the proxy process patches them (idempotently)
   lands while the proxy waits for the replica's next message; one that lands while it writes
   a message to the client is swallowed, and the replica generates on until the proxy's
   objects are garbage-collected.
+- ``guard_http_proxy``: the HTTP proxy's uvicorn server, configured as it starts
+  (uvicorn's ``Server.startup``): the single server's timeouts and connection cap.
+- ``grpc_proxy_server``: the gRPC proxy's server options and bind address
+  (``grpc_util.DEFAULT_GRPC_SERVER_OPTIONS``, ``default_impl.add_grpc_address``).
 
 ``pyproject.toml`` pins Ray to ``RAY_VERSION``. ``check_ray_names`` (called at start-up, by
 ``kvserve cluster serve`` and in the proxy) says plainly which name moved if another Ray
@@ -40,6 +46,12 @@ PATCHED_NAMES = (
     ("ray.serve._private.proxy_request_response", "gRPCStreamingType.UNARY_STREAM"),
     ("ray.serve._private.proxy_router", "ProxyRouter.get_handle_for_endpoint"),
     ("ray.serve._private.grpc_util", "gRPCGenericServer.(service_handler_factory)"),
+    ("ray.serve._private.grpc_util", "DEFAULT_GRPC_SERVER_OPTIONS"),
+    ("ray.serve._private.default_impl", "add_grpc_address"),
+    ("uvicorn", "Server.startup.(sockets)"),
+    ("ray.serve.exceptions", "RequestCancelledError"),
+    ("ray._private.node", "Node.(head)"),
+    ("ray.serve.exceptions", "gRPCStatusError.grpc_code"),
 )
 
 _PATCHED = "_kvserve_patched"
@@ -91,10 +103,15 @@ def _replica_died(exc: BaseException) -> bool:
 
 
 def unavailable_on_replica_death() -> None:
-    """In this (proxy) process: a call whose replica died ends with UNAVAILABLE.
-    Written for Ray 2.60.0's ``proxy.get_grpc_response_status(exc, timeout_s, request_id)``."""
+    """In this (proxy) process: a call whose replica died ends with UNAVAILABLE, and a
+    status the replica set on purpose is passed on without a traceback in the log.
+    Written for Ray 2.60.0's ``proxy.get_grpc_response_status(exc, timeout_s, request_id)``
+    and ``gRPCStatusError(original_exception, grpc_code, grpc_details)``."""
     from ray.serve._private import proxy
     from ray.serve._private.proxy_request_response import ResponseStatus
+    from ray.serve.exceptions import gRPCStatusError
+
+    from cluster.openai_ingress import EXPECTED_CODES
 
     original = proxy.get_grpc_response_status
     if getattr(original, _PATCHED, False):
@@ -107,6 +124,8 @@ def unavailable_on_replica_death() -> None:
                 is_error=True,
                 message=f"the replica serving this request died; retry: {type(exc).__name__}",
             )
+        if isinstance(exc, gRPCStatusError) and exc.grpc_code in EXPECTED_CODES:
+            return ResponseStatus(code=exc.grpc_code, is_error=True, message=exc.grpc_details)
         return original(exc, *args, **kwargs)
 
     setattr(get_grpc_response_status, _PATCHED, True)
@@ -211,3 +230,87 @@ def add_streaming_handlers(server: Any, handler: grpc.GenericRpcHandler) -> None
         server.add_generic_rpc_handlers((handler,))
     finally:
         server.service_handler_factory = factory
+
+
+def guard_http_proxy(configure: Callable[[Any], Callable[[Any], None]]) -> None:
+    """In this (proxy) process: every uvicorn server that kvserve did not guard itself (Ray's
+    HTTP proxy) is passed to ``configure(server)`` as it starts, and the function that
+    returns to ``after(server)`` once it listens. Ray 2.60.0 builds that server in
+    ``ProxyActor.__init__``, whose globals Ray ships by value (``ProxyActor`` is an actor
+    class), so ``proxy.start_asgi_http_server`` cannot be patched: uvicorn's
+    ``Server.startup(sockets)`` (uvicorn 0.54) is."""
+    import uvicorn
+
+    from server.asgi import is_guarded
+
+    original = uvicorn.Server.startup
+    if getattr(original, _PATCHED, False):
+        return
+
+    async def startup(self: Any, sockets: Any = None) -> None:
+        after = None if is_guarded(self.config) else configure(self)
+        await original(self, sockets=sockets)
+        if after is not None:
+            after(self)
+
+    setattr(startup, _PATCHED, True)
+    uvicorn.Server.startup = startup  # type: ignore[method-assign]
+
+
+def grpc_proxy_server(options: list[tuple[str, int]], host: str) -> None:
+    """In this (proxy) process: the gRPC proxy's server built with ``options`` (over Ray's
+    own of the same names) and bound to ``host`` instead of every interface. Written for
+    Ray 2.60.0: ``gRPCGenericServer`` reads ``grpc_util.DEFAULT_GRPC_SERVER_OPTIONS`` when
+    built, and ``start_grpc_server`` binds ``default_impl.add_grpc_address(server,
+    "[::]:PORT")``."""
+    from ray.serve._private import default_impl, grpc_util
+
+    original = default_impl.add_grpc_address
+    if getattr(original, _PATCHED, False):
+        return
+    ours = {name for name, _ in options}
+    grpc_util.DEFAULT_GRPC_SERVER_OPTIONS = [
+        *(o for o in grpc_util.DEFAULT_GRPC_SERVER_OPTIONS if o[0] not in ours),
+        *options,
+    ]
+    bind = f"[{host}]" if ":" in host else host
+
+    def add_grpc_address(server: Any, address: str) -> Any:
+        return original(server, f"{bind}:{address.rpartition(':')[2]}")
+
+    setattr(add_grpc_address, _PATCHED, True)
+    default_impl.add_grpc_address = add_grpc_address
+
+
+def quiet_cancelled_replica_calls(loop: Any) -> None:
+    """On the proxy's event loop: a replica call cancelled because its client left is not
+    logged as "Task exception was never retrieved" with a traceback. Ray 2.60.0's
+    ``ProxyResponseGenerator`` awaits each next message in a task of its own, and leaves
+    that task unread when the call is cancelled while it waits."""
+    from ray.exceptions import TaskCancelledError
+    from ray.serve.exceptions import RequestCancelledError
+
+    previous = loop.get_exception_handler()
+    if getattr(previous, _PATCHED, False):
+        return
+
+    def handler(loop: Any, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, RequestCancelledError | TaskCancelledError):
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    setattr(handler, _PATCHED, True)
+    loop.set_exception_handler(handler)
+
+
+def started_ray_here() -> bool:
+    """Whether this process started the Ray it is connected to (a local node, which goes
+    when this process ends) rather than joining a running one. Ray 2.60.0 keeps the driver's
+    node in ``ray._private.worker._global_node``, ``head`` when it started it."""
+    import ray._private.worker as worker
+
+    return bool(getattr(worker._global_node, "head", False))

@@ -7,6 +7,13 @@ proxy hands over a pickled ``GenerateRequest``), tokenizes the prompt exactly as
 would (``server.frontend.prompt_token_ids``), hashes its blocks (``routing.routing_keys``)
 and asks the router. Other methods (GetModelInfo, ...) go to the least loaded replica.
 
+A request's id lives on one replica: the router remembers which replica holds each (owner,
+request id) it sent (the owner as ``server.auth`` scopes ids: the API key's digest, or the
+peer's host). An ``Abort`` goes to that replica, so it answers ``found`` as a single server
+would, and a second request with an id in flight goes there too, where the engine refuses
+the duplicate (ALREADY_EXISTS, HTTP 409). Each router knows what it sent: the gRPC proxy's
+router the gRPC calls, each OpenAI ingress's router its HTTP calls.
+
 Load is counted here, per replica: requests sent and not yet completed. Each replica's
 report (``KVServeReplica.record_routing_stats``) adds the block keys it admitted, so the
 index also learns what other proxies sent, and marks a draining replica, which gets no new
@@ -32,6 +39,7 @@ from cluster.openai_ingress import GENERATE_METHOD, tokenizer_for
 from cluster.pd import PREFILL_METHOD
 from cluster.routing import DEFAULT_GUARD, LoadGuard, ReplicaLoad, make_router, routing_keys
 from scheduler.request import Request
+from server.rpc import generation_pb2 as pb
 
 # Keys of requests chosen but not yet routed / completed, at most this many (a request Ray
 # gave up on between the two leaves its entry behind).
@@ -57,8 +65,14 @@ class KVServeRequestRouter(RequestRouter):
         seed: int | None = None,
         shared_tier_blocks: int | None = None,
         chunk_tokens: int = 512,
+        auth: bool = False,
+        metrics_gate: dict[str, Any] | None = None,
+        metrics_limits: dict[str, Any] | None = None,
         **_: Any,
     ) -> None:
+        """``auth``: whether API keys are on (request ids are scoped by key, else by peer);
+        ``metrics_gate``: ``OwnerGate`` fields for /metrics and /targets (keys on);
+        ``metrics_limits``: ``HttpLimits`` fields of the metrics port."""
         self.router_name = router
         self.router = make_router(
             router,
@@ -77,20 +91,43 @@ class KVServeRequestRouter(RequestRouter):
         self._in_flight: Counter[str] = Counter()
         self._sent: dict[str, str] = {}  # internal request id -> replica id
         self._learned: dict[str, Any] = {}  # replica id -> the last report learned
+        self._auth = auth
+        self._ids_of: OrderedDict[str, str] = OrderedDict()  # internal id -> scoped id
+        self._holders: dict[str, tuple[str, str]] = {}  # scoped id -> (replica, internal id)
         self.metrics: Any = None
         if metrics_port is not None:
-            self._start_metrics(metrics_host, metrics_port)
+            self._start_metrics(metrics_host, metrics_port, metrics_gate, metrics_limits)
 
-    def _start_metrics(self, host: str, port: int) -> None:
+    def _start_metrics(
+        self,
+        host: str,
+        port: int,
+        gate: dict[str, Any] | None,
+        limits: dict[str, Any] | None,
+    ) -> None:
         from prometheus_client import CollectorRegistry
 
         from cluster.metrics import RouterMetrics, start_router_metrics_server
+        from server.auth import OwnerGate
+        from server.http_guard import HttpLimits
 
         registry = CollectorRegistry()
         self.metrics = RouterMetrics(registry, self.router_name)
+        owner_gate = None
+        if gate is not None:
+            owner_gate = OwnerGate(
+                frozenset(gate["api_owners"]),
+                frozenset(gate["admin_owners"]),
+                bool(gate["metrics_require_key"]),
+            )
         try:
             self._metrics_server = start_router_metrics_server(
-                host, port, registry, self._replica_metrics_urls
+                host,
+                port,
+                registry,
+                self._replica_metrics_urls,
+                owner_gate,
+                None if limits is None else HttpLimits(**limits),
             )
         except OSError as exc:  # a second proxy on this node: the first one serves them
             logger.warning("router metrics not served on %s:%d: %s", host, port, exc)
@@ -109,38 +146,56 @@ class KVServeRequestRouter(RequestRouter):
             urls.update(str(u) for u in stats.get("peer_metrics_urls") or ())
         return sorted(u for u in urls if u)
 
-    # ------------------------------------------------------------------ prompt -> keys
-    def _prompt_keys(self, pending: PendingRequest | None) -> tuple[list[int], int]:
-        """The request's block keys and prompt length; empty for calls that generate nothing.
-
-        ``Generate`` (the gRPC proxy) carries a ``GenerateRequest``, tokenized here;
-        ``generate_request`` (the OpenAI ingress) and ``prefill_request`` (a decode replica's
-        handoff) an engine request, tokenized already."""
+    # ------------------------------------------------------------------ request -> keys
+    def _message(self, pending: PendingRequest | None) -> Any:
+        """What the call carries: the engine request of ``generate_request`` (the OpenAI
+        ingress) and ``prefill_request`` (a decode replica's handoff), the gRPC proxy's
+        decoded message (``GenerateRequest``, ``AbortRequest``, ...); None otherwise."""
         if pending is None or not pending.args:
-            return [], 0
+            return None
+        arg = pending.args[0]
         if pending.metadata.call_method in (GENERATE_METHOD, PREFILL_METHOD):
-            engine_request = pending.args[0]
-            if not isinstance(engine_request, Request):
-                return [], 0
-            ids = engine_request.prompt_token_ids
-            return routing_keys(ids, self.block_size, engine_request.cache_salt), len(ids)
-        if pending.metadata.call_method != "Generate":
-            return [], 0
+            return arg if isinstance(arg, Request) else None
+        try:
+            return pickle.loads(arg).user_request_proto if isinstance(arg, bytes) else arg
+        except Exception:  # not ours to judge: the replica answers it with a clear status
+            logger.debug("undecodable request", exc_info=True)
+            return None
+
+    def _scoped_id(self, pending: PendingRequest, message: Any) -> str | None:
+        """The engine id (owner-scoped) a Generate or Abort names; None without one."""
+        from server.auth import grpc_peer_host, request_owner, scoped_id
+        from server.rpc import generation_pb2 as pb
+
+        if isinstance(message, Request):
+            return message.request_id if pending.metadata.call_method == GENERATE_METHOD else None
+        if not isinstance(message, pb.GenerateRequest | pb.AbortRequest) or not message.request_id:
+            return None
+        context = pending.metadata.grpc_context
+        metadata = dict(context.invocation_metadata()) if context is not None else {}
+        peer = grpc_peer_host(str(context.peer())) if context is not None else ""
+        owner = request_owner(metadata.get("authorization"), peer, self._auth)
+        return scoped_id(owner, message.request_id)
+
+    def _prompt_keys(self, message: Any) -> tuple[list[int], int]:
+        """The request's block keys and prompt length; empty for calls that generate nothing.
+        A gRPC ``GenerateRequest`` is tokenized here, as a replica would."""
         from server.frontend import prompt_token_ids
         from server.rpc import generation_pb2 as pb
 
-        arg = pending.args[0]
+        if isinstance(message, Request):
+            ids = message.prompt_token_ids
+            return routing_keys(ids, self.block_size, message.cache_salt), len(ids)
+        if not isinstance(message, pb.GenerateRequest):
+            return [], 0
         try:
-            request = pickle.loads(arg).user_request_proto if isinstance(arg, bytes) else arg
-            if not isinstance(request, pb.GenerateRequest):
-                return [], 0
             if self._tokenizer is None:
                 self._tokenizer = tokenizer_for(self._engine)
-            ids = prompt_token_ids(self._tokenizer, request)
+            ids = prompt_token_ids(self._tokenizer, message)
         except Exception:  # an invalid request: the replica answers it with a clear status
             logger.debug("no routing keys for request", exc_info=True)
             return [], 0
-        return routing_keys(ids, self.block_size, request.cache_salt or None), len(ids)
+        return routing_keys(ids, self.block_size, message.cache_salt or None), len(ids)
 
     # ------------------------------------------------------------------ RequestRouter
     def _learn_reports(self, replicas: list[RunningReplica]) -> None:
@@ -171,7 +226,18 @@ class KVServeRequestRouter(RequestRouter):
         if not live:
             return []
         self._learn_reports(candidate_replicas)
-        keys, num_prompt_tokens = self._prompt_keys(pending_request)
+        message = self._message(pending_request)
+        if pending_request is not None:
+            scoped = self._scoped_id(pending_request, message)
+            if scoped is not None:
+                internal_id = pending_request.metadata.internal_request_id
+                holder = self._holders.get(scoped)
+                if not isinstance(message, pb.AbortRequest):
+                    self._track(self._ids_of, internal_id, scoped)
+                if holder is not None and holder[0] in by_id:
+                    # An Abort finds its request; a duplicate id is refused where it runs.
+                    return [[by_id[holder[0]]]]
+        keys, num_prompt_tokens = self._prompt_keys(message)
         if pending_request is None or not num_prompt_tokens:
             least = min(live, key=lambda r: (r.num_ongoing, r.replica_id))
             return [[by_id[least.replica_id]]]
@@ -179,19 +245,31 @@ class KVServeRequestRouter(RequestRouter):
             live, keys, num_prompt_tokens=num_prompt_tokens, now_s=time.monotonic()
         )
         if keys:
-            self._keys_of[pending_request.metadata.internal_request_id] = keys
-            while len(self._keys_of) > _MAX_TRACKED:
-                self._keys_of.popitem(last=False)
+            self._track(self._keys_of, pending_request.metadata.internal_request_id, keys)
         if self.metrics is not None:
             self.metrics.record(decision, self.block_size, num_prompt_tokens)
         return [[by_id[decision.replica_id]]]
+
+    @staticmethod
+    def _track(table: OrderedDict[str, Any], internal_id: str, value: Any) -> None:
+        """Remember ``value`` for a request until it completes (at most ``_MAX_TRACKED``: a
+        request Ray gave up on between routing and completion leaves its entry behind)."""
+        table[internal_id] = value
+        while len(table) > _MAX_TRACKED:
+            table.popitem(last=False)
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         rid = replica_id.unique_id
+        internal_id = pending_request.metadata.internal_request_id
         self._in_flight[rid] += 1
-        self._sent[pending_request.metadata.internal_request_id] = rid
+        self._sent[internal_id] = rid
+        scoped = self._ids_of.get(internal_id)
+        if scoped is not None:
+            self._holders.setdefault(scoped, (rid, internal_id))  # a duplicate keeps the first
+            while len(self._holders) > _MAX_TRACKED:
+                del self._holders[next(iter(self._holders))]
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         rid = self._sent.pop(internal_request_id, replica_id.unique_id)
@@ -200,6 +278,9 @@ class KVServeRequestRouter(RequestRouter):
         keys = self._keys_of.pop(internal_request_id, None)
         if keys:
             self.router.on_finished(rid, keys)
+        scoped = self._ids_of.pop(internal_request_id, None)
+        if scoped is not None and self._holders.get(scoped, ("", ""))[1] == internal_request_id:
+            del self._holders[scoped]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

@@ -151,3 +151,55 @@ def test_targets_advertise_a_reachable_address() -> None:
 
     assert advertised_host("127.0.0.1") == "127.0.0.1"
     assert advertised_host("0.0.0.0") == get_node_ip_address() != "0.0.0.0"
+
+
+class _GrpcContext:
+    """What the router reads of Ray's gRPC context: the caller's metadata and address."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {self.key}")]
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:5555"
+
+
+def call(method: str, message: Any, key: str, n: int) -> PendingRequest:
+    """The gRPC proxy's call ``method`` with ``message``, from the holder of ``key``."""
+    arg = pickle.dumps(gRPCRequest(user_request_proto=message))
+    metadata = RequestMetadata(f"r{n}", f"i{n}", method)
+    metadata.grpc_context = _GrpcContext(key)  # type: ignore[assignment]
+    return PendingRequest(args=[arg], kwargs={}, metadata=metadata)
+
+
+async def test_abort_and_a_duplicate_id_go_where_the_request_runs() -> None:
+    """Alice's "x" runs on a (round robin's first pick, a busy replica): her Aborts of "x"
+    and her second "x" go to a, whatever the router would pick; Bob's "x" is routed as any
+    request; the duplicate ending leaves the first "x" found; once "x" completed, Alice's
+    Abort goes to the least loaded replica."""
+    router = make_router(router="round-robin", auth=True)
+    a, b = replica("a"), replica("b")
+    router.on_request_routed(generate("", 0), a.replica_id, None)  # type: ignore[arg-type]
+    first = call("Generate", pb.GenerateRequest(text="x", request_id="x"), "alice", 1)
+    assert await chosen(router, [a, b], first) == "a"  # round robin: a, then b
+    router.on_request_routed(first, a.replica_id, None)  # type: ignore[arg-type]
+    for n in range(2, 5):
+        abort = call("Abort", pb.AbortRequest(request_id="x"), "alice", n)
+        assert await chosen(router, [a, b], abort) == "a"
+    again = call("Generate", pb.GenerateRequest(text="x", request_id="x"), "alice", 5)
+    assert await chosen(router, [a, b], again) == "a"
+    router.on_request_routed(again, a.replica_id, None)  # type: ignore[arg-type]
+    router.on_request_completed(a.replica_id, "i5")  # type: ignore[arg-type]  # refused
+    bobs = call("Generate", pb.GenerateRequest(text="x", request_id="x"), "bob", 6)
+    assert await chosen(router, [a, b], bobs) == "b"
+    abort = call("Abort", pb.AbortRequest(request_id="x"), "alice", 7)
+    assert await chosen(router, [a, b], abort) == "a"  # the duplicate's end kept the first
+    router.on_request_completed(a.replica_id, "i1")  # type: ignore[arg-type]
+    router.on_request_completed(a.replica_id, "i0")  # type: ignore[arg-type]
+    abort = call("Abort", pb.AbortRequest(request_id="x"), "alice", 8)
+    assert await chosen(router, [a, b], abort) == "a"  # least loaded now: ties to "a"
+    router.on_request_routed(generate("", 9), a.replica_id, None)  # type: ignore[arg-type]
+    abort = call("Abort", pb.AbortRequest(request_id="x"), "alice", 10)
+    assert await chosen(router, [a, b], abort) == "b"
