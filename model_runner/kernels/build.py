@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 SOURCE = Path(__file__).with_name("kernels.cpp")  # includes the headers beside it
 # -Werror=switch: a switch over formats that misses one does not compile (kernels.cpp's
@@ -239,14 +240,14 @@ def build_all(families: Sequence[str], say: Say | None = None) -> dict[str, Path
     return out
 
 
-def printer(stream: object = None) -> Say:
+def printer(stream: TextIO | None = None) -> Say:
     """Progress lines for a person: on a terminal one line rewritten in place, else one line
     each."""
     out = stream or sys.stderr
-    tty = getattr(out, "isatty", lambda: False)()
+    tty = out.isatty()
 
     def say(line: str) -> None:
         end = "\n" if not tty or line.endswith("(done)") else ""
-        print(("\r" if tty else "") + line, end=end, file=out, flush=True)  # type: ignore[call-overload]
+        print(("\r" if tty else "") + line, end=end, file=out, flush=True)
 
     return say

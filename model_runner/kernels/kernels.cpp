@@ -58,9 +58,9 @@ constexpr const char* FORMAT_NAMES[NUM_FORMATS] = {KV_FORMATS(KV_NAME)};
 #undef KV_NAME
 enum Epilogue { EPI_NONE = 0, EPI_ADD = 1, EPI_SILU_MUL = 2 };
 enum KVDtype { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2 };
-// The families the dispatcher knows, by code (kernels/__init__.py's FAMILIES): the three ISA
-// families, then the emulated ones the tests register.
-enum Isa { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, NUM_ISAS = 3, NUM_FAMILIES = 6 };
+// The families the dispatcher takes, by code (kernels/build.py's FAMILIES): the three ISA
+// families, then from NUM_ISAS on the emulated ones the tests register (room for MAX_FAMILIES).
+enum Isa { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, NUM_ISAS = 3, MAX_FAMILIES = 16 };
 constexpr int MAX_PARTS = 4;
 }  // namespace kv
 
@@ -429,9 +429,8 @@ const char* kv_format_info(int fmt, int* block, int* record) {
 
 namespace {
 
-const KvFamily* g_families[kv::NUM_FAMILIES] = {};  // registered by kernels/__init__.py
-const KvFamily* g_table = nullptr;
-int g_isa = -1;
+const KvFamily* g_families[kv::MAX_FAMILIES] = {};  // registered by kernels/__init__.py
+const KvFamily* g_table = nullptr;  // the family in use
 
 bool supported(int isa) {
   if (isa == kv::ISA_PORTABLE) return true;
@@ -444,7 +443,7 @@ bool supported(int isa) {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
   }
 #endif
-  return isa >= kv::NUM_ISAS && isa < kv::NUM_FAMILIES;  // emulated: plain C++
+  return isa >= kv::NUM_ISAS && isa < kv::MAX_FAMILIES;  // emulated: plain C++
 }
 
 inline int64_t check_sizes(const QW& w) {
@@ -469,7 +468,7 @@ int kv_best_isa(int isa) {
 
 // Family `isa`'s entry points (from its library's kv_family); 0, or -1 for a bad code.
 int kv_register_family(int isa, const KvFamily* family) {
-  if (isa < 0 || isa >= kv::NUM_FAMILIES || !family) return -1;
+  if (isa < 0 || isa >= kv::MAX_FAMILIES || !family) return -1;
   g_families[isa] = family;
   return 0;
 }
@@ -477,10 +476,9 @@ int kv_register_family(int isa, const KvFamily* family) {
 // Use family `isa` from now on: returns it, or -1 when it is not registered or the CPU cannot
 // run it (the family in use stays).
 int kv_set_isa(int isa) {
-  if (isa < 0 || isa >= kv::NUM_FAMILIES || !g_families[isa] || !supported(isa)) return -1;
+  if (isa < 0 || isa >= kv::MAX_FAMILIES || !g_families[isa] || !supported(isa)) return -1;
   g_table = g_families[isa];
-  g_isa = isa;
-  return g_isa;
+  return isa;
 }
 
 int kv_omp_max_threads(void) { return omp_get_max_threads(); }
