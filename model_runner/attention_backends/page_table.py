@@ -165,7 +165,7 @@ def sink_rotation(
     return angles.cos().float(), angles.sin().float()
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class PagedMetadata:
     """The page tables of one step: host lists (FlashInfer plans from them) and device
     tensors (the kernels read them). ``None`` where the step has no rows of that kind."""
