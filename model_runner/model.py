@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,9 @@ from model_runner.attention_backends.base import AttentionBackend, ForwardBatch
 from model_runner.config import ModelConfig
 from model_runner.kv_pool import KVPool
 from model_runner.quant import QEmbedding, QLinear, QuantStack, QuantWeight, cat_rows
+
+if TYPE_CHECKING:
+    from model_runner.lora.step import TorchLora
 
 # ---------------------------------------------------------------------------- RoPE
 
@@ -388,9 +391,12 @@ class LlamaModel:
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, batch: ForwardBatch[Any], pool: KVPool) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch[Any], pool: KVPool, lora: TorchLora | None = None
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] after the last layer (before the final norm) of every
-        token in ``batch``; writes every layer's K/V of those tokens into ``pool``."""
+        token in ``batch``; writes every layer's K/V of those tokens into ``pool``.
+        ``lora``: the step's adapter updates, added after each projection they touch."""
         h_heads, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         n_rot = h_heads + kvh
         num_tokens = batch.num_tokens
@@ -414,7 +420,10 @@ class LlamaModel:
         normed_shape = (self.hidden_size,)
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(hidden, normed_shape, layer.input_norm, self.eps)
-            qkv = layer.qkv(x).view(num_tokens, n_rot + kvh, d)
+            qkv = layer.qkv(x)
+            if lora is not None:
+                lora.add_(i, lora.qkv_spans, x, qkv)
+            qkv = qkv.view(num_tokens, n_rot + kvh, d)
             rot = qkv[:, :n_rot].unflatten(-1, (d // 2, 2))
             if self.rope_cis is not None:
                 torch.view_as_complex(rot).mul_(cis)
@@ -422,13 +431,19 @@ class LlamaModel:
                 _rope_real_(rot, cos, sin)
             self.attention.forward(i, qkv, batch, pool, attn_out)
             hidden = layer.o.add(attn_out, hidden)
+            if lora is not None:
+                lora.add_(i, (("o", 0),), attn_out, hidden)
             x = F.rms_norm(hidden, normed_shape, layer.post_norm, self.eps)
-            if layer.gate_up is not None:
+            if lora is not None and lora.touches(i, lora.gate_up_spans):
+                act = _mlp_with_lora(layer, x, i, lora)
+            elif layer.gate_up is not None:
                 act = layer.gate_up.silu_mul(x)
             else:
                 assert layer.gate is not None and layer.up is not None
                 act = layer.up.mul(x, layer.gate.silu(x))
             hidden = layer.down.add(act, hidden)
+            if lora is not None:
+                lora.add_(i, (("down", 0),), act, hidden)
         return hidden
 
     def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -441,6 +456,21 @@ class LlamaModel:
         """Final norm + LM head on the given rows [R, hidden] -> fp32 logits [R, V]."""
         x = F.rms_norm(hidden, (self.hidden_size,), self.norm, self.eps)
         return self.lm_head(x).float()
+
+
+def _mlp_with_lora(layer: LayerWeights, x: torch.Tensor, i: int, lora: TorchLora) -> torch.Tensor:
+    """``silu(gate) * up`` with the adapters' updates of gate and up added before the SiLU
+    (the fused epilogues cannot take them)."""
+    if layer.gate_up is not None:
+        gu = layer.gate_up(x)
+        lora.add_(i, lora.gate_up_spans, x, gu)
+        inter = gu.shape[-1] // 2
+        return F.silu(gu[:, :inter]).mul_(gu[:, inter:])
+    assert layer.gate is not None and layer.up is not None
+    gate, up = layer.gate(x), layer.up(x)
+    lora.add_(i, (("gate", 0),), x, gate)
+    lora.add_(i, (("up", 0),), x, up)
+    return F.silu(gate).mul_(up)
 
 
 def _rope_real_(rot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

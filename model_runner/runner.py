@@ -49,6 +49,10 @@ from model_runner.cuda_graphs import GRAPH_BATCH_SIZES, graph_memory_bytes
 from model_runner.device import dtype_name, resolve_dtype, resolve_kv_dtype, select_device
 from model_runner.kv_pool import KVPool, default_kv_budget_bytes, num_blocks_for_memory
 from model_runner.kv_transfer import PoolBlockIO
+from model_runner.lora.files import AdapterFile
+from model_runner.lora.layout import LoraWeights, lay_out
+from model_runner.lora.registry import LoraRegistry
+from model_runner.lora.step import LoraStep, resolve_adapters
 from model_runner.model import LlamaModel, rope_inv_freq
 from model_runner.paths import graph_sizes, make_paths
 from model_runner.quant import QuantWeight
@@ -94,6 +98,8 @@ class TorchRunner:
         max_decode_rows: int = GRAPH_BATCH_SIZES[-1],
         constraints: ConstraintTracker | None = None,
         activation_bits: int = 16,
+        max_lora_rank: int = 64,
+        max_cpu_loras: int = 8,
     ) -> None:
         """``num_blocks=None`` sizes the pool from ``kv_budget_bytes`` (default: see
         ``kv_pool.default_kv_budget_bytes``), measured after the weights are on the device.
@@ -115,7 +121,9 @@ class TorchRunner:
         ``constraints``: the matchers of constrained requests (structured outputs); their
         masks are computed on a thread while the model runs. ``activation_bits``: the
         quantized kernels' activation precision (16, the default, keeps the answers of the
-        dequantized model; 8 is ggml's; see ``quant.ACTIVATION_BITS``)."""
+        dequantized model; 8 is ggml's; see ``quant.ACTIVATION_BITS``). ``max_lora_rank``
+        and ``max_cpu_loras``: the adapters ``self.lora`` accepts, and how many it keeps
+        laid out while unused (``lora.registry``)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.sliding_window = sliding_window or config.sliding_window
@@ -219,9 +227,23 @@ class TorchRunner:
             },
         )
 
+        # LoRA adapters: fp16 for the fused kernels (half the bytes a step reads; their
+        # error is far below the 4-bit weights'), the model's dtype elsewhere.
+        self.lora_dtype = torch.float16 if self.paths.fused is not None else self.dtype
+        self.lora = LoraRegistry(
+            config,
+            self._lay_out_adapter,
+            max_rank=max_lora_rank,
+            max_loaded=max_cpu_loras,
+            base_name=self._info.name,
+        )
+
     @property
     def info(self) -> ModelInfo:
         return self._info
+
+    def _lay_out_adapter(self, adapter: AdapterFile) -> LoraWeights:
+        return lay_out(adapter, self.config, self.lora_dtype, self.device)
 
     def block_io(self) -> PoolBlockIO:
         """The KV pool's blocks as bytes (tier 2)."""
@@ -247,12 +269,13 @@ class TorchRunner:
         self._copy_blocks(plan.block_copies)
         step = StepRows.of(plan, self.limits)
         result.failed.update(step.failed)
+        step, adapters = self._adapters(step, result.failed)
         if step.is_empty:
             return result
         sampled = step.sampled()
         masks = self._start_masks(sampled)
         if self.fuse_batches or not (step.prefill and step.decode):
-            logits = self._forward_logits(step)
+            logits = self._forward_logits(step, adapters)
             self._sample(logits, sampled, result, masks)
             elapsed = time.perf_counter() - t0
             share = step.num_prefill_rows / step.num_rows
@@ -260,10 +283,10 @@ class TorchRunner:
             result.decode_time_s = elapsed - result.prefill_time_s
         else:
             prefill, decode = step.split()
-            logits_p = self._forward_logits(prefill)
+            logits_p = self._forward_logits(prefill, adapters)
             self._sync()
             t1 = time.perf_counter()
-            logits_d = self._forward_logits(decode)
+            logits_d = self._forward_logits(decode, adapters)
             self._sync()
             t2 = time.perf_counter()
             self._sample(torch.cat([logits_p, logits_d]), sampled, result, masks)
@@ -282,11 +305,14 @@ class TorchRunner:
         per request (``[num_tokens, V]``), instead of sampling. For tests and tools."""
         self._copy_blocks(plan.block_copies)
         step = StepRows.of(plan, self.limits)
-        if step.failed:
-            raise ValueError(f"invalid plan: {dict(step.failed)}")
+        failed = dict(step.failed)
+        step, adapters = self._adapters(step, failed)
+        if failed:
+            raise ValueError(f"invalid plan: {failed}")
         if step.is_empty:
             return {}
-        logits = self.model.compute_logits(self.paths.forward(step))
+        hidden = self.paths.forward(step, LoraStep.of(step, adapters) if adapters else None)
+        logits = self.model.compute_logits(hidden)
         out: dict[str, torch.Tensor] = {}
         row = 0
         for s in step.seqs:
@@ -315,9 +341,29 @@ class TorchRunner:
             raise ValueError(f"block copies {bad} outside the pool of {self.num_blocks}")
         self.pool.copy_blocks(block_copies)
 
-    def _forward_logits(self, step: StepRows) -> torch.Tensor:
+    def _adapters(
+        self, step: StepRows, failed: dict[str, str]
+    ) -> tuple[StepRows, dict[str, LoraWeights]]:
+        """The weights of the step's adapters by name; seqs whose adapter is not resident
+        go to ``failed`` and out of the step (the rest of it runs)."""
+        if not step.has_adapters:
+            return step, {}
+        adapters, missing = resolve_adapters(step.seqs, self.lora.weights)
+        if missing:
+            failed.update(missing)
+            step = StepRows.from_seqs(
+                [s for s in step.prefill if s.request_id not in missing],
+                [s for s in step.decode if s.request_id not in missing],
+                step.block_size,
+                step.null_block_id,
+                step.failed,
+            )
+        return step, adapters
+
+    def _forward_logits(self, step: StepRows, adapters: dict[str, LoraWeights]) -> torch.Tensor:
         """Logits [R, V] of the rows that sample, prefill rows first, in row order."""
-        hidden = self.paths.forward(step)
+        lora = LoraStep.of(step, adapters) if adapters else None
+        hidden = self.paths.forward(step, lora)
         rows = step.sample_rows()
         if not rows:
             return torch.empty(0, self.model.vocab_size, device=self.device)

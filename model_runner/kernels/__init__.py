@@ -116,6 +116,26 @@ class StepLayer(ctypes.Structure):
     ]
 
 
+class LoraPair(ctypes.Structure):
+    """One adapter's pair for one target of one layer (``kernels/lora.h``): fp16 ``a``
+    ``[rank, k]`` and ``bt`` ``[rank, n]``; ``a`` NULL where the adapter leaves it."""
+
+    _fields_ = [("a", _P), ("bt", _P), ("rank", _I32), ("pad", _I32)]
+
+
+class LoraRows(ctypes.Structure):
+    """A step's adapters: each row's slot (-1: the base) and scale, and per slot its
+    ``[num_layers * 7]`` pairs (``model_runner.lora.native``)."""
+
+    _fields_ = [
+        ("row_slot", _P),
+        ("row_scale", _P),
+        ("slots", ctypes.POINTER(ctypes.POINTER(LoraPair))),
+        ("num_slots", _I32),
+        ("max_rank", _I32),
+    ]
+
+
 class StepRows(ctypes.Structure):
     """One step's rows for ``kv_step_layers``."""
 
@@ -143,6 +163,7 @@ class StepRows(ctypes.Structure):
         ],
         ("eps", ctypes.c_float),
         ("residual", _I32),
+        ("lora", ctypes.POINTER(LoraRows)),
     ]
 
 
@@ -262,8 +283,9 @@ def load() -> ctypes.CDLL | None:
         lib.kv_step_layers.restype = None
         lib.kv_decode_struct_sizes.argtypes = [_I]
         lib.kv_decode_struct_sizes.restype = _I
-        sizes = [lib.kv_decode_struct_sizes(i) for i in range(4)]
-        if sizes != [ctypes.sizeof(t) for t in (QW, StepLayer, StepRows, QPart)]:
+        sizes = [lib.kv_decode_struct_sizes(i) for i in range(6)]
+        structs = (QW, StepLayer, StepRows, QPart, LoraPair, LoraRows)
+        if sizes != [ctypes.sizeof(t) for t in structs]:
             _reason = f"kernel struct sizes {sizes} differ from the Python side's"
             logger.warning("quantized CPU kernels unusable (%s): fp32 weights instead", _reason)
             return None
