@@ -62,6 +62,43 @@ def queue_panels() -> list[Panel]:
     ]
 
 
+def lora_panels() -> list[Panel]:
+    """LoRA adapters: traffic, throughput and the queues by adapter (base: the base model)."""
+    return [
+        timeseries(
+            "Requests / s by adapter",
+            "Finished requests per second by LoRA adapter (base: requests of the base model).",
+            [(f"sum by (adapter) ({rate('kvserve_lora_requests_total')})", "{{adapter}}")],
+            unit="reqps",
+        ),
+        timeseries(
+            "Output tokens / s by adapter",
+            "Output tokens of finished requests per second, by LoRA adapter.",
+            [
+                (
+                    f"sum by (adapter) ({rate('kvserve_lora_generation_tokens_total')})",
+                    "{{adapter}}",
+                )
+            ],
+        ),
+        timeseries(
+            "Running / waiting by adapter",
+            "Requests running and waiting per LoRA adapter: at most --max-loras adapters run "
+            "at once; a request of one more waits.",
+            [
+                (
+                    f"sum by (adapter) (kvserve_lora_running_requests{{{SEL}}})",
+                    "running {{adapter}}",
+                ),
+                (
+                    f"sum by (adapter) (kvserve_lora_waiting_requests{{{SEL}}})",
+                    "waiting {{adapter}}",
+                ),
+            ],
+        ),
+    ]
+
+
 def edge_panels() -> list[Panel]:
     """Structured outputs (constrained requests, the compile cache, mask time per step) and
     the connections the HTTP ports closed or refused."""
@@ -247,6 +284,8 @@ def overview() -> dict[str, Any]:
             ],
             row("Queue"),
             queue_panels(),
+            row("LoRA adapters"),
+            lora_panels(),
             row("Structured outputs and connections"),
             edge_panels(),
         ]

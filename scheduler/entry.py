@@ -186,10 +186,16 @@ class Counters:
             kv=kv.make_stats(),
             num_parked=num_parked,
             lora_running=lora_running,
-            lora_waiting=waiting.adapter_counts(),
+            lora_waiting=_with_base(waiting.adapter_counts(), waiting.num_requests),
             num_spec_draft_tokens_total=self.num_spec_draft_tokens,
             num_spec_accepted_tokens_total=self.num_spec_accepted_tokens,
         )
+
+
+def _with_base(by_adapter: dict[str, int], total: int) -> dict[str, int]:
+    """Requests by adapter with the base model's under "" (the rest of ``total``)."""
+    base = total - sum(by_adapter.values())
+    return {"": base, **by_adapter} if base else by_adapter
 
 
 @dataclass(slots=True)

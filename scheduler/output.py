@@ -182,7 +182,7 @@ class SchedulerStats:
     num_parked: int = 0  # requests not scheduled because their client stopped reading
     num_spec_draft_tokens_total: int = 0  # speculative drafts verified
     num_spec_accepted_tokens_total: int = 0  # of them, accepted (became output tokens)
-    # LoRA adapters -> running / waiting requests with each (only adapters with some).
+    # Requests running / waiting by LoRA adapter ("": the base model; only those with some).
     lora_running: dict[str, int] | None = None
     lora_waiting: dict[str, int] | None = None
 

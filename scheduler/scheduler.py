@@ -662,11 +662,11 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         """A snapshot after the last step (batch composition of the last plan)."""
-        lora_running: dict[str, int] = {}
+        lora_running: dict[str, int] = {}  # by adapter; "" the base model
         for entry in self._running.values():
             ref = entry.request.lora
-            if ref is not None:
-                lora_running[ref.name] = lora_running.get(ref.name, 0) + 1
+            name = "" if ref is None else ref.name
+            lora_running[name] = lora_running.get(name, 0) + 1
         return self._counters.snapshot(
             self._step_id, len(self._running), self._waiting, len(self._parked), self.kv,
             lora_running,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+BASE_LABEL = "base"  # metrics label the base model's requests (metrics.catalog.BASE_ADAPTER)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 
 
@@ -48,11 +49,15 @@ def adapter_key(name: str, digest: str) -> str:
 
 
 def check_name(name: str, base_name: str = "") -> None:
-    """An adapter name: 1-128 of letters, digits and ``._:/@+-``, not the base model's."""
+    """An adapter name: 1-128 of letters, digits and ``._:/@+-``, neither the base model's
+    nor ``base``."""
     if not isinstance(name, str) or not _NAME.match(name):
         raise AdapterError(
             f"adapter name {name!r}: use 1-128 letters, digits and ._:/@+- (starting with a "
             "letter or digit)"
         )
-    if base_name and name == base_name:
-        raise AdapterError(f"adapter name {name!r} is the base model's name: pick another")
+    if (base_name and name == base_name) or name == BASE_LABEL:
+        raise AdapterError(
+            f"adapter name {name!r} is taken: the base model's name, or {BASE_LABEL!r} (its "
+            "label in the metrics); pick another"
+        )

@@ -250,8 +250,9 @@ def test_names_conflicts_and_unknown_adapters(tmp_path: Path) -> None:
     runner.lora.load("a", tmp_path / "a")
     with pytest.raises(AdapterConflictError, match="already loaded"):
         runner.lora.load("a", tmp_path / "a")
-    with pytest.raises(AdapterError, match="base model's name"):
-        runner.lora.load(runner.info.name, tmp_path / "a")
+    for taken in (runner.info.name, "base"):
+        with pytest.raises(AdapterError, match="is taken: the base model's name"):
+            runner.lora.load(taken, tmp_path / "a")
     with pytest.raises(AdapterError, match="adapter name"):
         runner.lora.load("bad name", tmp_path / "a")
     with pytest.raises(AdapterNotFoundError, match=r"no adapter named 'b'.*loaded adapters: 'a'"):

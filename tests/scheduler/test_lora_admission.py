@@ -48,7 +48,7 @@ def test_a_third_adapter_waits_and_others_pass_it() -> None:
     assert scheduler.waiting_request_ids() == ["c0"]
     assert running_adapters(scheduler) == {"A", "B"}
     stats = scheduler.make_stats()
-    assert stats.lora_running == {"A": 2, "B": 1} and stats.lora_waiting == {"C": 1}
+    assert stats.lora_running == {"A": 2, "B": 1, "": 1} and stats.lora_waiting == {"C": 1}
     finished: set[str] = set()
     while "c0" in scheduler.waiting_request_ids():
         out = step(scheduler, runner)
