@@ -19,7 +19,7 @@ another order, and an int8 activation near a rounding boundary could then flip a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -54,14 +54,22 @@ class EagerPath:
     def __init__(self, model: LlamaModel, pool: KVPool) -> None:
         self.model = model
         self.pool = pool
+        self._stacks: Any = None  # CUDA: the last step's stacked adapter weights
 
     def fits(self, step: StepRows) -> bool:
         return True
 
     def forward(self, step: StepRows, lora: LoraStep | None = None) -> torch.Tensor:
         model = self.model
-        torch_lora = None if lora is None else TorchLora(lora, model.config, model.device)
-        return model.forward(model.attention.build(step), self.pool, torch_lora)
+        adapters: TorchLora | None = None
+        if lora is not None and model.device.type == "cuda":
+            from model_runner.lora.cuda import StackCache, TritonLora  # needs triton
+
+            self._stacks = self._stacks or StackCache()
+            adapters = TritonLora(lora, step, model.config, model.device, self._stacks)
+        elif lora is not None:
+            adapters = TorchLora(lora, model.config, model.device)
+        return model.forward(model.attention.build(step), self.pool, adapters)
 
 
 class FusedPath:
