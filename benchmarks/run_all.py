@@ -96,6 +96,7 @@ SECTIONS: dict[str, Callable[[Context], SectionResult]] = {
     "kernels": sections.kernels,
     "models": sections.models,
     "kvtier": sections.kvtier,
+    "lora": sections.lora,
 }
 
 

@@ -40,7 +40,8 @@ from cluster.routing import (
     routing_keys,
 )
 from scheduler.cost_model import FEATURES, StepCostModel, StepShape
-from scheduler.request import Request
+from scheduler.request import LoraRef, Request
+from server.lora import cache_salt_with
 
 # Keys of requests chosen but not yet routed / completed, at most this many (a request Ray
 # gave up on between the two leaves its entry behind).
@@ -114,6 +115,7 @@ class KVServeRequestRouter(RequestRouter):
         self._in_flight: Counter[str] = Counter()
         self._sent: dict[str, str] = {}  # internal request id -> replica id
         self._learned: dict[str, Any] = {}  # replica id -> the last report learned
+        self._adapter_keys: dict[str, str] = {}  # LoRA adapter -> its key (replica reports)
         self.metrics: Any = None
         if metrics_port is not None:
             self._start_metrics(metrics_host, metrics_port)
@@ -177,10 +179,25 @@ class KVServeRequestRouter(RequestRouter):
         except Exception:  # an invalid request: the replica answers it with a clear status
             logger.debug("no routing keys for request", exc_info=True)
             return [], 0
-        return routing_keys(ids, self.block_size, request.cache_salt or None), len(ids)
+        salt = self._adapter_salt(request.cache_salt or None, request)
+        return routing_keys(ids, self.block_size, salt), len(ids)
+
+    def _adapter_salt(self, salt: str | None, request: Any) -> str | None:
+        """``salt`` with the request's LoRA adapter in it, as the replicas salt its blocks
+        (the key of its weights comes from their reports); ``salt`` for the base model."""
+        name = getattr(request, "adapter", "")
+        if not name:
+            return salt
+        scale = request.adapter_scale if request.HasField("adapter_scale") else 1.0
+        key = self._adapter_keys.get(name)
+        if key is None or not scale:
+            return salt  # not served (the replica answers NOT_FOUND), or scale 0: the base
+        return cache_salt_with(salt, LoraRef(name, key, scale))
 
     # ------------------------------------------------------------------ RequestRouter
     def _learn_reports(self, replicas: list[RunningReplica]) -> None:
+        for r in replicas:
+            self._adapter_keys.update(r.routing_stats.get("adapters") or {})
         router = self.router
         if not isinstance(router, PrefixRouter | CostRouter):
             return

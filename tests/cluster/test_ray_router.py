@@ -194,3 +194,30 @@ async def test_a_cancelled_grpc_call_cancels_the_proxys_calls_to_replicas() -> N
         assert await anext(stream) == "message"
         context.end(cancelled)
         assert responses[-1].was_cancelled is cancelled
+
+
+async def test_an_adapters_prompt_follows_its_own_keys() -> None:
+    """A Generate call naming an adapter is keyed with the adapter's salt, the key of its
+    weights learned from the replicas' reports: it goes where that adapter's prefix is, not
+    where the base model's same prompt is (and vice versa)."""
+    from scheduler.request import LoraRef
+    from server.lora import cache_salt_with
+
+    router = make_router(router="prefix")
+    prompt = "shared prefix shared prefix shared"
+    ids = ByteTokenizer().encode(prompt)
+    adapter_salt = cache_salt_with(None, LoraRef("sql", "sql@abc"))
+    base_keys, sql_keys = routing_keys(ids, 4, None), routing_keys(ids, 4, adapter_salt)
+    assert not set(base_keys) & set(sql_keys)
+    a = replica("a", keys=base_keys, adapters={"sql": "sql@abc"})
+    b = replica("b", keys=sql_keys, adapters={"sql": "sql@abc"})
+
+    def call(adapter: str, n: int) -> PendingRequest:
+        request = pb.GenerateRequest(text=prompt, adapter=adapter)
+        arg = pickle.dumps(gRPCRequest(user_request_proto=request))
+        return PendingRequest(
+            args=[arg], kwargs={}, metadata=RequestMetadata(f"r{n}", f"i{n}", "Generate")
+        )
+
+    assert await chosen(router, [a, b], call("sql", 1)) == "b"
+    assert await chosen(router, [a, b], call("", 2)) == "a"

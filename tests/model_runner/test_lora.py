@@ -89,6 +89,42 @@ def test_gguf_adapter_equals_its_peft_source(tensor_type: str, tmp_path: Path) -
     assert_close(logits_with(runner, ids, runner.lora.resolve("g")), hf_logits(reference, ids))
 
 
+def test_llama_cpps_converter_output_equals_its_peft_source(tmp_path: Path) -> None:
+    """A PEFT adapter converted by llama.cpp's own convert_lora_to_gguf.py (f32; from the
+    build the benchmarks use, skipped without it) lays out exactly as the PEFT directory:
+    the converter's Q / K permutation is undone, its alpha read."""
+    import os
+    import subprocess
+    import sys
+
+    from benchmarks.bench_llama_cpp import default_cache_dir
+    from benchmarks.bench_lora import converter_path
+    from benchmarks.make_random_lora import write_base_config
+    from model_runner.lora.layout import lay_out
+    from tests.model_runner.oracle import our_config
+
+    converter = converter_path(default_cache_dir(os.environ))
+    if converter is None:
+        pytest.skip("no llama.cpp source with convert_lora_to_gguf.py")
+    hf = tiny_hf("llama-gqa")
+    peft_adapter(hf, tmp_path / "a", r=4, alpha=8)
+    config = our_config(hf)
+    base = write_base_config(tmp_path / "base", config)
+    env = {**os.environ, "PYTHONPATH": str(converter.parent / "gguf-py")}
+    out = tmp_path / "a.gguf"
+    cmd = [sys.executable, str(converter), str(tmp_path / "a"), "--base", str(base),
+           "--outtype", "f32", "--outfile", str(out)]  # fmt: skip
+    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
+    cpu = torch.device("cpu")
+    ours = lay_out(read_adapter(tmp_path / "a"), config, torch.float32, cpu)
+    theirs = lay_out(read_adapter(out), config, torch.float32, cpu)
+    for layer, pairs in enumerate(ours.layers):
+        assert pairs.keys() == theirs.layers[layer].keys()
+        for target, (a, bt) in pairs.items():
+            torch.testing.assert_close(theirs.layers[layer][target][0], a, rtol=0, atol=0)
+            torch.testing.assert_close(theirs.layers[layer][target][1], bt, rtol=1e-6, atol=1e-7)
+
+
 def test_rows_of_different_adapters_and_the_base_in_one_step(tmp_path: Path) -> None:
     """Three adapters and the base model in one step (two prefill chunks, one of them over a
     cached prefix, and decodes): each request's logits equal its own adapter's reference."""
