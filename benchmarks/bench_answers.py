@@ -64,16 +64,15 @@ def free_running(
     directory or a GGUF LoRA file) when given."""
     import torch
 
+    from model_runner.config import RunnerOptions
     from model_runner.runner import TorchRunner
     from scheduler import SamplingParams
     from scheduler.output import ScheduledSeq, SchedulerOutput
 
     block = 16
     blocks = -(-(len(ids) + tokens) // block)
-    runner = TorchRunner(
-        model.config, model.state_dict, blocks, block, torch.float32, "cpu",  # type: ignore[attr-defined]
-        kv_dtype="float32",
-    )  # fmt: skip
+    options = RunnerOptions(blocks, block, dtype=torch.float32, device="cpu", kv_dtype="float32")
+    runner = TorchRunner(model.config, model.state_dict, options)  # type: ignore[attr-defined]
     lora = None
     if adapter is not None:
         runner.lora.load("adapter", adapter)

@@ -14,7 +14,7 @@ sleeping (``--fake-token-sleep-s`` per prefilled token, ``--fake-step-sleep-s`` 
 two replicas run side by side as on two machines; ``--runner torch`` serves the embedded
 model (the two replicas then share this machine's cores).
 
-``pd``: chat128's prompts (``../shared/workloads/chat128.json``) with 1 request in 8
+``pd``: chat128's prompts (``loadtest/workloads/prompts/chat128.json``) with 1 request in 8
 carrying a 1,024-token document, closed loop, greedy: 2 mixed replicas against 1 prefill + 1
 decode replica on the same cores, the embedded model; inter-token latency (every gap the
 client sees), output tokens/s, and whether every answer's tokens are the same.
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CHAT128 = REPO_ROOT.parent / "shared" / "workloads" / "chat128.json"
+from loadtest.workload import CHAT128_PROMPTS
+
 # Acceptance (issue 34), each against its baseline in the same run.
 TARGET_ROUTING_TTFT_P50 = 0.7  # cost router's TTFT p50 / prefix router's, at most
 TARGET_PD_ITL_P99 = 0.5  # split's ITL p99 / mixed's, at most
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--users", type=int, default=4, help="pd: closed-loop users")
     p.add_argument("--document-len", type=int, default=1024)
     p.add_argument("--pd-min-transfer-tokens", type=int, default=32)
-    p.add_argument("--workload-file", type=Path, default=CHAT128)
+    p.add_argument("--workload-file", type=Path, default=CHAT128_PROMPTS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny counts (wiring, not figures)")
     p.add_argument("--json", type=Path)

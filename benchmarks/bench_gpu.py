@@ -1,7 +1,9 @@
-"""The CUDA path measured: decode and prefill against rooflines measured in the same run, and
-serving against transformers' static batching on the same GPU.
+"""The CUDA path measured: decode and prefill against rooflines measured in the same run, where
+a decode step's time goes, serving in process with the GPU's busy time, and the real server
+over HTTP.
 
     python -m benchmarks.bench_gpu                 # any CUDA machine with kvserve installed
+    python -m benchmarks.bench_gpu --quick         # every headline figure, smaller counts
     python -m benchmarks.bench_gpu --sections probes,attention --out gpu.json
     python -m benchmarks.bench_gpu --dry-run       # the same code on CPU, tiny shapes (CI)
 
@@ -23,39 +25,53 @@ picks some (the probes always run: the others are measured against them). Sectio
    context, against the HBM roofline (weights + KV read once per step / copy bandwidth) and,
    for the compute-bound batches, against the matmul peak (linear and attention FLOPs).
 4. **prefill**: one step of several fresh prompts, FLOPs / time against the matmul peak.
-5. **serving**: chat128-like traffic (128-token prompts, 128 output tokens) from 1 / 32 / 256
+5. **profile**: torch.profiler over a few decode steps at batch 1 and 256: the kernels that
+   took the most GPU time, each with its share of the step (``gpu_step.profile_decode``).
+6. **serving**: chat128-like traffic (128-token prompts, 128 output tokens) from 1 / 32 / 256
    closed-loop users through the engine's three-call step (``schedule``, ``execute``,
-   ``update``, in process), against transformers' ``generate()`` on static batches of the
-   same size on the same prompts, same GPU, same run.
+   ``update``, in process): output tok/s, and the GPU's busy fraction (each step's forward
+   timed by CUDA events, over the wall); with ``--transformers`` also transformers'
+   ``generate()`` on static batches of the same size on the same prompts, same GPU, same run.
+7. **server**: the same traffic through ``kvserve serve --device cuda`` over HTTP, driven by
+   the load tester (``gpu_server``): output tok/s against the closed loop's.
 
+``--quick`` keeps every headline figure (the decode kernel at 1 x 8,192 keys, decode at batch
+1 and 256, the profile, serving and the server at 256 users) with fewer cases and steps.
 ``--dry-run`` shrinks every shape (a 2-layer model in fp32 on CPU, the attention kernel in
-Triton's interpreter) and runs the same code, so CI proves the program runs; its figures mean
-nothing.
+Triton's interpreter, the server on CPU) and runs the same code, so CI proves the program
+runs; its figures mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.bench_attention import AttentionCases, measure_attention
 from benchmarks.bench_transformers import run_batches
-from cache_manager import KVCacheConfig, KVCacheManager
-from model_runner.config import ATTENTION_BACKEND_CHOICES, ModelConfig
+from benchmarks.gpu_server import ServerLoad, serve_http, write_checkpoint
+from benchmarks.gpu_step import (
+    greedy_seq,
+    measure_decode,
+    profile_decode,
+    serve_closed_loop,
+    step_plan,
+)
+from model_runner.config import ATTENTION_BACKEND_CHOICES, ModelConfig, RunnerOptions
+from model_runner.device import dtype_name
 from model_runner.hf_loader import normalize_hf_config
 from model_runner.runner import TorchRunner
-from scheduler import Request, Scheduler, SchedulerConfig
-from scheduler.output import ScheduledSeq, SchedulerOutput
-from scheduler.request import SamplingParams
-
-GREEDY = SamplingParams(temperature=0.0)
 
 LLAMA3_8B: dict[str, Any] = {
     "vocab_size": 128256,
@@ -98,6 +114,9 @@ class Sizes:
     requests_per_user: int
     kv_budget_bytes: int
     attention: AttentionCases
+    profile_batches: tuple[int, ...] = (1, 256)
+    profile_steps: int = 5
+    transformers: bool = False  # serving also measures transformers' static batches
     block_size: int = 16
     max_num_batched_tokens: int = 8192
     repeats: int = 5
@@ -134,6 +153,22 @@ FULL = Sizes(
         sweep=((256, 512), (1, 8192)),
     ),
 )
+# Every headline figure of issue 38 in a few minutes: batch 1 and 256 only, fewer steps and
+# configurations, serving and the server at 256 users.
+QUICK = dataclasses.replace(
+    FULL,
+    decode_batches=(1, 256),
+    decode_steps=10,
+    users=(256,),
+    attention=dataclasses.replace(
+        FULL.attention,
+        batches=(1, 256),
+        configs=((16, 4, 2), (32, 4, 2), (64, 4, 2), (64, 8, 2)),
+        sweep=((1, 8192),),
+    ),
+    profile_steps=3,
+    repeats=3,
+)
 DRY = Sizes(
     model=TINY,
     dtype=torch.float32,
@@ -157,6 +192,9 @@ DRY = Sizes(
         dtype=torch.float32,
         repeats=2,
     ),
+    profile_batches=(1, 8),
+    profile_steps=1,
+    transformers=True,
     max_num_batched_tokens=512,
     repeats=2,
 )
@@ -267,9 +305,7 @@ def make_models(sizes: Sizes, device: torch.device) -> tuple[Any, ModelConfig]:
 
 def make_runner(hf: Any, config: ModelConfig, sizes: Sizes, device: torch.device, backend: str):
     state = dict(hf.state_dict())
-    return TorchRunner(
-        config,
-        state,
+    options = RunnerOptions(
         block_size=sizes.block_size,
         dtype=sizes.dtype,
         device=device,
@@ -277,19 +313,12 @@ def make_runner(hf: Any, config: ModelConfig, sizes: Sizes, device: torch.device
         kv_dtype=sizes.dtype,
         attention_backend=backend,
     )
-
-
-def _seq(rid: str, token_ids: list[int], start: int, block_ids: list[int]) -> ScheduledSeq:
-    return ScheduledSeq(rid, token_ids, start, block_ids, GREEDY, True)
-
-
-def _plan(step: int, prefill=(), decode=()) -> SchedulerOutput:  # type: ignore[no-untyped-def]
-    return SchedulerOutput(step_id=step, prefill=list(prefill), decode=list(decode))
+    return TorchRunner(config, state, options)
 
 
 # ---------------------------------------------------------------------------- sections
 
-SECTIONS = ("probes", "attention", "decode", "prefill", "serving")
+SECTIONS = ("probes", "attention", "decode", "prefill", "profile", "serving", "server")
 
 
 @dataclass(slots=True)
@@ -303,47 +332,19 @@ class Report:
     attention: list[dict[str, Any]] = field(default_factory=list)
     decode: list[dict[str, float]] = field(default_factory=list)
     prefill: dict[str, float] = field(default_factory=dict)
+    profile: list[dict[str, Any]] = field(default_factory=list)
     serving: list[dict[str, float]] = field(default_factory=list)
-
-
-def measure_decode(runner: TorchRunner, sizes: Sizes, batch: int) -> float:
-    """Median seconds of a decode step of ``batch`` requests at ``decode_context`` keys."""
-    bs, ctx = sizes.block_size, sizes.decode_context
-    pages = -(-(ctx + sizes.decode_steps + 1) // bs)
-    if batch * pages > runner.num_blocks:
-        raise ValueError(f"decode batch {batch} needs {batch * pages} blocks > {runner.num_blocks}")
-    tables = [list(range(i * pages, (i + 1) * pages)) for i in range(batch)]
-    step = 0
-    chunk = max(1, sizes.max_num_batched_tokens // ctx)
-    for i in range(0, batch, chunk):  # fill the contexts (not timed)
-        runner.execute(
-            _plan(
-                step,
-                prefill=[
-                    _seq(f"r{j}", [1] * ctx, 0, tables[j]) for j in range(i, min(batch, i + chunk))
-                ],
-            )
-        )
-        step += 1
-    times: list[float] = []
-    for s in range(sizes.decode_steps):
-        plan = _plan(step, decode=[_seq(f"r{j}", [2], ctx + s, tables[j]) for j in range(batch)])
-        t0 = time.perf_counter()
-        runner.execute(plan)  # returns host tokens: the step has finished on the device
-        times.append(time.perf_counter() - t0)
-        step += 1
-    times.sort()
-    return times[len(times) // 2]
+    server: list[dict[str, Any]] = field(default_factory=list)
 
 
 def measure_prefill(runner: TorchRunner, sizes: Sizes) -> float:
     """Best seconds of one step prefilling ``prefill_seqs`` fresh prompts of ``prefill_len``."""
     bs, n, length = sizes.block_size, sizes.prefill_seqs, sizes.prefill_len
     pages = -(-length // bs)
-    plan = _plan(
+    plan = step_plan(
         0,
         prefill=[
-            _seq(f"p{i}", [3] * length, 0, list(range(i * pages, (i + 1) * pages)))
+            greedy_seq(f"p{i}", [3] * length, 0, list(range(i * pages, (i + 1) * pages)))
             for i in range(n)
         ],
     )
@@ -354,41 +355,6 @@ def prompts_for(sizes: Sizes, num_requests: int, vocab: int) -> list[list[int]]:
     """Random chat128-like prompts: ``prompt_len`` token ids each, all distinct."""
     g = torch.Generator().manual_seed(1)
     return torch.randint(3, vocab, (num_requests, sizes.prompt_len), generator=g).tolist()
-
-
-def serve_closed_loop(
-    runner: TorchRunner, sizes: Sizes, num_users: int, prompts: Sequence[list[int]]
-) -> dict[str, float]:
-    """``num_users`` users, each sending its next prompt when the last one finished; output
-    tokens per second over the whole run."""
-    kv = KVCacheManager(KVCacheConfig(num_blocks=runner.num_blocks, block_size=sizes.block_size))
-    config = SchedulerConfig(
-        max_num_seqs=num_users,
-        max_num_batched_tokens=sizes.max_num_batched_tokens,
-        max_model_len=runner.info.max_model_len,
-    )
-    sched = Scheduler(config, kv)
-    pending = list(enumerate(prompts))
-    pending.reverse()
-
-    def submit() -> None:
-        i, prompt = pending.pop()
-        sampling = SamplingParams(temperature=0.0, max_tokens=sizes.output_len, ignore_eos=True)
-        sched.add_request(Request(f"u{i}", list(prompt), sampling))
-
-    for _ in range(min(num_users, len(pending))):
-        submit()
-    output_tokens = 0
-    t0 = time.perf_counter()
-    while sched.num_waiting or sched.num_running:
-        plan = sched.schedule()
-        result = runner.execute(plan)
-        for out in sched.update(plan, result):
-            output_tokens += len(out.new_token_ids)
-            if out.finished and pending:
-                submit()
-    wall = time.perf_counter() - t0
-    return {"output_tokens": output_tokens, "wall_s": wall, "tok_s": output_tokens / wall}
 
 
 class Bench:
@@ -518,36 +484,106 @@ class Bench:
             f"{p['tflop_s']:.2f} TFLOP/s = {p['of_matmul_peak']:.0%} of the matmul peak"
         )
 
+    def section_profile(self) -> None:
+        s, runner = self.sizes, self.runner
+        for batch in s.profile_batches:
+            p = profile_decode(runner, s, batch, s.profile_steps)
+            self.report.profile.append(asdict(p))
+            what = "GPU kernels" if self.device.type == "cuda" else "CPU ops (dry run)"
+            self.emit(
+                f"\ndecode batch {batch} x {s.decode_context} keys, {p.steps} steps profiled: "
+                f"{p.step_ms:.2f} ms a step, {what} {p.kernels_ms:.2f} ms "
+                f"({p.kernels_ms / p.step_ms:.0%} of the step)\n"
+                "| kernel | us / step | calls / step | of the step |\n|---|---|---|---|"
+            )
+            for k in p.top:
+                self.emit(f"| {k['name'][:90]} | {k['us']:.1f} | {k['calls']:.1f} "
+                          f"| {k['of_step']:.1%} |")  # fmt: skip
+
     def section_serving(self) -> None:
         s = self.sizes
         hf, config = self.models
-        served: dict[int, dict[str, float]] = {}
+        self.emit("\n| users | requests | steps | kvserve tok/s | GPU busy | transformers static "
+                  "tok/s | kvserve / transformers |\n|---|---|---|---|---|---|---|")  # fmt: skip
+        rows: list[dict[str, float]] = []
         for users in s.users:
             prompts = prompts_for(s, users * s.requests_per_user, config.vocab_size)
-            served[users] = serve_closed_loop(self.runner, s, users, prompts)
+            ours = serve_closed_loop(self.runner, s, users, prompts)
+            rows.append({
+                "users": users, "requests": len(prompts), "steps": ours["steps"],
+                "kvserve_tok_s": ours["tok_s"], "gpu_busy": ours["gpu_busy"],
+            })  # fmt: skip
+            if not s.transformers:
+                self._emit_serving(rows[-1])
+        self.report.serving = rows
+        if not s.transformers:
+            return
         self._runner = None  # transformers needs the memory the pool held
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.emit("\n| users | requests | kvserve tok/s | transformers static tok/s "
-                  "| kvserve / transformers |\n|---|---|---|---|---|")  # fmt: skip
-        for users in s.users:
+        for row in rows:
+            users = int(row["users"])
             prompts = prompts_for(s, users * s.requests_per_user, config.vocab_size)
             hf_run = run_batches(
                 hf, prompts, batch_size=users, max_new_tokens=s.output_len, pad_id=0
             )
-            ours = served[users]
-            row = {
-                "users": users,
-                "requests": len(prompts),
-                "kvserve_tok_s": ours["tok_s"],
-                "transformers_static_tok_s": hf_run.output_tokens_per_s,
-                "ratio": ours["tok_s"] / hf_run.output_tokens_per_s,
-            }
-            self.report.serving.append(row)
+            row["transformers_static_tok_s"] = hf_run.output_tokens_per_s
+            row["ratio"] = row["kvserve_tok_s"] / hf_run.output_tokens_per_s
+            self._emit_serving(row)
+
+    def _emit_serving(self, row: dict[str, float]) -> None:
+        theirs = row.get("transformers_static_tok_s")
+        vs = "| - | - |" if theirs is None else f"| {theirs:.1f} | {row['ratio']:.2f}x |"
+        self.emit(
+            f"| {row['users']} | {row['requests']} | {row['steps']} | {row['kvserve_tok_s']:.1f} "
+            f"| {row['gpu_busy']:.1%} {vs}"
+        )
+
+    def section_server(self) -> None:
+        s = self.sizes
+        hf, config = self.models
+        load = ServerLoad(
+            users=s.users, requests_per_user=s.requests_per_user, prompt_len=s.prompt_len,
+            output_len=s.output_len, vocab_size=config.vocab_size,
+            max_num_batched_tokens=s.max_num_batched_tokens, block_size=s.block_size,
+            kv_memory_bytes=s.kv_budget_bytes,
+        )  # fmt: skip
+        closed = {int(r["users"]): r["kvserve_tok_s"] for r in self.report.serving}
+
+        def emit(row: dict[str, Any]) -> None:
+            loop = closed.get(row["users"])
+            row["closed_loop_tok_s"] = loop
+            row["of_closed_loop"] = None if not loop else row["tok_s"] / loop
+            self.report.server.append(row)
+            if self.save is not None:  # each user count kept as soon as it is measured
+                self.save(self.report)
+            ratio = "-" if row["of_closed_loop"] is None else f"{row['of_closed_loop']:.2f}x"
+            ttft, tpot = row["ttft_p50_s"], row["tpot_p50_s"]
             self.emit(
-                f"| {users} | {row['requests']} | {row['kvserve_tok_s']:.1f} "
-                f"| {row['transformers_static_tok_s']:.1f} | {row['ratio']:.2f}x |"
+                f"| {row['users']} | {row['requests']} | {row['ok']} | {row['tok_s']:.1f} "
+                f"| {'-' if loop is None else f'{loop:.1f}'} | {ratio} "
+                f"| {'-' if ttft is None else f'{ttft * 1e3:.1f}'} "
+                f"| {'-' if tpot is None else f'{tpot * 1e3:.2f}'} |"
             )
+
+        with tempfile.TemporaryDirectory(prefix="kvserve-bench-model-") as folder:
+            t0 = time.perf_counter()
+            write_checkpoint(hf, Path(folder))
+            self.emit(f"\nkvserve serve over HTTP (checkpoint written in "
+                      f"{time.perf_counter() - t0:.1f} s)\n| users | requests | ok "
+                      "| server tok/s | closed loop tok/s | server / closed loop | TTFT p50 ms "
+                      "| TPOT p50 ms |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+            self._runner = self._models = None  # the server needs the GPU's memory
+            del hf
+            gc.collect()  # the runner's cycles (graphs, threads) hold the pool and weights
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+                held = torch.cuda.memory_reserved(self.device) / 2**30
+                self.emit(f"(this process holds {held:.1f} GiB of GPU memory for the server's run)")
+            serve_http(
+                Path(folder), load, device=str(self.device), dtype=dtype_name(s.dtype),
+                backend=self.backend, emit=emit,
+            )  # fmt: skip
 
 
 def parse_sections(text: str) -> list[str]:
@@ -566,6 +602,13 @@ def parse_sections(text: str) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (CI)")
+    parser.add_argument(
+        "--quick", action="store_true", help="every headline figure, fewer cases and steps"
+    )
+    parser.add_argument(
+        "--transformers", action="store_true",
+        help="serving also runs transformers' static batches (always in the dry run)",
+    )  # fmt: skip
     parser.add_argument("--device", default=None, help="default: cuda (cpu with --dry-run)")
     parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKEND_CHOICES)
     parser.add_argument(
@@ -589,7 +632,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     def emit(line: str) -> None:
         print(line, flush=True)
 
-    sizes = DRY if args.dry_run else FULL
+    sizes = DRY if args.dry_run else QUICK if args.quick else FULL
+    if args.transformers:
+        sizes = dataclasses.replace(sizes, transformers=True)
     Bench(sizes, device, args.attention_backend, emit, save).run(args.sections)
     return 0
 

@@ -49,13 +49,15 @@ def load_runner(max_len: int, threads: int) -> Any:
     """The default serving runner (native GGUF weights, fused step, fp16 KV)."""
     import torch
 
+    from model_runner.config import RunnerOptions
     from model_runner.loader import load_model
     from model_runner.runner import TorchRunner
 
     torch.set_num_threads(threads)
     loaded = load_model(None, weights="native")
     num_blocks = -(-max_len // BLOCK_SIZE) + 2
-    return TorchRunner(loaded.config, loaded.state_dict, num_blocks, BLOCK_SIZE, torch.float32)
+    options = RunnerOptions(num_blocks, BLOCK_SIZE, dtype=torch.float32)
+    return TorchRunner(loaded.config, loaded.state_dict, options)
 
 
 def measure(runner: Any, strategy: str, length: int, tokens: int) -> Point:

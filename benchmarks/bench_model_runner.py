@@ -30,10 +30,11 @@ import copy
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
-from model_runner.config import ModelConfig
+from model_runner.config import ModelConfig, RunnerOptions
 from model_runner.device import resolve_kv_dtype
 from model_runner.kv_pool import KVPool
 from model_runner.paths import EagerPath, ForwardPaths
@@ -102,12 +103,10 @@ def load_weights(force_random: bool) -> tuple[ModelConfig, dict[str, torch.Tenso
     return c, state, f"random weights of SmolLM2-135M's shapes ({reason})"
 
 
-def quantized_runner(
-    num_blocks: int, force_random: bool, fused_step: bool | None = None
-) -> tuple[TorchRunner | None, str]:
+def quantized_runner(options: RunnerOptions, force_random: bool) -> tuple[TorchRunner | None, str]:
     """The runner serving uses by default: the GGUF's own Q4_1 / Q8_0 weights on kvserve's
-    kernels, with the fused step (``fused_step=False``: without); None (and why) when the
-    file or kernels are missing."""
+    kernels, with the fused step (``options.fused_step=False``: without) and the default KV
+    dtype; None (and why) when the file or kernels are missing."""
     if force_random:
         return None, "not measured (--random-weights)"
     try:
@@ -119,15 +118,7 @@ def quantized_runner(
         loaded = load_model(None, weights="native")
     except (ImportError, RuntimeError, OSError) as exc:
         return None, f"not measured: {exc}"
-    runner = TorchRunner(
-        loaded.config,
-        loaded.state_dict,
-        num_blocks,
-        BLOCK_SIZE,
-        torch.float32,
-        "cpu",
-        fused_step=fused_step,
-    )
+    runner = TorchRunner(loaded.config, loaded.state_dict, replace(options, kv_dtype=None))
     return runner, (
         f"{loaded.name} as stored ({runner.info.weights}, "
         f"{runner.info.weight_bytes / 2**20:.0f} MiB), "
@@ -260,26 +251,18 @@ def main() -> None:
     # Decode requests use blocks [0, max_batch * per_seq); prompts use the blocks after them.
     prompt_base = max_batch * (-(-(args.context + 1) // BLOCK_SIZE))
     num_blocks = prompt_base + -(-max(args.prefill_len, 128) // BLOCK_SIZE)
-    ours = TorchRunner(
-        config, state, num_blocks, BLOCK_SIZE, torch.float32, "cpu", kv_dtype="float32"
+    options = RunnerOptions(
+        num_blocks, BLOCK_SIZE, dtype=torch.float32, device="cpu", kv_dtype="float32"
     )
+    ours = TorchRunner(config, state, options)
     vocab = config.vocab_size
     kv_dtypes = args.kv_dtypes.split(",")
     if args.only_kv:
         del state
         kv_table(ours, kv_dtypes, batches, args.context, steps, source)
         return
-    quant, quant_source = quantized_runner(num_blocks, args.random_weights)
-    plain = TorchRunner(
-        config,
-        state,
-        num_blocks,
-        BLOCK_SIZE,
-        torch.float32,
-        "cpu",
-        kv_dtype="float32",
-        use_onednn=False,
-    )
+    quant, quant_source = quantized_runner(options, args.random_weights)
+    plain = TorchRunner(config, state, replace(options, use_onednn=False))
     del state
 
     print(
@@ -382,7 +365,8 @@ def main() -> None:
         )
 
     if quant is not None:
-        torch_path, _ = quantized_runner(num_blocks, args.random_weights, fused_step=False)
+        no_fused = replace(options, fused_step=False)
+        torch_path, _ = quantized_runner(no_fused, args.random_weights)
         assert torch_path is not None
         mixed_step_table(quant, torch_path, prompt, prompt_base, args.context, steps)
 

@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CHAT128 = REPO_ROOT.parent / "shared" / "workloads" / "chat128.json"
+from loadtest.workload import CHAT128_PROMPTS
+
 MODELS = ("embedded", "embedded-q4km", "random-1b-q4km")
 
 
@@ -125,6 +125,7 @@ def runner_rates(path: Path, threads: int, prompt_len: int = 512) -> tuple[float
     resident weight bytes, KV bytes read per decode step) through kvserve's runner."""
     import torch
 
+    from model_runner.config import RunnerOptions
     from model_runner.loader import load_model
     from model_runner.runner import TorchRunner
     from scheduler import SamplingParams
@@ -134,7 +135,8 @@ def runner_rates(path: Path, threads: int, prompt_len: int = 512) -> tuple[float
     model = load_model(str(path), weights="auto")
     block = 16
     blocks = -(-(prompt_len + 64) // block)
-    runner = TorchRunner(model.config, model.state_dict, blocks + 1, block, torch.float32, "cpu")
+    options = RunnerOptions(blocks + 1, block, dtype=torch.float32, device="cpu")
+    runner = TorchRunner(model.config, model.state_dict, options)
     greedy = SamplingParams(temperature=0.0)
     ids = torch.randint(
         100, 1000, (prompt_len + 64,), generator=torch.Generator().manual_seed(0)
@@ -324,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--levels", default="1:4,8:16,32:64", help="USERS:REQUESTS,...")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out-tokens", type=int, default=128)
-    p.add_argument("--workload-file", type=Path, default=DEFAULT_CHAT128)
+    p.add_argument("--workload-file", type=Path, default=CHAT128_PROMPTS)
     p.add_argument("--work-dir", type=Path, default=None, help="where built models are cached")
     p.add_argument("--no-serving", action="store_true", help="only the runner / llama-bench rows")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here too")

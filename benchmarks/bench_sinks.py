@@ -60,19 +60,15 @@ def run_config(
     import torch
 
     from cache_manager import KVCacheConfig, KVCacheManager
+    from model_runner.config import RunnerOptions
     from model_runner.runner import TorchRunner
     from scheduler import ModelOutput, Request, SamplingParams, Scheduler, SchedulerConfig
 
     num_blocks = -(-len(token_ids) // BLOCK_SIZE) + 4
-    runner = TorchRunner(
-        loaded.config,
-        loaded.state_dict,
-        num_blocks,
-        BLOCK_SIZE,
-        torch.float32,
-        sliding_window=window,
-        attention_sinks=sinks,
+    options = RunnerOptions(
+        num_blocks, BLOCK_SIZE, dtype=torch.float32, sliding_window=window, attention_sinks=sinks
     )
+    runner = TorchRunner(loaded.config, loaded.state_dict, options)
     kv = KVCacheManager(
         KVCacheConfig(
             num_blocks=num_blocks,

@@ -7,18 +7,18 @@
 
 Sections, each comparison measured side by side in the same run:
 
-- ``chat128``: the reference workload (``../shared/workloads/chat128.json``: 64 chat prompts of
-  exactly 128 tokens, 128 output tokens with ignore_eos, greedy) in closed loop at 1, 8 and 32
-  users: kvserve through gRPC (a ``kvserve serve --runner torch`` subprocess) against Hugging
-  Face transformers one request at a time and in static batches of the same size (the GGUF's
-  weights dequantized to fp32, same thread count). kvserve serves its defaults: the GGUF's own
-  Q4_1/Q8_0 weights on kvserve's kernels (``--weights auto``) and an fp16 KV cache. To fit
-  the time budget a level runs fewer than 64 requests (1 user: 4, 8 users: 16, 32 users: 64);
-  the table says how many. At each level llama.cpp's
-  ``llama-server`` runs right after kvserve on the same GGUF, the same requests and the same
-  load generator (``--api openai``): built once from a PyPI source package and cached outside
-  the repository (``benchmarks/bench_llama_cpp.py``). When it cannot be built or started, its
-  columns say "not measured: <reason>"; no figure is ever quoted from elsewhere.
+- ``chat128``: the reference workload (``loadtest/workloads/prompts/chat128.json``: 64 chat
+  prompts of exactly 128 tokens, 128 output tokens with ignore_eos, greedy) in closed loop at 1, 8
+  and 32 users: kvserve through gRPC (a ``kvserve serve --runner torch`` subprocess) against
+  Hugging Face transformers one request at a time and in static batches of the same size (the
+  GGUF's weights dequantized to fp32, same thread count). kvserve serves its defaults: the GGUF's
+  own Q4_1/Q8_0 weights on kvserve's kernels (``--weights auto``) and an fp16 KV cache. To fit the
+  time budget a level runs fewer than 64 requests (1 user: 4, 8 users: 16, 32 users: 64); the
+  table says how many. At each level llama.cpp's ``llama-server`` runs right after kvserve on the
+  same GGUF, the same requests and the same load generator (``--api openai``): built once from a
+  PyPI source package and cached outside the repository (``benchmarks/bench_llama_cpp.py``). When
+  it cannot be built or started, its columns say "not measured: <reason>"; no figure is ever
+  quoted from elsewhere.
 - ``policy``: prefill-first against stall-free on a mix of long and short prompts (same token
   budget per step): p99 inter-token latency and throughput.
 - ``prefix``: prefix caching on against off on a shared-system-prompt workload: TTFT.
@@ -78,9 +78,9 @@ from benchmarks.bench_llama_cpp import LlamaCpp, find_llama_cpp, llama_cpp_note
 from benchmarks.sections import Context, SectionResult, say
 from benchmarks.sizes import FULL, QUICK
 from benchmarks.table import Row, format_table
+from loadtest.workload import CHAT128_PROMPTS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CHAT128 = REPO_ROOT.parent / "shared" / "workloads" / "chat128.json"
 LLAMA_CPP_MODES = ("build", "cached", "off")
 
 # Every section, in table order: its name and how it runs. A new section is one line here.
@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--workload-file",
         type=Path,
-        default=DEFAULT_CHAT128,
-        help="the chat128 prompt file (default: ../shared/workloads/chat128.json)",
+        default=CHAT128_PROMPTS,
+        help="the chat128 prompt file (default: loadtest/workloads/prompts/chat128.json)",
     )
     p.add_argument("--threads", type=int, default=2, help="torch threads, both sides (2)")
     p.add_argument(

@@ -22,13 +22,21 @@ through the same request router as gRPC::
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.edge import INTERNAL_ROUTE
 from cluster.pd import DEFAULT_MIN_TRANSFER_TOKENS
-from cluster.routing import ROUTERS
+from cluster.routing import DEFAULT_GUARD, ROUTERS, LoadGuard
 from server.config import build_config
+
+logger = logging.getLogger(__name__)
 
 GENERATION_SERVICER = "cluster.ingress.add_generation_service"
 ROUTER_CLASS = "cluster.ray_router:KVServeRequestRouter"
@@ -36,8 +44,11 @@ DEFAULT_APP_NAME = "kvserve"
 PREFILL_DEPLOYMENT = "KVServePrefill"  # the prefill replicas of a prefill / decode split
 OPENAI_APP_NAME = "kvserve-openai"  # the OpenAI ingress: an application of its own, route "/"
 # The replicas' application needs a route for Ray's gRPC proxy to see it at all; "/" is the
-# OpenAI ingress's, so it gets this one (nothing of the HTTP API lives under it).
-GRPC_ROUTE_PREFIX = "/_kvserve_grpc"
+# OpenAI ingress's, so it gets this one (the proxy's edge answers 404 there: cluster.edge).
+GRPC_ROUTE_PREFIX = INTERNAL_ROUTE
+# How often a stopping replica looks whether its requests ended (Ray's default: 2 s, slept
+# before the first look, although the cluster's drain has emptied it already).
+SHUTDOWN_WAIT_LOOP_S = 0.2
 
 # Ray Serve gives its proxy 5 s to answer a readiness check and kills it after 3 missed
 # health checks: on a host whose cores are busy with other work (a compiler, a test run) a
@@ -55,42 +66,147 @@ def set_ray_env(environ: MutableMapping[str, str]) -> None:
         environ.setdefault(key, value)
 
 
+# Ray 2.60.0 gives a new local node 30 s (hard-coded) to register with its GCS; on a host
+# whose cores are busy with other work, starting one took 31-52 s (load 15 on 2 cores).
+RAY_START_ATTEMPTS = 3
+
+
+def init_ray(**init_kwargs: Any) -> None:
+    """``ray.init(**init_kwargs)`` after ``set_ray_env``. A local node that missed its start-up
+    window is started again (its processes, children of this one, stopped first), up to
+    ``RAY_START_ATTEMPTS`` times."""
+    import ray
+
+    set_ray_env(os.environ)
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        before = _descendants(os.getpid())
+        try:
+            ray.init(**init_kwargs)
+            return
+        except Exception as exc:
+            if "timed out during startup" not in str(exc) or attempt == RAY_START_ATTEMPTS:
+                raise
+            for pid in _descendants(os.getpid()) - before:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            ray.shutdown()
+            logger.warning("Ray's node did not start in time (busy host?); starting it again")
+
+
+def _descendants(pid: int) -> set[int]:
+    """The processes below ``pid`` (Linux /proc; elsewhere none are known)."""
+    parents: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError):
+                    stat = open(f"/proc/{entry}/stat").read()  # noqa: SIM115
+                    parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _flag(flag: str, help_text: str, **cli: Any) -> dict[str, Any]:
+    """A ClusterConfig field's ``kvserve cluster serve`` flag (``cluster.cli`` builds the
+    parser from these); ``cli`` overrides what the flag takes (``default``, ``choices``)."""
+    return {"flag": flag, "help": help_text, **cli}
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    """How many replicas, how requests find them, and each replica's engine settings."""
+    """How many replicas, how requests find them, and each replica's engine settings. Fields
+    with a ``flag`` are ``kvserve cluster serve``'s cluster flags, defaults from here."""
 
     engine: dict[str, Any] = field(default_factory=dict)  # ServerConfig keys
-    num_replicas: int = 2
-    router: str = "cost"
-    imbalance_abs: int = 8  # prefix router's load guard: busiest - idlest > this ...
-    imbalance_rel: float = 1.5  # ... and busiest > this x idlest -> power of two choices
+    num_replicas: int = field(default=2, metadata=_flag("--replicas", "replicas"))
+    router: str = field(
+        default="cost",
+        metadata=_flag(
+            "--router",
+            "how requests pick a replica: cost = the lowest estimated time to first token over "
+            "each replica's RAM, the shared KV tier and recomputation; prefix = the longest "
+            "prefix held in RAM",
+            choices=ROUTERS,
+        ),
+    )
+    # The load guard (cluster.routing.LoadGuard): busiest - idlest > imbalance_abs and
+    # busiest > imbalance_rel x idlest -> power of two choices.
+    imbalance_abs: int = field(
+        default=DEFAULT_GUARD.imbalance_abs,
+        metadata=_flag("--imbalance-abs", "load guard: busiest - idlest replica, in requests"),
+    )
+    imbalance_rel: float = field(
+        default=DEFAULT_GUARD.imbalance_rel,
+        metadata=_flag(
+            "--imbalance-rel", "... and busiest / idlest above this -> power of two choices"
+        ),
+    )
     router_metrics_port: int | None = None  # /metrics + /targets of the router (proxy)
     metrics_host: str = "127.0.0.1"  # where replicas and the router serve /metrics
-    replica_num_cpus: float = 0.0  # Ray CPUs each replica reserves
+    # Ray CPUs each replica reserves; the CLI reserves one, so Ray spreads replicas by cores.
+    replica_num_cpus: float = field(
+        default=0.0,
+        metadata=_flag("--replica-cpus", "Ray CPUs each replica reserves", default=1.0),
+    )
     max_ongoing_requests: int = 1024  # per replica; the engine queues and admits itself
     routing_stats_period_s: float = 1.0  # how often Ray polls each replica's report
     health_check_period_s: float = 2.0
     graceful_shutdown_timeout_s: float = 30.0  # a stopping replica drains this long
-    num_http_ingress: int = 1  # OpenAI ingress replicas (cluster.openai_ingress)
+    num_http_ingress: int = field(
+        default=1,
+        metadata=_flag(
+            "--http-ingress-replicas",
+            "OpenAI ingress replicas (cluster.openai_ingress); with more than one, a killed "
+            "ingress's new requests go to another",
+        ),
+    )
     # Prefill / decode split (cluster.pd): this many prefill replicas beside num_replicas
     # decode replicas; 0: every replica does both.
-    num_prefill_replicas: int = 0
+    num_prefill_replicas: int = field(
+        default=0,
+        metadata=_flag(
+            "--prefill-replicas",
+            "prefill / decode split: this many prefill replicas, and --replicas decode "
+            "replicas that read their KV from the shared tier (needs --kv-disk-dir); 0: every "
+            "replica does both",
+        ),
+    )
     # Engine settings of the prefill replicas that differ from ``engine`` (their pool, their
     # threads); the shared tier's settings must stay the same.
     prefill_engine: dict[str, Any] = field(default_factory=dict)
-    transfer_timeout_s: float = 60.0  # a decode replica's wait for a prefill replica
-    transfer_min_tokens: int = DEFAULT_MIN_TRANSFER_TOKENS  # fewer: computed where they land
+    transfer_timeout_s: float = field(
+        default=60.0,
+        metadata=_flag(
+            "--pd-transfer-timeout-s",
+            "a decode replica's wait for a prefill replica; past it, it computes the prompt itself",
+        ),
+    )
+    startup_timeout_s: float = field(
+        default=600.0,
+        metadata=_flag(
+            "--startup-timeout-s",
+            "how long the replicas may take to start (placed, model loaded); past it the CLI "
+            "says why (Ray's message) and exits 1",
+        ),
+    )
+    transfer_min_tokens: int = field(
+        default=DEFAULT_MIN_TRANSFER_TOKENS,
+        metadata=_flag(
+            "--pd-min-transfer-tokens",
+            "prompts with fewer new tokens are computed on the decode replica",
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.num_replicas}")
         if self.router not in ROUTERS:
             raise ValueError(f"router must be one of {', '.join(ROUTERS)}; got {self.router!r}")
-        if self.imbalance_abs < 0 or self.imbalance_rel < 1.0:
-            raise ValueError(
-                f"imbalance_abs must be >= 0 and imbalance_rel >= 1.0, "
-                f"got {self.imbalance_abs} and {self.imbalance_rel}"
-            )
+        LoadGuard(self.imbalance_abs, self.imbalance_rel)  # raises naming the bad one
         if self.replica_num_cpus < 0:
             raise ValueError(f"replica_num_cpus must be >= 0, got {self.replica_num_cpus}")
         if self.num_http_ingress < 1:
@@ -116,6 +232,12 @@ class ClusterConfig:
                 f"transfer_timeout_s must be > 0 and transfer_min_tokens >= 1, got "
                 f"{self.transfer_timeout_s} and {self.transfer_min_tokens}"
             )
+
+
+def replica_logging(log_level: str) -> dict[str, Any]:
+    """Ray Serve's logging of a replica: ``--log-level``, and no line per request (a single
+    server logs none; the metrics count every request)."""
+    return {"log_level": log_level.upper(), "enable_access_log": False}
 
 
 def grpc_options(port: int = 50051) -> Any:
@@ -164,6 +286,8 @@ def _replicas(cfg: ClusterConfig, name: str, num_replicas: int, metrics_port: in
     from cluster.replica import KVServeReplica
 
     engine = build_config(cfg.engine, environ={})
+    security = engine.security()
+    gate = security.owner_gate()
     capacity_blocks = engine.num_blocks or 4096  # refined by each replica's own report
     shared_tier_blocks = None
     if engine.kv_disk_dir is not None:  # one store shared by the replicas: a key per block
@@ -181,6 +305,16 @@ def _replicas(cfg: ClusterConfig, name: str, num_replicas: int, metrics_port: in
             "metrics_port": metrics_port,
             "shared_tier_blocks": shared_tier_blocks,
             "chunk_tokens": engine.long_prefill_token_threshold or engine.max_num_batched_tokens,
+            "auth": security.auth_enabled,
+            # Key digests, never the keys: Ray keeps these settings in the deployment config.
+            "metrics_gate": {
+                "api_owners": sorted(gate.api_owners),
+                "admin_owners": sorted(gate.admin_owners),
+                "metrics_require_key": gate.metrics_require_key,
+            }
+            if gate.auth_enabled
+            else None,
+            "metrics_limits": dataclasses.asdict(engine.edge_limits().metrics),
         },
         request_routing_stats_period_s=cfg.routing_stats_period_s,
         request_routing_stats_timeout_s=max(cfg.routing_stats_period_s, 1.0),
@@ -188,11 +322,13 @@ def _replicas(cfg: ClusterConfig, name: str, num_replicas: int, metrics_port: in
     return serve.deployment(
         KVServeReplica,
         name=name,
+        logging_config=replica_logging(engine.log_level),
         num_replicas=num_replicas,
         max_ongoing_requests=cfg.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.replica_num_cpus},
         health_check_period_s=cfg.health_check_period_s,
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,
         request_router_config=router_config,
     )
 
@@ -208,11 +344,13 @@ def build_openai_app(cfg: ClusterConfig, replicas_app: str = DEFAULT_APP_NAME) -
     deployment = serve.deployment(
         serve.ingress()(OpenAIIngress),
         name="OpenAIIngress",
+        logging_config=replica_logging(build_config(cfg.engine, environ={}).log_level),
         num_replicas=cfg.num_http_ingress,
         max_ongoing_requests=cfg.max_ongoing_requests * cfg.num_replicas,
         ray_actor_options={"num_cpus": 0},
         health_check_period_s=cfg.health_check_period_s,
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,
     )
     return deployment.bind(dict(cfg.engine), replicas_app)
 

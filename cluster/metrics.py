@@ -10,6 +10,7 @@ decisions, and one address that lists every scrape target.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -21,10 +22,13 @@ from cluster.routing import REASONS, TIERS, Decision
 from metrics.histogram import TOKEN_COUNT_BUCKETS
 from server.asgi import (
     ThreadedAsgiServer,
+    admin_gate,
     metrics_app,
     metrics_limits,
     start_asgi_server_thread,
 )
+from server.auth import OwnerGate, Security
+from server.http_guard import HttpLimits
 
 
 class LabelledCollector:
@@ -110,8 +114,11 @@ def start_router_metrics_server(
     port: int,
     registry: CollectorRegistry,
     targets: Callable[[], list[str]],
+    gate: OwnerGate | None = None,
+    limits: HttpLimits | None = None,
 ) -> ThreadedAsgiServer:
-    """Serve ``/metrics`` and ``/targets`` (http_sd JSON: this address + ``targets()``)."""
+    """Serve ``/metrics`` and ``/targets`` (http_sd JSON: this address + ``targets()``), both
+    behind ``gate`` (the admin key, when keys are on: /targets names every replica)."""
     metrics = metrics_app(registry)
     bound: dict[str, int] = {}
 
@@ -123,17 +130,35 @@ def start_router_metrics_server(
             return
         await metrics(scope, receive, send)
 
-    server = _serve(app, host, port, "kvserve-router-metrics")
+    server = _serve(admin_gate(app, gate), host, port, "kvserve-router-metrics", None, limits)
     bound["port"] = server.port
     return server
 
 
-def start_metrics_server(host: str, port: int, registry: CollectorRegistry) -> ThreadedAsgiServer:
+def start_metrics_server(
+    host: str,
+    port: int,
+    registry: CollectorRegistry,
+    security: Security | None = None,
+    limits: HttpLimits | None = None,
+) -> ThreadedAsgiServer:
     """Serve a replica's ``registry`` on ``/metrics`` (a Ray actor runs no event loop of ours
-    for it: the server's own /metrics app on a thread)."""
-    return _serve(metrics_app(registry), host, port, "kvserve-replica-metrics")
+    for it: the server's own /metrics app on a thread), with the single server's admin key
+    and TLS (``security``) and limits."""
+    app = metrics_app(registry, security)
+    return _serve(app, host, port, "kvserve-replica-metrics", security, limits)
 
 
-def _serve(app: ASGIApp, host: str, port: int, name: str) -> ThreadedAsgiServer:
+def _serve(
+    app: ASGIApp,
+    host: str,
+    port: int,
+    name: str,
+    security: Security | None,
+    limits: HttpLimits | None,
+) -> ThreadedAsgiServer:
     # Bounded: timeouts, and idle connections closed at the cap (server.http_guard).
-    return start_asgi_server_thread(app, host, port, limits=metrics_limits(), name=name)
+    limits = limits if limits is not None else metrics_limits()
+    if not limits.max_connections:  # 0: a metrics port's small cap, as kvserve serve's
+        limits = dataclasses.replace(limits, max_connections=metrics_limits().max_connections)
+    return start_asgi_server_thread(app, host, port, security, limits=limits, name=name)

@@ -20,18 +20,53 @@ A replica that dies mid-stream ends its streams with an SSE error event (HTTP 50
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
+import grpc
+
+from cluster.drain import watch_drain
 from scheduler.request import Request
 from server.config import build_config
 from server.engine import EngineDeadError
+from server.frontend import RpcError
 from server.outputs import GenerationOutput
 
 GENERATE_METHOD = "generate_request"
 REPLICA_DEPLOYMENT = "KVServeReplica"
+# Statuses set on purpose (a refusal, a drain): answered quietly, as a single server answers
+# them; anything else is a failure, logged with its traceback.
+EXPECTED_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A replica's answer that ends a request with a status (gRPC code name), sent as a value:
+    Ray logs every exception a replica raises, with its traceback."""
+
+    code: str
+    details: str
+
+    def error(self) -> RpcError:
+        return RpcError(grpc.StatusCode[self.code], self.details)
 
 
 class ReplicaDiedError(EngineDeadError):
@@ -69,12 +104,15 @@ class RemoteEngineClient:
     """``EngineClient``'s face (what ``Frontend`` calls) over the replicas' handle.
 
     ``generate`` sends the engine request to a replica chosen by the deployment's request
-    router and yields its outputs; leaving early cancels the call there (an abort).
+    router and yields its outputs; leaving early cancels the call there (an abort). A
+    replica's ``Refusal`` is raised here as the status it names.
     """
 
     def __init__(self, replicas: Any) -> None:
         self._handle = replicas.options(stream=True, method_name=GENERATE_METHOD)
         self._active: set[str] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     @property
     def num_in_flight(self) -> int:
@@ -83,23 +121,39 @@ class RemoteEngineClient:
     def active_request_ids(self) -> list[str]:
         return list(self._active)
 
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Whether every call ended within ``timeout_s``."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
     async def generate(
         self, request: Request, *, deadline_s: float | None = None
     ) -> AsyncIterator[GenerationOutput]:
         # A deadline is a monotonic time of this host: sent as the seconds left.
         timeout_s = None if deadline_s is None else deadline_s - time.monotonic()
         self._active.add(request.request_id)
+        self._idle.clear()
         responses = self._handle.remote(request, timeout_s)
         finished = False
         try:
             async for out in responses:
+                if isinstance(out, Refusal):
+                    finished = True
+                    raise out.error()
                 yield out
             finished = True
+        except RpcError:
+            raise
         except Exception as exc:
             finished = True  # the call is over: nothing to cancel
             raise unwrap_ray_error(exc) from exc
         finally:
             self._active.discard(request.request_id)
+            if not self._active:
+                self._idle.set()
             if not finished:
                 with contextlib.suppress(Exception):
                     responses.cancel()
@@ -142,6 +196,17 @@ class OpenAIIngress:
             adapters=Adapters(infos=infos, base_name=model.name),
         )
         self.front = OpenAIFront(self.frontend, security, max_request_bytes=cfg.max_request_bytes)
+        context = serve.get_replica_context()
+        self._drain = watch_drain(
+            replicas_app, f"ingress {context.replica_id.unique_id}", self.drain
+        )
+
+    async def drain(self, grace_s: float) -> None:
+        """The cluster's drain (``cluster.drain``): new calls get the 503 of a single server's
+        drain; streams run on until their replicas end them (at ``grace_s`` at the latest,
+        with the service_unavailable event)."""
+        self.frontend.accepting = False
+        await self.client.wait_idle(grace_s + 5.0)
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.front.app

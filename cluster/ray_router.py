@@ -7,6 +7,13 @@ proxy hands over a pickled ``GenerateRequest``), tokenizes the prompt exactly as
 would (``server.frontend.prompt_token_ids``), hashes its blocks (``routing.routing_keys``)
 and asks the router. Other methods (GetModelInfo, ...) go to the least loaded replica.
 
+A request's id lives on one replica: the router remembers which replica holds each (owner,
+request id) it sent (the owner as ``server.auth`` scopes ids: the API key's digest, or the
+peer's host). An ``Abort`` goes to that replica, so it answers ``found`` as a single server
+would, and a second request with an id in flight goes there too, where the engine refuses
+the duplicate (ALREADY_EXISTS, HTTP 409). Each router knows what it sent: the gRPC proxy's
+router the gRPC calls, each OpenAI ingress's router its HTTP calls.
+
 Load is counted here, per replica: requests sent and not yet completed. Each replica's
 report (``KVServeReplica.record_routing_stats``) adds the block keys it admitted, so the
 index also learns what other proxies sent, and marks a draining replica, which gets no new
@@ -21,7 +28,6 @@ so spilled: with a shared tier (``--kv-disk-dir``), its keys become shared-tier 
 from __future__ import annotations
 
 import logging
-import math
 import pickle
 import time
 from collections import Counter, OrderedDict
@@ -31,55 +37,21 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from cluster.openai_ingress import GENERATE_METHOD, tokenizer_for
 from cluster.pd import PREFILL_METHOD
-from cluster.routing import (
-    CostModelPrice,
-    CostRouter,
-    PrefixRouter,
-    ReplicaLoad,
-    make_router,
-    routing_keys,
-)
-from scheduler.cost_model import FEATURES, StepCostModel, StepShape
+from cluster.routing import DEFAULT_GUARD, LoadGuard, ReplicaLoad, make_router, routing_keys
 from scheduler.request import LoraRef, Request
 from server.lora import cache_salt_with
+from server.rpc import generation_pb2 as pb
 
 # Keys of requests chosen but not yet routed / completed, at most this many (a request Ray
 # gave up on between the two leaves its entry behind).
 _MAX_TRACKED = 65_536
 
 
-def prices_from_reports(
-    reports: list[dict[str, Any]], chunk_tokens: int
-) -> tuple[CostModelPrice | None, float | None]:
-    """The mean of the replicas' reported step-cost models (None unless it prices more tokens
-    higher), and the mean reported restore seconds per block (None when none restored yet)."""
-    models = [
-        r["cost_model_s"]
-        for r in reports
-        if isinstance(r.get("cost_model_s"), list | tuple)
-        and len(r["cost_model_s"]) == len(FEATURES)
-        and all(isinstance(c, int | float) and math.isfinite(c) for c in r["cost_model_s"])
-    ]
-    price = None
-    if models:
-        mean = [sum(column) / len(models) for column in zip(*models, strict=True)]
-        model = StepCostModel(mean)
-        short = model.predict(StepShape.of([(chunk_tokens // 2, 0)], []))
-        if model.predict(StepShape.of([(chunk_tokens, 0)], [])) > short > 0:
-            price = CostModelPrice(model, chunk_tokens)
-    restores = [
-        float(r["restore_s_per_block"])
-        for r in reports
-        if isinstance(r.get("restore_s_per_block"), int | float) and r["restore_s_per_block"] > 0
-    ]
-    return price, (sum(restores) / len(restores) if restores else None)
-
-
 logger = logging.getLogger(__name__)
 
 
 class KVServeRequestRouter(RequestRouter):
-    """``--router {round-robin,power-of-two,prefix}`` inside Ray Serve."""
+    """``--router {cost,prefix,power-of-two,round-robin}`` inside Ray Serve."""
 
     def initialize_state(
         self,
@@ -87,27 +59,32 @@ class KVServeRequestRouter(RequestRouter):
         engine: dict[str, Any] | None = None,
         block_size: int = 16,
         capacity_blocks: int = 4096,
-        imbalance_abs: int = 8,
-        imbalance_rel: float = 1.5,
+        imbalance_abs: int = DEFAULT_GUARD.imbalance_abs,
+        imbalance_rel: float = DEFAULT_GUARD.imbalance_rel,
         metrics_host: str = "127.0.0.1",
         metrics_port: int | None = None,
         seed: int | None = None,
         shared_tier_blocks: int | None = None,
         chunk_tokens: int = 512,
+        auth: bool = False,
+        metrics_gate: dict[str, Any] | None = None,
+        metrics_limits: dict[str, Any] | None = None,
         **_: Any,
     ) -> None:
+        """``auth``: whether API keys are on (request ids are scoped by key, else by peer);
+        ``metrics_gate``: ``OwnerGate`` fields for /metrics and /targets (keys on);
+        ``metrics_limits``: ``HttpLimits`` fields of the metrics port."""
         self.router_name = router
         self.router = make_router(
             router,
             capacity_blocks=capacity_blocks,
-            imbalance_abs=imbalance_abs,
-            imbalance_rel=imbalance_rel,
+            guard=LoadGuard(imbalance_abs, imbalance_rel),
             seed=seed,
             block_size=block_size,
             shared_capacity_blocks=shared_tier_blocks,
             restore_s_per_block=1e-3,  # until a replica reports its own
+            chunk_tokens=chunk_tokens,
         )
-        self.chunk_tokens = chunk_tokens
         self._keys_of: OrderedDict[str, list[int]] = OrderedDict()  # internal id -> keys
         self.block_size = block_size
         self._engine = dict(engine or {})
@@ -116,20 +93,43 @@ class KVServeRequestRouter(RequestRouter):
         self._sent: dict[str, str] = {}  # internal request id -> replica id
         self._learned: dict[str, Any] = {}  # replica id -> the last report learned
         self._adapter_keys: dict[str, str] = {}  # LoRA adapter -> its key (replica reports)
+        self._auth = auth
+        self._ids_of: OrderedDict[str, str] = OrderedDict()  # internal id -> scoped id
+        self._holders: dict[str, tuple[str, str]] = {}  # scoped id -> (replica, internal id)
         self.metrics: Any = None
         if metrics_port is not None:
-            self._start_metrics(metrics_host, metrics_port)
+            self._start_metrics(metrics_host, metrics_port, metrics_gate, metrics_limits)
 
-    def _start_metrics(self, host: str, port: int) -> None:
+    def _start_metrics(
+        self,
+        host: str,
+        port: int,
+        gate: dict[str, Any] | None,
+        limits: dict[str, Any] | None,
+    ) -> None:
         from prometheus_client import CollectorRegistry
 
         from cluster.metrics import RouterMetrics, start_router_metrics_server
+        from server.auth import OwnerGate
+        from server.http_guard import HttpLimits
 
         registry = CollectorRegistry()
         self.metrics = RouterMetrics(registry, self.router_name)
+        owner_gate = None
+        if gate is not None:
+            owner_gate = OwnerGate(
+                frozenset(gate["api_owners"]),
+                frozenset(gate["admin_owners"]),
+                bool(gate["metrics_require_key"]),
+            )
         try:
             self._metrics_server = start_router_metrics_server(
-                host, port, registry, self._replica_metrics_urls
+                host,
+                port,
+                registry,
+                self._replica_metrics_urls,
+                owner_gate,
+                None if limits is None else HttpLimits(**limits),
             )
         except OSError as exc:  # a second proxy on this node: the first one serves them
             logger.warning("router metrics not served on %s:%d: %s", host, port, exc)
@@ -148,44 +148,62 @@ class KVServeRequestRouter(RequestRouter):
             urls.update(str(u) for u in stats.get("peer_metrics_urls") or ())
         return sorted(u for u in urls if u)
 
-    # ------------------------------------------------------------------ prompt -> keys
-    def _prompt_keys(self, pending: PendingRequest | None) -> tuple[list[int], int]:
-        """The request's block keys and prompt length; empty for calls that generate nothing.
-
-        ``Generate`` (the gRPC proxy) carries a ``GenerateRequest``, tokenized here;
-        ``generate_request`` (the OpenAI ingress) and ``prefill_request`` (a decode replica's
-        handoff) an engine request, tokenized already."""
+    # ------------------------------------------------------------------ request -> keys
+    def _message(self, pending: PendingRequest | None) -> Any:
+        """What the call carries: the engine request of ``generate_request`` (the OpenAI
+        ingress) and ``prefill_request`` (a decode replica's handoff), the gRPC proxy's
+        decoded message (``GenerateRequest``, ``AbortRequest``, ...); None otherwise."""
         if pending is None or not pending.args:
-            return [], 0
+            return None
+        arg = pending.args[0]
         if pending.metadata.call_method in (GENERATE_METHOD, PREFILL_METHOD):
-            engine_request = pending.args[0]
-            if not isinstance(engine_request, Request):
-                return [], 0
-            ids = engine_request.prompt_token_ids
-            return routing_keys(ids, self.block_size, engine_request.cache_salt), len(ids)
-        if pending.metadata.call_method != "Generate":
-            return [], 0
+            return arg if isinstance(arg, Request) else None
+        try:
+            return pickle.loads(arg).user_request_proto if isinstance(arg, bytes) else arg
+        except Exception:  # not ours to judge: the replica answers it with a clear status
+            logger.debug("undecodable request", exc_info=True)
+            return None
+
+    def _scoped_id(self, pending: PendingRequest, message: Any) -> str | None:
+        """The engine id (owner-scoped) a Generate or Abort names; None without one."""
+        from server.auth import grpc_peer_host, request_owner, scoped_id
+        from server.rpc import generation_pb2 as pb
+
+        if isinstance(message, Request):
+            return message.request_id if pending.metadata.call_method == GENERATE_METHOD else None
+        if not isinstance(message, pb.GenerateRequest | pb.AbortRequest) or not message.request_id:
+            return None
+        context = pending.metadata.grpc_context
+        metadata = dict(context.invocation_metadata()) if context is not None else {}
+        peer = grpc_peer_host(str(context.peer())) if context is not None else ""
+        owner = request_owner(metadata.get("authorization"), peer, self._auth)
+        return scoped_id(owner, message.request_id)
+
+    def _prompt_keys(self, message: Any) -> tuple[list[int], int]:
+        """The request's block keys and prompt length; empty for calls that generate nothing.
+        A gRPC ``GenerateRequest`` is tokenized here, as a replica would."""
         from server.frontend import prompt_token_ids
         from server.rpc import generation_pb2 as pb
 
-        arg = pending.args[0]
+        if isinstance(message, Request):
+            ids = message.prompt_token_ids
+            return routing_keys(ids, self.block_size, message.cache_salt), len(ids)
+        if not isinstance(message, pb.GenerateRequest):
+            return [], 0
         try:
-            request = pickle.loads(arg).user_request_proto if isinstance(arg, bytes) else arg
-            if not isinstance(request, pb.GenerateRequest):
-                return [], 0
             if self._tokenizer is None:
                 self._tokenizer = tokenizer_for(self._engine)
-            ids = prompt_token_ids(self._tokenizer, request)
+            ids = prompt_token_ids(self._tokenizer, message)
         except Exception:  # an invalid request: the replica answers it with a clear status
             logger.debug("no routing keys for request", exc_info=True)
             return [], 0
-        salt = self._adapter_salt(request.cache_salt or None, request)
+        salt = self._adapter_salt(message.cache_salt or None, message)
         return routing_keys(ids, self.block_size, salt), len(ids)
 
     def _adapter_salt(self, salt: str | None, request: Any) -> str | None:
         """``salt`` with the request's LoRA adapter in it, as the replicas salt its blocks
         (the key of its weights comes from their reports); ``salt`` for the base model."""
-        name = getattr(request, "adapter", "")
+        name = request.adapter
         if not name:
             return salt
         scale = request.adapter_scale if request.HasField("adapter_scale") else 1.0
@@ -196,33 +214,22 @@ class KVServeRequestRouter(RequestRouter):
 
     # ------------------------------------------------------------------ RequestRouter
     def _learn_reports(self, replicas: list[RunningReplica]) -> None:
+        """Each replica's latest report, once: the keys it admitted, the prices, and the
+        keys of its LoRA adapters."""
         for r in replicas:
             self._adapter_keys.update(r.routing_stats.get("adapters") or {})
         router = self.router
-        if not isinstance(router, PrefixRouter | CostRouter):
-            return
-        index = router.index
-        index.retain(r.replica_id.unique_id for r in replicas)
-        fresh = []
+        router.retain(r.replica_id.unique_id for r in replicas)
+        fresh = False
         for r in replicas:
             rid = r.replica_id.unique_id
             reported = r.routing_stats.get("keys")
-            if reported and self._learned.get(rid) is not reported:  # each report once
-                index.add(rid, reported)
+            if reported and self._learned.get(rid) is not reported:
+                router.learn(rid, reported)
                 self._learned[rid] = reported
-                fresh.append(r.routing_stats)
-        if fresh and isinstance(router, CostRouter):
-            price, restore_s = prices_from_reports(
-                [r.routing_stats for r in replicas], self.chunk_tokens
-            )
-            if price is not None:
-                router.price = price
-            if restore_s is not None:
-                router.restore_s_per_block = restore_s
-            sizes = [r.routing_stats.get("tier2_capacity_blocks") for r in replicas]
-            known = [n for n in sizes if isinstance(n, int) and n > 0]
-            if router.shared is not None and known:
-                router.shared.capacity_blocks = max(known)
+                fresh = True
+        if fresh:
+            router.reprice([r.routing_stats for r in replicas])
 
     async def choose_replicas(
         self,
@@ -237,7 +244,18 @@ class KVServeRequestRouter(RequestRouter):
         if not live:
             return []
         self._learn_reports(candidate_replicas)
-        keys, num_prompt_tokens = self._prompt_keys(pending_request)
+        message = self._message(pending_request)
+        if pending_request is not None:
+            scoped = self._scoped_id(pending_request, message)
+            if scoped is not None:
+                internal_id = pending_request.metadata.internal_request_id
+                holder = self._holders.get(scoped)
+                if not isinstance(message, pb.AbortRequest):
+                    self._track(self._ids_of, internal_id, scoped)
+                if holder is not None and holder[0] in by_id:
+                    # An Abort finds its request; a duplicate id is refused where it runs.
+                    return [[by_id[holder[0]]]]
+        keys, num_prompt_tokens = self._prompt_keys(message)
         if pending_request is None or not num_prompt_tokens:
             least = min(live, key=lambda r: (r.num_ongoing, r.replica_id))
             return [[by_id[least.replica_id]]]
@@ -245,19 +263,31 @@ class KVServeRequestRouter(RequestRouter):
             live, keys, num_prompt_tokens=num_prompt_tokens, now_s=time.monotonic()
         )
         if keys:
-            self._keys_of[pending_request.metadata.internal_request_id] = keys
-            while len(self._keys_of) > _MAX_TRACKED:
-                self._keys_of.popitem(last=False)
+            self._track(self._keys_of, pending_request.metadata.internal_request_id, keys)
         if self.metrics is not None:
             self.metrics.record(decision, self.block_size, num_prompt_tokens)
         return [[by_id[decision.replica_id]]]
+
+    @staticmethod
+    def _track(table: OrderedDict[str, Any], internal_id: str, value: Any) -> None:
+        """Remember ``value`` for a request until it completes (at most ``_MAX_TRACKED``: a
+        request Ray gave up on between routing and completion leaves its entry behind)."""
+        table[internal_id] = value
+        while len(table) > _MAX_TRACKED:
+            table.popitem(last=False)
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         rid = replica_id.unique_id
+        internal_id = pending_request.metadata.internal_request_id
         self._in_flight[rid] += 1
-        self._sent[pending_request.metadata.internal_request_id] = rid
+        self._sent[internal_id] = rid
+        scoped = self._ids_of.get(internal_id)
+        if scoped is not None:
+            self._holders.setdefault(scoped, (rid, internal_id))  # a duplicate keeps the first
+            while len(self._holders) > _MAX_TRACKED:
+                del self._holders[next(iter(self._holders))]
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         rid = self._sent.pop(internal_request_id, replica_id.unique_id)
@@ -266,11 +296,11 @@ class KVServeRequestRouter(RequestRouter):
         keys = self._keys_of.pop(internal_request_id, None)
         if keys:
             self.router.on_finished(rid, keys)
+        scoped = self._ids_of.pop(internal_request_id, None)
+        if scoped is not None and self._holders.get(scoped, ("", ""))[1] == internal_request_id:
+            del self._holders[scoped]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._in_flight.pop(replica_id.unique_id, None)
-        if isinstance(self.router, CostRouter):
-            self.router.forget(replica_id.unique_id)
-        elif isinstance(self.router, PrefixRouter):
-            self.router.index.drop(replica_id.unique_id)
+        self.router.forget(replica_id.unique_id)

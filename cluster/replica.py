@@ -27,21 +27,23 @@ from typing import Any
 import grpc
 
 from cache_manager import prefix_block_keys
+from cluster.drain import watch_drain
 from cluster.metrics import (
     advertised_host,
     labelled_registry,
     start_metrics_server,
 )
+from cluster.openai_ingress import EXPECTED_CODES, Refusal
 from cluster.pd import DEFAULT_MIN_TRANSFER_TOKENS, ROLES, PrefillHandoff, Role, prefill_job
 from cluster.routing import routing_keys
-from metrics.records import NullSink
 from model_runner.lora.info import AdapterInfo
 from scheduler.request import Request
 from server.config import ServerConfig, build_config
+from server.engine import EngineDeadError
 from server.engine_client import EngineClient
-from server.frontend import Frontend, ServedModel
+from server.frontend import Frontend, ServedModel, status_of
 from server.grpc_service import GenerationServicer
-from server.kv_tier import KVTier
+from server.lifecycle import drain
 from server.lora import Adapters
 from server.outputs import GenerationOutput
 from server.rpc import generation_pb2 as pb
@@ -51,6 +53,28 @@ logger = logging.getLogger(__name__)
 
 class ReplicaRpcError(Exception):
     """Ends a replica's RPC; the code is already set on Ray's gRPC context."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(code, details)  # both in args: Ray pickles it to the proxy
+        self.code, self.details = code, details
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.details}"
+
+
+class QuietRefusals(logging.Filter):
+    """Ray's replica logs every exception a method raised, with its traceback (wrapped in
+    Ray's ``gRPCStatusError``): a refusal (a status set on purpose: UNAUTHENTICATED,
+    RESOURCE_EXHAUSTED, ...) is the client's answer, not a failure; a single server logs
+    none."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        while exc is not None:
+            if isinstance(exc, ReplicaRpcError):
+                return exc.code not in EXPECTED_CODES
+            exc = exc.__cause__
+        return True
 
 
 class _RayContext:
@@ -77,7 +101,7 @@ class _RayContext:
         if self._context is not None:
             self._context.set_code(code)
             self._context.set_details(details)
-        raise ReplicaRpcError(f"{code.name}: {details}")
+        raise ReplicaRpcError(code, details)
 
 
 class _ArrivalKeys:
@@ -133,7 +157,7 @@ class KVServeReplica:
     a free one, reported to the router, which lists it at ``/targets``).
     """
 
-    def __init__(
+    async def __init__(
         self,
         engine: dict[str, Any] | None = None,
         *,
@@ -147,7 +171,7 @@ class KVServeReplica:
     ) -> None:
         from ray import serve
 
-        from server.build import build_engine
+        from server.build import attach_metrics, build_engine
 
         cfg: ServerConfig = build_config(engine or {}, environ={})
         if role not in ROLES:
@@ -159,6 +183,7 @@ class KVServeReplica:
         self.role = role
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
+        logging.getLogger("ray.serve").addFilter(QuietRefusals())
         rank = getattr(context, "rank", None)
         self.replica = str(getattr(rank, "rank", rank) if rank is not None else self.replica_id)
         built = build_engine(cfg)
@@ -176,19 +201,14 @@ class KVServeReplica:
         self.draining = False
         self._metrics_server: Any = None
         self.metrics_url = ""
-        sink = None
-        if cfg.metrics:
-            from prometheus_client import CollectorRegistry
-
-            from metrics.prometheus import PrometheusSink
-
-            inner = CollectorRegistry()
-            sink = PrometheusSink(
-                inner, model_info={"model": built.model.name, "replica_id": self.replica_id}
+        sink, registry = attach_metrics(built, cfg, replica_id=self.replica_id)
+        # A single server's API keys, tenants and structured outputs, on the gRPC path too.
+        security = cfg.security()
+        if registry is not None:
+            served = labelled_registry(registry, {"replica": self.replica, "role": role})
+            self._metrics_server = start_metrics_server(
+                metrics_host, metrics_port, served, security, cfg.edge_limits().metrics
             )
-            built.engine.sink = sink
-            served = labelled_registry(inner, {"replica": self.replica, "role": role})
-            self._metrics_server = start_metrics_server(metrics_host, metrics_port, served)
             self.metrics_url = f"{advertised_host(metrics_host)}:{self._metrics_server.port}"
         handoff = None
         if role == "decode":
@@ -197,13 +217,11 @@ class KVServeReplica:
                 built.scheduler.kv.has_cached_key,
                 built.model.block_size,
                 built.model.kv_memory_bytes // max(built.model.num_blocks, 1),
-                sink if sink is not None else NullSink(),
+                sink,
                 timeout_s=transfer_timeout_s,
                 min_tokens=transfer_min_tokens,
             )
         self.client = _ReportingClient(built.engine, self.arrivals, handoff, built.adapters)
-        # A single server's API keys, tenants and structured outputs, on the gRPC path too.
-        security = cfg.security()
         tracker = built.engine.constraint_tracker
         self.frontend = Frontend(
             self.client,
@@ -215,6 +233,7 @@ class KVServeReplica:
         )
         self.servicer = GenerationServicer(self.frontend, sink=sink, security=security)
         built.engine.start()
+        self._drain = watch_drain(context.app_name, f"replica {self.replica}", self.drain)
         logger.info(
             "replica %s (%s, %s): %s, %d KV blocks, metrics %s",
             self.replica,
@@ -258,6 +277,12 @@ class KVServeReplica:
             "adapters": {a.name: a.key for a in self.frontend.adapters.infos()},
         }
 
+    async def drain(self, grace_s: float) -> None:
+        """The cluster's drain (``cluster.drain``): refuse new generations, give in-flight
+        ones ``grace_s``, then abort the rest (their streams end saying retry)."""
+        self.draining = True
+        await drain(self.frontend, self.client, grace_s, abort_grace_s=1.0)
+
     def check_health(self) -> None:
         """Ray restarts a replica whose engine thread died."""
         if not self.built.engine.is_alive:
@@ -297,19 +322,24 @@ class KVServeReplica:
     # ------------------------------------------------------------------ the OpenAI ingress
     async def generate_request(
         self, request: Request, timeout_s: float | None = None
-    ) -> AsyncIterator[GenerationOutput]:
+    ) -> AsyncIterator[GenerationOutput | Refusal]:
         """An engine request the cluster's OpenAI ingress built (validated, tokenized, its
-        owner's salt and tenant set): its outputs as the engine publishes them. The caller
-        cancelling the call aborts the request here."""
-        if not self.frontend.accepting:
-            from server.frontend import RpcError
-
-            raise RpcError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        owner's salt and tenant set): its outputs as the engine publishes them, or a
+        ``Refusal`` (a status set on purpose: an exception here would be logged by Ray with
+        its traceback). The caller cancelling the call aborts the request here."""
         now = time.monotonic()
         request.arrival_time_s = now  # this host's clock: queue and TTFT are timed here
         deadline_s = None if timeout_s is None else now + timeout_s
-        async for out in self.client.generate(request, deadline_s=deadline_s):
-            yield out
+        try:
+            if not self.frontend.accepting:
+                raise EngineDeadError("server is shutting down")
+            async for out in self.client.generate(request, deadline_s=deadline_s):
+                yield out
+        except Exception as exc:
+            code, details = status_of(exc)
+            if code not in EXPECTED_CODES:
+                raise
+            yield Refusal(code.name, details)
 
     async def prefill_request(self, request: Request) -> dict[str, Any]:
         """A decode replica's handoff (``cluster.pd``): compute ``request``'s prompt KV here
@@ -318,13 +348,14 @@ class KVServeReplica:
         job = prefill_job(request)
         async for _ in self.client.generate(job):
             pass
-        tier = self.built.engine.tier
-        if not isinstance(tier, KVTier):
-            raise RuntimeError("no shared KV tier (kv_disk_dir) to publish the blocks to")
         tokens = job.prompt_token_ids
         keys = prefix_block_keys(tokens[: len(tokens) - 1], self.model.block_size, job.cache_salt)
+        tier = self.built.engine.tier
         if not await asyncio.to_thread(tier.wait_written, keys, job.cache_salt):
-            raise TimeoutError(f"{len(keys)} blocks not written to the shared store in time")
+            raise TimeoutError(
+                f"{len(keys)} blocks not published: the shared KV tier (kv_disk_dir) did not "
+                "write them in time, or there is none"
+            )
         return {"blocks": len(keys), "metrics_url": self.metrics_url}
 
     def served_model(self) -> ServedModel:
@@ -336,6 +367,5 @@ class KVServeReplica:
         return self.frontend.adapters.infos()
 
     async def Abort(self, request: pb.AbortRequest, grpc_context: Any = None) -> Any:
-        # Ray routes an Abort to any replica: it finds the request only where it runs. Client
-        # cancellation (closing the stream) reaches the right replica and is the way to stop.
+        """The router sends an Abort to the replica that runs the request it names."""
         return await self.servicer.Abort(request, _RayContext(grpc_context))  # type: ignore[arg-type]

@@ -13,14 +13,15 @@ replica received recently (what the router sent it, refreshed by what the replic
     replica A      k0 k1 k2          -> 3 blocks held: prefix hit of 3 * block_size tokens
     replica B      k0                -> 1
 
-``PrefixRouter`` picks the longest hit. Its load guard: when the busiest and the idlest
-replica differ by more than ``imbalance_abs`` requests *and* by more than
-``imbalance_rel`` times, it routes by power of two choices instead, as SGLang's
+A ``GuardedRouter`` ranks the replicas by a score and keeps a ``LoadGuard``: when the
+busiest and the idlest replica differ by more than ``imbalance_abs`` requests *and* by more
+than ``imbalance_rel`` times, it routes by power of two choices instead, as SGLang's
 cache-aware router does, so one hot prefix cannot pile every request onto one replica.
+``PrefixScore`` ranks by the longest hit (``--router prefix``).
 
-``CostRouter`` counts every tier. Replicas that share a KV tier 2 (one store on disk) can
-each restore a prefix that any of them spilled, so a prefix is in a replica's RAM, in the
-shared tier, or nowhere, and each has a price::
+``CostScore`` (``--router cost``) counts every tier. Replicas that share a KV tier 2 (one
+store on disk) can each restore a prefix that any of them spilled, so a prefix is in a
+replica's RAM, in the shared tier, or nowhere, and each has a price::
 
     request keys   k0 k1 k2 k3 k4 k5          (the chain continues from RAM into the tier)
     replica A      k0 k1                      RAM 2 blocks
@@ -33,19 +34,24 @@ with ``prefill_s`` from the step-cost model (``scheduler.cost_model``) and ``bac
 prefill work already routed to r and not yet done: each routed request adds its estimate to
 r's virtual clock, which runs down with real time (Mooncake's conductor estimates a
 request's time to first token the same way). The lowest estimate wins; the load guard stays.
+
+Every router offers the same hooks (SGLang's ``LoadBalancingPolicy``), whose defaults do
+nothing, so a caller never asks which router it holds: ``choose``, and ``on_finished``,
+``learn``, ``retain``, ``forget``, ``reprice`` for what the replicas report.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from cache_manager.hashing import prefix_block_keys
-from scheduler.cost_model import CostPredictor, StepShape
+from scheduler.cost_model import FEATURES, CostPredictor, StepCostModel, StepShape
 
 ROUTERS = ("round-robin", "power-of-two", "prefix", "cost")
 RouterName = Literal["round-robin", "power-of-two", "prefix", "cost"]
@@ -158,14 +164,41 @@ class PrefixIndex:
         """Forget a replica (a restarted one starts with an empty cache)."""
         self._keys.pop(replica_id, None)
 
-    def retain(self, replica_ids: Iterable[str]) -> None:
-        """Forget replicas that are gone (a restarted replica starts with an empty cache)."""
-        live = set(replica_ids)
-        for gone in [r for r in self._keys if r not in live]:
-            del self._keys[gone]
+    def replica_ids(self) -> list[str]:
+        """The replicas it holds keys of."""
+        return list(self._keys)
 
 
-class Router(Protocol):
+@dataclass(frozen=True, slots=True)
+class LoadGuard:
+    """When load beats prefix: the busiest replica has more than ``imbalance_abs`` requests
+    over the idlest *and* more than ``imbalance_rel`` times as many (SGLang's cache-aware
+    balance thresholds). ``LoadGuard()`` holds the defaults every caller reads."""
+
+    imbalance_abs: int = 8
+    imbalance_rel: float = 1.5
+
+    def __post_init__(self) -> None:
+        if self.imbalance_abs < 0 or self.imbalance_rel < 1.0:
+            raise ValueError(
+                f"imbalance_abs must be >= 0 and imbalance_rel >= 1.0, "
+                f"got {self.imbalance_abs} and {self.imbalance_rel}"
+            )
+
+    def tripped(self, replicas: Sequence[ReplicaLoad]) -> bool:
+        loads = [r.num_ongoing for r in replicas]
+        busiest, idlest = max(loads), min(loads)
+        return busiest - idlest > self.imbalance_abs and busiest > self.imbalance_rel * idlest
+
+
+DEFAULT_GUARD = LoadGuard()
+
+
+class Router(ABC):
+    """Picks a replica per request; learns from what happens to requests and what replicas
+    report. Every hook but ``choose`` does nothing unless a router needs it."""
+
+    @abstractmethod
     def choose(
         self,
         replicas: Sequence[ReplicaLoad],
@@ -176,15 +209,32 @@ class Router(Protocol):
     ) -> Decision:
         """Pick one of ``replicas`` (not empty, none draining) for a request with ``keys``
         (its prompt of ``num_prompt_tokens``; ``now_s`` on the router's clock)."""
-        ...
 
     def on_finished(self, replica_id: str, keys: Sequence[int]) -> None:
         """A request with ``keys`` ended on ``replica_id`` (its blocks were freed there)."""
-        ...
+        return None
+
+    def learn(self, replica_id: str | None, keys: Iterable[int]) -> None:
+        """``keys`` are in ``replica_id``'s RAM (its report), or with None in the tier the
+        replicas share (a replica spilled them)."""
+        return None
+
+    def retain(self, replica_ids: Iterable[str]) -> None:
+        """Only ``replica_ids`` are live: forget the others."""
+        return None
+
+    def forget(self, replica_id: str) -> None:
+        """``replica_id`` is gone (a restarted replica starts with an empty cache)."""
+        return None
+
+    def reprice(self, reports: Sequence[Mapping[str, Any]]) -> None:
+        """The replicas' latest reports (``KVServeReplica.record_routing_stats``): prices."""
+        return None
 
 
-class _LoadOnly(ABC):
-    """A router that looks at load alone: no prefix, no feedback."""
+class RoundRobinRouter(Router):
+    def __init__(self) -> None:
+        self._next = 0
 
     def choose(
         self,
@@ -194,34 +244,26 @@ class _LoadOnly(ABC):
         num_prompt_tokens: int = 0,
         now_s: float = 0.0,
     ) -> Decision:
-        return self.decide(replicas)
-
-    @abstractmethod
-    def decide(self, replicas: Sequence[ReplicaLoad]) -> Decision:
-        """Pick one of ``replicas`` by load alone."""
-
-    def on_finished(self, replica_id: str, keys: Sequence[int]) -> None:
-        return None
-
-
-class RoundRobinRouter(_LoadOnly):
-    def __init__(self) -> None:
-        self._next = 0
-
-    def decide(self, replicas: Sequence[ReplicaLoad]) -> Decision:
         ordered = sorted(replicas, key=lambda r: r.replica_id)
         chosen = ordered[self._next % len(ordered)]
         self._next += 1
         return Decision(chosen.replica_id, "round_robin", 0)
 
 
-class PowerOfTwoRouter(_LoadOnly):
+class PowerOfTwoRouter(Router):
     """The less loaded of two replicas drawn at random (ties: the first drawn)."""
 
     def __init__(self, rng: random.Random | None = None) -> None:
         self.rng = rng or random.Random()
 
-    def decide(self, replicas: Sequence[ReplicaLoad]) -> Decision:
+    def choose(
+        self,
+        replicas: Sequence[ReplicaLoad],
+        keys: Sequence[int],
+        *,
+        num_prompt_tokens: int = 0,
+        now_s: float = 0.0,
+    ) -> Decision:
         return Decision(self.pick(replicas).replica_id, "power_of_two", 0)
 
     def pick(self, replicas: Sequence[ReplicaLoad]) -> ReplicaLoad:
@@ -229,80 +271,6 @@ class PowerOfTwoRouter(_LoadOnly):
             return replicas[0]
         a, b = self.rng.sample(list(replicas), 2)
         return b if b.num_ongoing < a.num_ongoing else a
-
-
-def _check_guard(imbalance_abs: int, imbalance_rel: float) -> None:
-    if imbalance_abs < 0 or imbalance_rel < 1.0:
-        raise ValueError(
-            f"imbalance_abs must be >= 0 and imbalance_rel >= 1.0, "
-            f"got {imbalance_abs} and {imbalance_rel}"
-        )
-
-
-def is_imbalanced(replicas: Sequence[ReplicaLoad], imbalance_abs: int, rel: float) -> bool:
-    """The load guard: busiest - idlest > ``imbalance_abs`` and busiest > ``rel`` x idlest."""
-    loads = [r.num_ongoing for r in replicas]
-    busiest, idlest = max(loads), min(loads)
-    return busiest - idlest > imbalance_abs and busiest > rel * idlest
-
-
-class PrefixRouter:
-    """Longest held prefix, ties to the less loaded; power of two choices when imbalanced.
-
-    A request that hits nowhere goes to the least loaded replica, ties to the one holding
-    the fewest keys, so new prefixes spread over the replicas. The chosen replica is
-    credited with the request's keys at once, so the next request of the same prefix
-    follows it before the replica's next report arrives.
-    """
-
-    def __init__(
-        self,
-        index: PrefixIndex,
-        *,
-        imbalance_abs: int = 8,
-        imbalance_rel: float = 1.5,
-        rng: random.Random | None = None,
-    ) -> None:
-        _check_guard(imbalance_abs, imbalance_rel)
-        self.index = index
-        self.imbalance_abs = imbalance_abs
-        self.imbalance_rel = imbalance_rel
-        self._fallback = PowerOfTwoRouter(rng)
-
-    def is_imbalanced(self, replicas: Sequence[ReplicaLoad]) -> bool:
-        return is_imbalanced(replicas, self.imbalance_abs, self.imbalance_rel)
-
-    def choose(
-        self,
-        replicas: Sequence[ReplicaLoad],
-        keys: Sequence[int],
-        *,
-        num_prompt_tokens: int = 0,
-        now_s: float = 0.0,
-    ) -> Decision:
-        index = self.index
-        if self.is_imbalanced(replicas):
-            chosen = self._fallback.pick(replicas)
-            reason: Reason = "load_guard"
-            hit = index.num_prefix_blocks(chosen.replica_id, keys)
-        else:
-            hits = {r.replica_id: index.num_prefix_blocks(r.replica_id, keys) for r in replicas}
-            chosen = min(
-                replicas,
-                key=lambda r: (
-                    -hits[r.replica_id],
-                    r.num_ongoing,
-                    index.num_keys(r.replica_id),
-                    r.replica_id,
-                ),
-            )
-            hit = hits[chosen.replica_id]
-            reason = "prefix_hit" if hit else "prefix_miss"
-        index.add(chosen.replica_id, keys)
-        return Decision(chosen.replica_id, reason, hit)
-
-    def on_finished(self, replica_id: str, keys: Sequence[int]) -> None:
-        return None  # what RAM holds is learned from what was sent and what replicas report
 
 
 class PrefillPrice(Protocol):
@@ -340,27 +308,84 @@ class CostModelPrice:
 
 @dataclass(frozen=True, slots=True)
 class Estimate:
-    """One replica's price for one request (seconds until its first token, as priced)."""
+    """One replica's offer for one request: where its prefix is, and (cost score) the
+    seconds until its first token, as priced."""
 
     replica_id: str
     num_ram_blocks: int
-    num_shared_blocks: int
-    backlog_s: float
-    work_s: float  # restoring the shared blocks + prefilling the rest
+    num_shared_blocks: int = 0
+    backlog_s: float = 0.0
+    work_s: float = 0.0  # restoring the shared blocks + prefilling the rest
 
     @property
     def total_s(self) -> float:
         return self.backlog_s + self.work_s
 
+    @property
+    def reason(self) -> Reason:
+        if self.num_ram_blocks:
+            return "prefix_hit"
+        return "shared_hit" if self.num_shared_blocks else "prefix_miss"
 
-class CostRouter:
+
+class Score(ABC):
+    """What a ``GuardedRouter`` ranks replicas by (the lowest ``rank`` wins), over a
+    ``PrefixIndex`` of what each replica's RAM holds. ``took`` is called for the replica
+    chosen, whichever way it was chosen."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+
+    @abstractmethod
+    def estimate(
+        self, replica_id: str, keys: Sequence[int], num_prompt_tokens: int, now_s: float
+    ) -> Estimate: ...
+
+    @abstractmethod
+    def rank(self, offer: Estimate) -> float: ...
+
+    def took(self, offer: Estimate, keys: Sequence[int], now_s: float) -> None:
+        """The chosen replica holds ``keys`` now: the next request of this prefix follows it
+        before the replica's next report arrives."""
+        self.index.add(offer.replica_id, keys)
+
+    def on_finished(self, replica_id: str, keys: Sequence[int]) -> None:
+        """What RAM holds is learned from what was sent and what replicas report."""
+        return None
+
+    def learn(self, replica_id: str | None, keys: Iterable[int]) -> None:
+        if replica_id is not None:
+            self.index.add(replica_id, keys)
+
+    def forget(self, replica_id: str) -> None:
+        self.index.drop(replica_id)
+
+    def reprice(self, reports: Sequence[Mapping[str, Any]]) -> None:
+        """Prices from the replicas' reports (a score that charges none ignores them)."""
+        return None
+
+
+class PrefixScore(Score):
+    """The longest prefix held in RAM."""
+
+    def estimate(
+        self, replica_id: str, keys: Sequence[int], num_prompt_tokens: int, now_s: float
+    ) -> Estimate:
+        return Estimate(replica_id, self.index.num_prefix_blocks(replica_id, keys))
+
+    def rank(self, offer: Estimate) -> float:
+        return -offer.num_ram_blocks
+
+
+class CostScore(Score):
     """The lowest estimated time to first token over RAM, the shared tier and recomputation
     (module docstring). ``shared`` None: the replicas share no tier, so a prefix is in a
     replica's RAM or nowhere.
 
     What the shared tier holds is learned as the tier fills: a request's blocks are spilled
-    when it ends (``on_finished``), and replicas report what they spilled (``learn_shared``).
-    ``restore_s_per_block`` is one block's read and copy; ``block_size`` tokens per block.
+    when it ends (``on_finished``), and replicas report what they spilled (``learn``).
+    ``restore_s_per_block`` is one block's read and copy; ``block_size`` tokens per block;
+    ``chunk_tokens`` the prefill chunk a reported step-cost model is priced by.
     """
 
     def __init__(
@@ -371,24 +396,19 @@ class CostRouter:
         block_size: int,
         shared: KeyLRU | None = None,
         restore_s_per_block: float = 0.0,
-        imbalance_abs: int = 8,
-        imbalance_rel: float = 1.5,
-        rng: random.Random | None = None,
+        chunk_tokens: int = 512,
     ) -> None:
-        _check_guard(imbalance_abs, imbalance_rel)
         if block_size < 1 or restore_s_per_block < 0:
             raise ValueError(
                 f"block_size must be >= 1 and restore_s_per_block >= 0, got {block_size} "
                 f"and {restore_s_per_block}"
             )
-        self.index = index
+        super().__init__(index)
         self.price = price
         self.block_size = block_size
         self.shared = shared
         self.restore_s_per_block = restore_s_per_block
-        self.imbalance_abs = imbalance_abs
-        self.imbalance_rel = imbalance_rel
-        self._fallback = PowerOfTwoRouter(rng)
+        self.chunk_tokens = chunk_tokens
         self._busy_until_s: dict[str, float] = {}
 
     def backlog_s(self, replica_id: str, now_s: float) -> float:
@@ -406,6 +426,82 @@ class CostRouter:
         )
         return Estimate(replica_id, ram, shared, self.backlog_s(replica_id, now_s), work_s)
 
+    def rank(self, offer: Estimate) -> float:
+        return offer.total_s
+
+    def took(self, offer: Estimate, keys: Sequence[int], now_s: float) -> None:
+        super().took(offer, keys, now_s)
+        rid = offer.replica_id
+        self._busy_until_s[rid] = max(now_s, self._busy_until_s.get(rid, now_s)) + offer.work_s
+
+    def on_finished(self, replica_id: str, keys: Sequence[int]) -> None:
+        """Its blocks were freed on ``replica_id``: the shared tier has them now (spilled)."""
+        self.learn(None, keys)
+
+    def learn(self, replica_id: str | None, keys: Iterable[int]) -> None:
+        if replica_id is not None:
+            super().learn(replica_id, keys)
+        elif self.shared is not None:
+            self.shared.add(keys)
+
+    def forget(self, replica_id: str) -> None:
+        """A replica left (its RAM and its backlog with it; the shared tier stays)."""
+        super().forget(replica_id)
+        self._busy_until_s.pop(replica_id, None)
+
+    def reprice(self, reports: Sequence[Mapping[str, Any]]) -> None:
+        """The mean of the reported step-cost models and restore times; the shared tier as
+        large as the largest reported."""
+        price, restore_s = prices_from_reports(reports, self.chunk_tokens)
+        if price is not None:
+            self.price = price
+        if restore_s is not None:
+            self.restore_s_per_block = restore_s
+        sizes = [r.get("tier2_capacity_blocks") for r in reports]
+        known = [n for n in sizes if isinstance(n, int) and n > 0]
+        if self.shared is not None and known:
+            self.shared.capacity_blocks = max(known)
+
+
+def prices_from_reports(
+    reports: Sequence[Mapping[str, Any]], chunk_tokens: int
+) -> tuple[CostModelPrice | None, float | None]:
+    """The mean of the replicas' reported step-cost models (None unless it prices more tokens
+    higher), and the mean reported restore seconds per block (None when none restored yet)."""
+    models = [
+        r["cost_model_s"]
+        for r in reports
+        if isinstance(r.get("cost_model_s"), list | tuple)
+        and len(r["cost_model_s"]) == len(FEATURES)
+        and all(isinstance(c, int | float) and math.isfinite(c) for c in r["cost_model_s"])
+    ]
+    price = None
+    if models:
+        mean = [sum(column) / len(models) for column in zip(*models, strict=True)]
+        model = StepCostModel(mean)
+        short = model.predict(StepShape.of([(chunk_tokens // 2, 0)], []))
+        if model.predict(StepShape.of([(chunk_tokens, 0)], [])) > short > 0:
+            price = CostModelPrice(model, chunk_tokens)
+    restores = [
+        float(r["restore_s_per_block"])
+        for r in reports
+        if isinstance(r.get("restore_s_per_block"), int | float) and r["restore_s_per_block"] > 0
+    ]
+    return price, (sum(restores) / len(restores) if restores else None)
+
+
+class GuardedRouter(Router):
+    """The replica ``score`` ranks lowest, ties to the less loaded, then to the one holding
+    the fewest keys (so new prefixes spread); power of two choices while ``guard`` trips.
+    The chosen replica is credited with the request's keys at once."""
+
+    def __init__(
+        self, score: Score, guard: LoadGuard = DEFAULT_GUARD, rng: random.Random | None = None
+    ) -> None:
+        self.score = score
+        self.guard = guard
+        self._fallback = PowerOfTwoRouter(rng)
+
     def choose(
         self,
         replicas: Sequence[ReplicaLoad],
@@ -414,88 +510,80 @@ class CostRouter:
         num_prompt_tokens: int = 0,
         now_s: float = 0.0,
     ) -> Decision:
-        reason: Reason
-        if is_imbalanced(replicas, self.imbalance_abs, self.imbalance_rel):
+        score, index = self.score, self.score.index
+        if self.guard.tripped(replicas):
             chosen = self._fallback.pick(replicas)
-            best = self.estimate(chosen.replica_id, keys, num_prompt_tokens, now_s)
-            reason = "load_guard"
+            offer = score.estimate(chosen.replica_id, keys, num_prompt_tokens, now_s)
+            reason: Reason = "load_guard"
         else:
-            estimates = {
-                r.replica_id: self.estimate(r.replica_id, keys, num_prompt_tokens, now_s)
+            offers = {
+                r.replica_id: score.estimate(r.replica_id, keys, num_prompt_tokens, now_s)
                 for r in replicas
             }
             chosen = min(
                 replicas,
                 key=lambda r: (
-                    estimates[r.replica_id].total_s,
+                    score.rank(offers[r.replica_id]),
                     r.num_ongoing,
-                    self.index.num_keys(r.replica_id),
+                    index.num_keys(r.replica_id),
                     r.replica_id,
                 ),
             )
-            best = estimates[chosen.replica_id]
-            reason = (
-                "prefix_hit"
-                if best.num_ram_blocks
-                else "shared_hit"
-                if best.num_shared_blocks
-                else "prefix_miss"
-            )
-        rid = chosen.replica_id
-        self.index.add(rid, keys)
-        self._busy_until_s[rid] = max(now_s, self._busy_until_s.get(rid, now_s)) + best.work_s
-        return Decision(rid, reason, best.num_ram_blocks, best.num_shared_blocks)
+            offer = offers[chosen.replica_id]
+            reason = offer.reason
+        score.took(offer, keys, now_s)
+        return Decision(chosen.replica_id, reason, offer.num_ram_blocks, offer.num_shared_blocks)
 
     def on_finished(self, replica_id: str, keys: Sequence[int]) -> None:
-        """Its blocks were freed on ``replica_id``: the shared tier has them now (spilled)."""
-        self.learn_shared(keys)
+        self.score.on_finished(replica_id, keys)
 
-    def learn_shared(self, keys: Iterable[int]) -> None:
-        if self.shared is not None:
-            self.shared.add(keys)
+    def learn(self, replica_id: str | None, keys: Iterable[int]) -> None:
+        self.score.learn(replica_id, keys)
+
+    def retain(self, replica_ids: Iterable[str]) -> None:
+        live = set(replica_ids)
+        for gone in [r for r in self.score.index.replica_ids() if r not in live]:
+            self.score.forget(gone)
 
     def forget(self, replica_id: str) -> None:
-        """A replica left (its RAM and its backlog with it; the shared tier stays)."""
-        self.index.drop(replica_id)
-        self._busy_until_s.pop(replica_id, None)
+        self.score.forget(replica_id)
+
+    def reprice(self, reports: Sequence[Mapping[str, Any]]) -> None:
+        self.score.reprice(reports)
 
 
 def make_router(
     name: str,
     *,
     capacity_blocks: int = 4096,
-    imbalance_abs: int = 8,
-    imbalance_rel: float = 1.5,
+    guard: LoadGuard = DEFAULT_GUARD,
     seed: int | None = None,
     block_size: int = 16,
     price: PrefillPrice | None = None,
     shared_capacity_blocks: int | None = None,
     restore_s_per_block: float = 0.0,
+    chunk_tokens: int = 512,
 ) -> Router:
     """``--router`` name -> router; ValueError names the choices. The cost router prices
-    prefills with ``price`` (default: a flat price per token) and, when the replicas share a
-    tier of ``shared_capacity_blocks``, restores at ``restore_s_per_block``."""
+    prefills with ``price`` (default: a flat price per token; reported step-cost models of
+    ``chunk_tokens`` chunks replace it) and, when the replicas share a tier of
+    ``shared_capacity_blocks``, restores at ``restore_s_per_block``."""
     rng = random.Random(seed)
     if name == "round-robin":
         return RoundRobinRouter()
     if name == "power-of-two":
         return PowerOfTwoRouter(rng)
+    index = PrefixIndex(capacity_blocks)
     if name == "prefix":
-        return PrefixRouter(
-            PrefixIndex(capacity_blocks),
-            imbalance_abs=imbalance_abs,
-            imbalance_rel=imbalance_rel,
-            rng=rng,
-        )
+        return GuardedRouter(PrefixScore(index), guard, rng)
     if name == "cost":
-        return CostRouter(
-            PrefixIndex(capacity_blocks),
+        score = CostScore(
+            index,
             price if price is not None else TokenPrice(),
             block_size=block_size,
             shared=None if shared_capacity_blocks is None else KeyLRU(shared_capacity_blocks),
             restore_s_per_block=restore_s_per_block,
-            imbalance_abs=imbalance_abs,
-            imbalance_rel=imbalance_rel,
-            rng=rng,
+            chunk_tokens=chunk_tokens,
         )
+        return GuardedRouter(score, guard, rng)
     raise ValueError(f"unknown router {name!r}; choose one of {', '.join(ROUTERS)}")

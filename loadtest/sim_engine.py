@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cache_manager import KVCacheConfig, KVCacheManager, TierBlock, prefix_block_keys
-from cluster.routing import CostModelPrice, CostRouter, ReplicaLoad, make_router, routing_keys
+from cluster.routing import CostModelPrice, ReplicaLoad, make_router, routing_keys
 from loadtest.sim_report import RunSpec, Track, report
 from loadtest.workload import RequestSpec
 from model_runner.sim import SimProfile, SimRunner, roofline_cost_model
@@ -362,9 +362,8 @@ def simulate_cluster(
     store = None
     if tier_capacity_blocks is not None:
 
-        def learn(keys: list[bytes]) -> None:
-            if isinstance(chooser, CostRouter):
-                chooser.learn_shared(int.from_bytes(key[:8], "little") for key in keys)
+        def learn(keys: list[bytes]) -> None:  # spilled: in the shared tier now
+            chooser.learn(None, (int.from_bytes(key[:8], "little") for key in keys))
 
         store = SimStore(tier_capacity_blocks, restore_s_per_block, on_put=learn)
     engines = [

@@ -534,6 +534,8 @@ def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[f
 
 
 WORKLOADS_DIR = Path(__file__).resolve().parent / "workloads"
+# The reference prompts: 64 chat prompts of exactly 128 SmolLM2 tokens (the chat128 format).
+CHAT128_PROMPTS = WORKLOADS_DIR / "prompts" / "chat128.json"
 
 
 def resolve_workload(name_or_path: str) -> Path:

@@ -3,13 +3,19 @@
 ``Runner`` is the contract the server holds a runner to: ``info`` (what the model is),
 ``constraints`` (structured outputs, None when the runner takes none), ``block_io()`` (its KV
 as block bytes, for tier 2) and ``execute``. The server reads these and nothing else.
+
+``AheadRunner`` adds ``submit(plan) -> StepHandle``: the step starts and ``submit`` returns,
+so the engine can plan the next step while this one runs (vLLM's async scheduling, SGLang's
+overlap scheduler); ``handle.result()`` waits for its outputs. ``execute(plan)`` stays, and is
+``submit(plan).result()``. ``can_run_ahead`` says whether ``submit`` really returns before the
+step is computed (a CUDA device, a step thread); the engine overlaps only then.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from cache_manager.sizing import ModelShape
 from scheduler.output import ModelOutput, SchedulerOutput
@@ -83,3 +89,66 @@ class Runner(Protocol):
         ...
 
     def execute(self, plan: SchedulerOutput) -> ModelOutput: ...
+
+
+class StepHandle(Protocol):
+    """A step a runner has started (``AheadRunner.submit``)."""
+
+    def result(self) -> ModelOutput:
+        """Wait for the step's outputs on the host (raises what the step raised)."""
+        ...
+
+
+class DoneStep:
+    """The handle of a step computed inside ``submit`` (nothing left to wait for)."""
+
+    __slots__ = ("_output",)
+
+    def __init__(self, output: ModelOutput) -> None:
+        self._output = output
+
+    def result(self) -> ModelOutput:
+        return self._output
+
+
+class PendingStep:
+    """The handle of a started step: ``finish`` (the runner's) waits for its outputs and
+    builds them, the first time ``result`` is asked for."""
+
+    __slots__ = ("_finish", "_output")
+
+    def __init__(self, finish: Callable[[], ModelOutput]) -> None:
+        self._finish = finish
+        self._output: ModelOutput | None = None
+
+    def result(self) -> ModelOutput:
+        if self._output is None:
+            self._output = self._finish()
+        return self._output
+
+
+@runtime_checkable
+class AheadRunner(Runner, Protocol):
+    """A runner that can compute a step while the engine plans the next one.
+
+    ``submit`` contract:
+
+    - it reads from ``plan`` (and the requests' token lists its seqs view) everything the
+      step needs before it returns, on the caller's thread: the caller applies the previous
+      step's result to those requests as soon as ``submit`` returns;
+    - steps run in submission order, and their handles' ``result`` is taken in that order;
+    - a decode seq of ``plan`` may carry a placeholder (``ScheduledSeq.has_placeholder``) for
+      the token its request samples in the plan submitted just before: the runner takes it
+      from that step's sampled ids where they are (``model_runner.future``), never waiting
+      for them on the host.
+    """
+
+    @property
+    def can_run_ahead(self) -> bool:
+        """Whether ``submit`` returns before the step is computed (else the engine has
+        nothing to overlap and runs ``execute``)."""
+        ...
+
+    def submit(self, plan: SchedulerOutput) -> StepHandle:
+        """Start computing ``plan``; see the class docstring."""
+        ...

@@ -1,14 +1,21 @@
-"""ModelConfig: the shape and hyper-parameters of a LLaMA-family model (LLaMA, Mistral, Qwen2).
+"""The runner's configs, plain data and no torch (the CLI reads them without importing it):
 
-Built from a Hugging Face ``config.json`` dict or from GGUF metadata; plain data, no torch.
+- ``ModelConfig``: the shape and hyper-parameters of a LLaMA-family model (LLaMA, Mistral,
+  Qwen2), from a Hugging Face ``config.json`` dict or from GGUF metadata;
+- ``RunnerOptions``: how a ``TorchRunner`` runs it (device, dtypes, KV pool, attention
+  backend, paths), built once by the server and ``dataclasses.replace``'d by benchmarks;
+- the tables the CLI's choices come from: dtypes, attention backends, weights modes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cache_manager.sizing import ModelShape
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +44,90 @@ DTYPES: dict[str, DType] = {
 }
 MODEL_DTYPES = tuple(name for name, d in DTYPES.items() if not d.kv_only)
 KV_DTYPE_CHOICES = ("auto", *DTYPES)
-# Attention backends (``model_runner.attention_backends``); auto: FlashInfer, else Triton, on
-# CUDA when installed, else the torch reference.
-ATTENTION_BACKEND_CHOICES = ("auto", "torch", "triton", "flashinfer")
+# The one table of attention backends (``model_runner.attention_backends``): name -> its class,
+# as "module:Class" so the CLI reads the names without importing torch. The CLI's choices,
+# ``resolve_attention_backend`` and ``auto`` read it; each class says where it runs
+# (``available``) and what it serves (``unsupported``). ``auto``: on CUDA, the fastest of those
+# that can run that matches the torch reference on a probe step; elsewhere torch.
+ATTENTION_BACKENDS: dict[str, str] = {
+    "torch": "model_runner.attention_backends.torch_backend:TorchAttention",
+    "triton": "model_runner.attention_backends.triton_backend:TritonAttention",
+    "flashinfer": "model_runner.attention_backends.flashinfer_backend:FlashInferAttention",
+}
+ATTENTION_BACKEND_CHOICES = ("auto", *ATTENTION_BACKENDS)
 # How the loader holds a checkpoint's matrices (``loader.load_model(weights=...)``): here, not
 # in ``quant``, so the CLI reads the choices without importing torch.
 WEIGHT_MODES: tuple[str, ...] = ("auto", "float32", "native", "int8")
+# Activation precision of the quantized kernels (``--activation-bits``): 16 = int8 plus a
+# residual byte (~15 bits, two vpdpbusd per weight vector; the dequantized model's answers),
+# 8 = int8 alone (ggml's q8_0 precision).
+ACTIVATION_BITS = (16, 8)
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOptions:
+    """How a ``TorchRunner`` runs its model; fixed for the runner's life, validated here.
+
+    The KV pool: ``num_blocks`` blocks of ``block_size`` tokens (None: as many as
+    ``kv_budget_bytes`` holds, default ``kv_pool.default_kv_budget_bytes``, measured after the
+    weights are on the device), stored in ``kv_dtype`` (``device.resolve_kv_dtype``; None =
+    auto: float16 on CPU for a float32 model, else the model's dtype), while attention
+    computes in ``dtype`` (None: the device's best). ``max_model_len`` (default and cap: the
+    config's ``max_position_embeddings``) bounds positions and sizes the RoPE table;
+    ``sliding_window`` (tokens) overrides the config's window; ``attention_sinks`` (tokens,
+    needs a window) keeps the first tokens visible and lets positions run past
+    ``max_model_len`` (see ``attention_backends.torch_backend``).
+
+    The computation: ``attention_backend`` (``model_runner.attention_backends``; auto: torch
+    on CPU); ``use_onednn`` (None: oneDNN-packed dense layers on CPU when they pass a
+    self-check); ``activation_bits`` (``ACTIVATION_BITS``). ``fuse_batches`` runs prefill and
+    decode rows in one forward pass. The paths a step may take (``model_runner.paths``):
+    ``fused_step`` runs steps of up to ``fused_max_rows`` rows in one CPU kernel call (None =
+    when supported); ``cuda_graphs`` replays decode steps from CUDA graphs captured up to
+    ``max_decode_rows`` rows (``max_num_seqs``, times 1 + k with speculation; None: the
+    largest graph size), None = on CUDA with a backend that has graphs. ``name``: the
+    model's name in ``ModelInfo`` (default: the config's). ``max_lora_rank`` and
+    ``max_cpu_loras``: the LoRA adapters the runner accepts, and how many it keeps laid out
+    while unused (``lora.registry``)."""
+
+    num_blocks: int | None = None
+    block_size: int = 16
+    kv_budget_bytes: int | None = None
+    kv_dtype: torch.dtype | str | None = None
+    dtype: torch.dtype | str | None = None
+    device: torch.device | str | None = None
+    max_model_len: int | None = None
+    sliding_window: int | None = None
+    attention_sinks: int = 0
+    attention_backend: str = "auto"
+    use_onednn: bool | None = None
+    activation_bits: int = 16
+    fuse_batches: bool = True
+    fused_step: bool | None = None
+    fused_max_rows: int = 1 << 30
+    cuda_graphs: bool | None = None
+    max_decode_rows: int | None = None
+    name: str | None = None
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 8
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        for key in ("num_blocks", "kv_budget_bytes", "max_model_len", "sliding_window",
+                    "max_decode_rows", "fused_max_rows"):  # fmt: skip
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"{key} must be >= 1, got {value}")
+        if self.attention_sinks < 0:
+            raise ValueError(f"attention_sinks must be >= 0, got {self.attention_sinks}")
+        if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
+            raise ValueError(
+                f"unknown attention backend {self.attention_backend!r}: use one of "
+                f"{', '.join(ATTENTION_BACKEND_CHOICES)}"
+            )
+        if self.activation_bits not in ACTIVATION_BITS:
+            raise ValueError(f"activation_bits {self.activation_bits}: use 16 or 8")
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,17 @@ Speculative drafts (``seq.num_draft_tokens``) are verified greedily against the 
 draft i is accepted while it equals the token at output index ``num_output_tokens + i``, and
 the token after the accepted ones is sampled as usual; so output never depends on drafts.
 
+Scheduling one step ahead: a seq whose input token is a placeholder (``has_placeholder``)
+takes the token this runner sampled for its request in the step before, as a device would.
+
+The fake device (``step_thread=True``): ``submit`` returns at once and the step runs on a
+worker thread (taking ``sleep_s``), with a copy of everything it reads from the plan taken in
+``submit`` (the engine applies the previous step meanwhile). ``spans`` records, per step, when
+it was submitted and when it finished. ``hold_steps=True`` keeps each step from finishing
+until the next one is submitted or its result is asked for: an engine that plans ahead
+submits first, a synchronous one asks first, so the overlap shows in ``spans`` whatever the
+machine's speed.
+
 For tests the runner can also:
 
 - fail one request: ``fail_request(rid, error)`` puts it into ``ModelOutput.failed`` the next
@@ -41,14 +52,18 @@ For tests the runner can also:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import struct
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from cache_manager.sizing import ModelShape
-from model_runner.base import ModelInfo, NullBlockIO
+from model_runner.base import DoneStep, ModelInfo, NullBlockIO, PendingStep, StepHandle
 from scheduler.output import ModelOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -83,6 +98,15 @@ class FakeRunnerCrash(RuntimeError):
     """Raised by ``FakeRunner.execute`` when told to emulate runner death."""
 
 
+@dataclass(slots=True)
+class StepSpan:
+    """When a step of the fake device was submitted and finished (``time.perf_counter``)."""
+
+    step_id: int
+    submitted_s: float
+    finished_s: float | None = None
+
+
 class FakeRunner:
     """A deterministic runner without a model; see the module docstring for the token rule."""
 
@@ -101,6 +125,8 @@ class FakeRunner:
         verify_kv_null_block_id: int | None = None,
         record_plans: bool = False,
         constraints: ConstraintTracker | None = None,
+        step_thread: bool = False,
+        hold_steps: bool = False,
     ) -> None:
         if key_by not in ("request_id", "prompt"):
             raise ValueError(f"key_by must be 'request_id' or 'prompt', got {key_by!r}")
@@ -134,10 +160,22 @@ class FakeRunner:
         self.constraints = constraints
         self._mask_rows: dict[str, int] = {}  # this step: request id -> its first mask row
         self._masks: np.ndarray | None = None
+        self._last_sampled: dict[str, int] = {}  # the previous step's tokens (placeholders)
+        self._last_failed: set[str] = set()
+        # The fake device: steps on a worker thread (see the module docstring).
+        self._device = ThreadPoolExecutor(1, "fake-device") if step_thread else None
+        self.hold_steps = hold_steps
+        self.spans: list[StepSpan] = []
+        self._held: threading.Event | None = None  # the last submitted step's release
 
     @property
     def info(self) -> ModelInfo:
         return self._info
+
+    @property
+    def can_run_ahead(self) -> bool:
+        """Whether ``submit`` returns before the step is computed (``step_thread``)."""
+        return self._device is not None
 
     # -- the shadow KV as block bytes (tier 2) -------------------------------------------
 
@@ -214,6 +252,38 @@ class FakeRunner:
 
     # -- one step -----------------------------------------------------------------------
 
+    def submit(self, plan: SchedulerOutput) -> StepHandle:
+        """Start ``plan`` (``base.AheadRunner``): on the fake device, a copy of what the step
+        reads is taken now and the step runs on the worker; without it, ``execute`` now."""
+        if self._device is None:
+            return DoneStep(self.execute(plan))
+        span = StepSpan(plan.step_id, time.perf_counter())
+        self.spans.append(span)
+        if self._held is not None:
+            self._held.set()  # the step before may finish: the next one is submitted
+        release = threading.Event()
+        if not self.hold_steps:
+            release.set()
+        self._held = release
+        future = self._device.submit(self._device_step, _snapshot(plan), span, release)
+        return PendingStep(lambda: _wait(future, release))
+
+    def _device_step(
+        self, plan: SchedulerOutput, span: StepSpan, release: threading.Event
+    ) -> ModelOutput:
+        try:
+            return self.execute(plan)
+        finally:
+            release.wait()
+            span.finished_s = time.perf_counter()
+
+    def shutdown(self) -> None:
+        """Stop the fake device's worker (the steps submitted still finish)."""
+        if self._held is not None:
+            self._held.set()
+        if self._device is not None:
+            self._device.shutdown(wait=True)
+
     def execute(self, plan: SchedulerOutput) -> ModelOutput:
         """Sample one token per ``do_sample`` seq; never mutates ``plan``."""
         self.num_steps += 1
@@ -240,7 +310,19 @@ class FakeRunner:
         end = time.perf_counter()
         out.prefill_time_s = mid - start
         out.decode_time_s = end - mid
+        self._last_sampled = dict(out.sampled_token_ids)
+        self._last_failed = set(out.failed)
         return out
+
+    def _input_token(self, seq: ScheduledSeq) -> int | None:
+        """The token a placeholder stands for: what this request sampled in the step before;
+        None when that step failed it (this seq's result is stale: the request ends there)."""
+        rid = seq.request_id
+        if rid in self._last_sampled:
+            return self._last_sampled[rid]
+        if rid in self._last_failed:
+            return None
+        raise AssertionError(f"{rid}: a placeholder token, but the step before sampled none for it")
 
     def _compute_masks(self, plan: SchedulerOutput, out: ModelOutput) -> None:
         """This step's masks of the constrained seqs that sample (see the module docstring)."""
@@ -308,9 +390,16 @@ class FakeRunner:
                     f"positions up to {seq.end_pos - 1}"
                 )
             expected = list(seq.all_token_ids)
+            token_ids = list(seq.token_ids)
             if seq.num_draft_tokens:
                 expected += seq.token_ids[-seq.num_draft_tokens :]
-            if expected[seq.start_pos : seq.end_pos] != seq.token_ids:
+            if seq.has_placeholder:
+                token = self._input_token(seq)
+                if token is None:
+                    continue  # planned ahead of its failure: nothing to check, nothing kept
+                token_ids[-1] = token
+                expected.append(token)
+            if expected[seq.start_pos : seq.end_pos] != token_ids:
                 raise AssertionError(
                     f"{seq.request_id}: token_ids {seq.token_ids} != all_token_ids"
                     f"[{seq.start_pos}:{seq.end_pos}]"
@@ -322,7 +411,7 @@ class FakeRunner:
                     f"{seq.request_id}: do_sample={seq.do_sample} but the chunk ends at "
                     f"{seq.end_pos} of {len(expected)} known tokens"
                 )
-            for offset, token in enumerate(seq.token_ids):
+            for offset, token in enumerate(token_ids):
                 pos = seq.start_pos + offset
                 block_id = seq.block_ids[pos // block_size]
                 if block_id == null:
@@ -338,6 +427,22 @@ class FakeRunner:
                         f"{seq.request_id}: position {pos} in block {block_id} holds {held}, "
                         f"expected {expected[pos]}"
                     )
+
+
+def _snapshot(plan: SchedulerOutput) -> SchedulerOutput:
+    """``plan`` with its own copy of each seq's token history: the device reads these while
+    the engine appends the previous step's tokens to the requests' lists."""
+    copy = dataclasses.replace
+
+    def seqs(batch: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        return [copy(s, all_token_ids=list(s.all_token_ids)) for s in batch]
+
+    return copy(plan, prefill=seqs(plan.prefill), decode=seqs(plan.decode))
+
+
+def _wait(future: Future[ModelOutput], release: threading.Event) -> ModelOutput:
+    release.set()  # asked for its result: a held step may finish
+    return future.result()
 
 
 class ShadowBlockIO:

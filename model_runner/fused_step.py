@@ -52,7 +52,7 @@ class FusedStep:
         assert model.rope_cis is not None
         # [max_len, D/2] complex64 -> [max_len, D/2, 2] (cos, sin), viewed without a copy.
         self.rope = torch.view_as_real(model.rope_cis.squeeze(1)).contiguous()
-        scales = getattr(pool, "scales", None)
+        scales = pool.scales
         layers = (kernels.StepLayer * len(model.layers))()
         for i, layer in enumerate(model.layers):
             assert isinstance(layer.qkv, QLinear) and isinstance(layer.o, QLinear)
@@ -71,7 +71,7 @@ class FusedStep:
             )
         self.layers = layers
         config = model.config
-        self.step = kernels.StepRows()
+        self.step = kernels.StepArgs()
         for name, value in (
             ("hidden_size", config.hidden_size),
             ("num_heads", config.num_heads),
@@ -90,22 +90,24 @@ class FusedStep:
 
     @staticmethod
     def unsupported(model: LlamaModel, pool: KVPool) -> str | None:
-        """Why this model + pool cannot take the fused path, or None."""
-        if not kernels.available():
-            return f"kernels unavailable ({kernels.unavailable_reason()})"
+        """Why this model + pool cannot take the fused path, or None.
+
+        The device, dtype and weights are looked at first: the kernels are loaded (built,
+        the first time: minutes of g++) only for a CPU model whose matrices are all
+        quantized, so a CUDA or float runner never touches them."""
         if model.device.type != "cpu" or model.dtype != torch.float32 or model.rope_cis is None:
             return "needs fp32 compute on CPU"
         linears = [(l.qkv, l.o, l.gate_up, l.down) for l in model.layers]  # noqa: E741
         if not all(isinstance(lin, QLinear) for group in linears for lin in group):
             return "needs every layer matrix quantized"
+        if not kernels.available():
+            return f"kernels unavailable ({kernels.unavailable_reason()})"
         if model.config.head_dim > 512:
             return f"head_dim {model.config.head_dim} (the kernels take up to 512)"
         if model.config.num_heads // model.config.num_kv_heads > 64:
             return "more than 64 query heads per KV head"
         if pool.dtype not in _KV_DTYPES:
             return f"KV pool dtype {pool.dtype} (fp32, fp16 or int8 only)"
-        if getattr(pool, "scales", None) is None and pool.dtype == torch.int8:
-            return "int8 pool without scales"
         return None
 
     def forward(self, token_ids: Sequence[int], positions: Sequence[int],

@@ -2,9 +2,12 @@
 Q6_K), so tests and benchmarks can build K-quant files and weights on the fly.
 
 They produce valid GGUF blocks (ggml's byte layout, checked against ``gguf.quants.dequantize``
-by the tests) with a plain min/max rule per sub-block, not llama.cpp's error-minimizing search:
-the values are close to the weights, not the closest possible. ``quantize`` also covers the
-types the ``gguf`` package does write, by delegating to it.
+by the tests), with the searches llama.cpp's own reference quantizers run per sub-block: a
+scale and a min for Q4_K / Q5_K (``_fit_scale_min``: ggml's ``make_qkx2_quants``), a signed
+scale for Q6_K (``_fit_symmetric``: ``make_qx_quants``), each candidate refitted by least
+squares and the smallest squared error kept (no importance weights, so not bit for bit
+llama-quantize's output). ``quantize`` also covers the types the ``gguf`` package does write,
+by delegating to it.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """The LLaMA-family model (LLaMA, Mistral, Qwen2) as a functional forward pass over a paged
 KV pool.
 
-Hugging Face parameter names come in; at load time the weights are rearranged for speed:
-
-- Q, K, V projections are fused into one ``[(H + 2 * kvh) * D, hidden]`` matrix (one GEMM),
-  with the Qwen2 QKV bias fused alike.
-- The softmax scale ``1/sqrt(D)`` is folded into the Q rows (attention runs with scale 1).
-- Q and K rows are permuted inside each head from Hugging Face's half-split RoPE layout
-  ``(x_0..x_{D/2-1}, x_{D/2}..x_{D-1})`` to interleaved pairs ``(x_0, x_{D/2}, x_1, ...)``, so
-  RoPE is one in-place complex multiply. Q and K get the same permutation, so q.k (and
-  attention) is unchanged; the pool stores keys in this layout.
-- On CPU, every matrix is pre-packed for oneDNN (``torch.ops.mkldnn``), whose skinny GEMM
-  streams fp32 weights near memory bandwidth where MKL's ``F.linear`` reaches about half
-  of it, and which fuses SiLU into the gate GEMM, the ``* up`` product into the up GEMM and
-  the residual add into the output and down GEMMs. Elsewhere (CUDA, or when the self-check
-  fails) plain ``F.linear`` / ``addmm`` with a fused gate+up matrix.
+Its weights come prepared from ``weights.load_weights`` (Q, K and V fused, the softmax scale
+in Q, RoPE pairs interleaved, each matrix a layer chosen by ``Linears.make_linear``), so the
+forward pass calls ``linear(x)`` and the layers' fused epilogues and never asks what a
+weight is held as.
+On CUDA the small ops between the GEMMs run as three Triton kernels
+(``triton_fusions``: residual add + RMSNorm, RoPE + the KV write, SiLU x up).
 
 No ``nn.Module``: a step is a loop over plain tensors, so Python overhead per layer is a few
 dozen tensor ops and nothing else.
@@ -23,18 +15,17 @@ dozen tensor ops and nothing else.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from model_runner import onednn
 from model_runner.attention_backends.base import AttentionBackend, ForwardBatch
 from model_runner.config import ModelConfig
+from model_runner.future import FutureTokens
 from model_runner.kv_pool import KVPool
-from model_runner.quant import QEmbedding, QLinear, QuantStack, QuantWeight, cat_rows
+from model_runner.weights import Linears, StateDict, load_weights
 
 if TYPE_CHECKING:
     from model_runner.lora.step import TorchLora
@@ -91,169 +82,21 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     )
 
 
-def _interleave_rows(w: Weight, num_heads: int, head_dim: int) -> Weight:
-    """Permute each head's rows from half-split (HF) to interleaved RoPE pair order."""
-    half = head_dim // 2
-    order = torch.stack([torch.arange(half), torch.arange(half, head_dim)], dim=1).flatten()
-    if isinstance(w, QuantWeight):
-        heads = torch.arange(num_heads).unsqueeze(1) * head_dim
-        return w.rows((heads + order.to(heads.device)).flatten())
-    shape = w.shape
-    return w.reshape(num_heads, head_dim, -1)[:, order].reshape(shape)
-
-
-def _scaled(w: Weight, factor: float) -> Weight:
-    return w.scaled(factor) if isinstance(w, QuantWeight) else w * factor
-
-
-def _dense(w: Weight) -> torch.Tensor:
-    return w.dequantize() if isinstance(w, (QuantWeight, QuantStack)) else w
-
-
-def _cat_rows(weights: list[Weight]) -> Weight:
-    """Stack row blocks; quantized ones stay quantized, each in its own format (else fp32)."""
-    if all(isinstance(w, QuantWeight) for w in weights):
-        quant = [w for w in weights if isinstance(w, QuantWeight)]
-        if len({w.in_features for w in quant}) == 1:
-            return cat_rows(quant)
-    return torch.cat([_dense(w) for w in weights])
-
-
-def _describe_formats(state_dict: Mapping[str, Weight]) -> str:
-    """``"Q4_1+Q8_0"``-style list of the quantized formats held, or ``"float"``."""
-    sources = sorted({w.source for w in state_dict.values() if isinstance(w, QuantWeight)})
-    return "+".join(sources) if sources else "float"
-
-
-def _weight_bytes(model: LlamaModel) -> int:
-    """Bytes of every weight tensor the model holds (shared tensors counted once)."""
-    seen: dict[int, int] = {}
-
-    def add(obj: object) -> None:
-        if isinstance(obj, torch.Tensor):
-            if not obj.is_mkldnn:
-                seen[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
-            else:  # oneDNN-packed: opaque storage, the logical size
-                seen[id(obj)] = obj.numel() * obj.element_size()
-        elif isinstance(obj, (QuantWeight, QuantStack)):
-            for t in obj.tensors():
-                add(t)
-        elif isinstance(obj, (Linear, QLinear)):
-            add(obj.weight)
-            add(obj.bias)
-        elif isinstance(obj, QEmbedding):
-            add(obj.weight)
-
-    for layer in model.layers:
-        for name in LayerWeights.__slots__:
-            add(getattr(layer, name))
-    for obj in (model.embed, model.norm, model.lm_head):
-        add(obj)
-    return sum(seen.values())
-
-
-# ---------------------------------------------------------------------------- linear
-
-
-class Linear:
-    """``y = x @ W.T + b`` with optional fused epilogues; the weight is either a plain tensor
-    or a oneDNN-packed one (CPU)."""
-
-    __slots__ = ("bias", "out_features", "packed", "weight")
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
-        self.out_features = weight.shape[0]
-        self.bias = bias
-        self.packed = pack
-        if pack:
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight)
-        else:
-            self.weight = weight.contiguous()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            return onednn.linear(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-    def silu(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(linear(x))``."""
-        if self.packed:
-            return onednn.linear(x, self.weight, self.bias, "swish", [], "")
-        return F.silu(F.linear(x, self.weight, self.bias))
-
-    def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        """``linear(x) * other``."""
-        if self.packed:
-            return onednn.linear_binary(x, other, self.weight, self.bias, "mul")
-        return F.linear(x, self.weight, self.bias).mul_(other)
-
-    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """``residual + linear(x)`` (a new tensor; ``residual`` is not modified)."""
-        if self.packed:
-            return onednn.linear_binary(x, residual, self.weight, self.bias, "add")
-        if self.bias is None:
-            return torch.addmm(residual, x, self.weight.t())
-        return F.linear(x, self.weight, self.bias).add_(residual)
-
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` for a weight holding the gate rows, then the up rows."""
-        gu = self(x)
-        inter = gu.shape[-1] // 2
-        return F.silu(gu[:, :inter]).mul_(gu[:, inter:])
-
-
-def onednn_works(dtype: torch.dtype) -> bool:
-    """Self-check of the oneDNN path on this machine: every epilogue against ``F.linear``."""
-    if not onednn.available() or dtype not in (torch.float32, torch.bfloat16):
-        return False
-    try:
-        g = torch.Generator().manual_seed(0)
-        w = torch.randn(24, 16, generator=g).to(dtype)
-        b = torch.randn(24, generator=g).to(dtype)
-        x = torch.randn(3, 16, generator=g).to(dtype)
-        other = torch.randn(3, 24, generator=g).to(dtype)
-        packed = Linear(w, b, pack=True)
-        dense = Linear(w, b, pack=False)
-        tol = 1e-4 if dtype == torch.float32 else 5e-2
-        return all(
-            torch.allclose(p.float(), d.float(), atol=tol, rtol=tol)
-            for p, d in (
-                (packed(x), dense(x)),
-                (packed.silu(x), dense.silu(x)),
-                (packed.mul(x, other), dense.mul(x, other)),
-                (packed.add(x, other), dense.add(x, other)),
-            )
-        )
-    except RuntimeError:
-        return False
-
-
-# ---------------------------------------------------------------------------- weights
-
-
-AnyLinear = Linear | QLinear
-Weight = torch.Tensor | QuantWeight | QuantStack
-
-
-@dataclass(slots=True)
-class LayerWeights:
-    input_norm: torch.Tensor
-    qkv: AnyLinear
-    o: AnyLinear
-    post_norm: torch.Tensor
-    gate: Linear | None  # oneDNN path: separate gate (with SiLU) and up (with * gate)
-    up: Linear | None
-    gate_up: AnyLinear | None  # dense and quantized paths: one fused [2 * I, hidden] GEMM
-    down: AnyLinear
-
-
 class LlamaModel:
     """Weights plus the forward pass of one step over a ``KVPool``."""
+
+    # The layer fusions (``triton_fusions``) in ``forward``: None = on CUDA, where they
+    # apply (``_fusion_ops``), unless KVSERVE_FUSIONS=0; True / False forces them on / off
+    # (tests run them in Triton's interpreter on CPU).
+    fusions: bool | None = None
+    # Scheduling one step ahead: negative token ids stand for the previous step's sampled
+    # ids, resolved in ``embed_rows`` (set by the runner before any graph is captured).
+    future: FutureTokens | None = None
 
     def __init__(
         self,
         config: ModelConfig,
-        state_dict: Mapping[str, torch.Tensor | QuantWeight],
+        state_dict: StateDict,
         dtype: torch.dtype,
         device: torch.device,
         attention: AttentionBackend[Any],
@@ -261,8 +104,8 @@ class LlamaModel:
         use_onednn: bool | None = None,
         activation_bits: int = 16,
     ) -> None:
-        """``activation_bits``: the quantized kernels' activation precision
-        (``quant.ACTIVATION_BITS``)."""
+        """``state_dict`` has Hugging Face names; it is read, not kept. ``use_onednn`` and
+        ``activation_bits``: see ``weights.Linears``."""
         if config.architecture not in ("llama", "mistral", "qwen2"):
             raise ValueError(
                 f"unsupported architecture {config.architecture!r}: llama, mistral or qwen2"
@@ -274,118 +117,31 @@ class LlamaModel:
         self.device = device
         self.attention = attention
         self.max_model_len = max_model_len or config.max_position_embeddings
-        if use_onednn is None:
-            use_onednn = device.type == "cpu" and onednn_works(dtype)
-        elif use_onednn and (device.type != "cpu" or not onednn_works(dtype)):
-            raise ValueError(f"oneDNN linear layers unavailable for {device} / {dtype}")
-        self.use_onednn = use_onednn
         self.activation_bits = activation_bits
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.hidden_size = config.hidden_size
         self.eps = config.rms_norm_eps
-
-        missing = [k for k in _required_names(config) if k not in state_dict]
-        if missing:
-            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-            raise ValueError(f"state dict lacks {len(missing)} weights the config needs: {shown}")
-
-        quantized = [n for n, w in state_dict.items() if isinstance(w, QuantWeight)]
-        if quantized and (device.type != "cpu" or dtype != torch.float32):
-            raise ValueError(
-                f"{len(quantized)} quantized weights ({quantized[0]}, ...) run on the CPU "
-                f"kernels with float32 compute, not {device} / {dtype}"
-            )
-        self.weights_format = _describe_formats(state_dict)
-
-        def get(name: str) -> torch.Tensor:
-            # fp32 for the arithmetic below, then the run dtype on the run device.
-            w = state_dict[name]
-            if isinstance(w, QuantWeight):
-                w = w.dequantize()
-            return w.to(device=device, dtype=torch.float32)
-
-        def matrix(name: str) -> Weight:
-            w = state_dict[name]
-            return w if isinstance(w, QuantWeight) else get(name)
-
-        def final(t: torch.Tensor) -> torch.Tensor:
-            return t.to(dtype).contiguous()
-
-        def linear(w: Weight, bias: torch.Tensor | None = None) -> AnyLinear:
-            if isinstance(w, (QuantWeight, QuantStack)):
-                return QLinear(w, bias, activation_bits)
-            return Linear(final(w), bias, use_onednn)
-
-        h, kvh, d = config.num_heads, config.num_kv_heads, config.head_dim
-        scale = 1.0 / math.sqrt(d)
-        self.layers: list[LayerWeights] = []
-        for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-            wq = _scaled(_interleave_rows(matrix(p + "self_attn.q_proj.weight"), h, d), scale)
-            wk = _interleave_rows(matrix(p + "self_attn.k_proj.weight"), kvh, d)
-            wv = matrix(p + "self_attn.v_proj.weight")
-            bias: torch.Tensor | None = None
-            if config.attention_bias:
-                bias = final(
-                    torch.cat(
-                        [
-                            _interleave_rows(get(p + "self_attn.q_proj.bias"), h, d) * scale,
-                            _interleave_rows(get(p + "self_attn.k_proj.bias"), kvh, d),
-                            get(p + "self_attn.v_proj.bias"),
-                        ]
-                    )
-                )
-            qkv = linear(_cat_rows([wq, wk, wv]), bias)
-            o = linear(matrix(p + "self_attn.o_proj.weight"))
-            w_gate = matrix(p + "mlp.gate_proj.weight")
-            w_up = matrix(p + "mlp.up_proj.weight")
-            gate: Linear | None = None
-            up: Linear | None = None
-            gate_up: AnyLinear | None = None
-            if use_onednn and not isinstance(w_gate, QuantWeight):
-                gate = Linear(final(_dense(w_gate)), None, True)
-                up = Linear(final(_dense(w_up)), None, True)
-            else:
-                gate_up = linear(_cat_rows([w_gate, w_up]))
-            self.layers.append(
-                LayerWeights(
-                    input_norm=final(get(p + "input_layernorm.weight")),
-                    qkv=qkv,
-                    o=o,
-                    post_norm=final(get(p + "post_attention_layernorm.weight")),
-                    gate=gate,
-                    up=up,
-                    gate_up=gate_up,
-                    down=linear(matrix(p + "mlp.down_proj.weight")),
-                )
-            )
-            del wq, wk, wv, w_gate, w_up
-        embed = matrix("model.embed_tokens.weight")
-        self.embed: torch.Tensor | QEmbedding = (
-            QEmbedding(embed) if isinstance(embed, QuantWeight) else final(embed)
-        )
-        self.norm = final(get("model.norm.weight"))
-        head = "lm_head.weight" if "lm_head.weight" in state_dict else "model.embed_tokens.weight"
-        if head == "model.embed_tokens.weight" and not config.tie_word_embeddings:
-            raise ValueError("state dict has no lm_head.weight and the config does not tie it")
-        # Tied + oneDNN: the head is a packed copy of the embedding (the lookup needs it dense).
-        # Tied + quantized: the lookup and the head share one QuantWeight.
-        self.lm_head = linear(matrix(head))
-        self.vocab_size = embed.shape[0]
-        self.weight_bytes = _weight_bytes(self)
-
-        inv_freq = rope_inv_freq(config).to(device)
-        self.inv_freq = inv_freq
-        angles = torch.outer(torch.arange(self.max_model_len, device=device).float(), inv_freq)
+        linears = Linears(dtype, device, use_onednn, activation_bits)
+        weights = load_weights(config, state_dict, linears)
+        self.layers = weights.layers
+        self.embed = weights.embed
+        self.norm = weights.norm
+        self.lm_head = weights.lm_head
+        self.vocab_size = weights.vocab_size
+        self.weights_format = weights.formats
+        self.weight_bytes = weights.num_bytes()
+        self.linear_backend = linears.backend(weights.formats)
+        self.inv_freq = rope_inv_freq(config).to(device)
+        angles = torch.outer(torch.arange(self.max_model_len, device=device).float(), self.inv_freq)
         # [max_len, 1, D/2]: complex rotations (fp32 runs) or cos / sin (half precision).
+        self.rope_cis: torch.Tensor | None = None
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
         if dtype == torch.float32:
-            self.rope_cis: torch.Tensor | None = torch.polar(torch.ones_like(angles), angles)
-            self.rope_cis = self.rope_cis.unsqueeze(1)
-            self.rope_cos = self.rope_sin = None
+            self.rope_cis = torch.polar(torch.ones_like(angles), angles).unsqueeze(1)
         else:
-            self.rope_cis = None
             self.rope_cos = angles.cos().to(dtype).unsqueeze(1)
             self.rope_sin = angles.sin().to(dtype).unsqueeze(1)
 
@@ -397,6 +153,9 @@ class LlamaModel:
         """Hidden states [T, hidden] after the last layer (before the final norm) of every
         token in ``batch``; writes every layer's K/V of those tokens into ``pool``.
         ``lora``: the step's adapter updates, added after each projection they touch."""
+        ops = self._fusion_ops(batch, pool) if lora is None else None
+        if ops is not None:
+            return self._forward_fused(ops, batch, pool)
         h_heads, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         n_rot = h_heads + kvh
         num_tokens = batch.num_tokens
@@ -435,22 +194,70 @@ class LlamaModel:
                 lora.add_(i, (("o", 0),), attn_out, hidden)
             x = F.rms_norm(hidden, normed_shape, layer.post_norm, self.eps)
             if lora is not None and lora.touches(i, lora.gate_up_spans):
-                act = _mlp_with_lora(layer, x, i, lora)
-            elif layer.gate_up is not None:
-                act = layer.gate_up.silu_mul(x)
+                act = _mlp_with_lora(layer.gate_up(x), i, x, lora)
             else:
-                assert layer.gate is not None and layer.up is not None
-                act = layer.up.mul(x, layer.gate.silu(x))
+                act = layer.gate_up.silu_mul(x)
             hidden = layer.down.add(act, hidden)
             if lora is not None:
                 lora.add_(i, (("down", 0),), act, hidden)
         return hidden
 
+    def _fusion_ops(self, batch: ForwardBatch[Any], pool: KVPool) -> Any:
+        """The ``triton_fusions`` module when this step can take it, else None: fusions on
+        (``fusions``), float weights in plain ``Linear`` layers (no oneDNN, nothing
+        quantized), a float pool, positions inside the RoPE table, a power-of-two head_dim,
+        and Triton importable."""
+        on = self.fusions
+        if on is None:
+            on = self.device.type == "cuda" and os.environ.get("KVSERVE_FUSIONS") != "0"
+        d = self.head_dim
+        if not on or self.linear_backend != "torch" or d & (d - 1):
+            return None
+        if pool.scales is not None or batch.max_position >= self.max_model_len:
+            return None
+        try:
+            from model_runner import triton_fusions
+        except ImportError:
+            return None
+        return triton_fusions
+
+    def _forward_fused(self, ops: Any, batch: ForwardBatch[Any], pool: KVPool) -> torch.Tensor:
+        """``forward`` with the layer fusions: the residual stream is updated in place by
+        ``add_rms_norm`` (which also gives the next norm's input), RoPE and the KV write are
+        one kernel, ``silu(gate) * up`` another. The same arithmetic as the torch path,
+        rounded once per fused op."""
+        h_heads, d = self.num_heads, self.head_dim
+        num_tokens = batch.num_tokens
+        residual = self.embed_rows(batch.input_ids)
+        if self.rope_cis is not None:  # fp32: the complex table's (cos, sin) pairs, strided
+            pairs = torch.view_as_real(self.rope_cis.squeeze(1))
+            cos, sin = pairs[..., 0], pairs[..., 1]
+        else:
+            assert self.rope_cos is not None and self.rope_sin is not None
+            cos, sin = self.rope_cos.squeeze(1), self.rope_sin.squeeze(1)
+        attn_out = torch.empty(num_tokens, h_heads * d, dtype=self.dtype, device=self.device)
+        layers = self.layers
+        x = ops.add_rms_norm(None, residual, layers[0].input_norm, self.eps)
+        for i, layer in enumerate(layers):
+            qkv = layer.qkv(x).view(num_tokens, -1, d)
+            ops.rope_kv_write(
+                qkv, cos, sin, batch.positions, batch.slot_mapping, pool.data[i], h_heads
+            )
+            self.attention.attend(i, qkv, batch.metadata, pool, attn_out)
+            x = ops.add_rms_norm(layer.o(attn_out), residual, layer.post_norm, self.eps)
+            down = layer.down(ops.silu_mul(layer.gate_up(x)))
+            if i + 1 < len(layers):
+                x = ops.add_rms_norm(down, residual, layers[i + 1].input_norm, self.eps)
+            else:
+                residual.add_(down)
+        return residual
+
     def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Embeddings [T, hidden] of ``token_ids`` (quantized tables dequantize just these)."""
-        if isinstance(self.embed, QEmbedding):
-            return self.embed(token_ids)
-        return F.embedding(token_ids, self.embed)
+        """Embeddings [T, hidden] of ``token_ids`` (quantized tables dequantize just these);
+        placeholder ids are resolved first, on the device (``future``)."""
+        if self.future is not None:
+            token_ids = self.future.resolve(token_ids)
+        return self.embed(token_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the given rows [R, hidden] -> fp32 logits [R, V]."""
@@ -458,19 +265,13 @@ class LlamaModel:
         return self.lm_head(x).float()
 
 
-def _mlp_with_lora(layer: LayerWeights, x: torch.Tensor, i: int, lora: TorchLora) -> torch.Tensor:
-    """``silu(gate) * up`` with the adapters' updates of gate and up added before the SiLU
-    (the fused epilogues cannot take them)."""
-    if layer.gate_up is not None:
-        gu = layer.gate_up(x)
-        lora.add_(i, lora.gate_up_spans, x, gu)
-        inter = gu.shape[-1] // 2
-        return F.silu(gu[:, :inter]).mul_(gu[:, inter:])
-    assert layer.gate is not None and layer.up is not None
-    gate, up = layer.gate(x), layer.up(x)
-    lora.add_(i, (("gate", 0),), x, gate)
-    lora.add_(i, (("up", 0),), x, up)
-    return F.silu(gate).mul_(up)
+def _mlp_with_lora(gate_up: torch.Tensor, i: int, x: torch.Tensor, lora: TorchLora) -> torch.Tensor:
+    """``silu(gate) * up`` from the gate and up projections ``gate_up`` [T, 2 * inter] with
+    the adapters' updates of gate and up added before the SiLU (the fused epilogues cannot
+    take them)."""
+    lora.add_(i, lora.gate_up_spans, x, gate_up)
+    inter = gate_up.shape[-1] // 2
+    return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
 
 
 def _rope_real_(rot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -481,16 +282,3 @@ def _rope_real_(rot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None
     r1 = x0 * sin + x1 * cos
     x0.copy_(r0)
     x1.copy_(r1)
-
-
-def _required_names(config: ModelConfig) -> list[str]:
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        names += [p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")] + [
-            p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")
-        ]
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        if config.attention_bias:
-            names += [p + f"self_attn.{n}_proj.bias" for n in ("q", "k", "v")]
-    return names

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from model_runner.block_table import first_key_block
-from model_runner.cuda_graphs import DecodeGraphs, capture_sizes, graph_bucket, pad_decode
+from model_runner.cuda_graphs import DecodeGraphs, capture_sizes, graph_bucket
 from model_runner.fused_step import FusedStep
 from model_runner.kv_pool import KVPool
 from model_runner.lora.step import LoraStep, TorchLora
@@ -95,9 +95,8 @@ class GraphPath:
 
     name = "graphs"
 
-    def __init__(self, graphs: DecodeGraphs, sliding_window: int | None) -> None:
+    def __init__(self, graphs: DecodeGraphs) -> None:
         self.graphs = graphs
-        self.sliding_window = sliding_window
 
     def fits(self, step: StepRows) -> bool:
         # No graphs were captured with adapters: a step with adapter rows runs eager.
@@ -105,13 +104,7 @@ class GraphPath:
 
     def forward(self, step: StepRows, lora: LoraStep | None = None) -> torch.Tensor:
         assert lora is None, "a step with adapters never takes the graphs"
-        graphs = self.graphs
-        size = graph_bucket(step, graphs.sizes)
-        assert size is not None, "chosen only when it fits"
-        padded = pad_decode(
-            step, size, graphs.max_pages_per_seq, graphs.scratch_slot, self.sliding_window
-        )
-        return graphs.run(padded)
+        return self.graphs.run(step)
 
 
 @dataclass(slots=True)
@@ -162,11 +155,12 @@ def make_paths(
     not. ``graph_sizes`` (from ``graph_sizes``) are captured here, after the pool exists;
     ``scratch_slot`` is a slot the cache manager never lends (padding rows write there)."""
     spec = model.attention.spec
-    unsupported = FusedStep.unsupported(model, pool)
-    if spec.attention_sinks:
-        unsupported = "attention sinks take the chunk path"
     if not model.attention.yields_to_fused:
-        unsupported = f"the {model.attention.name} attention backend runs every step"
+        unsupported: str | None = f"the {model.attention.name} attention backend runs every step"
+    elif spec.attention_sinks:
+        unsupported = "attention sinks take the chunk path"
+    else:  # the last check: it may load the CPU kernels (only for a quantized CPU model)
+        unsupported = FusedStep.unsupported(model, pool)
     if fused_step and unsupported is not None:
         raise ValueError(f"fused_step=True but {unsupported}")
     paths = ForwardPaths(EagerPath(model, pool))
@@ -175,16 +169,11 @@ def make_paths(
         paths.fused = FusedPath(kernel, spec.sliding_window, fused_max_rows)
     if graph_sizes:
         graphs = DecodeGraphs(
-            model,
-            pool,
-            block_size=spec.block_size,
-            max_model_len=max_model_len,
-            scratch_slot=scratch_slot,
-            sizes=graph_sizes,
+            model, pool, max_model_len=max_model_len, scratch_slot=scratch_slot, sizes=graph_sizes
         )
         with torch.inference_mode():
             graphs.capture()
-        paths.graphs = GraphPath(graphs, spec.sliding_window)
+        paths.graphs = GraphPath(graphs)
     return paths
 
 

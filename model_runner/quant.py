@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from model_runner import interleave, kernels
+from model_runner.config import ACTIVATION_BITS, WEIGHT_MODES
 
 logger = logging.getLogger(__name__)
 
-WEIGHT_MODES: tuple[str, ...] = ("auto", "float32", "native", "int8")
 QK = 32
 QK_K = 256
 
@@ -332,14 +332,9 @@ def describe(weight: QuantMatrix) -> kernels.QW:
     qw = kernels.QW(len(parts), weight.out_features, weight.in_features, 0)
     for i, p in enumerate(parts):
         qw.parts[i] = kernels.QPart(
-            kernels.FORMAT_CODES[p.fmt], p.out_features, p.records.data_ptr()
+            kernels.format_code(p.fmt), p.out_features, p.records.data_ptr()
         )
     return qw
-
-
-# Activation precision of the kernels (``--activation-bits``): 16 = int8 plus a residual byte
-# (~15 bits, two vpdpbusd per weight vector), 8 = int8 alone (ggml's q8_0 precision).
-ACTIVATION_BITS = (16, 8)
 
 
 class QLinear:
@@ -407,6 +402,9 @@ class QLinear:
         out = torch.empty(x.shape[0], inter, dtype=torch.float32)
         return self._gemm(x, out, kernels.EPI_SILU_MUL)
 
+    def tensors(self) -> list[torch.Tensor]:
+        return self.weight.tensors() if self.bias is None else [*self.weight.tensors(), self.bias]
+
 
 def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
     """``x`` as fp32 rows of ``width`` with unit stride (a copy only when it must)."""
@@ -424,6 +422,9 @@ class QEmbedding:
         self.lib: Any = kernels.load()
         self.weight = weight
         self._qw = describe(weight)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.weight.tensors()
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weight

@@ -1,6 +1,18 @@
-"""Turns one step's logits into next tokens, vectorised over the batch.
+"""Turns one step's logits into next tokens where the logits live, with no host synchronisation.
 
-Pipeline, per row (each stage runs only when some row in the batch needs it)::
+Three phases, so a runner can launch a step and read its tokens later (one step ahead)::
+
+    prepare(seqs)          host, before the step: each row's parameters, its uniform, the
+                           (row, token) pairs of its penalties -> SamplingBatch (small
+                           tensors, moved to the device without waiting)
+    launch(logits, batch)  device: tensor ops only (``model_runner.sampling_ops``)
+                           -> DeviceSample (token ids, bad-row counts, logprobs)
+    collect(batch, host)   host, once the DeviceSample is copied over -> SampleResult
+
+``sample(logits, seqs)`` runs the three back to back.
+
+Pipeline, per row (each stage runs only when some row in the batch needs it, which the host
+knows from the rows' parameters)::
 
     raw logits --> [NaN/inf check] --> min_tokens mask (EOS + stop ids -> -inf)
                --> repetition penalty (HF: prompt + output tokens)
@@ -8,20 +20,18 @@ Pipeline, per row (each stage runs only when some row in the batch needs it)::
                --> greedy rows: argmax                                   (temperature == 0)
                --> sampled rows: / temperature --> top-k --> top-p --> min-p --> draw
 
-Truncation order follows Hugging Face ``generate()``: top-k, then top-p over the top-k
-survivors (renormalised), then min-p. min-p compares each probability with the row maximum,
-which no earlier stage removes, so its mask does not depend on what ran before it.
+Truncation follows Hugging Face ``generate()``: top-k, then top-p over the top-k survivors
+(renormalised), then min-p, which compares each probability with the row's largest (no stage
+removes that one, so the min-p mask does not depend on the others). Tokens tied with the k-th
+value stay, and so do tokens tied with the last one top-p keeps. Top-p needs no sort
+(``sampling_ops.top_p_keep``).
 
-Drawing is by inverse CDF: one uniform ``u`` per row, the token is the first whose cumulative
-(float64) probability exceeds ``u * total``. A seeded row draws ``u`` from its own
-``torch.Generator`` seeded from ``(seed, num_output_tokens)``; every stage is row-wise and a
+Drawing is by inverse CDF with one uniform per row: the token is the first whose cumulative
+(float64) weight exceeds ``u * total``. A seeded row's ``u`` is a pure function of ``(seed,
+num_output_tokens)`` (``seeded_uniform``), computed on the host; every stage is row-wise and a
 row's code path depends only on its own parameters and logits, so the same request and seed
-give the same token whatever else is in the batch.
-
-Speed: a truncated row (top-k <= ``num_candidates``, or a top-p / min-p cut) first works on
-its ``num_candidates`` largest logits (``topk``, no full sort); only when the cut does not
-fall inside them (a very flat distribution) does it take the full-vocabulary path (sort for
-top-p). Untruncated rows cost a softmax and a cumulative sum.
+give the same token whatever else is in the batch. Unseeded rows draw ``u`` from the sampler's
+own ``random.Random``. No per-request ``torch.Generator``, no ``torch.multinomial``.
 
 Logprobs (``logprobs_mode``):
 - ``"raw"`` (default, like vLLM): ``log_softmax`` of the model's logits, before penalties,
@@ -30,47 +40,65 @@ Logprobs (``logprobs_mode``):
   (temperature 1 for greedy rows), before top-k / top-p / min-p truncation.
 
 A row whose logits contain NaN or +inf, or are all -inf, does not kill the batch: it is
-reported in ``SampleResult.failed`` and every other row samples as usual.
+reported in ``SampleResult.failed`` (with the counts, found on the device) and every other row
+samples as usual.
+
+Scheduling one step ahead: a seq whose input token is a placeholder (``has_placeholder``) has
+that token in its penalty history too. ``prepare`` takes its id on the device (the encoded
+placeholder the runner gives, ``placeholders``) and ``launch`` resolves the pairs there
+(``resolve``), so a penalty never waits for the token to reach the host.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
+import random
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
+from model_runner.sampling_ops import (
+    NEG_INF,
+    apply_token_bitmask,
+    inverse_cdf,
+    penalise_presence_frequency,
+    penalise_repetition,
+    to_device,
+    top_k_keep,
+    top_p_keep,
+)
 from scheduler.output import ScheduledSeq, TokenLogprobs
-from scheduler.request import SamplingParams
+
+__all__ = [
+    "DeviceSample",
+    "LogprobsMode",
+    "SampleResult",
+    "Sampler",
+    "SamplingBatch",
+    "apply_token_bitmask",
+    "mix_seed",
+    "seeded_uniform",
+]
 
 LogprobsMode = Literal["raw", "processed"]
+Resolve = Callable[[torch.Tensor], torch.Tensor]
 
 _MASK64 = (1 << 64) - 1
-_NEG_INF = float("-inf")
-
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set to -inf, in place, every logit whose bit in ``bitmask`` [R, ceil(V / 32)] int32 is
-    clear (bit ``t % 32`` of word ``t // 32`` for token ``t``; ``model_runner.constraints``).
-    Columns past the mask's ``32 * words`` are cleared too."""
-    num_rows, vocab_size = logits.shape
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(num_rows, -1)
-    allowed = allowed.to(logits.device, non_blocking=True)
-    if allowed.shape[1] < vocab_size:
-        logits[:, allowed.shape[1] :] = _NEG_INF
-        vocab_size = allowed.shape[1]
-    logits[:, :vocab_size].masked_fill_(~allowed[:, :vocab_size], _NEG_INF)
 
 
 def mix_seed(seed: int, step: int) -> int:
-    """splitmix64 of (seed, step): a well-spread 63-bit generator seed per (request, token)."""
+    """splitmix64 of (seed, step): a well-spread 63-bit number per (request, token)."""
     z = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def seeded_uniform(seed: int, step: int) -> float:
+    """The uniform in [0, 1) that output token ``step`` of a request seeded ``seed`` draws
+    with: 53 bits of ``mix_seed``, the same on every device and in every batch."""
+    return (mix_seed(seed, step) >> 10) * 2.0**-53
 
 
 @dataclass(slots=True)
@@ -87,30 +115,78 @@ class SampleResult:
     failed: dict[str, str] = field(default_factory=dict)
 
 
-class Sampler:
-    """Stateless apart from the generator that draws for unseeded rows.
-
-    ``seed`` seeds that generator (tests); ``None`` seeds it from torch's default source.
-    ``num_candidates``: how many of the largest logits a truncated row looks at before it
-    falls back to the full vocabulary.
+@dataclass(slots=True)
+class SamplingBatch:
+    """One step's sampling inputs (``Sampler.prepare``), on the logits' device. Row i is
+    ``seqs[i]``; "sampled" rows are those with temperature > 0 (index ``sampled``), and the
+    per-row parameters below are theirs, in that order. Which stages run is decided here,
+    from the parameters: nothing in ``launch`` depends on a value it would have to read back.
     """
 
-    def __init__(
-        self,
-        logprobs_mode: LogprobsMode = "raw",
-        seed: int | None = None,
-        num_candidates: int = 256,
-    ) -> None:
+    seqs: Sequence[ScheduledSeq]
+    device: torch.device
+    vocab_size: int
+    processes: bool = False  # any stage beyond argmax runs
+    sampled: list[int] = field(default_factory=list)
+    sampled_index: torch.Tensor | None = None  # None: every row samples (or none does)
+    temperature: torch.Tensor | None = None  # [S] float32
+    u: torch.Tensor | None = None  # [S] float64
+    top_k: torch.Tensor | None = None  # [S] int64, 0 for no top-k
+    max_top_k: int = 0
+    top_p_index: torch.Tensor | None = None  # rows of S with top_p < 1 (None: all of S)
+    top_p: torch.Tensor | None = None  # [P] float64
+    min_p: torch.Tensor | None = None  # [S] float32
+    min_tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, cols) -> -inf
+    repetition: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    presence_frequency: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    has_placeholders: bool = False  # penalty pairs name placeholder tokens (resolve them)
+    logprob_rows: list[int] = field(default_factory=list)
+    logprob_index: torch.Tensor | None = None
+    max_logprobs: int = 0
+    processed_logprobs: bool = False
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.seqs)
+
+
+@dataclass(slots=True)
+class DeviceSample:
+    """What ``launch`` leaves on the device: ``token_ids`` [R] (the next inputs of a step
+    planned ahead), ``ints`` [R, 4] (token, bad row, NaN count, +inf count), and for the
+    rows that want logprobs ``logprobs`` [L, 1 + n] (the sampled token's, then the top n)
+    and ``top_ids`` [L, n]."""
+
+    token_ids: torch.Tensor
+    ints: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> DeviceSample:
+        """The same sample with ``fn`` applied to each tensor the host reads (a copy)."""
+        ints = fn(self.ints)
+        return DeviceSample(
+            ints[:, 0],
+            ints,
+            None if self.logprobs is None else fn(self.logprobs),
+            None if self.top_ids is None else fn(self.top_ids),
+        )
+
+
+class Sampler:
+    """Sampling on the logits' device; see the module docstring.
+
+    ``seed`` seeds the generator of unseeded rows' uniforms (tests); ``None`` seeds it from
+    the operating system. Not thread-safe: one engine thread prepares every step.
+    """
+
+    def __init__(self, logprobs_mode: LogprobsMode = "raw", seed: int | None = None) -> None:
         if logprobs_mode not in ("raw", "processed"):
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
-        if num_candidates < 1:
-            raise ValueError(f"num_candidates must be >= 1, got {num_candidates}")
         self.logprobs_mode: LogprobsMode = logprobs_mode
-        self.num_candidates = num_candidates
-        self._seed = seed
-        self._generators: dict[torch.device, torch.Generator] = {}
+        self._rng = random.Random(seed)
 
-    # ------------------------------------------------------------------ public
+    # ------------------------------------------------------------------ all three phases
 
     def sample(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> SampleResult:
         """Sample one token for each row of ``logits`` [B, V]; row i belongs to ``seqs[i]``.
@@ -121,159 +197,198 @@ class Sampler:
             raise ValueError(
                 f"logits must be [len(seqs)={len(seqs)}, vocab], got {tuple(logits.shape)}"
             )
-        num_rows = logits.shape[0]
-        if num_rows == 0:
-            return SampleResult(token_ids=[], logprobs=[])
-        if logits.dtype != torch.float32:
-            logits = logits.float()
+        batch = self.prepare(seqs, logits.device, logits.shape[1])
+        return self.collect(batch, self.launch(logits, batch).map(lambda t: t.cpu()))
 
-        row_max, argmax = logits.max(dim=1)  # max propagates NaN: one pass finds bad rows
-        bad = ~torch.isfinite(row_max)
+    # ------------------------------------------------------------------ host, before
 
+    def prepare(
+        self,
+        seqs: Sequence[ScheduledSeq],
+        device: torch.device,
+        vocab_size: int,
+        placeholders: Mapping[str, int] | None = None,
+    ) -> SamplingBatch:
+        """Read everything the step's sampling needs from ``seqs``, on the host, and move it
+        to ``device`` without a synchronisation. ``placeholders``: request id -> the id that
+        stands for its placeholder token on the device (``launch``'s ``resolve`` maps it)."""
+        batch = SamplingBatch(seqs, device, vocab_size)
         params = [s.sampling for s in seqs]
-        sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
         freq_rows = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
         min_tokens_rows = [
             i for i, s in enumerate(seqs) if s.num_output_tokens < s.sampling.min_tokens
         ]
-        want_logprobs = any(p.logprobs is not None for p in params)
-        processed_logprobs = want_logprobs and self.logprobs_mode == "processed"
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        batch.processed_logprobs = bool(logprob_rows) and self.logprobs_mode == "processed"
+        batch.processes = bool(
+            sampled or rep_rows or freq_rows or min_tokens_rows or batch.processed_logprobs
+        )
+        if min_tokens_rows:
+            batch.min_tokens = _stop_token_pairs(seqs, min_tokens_rows, vocab_size, device)
+        history = _History(seqs, placeholders or {})
+        if rep_rows:
+            rows, cols = history.pairs(rep_rows, device, prompt=True)
+            penalty = [p.repetition_penalty for p in params]
+            batch.repetition = (rows, cols, to_device(penalty, torch.float32, device))
+        if freq_rows:
+            rows, cols = history.pairs(freq_rows, device, prompt=False)
+            batch.presence_frequency = (
+                rows,
+                cols,
+                to_device([p.frequency_penalty for p in params], torch.float32, device),
+                to_device([p.presence_penalty for p in params], torch.float32, device),
+            )
+        batch.has_placeholders = history.has_placeholders
+        if sampled:
+            self._prepare_sampled(batch, sampled, vocab_size)
+        if logprob_rows:
+            batch.logprob_rows = logprob_rows
+            if len(logprob_rows) < len(seqs):
+                batch.logprob_index = to_device(logprob_rows, torch.int64, device)
+            batch.max_logprobs = max(params[i].logprobs or 0 for i in logprob_rows)
+        return batch
 
-        if sampled_rows or rep_rows or freq_rows or min_tokens_rows or processed_logprobs:
-            failed = self._failed_rows(logits, bad.nonzero().flatten().tolist(), seqs)
-            processed = logits.clone()
-            if failed:
-                processed[bad] = 0.0  # keep NaN out of shared ops; these rows are ignored
-            if min_tokens_rows:
-                _mask_stop_tokens(processed, seqs, min_tokens_rows)
-            if rep_rows:
-                _apply_repetition_penalty(processed, seqs, rep_rows)
-            if freq_rows:
-                _apply_presence_frequency(processed, seqs, freq_rows)
+    def _prepare_sampled(self, batch: SamplingBatch, sampled: list[int], vocab_size: int) -> None:
+        device = batch.device
+        seqs = batch.seqs
+        params = [seqs[i].sampling for i in sampled]
+        batch.sampled = sampled
+        if len(sampled) < len(seqs):
+            batch.sampled_index = to_device(sampled, torch.int64, device)
+        batch.temperature = to_device([p.temperature for p in params], torch.float32, device)
+        uniforms = []
+        for i in sampled:
+            seed = seqs[i].sampling.seed
+            step = seqs[i].num_output_tokens
+            uniforms.append(self._rng.random() if seed is None else seeded_uniform(seed, step))
+        batch.u = to_device(uniforms, torch.float64, device)
+        top_ks = [p.top_k if p.top_k is not None and p.top_k < vocab_size else 0 for p in params]
+        if any(top_ks):
+            batch.top_k = to_device(top_ks, torch.int64, device)
+            batch.max_top_k = max(top_ks)
+        top_p_rows = [j for j, p in enumerate(params) if p.top_p < 1.0]
+        if top_p_rows:
+            if len(top_p_rows) < len(params):
+                batch.top_p_index = to_device(top_p_rows, torch.int64, device)
+            batch.top_p = to_device([params[j].top_p for j in top_p_rows], torch.float64, device)
+        if any(p.min_p > 0.0 for p in params):
+            batch.min_p = to_device([p.min_p for p in params], torch.float32, device)
+
+    # ------------------------------------------------------------------ device
+
+    def launch(
+        self, logits: torch.Tensor, batch: SamplingBatch, resolve: Resolve | None = None
+    ) -> DeviceSample:
+        """Sample on ``logits``' device: tensor ops only, nothing the host waits for. Never
+        mutates ``logits``. ``resolve`` maps placeholder ids to the tokens they stand for
+        (needed when ``batch.has_placeholders``)."""
+        device = logits.device
+        x = logits if logits.dtype == torch.float32 else logits.float()
+        num_rows = x.shape[0]
+        if num_rows == 0:
+            empty = torch.zeros(0, 4, dtype=torch.int64, device=device)
+            return DeviceSample(empty[:, 0], empty)
+        # amax propagates NaN: one reduction finds every bad row.
+        bad = ~torch.isfinite(x.amax(dim=1))
+        if batch.processes:
+            processed = torch.where(bad.unsqueeze(1), 0.0, x)  # NaN kept out of shared ops
+            if batch.min_tokens is not None:
+                processed.index_put_(batch.min_tokens, processed.new_full((), NEG_INF))
+            if batch.repetition is not None:
+                rows, cols, penalty = batch.repetition
+                if batch.has_placeholders:
+                    assert resolve is not None, "placeholder tokens need a resolver"
+                    cols = resolve(cols)
+                penalise_repetition(processed, rows, cols, penalty)
+            if batch.presence_frequency is not None:
+                rows, cols, frequency, presence = batch.presence_frequency
+                if batch.has_placeholders:
+                    assert resolve is not None, "placeholder tokens need a resolver"
+                    cols = resolve(cols)
+                penalise_presence_frequency(processed, rows, cols, frequency, presence)
             tokens = processed.argmax(dim=1)
-            if sampled_rows:
-                self._sample_rows(processed, tokens, seqs, sampled_rows, processed_logprobs)
-            token_list: list[int] = tokens.tolist()
+            scaled = processed
+            if batch.sampled:
+                assert batch.temperature is not None
+                index = batch.sampled_index
+                rows_x = processed if index is None else processed.index_select(0, index)
+                xs = rows_x / batch.temperature.unsqueeze(1)
+                drawn = _draw(xs, batch)
+                if index is None:
+                    tokens, scaled = drawn, xs
+                else:
+                    tokens = tokens.index_copy(0, index, drawn)
+                    if batch.processed_logprobs:
+                        scaled = processed.index_copy(0, index, xs)
         else:
-            # Fast path (all greedy, nothing to mask): the argmax from the NaN check, and ONE
-            # device-to-host copy for the tokens and the bad-row flags together (on a GPU
-            # each copy is a synchronization: one per step).
-            tokens = argmax
-            processed = logits
-            token_list, bad_flags = torch.stack((argmax, bad.to(argmax.dtype))).tolist()
-            failed = self._failed_rows(logits, [i for i, b in enumerate(bad_flags) if b], seqs)
-        for request_id in failed:
-            for i, s in enumerate(seqs):
-                if s.request_id == request_id:
-                    token_list[i] = 0
-        logprobs: list[TokenLogprobs | None] = [None] * num_rows
-        if want_logprobs:
-            source = processed if processed_logprobs else logits
-            logprobs = _logprobs(source, tokens, seqs, failed)
-        return SampleResult(token_ids=token_list, logprobs=logprobs, failed=failed)
-
-    # ------------------------------------------------------------------ drawing
-
-    def _sample_rows(
-        self,
-        processed: torch.Tensor,
-        tokens: torch.Tensor,
-        seqs: Sequence[ScheduledSeq],
-        rows: list[int],
-        write_back: bool,
-    ) -> None:
-        """Writes the sampled tokens of ``rows`` into ``tokens``. With ``write_back`` the
-        temperature-scaled logits go back into ``processed`` (for processed logprobs)."""
-        device = processed.device
-        num_rows, vocab_size = processed.shape
-        index = torch.tensor(rows, device=device)
-        params = [seqs[i].sampling for i in rows]
-        temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
-        if len(rows) == num_rows:
-            # Greedy argmaxes are taken already; scale our own copy in place.
-            x = processed.div_(temperature)
-        else:
-            x = processed.index_select(0, index).div_(temperature)
-            if write_back:
-                processed.index_copy_(0, index, x)
-        u = self._uniforms([seqs[i] for i in rows], device)
-
-        num_candidates = min(self.num_candidates, vocab_size)
-        local = [
-            j
-            for j, p in enumerate(params)
-            if _truncates(p, vocab_size) and (p.top_k is None or p.top_k <= num_candidates)
-        ]
-        full = sorted(set(range(len(rows))) - set(local))
-        drawn = torch.empty(len(rows), dtype=torch.long, device=device)
-        if local:
-            at = torch.tensor(local, device=device)
-            picked, covered = _draw_from_candidates(
-                _take_rows(x, local, at), [params[j] for j in local], u[at], num_candidates
-            )
-            drawn.index_copy_(0, at, picked)
-            full += [j for j, ok in zip(local, covered.tolist(), strict=True) if not ok]
-        if full:
-            full.sort()
-            at = torch.tensor(full, device=device)
-            picked = _draw_full(_take_rows(x, full, at), [params[j] for j in full], u[at])
-            drawn.index_copy_(0, at, picked)
-        tokens.index_copy_(0, index, drawn)
-
-    def _uniforms(self, seqs: list[ScheduledSeq], device: torch.device) -> torch.Tensor:
-        """U[0, 1) float64 per row: the shared generator, or the row's own seeded one."""
-        u = torch.rand(len(seqs), dtype=torch.float64, generator=self._generator(device))
-        for j, s in enumerate(seqs):
-            if s.sampling.seed is not None:
-                g = torch.Generator()
-                g.manual_seed(mix_seed(s.sampling.seed, s.num_output_tokens))
-                u[j] = torch.rand((), dtype=torch.float64, generator=g)
-        return u.to(device)
-
-    def _generator(self, device: torch.device) -> torch.Generator:
-        # The uniforms are drawn on the CPU (a handful of numbers) and moved to the device,
-        # so seeded draws are the same on every device.
-        del device
-        key = torch.device("cpu")
-        g = self._generators.get(key)
-        if g is None:
-            g = torch.Generator()
-            if self._seed is not None:
-                g.manual_seed(self._seed)
+            tokens = x.argmax(dim=1)
+            scaled = x
+        tokens = torch.where(bad, 0, tokens)
+        counts = torch.stack(
+            (bad.to(torch.int64), torch.isnan(x).sum(dim=1), torch.isposinf(x).sum(dim=1)), dim=1
+        )
+        ints = torch.cat((tokens.unsqueeze(1), counts), dim=1)
+        sample = DeviceSample(tokens, ints)
+        if batch.logprob_rows:
+            source = scaled if batch.processed_logprobs else x
+            index = batch.logprob_index
+            chosen = tokens if index is None else tokens.index_select(0, index)
+            rows_lp = source if index is None else source.index_select(0, index)
+            logprobs = rows_lp.log_softmax(dim=1)
+            chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))
+            if batch.max_logprobs > 0:
+                top = logprobs.topk(batch.max_logprobs, dim=1)
+                sample.logprobs = torch.cat((chosen_lp, top.values), dim=1)
+                sample.top_ids = top.indices
             else:
-                g.seed()
-            self._generators[key] = g
-        return g
+                sample.logprobs = chosen_lp
+        return sample
 
-    # ------------------------------------------------------------------ failures
+    # ------------------------------------------------------------------ host, after
 
-    @staticmethod
-    def _failed_rows(
-        logits: torch.Tensor, bad_rows: list[int], seqs: Sequence[ScheduledSeq]
-    ) -> dict[str, str]:
+    def collect(self, batch: SamplingBatch, host: DeviceSample) -> SampleResult:
+        """The host's view of a sample whose tensors are on the host now."""
+        seqs = batch.seqs
+        ints: list[list[int]] = host.ints.tolist()
+        token_ids = [row[0] for row in ints]
         failed: dict[str, str] = {}
-        for i in bad_rows:
-            row = logits[i]
-            num_nan = int(torch.isnan(row).sum())
-            num_posinf = int(torch.isposinf(row).sum())
-            if num_nan or num_posinf:
-                what = f"{num_nan} NaN and {num_posinf} +inf values"
-            else:
-                what = "only -inf values"
-            failed[seqs[i].request_id] = (
-                f"model produced invalid logits ({what} in a vocabulary of {row.numel()}) "
-                f"at output token {seqs[i].num_output_tokens}"
-            )
-        return failed
+        for i, (_, is_bad, num_nan, num_posinf) in enumerate(ints):
+            if is_bad:
+                failed[seqs[i].request_id] = (
+                    f"model produced invalid logits ({_what(num_nan, num_posinf)} in a "
+                    f"vocabulary of {batch.vocab_size}) at output token "
+                    f"{seqs[i].num_output_tokens}"
+                )
+        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+        if batch.logprob_rows and host.logprobs is not None:
+            values: list[list[float]] = host.logprobs.tolist()
+            ids: list[list[int]] = host.top_ids.tolist() if host.top_ids is not None else []
+            for j, i in enumerate(batch.logprob_rows):
+                seq = seqs[i]
+                if seq.request_id in failed:
+                    continue
+                n = seq.sampling.logprobs or 0
+                top = tuple(zip(ids[j][:n], values[j][1 : 1 + n], strict=True)) if n else ()
+                logprobs[i] = TokenLogprobs(token_id=token_ids[i], logprob=values[j][0], top=top)
+        return SampleResult(token_ids=token_ids, logprobs=logprobs, failed=failed)
 
 
-# ---------------------------------------------------------------------- masks, penalties
+# ---------------------------------------------------------------------- host-side helpers
 
 
-def _mask_stop_tokens(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int]) -> None:
-    """min_tokens: EOS (unless ignore_eos) and stop_token_ids cannot be sampled yet."""
-    vocab_size = logits.shape[1]
+def _what(num_nan: int, num_posinf: int) -> str:
+    if num_nan or num_posinf:
+        return f"{num_nan} NaN and {num_posinf} +inf values"
+    return "only -inf values"
+
+
+def _stop_token_pairs(
+    seqs: Sequence[ScheduledSeq], rows: list[int], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """min_tokens: the (row, token) pairs that cannot be sampled yet (EOS unless ignore_eos,
+    and the stop token ids)."""
     row_idx: list[int] = []
     col_idx: list[int] = []
     for i in rows:
@@ -281,218 +396,73 @@ def _mask_stop_tokens(logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: 
         ids = set(s.sampling.stop_token_ids)
         if not s.sampling.ignore_eos:
             ids.update(s.eos_token_ids)
-        for t in ids:
+        for t in sorted(ids):
             if t < vocab_size:
                 row_idx.append(i)
                 col_idx.append(t)
-    if row_idx:
-        device = logits.device
-        logits[torch.tensor(row_idx, device=device), torch.tensor(col_idx, device=device)] = (
-            _NEG_INF
-        )
+    if not row_idx:
+        return None
+    return to_device(row_idx, torch.int64, device), to_device(col_idx, torch.int64, device)
 
 
-def _pairs(
-    token_lists: list[Sequence[int]], rows: list[int], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index, token id) for every token of every list: O(total tokens), no [R, V] mask."""
-    lengths = torch.tensor([len(t) for t in token_lists])
-    cols = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
-    row_idx = torch.repeat_interleave(torch.tensor(rows), lengths)
-    return row_idx.to(device), cols.to(device)
+class _History:
+    """The tokens each row's penalties count, as (row, token) pairs: O(total tokens), no
+    [R, V] mask. A seq with a placeholder counts it too, by the id that stands for it."""
+
+    def __init__(self, seqs: Sequence[ScheduledSeq], placeholders: Mapping[str, int]) -> None:
+        self.seqs = seqs
+        self.placeholders = placeholders
+        self.has_placeholders = False
+
+    def pairs(
+        self, rows: list[int], device: torch.device, *, prompt: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token of each row's prompt + output (``prompt``) or output only."""
+        row_idx: list[int] = []
+        cols: list[int] = []
+        for i in rows:
+            s = self.seqs[i]
+            tokens = s.all_token_ids if prompt else s.all_token_ids[s.num_prompt_tokens :]
+            row_idx.extend([i] * len(tokens))
+            cols.extend(tokens)
+            if s.has_placeholder:
+                try:
+                    cols.append(self.placeholders[s.request_id])
+                except KeyError:
+                    raise ValueError(
+                        f"{s.request_id!r} has a placeholder token and no id for it"
+                    ) from None
+                row_idx.append(i)
+                self.has_placeholders = True
+        return to_device(row_idx, torch.int64, device), to_device(cols, torch.int64, device)
 
 
-def _apply_repetition_penalty(
-    logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int]
-) -> None:
-    """HF semantics over prompt + output tokens: a seen token's logit is divided by the
-    penalty when positive, multiplied when negative (each seen token once)."""
-    row_idx, cols = _pairs([seqs[i].all_token_ids for i in rows], rows, logits.device)
-    if cols.numel() == 0:
-        return
-    penalty = torch.tensor(
-        [seqs[i].sampling.repetition_penalty for i in range(len(seqs))], device=logits.device
-    )[row_idx]
-    values = logits[row_idx, cols]
-    # Repeated (row, token) pairs write the same value: penalised once.
-    logits[row_idx, cols] = torch.where(values > 0, values / penalty, values * penalty)
+# ---------------------------------------------------------------------- device: the draw
 
 
-def _apply_presence_frequency(
-    logits: torch.Tensor, seqs: Sequence[ScheduledSeq], rows: list[int]
-) -> None:
-    """OpenAI semantics over output tokens:
-    ``logit -= frequency * count + presence * (count > 0)``."""
-    outputs = [seqs[i].all_token_ids[seqs[i].num_prompt_tokens :] for i in rows]
-    row_idx, cols = _pairs(outputs, rows, logits.device)
-    if cols.numel() == 0:
-        return
-    device = logits.device
-    freq = torch.tensor([s.sampling.frequency_penalty for s in seqs], device=device)[row_idx]
-    presence = torch.tensor([s.sampling.presence_penalty for s in seqs], device=device)[row_idx]
-    logits.index_put_((row_idx, cols), -freq, accumulate=True)  # once per occurrence
-    logits[row_idx, cols] = logits[row_idx, cols] - presence  # repeated pairs: same value
-
-
-# ---------------------------------------------------------------------- truncation + draw
-
-
-def _take_rows(x: torch.Tensor, rows: list[int], index: torch.Tensor) -> torch.Tensor:
-    """``x[rows]`` without a copy when ``rows`` is every row in order."""
-    if len(rows) == x.shape[0]:
-        return x
-    return x.index_select(0, index)
-
-
-def _truncates(p: SamplingParams, vocab_size: int) -> bool:
-    return (p.top_k is not None and p.top_k < vocab_size) or p.top_p < 1.0 or p.min_p > 0.0
-
-
-def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    """Per row, the position of the first cumulative weight above ``u * total``.
-
-    Two levels, so no [S, V] float64 copy or full-length cumulative sum: float64 sums of
-    ``chunk``-wide slices pick the slice, then a float64 cumulative sum inside that one slice
-    picks the position. A zero weight never wins: its cumulative value equals the one before,
-    which is not above the target either, and targets stay strictly below each level's total.
-    """
-    num_rows, width = weights.shape
-    pad = -width % chunk
-    if pad:
-        weights = torch.nn.functional.pad(weights, (0, pad))
-    chunks = weights.view(num_rows, -1, chunk)
-    chunk_cdf = chunks.sum(dim=2, dtype=torch.float64).cumsum(dim=1)
-    total = chunk_cdf[:, -1]
-    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    which = torch.searchsorted(chunk_cdf, target.unsqueeze(1), right=True).squeeze(1)
-    which = which.clamp_(max=chunk_cdf.shape[1] - 1)
-    before = torch.where(
-        which > 0, chunk_cdf.gather(1, (which - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0.0
-    )
-    rows = torch.arange(num_rows, device=weights.device)
-    inner_cdf = chunks[rows, which].double().cumsum(dim=1)
-    inner_total = inner_cdf[:, -1]
-    residual = torch.minimum(
-        target - before, torch.nextafter(inner_total, torch.zeros_like(inner_total))
-    )
-    pos = torch.searchsorted(inner_cdf, residual.unsqueeze(1), right=True).squeeze(1)
-    return (which * chunk + pos.clamp_(max=chunk - 1)).clamp_(max=width - 1)
-
-
-def _draw_from_candidates(
-    x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor, num_candidates: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Truncate and draw within each row's ``num_candidates`` largest logits.
-
-    Returns the tokens and, per row, whether the truncation provably removed every token
-    outside the candidates (else the caller redraws that row on the full vocabulary).
-    """
-    num_rows, vocab_size = x.shape
-    device = x.device
-    lse = torch.logsumexp(x, dim=1, keepdim=True)
-    values, ids = x.topk(num_candidates, dim=1)  # sorted, descending
-    probs = (values - lse).exp()  # probabilities under the whole (untruncated) row
-    keep = torch.ones_like(probs, dtype=torch.bool)
-    covered = torch.full((num_rows,), num_candidates == vocab_size, device=device)
-
-    has_top_k = torch.tensor([p.top_k is not None for p in params], device=device)
-    k = torch.tensor(
-        [min(p.top_k, num_candidates) if p.top_k is not None else num_candidates for p in params],
-        device=device,
-    ).unsqueeze(1)
-    kth = values.gather(1, k - 1)
-    keep &= values >= kth  # ties with the k-th value all stay
-    covered |= has_top_k & (values[:, -1] < kth.squeeze(1))
-
-    top_p = torch.tensor(
-        [p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=device
-    ).unsqueeze(1)
-    kept = probs * keep
-    # Mass the top-p cut is relative to: the top-k survivors, or the whole row (1).
-    norm = torch.where(has_top_k.unsqueeze(1), kept.sum(dim=1, keepdim=True), 1.0)
-    before = kept.cumsum(dim=1) - kept
-    cut = before >= top_p * norm
-    cut[:, 0] = False
-    keep &= ~cut
-    covered |= cut[:, -1]
-
-    min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
-    threshold = probs[:, :1] * min_p
-    keep &= probs >= threshold
-    covered |= probs[:, -1] < threshold.squeeze(1)
-
-    pos = _inverse_cdf(probs * keep, u)
-    return ids.gather(1, pos.unsqueeze(1)).squeeze(1), covered
-
-
-def _draw_full(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
-    """Truncate (sorting only for top-p) and draw over the whole vocabulary."""
-    vocab_size = x.shape[1]
-    device = x.device
-    top_ks = [min(p.top_k, vocab_size) if p.top_k is not None else vocab_size for p in params]
-    use_top_k = any(k < vocab_size for k in top_ks)
-    use_top_p = any(p.top_p < 1.0 for p in params)
-
-    if use_top_p:
-        sorted_x, order = x.sort(dim=1, descending=True)
-        remove = torch.zeros_like(sorted_x, dtype=torch.bool)
-        if use_top_k:
-            kth = sorted_x.gather(1, torch.tensor(top_ks, device=device).unsqueeze(1) - 1)
-            remove |= sorted_x < kth  # ties with the k-th value all stay
-            sorted_x = sorted_x.masked_fill(remove, _NEG_INF)
-        probs = sorted_x.softmax(dim=1)
-        top_p = torch.tensor(
-            [p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=device
-        ).unsqueeze(1)
-        # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before
-        # it already does. The top token always stays.
-        cut = probs.cumsum(dim=1) - probs >= top_p
-        cut[:, 0] = False
-        remove |= cut
-        x = x.masked_fill(torch.zeros_like(remove).scatter_(1, order, remove), _NEG_INF)
-    elif use_top_k:
-        k = torch.tensor(top_ks, device=device).unsqueeze(1)
-        kth = x.topk(max(top_ks), dim=1).values.gather(1, k - 1)
-        x = x.masked_fill(x < kth, _NEG_INF)
-
-    probs = x.softmax(dim=1)
-    if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
-        probs = probs.masked_fill(probs < probs.max(dim=1, keepdim=True).values * min_p, 0.0)
-    return _inverse_cdf(probs, u)
-
-
-# ---------------------------------------------------------------------- logprobs
-
-
-def _logprobs(
-    source: torch.Tensor,
-    tokens: torch.Tensor,
-    seqs: Sequence[ScheduledSeq],
-    failed: dict[str, str],
-) -> list[TokenLogprobs | None]:
-    rows = [
-        i
-        for i, s in enumerate(seqs)
-        if s.sampling.logprobs is not None and s.request_id not in failed
-    ]
-    out: list[TokenLogprobs | None] = [None] * len(seqs)
-    if not rows:
-        return out
-    index = torch.tensor(rows, device=source.device)
-    logprobs = source.index_select(0, index).log_softmax(dim=1)
-    chosen = tokens.index_select(0, index)
-    chosen_lp: list[float] = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-    chosen_ids: list[int] = chosen.tolist()
-    max_n = max(seqs[i].sampling.logprobs or 0 for i in rows)
-    top_lp: list[list[float]] = []
-    top_ids: list[list[int]] = []
-    if max_n > 0:
-        top = logprobs.topk(max_n, dim=1)
-        top_lp = top.values.tolist()
-        top_ids = top.indices.tolist()
-    for j, i in enumerate(rows):
-        n = seqs[i].sampling.logprobs or 0
-        alternatives = tuple(zip(top_ids[j][:n], top_lp[j][:n], strict=True)) if n else ()
-        out[i] = TokenLogprobs(token_id=chosen_ids[j], logprob=chosen_lp[j], top=alternatives)
-    return out
+def _draw(xs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Truncate (top-k, top-p over its survivors, min-p) and draw one token per row of the
+    temperature-scaled logits ``xs`` [S, V]."""
+    probs = xs.softmax(dim=1)
+    keep: torch.Tensor | None = None
+    if batch.top_k is not None:
+        k = batch.top_k
+        kept_k = top_k_keep(xs, k.clamp(min=1), batch.max_top_k)
+        keep = kept_k | (k == 0).unsqueeze(1)
+    if batch.top_p is not None:
+        index = batch.top_p_index
+        sub_x = xs if index is None else xs.index_select(0, index)
+        weights = probs if index is None else probs.index_select(0, index)
+        if keep is not None:
+            weights = weights * (keep if index is None else keep.index_select(0, index))
+        kept_p = top_p_keep(sub_x, weights, batch.top_p)
+        if index is None:
+            keep = kept_p if keep is None else keep & kept_p
+        else:
+            full = torch.ones_like(probs, dtype=torch.bool) if keep is None else keep
+            keep = full.index_copy(0, index, full.index_select(0, index) & kept_p)
+    if batch.min_p is not None:
+        kept_m = probs >= probs.amax(dim=1, keepdim=True) * batch.min_p.unsqueeze(1)
+        keep = kept_m if keep is None else keep & kept_m
+    assert batch.u is not None
+    return inverse_cdf(probs if keep is None else probs * keep, batch.u)

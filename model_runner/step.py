@@ -13,6 +13,9 @@ Row r computes ``token_ids[r]`` at ``positions[r]``, writes its K/V to ``slot_ma
 attending up to its own position. The rows whose logits are sampled are ``sample_rows()``:
 a sampling chunk's last row, every row of a sampling decode.
 
+A decode planned one step ahead has no token id on the host: its row holds a negative id that
+the model's embedding resolves on the device (``model_runner.future``).
+
 Pure Python (no torch): the runner's paths and the attention backends turn it into tensors.
 """
 
@@ -22,7 +25,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from scheduler.output import ScheduledSeq, SchedulerOutput
+from scheduler.output import PLACEHOLDER_TOKEN_ID, ScheduledSeq, SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,12 +50,15 @@ class StepLimits:
             return f"{kind} entry with {n} tokens and {num_drafts} drafts"
         if num_drafts and not seq.do_sample:
             return f"decode entry with {num_drafts} drafts that does not sample"
+        if seq.has_placeholder and (not is_decode or n != 1):
+            return "a placeholder token outside a one-token decode"
         if seq.start_pos < 0 or (seq.end_pos > self.max_model_len and not self.unbounded_positions):
             return (
                 f"positions {seq.start_pos}..{seq.end_pos - 1} outside the model's "
                 f"max_model_len {self.max_model_len}"
             )
-        if min(seq.token_ids) < 0 or max(seq.token_ids) >= self.vocab_size:
+        lowest = min(seq.token_ids)
+        if (lowest < 0 and lowest != PLACEHOLDER_TOKEN_ID) or max(seq.token_ids) >= self.vocab_size:
             return f"token id outside the vocabulary of {self.vocab_size}"
         bs = self.block_size
         needed = -(-seq.end_pos // bs)
@@ -87,15 +93,28 @@ class StepRows:
     failed: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, plan: SchedulerOutput, limits: StepLimits) -> StepRows:
+    def of(
+        cls,
+        plan: SchedulerOutput,
+        limits: StepLimits,
+        placeholders: Mapping[str, int] | None = None,
+    ) -> StepRows:
         """The rows of ``plan``'s seqs that fit ``limits`` (the rest in ``failed``). Decodes
         with drafts come first, then by context, longest first (the torch backend groups
-        decodes of similar length, so less padding)."""
+        decodes of similar length, so less padding). A seq with a placeholder token takes
+        the id ``placeholders`` gives its request (``model_runner.future``) as its row's
+        token id, and fails when it has none."""
         failed: dict[str, str] = {}
         checked: list[list[ScheduledSeq]] = [[], []]
         for is_decode, seqs in ((False, plan.prefill), (True, plan.decode)):
             for seq in seqs:
                 error = limits.seq_error(seq, is_decode)
+                if error is None and seq.has_placeholder:
+                    future_id = (placeholders or {}).get(seq.request_id)
+                    if future_id is None:
+                        error = "a placeholder token, but the step before sampled none for it"
+                    else:
+                        seq = dataclasses.replace(seq, token_ids=[future_id])
                 if error is None:
                     checked[is_decode].append(seq)
                 else:

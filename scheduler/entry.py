@@ -1,7 +1,24 @@
 """The scheduler's bookkeeping types: one ``Entry`` per request, the one constructors of
 ``RequestOutput`` and ``ScheduledSeq`` (``make_output``, ``make_seq``), the cumulative
 ``Counters``, and the ``StepPlan`` a step is built in. Plain data; the ``Scheduler`` owns
-every change."""
+every change.
+
+One step ahead (vLLM's async scheduling): the engine may plan step N+1 before it applies step
+N's result. ``num_computed_tokens`` stays the one measure of progress (KV computed by applied
+steps); what is planned and not applied is the entry's ``pending`` seqs, with the tokens they
+compute (``num_inflight_tokens``) and the tokens they sample and nobody knows yet
+(``num_placeholders``, vLLM's ``num_output_placeholders``)::
+
+    | computed (applied) | in flight: N's chunk | N+1 |
+                                        ^ N samples this one: N+1's input is a placeholder
+
+The next seq starts after the tokens in flight, its slots are allocated past them, and a token
+in flight counts as an output token (``max_tokens``, min_tokens, a seeded draw's index). Only
+applied tokens get prefix-cache keys (``update`` keys blocks up to ``num_computed_tokens``),
+so no key covers a placeholder. A preemption or a KV drop makes what is in flight stale
+(``drop_pending``): ``update`` drops a seq that is not the oldest pending one. At most one
+sampled token is in flight when a step is planned: the engine applies N before planning N+2.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +29,7 @@ from typing import Any
 from cache_manager import Allocation, KVCacheManager
 from scheduler.fork import ForkGroup
 from scheduler.output import (
+    PLACEHOLDER_TOKEN_ID,
     RequestOutput,
     ScheduledSeq,
     SchedulerOutput,
@@ -40,6 +58,11 @@ class Entry:
     # For the decode hot path: tokens that may stop it, and the length that ends it.
     stop_ids: frozenset[int] = frozenset()
     max_num_tokens: int = 0  # prompt + max_tokens (within max_model_len: checked at admission)
+    # Planned and not applied yet, oldest first (see ``Scheduler``'s "one step ahead"): the
+    # seqs, the tokens they compute and how many of them sample (tokens not known yet).
+    pending: list[ScheduledSeq] = field(default_factory=list)
+    num_inflight_tokens: int = 0
+    num_placeholders: int = 0
 
     def __post_init__(self) -> None:
         req = self.request
@@ -51,6 +74,20 @@ class Entry:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    def plan(self, seq: ScheduledSeq) -> None:
+        """``seq`` was planned for this request: its tokens are in flight until ``update``
+        applies it (``ResultApplier.apply``), unless ``drop_pending`` made it stale."""
+        self.pending.append(seq)
+        self.num_inflight_tokens += len(seq.token_ids)
+        self.num_placeholders += seq.do_sample
+
+    def drop_pending(self) -> None:
+        """The request restarts from its computed tokens (preempted, KV dropped): whatever
+        is in flight for it is stale."""
+        self.pending.clear()
+        self.num_inflight_tokens = 0
+        self.num_placeholders = 0
 
     @property
     def arrival(self) -> tuple[int, int]:
@@ -114,24 +151,38 @@ def make_output(
 
 
 def make_seq(
-    req: Request, num_new: int, block_ids: list[int], drafts: list[int] | None = None
+    entry: Entry, num_new: int, block_ids: list[int], drafts: list[int] | None = None
 ) -> ScheduledSeq:
-    """The next ``num_new`` tokens of ``req`` to compute (then its speculative ``drafts``,
-    if any) over its current ``block_ids`` (a copy the seq keeps). The one ``ScheduledSeq``
-    constructor: positional, as it runs for every decode."""
-    start = req.num_computed_tokens
+    """The next ``num_new`` tokens of ``entry``'s request to compute (then its speculative
+    ``drafts``, if any) over its current ``block_ids`` (a copy the seq keeps). The one
+    ``ScheduledSeq`` constructor: positional, as it runs for every decode.
+
+    They start after the tokens already in flight; a token not known yet (sampled by the
+    step in flight) is a placeholder, and is counted as an output token::
+
+        | computed | in flight (planned, not applied) | this seq ...
+                                                  ^ the placeholder: sampled in flight
+    """
+    req = entry.request
+    start = req.num_computed_tokens + entry.num_inflight_tokens
     end = start + num_new
     all_token_ids = req.all_token_ids
+    num_known = len(all_token_ids)
+    num_placeholders = entry.num_placeholders
+    if end > num_known:
+        token_ids = all_token_ids[start:num_known] + [PLACEHOLDER_TOKEN_ID] * (end - num_known)
+    else:
+        token_ids = all_token_ids[start:end] + drafts if drafts else all_token_ids[start:end]
     return ScheduledSeq(
         req.request_id,
-        all_token_ids[start:end] + drafts if drafts else all_token_ids[start:end],
+        token_ids,
         start,
         block_ids,
         req.sampling,
-        end == len(all_token_ids),
+        end == num_known + num_placeholders,
         all_token_ids,
         len(req.prompt_token_ids),
-        len(req.output_token_ids),
+        len(req.output_token_ids) + num_placeholders,
         req.eos_token_ids,
         len(drafts) if drafts else 0,
         req.lora,
@@ -246,3 +297,24 @@ class StepPlan:
             finished_request_ids=finished_request_ids,
             null_block_id=null_block_id,
         )
+
+
+def check_in_flight(
+    entries: dict[str, Entry], running: dict[str, Entry], kv: KVCacheManager
+) -> None:
+    """For tests (``Scheduler.check_invariants``): each request's pending seqs follow on from
+    its computed tokens, their counts match, only running requests have any, and the block
+    table covers every planned slot."""
+    for rid, entry in entries.items():
+        pending = entry.pending
+        assert entry.num_inflight_tokens == sum(len(s.token_ids) for s in pending), rid
+        assert entry.num_placeholders == sum(s.do_sample for s in pending), rid
+        if running.get(rid) is not entry:
+            assert not pending, f"{rid} is not running but has seqs in flight"
+            continue
+        pos = entry.request.num_computed_tokens
+        for seq in pending:
+            assert seq.start_pos == pos, (rid, seq.start_pos, pos)
+            pos = seq.end_pos
+        if kv.has_request(rid):
+            assert len(kv.block_ids(rid)) * kv.block_size >= pos, (rid, pos)

@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 from cache_manager.stats import KVCacheStats
 from scheduler.request import FinishReason, LoraRef, SamplingParams
 
+# A token the step before sampled and the host does not know yet (scheduling one step ahead):
+# the runner reads it from that step's sampled ids on the device. Never a real token id.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass(slots=True)
 class ScheduledSeq:
@@ -37,6 +41,11 @@ class ScheduledSeq:
     i as output token ``num_output_tokens + i``), accepts the drafts while they equal the
     sampled tokens, and reports how many (``ModelOutput.num_accepted_drafts``) and the
     sampled token after them (``sampled_token_ids``).
+
+    Scheduling one step ahead: a decode planned while the step that samples its input token
+    still runs carries ``PLACEHOLDER_TOKEN_ID`` as its one token (``has_placeholder``). That
+    token is output token ``num_output_tokens - 1`` and is not in ``all_token_ids`` yet; the
+    runner takes it from the previous step's sampled ids, on the device.
     """
 
     request_id: str
@@ -58,6 +67,12 @@ class ScheduledSeq:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def has_placeholder(self) -> bool:
+        """Its input token is the one the previous step samples (see the class docstring):
+        ``PLACEHOLDER_TOKEN_ID``, or inside a runner the negative id that stands for it."""
+        return self.token_ids[-1] < 0
 
     @property
     def end_pos(self) -> int:
@@ -100,6 +115,16 @@ class SchedulerOutput:
     @property
     def num_scheduled_tokens(self) -> int:
         return self.num_prefill_tokens + len(self.decode) + self.num_draft_tokens
+
+    @property
+    def can_run_ahead(self) -> bool:
+        """Whether the next step may be planned before this one's tokens are known: not when
+        a seq verifies drafts (how many are accepted decides the next positions) or a
+        constrained seq samples (its next mask needs the token)."""
+        for seq in self.decode:
+            if seq.num_draft_tokens or seq.sampling.constraint is not None:
+                return False
+        return not any(s.do_sample and s.sampling.constraint is not None for s in self.prefill)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,8 @@ the chunk of exactly that last token. ``schedule`` allocates blocks for every sc
 token; ``update`` advances ``num_computed_tokens`` to the chunk's end and registers newly
 full blocks in the prefix cache.
 
-``update`` applies the result batch by batch (``scheduler.update.ResultApplier``).
+``update`` applies the result batch by batch (``scheduler.update.ResultApplier``). The engine
+may plan the next step before it applies this one (one step ahead: ``scheduler.entry``).
 
 Speculative decoding (``speculative="ngram"``): a decode carries up to k drafts from
 ``scheduler.spec.NgramDrafter``, counted in the step's token budget and given KV slots like
@@ -39,7 +40,7 @@ from cache_manager import Allocation, KVCacheManager, PrefixHit
 from scheduler.admission import check_can_ever_run, check_not_overloaded
 from scheduler.config import SchedulerConfig
 from scheduler.cost_model import CostPredictor
-from scheduler.entry import Counters, Entry, StepPlan, make_output, make_seq
+from scheduler.entry import Counters, Entry, StepPlan, check_in_flight, make_output, make_seq
 from scheduler.fork import ForkTable, make_sample
 from scheduler.lora import LoraAdmission, running_adapters
 from scheduler.output import (
@@ -270,6 +271,11 @@ class Scheduler:
             self._take_decodes(step)
         plan = step.build(self._finished_ids, self.kv.null_block_id)
         self._finished_ids = []
+        running = self._running
+        for seq in plan.prefill:
+            running[seq.request_id].plan(seq)
+        for seq in plan.decode:
+            running[seq.request_id].plan(seq)
         counters = self._counters
         counters.num_prefill_tokens = plan.num_prefill_tokens
         counters.num_prefill_reqs = len(plan.prefill)
@@ -295,7 +301,10 @@ class Scheduler:
     # -- batch formation (the kinds the policy orders) -----------------------------------
 
     def _has_decoding(self) -> bool:
-        return any(e.request.status is _DECODING for e in self._running.values())
+        """Whether a running request decodes next (or its sampling chunk is in flight)."""
+        return any(
+            e.request.status is _DECODING or e.num_placeholders for e in self._running.values()
+        )
 
     def _take_decodes(self, step: StepPlan) -> int:
         """One token for every decoding request, in admission order."""
@@ -309,26 +318,30 @@ class Scheduler:
         remaining = budget.remaining  # a local on the hot path; synced around the slow one
         for entry in list(self._running.values()):
             req = entry.request
-            if req.status is not decoding:  # prefilling, or preempted meanwhile
+            ahead = entry.num_placeholders  # its input token is sampled in flight
+            if req.status is not decoding and not ahead:  # prefilling, or preempted meanwhile
                 continue
             if parked and req.request_id in parked:
                 continue
             if remaining == 0:
                 break
-            if self._drafter is not None:
+            if ahead:
+                if req.num_tokens + ahead >= entry.max_num_tokens:
+                    continue  # the token in flight is its last: never planned past max_tokens
+            elif self._drafter is not None:
                 budget.remaining = remaining
                 self._take_speculative_decode(step, entry)
                 remaining = budget.remaining
                 continue
             remaining -= 1
-            allocation = allocate_slots(req, 1)
+            allocation = allocate_slots(req, entry.num_inflight_tokens + 1)
             if allocation is None or allocation.block_copies:  # preempt, or copy on write
                 budget.remaining = remaining
                 self._schedule_running(step, entry, 1, decode=True, allocation=allocation)
                 remaining = budget.remaining
             else:
                 rid = req.request_id
-                decode[rid] = make_seq(req, 1, block_ids(rid))
+                decode[rid] = make_seq(entry, 1, block_ids(rid))
         budget.remaining = remaining
         return len(decode) - num_before
 
@@ -352,7 +365,7 @@ class Scheduler:
                 self._schedule_running(step, entry, 1, decode=True)
                 return
         budget.remaining -= len(drafts)
-        step.add_decode(make_seq(req, 1, self._block_ids(req.request_id), drafts), allocation)
+        step.add_decode(make_seq(entry, 1, self._block_ids(req.request_id), drafts), allocation)
 
     def _take_prefills(self, step: StepPlan) -> int:
         """Prefill chunks: running prefills first (admission order), then admissions.
@@ -369,8 +382,8 @@ class Scheduler:
             req = entry.request
             if req.status is not _PREFILLING or req.request_id in step.prefill:
                 continue
-            if req.request_id in self._parked:
-                continue
+            if req.request_id in self._parked or entry.num_placeholders:
+                continue  # parked, or its last chunk samples in flight (a decode next)
             if self._slo.ttft_lost(req):
                 lost.append(entry)
                 continue
@@ -415,9 +428,10 @@ class Scheduler:
     def _take_chunk(self, step: StepPlan, entry: Entry, *, first: bool) -> int | None:
         """A running prefill's next chunk, as long as the step's limit allows (at least a
         block when ``first``); 1 if scheduled, 0 if not, None when the budget is spent."""
-        req = entry.request
-        start = req.num_computed_tokens
+        start = entry.request.num_computed_tokens + entry.num_inflight_tokens
         num_new = min(entry.prefill_target - start, self._max_chunk)
+        if num_new <= 0:
+            return 0  # every chunk up to its target is in flight (planned ahead)
         floor = min(num_new, self._block_size) if first else 0
         num_new = max(step.slo.chunk_limit(num_new, start), floor)
         chunk = step.budget.take_up_to(num_new)
@@ -468,11 +482,17 @@ class Scheduler:
     ) -> bool:
         """Allocate ``num_new`` slots for a running request (its budget already taken),
         preempting victims while memory is short (the adaptive KV strategy first windows
-        the longest requests). False if it was itself the victim.
+        the longest requests). False if it was itself the victim, or if it has a step in
+        flight and no room: running ahead never preempts (that step's work would be lost
+        again and again); it waits for the step to be applied.
         ``allocation``: the result of a first ``allocate_slots`` the caller already made."""
         req = entry.request
+        num_slots = entry.num_inflight_tokens + num_new  # past the computed tokens
         if allocation is None:
-            allocation = self.kv.allocate_slots(req, num_new)
+            allocation = self.kv.allocate_slots(req, num_slots)
+        if allocation is None and entry.pending:
+            step.budget.give_back(num_new)
+            return False
         while allocation is None:
             if self._reserve:
                 raise RuntimeError(
@@ -482,7 +502,7 @@ class Scheduler:
             windowed = self.kv.shrink_retention([e.request for e in self._running.values()])
             if windowed is not None:
                 step.refresh_block_ids(windowed, self._block_ids(windowed))
-                allocation = self.kv.allocate_slots(req, num_new)
+                allocation = self.kv.allocate_slots(req, num_slots)
                 continue
             victim = self._victim.choose(self._running.values())
             if victim is entry:
@@ -490,8 +510,8 @@ class Scheduler:
                 self._preempt(step, entry)
                 return False
             self._preempt(step, victim)
-            allocation = self.kv.allocate_slots(req, num_new)
-        seq = make_seq(req, num_new, self._block_ids(req.request_id))
+            allocation = self.kv.allocate_slots(req, num_slots)
+        seq = make_seq(entry, num_new, self._block_ids(req.request_id))
         if decode:
             step.add_decode(seq, allocation)
         else:
@@ -532,7 +552,7 @@ class Scheduler:
         if entry.group is not None:
             self._forks.hold_seats(entry.group)
         if chunk:
-            step.add_prefill(make_seq(req, chunk, self._block_ids(req.request_id)), allocation)
+            step.add_prefill(make_seq(entry, chunk, self._block_ids(req.request_id)), allocation)
         else:
             self._fork_children(entry)
         sized.add_chunk(chunk, num_hit)
@@ -594,6 +614,7 @@ class Scheduler:
         self.kv.free(rid)
         self._counters.num_preemptions += 1
         self._counters.num_recomputed_tokens += req.num_computed_tokens
+        entry.drop_pending()  # a step in flight computes for it in vain
         req.num_preemptions += 1
         req.num_computed_tokens = 0
         req.status = _PREEMPTED
@@ -657,6 +678,11 @@ class Scheduler:
         assert reason is not None, f"{status} is not a finished status"
         self._counters.num_finished[reason.value] += 1
         return make_output(entry, new_token_ids or [], new_logprobs or [], reason, error)
+
+    def check_invariants(self) -> None:
+        """For tests: the cache manager's invariants and the requests' in-flight seqs."""
+        self.kv.check_invariants()
+        check_in_flight(self._entries, self._running, self.kv)
 
     # -- stats --------------------------------------------------------------------------
 

@@ -87,6 +87,14 @@ class ResultApplier:
                 entry = running[rid]
             except KeyError:  # ended (aborted, failed) after it was planned
                 continue
+            # No longer pending (inline on the hot path); a seq planned before a preemption
+            # or a KV drop reset its request is stale, and its result dropped.
+            pending = entry.pending
+            if not pending or pending[0] is not seq:
+                continue
+            del pending[0]
+            entry.num_inflight_tokens -= len(seq.token_ids)
+            entry.num_placeholders -= seq.do_sample
             req = entry.request
             if seq.num_draft_tokens:
                 append(self._apply_verified(entry, seq, result))
@@ -170,6 +178,7 @@ class ResultApplier:
         and the next step prefills its whole sequence again (the full-recompute baseline)."""
         req = entry.request
         self.kv.drop_kv(req.request_id)
+        entry.drop_pending()  # a step in flight computes for it in vain
         req.num_computed_tokens = 0
         req.status = _PREFILLING
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import threading
 from collections.abc import Callable
@@ -20,7 +21,7 @@ import uvicorn
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.auth import AuthError, NotAdminError, Security
+from server.auth import AuthError, NotAdminError, OwnerGate, Security
 from server.http_guard import (
     ACCEPT_BATCH,
     LISTEN_BACKLOG,
@@ -93,21 +94,11 @@ async def start_asgi_server(
         if tls.client_ca is not None:
             kwargs.update(ssl_ca_certs=tls.client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
     config = uvicorn.Config(
-        app,
-        log_level="warning",
-        lifespan="off",
-        access_log=False,
-        timeout_keep_alive=limits.idle_timeout_s,  # type: ignore[arg-type]  # a float works
-        timeout_graceful_shutdown=1,
-        backlog=ACCEPT_BATCH,  # accepted per wake-up; the kernel's queue is set below
-        **kwargs,
-    )
-    config.load()
-    cap = limits.max_connections or ConnectionCaps.of_process().http
-    guard = GuardState(limits, cap, on_event if on_event is not None else _ignore)
-    config.http_protocol_class = guarded_protocol(config.http_protocol_class, guard)
+        app, log_level="warning", lifespan="off", access_log=False,
+        timeout_graceful_shutdown=1, **kwargs,
+    )  # fmt: skip
+    guard = guard_config(config, limits, on_event if on_event is not None else _ignore)
     loop = asyncio.get_running_loop()
-    descriptor_handler(loop).watch(sock.fileno(), name, guard)
     server = _Server(config)
     task = loop.create_task(server.serve(sockets=[sock]), name=name)
     while not server.started:
@@ -116,8 +107,39 @@ async def start_asgi_server(
             task.result()  # raises what stopped it
             raise OSError(f"{name} server stopped during start-up")
         await asyncio.sleep(0.01)
-    sock.listen(LISTEN_BACKLOG)  # asyncio set the kernel's queue to ACCEPT_BATCH too
+    listen_fully(sock.fileno(), guard, name)
     return AsgiServer(server, task, int(sock.getsockname()[1]))
+
+
+def guard_config(
+    config: uvicorn.Config, limits: HttpLimits, on_event: Callable[[str], None]
+) -> GuardState:
+    """``config`` (of a server not started yet) held to ``limits``: the keep-alive timeout,
+    connections accepted ``ACCEPT_BATCH`` at a time, and uvicorn's protocol guarded by
+    ``server.http_guard`` (timeouts, the connection cap: 0 = ``ConnectionCaps.http``)."""
+    config.timeout_keep_alive = limits.idle_timeout_s  # type: ignore[assignment]  # a float works
+    config.backlog = ACCEPT_BATCH  # accepted per wake-up; the kernel's queue: listen_fully
+    if not config.loaded:
+        config.load()
+    cap = limits.max_connections or ConnectionCaps.of_process().http
+    guard = GuardState(limits, cap, on_event)
+    config.http_protocol_class = guarded_protocol(config.http_protocol_class, guard)
+    config.kvserve_guard = guard  # type: ignore[attr-defined]
+    return guard
+
+
+def is_guarded(config: uvicorn.Config) -> bool:
+    """Whether ``guard_config`` configured ``config``."""
+    return getattr(config, "kvserve_guard", None) is not None
+
+
+def listen_fully(fd: int, guard: GuardState, name: str) -> None:
+    """Once a guarded server listens on ``fd``: the kernel's queue ``LISTEN_BACKLOG`` long
+    (asyncio set it to the accept batch), and running out of descriptors on ``accept``
+    handled by ``server.http_guard.OutOfDescriptors``."""
+    with socket.socket(fileno=os.dup(fd)) as listener:
+        listener.listen(LISTEN_BACKLOG)
+    descriptor_handler(asyncio.get_running_loop()).watch(fd, name, guard)
 
 
 def _ignore(event: str) -> None:
@@ -178,11 +200,11 @@ def metrics_limits() -> HttpLimits:
     return HttpLimits(max_connections=ConnectionCaps.of_process().metrics)
 
 
-class _AdminGate:
+class AdminGate:
     """ASGI middleware: the global figures need an admin key (``Security.authenticate_admin``):
     401 without a valid key, 403 with a tenant's key."""
 
-    def __init__(self, app: ASGIApp, security: Security) -> None:
+    def __init__(self, app: ASGIApp, security: Security | OwnerGate) -> None:
         self.app, self.security = app, security
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -203,12 +225,17 @@ class _AdminGate:
         await self.app(scope, receive, send)
 
 
-def metrics_app(registry: Any, security: Security | None = None) -> ASGIApp:
+def metrics_app(registry: Any, security: Security | OwnerGate | None = None) -> ASGIApp:
     """prometheus-client's ASGI app for ``registry``; with API keys (and
     ``metrics_require_key``) it needs an admin key: its figures are every tenant's."""
     from prometheus_client import make_asgi_app
 
     app: ASGIApp = make_asgi_app(registry)
+    return admin_gate(app, security)
+
+
+def admin_gate(app: ASGIApp, security: Security | OwnerGate | None) -> ASGIApp:
+    """``app`` behind ``AdminGate`` when keys are on and /metrics needs one."""
     if security is not None and security.auth_enabled and security.metrics_require_key:
-        app = _AdminGate(app, security)
+        return AdminGate(app, security)
     return app

@@ -82,33 +82,29 @@ class Security:
         Raises ``AuthError`` when keys are configured and this one is missing or wrong."""
         if not self.api_keys:
             return None
-        if not authorization:
-            raise AuthError(
-                "missing API key: send the header 'Authorization: Bearer <key>' (gRPC: "
-                "'authorization' metadata)"
-            )
-        if not authorization.lower().startswith(_BEARER):
-            raise AuthError("malformed Authorization header: expected 'Bearer <key>'")
-        given = authorization[len(_BEARER) :].strip().encode()
+        given = bearer_key(authorization).encode()
         # Every key is compared, so the time taken does not say which prefix matched.
         ok = False
         for key in self.api_keys:
             ok |= hmac.compare_digest(given, key.encode())
         if not ok:
-            raise AuthError("invalid API key")
+            raise AuthError(_INVALID)
         return key_owner(given.decode())
 
     def authenticate_admin(self, authorization: str | None) -> None:
         """Raises ``AuthError`` without a valid key and ``NotAdminError`` for a key that is
         not an admin key (keys on); without keys everyone may read the global views."""
         owner = self.authenticate(authorization)
-        if owner is None:
-            return
-        if owner not in self._admin_owners:
-            raise NotAdminError(
-                "this API key may not read the server's global figures (every tenant's): "
-                "use an admin key (--admin-api-key)"
-            )
+        if owner is not None and owner not in self._admin_owners:
+            raise NotAdminError(_NOT_ADMIN)
+
+    def owner_gate(self) -> OwnerGate:
+        """The admin check of /metrics, from the keys' owners (digests) instead of the keys."""
+        return OwnerGate(
+            frozenset(map(key_owner, self.api_keys)),
+            self._admin_owners,
+            self.metrics_require_key,
+        )
 
     def cache_salt(self, owner: str, client_salt: str | None) -> str | None:
         """The prefix-cache salt of a request: with keys on, the owner's (the client's own
@@ -121,6 +117,60 @@ class Security:
         """Who owns a request: the key's owner, or the peer's host when auth is off."""
         owner = self.authenticate(authorization)
         return owner if owner is not None else f"peer:{peer_host}"
+
+
+_INVALID = "invalid API key"
+_NOT_ADMIN = (
+    "this API key may not read the server's global figures (every tenant's): use an admin "
+    "key (--admin-api-key)"
+)
+
+
+def bearer_key(authorization: str | None) -> str:
+    """The key of an ``Authorization`` value; ``AuthError`` when it is missing or malformed."""
+    if not authorization:
+        raise AuthError(
+            "missing API key: send the header 'Authorization: Bearer <key>' (gRPC: "
+            "'authorization' metadata)"
+        )
+    if not authorization.lower().startswith(_BEARER):
+        raise AuthError("malformed Authorization header: expected 'Bearer <key>'")
+    return authorization[len(_BEARER) :].strip()
+
+
+@dataclass(frozen=True, slots=True)
+class OwnerGate:
+    """``Security``'s admin check for /metrics from the owners of the keys (``key_owner``
+    digests), for a process that should not hold the keys themselves (the cluster's router,
+    whose settings Ray keeps in its deployment config)."""
+
+    api_owners: frozenset[str]
+    admin_owners: frozenset[str]
+    metrics_require_key: bool = True
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.api_owners)
+
+    def authenticate_admin(self, authorization: str | None) -> None:
+        if not self.api_owners:
+            return
+        owner = key_owner(bearer_key(authorization))
+        if owner not in self.api_owners:
+            raise AuthError(_INVALID)
+        if owner not in self.admin_owners:
+            raise NotAdminError(_NOT_ADMIN)
+
+
+def request_owner(authorization: str | None, peer_host: str, auth_enabled: bool) -> str:
+    """The owner a request would have (``Security.owner``) without checking its key: for
+    routing a request to where its id lives; the replica checks the key."""
+    if not auth_enabled:
+        return f"peer:{peer_host}"
+    try:
+        return key_owner(bearer_key(authorization))
+    except AuthError:
+        return "unauthenticated"
 
 
 def key_owner(key: str) -> str:

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from cache_manager import KVCacheManager, block_bytes
 from cache_manager.sizing import num_blocks_for_budget
-from metrics.records import MetricsSink
+from metrics.records import MetricsSink, NullSink
 from model_runner.base import Runner
+from model_runner.config import RunnerOptions
 from model_runner.constraints import ConstraintCompiler, ConstraintTracker
 from model_runner.fake import FakeRunner, make_fake_info
 from model_runner.sim import roofline_cost_model
@@ -74,6 +75,7 @@ def _fake_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]:
         sleep_per_token_s=cfg.fake_token_sleep_s,
         crash_at_step=cfg.fake_crash_at_step,
         constraints=constraint_tracker(tokenizer, info.vocab_size),
+        step_thread=cfg.async_scheduling == "on",  # the fake device
     )
     if cfg.num_blocks is not None:
         num_blocks = cfg.num_blocks
@@ -82,6 +84,27 @@ def _fake_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]:
     else:
         num_blocks = FAKE_DEFAULT_NUM_BLOCKS
     return runner, tokenizer, num_blocks, "fake"
+
+
+def runner_options(cfg: ServerConfig, name: str | None = None) -> RunnerOptions:
+    """The torch runner's options, from the server's flags (built once, at start-up)."""
+    return RunnerOptions(
+        num_blocks=cfg.num_blocks,
+        block_size=cfg.block_size,
+        kv_budget_bytes=cfg.kv_memory_bytes,
+        kv_dtype=cfg.kv_dtype,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        max_model_len=cfg.max_model_len,
+        sliding_window=cfg.sliding_window,
+        attention_sinks=cfg.attention_sinks,
+        attention_backend=cfg.attention_backend,
+        activation_bits=cfg.activation_bits,
+        max_decode_rows=cfg.scheduler_config(cfg.max_model_len or 1).max_decode_rows,
+        name=name,
+        max_lora_rank=cfg.max_lora_rank,
+        max_cpu_loras=cfg.cpu_lora_budget,
+    )
 
 
 def _torch_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]:
@@ -95,23 +118,11 @@ def _torch_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]
     runner = TorchRunner(
         loaded.config,
         loaded.state_dict,
-        num_blocks=cfg.num_blocks,
-        block_size=cfg.block_size,
-        dtype=cfg.dtype,
-        device=cfg.device,
-        kv_budget_bytes=cfg.kv_memory_bytes,
-        kv_dtype=cfg.kv_dtype,
-        max_model_len=cfg.max_model_len,
-        name=loaded.name,
-        sliding_window=cfg.sliding_window,
-        attention_sinks=cfg.attention_sinks,
-        attention_backend=cfg.attention_backend,
-        max_decode_rows=cfg.scheduler_config(cfg.max_model_len or 1).max_decode_rows,
+        runner_options(cfg, loaded.name),
         constraints=constraint_tracker(loaded.tokenizer, loaded.config.vocab_size),
-        activation_bits=cfg.activation_bits,
-        max_lora_rank=cfg.max_lora_rank,
-        max_cpu_loras=cfg.cpu_lora_budget,
     )
+    if runner.device.type == "cpu" and cfg.async_scheduling == "on":
+        runner.use_step_thread()  # steps on their own thread: the engine plans meanwhile
     del loaded.state_dict  # the runner holds its own copy of the weights
     return_freed_memory()  # the fused projections' parts, freed into malloc's arenas
     return runner, loaded.tokenizer, runner.num_blocks, str(loaded.source_path)
@@ -156,6 +167,7 @@ def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEng
         max_unread_outputs=cfg.max_unread_outputs,
         stalled_stream_timeout_s=cfg.stalled_stream_timeout_s,
         kv_tier=kv_tier,
+        overlap={"on": True, "off": False}.get(cfg.async_scheduling),  # auto: None
     )
     model = ServedModel(
         name=info.name,
@@ -217,3 +229,39 @@ def max_n_for(cfg: ServerConfig) -> int:
         return 1
     max_num_seqs: int = cfg.max_num_seqs
     return min(cfg.max_n, max_num_seqs)
+
+
+def attach_metrics(
+    built: BuiltEngine, cfg: ServerConfig, **labels: str
+) -> tuple[MetricsSink, Any | None]:
+    """The engine's metrics, set as its sink: with ``cfg.metrics`` a ``PrometheusSink`` on a
+    registry of its own (returned to serve), whose ``kvserve_model_info`` carries the model's
+    facts and ``labels``; otherwise a ``NullSink`` and no registry. ``kvserve serve`` and each
+    cluster replica assemble their metrics here."""
+    if not cfg.metrics:
+        built.engine.sink = NullSink()
+        return built.engine.sink, None
+    from prometheus_client import CollectorRegistry
+
+    from metrics.prometheus import PrometheusSink
+
+    model = built.model
+    registry = CollectorRegistry()
+    sink = PrometheusSink(
+        registry,
+        model_info={
+            "model": model.name,
+            "dtype": model.dtype,
+            "device": model.device,
+            "weights": model.weights,
+            "weight_bytes": str(model.weight_bytes),
+            "kv_dtype": model.kv_dtype,
+            "block_size": str(model.block_size),
+            "num_blocks": str(model.num_blocks),
+            **labels,
+        },
+        stats=built.engine.latest_stats,  # the pool's sizes are known now: exported at once
+        slo_targets_s=(cfg.ttft_slo_ms / 1e3, cfg.itl_slo_ms / 1e3),
+    )
+    built.engine.sink = sink
+    return sink, registry

@@ -47,8 +47,7 @@ def _human_bytes(num: int) -> str:
 
 # ---------------------------------------------------------------------------------- serve
 async def _serve(cfg: Any) -> int:
-    from metrics.records import MetricsSink, NullSink
-    from server.build import build_engine
+    from server.build import attach_metrics, build_engine
     from server.lifecycle import KVServeServer
 
     t0 = time.monotonic()
@@ -69,30 +68,12 @@ async def _serve(cfg: Any) -> int:
     # objects: move them out of the collector's view so a GC pass never walks them mid-step.
     gc.collect()
     gc.freeze()
-    sink: MetricsSink = NullSink()
-    registry = None
     try:
         security = cfg.security()
     except OSError as exc:
         print(f"kvserve serve: cannot read the API key file: {exc}", file=sys.stderr)
         return 1
-    if cfg.metrics:
-        try:
-            from prometheus_client import CollectorRegistry
-
-            from metrics.prometheus import PrometheusSink
-        except ImportError:  # pragma: no cover - metrics/ is part of the distribution
-            logger.warning("metrics.prometheus is unavailable; metrics disabled")
-        else:
-            registry = CollectorRegistry()
-            # The pool's sizes are known now: export them before the first step.
-            sink = PrometheusSink(
-                registry,
-                model_info=_model_labels(model),
-                stats=built.engine.latest_stats,
-                slo_targets_s=(cfg.ttft_slo_ms / 1e3, cfg.itl_slo_ms / 1e3),
-            )
-    built.engine.sink = sink
+    sink, registry = attach_metrics(built, cfg)
     _say(f"model: {model.name} ({built.source})")
     _say(f"dtype: {model.dtype}  device: {model.device}  runner: {cfg.runner}")
     _say(f"weights: {model.weights}, {_human_bytes(model.weight_bytes)} resident{_backend(built)}")
@@ -107,6 +88,10 @@ async def _serve(cfg: Any) -> int:
         f"scheduler: {cfg.policy}, max_num_seqs={cfg.max_num_seqs}, "
         f"max_num_batched_tokens={cfg.max_num_batched_tokens}, queue={cfg.queue_order}, "
         f"memory={cfg.memory_mode}  (loaded in {time.monotonic() - t0:.1f}s)"
+    )
+    _say(
+        f"async scheduling: {'on' if built.engine.overlap else 'off'} (--async-scheduling "
+        f"{cfg.async_scheduling})"
     )
     if cfg.policy == "slo":
         _say(
@@ -183,19 +168,6 @@ def write_port_file(path: str, port: int) -> None:
 def _backend(built: Any) -> str:
     backend = built.runner.info.linear_backend
     return f" (linear layers: {backend})" if backend else ""
-
-
-def _model_labels(model: Any) -> dict[str, str]:
-    return {
-        "model": model.name,
-        "dtype": model.dtype,
-        "device": model.device,
-        "weights": model.weights,
-        "weight_bytes": str(model.weight_bytes),
-        "kv_dtype": model.kv_dtype,
-        "block_size": str(model.block_size),
-        "num_blocks": str(model.num_blocks),
-    }
 
 
 def _say(message: str) -> None:

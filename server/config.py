@@ -30,10 +30,12 @@ from cache_manager.config import EVICTION_POLICIES, KVCacheConfig
 from cache_manager.strategy import KV_STRATEGIES
 from kv_store import STORE_KINDS
 from model_runner.config import (
+    ACTIVATION_BITS,
     ATTENTION_BACKEND_CHOICES,
     KV_DTYPE_CHOICES,
     MODEL_DTYPES,
     WEIGHT_MODES,
+    RunnerOptions,
 )
 from model_runner.sim import PROFILES as SIM_PROFILES
 from scheduler.config import (
@@ -54,6 +56,11 @@ ENV_PREFIX = "KVSERVE_"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 RUNNERS = ("torch", "fake")
+ASYNC_SCHEDULING_MODES = ("auto", "on", "off")
+# The defaults of the flags the components below take as they come: read from their code.
+_RUNNER = RunnerOptions()
+_HTTP = HttpLimits()
+_EDGE = EdgeLimits()
 
 # Choices of the component fields, from the registries of the packages that implement them.
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -233,19 +240,19 @@ class ServerConfig:
         group="connections and tenants",
     )  # fmt: skip
     http_header_timeout_s: float = _f(
-        10.0, "close an HTTP connection whose request headers took longer (gRPC: the "
-        "HTTP/2 handshake)", group="connections and tenants",
+        _HTTP.header_timeout_s, "close an HTTP connection whose request headers took longer "
+        "(gRPC: the HTTP/2 handshake)", group="connections and tenants",
     )  # fmt: skip
     http_body_timeout_s: float = _f(
-        30.0, "close an HTTP connection whose request body took longer",
+        _HTTP.body_timeout_s, "close an HTTP connection whose request body took longer",
         group="connections and tenants",
     )  # fmt: skip
     http_idle_timeout_s: float = _f(
-        5.0, "close a keep-alive HTTP connection idle this long between requests",
+        _HTTP.idle_timeout_s, "close a keep-alive HTTP connection idle this long between requests",
         group="connections and tenants",
     )  # fmt: skip
     grpc_idle_timeout_s: float = _f(
-        300.0, "close a gRPC connection with no call open this long",
+        _EDGE.grpc_idle_timeout_s, "close a gRPC connection with no call open this long",
         group="connections and tenants",
     )  # fmt: skip
     admin_api_key: tuple[str, ...] = _f(
@@ -286,15 +293,16 @@ class ServerConfig:
         group="model",
     )
     activation_bits: int = _f(
-        16,
+        _RUNNER.activation_bits,
         "quantized weights: the kernels' activation precision; 16: int8 plus a residual byte "
         "(~15 bits, the dequantized model's answers), 8: int8 alone (ggml's; faster prefill)",
-        choices=(16, 8),
+        choices=ACTIVATION_BITS,
         group="model",
     )
     attention_backend: str = _f(
-        "auto",
-        "auto: flashinfer, else triton, on CUDA when installed, else torch (the reference)",
+        _RUNNER.attention_backend,
+        "auto: on CUDA, the fastest backend that can run there and matches torch on a probe "
+        "step; elsewhere torch (the reference)",
         choices=ATTENTION_BACKEND_CHOICES,
         group="model",
     )
@@ -305,8 +313,10 @@ class ServerConfig:
         "(repeatable; env: comma list); requests name it as their model", group="lora",
         repeat=True,
     )  # fmt: skip
-    max_lora_rank: int = _f(64, "largest adapter rank accepted (bounds memory and step cost)",
-                            group="lora")  # fmt: skip
+    max_lora_rank: int = _f(
+        _RUNNER.max_lora_rank, "largest adapter rank accepted (bounds memory and step cost)",
+        group="lora",
+    )  # fmt: skip
     max_cpu_loras: int | None = _f(
         None, "adapters kept laid out in memory while unused, LRU beyond it; they are read "
         "back from disk when used (default: --max-loras or the --lora count, the larger)",
@@ -322,6 +332,14 @@ class ServerConfig:
     )
     # -- scheduler (and, generated, every SchedulerConfig field but max_model_len)
     max_n: int = _f(16, "largest n (parallel samples) a request may ask for", group="scheduler")
+    async_scheduling: str = _f(
+        "auto",
+        "plan each step while the device runs the one before (vLLM's --async-scheduling, "
+        "SGLang's overlap schedule); auto: on a GPU; on: also on CPU, with the model's steps on "
+        "a thread of their own; off: one step at a time",
+        choices=ASYNC_SCHEDULING_MODES,
+        group="scheduler",
+    )
     cost_model_prior: str = _f(
         "calibrate",
         "slo: where the step-cost model starts: calibrate (a few seconds of scripted steps at "

@@ -12,6 +12,20 @@
                                                         6. publish; stats snapshot; metrics
 
 Step 5 is ``server.outputs.OutputProcessor``; the asyncio side is ``server.engine_client``.
+
+One step ahead (``overlap``; vLLM's async scheduling, SGLang's overlap scheduler): with a
+runner that can run ahead (``model_runner.base.AheadRunner``: CUDA, a CPU step thread, the
+fake device), an iteration plans and submits step N+1 *before* it waits for step N::
+
+    schedule N+1 -> runner.submit(N+1) -> N.result() -> update(N) -> outputs.process(N) -> publish
+                    ^ the device runs N+1 while the host applies, detokenizes and publishes N
+
+The tokens N samples reach N+1 on the device (placeholders; ``scheduler.entry``). A request
+that ended at N may have one extra step computed and thrown away (``update`` drops it; its
+output never shows it). A step that cannot be planned past (drafts to verify, a constrained
+request's next mask; ``SchedulerOutput.can_run_ahead``) is applied before the next is
+planned, and so is every step while KV tier 2 is on (it moves block bytes on the host
+between steps). ``overlap=None`` turns it on where the runner can run ahead.
 The event loop only enqueues messages and reads queues; a step's outputs for every request
 cross to it in a single ``call_soon_threadsafe``. With nothing to do the thread sleeps on the
 inbox condition (no busy spin).
@@ -43,7 +57,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from metrics.records import MetricsSink, NullSink, StepRecord
-from model_runner.base import Runner
+from model_runner.base import AheadRunner, Runner, StepHandle
 from scheduler.cost_model import StepCostModel, StepShape
 from scheduler.errors import OverloadError
 from scheduler.output import ModelOutput, RequestOutput, SchedulerOutput, SchedulerStats
@@ -140,6 +154,30 @@ def _deliver(items: _Batch) -> None:
 _STEP_KINDS = {(True, True): "mixed", (True, False): "prefill", (False, True): "decode"}
 
 
+@dataclass(slots=True, eq=False)
+class _Launched:
+    """A planned step: submitted to the runner (``handle``), or nothing to compute."""
+
+    plan: SchedulerOutput
+    handle: StepHandle | None
+    started_s: float  # perf_counter when its iteration began (before schedule)
+    submitted_s: float  # perf_counter just before the runner got it
+    schedule_cpu_s: float
+
+
+class _Executed:
+    """A synchronous step's handle: ``execute`` runs when the result is asked for."""
+
+    __slots__ = ("_plan", "_runner")
+
+    def __init__(self, runner: Runner, plan: SchedulerOutput) -> None:
+        self._runner = runner
+        self._plan = plan
+
+    def result(self) -> ModelOutput:
+        return self._runner.execute(self._plan)
+
+
 class EngineLoop:
     """Runs the scheduler and the runner on its own thread; see the module docstring.
 
@@ -161,10 +199,13 @@ class EngineLoop:
         name: str = "kvserve-engine",
         cost_model: StepCostModel | None = None,
         kv_tier: Tier[_Add] | None = None,
+        overlap: bool | None = None,
     ) -> None:
         """``cost_model``: fed every step's shape and measured iteration time (the slo
         policy's scheduler holds the same model). ``kv_tier``: tier 2 under the prefix cache
-        (its cache manager is the scheduler's)."""
+        (its cache manager is the scheduler's). ``overlap``: plan each step while the one
+        before runs (see the module docstring); None: where the runner can run ahead; True
+        raises for a runner that cannot."""
         self._scheduler = scheduler
         self._runner = runner
         self.cost_model = cost_model
@@ -191,6 +232,19 @@ class EngineLoop:
         # Tier 2 holds new requests while their prefix is read, and moves block bytes.
         self.tier: Tier[_Add] = kv_tier if kv_tier is not None else NoTier()
         self.tier.attach(self._wake, self._is_waiting)
+        can_run_ahead = isinstance(runner, AheadRunner) and runner.can_run_ahead
+        if overlap and not can_run_ahead:
+            raise ValueError(
+                f"overlap needs a runner that computes a step while the next is planned; "
+                f"{type(runner).__name__} on {runner.info.device} does not"
+            )
+        # Tier 2 reads and writes block bytes on the host between steps: no step in flight.
+        self.overlap = (can_run_ahead if overlap is None else overlap) and kv_tier is None
+        if overlap and kv_tier is not None:
+            logger.warning("async scheduling is off: KV tier 2 moves blocks between steps")
+        self._submits = isinstance(runner, AheadRunner)  # else: runner.execute
+        self._in_flight: _Launched | None = None  # overlap: the step the device runs
+        self._last_applied_s = 0.0
         # Read from other threads: a reference swap per step.
         self.latest_stats: SchedulerStats = self.tier.annotate(scheduler.make_stats())
         tracker = self.constraint_tracker
@@ -304,7 +358,10 @@ class EngineLoop:
 
     def _has_work(self) -> bool:
         return (
-            self._flush_needed or self._scheduler.has_unfinished_requests() or self.tier.has_ready
+            self._flush_needed
+            or self._in_flight is not None
+            or self._scheduler.has_unfinished_requests()
+            or self.tier.has_ready
         )
 
     def _wait_for_work(self) -> tuple[list[_Add | _Abort | _Resume], bool]:
@@ -344,29 +401,64 @@ class EngineLoop:
         self._stalled = False
 
     def _step(self) -> None:
-        """schedule / execute / update / process outputs / stats: one engine step."""
+        """Plan and submit a step; apply the one in flight before it (overlap), or this one
+        (schedule / execute / update / process outputs / stats: one engine step)."""
         sched = self._scheduler
-        iter0 = time.perf_counter()
+        started_s = time.perf_counter()
         cpu0 = time.thread_time()
         plan = sched.schedule(time.monotonic())
         self.tier.before_execute()
-        cpu1 = time.thread_time()
+        schedule_cpu_s = time.thread_time() - cpu0
         self.outputs.on_scheduled((seq.request_id for seq in plan.prefill), time.monotonic())
-        wall0 = time.perf_counter()
-        if plan.is_empty and not plan.finished_request_ids and not plan.block_copies:
-            result = ModelOutput.make_empty()
+        handle: StepHandle | None = None
+        submitted_s = time.perf_counter()
+        if not (plan.is_empty and not plan.finished_request_ids and not plan.block_copies):
+            runner = self._runner
+            handle = runner.submit(plan) if self._submits else _Executed(runner, plan)
+        launched = _Launched(plan, handle, started_s, submitted_s, schedule_cpu_s)
+        previous, self._in_flight = self._in_flight, None
+        flush = False
+        if previous is not None:
+            flush = self._apply(previous)  # while the device runs this step
+        if self.overlap and handle is not None and plan.can_run_ahead:
+            self._in_flight = launched
         else:
-            result = self._runner.execute(plan)
+            flush |= self._apply(launched)
+        self._flush_needed = flush
+        # An empty plan with nothing applied since it was made: only a message can help.
+        self._stalled = (
+            plan.is_empty
+            and previous is None
+            and self._in_flight is None
+            and sched.has_unfinished_requests()
+        )
+
+    def _apply(self, launched: _Launched) -> bool:
+        """Wait for a submitted step's result, apply it (``update``), process and publish
+        its outputs, and record the step. True when processing ended a request in the
+        scheduler (a stop string, a detokenizer failure): the next step reports it."""
+        sched = self._scheduler
+        plan = launched.plan
+        handle = launched.handle
+        result = handle.result() if handle is not None else ModelOutput.make_empty()
         wall1 = time.perf_counter()
         cpu2 = time.thread_time()
         outs = sched.update(plan, result)
         self.tier.after_update()
         cpu3 = time.thread_time()
-        self._stalled = plan.is_empty and sched.has_unfinished_requests()
         self.num_steps += 1
         # A stop string or a detokenizer failure ends a request: the next step reports it.
-        self._flush_needed = self.outputs.process(outs, time.monotonic())
-        iteration_s = time.perf_counter() - iter0
+        flush = self.outputs.process(outs, time.monotonic())
+        now = time.perf_counter()
+        if self.overlap:
+            # Steps overlap: a step's time is what it took on the device, and an iteration
+            # is the time between two steps' results.
+            step_s = result.prefill_time_s + result.decode_time_s
+            iteration_s = now - max(launched.started_s, self._last_applied_s)
+        else:
+            step_s = wall1 - launched.submitted_s
+            iteration_s = now - launched.started_s
+        self._last_applied_s = now
         predicted_s = None
         if self.cost_model is not None and not plan.is_empty:
             predicted_s = self.cost_model.observe(StepShape.of_plan(plan), iteration_s)
@@ -377,8 +469,8 @@ class EngineLoop:
             StepRecord(
                 stats=stats,
                 kind=_STEP_KINDS.get((bool(plan.prefill), bool(plan.decode)), "idle"),
-                step_duration_s=wall1 - wall0,
-                schedule_cpu_s=(cpu1 - cpu0) + (cpu3 - cpu2),
+                step_duration_s=step_s,
+                schedule_cpu_s=launched.schedule_cpu_s + (cpu3 - cpu2),
                 iteration_s=iteration_s,
                 predicted_s=predicted_s,
                 constraint_mask_s=result.constraint_mask_time_s,
@@ -386,6 +478,7 @@ class EngineLoop:
                 num_constraint_cache_hits_total=compiler.num_cache_hits_total if compiler else 0,
             )
         )
+        return flush
 
     def _is_waiting(self, request_id: str) -> bool:
         """Whether a request with staged tier-2 blocks may still be admitted."""
@@ -456,6 +549,9 @@ class EngineLoop:
         # Forked samples aborted with their parent report in this update.
         while self._has_work() and self.outputs.num_clients:
             self._step()
+        if self._in_flight is not None:  # only ended requests' steps are left in it
+            launched, self._in_flight = self._in_flight, None
+            self._apply(launched)
         self._publish()
         self.tier.shutdown()
         self.latest_stats = self.tier.annotate(self._scheduler.make_stats())

@@ -90,6 +90,14 @@ class Tier(Protocol[T]):
         """The last spills, written before the store closes (a restart finds them)."""
         ...
 
+    def wait_written(
+        self, keys: Sequence[bytes], cache_salt: str | None, timeout_s: float = 30.0
+    ) -> bool:
+        """Whether the spills of the prefix-cache ``keys`` queued so far left the write queue
+        within ``timeout_s`` (any thread; a prefill replica publishes this way). False with
+        no store to write to."""
+        ...
+
 
 class NoTier(Generic[T]):
     """Tier 2 off: holds nothing, moves nothing."""
@@ -124,6 +132,11 @@ class NoTier(Generic[T]):
 
     def shutdown(self) -> None:
         pass
+
+    def wait_written(
+        self, keys: Sequence[bytes], cache_salt: str | None, timeout_s: float = 30.0
+    ) -> bool:
+        return False
 
 
 @dataclass(slots=True)

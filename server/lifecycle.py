@@ -191,15 +191,7 @@ class KVServeServer:
         self._stopping = True
         self.frontend.accepting = False
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        drained = await self.client.wait_idle(grace_s)
-        if not drained:
-            logger.warning(
-                "grace period of %.1fs passed with %d requests in flight; aborting them",
-                grace_s,
-                self.client.num_in_flight,
-            )
-            self.abort_all()
-            await self.client.wait_idle(self._death_grace_s)
+        await drain(self.frontend, self.client, grace_s, self._death_grace_s)
         if self.http is not None:
             await self.http.stop(self._death_grace_s)
         if self._server is not None:
@@ -211,8 +203,7 @@ class KVServeServer:
     def abort_all(self) -> None:
         """Abort every in-flight request (reason SHUTDOWN); their calls end with UNAVAILABLE
         (an HTTP stream with an error event)."""
-        for rid in self.client.active_request_ids():
-            self.client.abort(rid, AbortReason.SHUTDOWN)
+        abort_all(self.client)
 
     async def close_after_death(self) -> None:
         """After the engine died: let in-flight calls get UNAVAILABLE, then stop serving."""
@@ -221,3 +212,30 @@ class KVServeServer:
         if self._server is not None:
             await self._server.stop(self._death_grace_s)
         self.engine.stop(timeout_s=0.5)
+
+
+async def drain(
+    frontend: Frontend, client: EngineClient, grace_s: float, abort_grace_s: float
+) -> bool:
+    """A graceful stop's drain (``kvserve serve``'s, and each cluster replica's): new
+    generations refused (UNAVAILABLE, HTTP 503), in-flight requests given ``grace_s``, then
+    the rest aborted (``abort_all``) and ``abort_grace_s`` for their last outputs. True when
+    every request finished in time."""
+    frontend.accepting = False
+    if await client.wait_idle(grace_s):
+        return True
+    logger.warning(
+        "grace period of %.1fs passed with %d requests in flight; aborting them",
+        grace_s,
+        client.num_in_flight,
+    )
+    abort_all(client)
+    await client.wait_idle(abort_grace_s)
+    return False
+
+
+def abort_all(client: EngineClient) -> None:
+    """Abort every in-flight request (reason SHUTDOWN); their calls end with UNAVAILABLE (an
+    HTTP stream with the service_unavailable event)."""
+    for rid in client.active_request_ids():
+        client.abort(rid, AbortReason.SHUTDOWN)

@@ -3,17 +3,20 @@
 - ``torch``: ``torch_backend``, the reference (gathers blocks into padded tensors);
 - ``triton``: ``triton_kernels``, paged prefill and decode reading K/V in place;
 - ``flashinfer``: ``flashinfer-python``'s batch prefill / decode wrappers (CUDA);
-- ``auto``: on CUDA, the fastest of the installed backends that measures right against torch
-  on a probe step at the model's attention shape (``probe``); on a CPU, torch (Triton runs on
-  a CPU only in its interpreter, for tests).
+- ``auto``: on CUDA, the fastest of the backends that can run there that measures right
+  against torch on a probe step at the model's attention shape (``probe``); on a CPU, torch
+  (Triton runs on a CPU only in its interpreter, for tests).
 
-Each is constructed once with the model's ``AttentionSpec`` (``base``); the block table ->
-page table conversion both paged backends read lives in ``page_table``.
+One table, ``config.ATTENTION_BACKENDS`` (name -> class), is what the CLI's choices,
+``resolve_attention_backend`` and ``auto`` read; each class says where it runs
+(``available(device)``) and what it serves (``unsupported(spec)``). A new backend is its
+class and one row. Each is constructed once with the model's ``AttentionSpec`` (``base``);
+the block table -> page table conversion both paged backends read lives in ``page_table``.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import logging
 from typing import Any
 
@@ -21,28 +24,26 @@ import torch
 
 from model_runner.attention_backends.base import AttentionBackend, AttentionSpec
 from model_runner.attention_backends.torch_backend import TorchAttention
-from model_runner.config import ATTENTION_BACKEND_CHOICES
+from model_runner.config import ATTENTION_BACKEND_CHOICES, ATTENTION_BACKENDS
 
 __all__ = [
     "ATTENTION_BACKEND_CHOICES",
     "AttentionBackend",
     "AttentionSpec",
+    "backend_class",
     "make_attention_backend",
+    "resolve_attention_backend",
 ]
 
 logger = logging.getLogger(__name__)
 
 
-def _installed(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
-
-
-def triton_interpreted() -> bool:
-    """Whether Triton kernels run in its interpreter (``TRITON_INTERPRET=1``, read by Triton)."""
-    import triton
-
-    knobs = getattr(triton, "knobs", None)  # triton >= 3.4
-    return bool(knobs is not None and knobs.runtime.interpret)
+def backend_class(name: str) -> type[AttentionBackend[Any]]:
+    """The class of backend ``name`` (a key of ``ATTENTION_BACKENDS``), its module imported
+    when first named (the paged ones import their GPU package only when constructed)."""
+    module, _, cls = ATTENTION_BACKENDS[name].partition(":")
+    found: type[AttentionBackend[Any]] = getattr(importlib.import_module(module), cls)
+    return found
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:
@@ -52,53 +53,31 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
         raise ValueError(
             f"unknown attention backend {name!r}: use one of {', '.join(ATTENTION_BACKEND_CHOICES)}"
         )
-    if name == "auto":  # on CUDA, make_attention_backend measures the installed ones
+    if name == "auto":  # on CUDA, make_attention_backend measures the ones that can run
         return "auto" if device.type == "cuda" else "torch"
-    if name == "flashinfer":
-        if device.type != "cuda":
-            raise ValueError(f"--attention-backend flashinfer runs on CUDA, not {device}")
-        if not _installed("flashinfer"):
-            raise ValueError("--attention-backend flashinfer needs flashinfer-python installed")
-    if name == "triton":
-        if not _installed("triton"):
-            raise ValueError("--attention-backend triton needs triton installed")
-        if device.type != "cuda" and not triton_interpreted():
-            raise ValueError(
-                f"--attention-backend triton runs on CUDA, or on {device} in Triton's "
-                "interpreter only (TRITON_INTERPRET=1, for tests)"
-            )
+    reason = backend_class(name).unavailable(device)
+    if reason is not None:
+        raise ValueError(f"--attention-backend {name} {reason}")
     return name
-
-
-def backend_class(name: str) -> type[AttentionBackend[Any]]:
-    """The class of a resolved backend name (the paged ones imported only when named)."""
-    if name == "triton":
-        from model_runner.attention_backends.triton_backend import TritonAttention
-
-        return TritonAttention
-    if name == "flashinfer":
-        from model_runner.attention_backends.flashinfer_backend import FlashInferAttention
-
-        return FlashInferAttention
-    return TorchAttention
 
 
 def make_attention_backend(name: str, spec: AttentionSpec) -> AttentionBackend[Any]:
     """The backend ``name`` bound to ``spec``. An explicit choice that cannot serve it
     raises ``ValueError``: what it cannot serve first, then where it cannot run, so the
-    message is the same on every machine. ``auto`` on CUDA measures the installed backends
-    that can serve ``spec`` (``probe``) and falls back to torch."""
-    if name in ATTENTION_BACKEND_CHOICES and name != "auto":
+    message is the same on every machine. ``auto`` on CUDA measures the backends that can
+    run there and serve ``spec`` (``probe``) and falls back to torch."""
+    if name in ATTENTION_BACKENDS:
         reason = backend_class(name).unsupported(spec)
         if reason is not None:
             raise ValueError(reason)
     resolved = resolve_attention_backend(name, spec.device)
     if resolved != "auto":
         return backend_class(resolved)(spec)
+    classes = [backend_class(n) for n in ATTENTION_BACKENDS]
     candidates = [
-        backend_class(n)(spec)
-        for n in ("flashinfer", "triton")
-        if _installed(n) and backend_class(n).unsupported(spec) is None
+        cls(spec)
+        for cls in classes
+        if cls is not TorchAttention and cls.available(spec.device) and not cls.unsupported(spec)
     ]
     if not candidates:
         return TorchAttention(spec)

@@ -4,14 +4,21 @@
     batch = backend.build(step)                    # per step: StepRows -> ForwardBatch
     backend.forward(layer, qkv, batch, pool, out)  # per layer
 
+    batch = backend.graph_batch(size, max_pages)   # CUDA graphs: a static batch, captured once
+    backend.fill(PaddedDecode(step, size, slot))   # per replay: the step's rows into it
+
 ``AttentionSpec`` carries everything fixed at start-up (heads, block size, dtypes, device,
 window, sinks), so a step passes only its rows and a layer only its tensors. What a backend
 supports is said by class attributes (``graphs``, ``kv_dtypes``, ``sinks``,
-``yields_to_fused``), which ``unsupported`` and the runner read; nothing checks a name.
+``yields_to_fused``), which ``unsupported`` and the runner read, and where it runs by
+``available(device)``; nothing checks a name.
 
 A ``ForwardBatch`` holds what every layer shares: the row tensors the model reads (token ids,
 positions, KV slots) and the backend's own per-step ``metadata`` (the torch backend's gathers
-and masks, the paged backends' page tables).
+and masks, the paged backends' page tables). A backend with ``graphs`` also makes the batch a
+decode graph is captured on and rewrites it in place before each replay (``graph_batch``,
+``fill``: vLLM's ``build_for_cudagraph_capture``, SGLang's
+``init_forward_metadata_capture_cuda_graph``), so ``cuda_graphs`` knows no backend's metadata.
 """
 
 from __future__ import annotations
@@ -69,6 +76,41 @@ class ForwardBatch(Generic[M]):
     metadata: M  # the backend's per-step data
 
 
+@dataclass(frozen=True, slots=True)
+class PaddedDecode:
+    """A decode step as the inputs of a CUDA graph of ``batch_size`` rows: ``step``'s rows
+    (a decode with k drafts is k + 1 one-token rows over its table), then padding rows that
+    write ``scratch_slot`` (a slot the cache manager never lends) and attend to no key::
+
+        rows   | dec 0 | dec 1 | dec 2 | pad | pad | pad | pad | pad |   3 decodes -> graph 8
+        token  |  t0   |  t1   |  t2   |  0  ...                          (position 0 alike)
+        slot   |  s0   |  s1   |  s2   | scratch slot ...
+        keys   |  n0   |  n1   |  n2   |  0  ...                          (zeros written)
+    """
+
+    step: StepRows
+    batch_size: int
+    scratch_slot: int
+
+    def __post_init__(self) -> None:
+        if self.step.prefill:
+            raise ValueError("a step with prefill rows has no graph")
+        if self.num_pad < 0:
+            raise ValueError(
+                f"{self.step.num_rows} decode rows do not fit a graph of {self.batch_size}"
+            )
+
+    @property
+    def num_pad(self) -> int:
+        return self.batch_size - self.step.num_rows
+
+    def row_ids(self) -> list[int]:
+        """Token ids, positions and slots of all ``batch_size`` rows, in one list."""
+        step, pad = self.step, [0] * self.num_pad
+        slots = [*step.slot_mapping, *[self.scratch_slot] * self.num_pad]
+        return [*step.token_ids, *pad, *step.positions, *pad, *slots]
+
+
 class AttentionBackend(ABC, Generic[M]):
     """One layer's attention over a step, and the step's metadata; chosen once at start-up."""
 
@@ -81,9 +123,21 @@ class AttentionBackend(ABC, Generic[M]):
 
     def __init__(self, spec: AttentionSpec) -> None:
         reason = self.unsupported(spec)
-        if reason is not None:
-            raise ValueError(reason)
+        where = self.unavailable(spec.device)
+        if reason is not None or where is not None:
+            raise ValueError(reason or f"the {self.name} backend {where}")
         self.spec = spec
+
+    @classmethod
+    def unavailable(cls, device: torch.device) -> str | None:
+        """Why this backend cannot run on ``device`` ("runs on CUDA, not cpu", "needs ...
+        installed"), or None: where it runs, whatever the model."""
+        return None
+
+    @classmethod
+    def available(cls, device: torch.device) -> bool:
+        """Whether this backend can run on ``device``."""
+        return cls.unavailable(device) is None
 
     @classmethod
     def unsupported(cls, spec: AttentionSpec) -> str | None:
@@ -113,6 +167,17 @@ class AttentionBackend(ABC, Generic[M]):
         self, layer: int, qkv: torch.Tensor, meta: M, pool: KVPool, out: torch.Tensor
     ) -> None:
         """``forward`` after the K/V are stored."""
+
+    def graph_batch(self, size: int, max_pages: int) -> ForwardBatch[M]:
+        """The batch a decode graph of ``size`` rows is captured on (backends with
+        ``graphs``): static tensors, each row reading at most ``max_pages`` blocks, that
+        ``fill`` rewrites in place before every replay. One batch per size."""
+        raise NotImplementedError(f"the {self.name} backend has no CUDA graphs")
+
+    def fill(self, padded: PaddedDecode) -> None:
+        """Write ``padded``'s rows into the graph batch of ``padded.batch_size`` (made by
+        ``graph_batch``), in place: the captured graph reads those tensors."""
+        raise NotImplementedError(f"the {self.name} backend has no CUDA graphs")
 
 
 def row_tensors(

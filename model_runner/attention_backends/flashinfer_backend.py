@@ -10,6 +10,7 @@ from ``flashinfer_plan_args``, pure and tested exactly on CPU.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,12 +60,18 @@ def flashinfer_plan_args(table: PageTable, spec: AttentionSpec, *, decode: bool)
 class FlashInferAttention(PagedAttentionBackend):
     name = "flashinfer"
 
+    @classmethod
+    def unavailable(cls, device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return f"runs on CUDA, not {device}"
+        if importlib.util.find_spec("flashinfer") is None:
+            return "needs flashinfer-python installed"
+        return None
+
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
         import flashinfer  # flashinfer-python, CUDA only
 
-        if spec.device.type != "cuda":
-            raise ValueError(f"the flashinfer backend runs on CUDA, not {spec.device}")
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=spec.device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND")
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")

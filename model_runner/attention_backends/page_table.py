@@ -155,7 +155,7 @@ def sink_rotation(
     rope_inv_freq: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per query row of ``seqs`` (in order), fp32 ``cos, sin`` ``[rows, D/2]`` of ``-d * inv_freq``
-    with ``d = max(0, p - W + 1 - S)`` (``model_runner.attention``'s gap): the rotation that
+    with ``d = max(0, p - W + 1 - S)`` (``torch_backend``'s gap): the rotation that
     scores the sink keys with the query at its cache position (identity while d is 0)."""
     positions = torch.tensor(
         [p for s in seqs for p in range(s.start_pos, s.end_pos)], dtype=torch.float64

@@ -5,6 +5,8 @@ page table from device tensors alone, so decode steps may be captured as CUDA gr
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from model_runner.attention_backends.base import AttentionSpec
@@ -13,9 +15,28 @@ from model_runner.attention_backends.paged import PagedAttentionBackend
 from model_runner.kv_pool import KVPool
 
 
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run in its interpreter (``TRITON_INTERPRET=1``, read by Triton)."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4
+    return bool(knobs is not None and knobs.runtime.interpret)
+
+
 class TritonAttention(PagedAttentionBackend):
     name = "triton"
     graphs = True
+
+    @classmethod
+    def unavailable(cls, device: torch.device) -> str | None:
+        if importlib.util.find_spec("triton") is None:
+            return "needs triton installed"
+        if device.type != "cuda" and not triton_interpreted():
+            return (
+                f"runs on CUDA, or on {device} in Triton's interpreter only "
+                "(TRITON_INTERPRET=1, for tests)"
+            )
+        return None
 
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)

@@ -26,7 +26,7 @@ cut on the device from its own ``kv_len``, so one captured graph serves any cont
 past a request's last tile write ``-inf`` and read nothing. A padded row (``kv_len`` 0) reads
 no key and writes zeros.
 
-**Windows and attention sinks** (``model_runner.attention``'s semantics, in relative
+**Windows and attention sinks** (``torch_backend``'s semantics, the reference, in relative
 positions): a query at q sees keys ``k <= q`` with ``k > q - window``, plus, with ``num_sinks``
 S, the first S listed keys (the page table lists the sink blocks first). Sink keys are scored
 with the query rotated back by its gap (the per-row ``sink_cos`` / ``sink_sin`` of

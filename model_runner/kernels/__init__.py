@@ -1,19 +1,27 @@
-"""kvserve's own CPU kernels (``kernels.cpp``): build, load, and a thin ctypes wrapper.
+"""kvserve's own CPU kernels (``kernels.cpp``): load, and a thin ctypes wrapper.
 
-The library is plain C++ (no torch headers, so it compiles in seconds). One source is compiled
-once per ISA family and linked into one library with a dispatcher:
+The library is plain C++ (no torch headers). One source is compiled once per ISA family, each
+family into its own library, plus a small dispatcher library that the callers hold and that
+calls the family in use (``build.py`` compiles them):
 
     portable   plain C++, any CPU
-    avx2       AVX2 + FMA + F16C (Zen 3 and the like)
-    avx512     AVX-512 F/BW/VL + VNNI (Zen 4, Zen 5): vpdpbusd on ymm, 32 registers
+    avx2       AVX2 + FMA + F16C (Zen 3 and the like): maddubs dot products on ymm
+    avx512     AVX-512 F/BW/VL + VNNI (Zen 4, Zen 5): vpdpbusd on zmm (two records joined, 16
+               rows a broadcast) and on ymm, 32 registers
 
 The family is chosen at load from cpuid: the best the CPU has, or ``KVSERVE_ISA``
 (``auto``, ``avx512``, ``avx2``, ``portable``; a family the CPU lacks falls back to the best
 one below it, with a warning). ``use_isa`` switches at run time (how the tests cover every
-family the machine has). ``make install`` builds it once (``python -m model_runner.kernels``);
-a process that finds it missing or stale (the file name carries a hash of the source and
-flags) builds it on first use. Without a working compiler ``load()`` returns None,
-``unavailable_reason()`` says why, and the model runs fp32 weights.
+family the machine has; they also run ``EMULATED`` families, the SIMD tiles over lanes in
+plain C++). ``make install`` builds the dispatcher and this CPU's family
+(``python -m model_runner.kernels``); a family that is missing or stale (the file names carry
+a hash of the source and flags) is built the first time it is wanted. Without a working
+compiler ``load()`` returns None, ``unavailable_reason()`` says why, and the model runs fp32
+weights.
+
+At load the library's own tables are checked against the Python side: its struct sizes
+against the ctypes mirrors below, and its format table (names, values per record, record
+bytes: ``kv_format_info``) against ``interleave.GEOMETRY``.
 
 Calls take raw pointers from contiguous tensors; the caller (``model_runner.quant``) checks
 shapes, so this module only converts arguments.
@@ -21,46 +29,32 @@ shapes, so this module only converts arguments.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
-from pathlib import Path
+
+from model_runner import interleave
+from model_runner.kernels import build
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels.cpp")  # includes the headers beside it
-FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
-# Per ISA family: the -m flags its object is compiled with (the dispatcher gets none).
-VARIANT_FLAGS: dict[str, tuple[str, ...]] = {
-    "portable": (),
-    "avx2": ("-mavx2", "-mfma", "-mf16c"),
-    "avx512": (
-        "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-        "-mavx512vnni", "-mprefer-vector-width=512",
-    ),
-}  # fmt: skip
-ISAS = ("portable", "avx2", "avx512")  # index = the library's ISA code
-
-# Weight formats: the library's codes (kernels.cpp ``kv::Format``).
-FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-FORMAT_CODES = {name: i for i, name in enumerate(FORMATS)}
+ISAS = ("portable", "avx2", "avx512")  # the real families, by rising code
+EMULATED = tuple(name for name in build.FAMILIES if name not in ISAS)  # the tests' families
 EPI_NONE = 0
 EPI_ADD = 1
 EPI_SILU_MUL = 2
 MAX_PARTS = 4
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
 _loaded = False
 _isa = "portable"
+_families: dict[str, ctypes.CDLL] = {}  # the family libraries registered with the dispatcher
+_format_codes: dict[str, int] = {}  # the library's format table: name -> its code
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -70,15 +64,6 @@ _I32 = ctypes.c_int32
 KV_F32 = 0
 KV_F16 = 1
 KV_I8 = 2
-
-
-def _x86() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64")
-
-
-def variants() -> tuple[str, ...]:
-    """The ISA families compiled into the library on this machine's architecture."""
-    return ISAS if _x86() else ("portable",)
 
 
 class QPart(ctypes.Structure):
@@ -136,8 +121,9 @@ class LoraRows(ctypes.Structure):
     ]
 
 
-class StepRows(ctypes.Structure):
-    """One step's rows for ``kv_step_layers``."""
+class StepArgs(ctypes.Structure):
+    """One step's rows and the model's shapes, for ``kv_step_layers`` (``kernels.cpp``'s
+    ``StepArgs``)."""
 
     _fields_ = [
         ("hidden", _P),
@@ -167,72 +153,65 @@ class StepRows(ctypes.Structure):
     ]
 
 
-def _library_name() -> str:
-    flags = " ".join(FLAGS) + repr(sorted(VARIANT_FLAGS.items())) + repr(variants())
-    sources = b"".join(p.read_bytes() for p in _sources())
-    digest = hashlib.sha256(sources + flags.encode()).hexdigest()[:12]
-    return f"libkvserve_kernels-{digest}.so"
+_STRUCTS = (QW, StepLayer, StepArgs, QPart, LoraPair, LoraRows)  # kv_struct_sizes' order
 
 
-def _sources() -> list[Path]:
-    """kernels.cpp and the headers it includes (all of them name the library)."""
-    return [SOURCE, *sorted(SOURCE.parent.glob("*.h"))]
+def _struct_mismatch(lib: ctypes.CDLL) -> str | None:
+    lib.kv_struct_sizes.argtypes = [_I]
+    lib.kv_struct_sizes.restype = _I
+    sizes = [lib.kv_struct_sizes(i) for i in range(len(_STRUCTS))]
+    want = [ctypes.sizeof(t) for t in _STRUCTS]
+    if sizes == want:
+        return None
+    return f"kernel struct sizes {sizes} differ from the Python side's {want}"
 
 
-def _build_dirs() -> list[Path]:
-    """Where the library may live: beside the source (editable installs, ignored by git),
-    then the user cache (read-only site-packages)."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvserve" / "kernels"
-    return [SOURCE.parent / "_build", cache]
+def format_table(family: ctypes.CDLL) -> dict[str, tuple[int, int, int]]:
+    """A family library's formats: {name: (code, values per record and row, record bytes)}."""
+    family.kv_format_info.argtypes = [_I, ctypes.POINTER(_I), ctypes.POINTER(_I)]
+    family.kv_format_info.restype = ctypes.c_char_p
+    table: dict[str, tuple[int, int, int]] = {}
+    block, record = _I(), _I()
+    while (
+        name := family.kv_format_info(len(table), ctypes.byref(block), ctypes.byref(record))
+    ) is not None:
+        table[name.decode()] = (len(table), block.value, record.value)
+    return table
 
 
-def build(force: bool = False) -> Path:
-    """Compile the library (if needed) and return its path; raises ``RuntimeError`` saying
-    what failed. Safe against concurrent builds: each compiles to a temp name and renames."""
-    name = _library_name()
-    if not force:
-        for folder in _build_dirs():
-            if (folder / name).is_file():
-                return folder / name
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (g++) on PATH")
-    errors: list[str] = []
-    for folder in _build_dirs():
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-            os.close(fd)
-        except OSError as e:
-            errors.append(f"{folder}: {e}")
-            continue
-        try:
-            _compile(compiler, tmp)
-        except RuntimeError:
-            os.unlink(tmp)
-            raise
-        os.replace(tmp, folder / name)
-        return folder / name
-    raise RuntimeError("no writable build folder: " + "; ".join(errors))
+def _format_mismatch(table: dict[str, tuple[int, int, int]]) -> str | None:
+    """Why the library's format table and ``interleave.GEOMETRY`` disagree, or None."""
+    ours = {
+        name: (block, interleave.record_bytes(name))
+        for name, (block, _) in interleave.GEOMETRY.items()
+    }
+    theirs = {name: (block, record) for name, (_, block, record) in table.items()}
+    if ours == theirs:
+        return None
+    diff = sorted(set(ours.items()) ^ set(theirs.items()))
+    return f"the kernels' formats differ from interleave.GEOMETRY's: {diff} (name, (block, bytes))"
 
 
-def _run(cmd: list[str]) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        raise RuntimeError(f"`{' '.join(cmd)}` failed: " + " | ".join(tail))
-
-
-def _compile(compiler: str, output: str) -> None:
-    """One object per ISA family and one for the dispatcher, linked into ``output``."""
-    with tempfile.TemporaryDirectory() as scratch:
-        objects = []
-        for variant in (*variants(), None):
-            obj = str(Path(scratch) / f"{variant or 'dispatch'}.o")
-            defines = [f"-DKV_VARIANT={variant}", *VARIANT_FLAGS[variant]] if variant else []
-            _run([compiler, *FLAGS, *defines, "-c", str(SOURCE), "-o", obj])
-            objects.append(obj)
-        _run([compiler, "-shared", "-fopenmp", *objects, "-o", output])
+def _bind(lib: ctypes.CDLL) -> None:
+    lib.kv_isa_supported.argtypes = [_I]
+    lib.kv_isa_supported.restype = _I
+    lib.kv_best_isa.argtypes = [_I]
+    lib.kv_best_isa.restype = _I
+    lib.kv_register_family.argtypes = [_I, _P]
+    lib.kv_register_family.restype = _I
+    lib.kv_set_isa.argtypes = [_I]
+    lib.kv_set_isa.restype = _I
+    lib.kv_omp_max_threads.restype = _I
+    lib.kv_stream_read.argtypes = [_P, _I64, _I]
+    lib.kv_stream_read.restype = ctypes.c_uint64
+    lib.kv_weight_rows.argtypes = [ctypes.POINTER(QW)]
+    lib.kv_weight_rows.restype = _I64
+    lib.kv_qgemm.argtypes = [_P, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I]
+    lib.kv_qgemm.restype = None
+    lib.kv_dequant.argtypes = [_P, _P, _I64, _I, _P, _I, _I]
+    lib.kv_dequant.restype = None
+    lib.kv_step_layers.argtypes = [ctypes.POINTER(StepLayer), _I, ctypes.POINTER(StepArgs)]
+    lib.kv_step_layers.restype = None
 
 
 def load() -> ctypes.CDLL | None:
@@ -258,48 +237,68 @@ def load() -> ctypes.CDLL | None:
         try:
             import torch  # noqa: F401  (torch's OpenMP runtime first: ours binds to it)
 
-            path = build()
-            lib = ctypes.CDLL(str(path))
+            lib = ctypes.CDLL(str(build.build(None)))
+            _bind(lib)
+            mismatch = _struct_mismatch(lib)
+            if mismatch is not None:
+                raise RuntimeError(mismatch)
+            best = _set_isa(lib, "avx512" if wanted == "auto" else wanted)
         except (RuntimeError, OSError) as e:
             _reason = str(e)
             logger.warning(
                 "quantized CPU kernels unavailable (%s): serving fp32 weights instead", e
             )
             return None
-        lib.kv_isa_supported.argtypes = [_I]
-        lib.kv_isa_supported.restype = _I
-        lib.kv_set_isa.argtypes = [_I]
-        lib.kv_set_isa.restype = _I
-        lib.kv_omp_max_threads.restype = _I
-        lib.kv_stream_read.argtypes = [_P, _I64, _I]
-        lib.kv_stream_read.restype = ctypes.c_uint64
-        lib.kv_weight_rows.argtypes = [ctypes.POINTER(QW)]
-        lib.kv_weight_rows.restype = _I64
-        lib.kv_qgemm.argtypes = [_P, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I]
-        lib.kv_qgemm.restype = None
-        lib.kv_dequant.argtypes = [_P, _P, _I64, _I, _P, _I, _I]
-        lib.kv_dequant.restype = None
-        lib.kv_step_layers.argtypes = [ctypes.POINTER(StepLayer), _I, ctypes.POINTER(StepRows)]
-        lib.kv_step_layers.restype = None
-        lib.kv_decode_struct_sizes.argtypes = [_I]
-        lib.kv_decode_struct_sizes.restype = _I
-        sizes = [lib.kv_decode_struct_sizes(i) for i in range(6)]
-        structs = (QW, StepLayer, StepRows, QPart, LoraPair, LoraRows)
-        if sizes != [ctypes.sizeof(t) for t in structs]:
-            _reason = f"kernel struct sizes {sizes} differ from the Python side's"
-            logger.warning("quantized CPU kernels unusable (%s): fp32 weights instead", _reason)
-            return None
         _lib = lib
-        best = _set_isa(lib, "avx512" if wanted == "auto" else wanted)
         if wanted not in ("auto", best):
             logger.warning("KVSERVE_ISA=%s: this CPU lacks it; the kernels run %s", wanted, best)
         return _lib
 
 
+def _family(lib: ctypes.CDLL, name: str) -> None:
+    """Family ``name``'s library registered with the dispatcher, built first if need be."""
+    if name in _families:
+        return
+    if build.built(name) is None:
+        logger.warning("compiling the %s kernels (first use of this family: a minute or two)", name)
+    family = ctypes.CDLL(str(build.build(name)))
+    mismatch = _struct_mismatch(family)
+    table = format_table(family)
+    mismatch = mismatch or _format_mismatch(table)
+    if mismatch is not None:
+        raise RuntimeError(f"{name} kernels: {mismatch}")
+    family.kv_family.restype = _P
+    if lib.kv_register_family(build.FAMILIES[name].code, family.kv_family()) != 0:
+        raise RuntimeError(f"the dispatcher refused the {name} kernels")
+    _families[name] = family  # kept loaded: the dispatcher holds its entry points
+    _format_codes.update({fmt: code for fmt, (code, _, _) in table.items()})
+
+
 def _set_isa(lib: ctypes.CDLL, name: str) -> str:
+    """Switch to ``name`` (an emulated family as is; an ISA family or the best one below it
+    the CPU has and can build), building and registering it first; returns the family now in
+    use."""
     global _isa
-    _isa = ISAS[lib.kv_set_isa(ISAS.index(name))]
-    return _isa
+    with _lock:
+        candidates = [name]
+        if name in ISAS:
+            candidates = list(reversed(ISAS[: lib.kv_best_isa(build.FAMILIES[name].code) + 1]))
+        for i, candidate in enumerate(candidates):
+            try:
+                _family(lib, candidate)
+            except RuntimeError as e:
+                if i + 1 == len(candidates):
+                    raise
+                logger.warning(
+                    "the %s kernels are unusable (%s): trying %s", candidate, e, candidates[i + 1]
+                )
+                continue
+            code = build.FAMILIES[candidate].code
+            if lib.kv_set_isa(code) != code:
+                raise RuntimeError(f"the dispatcher cannot run the {candidate} kernels on this CPU")
+            _isa = candidate
+            break
+        return _isa
 
 
 def supported_isas() -> list[str]:
@@ -307,18 +306,25 @@ def supported_isas() -> list[str]:
     lib = load()
     if lib is None:
         return []
-    return [name for name in reversed(variants()) if lib.kv_isa_supported(ISAS.index(name))]
+    return [name for name in reversed(ISAS) if lib.kv_isa_supported(build.FAMILIES[name].code)]
 
 
 def use_isa(name: str) -> str:
-    """Switch the kernels to ISA family ``name`` (or the best one below it the CPU has);
-    returns the family now in use."""
-    if name not in ISAS:
-        raise ValueError(f"unknown ISA family {name!r}: use one of {', '.join(ISAS)}")
+    """Switch the kernels to ISA family ``name`` (or the best one below it the CPU has), or to
+    an ``EMULATED`` family (tests); returns the family now in use."""
+    if name not in build.FAMILIES:
+        raise ValueError(f"unknown ISA family {name!r}: use one of {', '.join(build.FAMILIES)}")
     lib = load()
     if lib is None:
         raise RuntimeError(f"kernels unavailable: {unavailable_reason()}")
     return _set_isa(lib, name)
+
+
+def format_code(name: str) -> int:
+    """The library's code for weight format ``name`` (its ``KV_FORMATS`` order)."""
+    if load() is None:
+        raise RuntimeError(f"kernels unavailable: {unavailable_reason()}")
+    return _format_codes[name]
 
 
 def available() -> bool:
@@ -331,17 +337,34 @@ def unavailable_reason() -> str | None:
 
 
 def isa() -> str:
-    """The ISA family the kernels run (``"avx512"``, ``"avx2"`` or ``"portable"``)."""
+    """The family the kernels run (``"avx512"``, ``"avx2"``, ``"portable"``, or an emulated
+    one while a test runs it)."""
     load()
     return _isa
 
 
-def main() -> int:
-    """``python -m model_runner.kernels``: build at install time and report."""
+def main(argv: list[str] | None = None) -> int:
+    """``python -m model_runner.kernels``: build the dispatcher and this CPU's family at
+    install time (``--all``: every family) and report."""
+    parser = argparse.ArgumentParser(
+        prog="python -m model_runner.kernels", description=main.__doc__
+    )
+    parser.add_argument(
+        "--all", action="store_true", help="build every family this machine can, now"
+    )
+    args = parser.parse_args(argv)
+    say = build.printer()
     try:
-        path = build()
+        lib = ctypes.CDLL(str(build.build(None, say)))
+        _bind(lib)
+        family = ISAS[lib.kv_best_isa(len(ISAS) - 1)]
+        build.build(family, say)
     except RuntimeError as e:
         print(f"kvserve kernels not built ({e}); the server will run fp32 weights", file=sys.stderr)
         return 0
-    print(f"kvserve kernels: {path} ({isa()})")
+    if args.all:
+        for name, result in build.build_all(build.buildable(), say).items():
+            if not isinstance(result, os.PathLike):
+                print(f"kvserve kernels: {name} not built: {result}", file=sys.stderr)
+    print(f"kvserve kernels: {family} ({build.built(family)}); other families build on first use")
     return 0

@@ -2,19 +2,25 @@
 // (decode rows, prefill chunks, one flattened mixed step), dequantization (embedding rows), and
 // the fused layer stack of a step.
 //
-// ONE source (this file and the headers beside it), compiled several times
-// (model_runner/kernels/__init__.py builds them and links one library):
+// ONE source (this file and the headers beside it), compiled once per ISA family into a family
+// library, plus once more without a family into the dispatcher library
+// (model_runner/kernels/build.py builds them, model_runner/kernels/__init__.py loads them):
 //   -DKV_VARIANT=portable   no ISA flags: plain C++ (any CPU)
 //   -DKV_VARIANT=avx2       -mavx2 -mfma -mf16c: 256-bit maddubs dot products (Zen 3)
-//   -DKV_VARIANT=avx512     + AVX-512 F/BW/VL/VNNI: vpdpbusd on ymm with 32 registers (Zen 4, 5)
-//   (no KV_VARIANT)         the dispatcher: cpuid, KVSERVE_ISA, and the C entry points
+//   -DKV_VARIANT=avx512     + AVX-512 F/BW/VL/VNNI: vpdpbusd on zmm (two records joined, 16
+//                           rows a broadcast) and on ymm with 32 registers (Zen 4, 5)
+//   -DKV_VARIANT=emu_*      tests only: the tiles' template over emulated lanes (qvec.h)
+//   (no KV_VARIANT)         the dispatcher: cpuid, the families registered with it, and the C
+//                           entry points, which call the family in use
+// A family may be compiled as several objects run in parallel: -DKV_SPLIT_CORE (all but the
+// tiles) and one -DKV_SPLIT_FORMAT=<format> per format (that format's tiles, qtile.h).
 // A variant's code lives in its own namespace and uses no std:: templates, so no inline
 // function compiled with AVX-512 can be picked by the linker for another variant's caller.
 //
-// Weights are GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) at their own bits,
-// rows interleaved 8 at a time at load (model_runner/interleave.py draws the records; the
-// file's bytes come back exactly). qmatmul.h decodes them in registers and feeds vpdpbusd
-// straight from there; its header says how every format reduces to one integer dot product.
+// Weights are GGUF blocks (the formats of KV_FORMATS below) at their own bits, rows
+// interleaved 8 at a time at load (model_runner/interleave.py draws the records; the file's
+// bytes come back exactly). qmatmul.h decodes them in registers and feeds vpdpbusd straight
+// from there; its header says how every format reduces to one integer dot product.
 //
 // Threads: OpenMP with the caller's thread count. The library links libgomp.so.1, the soname
 // torch's own OpenMP runtime has, so inside a process that imported torch the loader binds
@@ -31,11 +37,30 @@
 #include <immintrin.h>
 #endif
 
+// The weight formats, one row each: its name (the enum below; Python's name for it, read
+// from the library at load and checked against interleave.GEOMETRY) and its decoder
+// (qdecode.h), from which everything else per format is generated: the record sizes, the
+// one switch over formats (with_decoder) and the tiles (qtile.h). docs/kernels.md, "Adding a
+// format", lists the rest.
+#define KV_FORMATS(X)                                                                        \
+  X(Q4_0, DecQ4<false>) X(Q4_1, DecQ4<true>) X(Q5_0, DecQ5<false>) X(Q5_1, DecQ5<true>) \
+  X(Q8_0, DecQ8_0) X(Q4_K, DecQK<false>) X(Q5_K, DecQK<true>) X(Q6_K, DecQ6_K)
+
 namespace kv {
-enum Format { Q4_0 = 0, Q4_1 = 1, Q5_0 = 2, Q5_1 = 3, Q8_0 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7, NUM_FORMATS = 8 };
+#define KV_ENUM(name, D) name,
+enum Format : int32_t { KV_FORMATS(KV_ENUM) };
+#undef KV_ENUM
+#define KV_COUNT(name, D) +1
+constexpr int NUM_FORMATS = 0 KV_FORMATS(KV_COUNT);
+#undef KV_COUNT
+#define KV_NAME(name, D) #name,
+constexpr const char* FORMAT_NAMES[NUM_FORMATS] = {KV_FORMATS(KV_NAME)};
+#undef KV_NAME
 enum Epilogue { EPI_NONE = 0, EPI_ADD = 1, EPI_SILU_MUL = 2 };
 enum KVDtype { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2 };
-enum Isa { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+// The families the dispatcher takes, by code (kernels/build.py's FAMILIES): the three ISA
+// families, then from NUM_ISAS on the emulated ones the tests register (room for MAX_FAMILIES).
+enum Isa { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, NUM_ISAS = 3, MAX_FAMILIES = 16 };
 constexpr int MAX_PARTS = 4;
 }  // namespace kv
 
@@ -81,7 +106,8 @@ struct LoraRows {
   int32_t num_slots, max_rank;
 };
 
-struct StepRows {
+// One step's rows and the model's shapes, for kv_step_layers.
+struct StepArgs {
   float* hidden;                // [B, hidden], updated in place
   const int64_t* positions;     // [B]: each row's position
   const int32_t* block_tables;  // [B, max_blocks]: each row's request's blocks
@@ -93,15 +119,50 @@ struct StepRows {
   const LoraRows* lora;  // the rows' adapters, or NULL (lora.h)
 };
 
+// What a family library gives the dispatcher (kv_family; the dispatcher's kv_register_family).
+struct KvFamily {
+  void (*qgemm)(const QW&, const float*, int, int, float*, int, const float*, const float*, int, int, int, int);
+  void (*dequant)(const QW&, const int64_t*, int64_t, int, float*, int, int);
+  void (*step_layers)(const StepLayer*, int, const StepArgs*);
+};
+
+#ifndef KV_SPLIT_FORMAT
+// The sizes of the structs above (0 QW, 1 StepLayer, 2 StepArgs, 3 QPart, 4 LoraPair,
+// 5 LoraRows; -1 past them), so Python can check its ctypes mirrors against every library
+// it loads.
+int kv_struct_sizes(int which) {
+  const int sizes[] = {(int)sizeof(QW),    (int)sizeof(StepLayer), (int)sizeof(StepArgs),
+                       (int)sizeof(QPart), (int)sizeof(LoraPair),  (int)sizeof(LoraRows)};
+  return which >= 0 && which < 6 ? sizes[which] : -1;
+}
+#endif
+
 }  // extern "C"
 
 #ifdef KV_VARIANT
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(KV_EMULATE)  // tests: plain C++ lanes (qvec.h), any CPU
+#define KV_TILES 1
+#define KV_PAIRS (KV_EMULATE == 16)
+#elif defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KV_USE_AVX512 1
+#define KV_TILES 1
+#define KV_PAIRS 1
+#define KV_EMULATE_VNNI 1
 #elif defined(__AVX2__) && defined(__FMA__)
 #define KV_USE_AVX2 1
+#define KV_TILES 1
+#define KV_PAIRS 0
+#define KV_EMULATE_VNNI 0
+#else
+#define KV_PAIRS 0
+#define KV_EMULATE_VNNI 0
 #endif
+// KV_TILES: the SIMD tiles of qtile.h (else the portable family's scalar ones); KV_PAIRS: 16-row
+// pairs; KV_EMULATE_VNNI: the dot product is vpdpbusd (u8 x s8, no saturation), else maddubs.
+
+// The tile loops keep their vectors in registers only when every helper inlines into them.
+#define KV_INLINE inline __attribute__((always_inline))
 
 namespace kv {
 namespace KV_VARIANT {
@@ -126,7 +187,9 @@ struct Buf {
 inline int imin(int a, int b) { return a < b ? a : b; }
 
 #include "qmatmul.h"
-#include "lora.h"
+
+#ifndef KV_SPLIT_FORMAT  // the core object of a split family (see the top)
+#include "lora.h"        // the fused step's adapters: the core's alone
 
 // ------------------------------------------------------------------ the fused layer stack
 //
@@ -184,7 +247,7 @@ inline uint16_t to_half(float f) {
 #endif
 }
 
-void kv_store(const StepRows& st, const StepLayer& L, int head, int64_t slot, const float* v) {
+void kv_store(const StepArgs& st, const StepLayer& L, int head, int64_t slot, const float* v) {
   const int D = st.head_dim;
   const int64_t idx = ((int64_t)head * st.num_blocks * st.block_size + slot) * D;
   if (st.kv_dtype == KV_F32) {
@@ -203,7 +266,7 @@ void kv_store(const StepRows& st, const StepLayer& L, int head, int64_t slot, co
 }
 
 // Keys/values of one head at one slot, as fp32 (a pointer into an fp32 pool, else into buf).
-inline const float* kv_row(const StepRows& st, const StepLayer& L, int head, int64_t slot, float* buf) {
+inline const float* kv_row(const StepArgs& st, const StepLayer& L, int head, int64_t slot, float* buf) {
   const int D = st.head_dim;
   const int64_t idx = ((int64_t)head * st.num_blocks * st.block_size + slot) * D;
   if (st.kv_dtype == KV_F32) return static_cast<const float*>(L.kv) + idx;
@@ -242,7 +305,7 @@ constexpr int MAX_GROUP = 64;  // query heads per KV head the attention loop tak
 // one row: each key and value is read (and converted from fp16 / int8) once for the group.
 // Online softmax, one pass over the positions, in order (the result does not depend on
 // which other rows share the step).
-void attend_group(const StepRows& st, const StepLayer& L, int b, int g, const float* q, int qstride,
+void attend_group(const StepArgs& st, const StepLayer& L, int b, int g, const float* q, int qstride,
                   float* out, float* kbuf) {
   const int D = st.head_dim, bs = st.block_size, G = st.num_heads / st.num_kv_heads;
   const int64_t pos = st.positions[b];
@@ -291,7 +354,7 @@ struct StepBufs {
 
 // One layer, run by every thread of the step's team (tid of nth): the row-wise ops split by
 // rows, the matmuls by row blocks, attention by (row, KV head) tasks, a barrier between ops.
-void step_layer(const StepRows& st, const StepLayer& L, int layer, const StepBufs& sb, int tid, int nth) {
+void step_layer(const StepArgs& st, const StepLayer& L, int layer, const StepBufs& sb, int tid, int nth) {
   const int B = st.batch, Hd = st.hidden_size, D = st.head_dim;
   const int H = st.num_heads, KVH = st.num_kv_heads, nq = (H + 2 * KVH) * D;
   ActBufs& ab = *sb.acts;
@@ -358,8 +421,8 @@ void step_layer(const StepRows& st, const StepLayer& L, int layer, const StepBuf
 
 // Every layer in one OpenMP team: a barrier between ops instead of a team started per op
 // (a fork and join costs more than a barrier, and a step of a small model runs ~150 of them).
-void step_layers(const StepLayer* layers, int num_layers, const StepRows* step) {
-  const StepRows& st = *step;
+void step_layers(const StepLayer* layers, int num_layers, const StepArgs* step) {
+  const StepArgs& st = *step;
   const int B = st.batch;
   static thread_local Buf xb, qb, ab, mb, gb, tb;
   static thread_local ActBufs acts;
@@ -379,47 +442,44 @@ void step_layers(const StepLayer* layers, int num_layers, const StepRows* step) 
   }
 }
 
+#endif  // KV_SPLIT_FORMAT
+
 }  // namespace KV_VARIANT
 }  // namespace kv
 
+#ifndef KV_SPLIT_FORMAT
+extern "C" {
+
+// This family's entry points, for the dispatcher's kv_register_family.
+const KvFamily* kv_family(void) {
+  static const KvFamily family{kv::KV_VARIANT::qgemm, kv::KV_VARIANT::dequant, kv::KV_VARIANT::step_layers};
+  return &family;
+}
+
+// Format fmt's name, and its values per record and row and bytes per record (block, record):
+// the library's format table, which Python checks against interleave.GEOMETRY. NULL past the
+// last format.
+const char* kv_format_info(int fmt, int* block, int* record) {
+  if (fmt < 0 || fmt >= kv::NUM_FORMATS) return nullptr;
+  const kv::KV_VARIANT::FormatInfo fi = kv::KV_VARIANT::format_info(fmt);
+  *block = fi.block;
+  *record = fi.record;
+  return kv::FORMAT_NAMES[fmt];
+}
+
+}  // extern "C"
+#endif  // KV_SPLIT_FORMAT
+
 #else  // ------------------------------------------------------------------ the dispatcher
-
-#define KV_DECLARE(ns)                                                                                          \
-  namespace kv {                                                                                                \
-  namespace ns {                                                                                                \
-  void qgemm(const QW&, const float*, int, int, float*, int, const float*, const float*, int, int, int, int);   \
-  void dequant(const QW&, const int64_t*, int64_t, int, float*, int, int);                                      \
-  void step_layers(const StepLayer*, int, const StepRows*);                                               \
-  }                                                                                                             \
-  }
-
-KV_DECLARE(portable)
-#if defined(__x86_64__) || defined(_M_X64)
-#define KV_X86 1
-KV_DECLARE(avx2)
-KV_DECLARE(avx512)
-#endif
 
 namespace {
 
-struct Table {
-  void (*qgemm)(const QW&, const float*, int, int, float*, int, const float*, const float*, int, int, int, int);
-  void (*dequant)(const QW&, const int64_t*, int64_t, int, float*, int, int);
-  void (*step_layers)(const StepLayer*, int, const StepRows*);
-};
-
-const Table kPortable{kv::portable::qgemm, kv::portable::dequant, kv::portable::step_layers};
-#if KV_X86
-const Table kAvx2{kv::avx2::qgemm, kv::avx2::dequant, kv::avx2::step_layers};
-const Table kAvx512{kv::avx512::qgemm, kv::avx512::dequant, kv::avx512::step_layers};
-#endif
-
-const Table* g_table = &kPortable;
-int g_isa = kv::ISA_PORTABLE;
+const KvFamily* g_families[kv::MAX_FAMILIES] = {};  // registered by kernels/__init__.py
+const KvFamily* g_table = nullptr;  // the family in use
 
 bool supported(int isa) {
   if (isa == kv::ISA_PORTABLE) return true;
-#if KV_X86
+#if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   if (isa == kv::ISA_AVX2) return avx2;
@@ -428,7 +488,7 @@ bool supported(int isa) {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
   }
 #endif
-  return false;
+  return isa >= kv::NUM_ISAS && isa < kv::MAX_FAMILIES;  // emulated: plain C++
 }
 
 inline int64_t check_sizes(const QW& w) {
@@ -441,21 +501,29 @@ inline int64_t check_sizes(const QW& w) {
 
 extern "C" {
 
-// 1 when this CPU can run ISA family `isa` (0 portable, 1 AVX2, 2 AVX-512 VNNI).
+// 1 when this CPU can run family `isa` (0 portable, 1 AVX2, 2 AVX-512 VNNI; 3.. emulated).
 int kv_isa_supported(int isa) { return supported(isa) ? 1 : 0; }
 
-// Use ISA family `isa` from now on (the best one the CPU has at or below it); returns it.
-int kv_set_isa(int isa) {
-  int chosen = isa > kv::ISA_AVX512 ? kv::ISA_AVX512 : isa;
+// The best ISA family this CPU has at or below `isa` (the one kv_set_isa would want).
+int kv_best_isa(int isa) {
+  int chosen = isa >= kv::NUM_ISAS ? kv::NUM_ISAS - 1 : isa < 0 ? 0 : isa;
   while (chosen > kv::ISA_PORTABLE && !supported(chosen)) --chosen;
-#if KV_X86
-  g_table = chosen == kv::ISA_AVX512 ? &kAvx512 : chosen == kv::ISA_AVX2 ? &kAvx2 : &kPortable;
-#else
-  chosen = kv::ISA_PORTABLE;
-  g_table = &kPortable;
-#endif
-  g_isa = chosen;
-  return g_isa;
+  return chosen;
+}
+
+// Family `isa`'s entry points (from its library's kv_family); 0, or -1 for a bad code.
+int kv_register_family(int isa, const KvFamily* family) {
+  if (isa < 0 || isa >= kv::MAX_FAMILIES || !family) return -1;
+  g_families[isa] = family;
+  return 0;
+}
+
+// Use family `isa` from now on: returns it, or -1 when it is not registered or the CPU cannot
+// run it (the family in use stays).
+int kv_set_isa(int isa) {
+  if (isa < 0 || isa >= kv::MAX_FAMILIES || !g_families[isa] || !supported(isa)) return -1;
+  g_table = g_families[isa];
+  return isa;
 }
 
 int kv_omp_max_threads(void) { return omp_get_max_threads(); }
@@ -494,19 +562,8 @@ void kv_dequant(const QW* w, const int64_t* ids, int64_t row0, int nrows, float*
 }
 
 // Every layer of a step; see "the fused layer stack" above.
-void kv_step_layers(const StepLayer* layers, int num_layers, const StepRows* step) {
+void kv_step_layers(const StepLayer* layers, int num_layers, const StepArgs* step) {
   g_table->step_layers(layers, num_layers, step);
-}
-
-int kv_decode_struct_sizes(int which) {
-  switch (which) {
-    case 0: return (int)sizeof(QW);
-    case 1: return (int)sizeof(StepLayer);
-    case 2: return (int)sizeof(StepRows);
-    case 4: return (int)sizeof(LoraPair);
-    case 5: return (int)sizeof(LoraRows);
-    default: return (int)sizeof(QPart);
-  }
 }
 
 }  // extern "C"

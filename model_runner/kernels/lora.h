@@ -111,7 +111,7 @@ inline const LoraPair& lora_pair(const LoraRows& lr, int slot, int layer, int ta
 }
 
 // Whether any adapter of the step updates one of `spans` in `layer` (the same on every thread).
-inline bool lora_touches(const StepRows& st, int layer, const LoraSpan* spans, int nspans) {
+inline bool lora_touches(const StepArgs& st, int layer, const LoraSpan* spans, int nspans) {
   const LoraRows* lr = st.lora;
   if (lr == nullptr) return false;
   for (int s = 0; s < lr->num_slots; ++s) {
@@ -125,7 +125,7 @@ inline bool lora_touches(const StepRows& st, int layer, const LoraSpan* spans, i
 // The updates of `spans` (targets that read x [B, K] and write y [B, ldy]) in `layer`, by
 // every thread of the team; `tbuf` holds [B, nspans * max_rank] floats. A barrier after the
 // shrink and after the expand; nothing (no barrier) when no adapter updates these targets.
-void lora_apply(const StepRows& st, int layer, const LoraSpan* spans, int nspans, const float* x, int K, float* y,
+void lora_apply(const StepArgs& st, int layer, const LoraSpan* spans, int nspans, const float* x, int K, float* y,
                 int ldy, float* tbuf, int tid, int nth) {
   if (!lora_touches(st, layer, spans, nspans)) return;
   const LoraRows& lr = *st.lora;
@@ -144,12 +144,10 @@ void lora_apply(const StepRows& st, int layer, const LoraSpan* spans, int nspans
       for (int q = 0; q < rows; ++q) xr[q] = x + (int64_t)(b0 + q) * K;
       for (int r = 0; r < p.rank; ++r) {
         const uint16_t* ar = p.a + (int64_t)r * K;
-        switch (rows) {
-          case 1: lora_dots<1>(ar, xr, K, out); break;
-          case 2: lora_dots<2>(ar, xr, K, out); break;
-          case 3: lora_dots<3>(ar, xr, K, out); break;
-          default: lora_dots<4>(ar, xr, K, out); break;
-        }
+        if (rows == 1) lora_dots<1>(ar, xr, K, out);  // rows <= LORA_TILE = 4
+        else if (rows == 2) lora_dots<2>(ar, xr, K, out);
+        else if (rows == 3) lora_dots<3>(ar, xr, K, out);
+        else lora_dots<4>(ar, xr, K, out);
         for (int q = 0; q < rows; ++q) tbuf[(int64_t)(b0 + q) * ldt + i * R + r] = out[q];
       }
     }

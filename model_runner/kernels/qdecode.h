@@ -1,5 +1,6 @@
-// Part 1 of the quantized matmul (see qmatmul.h, which includes it): activations quantized
-// per 32-block, the scalar decoder every SIMD one agrees with, and the SIMD decoders.
+// Part 2 of the quantized matmul (see qmatmul.h, which includes it): activations quantized
+// per 32-block, and the formats' decoders (each with the scalar reference every SIMD decoder
+// agrees with), from which the one switch over the formats is generated.
 
 constexpr int ROWS = 8;  // rows per record
 
@@ -58,6 +59,7 @@ struct Acts {
 
 // Rounding: round(x * (1 / d)) in fp32, ties to even, d = amax / 127 (and r = x - a1 * d, two
 // roundings, for the residual): the tests' reference computes them the same way.
+#ifndef KV_SPLIT_FORMAT  // the core object of a split family (kernels.cpp)
 void quantize_row(const float* __restrict x, int K, bool residual, int8_t* __restrict q, float* __restrict u,
                   float* __restrict s, float* __restrict s16) {
   const int KB = (K + 31) / 32, K32 = 32 * KB;
@@ -148,111 +150,59 @@ void quantize_row(const float* __restrict x, int K, bool residual, int8_t* __res
   }
 }
 
-// ------------------------------------------------------------------ one row of a record, scalar
+#endif  // KV_SPLIT_FORMAT
 
-// Row r of 32-block `sub` of a record: unsigned quants q[32] and, per 16-half h, scale S[h]
-// and offset O[h] (w = S * q + O). The reference every SIMD decoder below agrees with, and the
-// portable variant's and dequant's decoder.
-void decode_row(int fmt, const uint8_t* rec, int r, int sub, uint8_t* q, float* S, float* O) {
-  auto nibbles = [&](const uint8_t* qs, int loads) {  // loads of 8 x 4 bytes, low then high
-    for (int i = 0; i < loads; ++i)
-      for (int t = 0; t < 4; ++t) {
-        const uint8_t b = qs[32 * i + 4 * r + t];
-        q[4 * i + t] = b & 15;
-        q[16 + 4 * i + t] = b >> 4;
-      }
-  };
-  auto high_bits = [&](const uint8_t* words) {  // mask words: bit 4r + t of word i -> q[4i + t]
-    for (int i = 0; i < 8; ++i) {
-      const uint32_t w = rd32(words + 4 * i);
-      for (int t = 0; t < 4; ++t) q[4 * i + t] |= ((w >> (4 * r + t)) & 1u) << 4;
+// ------------------------------------------------------------------ the formats' decoders
+//
+// A decoder is what the kernels know of one format's record (8 rows; interleave.py draws it):
+//   BLOCK, RECORD, SUBS  values a record covers per row, its bytes, its 32-blocks
+//   HALVES               one scale and offset per 16-half (Q6_K), else per 32-block
+//   SIGNED               the SIMD quants are signed bytes (Q8_0 without VNNI)
+//   row(rec, r, sub, q, S, O)   the scalar reference: row r of 32-block sub as unsigned
+//                        quants q[32] and, per 16-half h, S[h] and O[h] (w = S q + O); the
+//                        portable family's and dequant's decoder, which every SIMD one agrees with
+//   SIMD families: D(rec), unpack(sub, w) puts the quants in w[0..7] (w[i] lane r = quants
+//   4i .. 4i + 3 of row r), scales(sub, S, O) (or scales16(sub, S0, O0, S1, O1) with HALVES)
+//   the per-row scale and offset, in registers.
+// KV_FORMATS (kernels.cpp) names one decoder per format; with_decoder (the end of this file)
+// is the one switch over formats.
+
+// The scalar pieces: q[4i + t] (and q[16 + 4i + t]) = the low (high) nibble of byte t of row r
+// in `loads` loads of 8 x 4 bytes.
+inline void row_nibbles(const uint8_t* qs, int r, int loads, uint8_t* q) {
+  for (int i = 0; i < loads; ++i)
+    for (int t = 0; t < 4; ++t) {
+      const uint8_t b = qs[32 * i + 4 * r + t];
+      q[4 * i + t] = b & 15;
+      q[16 + 4 * i + t] = b >> 4;
     }
-  };
-  auto k_nibbles = [&](const uint8_t* qs) {  // chunk sub / 2 of a K-quant, low or high nibbles
-    const uint8_t* c = qs + 256 * (sub >> 1);
-    for (int i = 0; i < 8; ++i)
-      for (int t = 0; t < 4; ++t) {
-        const uint8_t b = c[32 * i + 4 * r + t];
-        q[4 * i + t] = sub & 1 ? b >> 4 : b & 15;
-      }
-  };
-  const float d = h2f(rd16(rec + 2 * r));
-  switch (fmt) {
-    case Q4_0: nibbles(rec + 16, 4); S[0] = d; O[0] = -8.f * d; break;
-    case Q4_1: nibbles(rec + 32, 4); S[0] = d; O[0] = h2f(rd16(rec + 16 + 2 * r)); break;
-    case Q5_0: nibbles(rec + 48, 4); high_bits(rec + 16); S[0] = d; O[0] = -16.f * d; break;
-    case Q5_1: nibbles(rec + 64, 4); high_bits(rec + 32); S[0] = d; O[0] = h2f(rd16(rec + 16 + 2 * r)); break;
-    case Q8_0:
-      for (int i = 0; i < 8; ++i)
-        for (int t = 0; t < 4; ++t) q[4 * i + t] = rec[16 + 32 * i + 4 * r + t];
-      S[0] = d;
-      O[0] = -128.f * d;
-      break;
-    case Q4_K:
-    case Q5_K: {
-      k_nibbles(rec + (fmt == Q4_K ? 128 : 384));
-      if (fmt == Q5_K) high_bits(rec + 128 + 32 * sub);
-      const uint8_t lo = rec[32 + 8 * sub + r], hi = (rec[96 + 8 * (sub >> 1) + r] >> (4 * (sub & 1))) & 15;
-      const int sc = (lo & 15) | (hi & 3) << 4, mn = (lo >> 4) | (hi >> 2) << 4;
-      S[0] = d * (float)sc;
-      O[0] = -h2f(rd16(rec + 16 + 2 * r)) * (float)mn;
-      break;
-    }
-    case Q6_K: {
-      const int h = sub >> 2, qq = sub & 3, c = qq & 1, hi = qq >> 1;
-      const uint8_t* ql = rec + 656 + 256 * (2 * h + c);
-      const uint8_t* qh = rec + 144 + 256 * h;
-      for (int i = 0; i < 8; ++i)
-        for (int t = 0; t < 4; ++t) {
-          const uint8_t l = ql[32 * i + 4 * r + t];
-          q[4 * i + t] = (uint8_t)((hi ? l >> 4 : l & 15) | ((qh[32 * i + 4 * r + t] >> (2 * qq)) & 3) << 4);
-        }
-      for (int g = 0; g < 2; ++g) {
-        S[g] = d * (float)(int8_t)rec[16 + 8 * (2 * sub + g) + r];
-        O[g] = -32.f * S[g];
-      }
-      return;
-    }
-    default: break;
-  }
-  S[1] = S[0];
-  O[1] = O[0];
 }
 
-struct FormatInfo {
-  int block, record;  // values per record and row, bytes per record (8 rows)
+// Mask words: bit 4r + t of word i -> the 5th bit of q[4i + t].
+inline void row_high_bits(const uint8_t* words, int r, uint8_t* q) {
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t w = rd32(words + 4 * i);
+    for (int t = 0; t < 4; ++t) q[4 * i + t] |= ((w >> (4 * r + t)) & 1u) << 4;
+  }
+}
+
+inline float row_d(const uint8_t* rec, int at, int r) { return h2f(rd16(rec + at + 2 * r)); }
+
+// One scale and offset for both 16-halves (every format but Q6_K).
+inline void both_halves(float* S, float* O, float s, float o) {
+  S[0] = S[1] = s;
+  O[0] = O[1] = o;
+}
+
+// A decoder's record, as the SIMD decoders hold it.
+struct Rec {
+  const uint8_t* r;
+  explicit Rec(const uint8_t* rec) : r(rec) {}
 };
-
-inline FormatInfo format_info(int fmt) {
-  switch (fmt) {
-    case Q4_0: return {32, 144};
-    case Q4_1: return {32, 160};
-    case Q5_0: return {32, 176};
-    case Q5_1: return {32, 192};
-    case Q8_0: return {32, 272};
-    case Q4_K: return {256, 1152};
-    case Q5_K: return {256, 1408};
-    default: return {256, 1680};  // Q6_K
-  }
-}
-
-// ------------------------------------------------------------------ SIMD decoders
-
-// The tile loops keep their vectors in registers only when every helper inlines into them.
-#define KV_INLINE inline __attribute__((always_inline))
 
 #if defined(KV_USE_AVX512) || defined(KV_USE_AVX2)
 typedef __m256i V;
 typedef __m256 F;
-
-// A row group's records are a stream of a few KB (K = 576: 2.9 KB of Q4_1) that ends where
-// the next group's begins; the hardware prefetcher ramps up on each such stream too late
-// (a 576-wide model streamed at 7 GB/s a core without this, measured). So each record asks
-// for the bytes PREFETCH_AHEAD further on, which run into the next groups.
-constexpr int PREFETCH_AHEAD = 2048;
-KV_INLINE void prefetch_ahead(const uint8_t* rec, int bytes) {
-  for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_AHEAD + o), _MM_HINT_T0);
-}
 
 inline V ld(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline F ld_h8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -272,79 +222,60 @@ KV_INLINE V add_high_bit(V w, uint32_t word) {
   return _mm256_or_si256(w, _mm256_and_si256(on, _mm256_set1_epi8(16)));
 #endif
 }
+#define KV_SIMD_DECODERS 1
+#endif
 
-// A decoder: `unpack(sub, w)` puts the 32-block's quants in w[0..7] (w[i] lane r = quants
-// 4i .. 4i + 3 of row r, unsigned unless SIGNED), `scales(sub, S, O)` its per-row scale and
-// offset (HALVES: one pair per 16-half).
-struct DecQ4_0 {
-  static constexpr int SUBS = 1, RECORD = 144;
+// The 32-blocks of 4 or 5 bits: Q4_0 (w = d q - 8 d), Q4_1 (w = d q + m), Q5_0 (w = d q - 16 d),
+// Q5_1 (w = d q + m). A record: d | m (HAS_M) | 8 mask words (FIVE) | 4 loads of nibble pairs.
+template <bool FIVE, bool HAS_M>
+struct DecQ32 : Rec {
+  static constexpr int BLOCK = 32, SUBS = 1, RECORD = 144 + (HAS_M ? 16 : 0) + (FIVE ? 32 : 0);
+  static constexpr int QH = HAS_M ? 32 : 16, QS = FIVE ? QH + 32 : QH;
   static constexpr bool HALVES = false, SIGNED = false;
-  const uint8_t* r;
-  explicit DecQ4_0(const uint8_t* rec) : r(rec) {}
-  KV_INLINE void unpack(int, V* w) const {
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      const V v = ld(r + 16 + 32 * i);
-      w[i] = low4(v);
-      w[4 + i] = high4(v);
-    }
+  static constexpr float OFFSET = FIVE ? -16.f : -8.f;  // without m: O = OFFSET d
+  static void row(const uint8_t* rec, int r, int, uint8_t* q, float* S, float* O) {
+    row_nibbles(rec + QS, r, 4, q);
+    if (FIVE) row_high_bits(rec + QH, r, q);
+    const float d = row_d(rec, 0, r);
+    both_halves(S, O, d, HAS_M ? row_d(rec, 16, r) : OFFSET * d);
   }
-  KV_INLINE void scales(int, F& S, F& O) const {
-    S = ld_h8(r);
-    O = _mm256_mul_ps(S, _mm256_set1_ps(-8.f));
-  }
-};
-
-struct DecQ4_1 {
-  static constexpr int SUBS = 1, RECORD = 160;
-  static constexpr bool HALVES = false, SIGNED = false;
-  const uint8_t* r;
-  explicit DecQ4_1(const uint8_t* rec) : r(rec) {}
-  KV_INLINE void unpack(int, V* w) const {
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      const V v = ld(r + 32 + 32 * i);
-      w[i] = low4(v);
-      w[4 + i] = high4(v);
-    }
-  }
-  KV_INLINE void scales(int, F& S, F& O) const {
-    S = ld_h8(r);
-    O = ld_h8(r + 16);
-  }
-};
-
-template <bool HAS_M>
-struct DecQ5 {
-  static constexpr int SUBS = 1, RECORD = HAS_M ? 192 : 176;
-  static constexpr bool HALVES = false, SIGNED = false;
-  static constexpr int QH = HAS_M ? 32 : 16, QS = QH + 32;
-  const uint8_t* r;
-  explicit DecQ5(const uint8_t* rec) : r(rec) {}
+#ifdef KV_SIMD_DECODERS
+  using Rec::Rec;
   KV_INLINE void unpack(int, V* w) const {
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const V v = ld(r + QS + 32 * i);
-      w[i] = add_high_bit(low4(v), rd32(r + QH + 4 * i));
-      w[4 + i] = add_high_bit(high4(v), rd32(r + QH + 16 + 4 * i));
+      w[i] = low4(v);
+      w[4 + i] = high4(v);
+      if (FIVE) {
+        w[i] = add_high_bit(w[i], rd32(r + QH + 4 * i));
+        w[4 + i] = add_high_bit(w[4 + i], rd32(r + QH + 16 + 4 * i));
+      }
     }
   }
   KV_INLINE void scales(int, F& S, F& O) const {
     S = ld_h8(r);
-    O = HAS_M ? ld_h8(r + 16) : _mm256_mul_ps(S, _mm256_set1_ps(-16.f));
+    O = HAS_M ? ld_h8(r + 16) : _mm256_mul_ps(S, _mm256_set1_ps(OFFSET));
   }
-};
-
-struct DecQ8_0 {
-  static constexpr int SUBS = 1, RECORD = 272;
-#if defined(KV_USE_AVX512)
-  static constexpr bool SIGNED = false;
-#else
-  static constexpr bool SIGNED = true;  // maddubs would saturate on 255 * 127 * 2
 #endif
-  static constexpr bool HALVES = false;
-  const uint8_t* r;
-  explicit DecQ8_0(const uint8_t* rec) : r(rec) {}
+};
+template <bool HAS_M>
+using DecQ4 = DecQ32<false, HAS_M>;
+template <bool HAS_M>
+using DecQ5 = DecQ32<true, HAS_M>;
+
+// Q8_0 (w = d q - 128 d, quants stored XOR 0x80): d | 8 loads of bytes.
+struct DecQ8_0 : Rec {
+  static constexpr int BLOCK = 32, SUBS = 1, RECORD = 272;
+  static constexpr bool HALVES = false, SIGNED = !KV_EMULATE_VNNI;  // maddubs would saturate on 255 * 127 * 2
+  static void row(const uint8_t* rec, int r, int, uint8_t* q, float* S, float* O) {
+    for (int i = 0; i < 8; ++i)
+      for (int t = 0; t < 4; ++t) q[4 * i + t] = rec[16 + 32 * i + 4 * r + t];
+    const float d = row_d(rec, 0, r);
+    both_halves(S, O, d, -128.f * d);
+  }
+#ifdef KV_SIMD_DECODERS
+  using Rec::Rec;
   KV_INLINE void unpack(int, V* w) const {
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
@@ -356,15 +287,30 @@ struct DecQ8_0 {
     S = ld_h8(r);
     O = SIGNED ? _mm256_setzero_ps() : _mm256_mul_ps(S, _mm256_set1_ps(-128.f));
   }
+#endif
 };
 
+// Q4_K, Q5_K (w = d sc q - dmin mn per 32-block): d | dmin | 6-bit scales as a nibble plane
+// and a 2-bit plane (96 B) | Q5_K: 64 mask words | 4 chunks of 8 loads of nibble pairs.
 template <bool FIVE>
-struct DecQK {  // Q4_K, Q5_K
-  static constexpr int SUBS = 8, RECORD = FIVE ? 1408 : 1152, QS = FIVE ? 384 : 128;
+struct DecQK : Rec {
+  static constexpr int BLOCK = 256, SUBS = 8, RECORD = FIVE ? 1408 : 1152, QS = FIVE ? 384 : 128;
   static constexpr bool HALVES = false, SIGNED = false;
-  const uint8_t* r;
+  static void row(const uint8_t* rec, int r, int sub, uint8_t* q, float* S, float* O) {
+    const uint8_t* c = rec + QS + 256 * (sub >> 1);  // chunk sub / 2, low or high nibbles
+    for (int i = 0; i < 8; ++i)
+      for (int t = 0; t < 4; ++t) {
+        const uint8_t b = c[32 * i + 4 * r + t];
+        q[4 * i + t] = sub & 1 ? b >> 4 : b & 15;
+      }
+    if (FIVE) row_high_bits(rec + 128 + 32 * sub, r, q);
+    const uint8_t lo = rec[32 + 8 * sub + r], hi = (rec[96 + 8 * (sub >> 1) + r] >> (4 * (sub & 1))) & 15;
+    const int sc = (lo & 15) | (hi & 3) << 4, mn = (lo >> 4) | (hi >> 2) << 4;
+    both_halves(S, O, row_d(rec, 0, r) * (float)sc, -row_d(rec, 16, r) * (float)mn);
+  }
+#ifdef KV_SIMD_DECODERS
   F d, nmin;
-  explicit DecQK(const uint8_t* rec) : r(rec), d(ld_h8(rec)), nmin(_mm256_sub_ps(_mm256_setzero_ps(), ld_h8(rec + 16))) {}
+  explicit DecQK(const uint8_t* rec) : Rec(rec), d(ld_h8(rec)), nmin(_mm256_sub_ps(_mm256_setzero_ps(), ld_h8(rec + 16))) {}
   KV_INLINE void unpack(int sub, V* w) const {
     const uint8_t* c = r + QS + 256 * (sub >> 1);
 #pragma GCC unroll 8
@@ -385,14 +331,32 @@ struct DecQK {  // Q4_K, Q5_K
     S = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
     O = _mm256_mul_ps(nmin, _mm256_cvtepi32_ps(mn));
   }
+#endif
 };
 
-struct DecQ6_K {
-  static constexpr int SUBS = 8, RECORD = 1680;
+// Q6_K (w = d sc (q - 32) per 16-half): d | int8 scales, 16 groups x 8 rows | qh: 2 x 8 loads
+// of 2-bit quads | ql: 4 x 8 loads of nibble pairs.
+struct DecQ6_K : Rec {
+  static constexpr int BLOCK = 256, SUBS = 8, RECORD = 1680;
   static constexpr bool HALVES = true, SIGNED = false;
-  const uint8_t* r;
+  static void row(const uint8_t* rec, int r, int sub, uint8_t* q, float* S, float* O) {
+    const int h = sub >> 2, qq = sub & 3, c = qq & 1, hi = qq >> 1;
+    const uint8_t* ql = rec + 656 + 256 * (2 * h + c);
+    const uint8_t* qh = rec + 144 + 256 * h;
+    for (int i = 0; i < 8; ++i)
+      for (int t = 0; t < 4; ++t) {
+        const uint8_t l = ql[32 * i + 4 * r + t];
+        q[4 * i + t] = (uint8_t)((hi ? l >> 4 : l & 15) | ((qh[32 * i + 4 * r + t] >> (2 * qq)) & 3) << 4);
+      }
+    const float d = row_d(rec, 0, r);
+    for (int g = 0; g < 2; ++g) {
+      S[g] = d * (float)(int8_t)rec[16 + 8 * (2 * sub + g) + r];
+      O[g] = -32.f * S[g];
+    }
+  }
+#ifdef KV_SIMD_DECODERS
   F d;
-  explicit DecQ6_K(const uint8_t* rec) : r(rec), d(ld_h8(rec)) {}
+  explicit DecQ6_K(const uint8_t* rec) : Rec(rec), d(ld_h8(rec)) {}
   KV_INLINE void unpack(int sub, V* w) const {
     const int h = sub >> 2, qq = sub & 3;
     const uint8_t* ql = r + 656 + 256 * (2 * h + (qq & 1));
@@ -401,13 +365,11 @@ struct DecQ6_K {
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
       const V l = ld(ql + 32 * i), hb = ld(qh + 32 * i);
-      V bits;  // bits 2 qq, 2 qq + 1 of each byte, moved to bits 4, 5
-      switch (qq) {
-        case 0: bits = _mm256_slli_epi16(hb, 4); break;
-        case 1: bits = _mm256_slli_epi16(hb, 2); break;
-        case 2: bits = hb; break;
-        default: bits = _mm256_srli_epi16(hb, 2); break;
-      }
+      // bits 2 qq, 2 qq + 1 of each byte, moved to bits 4, 5
+      const V bits = qq == 0   ? _mm256_slli_epi16(hb, 4)
+                     : qq == 1 ? _mm256_slli_epi16(hb, 2)
+                     : qq == 2 ? hb
+                               : _mm256_srli_epi16(hb, 2);
       w[i] = _mm256_or_si256(qq >> 1 ? high4(l) : low4(l), _mm256_and_si256(bits, m30));
     }
   }
@@ -418,24 +380,141 @@ struct DecQ6_K {
     O0 = _mm256_mul_ps(S0, _mm256_set1_ps(-32.f));
     O1 = _mm256_mul_ps(S1, _mm256_set1_ps(-32.f));
   }
-  KV_INLINE void scales(int, F&, F&) const {}
+#endif
 };
 
-KV_INLINE V bcast4(const int8_t* p) {
-  int32_t v;
-  memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
+#if defined(KV_EMULATE)
+// The emulated families' decoder: 8 lanes from the scalar reference (the SIMD decoders compute
+// the same S and O with the same fp32 operations, and the same quants: Q8_0's signed when
+// SIGNED), so the emulated tiles see what the real ones see.
+template <class D>
+struct Emulated : Rec {
+  static constexpr int BLOCK = D::BLOCK, SUBS = D::SUBS, RECORD = D::RECORD;
+  static constexpr bool HALVES = D::HALVES, SIGNED = D::SIGNED;
+  using Rec::Rec;
+  void unpack(int sub, W8::I* w) const {
+    for (int row = 0; row < 8; ++row) {
+      uint8_t q[32];
+      float S[2], O[2];
+      D::row(r, row, sub, q, S, O);
+      for (int i = 0; i < 8; ++i) {
+        uint32_t word = (uint32_t)q[4 * i] | (uint32_t)q[4 * i + 1] << 8 | (uint32_t)q[4 * i + 2] << 16 |
+                        (uint32_t)q[4 * i + 3] << 24;
+        w[i].v[row] = (int32_t)(SIGNED ? word ^ 0x80808080u : word);
+      }
+    }
+  }
+  void scales16(int sub, W8::F& S0, W8::F& O0, W8::F& S1, W8::F& O1) const {
+    for (int row = 0; row < 8; ++row) {
+      uint8_t q[32];
+      float S[2], O[2];
+      D::row(r, row, sub, q, S, O);
+      S0.v[row] = S[0];
+      S1.v[row] = S[1];
+      O0.v[row] = SIGNED ? 0.f : O[0];  // the signed quants carry Q8_0's -128
+      O1.v[row] = SIGNED ? 0.f : O[1];
+    }
+  }
+  void scales(int sub, W8::F& S, W8::F& O) const {
+    W8::F S1, O1;
+    scales16(sub, S, O, S1, O1);
+  }
+};
+template <class D>
+using Simd = Emulated<D>;
+#else
+template <class D>
+using Simd = D;  // the tiles' decoder of format D
+#endif
+
+#if defined(KV_USE_AVX512)
+// Two records' scales for a 16-lane pair: by default each record's 8 lanes, joined; K-quants
+// decode both records' 6-bit scales in one xmm of bytes (half the work of two ymm decodes).
+template <class D>
+struct PairScales {
+  PairScales(const D&, const D&) {}
+  KV_INLINE void scales(const D& a, const D& b, int sub, W16::F& S, W16::F& O) const {
+    F sa, oa, sb, ob;
+    a.scales(sub, sa, oa);
+    b.scales(sub, sb, ob);
+    S = W16::join(sa, sb);
+    O = W16::join(oa, ob);
+  }
+};
+
+template <bool FIVE>
+struct PairScales<DecQK<FIVE>> {
+  __m512 d, nmin;
+  PairScales(const DecQK<FIVE>& x, const DecQK<FIVE>& y) : d(W16::join(x.d, y.d)), nmin(W16::join(x.nmin, y.nmin)) {}
+  KV_INLINE void scales(const DecQK<FIVE>& a, const DecQK<FIVE>& b, int sub, __m512& S, __m512& O) const {
+    int64_t l0, l1, h0, h1;
+    memcpy(&l0, a.r + 32 + 8 * sub, 8);
+    memcpy(&l1, b.r + 32 + 8 * sub, 8);
+    memcpy(&h0, a.r + 96 + 8 * (sub >> 1), 8);
+    memcpy(&h1, b.r + 96 + 8 * (sub >> 1), 8);
+    const __m128i lo = _mm_set_epi64x(l1, l0);  // byte r: lane r (rec a's rows, then b's)
+    __m128i hi = _mm_set_epi64x(h1, h0);
+    const __m128i m3 = _mm_set1_epi8(3), m15 = _mm_set1_epi8(15);
+    if (sub & 1) hi = _mm_and_si128(_mm_srli_epi16(hi, 4), m15);
+    const __m128i sc = _mm_or_si128(_mm_and_si128(lo, m15), _mm_slli_epi16(_mm_and_si128(hi, m3), 4));
+    const __m128i mn = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lo, 4), m15),
+                                    _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hi, 2), m3), 4));
+    S = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
+    O = _mm512_mul_ps(nmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)));
+  }
+};
+#elif KV_PAIRS
+template <class D>
+struct PairScales {  // emulated pairs: each record's 8 lanes, joined
+  PairScales(const D&, const D&) {}
+  void scales(const D& a, const D& b, int sub, W16::F& S, W16::F& O) const {
+    W8::F sa, oa, sb, ob;
+    a.scales(sub, sa, oa);
+    b.scales(sub, sb, ob);
+    S = W16::join(sa, sb);
+    O = W16::join(oa, ob);
+  }
+};
+#endif
+
+// ------------------------------------------------------------------ the one switch over formats
+
+template <class D>
+struct Tag {
+  typedef D type;
+};
+template <int FMT>
+struct DecoderOf;
+#define KV_DECODER_OF(name, D) \
+  template <>                  \
+  struct DecoderOf<name> {     \
+    typedef D type;            \
+  };
+KV_FORMATS(KV_DECODER_OF)
+#undef KV_DECODER_OF
+
+// f(Tag<D>()) for format fmt's decoder D. A code past the list aborts (Python checks codes at
+// load); a format missing here does not compile (-Werror=switch).
+template <class Fn>
+KV_INLINE decltype(auto) with_decoder(int fmt, Fn&& f) {
+  switch ((Format)fmt) {
+#define KV_CASE(name, D) \
+  case name:             \
+    return f(Tag<D>());
+    KV_FORMATS(KV_CASE)
+#undef KV_CASE
+  }
+  std::abort();
 }
 
-// acc + (w . a) per 4-byte lane.
-template <bool SIGNED>
-KV_INLINE V dot4(V acc, V w, V a) {
-#if defined(KV_USE_AVX512)
-  return _mm256_dpbusd_epi32(acc, w, a);
-#else
-  const V one = _mm256_set1_epi16(1);
-  if (SIGNED) return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)), one));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), one));
-#endif
+struct FormatInfo {
+  int block, record;  // values per record and row, bytes per record (8 rows)
+  bool halves;        // scales per 16-half
+};
+
+inline FormatInfo format_info(int fmt) {
+  return with_decoder(fmt, [](auto d) {
+    typedef typename decltype(d)::type D;
+    return FormatInfo{D::BLOCK, D::RECORD, D::HALVES};
+  });
 }
-#endif  // AVX-512 or AVX2: the decoders

@@ -24,14 +24,19 @@
 // saturation: quants <= 63, and Q8_0 takes the sign trick on its signed bytes); the portable
 // variant decodes one row at a time.
 //
-// The code is in three parts, included in this order inside the variant's namespace:
-//   qdecode.h  activations, the scalar reference decoder, the SIMD decoders of every format
-//   qtile.h    the tiles: 8 rows (ymm), 16 rows (zmm pairs), the L1-unpacked K chunk
+// The code is in four parts, included in this order inside the variant's namespace:
+//   qvec.h     the register width: 8 lanes (ymm), 16 (zmm), or emulated ones (tests)
+//   qdecode.h  activations, the formats' decoders (each with its scalar reference), the one
+//              switch over the formats (with_decoder)
+//   qtile.h    the tiles, written once over the width: 8 rows (one record), 16 rows (two
+//              records joined), the L1-unpacked K chunk
 //   qmatmul.h  (this file) the GEMM: row groups over threads, K chunks, the OpenMP team
 
+#include "qvec.h"
 #include "qdecode.h"
 #include "qtile.h"
 
+#ifndef KV_SPLIT_FORMAT  // the core object of a split family (kernels.cpp)
 // ------------------------------------------------------------------ the GEMM
 
 // Where row group g (rows 8g .. 8g + 7) of w lives: its part's records.
@@ -85,8 +90,8 @@ void run_rows(const QW& w, int g, int ng, const Acts& a, int k0, int k1, int c0,
 constexpr int CHUNK_MIN_M = 32, K_CHUNK = 512, UNPACK_MIN_M = 32;
 
 // Decodes rows 8 gg .. 8 gg + 15 (one format) over columns [k0, k1) into ub; false when the
-// pair spans two formats (a QuantStack's parts) or the variant has no zmm path.
-bool unpack_chunk(const QW& w, int gg, const Acts&, int k0, int k1, Unpacked* ub) {
+// pair spans two formats (a QuantStack's parts) or the family has no 16-row path.
+bool unpack_chunk(const QW& w, int gg, int k0, int k1, Unpacked* ub) {
   int fmt, fmt1, all;
   const uint8_t* r0 = group_records(w, gg, fmt, all);
   const uint8_t* r1 = group_records(w, gg + 1, fmt1, all);
@@ -151,15 +156,16 @@ void qgemm_team(const QW& w, const float* x, int M, int ldx, float* out, int ldo
       for (int half = 0; half < (yu ? 2 : 1); ++half) {
         const int gg = half ? g + up : g;
         float* y = half ? yu : yg;
-        if (ub && ng == 2 && unpack_chunk(w, gg, acts, k0, k1, ub)) {
+        if (ub && ng == 2 && unpack_chunk(w, gg, k0, k1, ub)) {
           const Acts ak = from_column(acts, k0);
           int fmt, all;
           group_records(w, gg, fmt, all);
-          // 8 columns (the weights come from L1), but 4 where Q6_K's two sums per column and
-          // the residual's would spill.
-          const int uc = fmt == Q6_K && residual ? 4 : 8;
+          const bool halves = format_info(fmt).halves;
+          // 8 columns (the weights come from L1), but 4 where two sums per column (Q6_K's
+          // halves) and the residual's would spill.
+          const int uc = halves && residual ? 4 : 8;
           for (int c0 = 0; c0 < M; c0 += uc) {
-            unpacked_tiles(ub, (k1 - k0 + 31) / 32, fmt == Q6_K, ak, c0, imin(uc, M - c0), y + (int64_t)c0 * ldc);
+            unpacked_tiles(ub, (k1 - k0 + 31) / 32, halves, ak, c0, imin(uc, M - c0), y + (int64_t)c0 * ldc);
           }
           continue;
         }
@@ -216,17 +222,19 @@ void dequant(const QW& w, const int64_t* ids, int64_t row0, int nrows, float* ou
     const int64_t row = ids ? ids[i] : row0 + i;
     int fmt, nrec;
     const uint8_t* rec = group_records(w, row / ROWS, fmt, nrec);
-    const FormatInfo fi = format_info(fmt);
-    const int subs = fi.block / 32;
     float* dst = out + (int64_t)i * ldo;
-    for (int b = 0; b < nrec; ++b) {
-      for (int sub = 0; sub < subs; ++sub) {
-        uint8_t q[32];
-        float S[2], O[2];
-        decode_row(fmt, rec + (int64_t)b * fi.record, (int)(row % ROWS), sub, q, S, O);
-        const int k0 = b * fi.block + 32 * sub;
-        for (int e = 0; e < 32 && k0 + e < K; ++e) dst[k0 + e] = S[e / 16] * (float)q[e] + O[e / 16];
+    with_decoder(fmt, [&](auto d) {
+      typedef typename decltype(d)::type D;
+      for (int b = 0; b < nrec; ++b) {
+        for (int sub = 0; sub < D::SUBS; ++sub) {
+          uint8_t q[32];
+          float S[2], O[2];
+          D::row(rec + (int64_t)b * D::RECORD, (int)(row % ROWS), sub, q, S, O);
+          const int k0 = b * D::BLOCK + 32 * sub;
+          for (int e = 0; e < 32 && k0 + e < K; ++e) dst[k0 + e] = S[e / 16] * (float)q[e] + O[e / 16];
+        }
       }
-    }
+    });
   }
 }
+#endif  // KV_SPLIT_FORMAT

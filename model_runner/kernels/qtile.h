@@ -1,25 +1,36 @@
-// Part 2 of the quantized matmul (see qmatmul.h, which includes it): the tiles that feed
+// Part 3 of the quantized matmul (see qmatmul.h, which includes it): the tiles that feed
 // decoded records to the integer dot product, one weight pass for every activation column.
+// Written once over the register width (qvec.h: 8 lanes in ymm, 16 in zmm, or emulated);
+// where the weights come from is a source: one record stream (8 rows), two joined (16 rows),
+// or 16-row blocks decoded before into an L1 buffer.
 
-#if defined(KV_USE_AVX512) || defined(KV_USE_AVX2)
+#if KV_TILES
 
+// A 32-block of W::LANES weight rows, decoded: w[i] lane r = quants 4i .. 4i + 3 of row r, and
+// per lane the scale and offset (S1, O1: the second 16-half's, with HALVES; else unused).
+template <class W>
+struct Block {
+  typename W::I w[8];
+  typename W::F S0, O0, S1, O1;
+};
 
 // out[c] = sum over i in [I0, I0 + N) of w[i] . (activation bytes 4i .. 4i + 3 of column c),
 // per lane, for int8 activations; for residual ones 256 (w . a1) + (w . a2). The loop runs the
-// columns innermost, so consecutive vpdpbusd are independent (a chain of them waits ~4 cycles
-// each, and the scheduler cannot look far enough ahead to overlap whole columns); a lone
-// column splits its sum into CH chains. Integer sums: exact, the same for every NC and CH.
-template <bool SIGNED, bool RES, int NC, int I0, int N>
-KV_INLINE void col_dots(const V* w, const int8_t* ap, int64_t lda, int plane, V* out) {
+// columns innermost, so consecutive dot products are independent (a chain of them waits ~4
+// cycles each, and the scheduler cannot look far enough ahead to overlap whole columns); a
+// lone column splits its sum into CH chains. Integer sums: exact, the same for every NC and CH.
+template <class W, bool SIGNED, bool RES, int NC, int I0, int N>
+KV_INLINE void col_dots(const typename W::I* w, const int8_t* ap, int64_t lda, int plane, typename W::I* out) {
+  typedef typename W::I I;
   constexpr int CH = NC >= 4 ? 1 : NC >= 2 ? 2 : 4;
   // Few columns: the planes a1 and a2 sum apart (no chain runs through both); more columns
   // have parallelism enough, and registers for one accumulator each: a1, shift, then a2.
   constexpr int P = RES && NC < 4 ? 2 : 1;
-  V part[P][NC * CH];
+  I part[P][NC * CH];
 #pragma GCC unroll 2
   for (int pl = 0; pl < P; ++pl) {
 #pragma GCC unroll 16
-    for (int j = 0; j < NC * CH; ++j) part[pl][j] = _mm256_setzero_si256();
+    for (int j = 0; j < NC * CH; ++j) part[pl][j] = W::zero();
   }
 #pragma GCC unroll 8
   for (int i = 0; i < N; ++i) {
@@ -27,464 +38,263 @@ KV_INLINE void col_dots(const V* w, const int8_t* ap, int64_t lda, int plane, V*
     for (int pl = 0; pl < P; ++pl) {
 #pragma GCC unroll 8
       for (int c = 0; c < NC; ++c) {
-        V& p = part[pl][c * CH + i % CH];
-        p = dot4<SIGNED>(p, w[I0 + i], bcast4(ap + pl * plane + c * lda + 4 * (I0 + i)));
+        I& p = part[pl][c * CH + i % CH];
+        p = W::template dot4<SIGNED>(p, w[I0 + i], W::bcast4(ap + pl * plane + c * lda + 4 * (I0 + i)));
       }
     }
   }
   if (RES && P == 1) {
 #pragma GCC unroll 16
-    for (int j = 0; j < NC * CH; ++j) part[0][j] = _mm256_slli_epi32(part[0][j], 8);
+    for (int j = 0; j < NC * CH; ++j) part[0][j] = W::shl8(part[0][j]);
 #pragma GCC unroll 8
     for (int i = 0; i < N; ++i) {
 #pragma GCC unroll 8
       for (int c = 0; c < NC; ++c) {
-        V& p = part[0][c * CH + i % CH];
-        p = dot4<SIGNED>(p, w[I0 + i], bcast4(ap + plane + c * lda + 4 * (I0 + i)));
+        I& p = part[0][c * CH + i % CH];
+        p = W::template dot4<SIGNED>(p, w[I0 + i], W::bcast4(ap + plane + c * lda + 4 * (I0 + i)));
       }
     }
   }
 #pragma GCC unroll 8
   for (int c = 0; c < NC; ++c) {
-    V t[P];
+    I t[P];
 #pragma GCC unroll 2
     for (int pl = 0; pl < P; ++pl) {
       t[pl] = part[pl][c * CH];
-      if (CH == 4)
-        t[pl] = _mm256_add_epi32(_mm256_add_epi32(t[pl], part[pl][c * CH + 1]),
-                                 _mm256_add_epi32(part[pl][c * CH + 2], part[pl][c * CH + 3]));
-      if (CH == 2) t[pl] = _mm256_add_epi32(t[pl], part[pl][c * CH + 1]);
+      if (CH == 4) t[pl] = W::add(W::add(t[pl], part[pl][c * CH + 1]), W::add(part[pl][c * CH + 2], part[pl][c * CH + 3]));
+      if (CH == 2) t[pl] = W::add(t[pl], part[pl][c * CH + 1]);
     }
-    out[c] = P == 2 ? _mm256_add_epi32(_mm256_slli_epi32(t[0], 8), t[P - 1]) : t[0];
+    out[c] = P == 2 ? W::add(W::shl8(t[0]), t[P - 1]) : t[0];
   }
 }
 
-// acc[8 c + r] += dot(W row r of the group, x row c0 + c) over nrec records, r < 8, c < NC.
-// The float arithmetic of one (row, column) is the same sequence for every NC (and RES only
-// changes the integers; a K range split across calls continues the same sum), so a row's
-// result does not depend on its batch.
-template <class D, bool RES, int NC>
-void tile(const uint8_t* rec, int nrec, const Acts& a, int c0, float* acc_io, int ldc) {
-  F acc[NC];  // the column loops unroll fully so that acc stays in registers
+// acc[c] += block k (32-block kb) times activation row c0 + c, c < NC: per 32-block (per 16-half
+// with HALVES) one integer dot product and two FMAs. The float arithmetic of one (row, column)
+// is this same sequence for every NC, width and source (RES only changes the integers; a K
+// range split across calls continues the same sum), so a row's result does not depend on its
+// batch.
+template <class W, bool HALVES, bool SIGNED, bool RES, int NC>
+KV_INLINE void block_fma(const Block<W>& k, const int8_t* ap, const Acts& a, const float* au, int c0, int kb,
+                         typename W::F* acc) {
+  typedef typename W::F F;
+  if constexpr (HALVES) {
+    typename W::I i0[NC], i1[NC];
+    col_dots<W, SIGNED, RES, NC, 0, 4>(k.w, ap, a.lda, a.K32, i0);
+    col_dots<W, SIGNED, RES, NC, 4, 4>(k.w, ap, a.lda, a.K32, i1);
+    const float* as = a.s16 + (int64_t)c0 * 2 * a.KB + 2 * kb;
 #pragma GCC unroll 8
-  for (int c = 0; c < NC; ++c) acc[c] = _mm256_loadu_ps(acc_io + ldc * c);
-  const int8_t* aq = a.q + (int64_t)c0 * a.lda;
-  const float* au = a.u + (int64_t)c0 * a.KB;
-  for (int b = 0; b < nrec; ++b, rec += D::RECORD) {
-    prefetch_ahead(rec, D::RECORD);
-    const D dec(rec);
-#pragma GCC unroll 8
-    for (int sub = 0; sub < D::SUBS; ++sub) {  // unrolled: each sub-block's decode is static
-      V w[8];
-      dec.unpack(sub, w);
-      const int kb = b * D::SUBS + sub;
-      const int8_t* ap = aq + 32 * kb;
-      if constexpr (D::HALVES) {
-        F S0, O0, S1, O1;
-        dec.scales16(sub, S0, O0, S1, O1);
-        V i0[NC], i1[NC];
-        col_dots<D::SIGNED, RES, NC, 0, 4>(w, ap, a.lda, a.K32, i0);
-        col_dots<D::SIGNED, RES, NC, 4, 4>(w, ap, a.lda, a.K32, i1);
-        const float* as = a.s16 + (int64_t)c0 * 2 * a.KB + 2 * kb;
-#pragma GCC unroll 8
-        for (int c = 0; c < NC; ++c) {
-          const F du = _mm256_set1_ps(au[(int64_t)c * a.KB + kb]);
-          acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0[c]), _mm256_mul_ps(S0, du), acc[c]);
-          acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1[c]), _mm256_mul_ps(S1, du), acc[c]);
-          acc[c] = _mm256_fmadd_ps(O0, _mm256_set1_ps(as[(int64_t)c * 2 * a.KB]), acc[c]);
-          acc[c] = _mm256_fmadd_ps(O1, _mm256_set1_ps(as[(int64_t)c * 2 * a.KB + 1]), acc[c]);
-        }
-      } else {
-        F S, O;
-        dec.scales(sub, S, O);
-        V isum[NC];
-        col_dots<D::SIGNED, RES, NC, 0, 8>(w, ap, a.lda, a.K32, isum);
-        const float* as = a.s + (int64_t)c0 * a.KB + kb;
-#pragma GCC unroll 8
-        for (int c = 0; c < NC; ++c) {
-          const F du = _mm256_set1_ps(au[(int64_t)c * a.KB + kb]);
-          acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[c]), _mm256_mul_ps(S, du), acc[c]);
-          acc[c] = _mm256_fmadd_ps(O, _mm256_set1_ps(as[(int64_t)c * a.KB]), acc[c]);
-        }
-      }
+    for (int c = 0; c < NC; ++c) {
+      const F du = W::set1(au[(int64_t)c * a.KB + kb]);
+      acc[c] = W::fmadd(W::cvt(i0[c]), W::mul(k.S0, du), acc[c]);
+      acc[c] = W::fmadd(W::cvt(i1[c]), W::mul(k.S1, du), acc[c]);
+      acc[c] = W::fmadd(k.O0, W::set1(as[(int64_t)c * 2 * a.KB]), acc[c]);
+      acc[c] = W::fmadd(k.O1, W::set1(as[(int64_t)c * 2 * a.KB + 1]), acc[c]);
     }
-  }
-  for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc_io + ldc * c, acc[c]);
-}
-
-template <class D, bool RES>
-void tiles_of(const uint8_t* rec, int nrec, const Acts& a, int c0, int nc, float* acc, int ldc) {
-  switch (nc) {
-    case 8: tile<D, RES, 8>(rec, nrec, a, c0, acc, ldc); break;
-    case 7: tile<D, RES, 7>(rec, nrec, a, c0, acc, ldc); break;
-    case 6: tile<D, RES, 6>(rec, nrec, a, c0, acc, ldc); break;
-    case 5: tile<D, RES, 5>(rec, nrec, a, c0, acc, ldc); break;
-    case 4: tile<D, RES, 4>(rec, nrec, a, c0, acc, ldc); break;
-    case 3: tile<D, RES, 3>(rec, nrec, a, c0, acc, ldc); break;
-    case 2: tile<D, RES, 2>(rec, nrec, a, c0, acc, ldc); break;
-    default: tile<D, RES, 1>(rec, nrec, a, c0, acc, ldc); break;
-  }
-}
-
-template <class D>
-void tiles(const uint8_t* rec, int nrec, const Acts& a, int c0, int nc, float* acc, int ldc) {
-  if (a.residual) {
-    tiles_of<D, true>(rec, nrec, a, c0, nc, acc, ldc);
   } else {
-    tiles_of<D, false>(rec, nrec, a, c0, nc, acc, ldc);
+    typename W::I isum[NC];
+    col_dots<W, SIGNED, RES, NC, 0, 8>(k.w, ap, a.lda, a.K32, isum);
+    const float* as = a.s + (int64_t)c0 * a.KB + kb;
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) {
+      const F du = W::set1(au[(int64_t)c * a.KB + kb]);
+      acc[c] = W::fmadd(W::cvt(isum[c]), W::mul(k.S0, du), acc[c]);
+      acc[c] = W::fmadd(k.O0, W::set1(as[(int64_t)c * a.KB]), acc[c]);
+    }
   }
 }
 
-// acc[ldc c + r] += the 8 rows of a record run times activation rows c0 .. c0 + nc - 1.
-void group_tile(int fmt, const uint8_t* rec, int nrec, const Acts& a, int c0, int nc, float* acc, int ldc) {
-  switch (fmt) {
-    case Q4_0: tiles<DecQ4_0>(rec, nrec, a, c0, nc, acc, ldc); break;
-    case Q4_1: tiles<DecQ4_1>(rec, nrec, a, c0, nc, acc, ldc); break;
-    case Q5_0: tiles<DecQ5<false>>(rec, nrec, a, c0, nc, acc, ldc); break;
-    case Q5_1: tiles<DecQ5<true>>(rec, nrec, a, c0, nc, acc, ldc); break;
-    case Q8_0: tiles<DecQ8_0>(rec, nrec, a, c0, nc, acc, ldc); break;
-    case Q4_K: tiles<DecQK<false>>(rec, nrec, a, c0, nc, acc, ldc); break;
-    case Q5_K: tiles<DecQK<true>>(rec, nrec, a, c0, nc, acc, ldc); break;
-    default: tiles<DecQ6_K>(rec, nrec, a, c0, nc, acc, ldc); break;
-  }
-}
-
-#if defined(KV_USE_AVX512)
-// 16 rows in zmm: two records (row groups g and g + 1) decoded as above and joined lane-wise,
-// so each 4-byte activation broadcast feeds 16 rows: on Zen 4 a vpdpbusd with a broadcast
-// operand runs at 1.3 a cycle on ymm (42 MACs) and 1 a cycle on zmm (64 MACs), measured.
-// Lane for lane the same operations as `tile`: the same results, bit for bit.
-typedef __m512i Z;
-typedef __m512 FZ;
-
-inline Z join(V lo, V hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
-inline FZ join(F lo, F hi) { return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1); }
-
-// Two records' scales for 16 lanes: by default each record's 8 lanes, joined; K-quants
-// decode both records' 6-bit scales in one xmm of bytes (half the work of two ymm decodes).
+// Sources: a tile's weights, record after record, as Blocks of W::LANES rows. `at(b)` opens
+// record b (and prefetches ahead), `block(opened, sub, scratch)` gives its 32-block sub.
+//
+// 8 rows: one record stream, decoder D.
 template <class D>
-struct PairScales {
-  const D& a;
-  const D& b;
-  KV_INLINE void scales(int sub, FZ& S, FZ& O) const {
-    F sa, oa, sb, ob;
-    a.scales(sub, sa, oa);
-    b.scales(sub, sb, ob);
-    S = join(sa, sb);
-    O = join(oa, ob);
+struct One {
+  typedef W8 W;
+  static constexpr int SUBS = D::SUBS, RES_COLS = 4;
+  static constexpr bool HALVES = D::HALVES, SIGNED = D::SIGNED;
+  const uint8_t* rec;
+  KV_INLINE D at(int b) const {
+    const uint8_t* r = rec + (int64_t)b * D::RECORD;
+    prefetch_ahead(r, D::RECORD);
+    return D(r);
   }
-};
-
-template <bool FIVE>
-struct PairScales<DecQK<FIVE>> {
-  const DecQK<FIVE>& a;
-  const DecQK<FIVE>& b;
-  FZ d, nmin;
-  PairScales(const DecQK<FIVE>& x, const DecQK<FIVE>& y) : a(x), b(y), d(join(x.d, y.d)), nmin(join(x.nmin, y.nmin)) {}
-  KV_INLINE void scales(int sub, FZ& S, FZ& O) const {
-    int64_t l0, l1, h0, h1;
-    memcpy(&l0, a.r + 32 + 8 * sub, 8);
-    memcpy(&l1, b.r + 32 + 8 * sub, 8);
-    memcpy(&h0, a.r + 96 + 8 * (sub >> 1), 8);
-    memcpy(&h1, b.r + 96 + 8 * (sub >> 1), 8);
-    const __m128i lo = _mm_set_epi64x(l1, l0);  // byte r: lane r (rec a's rows, then b's)
-    __m128i hi = _mm_set_epi64x(h1, h0);
-    const __m128i m3 = _mm_set1_epi8(3), m15 = _mm_set1_epi8(15);
-    if (sub & 1) hi = _mm_and_si128(_mm_srli_epi16(hi, 4), m15);
-    const __m128i sc = _mm_or_si128(_mm_and_si128(lo, m15), _mm_slli_epi16(_mm_and_si128(hi, m3), 4));
-    const __m128i mn = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lo, 4), m15),
-                                    _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hi, 2), m3), 4));
-    S = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
-    O = _mm512_mul_ps(nmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)));
-  }
-};
-
-template <bool RES, int NC, int I0, int N>
-KV_INLINE void col_dots16(const Z* w, const int8_t* ap, int64_t lda, int plane, Z* out) {
-  constexpr int CH = NC >= 4 ? 1 : NC >= 2 ? 2 : 4;  // chains and planes as col_dots
-  constexpr int P = RES && NC < 4 ? 2 : 1;
-  Z part[P][NC * CH];
-#pragma GCC unroll 2
-  for (int pl = 0; pl < P; ++pl) {
-#pragma GCC unroll 16
-    for (int j = 0; j < NC * CH; ++j) part[pl][j] = _mm512_setzero_si512();
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < N; ++i) {
-#pragma GCC unroll 2
-    for (int pl = 0; pl < P; ++pl) {
-#pragma GCC unroll 8
-      for (int c = 0; c < NC; ++c) {
-        int32_t v;
-        memcpy(&v, ap + pl * plane + c * lda + 4 * (I0 + i), 4);
-        Z& p = part[pl][c * CH + i % CH];
-        p = _mm512_dpbusd_epi32(p, w[I0 + i], _mm512_set1_epi32(v));
-      }
-    }
-  }
-  if (RES && P == 1) {
-#pragma GCC unroll 16
-    for (int j = 0; j < NC * CH; ++j) part[0][j] = _mm512_slli_epi32(part[0][j], 8);
-#pragma GCC unroll 8
-    for (int i = 0; i < N; ++i) {
-#pragma GCC unroll 8
-      for (int c = 0; c < NC; ++c) {
-        int32_t v;
-        memcpy(&v, ap + plane + c * lda + 4 * (I0 + i), 4);
-        Z& p = part[0][c * CH + i % CH];
-        p = _mm512_dpbusd_epi32(p, w[I0 + i], _mm512_set1_epi32(v));
-      }
-    }
-  }
-#pragma GCC unroll 8
-  for (int c = 0; c < NC; ++c) {
-    Z t[P];
-#pragma GCC unroll 2
-    for (int pl = 0; pl < P; ++pl) {
-      t[pl] = part[pl][c * CH];
-      if (CH == 4)
-        t[pl] = _mm512_add_epi32(_mm512_add_epi32(t[pl], part[pl][c * CH + 1]),
-                                 _mm512_add_epi32(part[pl][c * CH + 2], part[pl][c * CH + 3]));
-      if (CH == 2) t[pl] = _mm512_add_epi32(t[pl], part[pl][c * CH + 1]);
-    }
-    out[c] = P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(t[0], 8), t[P - 1]) : t[0];
-  }
-}
-
-// acc[16 c + r] += ..., r < 16: rows of rec0 then rec1 (the same format), c < NC.
-template <class D, bool RES, int NC>
-void tile16(const uint8_t* rec0, const uint8_t* rec1, int nrec, const Acts& a, int c0, float* acc_io) {
-  FZ acc[NC];
-#pragma GCC unroll 8
-  for (int c = 0; c < NC; ++c) acc[c] = _mm512_loadu_ps(acc_io + 16 * c);
-  const int8_t* aq = a.q + (int64_t)c0 * a.lda;
-  const float* au = a.u + (int64_t)c0 * a.KB;
-  for (int b = 0; b < nrec; ++b, rec0 += D::RECORD, rec1 += D::RECORD) {
-    prefetch_ahead(rec0, D::RECORD);
-    prefetch_ahead(rec1, D::RECORD);
-    const D d0(rec0), d1(rec1);
-    const PairScales<D> ps{d0, d1};
-#pragma GCC unroll 8
-    for (int sub = 0; sub < D::SUBS; ++sub) {  // unrolled: each sub-block's decode is static
-      Z w[8];
-      {
-        V lo[8], hi[8];
-        d0.unpack(sub, lo);
-        d1.unpack(sub, hi);
-#pragma GCC unroll 8
-        for (int i = 0; i < 8; ++i) w[i] = join(lo[i], hi[i]);
-      }
-      const int kb = b * D::SUBS + sub;
-      const int8_t* ap = aq + 32 * kb;
-      if constexpr (D::HALVES) {
-        F s0a, o0a, s1a, o1a, s0b, o0b, s1b, o1b;
-        d0.scales16(sub, s0a, o0a, s1a, o1a);
-        d1.scales16(sub, s0b, o0b, s1b, o1b);
-        const FZ S0 = join(s0a, s0b), O0 = join(o0a, o0b), S1 = join(s1a, s1b), O1 = join(o1a, o1b);
-        Z i0[NC], i1[NC];
-        col_dots16<RES, NC, 0, 4>(w, ap, a.lda, a.K32, i0);
-        col_dots16<RES, NC, 4, 4>(w, ap, a.lda, a.K32, i1);
-        const float* as = a.s16 + (int64_t)c0 * 2 * a.KB + 2 * kb;
-#pragma GCC unroll 8
-        for (int c = 0; c < NC; ++c) {
-          const FZ du = _mm512_set1_ps(au[(int64_t)c * a.KB + kb]);
-          acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[c]), _mm512_mul_ps(S0, du), acc[c]);
-          acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[c]), _mm512_mul_ps(S1, du), acc[c]);
-          acc[c] = _mm512_fmadd_ps(O0, _mm512_set1_ps(as[(int64_t)c * 2 * a.KB]), acc[c]);
-          acc[c] = _mm512_fmadd_ps(O1, _mm512_set1_ps(as[(int64_t)c * 2 * a.KB + 1]), acc[c]);
-        }
-      } else {
-        FZ S, O;
-        ps.scales(sub, S, O);
-        Z isum[NC];
-        col_dots16<RES, NC, 0, 8>(w, ap, a.lda, a.K32, isum);
-        const float* as = a.s + (int64_t)c0 * a.KB + kb;
-#pragma GCC unroll 8
-        for (int c = 0; c < NC; ++c) {
-          const FZ du = _mm512_set1_ps(au[(int64_t)c * a.KB + kb]);
-          acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[c]), _mm512_mul_ps(S, du), acc[c]);
-          acc[c] = _mm512_fmadd_ps(O, _mm512_set1_ps(as[(int64_t)c * a.KB]), acc[c]);
-        }
-      }
-    }
-  }
-  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc_io + 16 * c, acc[c]);
-}
-
-// Large M: a row block's K chunk decoded once into an L1 buffer (one 32-block of 16 rows per
-// entry), then every column tile reads it back; the same per-lane arithmetic as tile16.
-struct Unpacked {
-  Z w[8];
-  FZ S0, O0, S1, O1;  // S1 / O1: the second 16-half's (Q6_K), else unused
-};
-
-template <class D>
-void unpack16(const uint8_t* rec0, const uint8_t* rec1, int nrec, Unpacked* out) {
-  for (int b = 0; b < nrec; ++b, rec0 += D::RECORD, rec1 += D::RECORD) {
-    const D d0(rec0), d1(rec1);
-    const PairScales<D> ps{d0, d1};
-    for (int sub = 0; sub < D::SUBS; ++sub, ++out) {
-      V lo[8], hi[8];
-      d0.unpack(sub, lo);
-      d1.unpack(sub, hi);
-#pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) out->w[i] = join(lo[i], hi[i]);
-      if constexpr (D::HALVES) {
-        F s0a, o0a, s1a, o1a, s0b, o0b, s1b, o1b;
-        d0.scales16(sub, s0a, o0a, s1a, o1a);
-        d1.scales16(sub, s0b, o0b, s1b, o1b);
-        out->S0 = join(s0a, s0b);
-        out->O0 = join(o0a, o0b);
-        out->S1 = join(s1a, s1b);
-        out->O1 = join(o1a, o1b);
-      } else {
-        ps.scales(sub, out->S0, out->O0);
-      }
-    }
-  }
-}
-
-template <bool RES, bool HALVES, int NC>
-void tile16u(const Unpacked* u, int nsub, const Acts& a, int c0, float* acc_io) {
-  FZ acc[NC];
-#pragma GCC unroll 8
-  for (int c = 0; c < NC; ++c) acc[c] = _mm512_loadu_ps(acc_io + 16 * c);
-  const int8_t* aq = a.q + (int64_t)c0 * a.lda;
-  const float* au = a.u + (int64_t)c0 * a.KB;
-  for (int kb = 0; kb < nsub; ++kb, ++u) {
-    const int8_t* ap = aq + 32 * kb;
+  static KV_INLINE const Block<W>& block(const D& d, int sub, Block<W>& k) {
+    d.unpack(sub, k.w);
     if constexpr (HALVES) {
-      Z i0[NC], i1[NC];
-      col_dots16<RES, NC, 0, 4>(u->w, ap, a.lda, a.K32, i0);
-      col_dots16<RES, NC, 4, 4>(u->w, ap, a.lda, a.K32, i1);
-      const float* as = a.s16 + (int64_t)c0 * 2 * a.KB + 2 * kb;
-#pragma GCC unroll 8
-      for (int c = 0; c < NC; ++c) {
-        const FZ du = _mm512_set1_ps(au[(int64_t)c * a.KB + kb]);
-        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[c]), _mm512_mul_ps(u->S0, du), acc[c]);
-        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[c]), _mm512_mul_ps(u->S1, du), acc[c]);
-        acc[c] = _mm512_fmadd_ps(u->O0, _mm512_set1_ps(as[(int64_t)c * 2 * a.KB]), acc[c]);
-        acc[c] = _mm512_fmadd_ps(u->O1, _mm512_set1_ps(as[(int64_t)c * 2 * a.KB + 1]), acc[c]);
-      }
+      d.scales16(sub, k.S0, k.O0, k.S1, k.O1);
     } else {
-      Z isum[NC];
-      col_dots16<RES, NC, 0, 8>(u->w, ap, a.lda, a.K32, isum);
-      const float* as = a.s + (int64_t)c0 * a.KB + kb;
+      d.scales(sub, k.S0, k.O0);
+    }
+    return k;
+  }
+};
+
+#if KV_PAIRS
+// 16 rows: two records of one format (row groups g and g + 1) decoded as above and joined
+// lane-wise, so each 4-byte activation broadcast feeds 16 rows: on Zen 4 a vpdpbusd with a
+// broadcast operand runs at 1.3 a cycle on ymm (42 MACs) and 1 a cycle on zmm (64), measured.
+// Lane for lane the same operations as One: the same results, bit for bit.
+template <class D>
+struct Two {
+  typedef W16 W;
+  static constexpr int SUBS = D::SUBS, RES_COLS = 4;
+  static constexpr bool HALVES = D::HALVES, SIGNED = D::SIGNED;
+  struct Opened {
+    D a, b;
+    PairScales<D> ps;
+    Opened(const uint8_t* r0, const uint8_t* r1) : a(r0), b(r1), ps(a, b) {}
+  };
+  const uint8_t* rec0;
+  const uint8_t* rec1;
+  KV_INLINE Opened at(int b) const {
+    const uint8_t* r0 = rec0 + (int64_t)b * D::RECORD;
+    const uint8_t* r1 = rec1 + (int64_t)b * D::RECORD;
+    prefetch_ahead(r0, D::RECORD);
+    prefetch_ahead(r1, D::RECORD);
+    return Opened(r0, r1);
+  }
+  static KV_INLINE const Block<W>& block(const Opened& p, int sub, Block<W>& k) {
+    {
+      typename W8::I lo[8], hi[8];
+      p.a.unpack(sub, lo);
+      p.b.unpack(sub, hi);
 #pragma GCC unroll 8
-      for (int c = 0; c < NC; ++c) {
-        const FZ du = _mm512_set1_ps(au[(int64_t)c * a.KB + kb]);
-        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[c]), _mm512_mul_ps(u->S0, du), acc[c]);
-        acc[c] = _mm512_fmadd_ps(u->O0, _mm512_set1_ps(as[(int64_t)c * a.KB]), acc[c]);
-      }
+      for (int i = 0; i < 8; ++i) k.w[i] = W::join(lo[i], hi[i]);
+    }
+    if constexpr (HALVES) {
+      typename W8::F s0a, o0a, s1a, o1a, s0b, o0b, s1b, o1b;
+      p.a.scales16(sub, s0a, o0a, s1a, o1a);
+      p.b.scales16(sub, s0b, o0b, s1b, o1b);
+      k.S0 = W::join(s0a, s0b);
+      k.O0 = W::join(o0a, o0b);
+      k.S1 = W::join(s1a, s1b);
+      k.O1 = W::join(o1a, o1b);
+    } else {
+      p.ps.scales(p.a, p.b, sub, k.S0, k.O0);
+    }
+    return k;
+  }
+};
+
+// Large M: a row pair's K chunk decoded once (Two::block, into an L1 buffer: one 32-block of
+// 16 rows an entry), then every column tile reads it back: the same per-lane arithmetic.
+typedef Block<W16> Unpacked;
+template <bool H>
+struct Buffered {
+  typedef W16 W;
+  static constexpr int SUBS = 1, RES_COLS = H ? 4 : 8;  // the weights come from L1
+  static constexpr bool HALVES = H, SIGNED = false;
+  const Unpacked* u;
+  KV_INLINE const Unpacked* at(int b) const { return u + b; }
+  static KV_INLINE const Unpacked& block(const Unpacked* p, int, Unpacked&) { return *p; }
+};
+#endif  // KV_PAIRS
+
+// acc[ldc c + lane] += src's rows over records [0, nrec) times activation rows c0 + c, c < NC.
+template <class Src, bool RES, int NC>
+void tile(const Src& src, int nrec, const Acts& a, int c0, float* acc_io, int ldc) {
+  typedef typename Src::W W;
+  typename W::F acc[NC];  // the column loops unroll fully so that acc stays in registers
+#pragma GCC unroll 8
+  for (int c = 0; c < NC; ++c) acc[c] = W::load(acc_io + ldc * c);
+  const int8_t* aq = a.q + (int64_t)c0 * a.lda;
+  const float* au = a.u + (int64_t)c0 * a.KB;
+  for (int b = 0; b < nrec; ++b) {
+    const auto opened = src.at(b);
+#pragma GCC unroll 8
+    for (int sub = 0; sub < Src::SUBS; ++sub) {  // unrolled: each sub-block's decode is static
+      Block<W> scratch;
+      const Block<W>& k = Src::block(opened, sub, scratch);
+      const int kb = b * Src::SUBS + sub;
+      block_fma<W, Src::HALVES, Src::SIGNED, RES, NC>(k, aq + 32 * kb, a, au, c0, kb, acc);
     }
   }
 #pragma GCC unroll 8
-  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc_io + 16 * c, acc[c]);
+  for (int c = 0; c < NC; ++c) W::store(acc_io + ldc * c, acc[c]);
 }
 
-template <bool RES, bool HALVES>
-void tiles16u_of(const Unpacked* u, int nsub, const Acts& a, int c0, int nc, float* acc) {
-  switch (nc) {
-    case 8: tile16u<RES, HALVES, 8>(u, nsub, a, c0, acc); break;
-    case 7: tile16u<RES, HALVES, 7>(u, nsub, a, c0, acc); break;
-    case 6: tile16u<RES, HALVES, 6>(u, nsub, a, c0, acc); break;
-    case 5: tile16u<RES, HALVES, 5>(u, nsub, a, c0, acc); break;
-    case 4: tile16u<RES, HALVES, 4>(u, nsub, a, c0, acc); break;
-    case 3: tile16u<RES, HALVES, 3>(u, nsub, a, c0, acc); break;
-    case 2: tile16u<RES, HALVES, 2>(u, nsub, a, c0, acc); break;
-    default: tile16u<RES, HALVES, 1>(u, nsub, a, c0, acc); break;
+template <int N>
+struct Int {
+  static constexpr int value = N;
+};
+template <bool B>
+struct Bool {
+  static constexpr bool value = B;
+};
+
+// f(Int<nc>()), nc in 1 .. N: the one dispatch over a tile's column count.
+template <int N, class Fn>
+KV_INLINE void with_nc(int nc, Fn&& f) {
+  if constexpr (N > 1) {
+    if (nc < N) return with_nc<N - 1>(nc, f);
   }
+  f(Int<N>());
 }
 
-// Decode a pair's records [.., nrec) into u (returns false where this variant has no zmm path).
-bool unpack_pair(int fmt, const uint8_t* r0, const uint8_t* r1, int nrec, Unpacked* u) {
-  switch (fmt) {
-    case Q4_0: unpack16<DecQ4_0>(r0, r1, nrec, u); break;
-    case Q4_1: unpack16<DecQ4_1>(r0, r1, nrec, u); break;
-    case Q5_0: unpack16<DecQ5<false>>(r0, r1, nrec, u); break;
-    case Q5_1: unpack16<DecQ5<true>>(r0, r1, nrec, u); break;
-    case Q8_0: unpack16<DecQ8_0>(r0, r1, nrec, u); break;
-    case Q4_K: unpack16<DecQK<false>>(r0, r1, nrec, u); break;
-    case Q5_K: unpack16<DecQK<true>>(r0, r1, nrec, u); break;
-    default: unpack16<DecQ6_K>(r0, r1, nrec, u); break;
-  }
-  return true;
-}
-
-void unpacked_tiles(const Unpacked* u, int nsub, bool halves, const Acts& a, int c0, int nc, float* acc) {
-  if (a.residual) {
-    if (halves) tiles16u_of<true, true>(u, nsub, a, c0, nc, acc); else tiles16u_of<true, false>(u, nsub, a, c0, nc, acc);
+template <class Fn>
+KV_INLINE void with_flag(bool on, Fn&& f) {
+  if (on) {
+    f(Bool<true>());
   } else {
-    if (halves) tiles16u_of<false, true>(u, nsub, a, c0, nc, acc); else tiles16u_of<false, false>(u, nsub, a, c0, nc, acc);
-  }
-}
-constexpr bool HAS_UNPACKED = true;
-
-template <class D, bool RES>
-void tiles16_of(const uint8_t* r0, const uint8_t* r1, int nrec, const Acts& a, int c0, int nc, float* acc) {
-  switch (nc) {
-    case 8: tile16<D, RES, 8>(r0, r1, nrec, a, c0, acc); break;
-    case 7: tile16<D, RES, 7>(r0, r1, nrec, a, c0, acc); break;
-    case 6: tile16<D, RES, 6>(r0, r1, nrec, a, c0, acc); break;
-    case 5: tile16<D, RES, 5>(r0, r1, nrec, a, c0, acc); break;
-    case 4: tile16<D, RES, 4>(r0, r1, nrec, a, c0, acc); break;
-    case 3: tile16<D, RES, 3>(r0, r1, nrec, a, c0, acc); break;
-    case 2: tile16<D, RES, 2>(r0, r1, nrec, a, c0, acc); break;
-    default: tile16<D, RES, 1>(r0, r1, nrec, a, c0, acc); break;
+    f(Bool<false>());
   }
 }
 
-template <class D>
-void tiles16(const uint8_t* r0, const uint8_t* r1, int nrec, const Acts& a, int c0, int nc, float* acc) {
-  if (a.residual) {
-    tiles16_of<D, true>(r0, r1, nrec, a, c0, nc, acc);
-  } else {
-    tiles16_of<D, false>(r0, r1, nrec, a, c0, nc, acc);
-  }
+// The tiles of activation rows c0 .. c0 + nc - 1 over src's records: the one residual
+// dispatch. Tiles are compiled up to 8 columns, or Src::RES_COLS with the residual (twice the
+// sums: qmatmul.h asks for no more, as more would spill), and wider asks take more tiles.
+template <class Src>
+void run_tiles(const Src& src, int nrec, const Acts& a, int c0, int nc, float* acc, int ldc) {
+  with_flag(a.residual, [&](auto res) {
+    constexpr bool RES = decltype(res)::value;
+    constexpr int MAX = RES ? Src::RES_COLS : 8;
+    for (int c = 0; c < nc; c += MAX) {
+      with_nc<MAX>(imin(MAX, nc - c), [&](auto n) {
+        tile<Src, RES, decltype(n)::value>(src, nrec, a, c0 + c, acc + (int64_t)ldc * c, ldc);
+      });
+    }
+  });
 }
 
-// Two row groups of one format in zmm (see tile16); true when this variant has the path.
-bool pair_tile(int fmt, const uint8_t* r0, const uint8_t* r1, int nrec, const Acts& a, int c0, int nc, float* acc) {
-  switch (fmt) {
-    case Q4_0: tiles16<DecQ4_0>(r0, r1, nrec, a, c0, nc, acc); break;
-    case Q4_1: tiles16<DecQ4_1>(r0, r1, nrec, a, c0, nc, acc); break;
-    case Q5_0: tiles16<DecQ5<false>>(r0, r1, nrec, a, c0, nc, acc); break;
-    case Q5_1: tiles16<DecQ5<true>>(r0, r1, nrec, a, c0, nc, acc); break;
-    case Q8_0: tiles16<DecQ8_0>(r0, r1, nrec, a, c0, nc, acc); break;
-    case Q4_K: tiles16<DecQK<false>>(r0, r1, nrec, a, c0, nc, acc); break;
-    case Q5_K: tiles16<DecQK<true>>(r0, r1, nrec, a, c0, nc, acc); break;
-    default: tiles16<DecQ6_K>(r0, r1, nrec, a, c0, nc, acc); break;
-  }
-  return true;
-}
-#else
-bool pair_tile(int, const uint8_t*, const uint8_t*, int, const Acts&, int, int, float*) { return false; }
+#endif  // KV_TILES
+
+#if !KV_PAIRS  // the families without 16-row pairs
 struct Unpacked {};
-bool unpack_pair(int, const uint8_t*, const uint8_t*, int, Unpacked*) { return false; }
-void unpacked_tiles(const Unpacked*, int, bool, const Acts&, int, int, float*) {}
-constexpr bool HAS_UNPACKED = false;
 #endif
 
-#else  // portable: one row at a time through decode_row
+// A format's tiles (a split family compiles each format's in its own object, kernels.cpp):
+// group: 8 rows of a record stream; pair and unpack: two row groups in 16 lanes (see Two).
+template <class D>
+struct FormatTiles {
+  static void group(const uint8_t* rec, int nrec, const Acts& a, int c0, int nc, float* acc, int ldc);
+  static void pair(const uint8_t* r0, const uint8_t* r1, int nrec, const Acts& a, int c0, int nc, float* acc);
+  static void unpack(const uint8_t* r0, const uint8_t* r1, int nrec, Unpacked* out);
+};
 
-void group_tile(int fmt, const uint8_t* rec, int nrec, const Acts& a, int c0, int nc, float* acc_io, int ldc) {
-  const FormatInfo fi = format_info(fmt);
-  const int subs = fi.block / 32;
+#ifndef KV_SPLIT_CORE
+#if KV_TILES
+template <class D>
+void FormatTiles<D>::group(const uint8_t* rec, int nrec, const Acts& a, int c0, int nc, float* acc, int ldc) {
+  run_tiles(One<Simd<D>>{rec}, nrec, a, c0, nc, acc, ldc);
+}
+#else  // portable: one row at a time through the scalar decoder
+template <class D>
+void FormatTiles<D>::group(const uint8_t* rec, int nrec, const Acts& a, int c0, int nc, float* acc_io, int ldc) {
   for (int r = 0; r < ROWS; ++r) {
     for (int c = 0; c < nc; ++c) {
       const int64_t row = c0 + c;
       float acc = acc_io[ldc * c + r];
       for (int b = 0; b < nrec; ++b) {
-        for (int sub = 0; sub < subs; ++sub) {
+        for (int sub = 0; sub < D::SUBS; ++sub) {
           uint8_t q[32];
           float S[2], O[2];
-          decode_row(fmt, rec + (int64_t)b * fi.record, r, sub, q, S, O);
-          const int kb = b * subs + sub;
+          D::row(rec + (int64_t)b * D::RECORD, r, sub, q, S, O);
+          const int kb = b * D::SUBS + sub;
           const int8_t* ap = a.q + row * a.lda + 32 * kb;
           const float da = a.u[row * a.KB + kb];
           int32_t A[32];  // the activation integers
           for (int e = 0; e < 32; ++e) A[e] = a.residual ? 256 * ap[e] + ap[a.K32 + e] : ap[e];
-          if (fmt == Q6_K) {
+          if (D::HALVES) {
             int32_t i0 = 0, i1 = 0;
             for (int e = 0; e < 16; ++e) i0 += (int32_t)q[e] * A[e];
             for (int e = 16; e < 32; ++e) i1 += (int32_t)q[e] * A[e];
@@ -504,10 +314,55 @@ void group_tile(int fmt, const uint8_t* rec, int nrec, const Acts& a, int c0, in
     }
   }
 }
+#endif  // KV_TILES
 
+#if KV_PAIRS
+template <class D>
+void FormatTiles<D>::pair(const uint8_t* r0, const uint8_t* r1, int nrec, const Acts& a, int c0, int nc, float* acc) {
+  run_tiles(Two<Simd<D>>{r0, r1}, nrec, a, c0, nc, acc, 16);
+}
+
+template <class D>
+void FormatTiles<D>::unpack(const uint8_t* r0, const uint8_t* r1, int nrec, Unpacked* out) {
+  typedef Two<Simd<D>> Src;
+  for (int b = 0; b < nrec; ++b) {
+    const typename Src::Opened p(r0 + (int64_t)b * D::RECORD, r1 + (int64_t)b * D::RECORD);
+    for (int sub = 0; sub < D::SUBS; ++sub, ++out) Src::block(p, sub, *out);
+  }
+}
+#endif  // KV_PAIRS
+#endif  // KV_SPLIT_CORE
+
+#ifdef KV_SPLIT_FORMAT  // this object is one format's tiles
+template struct FormatTiles<DecoderOf<KV_SPLIT_FORMAT>::type>;
+#else
+// acc[ldc c + r] += the 8 rows of a record run times activation rows c0 .. c0 + nc - 1.
+void group_tile(int fmt, const uint8_t* rec, int nrec, const Acts& a, int c0, int nc, float* acc, int ldc) {
+  with_decoder(fmt, [&](auto d) { FormatTiles<typename decltype(d)::type>::group(rec, nrec, a, c0, nc, acc, ldc); });
+}
+
+#if KV_PAIRS
+constexpr bool HAS_UNPACKED = true;
+
+// Two row groups of one format in 16 lanes (see Two); true where this family has the path.
+bool pair_tile(int fmt, const uint8_t* r0, const uint8_t* r1, int nrec, const Acts& a, int c0, int nc, float* acc) {
+  with_decoder(fmt, [&](auto d) { FormatTiles<typename decltype(d)::type>::pair(r0, r1, nrec, a, c0, nc, acc); });
+  return true;
+}
+
+// Decode a pair's records [.., nrec) into u (false where this family has no 16-row path).
+bool unpack_pair(int fmt, const uint8_t* r0, const uint8_t* r1, int nrec, Unpacked* u) {
+  with_decoder(fmt, [&](auto d) { FormatTiles<typename decltype(d)::type>::unpack(r0, r1, nrec, u); });
+  return true;
+}
+
+void unpacked_tiles(const Unpacked* u, int nsub, bool halves, const Acts& a, int c0, int nc, float* acc) {
+  with_flag(halves, [&](auto h) { run_tiles(Buffered<decltype(h)::value>{u}, nsub, a, c0, nc, acc, 16); });
+}
+#else
+constexpr bool HAS_UNPACKED = false;
 bool pair_tile(int, const uint8_t*, const uint8_t*, int, const Acts&, int, int, float*) { return false; }
-struct Unpacked {};
 bool unpack_pair(int, const uint8_t*, const uint8_t*, int, Unpacked*) { return false; }
 void unpacked_tiles(const Unpacked*, int, bool, const Acts&, int, int, float*) {}
-constexpr bool HAS_UNPACKED = false;
-#endif
+#endif  // KV_PAIRS
+#endif  // KV_SPLIT_FORMAT

@@ -11,7 +11,9 @@ import torch
 
 from benchmarks.bench_gpu import (
     DRY,
+    FULL,
     LLAMA3_8B,
+    QUICK,
     SECTIONS,
     Bench,
     Report,
@@ -56,10 +58,12 @@ def test_decode_bytes_and_prefill_flops_count_what_a_step_reads_and_does() -> No
 
 
 def test_dry_run_runs_every_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``--dry-run`` (tiny model, CPU, the kernel interpreted) reports the decode kernel at
-    every (batch, keys) and the sweep, each within 1e-4 of the reference, decode at batch
-    1/32/128/256, a prefill, and serving at three user counts against transformers, with
-    positive figures, each section's table printed in order."""
+    """``--dry-run`` (tiny model, CPU, the kernel interpreted, the server on CPU) reports the
+    decode kernel at every (batch, keys) and the sweep, each within 1e-4 of the reference,
+    decode at batch 1/32/128/256, a prefill, a profile of each profiled batch (top ops with
+    their share of the step), serving at three user counts with the busy fraction and
+    against transformers, and the server over HTTP at the same user counts against the
+    closed loop, every request served; each section's table printed in order."""
     out = tmp_path / "report.json"
     assert main(["--dry-run", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -74,12 +78,42 @@ def test_dry_run_runs_every_section(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert [d["batch"] for d in report["decode"]] == [1, 32, 128, 256]
     assert all(d["step_ms"] > 0 and d["of_hbm_roofline"] > 0 for d in report["decode"])
     assert report["prefill"]["of_matmul_peak"] > 0
+    assert [p["batch"] for p in report["profile"]] == list(DRY.profile_batches)
+    for p in report["profile"]:
+        assert p["kernels_ms"] > 0 and p["step_ms"] > 0 and p["top"]
+        shares = [k["of_step"] for k in p["top"]]
+        assert shares == sorted(shares, reverse=True) and shares[-1] > 0
+        assert any("linear" in k["name"] or "mm" in k["name"] for k in p["top"])
     assert [s["users"] for s in report["serving"]] == [1, 4, 8]
-    assert all(s["ratio"] > 0 for s in report["serving"])
+    assert all(s["ratio"] > 0 and 0 < s["gpu_busy"] <= 1 for s in report["serving"])
+    assert all(s["steps"] >= DRY.output_len for s in report["serving"])
+    server = report["server"]
+    assert [s["users"] for s in server] == [1, 4, 8]
+    for row, loop in zip(server, report["serving"], strict=True):
+        assert row["ok"] == row["requests"] == loop["requests"] and row["failed"] == 0
+        assert row["output_tokens"] == row["requests"] * DRY.output_len
+        assert row["closed_loop_tok_s"] == loop["kvserve_tok_s"]
+        assert row["of_closed_loop"] == pytest.approx(row["tok_s"] / loop["kvserve_tok_s"])
     assert report["copy_bandwidth_gb_s"] > 0 and report["matmul_peak_tflop_s"] > 0
     printed = capsys.readouterr().out
-    marks = ["copy bandwidth", "| decode kernel", "| decode batch", "prefill 2 x 32", "| users"]
+    marks = ["copy bandwidth", "| decode kernel", "| decode batch", "prefill 2 x 32",
+             "| kernel | us / step", "| users | requests | steps", "serve over HTTP"]  # fmt: skip
     assert [printed.index(m) for m in marks] == sorted(printed.index(m) for m in marks)
+
+
+def test_quick_sizes_keep_every_headline_shape() -> None:
+    """``--quick``: the full model and context, the decode kernel at 1 x 8,192 keys (the
+    sweep there too), decode and the profile at batch 1 and 256, serving and the server at
+    256 users with 2 requests each; transformers only when asked (``--transformers``),
+    always in the dry run."""
+    assert QUICK.model == FULL.model and QUICK.dtype == FULL.dtype
+    assert QUICK.decode_context == FULL.decode_context == 512
+    assert QUICK.decode_batches == QUICK.profile_batches == (1, 256)
+    assert (1, 8192) in QUICK.attention.sweep and 8192 in QUICK.attention.keys
+    assert 1 in QUICK.attention.batches and 256 in QUICK.attention.batches
+    assert QUICK.users == (256,) and QUICK.requests_per_user == 2
+    assert not QUICK.transformers and not FULL.transformers and DRY.transformers
+    assert QUICK.decode_steps > QUICK.profile_steps
 
 
 def test_sections_pick_some_and_each_is_saved_as_measured(tmp_path: Path) -> None:

@@ -91,7 +91,8 @@ def wait_served(address: str, timeout_s: float = 120.0) -> None:
 
 
 def start_local_cluster() -> Iterator[LocalCluster]:
-    """Ray with 4 logical CPUs (replicas reserve none) and the gRPC proxy on a free port.
+    """Ray with 4 logical CPUs (replicas reserve none), the gRPC proxy on a free port, and
+    the proxy's edge (``cluster.edge``: default limits) as ``kvserve cluster serve`` sets it.
 
     Ray's proxy needs a fixed port (0 turns gRPC off), so a free one is picked first.
     Workers import this checkout: PYTHONPATH is set before Ray starts its processes.
@@ -99,14 +100,15 @@ def start_local_cluster() -> Iterator[LocalCluster]:
     import ray
     from ray import serve
 
-    from cluster.app import grpc_options, set_ray_env
+    from cluster.app import grpc_options, init_ray
+    from cluster.edge import ProxyEdge
 
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p
     )
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a throwaway local cluster
-    set_ray_env(os.environ)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    os.environ.update(ProxyEdge().environ())  # the proxy's edge, as kvserve cluster serve's
+    init_ray(num_cpus=4, include_dashboard=False, log_to_driver=False)
     port, http_port = free_port(), free_port()
     try:
         serve.start(

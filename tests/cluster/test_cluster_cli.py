@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -172,3 +173,43 @@ async def test_two_replicas_of_the_embedded_model_answer_as_one_server(tmp_path:
     print(f"OpenAI answers through the cluster: {got_http}")
     text = built.tokenizer.decode(got[0])
     assert "Paris" in text
+
+
+def test_replicas_that_ray_cannot_place_are_named_with_the_flag(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """3 replicas (1 prefill + 2 decode) x --replica-cpus 1 on a Ray of 2 CPUs: the CLI says
+    how many CPUs it needs and has, and which flag to change; 0 CPUs a replica always fits."""
+    import ray
+
+    from cluster.cli import cpu_shortfall
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    cfg, _ = parse("--prefill-replicas", "1", "--replicas", "2", "--kv-disk-dir", "/tmp/x")
+    said = cpu_shortfall(cfg)
+    assert said is not None
+    assert "3 replicas x --replica-cpus 1 = 3 CPUs" in said and "has 2" in said
+    assert "lower --replica-cpus" in said
+    cfg, _ = parse("--prefill-replicas", "1", "--replicas", "2", "--kv-disk-dir", "/tmp/x",
+                   "--replica-cpus", "0")  # fmt: skip
+    assert cpu_shortfall(cfg) is None
+
+
+@pytest.mark.slow
+def test_a_pd_split_that_cannot_be_placed_exits_1_within_60_s(tmp_path: Path) -> None:
+    """kvserve cluster serve --prefill-replicas 1 --replicas 2 whose replicas need more CPUs
+    than this machine's Ray has (1,000 each) exits 1 at start-up, saying why, within 60 s (it
+    used to wait for ever)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "server.cli", "cluster", "serve", "--runner", "fake",
+         "--prefill-replicas", "1", "--replicas", "2", "--kv-disk-dir", str(tmp_path),
+         "--replica-cpus", "1000",
+         "--port", str(free_port()), "--http-port", str(free_port()), "--no-metrics"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    took_s = time.monotonic() - started
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "--replica-cpus" in done.stderr and "CPUs" in done.stderr
+    assert took_s < 60, took_s

@@ -46,7 +46,11 @@ def sdk(url: str, key: str = ALICE) -> openai.AsyncOpenAI:
 
 
 def engine(**more: Any) -> dict[str, Any]:
-    return {"runner": "fake", "api_key": KEYS, "max_model_len": MAX_MODEL_LEN, **more}
+    # /metrics open: the tests here read them (the admin key's rule: test_edge_table.py).
+    return {
+        "runner": "fake", "api_key": KEYS, "max_model_len": MAX_MODEL_LEN,
+        "metrics_require_key": False, **more,
+    }  # fmt: skip
 
 
 async def answers(url: str) -> list[Any]:
@@ -212,6 +216,62 @@ async def test_a_killed_replica_ends_its_http_streams_with_an_error_that_says_re
     assert [e[-1]["choices"][0]["finish_reason"] for e in finished] == ["length"] * (
         4 - len(errors)
     )
+    client = sdk(cluster.http_url)
+    after = await client.completions.create(model="fake", prompt="after", max_tokens=3)
+    assert after.choices[0].finish_reason == "length"
+    await client.close()
+
+
+async def test_a_killed_ingress_ends_its_streams_saying_retry_while_the_other_serves(
+    cluster: LocalCluster,
+) -> None:
+    """Two OpenAI ingress replicas (--http-ingress-replicas 2), four SSE streams: killing the
+    ingress that serves some of them ends each of those with a service_unavailable event and
+    [DONE] (the proxy's edge writes them), the others finish, and a new request is answered
+    by the live ingress."""
+    import ray
+    from ray.util import list_named_actors
+
+    cluster.deploy_openai(
+        "oa-ingress", engine=engine(fake_step_sleep_s=0.02), num_replicas=2, num_http_ingress=2
+    )
+    outcomes: dict[int, list[str]] = {i: [] for i in range(4)}
+
+    async def stream(i: int) -> None:
+        body = {"model": "fake", "prompt": f"stream {i} " * 4, "max_tokens": 400, "stream": True}
+        headers = {"Authorization": f"Bearer {ALICE}"}
+        async with (
+            httpx.AsyncClient(base_url=cluster.http_url, timeout=300) as http,
+            http.stream("POST", "/v1/completions", json=body, headers=headers) as reply,
+        ):
+            async for line in reply.aiter_lines():
+                if line:
+                    outcomes[i].append(line)
+
+    tasks = [asyncio.create_task(stream(i)) for i in range(4)]
+    await wait_for(lambda: all(outcomes.values()))  # every stream has begun
+    ingresses = [
+        ray.get_actor(a["name"], namespace=a["namespace"])
+        for a in list_named_actors(all_namespaces=True)
+        if "oa-ingress-openai#OpenAIIngress" in a["name"]
+    ]
+    assert len(ingresses) == 2
+
+    def ongoing() -> list[int]:
+        return [ray.get(a.get_num_ongoing_requests.remote()) for a in ingresses]
+
+    await wait_for(lambda: sum(ongoing()) == 4)
+    counts = ongoing()
+    victim = max(range(2), key=lambda k: counts[k])
+    ray.kill(ingresses[victim], no_restart=True)
+    await asyncio.gather(*tasks)
+    cut = [lines for lines in outcomes.values() if "service_unavailable" in lines[-2]]
+    assert len(cut) == counts[victim]
+    for lines in outcomes.values():
+        assert lines[-1] == "data: [DONE]"
+    for lines in cut:
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert error["type"] == "service_unavailable" and "retry" in error["message"]
     client = sdk(cluster.http_url)
     after = await client.completions.create(model="fake", prompt="after", max_tokens=3)
     assert after.choices[0].finish_reason == "length"

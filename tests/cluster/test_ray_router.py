@@ -12,8 +12,14 @@ import pytest
 from ray.serve._private.common import RequestMetadata, gRPCRequest
 from ray.serve.request_router import PendingRequest
 
-from cluster.ray_router import KVServeRequestRouter, prices_from_reports
-from cluster.routing import CostModelPrice, CostRouter, routing_keys
+from cluster.ray_router import KVServeRequestRouter
+from cluster.routing import (
+    CostModelPrice,
+    CostScore,
+    GuardedRouter,
+    prices_from_reports,
+    routing_keys,
+)
 from server.fake_tokenizer import ByteTokenizer
 from server.rpc import generation_pb2 as pb
 
@@ -86,7 +92,8 @@ async def test_reported_keys_are_learned_once() -> None:
     keys = routing_keys(ByteTokenizer().encode(prompt), 4, None)
     a, b = replica("a"), replica("b", keys=keys)
     assert await chosen(router, [a, b], generate(prompt, 1)) == "b"
-    assert router.router.index.num_prefix_blocks("b", keys) == len(keys)  # type: ignore[attr-defined]
+    assert isinstance(router.router, GuardedRouter)
+    assert router.router.score.index.num_prefix_blocks("b", keys) == len(keys)
 
 
 async def test_other_methods_and_bad_requests_go_to_the_least_loaded() -> None:
@@ -111,8 +118,9 @@ async def test_cost_routing_learns_prices_and_the_shared_tier() -> None:
     b = replica("b", keys=[8], cost_model_s=[2 * c for c in model], restore_s_per_block=3e-4)
     prompt = "a prompt that is routed twice, long enough for blocks " * 2
     assert await chosen(router, [a, b], generate(prompt, 1)) == "a"
-    cost = router.router
-    assert isinstance(cost, CostRouter) and isinstance(cost.price, CostModelPrice)
+    assert isinstance(router.router, GuardedRouter)
+    cost = router.router.score
+    assert isinstance(cost, CostScore) and isinstance(cost.price, CostModelPrice)
     assert cost.price.model.coefficients_s == pytest.approx([0.015, 1.5e-3, 0, 0, 0, 0])
     assert cost.restore_s_per_block == pytest.approx(2e-4)
     router.on_request_routed(generate("", 1), a.replica_id, None)  # type: ignore[arg-type]
@@ -145,55 +153,56 @@ def test_targets_advertise_a_reachable_address() -> None:
     assert advertised_host("0.0.0.0") == get_node_ip_address() != "0.0.0.0"
 
 
-async def test_a_cancelled_grpc_call_cancels_the_proxys_calls_to_replicas() -> None:
-    """The proxy's calls to a replica made while serving a Generate call are recorded, and
-    cancelled when the client's call ends cancelled (not when it ends normally)."""
-    from ray.serve._private import proxy
+class _GrpcContext:
+    """What the router reads of Ray's gRPC context: the caller's metadata and address."""
 
-    from cluster.ingress import cancel_reaches_the_replica, install_recorded_replica_calls
+    def __init__(self, key: str) -> None:
+        self.key = key
 
-    install_recorded_replica_calls()
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {self.key}")]
 
-    class Response:
-        def __init__(self) -> None:
-            self.was_cancelled = False
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:5555"
 
-        def cancelled(self) -> bool:
-            return self.was_cancelled
 
-        def cancel(self) -> None:
-            self.was_cancelled = True
+def call(method: str, message: Any, key: str, n: int) -> PendingRequest:
+    """The gRPC proxy's call ``method`` with ``message``, from the holder of ``key``."""
+    arg = pickle.dumps(gRPCRequest(user_request_proto=message))
+    metadata = RequestMetadata(f"r{n}", f"i{n}", method)
+    metadata.grpc_context = _GrpcContext(key)  # type: ignore[assignment]
+    return PendingRequest(args=[arg], kwargs={}, metadata=metadata)
 
-    class Context:
-        def __init__(self) -> None:
-            self.callbacks: list[Any] = []
-            self.is_cancelled = False
 
-        def add_done_callback(self, callback: Any) -> None:
-            self.callbacks.append(callback)
-
-        def cancelled(self) -> bool:
-            return self.is_cancelled
-
-        def end(self, cancelled: bool) -> None:
-            self.is_cancelled = cancelled
-            for callback in self.callbacks:
-                callback(self)
-
-    responses: list[Response] = []
-
-    async def ray_handler(request: Any, context: Any) -> Any:
-        response = Response()
-        responses.append(response)
-        proxy.ProxyResponseGenerator(response)  # what Ray's proxy builds per replica call
-        yield "message"
-
-    for cancelled in (True, False):
-        context = Context()
-        stream = cancel_reaches_the_replica(ray_handler)("request", context)
-        assert await anext(stream) == "message"
-        context.end(cancelled)
-        assert responses[-1].was_cancelled is cancelled
+async def test_abort_and_a_duplicate_id_go_where_the_request_runs() -> None:
+    """Alice's "x" runs on a (round robin's first pick, a busy replica): her Aborts of "x"
+    and her second "x" go to a, whatever the router would pick; Bob's "x" is routed as any
+    request; the duplicate ending leaves the first "x" found; once "x" completed, Alice's
+    Abort goes to the least loaded replica."""
+    router = make_router(router="round-robin", auth=True)
+    a, b = replica("a"), replica("b")
+    router.on_request_routed(generate("", 0), a.replica_id, None)  # type: ignore[arg-type]
+    first = call("Generate", pb.GenerateRequest(text="x", request_id="x"), "alice", 1)
+    assert await chosen(router, [a, b], first) == "a"  # round robin: a, then b
+    router.on_request_routed(first, a.replica_id, None)  # type: ignore[arg-type]
+    for n in range(2, 5):
+        abort = call("Abort", pb.AbortRequest(request_id="x"), "alice", n)
+        assert await chosen(router, [a, b], abort) == "a"
+    again = call("Generate", pb.GenerateRequest(text="x", request_id="x"), "alice", 5)
+    assert await chosen(router, [a, b], again) == "a"
+    router.on_request_routed(again, a.replica_id, None)  # type: ignore[arg-type]
+    router.on_request_completed(a.replica_id, "i5")  # type: ignore[arg-type]  # refused
+    bobs = call("Generate", pb.GenerateRequest(text="x", request_id="x"), "bob", 6)
+    assert await chosen(router, [a, b], bobs) == "b"
+    abort = call("Abort", pb.AbortRequest(request_id="x"), "alice", 7)
+    assert await chosen(router, [a, b], abort) == "a"  # the duplicate's end kept the first
+    router.on_request_completed(a.replica_id, "i1")  # type: ignore[arg-type]
+    router.on_request_completed(a.replica_id, "i0")  # type: ignore[arg-type]
+    abort = call("Abort", pb.AbortRequest(request_id="x"), "alice", 8)
+    assert await chosen(router, [a, b], abort) == "a"  # least loaded now: ties to "a"
+    router.on_request_routed(generate("", 9), a.replica_id, None)  # type: ignore[arg-type]
+    abort = call("Abort", pb.AbortRequest(request_id="x"), "alice", 10)
+    assert await chosen(router, [a, b], abort) == "b"
 
 
 async def test_an_adapters_prompt_follows_its_own_keys() -> None:
@@ -212,12 +221,12 @@ async def test_an_adapters_prompt_follows_its_own_keys() -> None:
     a = replica("a", keys=base_keys, adapters={"sql": "sql@abc"})
     b = replica("b", keys=sql_keys, adapters={"sql": "sql@abc"})
 
-    def call(adapter: str, n: int) -> PendingRequest:
+    def adapter_call(adapter: str, n: int) -> PendingRequest:
         request = pb.GenerateRequest(text=prompt, adapter=adapter)
         arg = pickle.dumps(gRPCRequest(user_request_proto=request))
         return PendingRequest(
             args=[arg], kwargs={}, metadata=RequestMetadata(f"r{n}", f"i{n}", "Generate")
         )
 
-    assert await chosen(router, [a, b], call("sql", 1)) == "b"
-    assert await chosen(router, [a, b], call("", 2)) == "a"
+    assert await chosen(router, [a, b], adapter_call("sql", 1)) == "b"
+    assert await chosen(router, [a, b], adapter_call("", 2)) == "a"

@@ -12,9 +12,10 @@ import pytest
 from benchmarks.bench_kv_cache import Point, _integrated_s
 from benchmarks.bench_kv_cache import format_table as kv_cache_table
 from benchmarks.bench_paged_kv import make_lengths, run_layout
-from benchmarks.run_all import DEFAULT_CHAT128, SECTIONS
+from benchmarks.run_all import SECTIONS
 from benchmarks.table import Row, format_table
 from loadtest.launch import REPO_ROOT
+from loadtest.workload import CHAT128_PROMPTS
 
 
 def test_paged_kv_concurrency_follows_the_memory_layout() -> None:
@@ -67,7 +68,7 @@ def test_run_all_quick_prints_one_table_and_writes_json(tmp_path: Path) -> None:
 
     About 15 minutes alone on 2 cores; the timeout is only the safety net against a hang, far
     above what a machine whose cores are busy with something else needs."""
-    assert DEFAULT_CHAT128.is_file(), f"the reference workload is missing: {DEFAULT_CHAT128}"
+    assert CHAT128_PROMPTS.is_file(), f"the reference workload is missing: {CHAT128_PROMPTS}"
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.run_all", "--quick", "--no-progress",
          "--llama-cpp", "off", "--out-dir", str(tmp_path)],

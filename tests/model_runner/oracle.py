@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from model_runner.config import ModelConfig
+from model_runner.config import ModelConfig, RunnerOptions
+from model_runner.constraints import ConstraintTracker
 from model_runner.hf_loader import normalize_hf_config
 from model_runner.runner import TorchRunner
+from model_runner.sampler import Sampler
 from scheduler.output import ScheduledSeq, SchedulerOutput
 from scheduler.request import SamplingParams
 
@@ -88,15 +91,21 @@ def our_config(hf: torch.nn.Module) -> ModelConfig:
 
 
 def make_runner(
-    hf: torch.nn.Module, num_blocks: int = 64, block_size: int = 4, **kwargs: object
+    hf: torch.nn.Module,
+    num_blocks: int = 64,
+    block_size: int = 4,
+    *,
+    sampler: Sampler | None = None,
+    constraints: ConstraintTracker | None = None,
+    **options: Any,
 ) -> TorchRunner:
-    """Our fp32 runner on ``hf``'s weights. The KV cache is float32 unless ``kv_dtype`` says
-    otherwise: the oracle tests hold logits to ATOL of transformers' fp32 cache."""
-    kwargs.setdefault("kv_dtype", "float32")
+    """Our fp32 runner on ``hf``'s weights, with ``RunnerOptions`` fields in ``options``.
+    The KV cache is float32 unless ``kv_dtype`` says otherwise: the oracle tests hold logits
+    to ATOL of transformers' fp32 cache."""
+    options.setdefault("kv_dtype", "float32")
     state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
-    return TorchRunner(
-        our_config(hf), state, num_blocks, block_size, torch.float32, DEVICE, **kwargs
-    )
+    opts = RunnerOptions(num_blocks, block_size, dtype=torch.float32, device=DEVICE, **options)
+    return TorchRunner(our_config(hf), state, opts, sampler=sampler, constraints=constraints)
 
 
 def hf_logits(hf: torch.nn.Module, token_ids: Sequence[int]) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """CUDA graphs for decode steps: the pure parts (sizes, the bucket a step takes, padding, the
-memory estimate) on any machine; capture and replay against eager steps where CUDA is
-present."""
+memory estimate) and the Triton backend's graph batch (in Triton's interpreter) on any
+machine; capture and replay against eager steps where CUDA is present."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from model_runner.attention_backends.base import PaddedDecode
+from model_runner.attention_backends.paged import graph_page_table
 from model_runner.config import ModelConfig
 from model_runner.cuda_graphs import (
     GRAPH_BATCH_SIZES,
@@ -17,7 +19,6 @@ from model_runner.cuda_graphs import (
     graph_batch_size,
     graph_bucket,
     graph_memory_bytes,
-    pad_decode,
 )
 from model_runner.step import StepRows
 from scheduler.request import Constraint, SamplingParams
@@ -82,16 +83,16 @@ def test_padding_rows_write_the_scratch_slot_and_have_no_keys() -> None:
         seq("c", list(range(5)), 4, 5, [2, 7]),
     ]
     step = StepRows.from_seqs([], decode, 4)
-    padded = pad_decode(step, 4, max_pages_per_seq=3, scratch_slot=400)
-    assert (padded.batch_size, padded.num_rows) == (4, 3)
-    assert padded.input_ids == [9, 2, 4, 0]
-    assert padded.positions == [9, 2, 4, 0]
-    assert padded.slot_mapping == [33, 18, 28, 400]
-    assert padded.kv_indptr == [0, 3, 4, 6, 6]
-    assert padded.kv_lens == [10, 3, 5, 0]
-    assert padded.kv_indices == [5, 1, 8, 4, 2, 7] + [0] * 6
+    padded = PaddedDecode(step, 4, scratch_slot=400)
+    assert padded.num_pad == 1
+    assert padded.row_ids() == [9, 2, 4, 0, 9, 2, 4, 0, 33, 18, 28, 400]  # ids | pos | slots
+    kv_indptr, kv_lens = [0, 3, 4, 6, 6], [10, 3, 5, 0]
+    kv_indices = [5, 1, 8, 4, 2, 7] + [0] * 6
+    assert graph_page_table(padded, max_pages=3) == kv_indptr + kv_lens + kv_indices
     with pytest.raises(ValueError, match="do not fit"):
-        pad_decode(step, 2, max_pages_per_seq=3, scratch_slot=400)
+        PaddedDecode(step, 2, scratch_slot=400)
+    with pytest.raises(ValueError, match="prefill rows"):
+        PaddedDecode(StepRows.from_seqs(decode[:1], [], 4), 4, scratch_slot=400)
 
 
 def test_draft_rows_are_one_token_decodes_over_their_table() -> None:
@@ -99,13 +100,75 @@ def test_draft_rows_are_one_token_decodes_over_their_table() -> None:
     seeing keys up to itself (6, 7, 8 keys) over the same two pages, then one padding row."""
     ids = list(range(10))
     step = StepRows.from_seqs([], [_draft("v", ids, 5, 2, [3, 6])], 4)
-    padded = pad_decode(step, 4, max_pages_per_seq=2, scratch_slot=400)
-    assert padded.input_ids == [5, 6, 7, 0]
-    assert padded.positions == [5, 6, 7, 0]
-    assert padded.slot_mapping == [25, 26, 27, 400]
-    assert padded.kv_indptr == [0, 2, 4, 6, 6]
-    assert padded.kv_lens == [6, 7, 8, 0]
-    assert padded.kv_indices == [3, 6, 3, 6, 3, 6, 0, 0]
+    padded = PaddedDecode(step, 4, scratch_slot=400)
+    assert padded.row_ids() == [5, 6, 7, 0, 5, 6, 7, 0, 25, 26, 27, 400]  # ids | pos | slots
+    kv_indptr, kv_lens, kv_indices = [0, 2, 4, 6, 6], [6, 7, 8, 0], [3, 6, 3, 6, 3, 6, 0, 0]
+    assert graph_page_table(padded, max_pages=2) == kv_indptr + kv_lens + kv_indices
+
+
+def test_a_window_drops_the_pages_before_it_in_the_graph_table() -> None:
+    """Window 4, block size 4: a decode at 9 sees keys 6..9, so its table lists blocks 1 and
+    2 of [5, 1, 8] (kv_len 6 counted from block 1's first key), padded to 2 x 3 pages."""
+    step = StepRows.from_seqs([], [seq("a", list(range(10)), 9, 10, [5, 1, 8])], 4)
+    table = graph_page_table(PaddedDecode(step, 2, scratch_slot=400), 3, sliding_window=4)
+    assert table == [0, 2, 2, 6, 0, 1, 8, 0, 0, 0, 0]  # kv_indptr | kv_lens | kv_indices
+
+
+def test_a_backend_without_graphs_makes_no_graph_batch() -> None:
+    """The torch reference has no CUDA graphs: ``graph_batch`` and ``fill`` raise."""
+    from model_runner.attention_backends import AttentionSpec, make_attention_backend
+
+    cpu = torch.device("cpu")
+    spec = AttentionSpec(4, 2, 16, 4, torch.float32, torch.float32, cpu)
+    torch_backend = make_attention_backend("torch", spec)
+    assert not torch_backend.graphs
+    with pytest.raises(NotImplementedError, match="no CUDA graphs"):
+        torch_backend.graph_batch(4, 3)
+    step = StepRows.from_seqs([], [], 4)
+    with pytest.raises(NotImplementedError, match="no CUDA graphs"):
+        torch_backend.fill(PaddedDecode(step, 4, scratch_slot=0))
+
+
+def test_the_triton_graph_batch_gives_the_eager_steps_hidden_states() -> None:
+    """Triton (on CUDA, else in its interpreter), no graph captured: a decode with 2 drafts
+    beside two plain decodes (5 rows, 4 pages at most), filled into the backend's graph
+    batch of 8 and run through the model, gives the eager step's hidden states at every row
+    (fp32, 1e-4); the same static batch refilled with a 1-row step gives that step's; the
+    padding rows write the scratch block and nothing else."""
+    pytest.importorskip("triton")
+    from tests.model_runner.oracle import make_runner, plan, random_ids, tiny_hf
+
+    hf = tiny_hf("llama-gqa")
+    runner = make_runner(hf, num_blocks=16, attention_backend="triton")
+    ids = [random_ids(14, s) for s in range(3)]
+    tables = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    lens = [8, 8, 13]
+    runner.step_logits(
+        plan(0, prefill=[seq(f"r{i}", ids[i], 0, lens[i], tables[i]) for i in range(3)])
+    )
+    scratch_block = 15  # never in a table: the padding rows write its first slot
+    scratch_slot = scratch_block * runner.block_size
+    attention, pool, limits = runner.attention, runner.pool, runner.limits
+    batch = attention.graph_batch(8, max_pages=4)
+    decodes = [
+        _draft("r0", ids[0], 8, 2, tables[0]),
+        seq("r2", ids[2], 13, 14, tables[2]),
+        seq("r1", ids[1], 8, 9, tables[1]),
+    ]
+    for step_plan in (
+        plan(1, decode=decodes),
+        plan(2, decode=[seq("r1", ids[1], 9, 10, tables[1])]),
+    ):
+        step = StepRows.of(step_plan, limits)
+        eager = runner.paths.eager.forward(step)
+        before = pool.data.clone()
+        attention.fill(PaddedDecode(step, 8, scratch_slot))
+        graphed = runner.model.forward(batch, pool)
+        assert graphed.shape[0] == 8
+        assert (graphed[: step.num_rows] - eager).abs().max().item() <= 1e-4
+        after = pool.data.clone()
+        after[:, :, scratch_block] = before[:, :, scratch_block]
+        assert (after - before).abs().max().item() <= 1e-5  # the real rows' K/V, rewritten
 
 
 def test_graph_memory_estimate_for_a_llama_3_8b_shape() -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cache_manager import KVCacheConfig, KVCacheManager
+from model_runner.config import RunnerOptions
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from tests.model_runner.oracle import DEVICE, make_runner, our_config, plan, seq, tiny_hf
 from tests.model_runner.test_continuous_batching import (
@@ -95,10 +96,11 @@ def test_bf16_greedy_is_logprobs_close_to_generate(backend: str) -> None:
     state = {k: v.detach().cpu() for k, v in hf32.state_dict().items()}
     from model_runner.runner import TorchRunner
 
-    runner = TorchRunner(
-        our_config(hf32), state, 22, BLOCK_SIZE, torch.bfloat16, DEVICE,
+    options = RunnerOptions(
+        num_blocks=22, block_size=BLOCK_SIZE, dtype=torch.bfloat16, device=DEVICE,
         kv_dtype="bfloat16", attention_backend=backend,
     )  # fmt: skip
+    runner = TorchRunner(our_config(hf32), state, options)
     hf = hf32.to(torch.bfloat16)
     outputs = _serve(runner, None, 22)
     for i, prompt in enumerate(PROMPTS):
@@ -110,10 +112,7 @@ def test_bf16_greedy_is_logprobs_close_to_generate(backend: str) -> None:
         with torch.no_grad():
             hf_top5 = hf(torch.tensor([context], device=DEVICE)).logits[0, -1].topk(5).indices
         blocks = list(range(-(-len(context) // BLOCK_SIZE)))
-        fresh = TorchRunner(
-            our_config(hf32), state, 22, BLOCK_SIZE, torch.bfloat16, DEVICE,
-            kv_dtype="bfloat16", attention_backend=backend,
-        )  # fmt: skip
+        fresh = TorchRunner(our_config(hf32), state, options)
         logits = fresh.step_logits(plan(0, prefill=[seq("x", context, 0, len(context), blocks)]))
         our_top5 = logits["x"][-1].topk(5).indices
         assert ours[k] in hf_top5.tolist(), f"r{i}: our token {ours[k]} at {k} not in HF top 5"

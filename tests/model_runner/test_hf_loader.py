@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from model_runner.config import RunnerOptions
 from model_runner.errors import CheckpointError
 from model_runner.hf_loader import load_hf_dir, normalize_hf_config
 from model_runner.runner import TorchRunner
@@ -25,7 +26,8 @@ from tests.model_runner.oracle import (
 
 def run_prefill(path: Path, ids: list[int]) -> torch.Tensor:
     config, state = load_hf_dir(path, torch.float32)
-    runner = TorchRunner(config, state, 16, 4, torch.float32, DEVICE, kv_dtype="float32")
+    options = RunnerOptions(16, 4, dtype=torch.float32, device=DEVICE, kv_dtype="float32")
+    runner = TorchRunner(config, state, options)
     return runner.step_logits(plan(0, prefill=[seq("a", ids, 0, len(ids), list(range(8)))]))["a"]
 
 

@@ -13,6 +13,7 @@ import torch
 
 from benchmarks import make_random_gguf
 from model_runner import kernels, kquants, quant
+from model_runner.config import RunnerOptions
 from model_runner.gguf_loader import hf_name, load_gguf_checkpoint, unpermute_qk
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernels not built")
@@ -78,7 +79,8 @@ def test_q4_k_m_file_holds_llama_cpps_mix_and_runs(files: dict[str, Path]) -> No
     assert on_disk <= held <= 1.1 * on_disk
     outs = []
     for model in (native, dense):
-        runner = TorchRunner(model.config, model.state_dict, 16, 16, torch.float32, "cpu")
+        options = RunnerOptions(16, 16, dtype=torch.float32, device="cpu")
+        runner = TorchRunner(model.config, model.state_dict, options)
         ids = random_ids(20, seed=3, vocab=1000)
         outs.append(runner.step_logits(plan(0, prefill=[seq("a", ids, 0, 20, [0, 1])]))["a"])
     assert torch.isfinite(outs[0]).all()

@@ -4,6 +4,7 @@ attention within stated tolerances, greedy tokens of a tiny model)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from cache_manager.sizing import block_bytes
 from model_runner.attention_backends.base import AttentionSpec
 from model_runner.attention_backends.torch_backend import TorchAttention
+from model_runner.config import RunnerOptions
 from model_runner.device import resolve_kv_dtype
 from model_runner.kv_pool import KVPool, num_blocks_for_memory
 from model_runner.runner import TorchRunner
@@ -78,9 +80,10 @@ def test_runner_reports_and_sizes_by_kv_dtype() -> None:
     state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
     config = make_runner(hf, num_blocks=1).config
     budget = 10 * block_bytes(config.kv_shape("float32"), 4)
+    base: dict[str, Any] = {"block_size": 4, "dtype": torch.float32, "device": "cpu"}
     runners = {
         name: TorchRunner(
-            config, state, None, 4, torch.float32, "cpu", kv_budget_bytes=budget, kv_dtype=name
+            config, state, RunnerOptions(**base, kv_budget_bytes=budget, kv_dtype=name)
         )
         for name in (None, "float32", "int8")
     }

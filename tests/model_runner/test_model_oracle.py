@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from model_runner.config import RunnerOptions
 from model_runner.model import rope_inv_freq
 from tests.model_runner.oracle import (
     DEVICE,
@@ -291,7 +292,7 @@ def test_half_precision_paths_track_fp32(
     from model_runner.runner import TorchRunner
 
     state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
-    runner = TorchRunner(our_config(hf), state, 64, 4, dtype, DEVICE)
+    runner = TorchRunner(our_config(hf), state, RunnerOptions(64, 4, dtype=dtype, device=DEVICE))
     ids = random_ids(21, seed=80)
     table = [1, 2, 3, 4, 5, 6]
     got = [runner.step_logits(plan(0, prefill=[seq("a", ids, 0, 15, table)]))["a"]]

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from model_runner import kernels, kquants, quant
+from model_runner.config import RunnerOptions
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernels not built")
 
@@ -333,7 +334,8 @@ def quantized_pair(kind: str, fmt: str, **kwargs: object) -> tuple[object, torch
             if isinstance(w, quant.QuantWeight):
                 p.copy_(w.dequantize())
     kwargs.setdefault("kv_dtype", "float32")  # the oracle's: exact KV
-    runner = TorchRunner(our_config(hf), weights, 64, 4, torch.float32, "cpu", **kwargs)
+    options = RunnerOptions(64, 4, dtype=torch.float32, device="cpu", **kwargs)
+    runner = TorchRunner(our_config(hf), weights, options)
     return runner, hf
 
 

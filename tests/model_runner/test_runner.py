@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
 
 from cache_manager.sizing import block_bytes
+from model_runner.config import RunnerOptions
 from model_runner.runner import TorchRunner
-from model_runner.sampler import Sampler, SampleResult
+from model_runner.sampler import Sampler, SamplingBatch
 from scheduler.output import ScheduledSeq
 from scheduler.request import SamplingParams
 from tests.model_runner.oracle import (
@@ -134,32 +137,33 @@ def test_decode_padding_never_reads_another_requests_blocks(hf: torch.nn.Module)
 
 
 def test_failed_request_leaves_no_nan_behind(hf: torch.nn.Module) -> None:
-    """After a fails with NaN, its blocks are scrubbed: c, which gets a's block 11 and
-    decodes with the unwritten (masked) tail of that block in its gather, still matches."""
+    """After a fails with NaN, its blocks are scrubbed before the next step runs (they are
+    free once its result is applied): c, which gets a's block 11 and decodes with the
+    unwritten (masked) tail of that block in its gather, still matches."""
     runner = make_runner(hf)
     a = random_ids(7, seed=7)
     runner.execute(plan(0, prefill=[seq("a", a, 0, 6, [10, 11])]))
     runner.pool.data[:, :, 10] = float("nan")
     result = runner.execute(plan(1, decode=[seq("a", a, 6, 7, [10, 11])]))
     assert set(result.failed) == {"a"}
-    assert bool(torch.isfinite(runner.pool.data).all())
     c = random_ids(2, seed=9)
     runner.execute(plan(2, prefill=[seq("c", c, 0, 1, [11])]))
+    assert bool(torch.isfinite(runner.pool.data).all())
     result = runner.execute(plan(3, decode=[seq("c", c, 1, 2, [11])]))
     assert result.sampled_token_ids == {"c": greedy_next(hf, c)}
 
 
-class RaisingSampler:
-    """The real sampler, except that any batch holding ``bad_id`` raises."""
+class RaisingSampler(Sampler):
+    """The real sampler, except that preparing any batch holding ``bad_id`` raises."""
 
     def __init__(self, bad_id: str) -> None:
+        super().__init__()
         self.bad_id = bad_id
-        self.inner = Sampler()
 
-    def sample(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> SampleResult:
+    def prepare(self, seqs: Sequence[ScheduledSeq], *args: Any, **kwargs: Any) -> SamplingBatch:
         if any(s.request_id == self.bad_id for s in seqs):
             raise RuntimeError("boom")
-        return self.inner.sample(logits, seqs)
+        return super().prepare(seqs, *args, **kwargs)
 
 
 def test_sampler_raising_for_one_request_fails_only_that_request(hf: torch.nn.Module) -> None:
@@ -258,23 +262,19 @@ def test_num_blocks_sized_from_a_memory_budget(hf: torch.nn.Module) -> None:
     config = our_config(hf)
     per_block = block_bytes(config.kv_shape("float32"), 4)
     state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
-    kw = {"kv_dtype": "float32"}
-    runner = TorchRunner(
-        config, state, None, 4, torch.float32, DEVICE, kv_budget_bytes=7 * per_block + 5, **kw
-    )
+    options = RunnerOptions(block_size=4, dtype=torch.float32, device=DEVICE, kv_dtype="float32")
+    runner = TorchRunner(config, state, replace(options, kv_budget_bytes=7 * per_block + 5))
     assert runner.num_blocks == 7
     assert runner.pool.num_bytes == 7 * per_block
     with pytest.raises(ValueError, match="holds no block"):
-        TorchRunner(
-            config, state, None, 4, torch.float32, DEVICE, kv_budget_bytes=per_block - 1, **kw
-        )
+        TorchRunner(config, state, replace(options, kv_budget_bytes=per_block - 1))
 
 
 def test_missing_weights_are_named(hf: torch.nn.Module) -> None:
     """A state dict without a weight the config needs is refused with the weight's name."""
     state = {k: v for k, v in hf.state_dict().items() if "layers.1.mlp.up_proj" not in k}
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
-        TorchRunner(our_config(hf), state, 8, 4, torch.float32, DEVICE)
+        TorchRunner(our_config(hf), state, RunnerOptions(8, 4, dtype=torch.float32, device=DEVICE))
 
 
 def run_sampled(

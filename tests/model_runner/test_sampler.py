@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from model_runner.sampler import Sampler
-from scheduler.output import ScheduledSeq
+from model_runner.sampling_ops import top_p_keep
+from scheduler.output import PLACEHOLDER_TOKEN_ID, ScheduledSeq
 from scheduler.request import SamplingParams
 
 # probabilities 0.5, 0.3, 0.15, 0.05 as logits
@@ -40,19 +41,14 @@ def make_seq(
     )
 
 
-def support(
-    params: SamplingParams,
-    logits: Sequence[float],
-    num_candidates: int = 256,
-    num_draws: int = 400,
-) -> set[int]:
+def support(params: SamplingParams, logits: Sequence[float], num_draws: int = 400) -> set[int]:
     """Tokens drawn by ``num_draws`` rows with seeds 0..num_draws-1 (one batched call)."""
     seqs = [
         make_seq(f"r{i}", SamplingParams(**{**_fields(params), "seed": i}))
         for i in range(num_draws)
     ]
     x = torch.tensor([list(logits)] * num_draws)
-    return set(Sampler(num_candidates=num_candidates).sample(x, seqs).token_ids)
+    return set(Sampler().sample(x, seqs).token_ids)
 
 
 def _fields(p: SamplingParams) -> dict[str, object]:
@@ -108,21 +104,26 @@ def test_top_k_one_equals_greedy() -> None:
         (SamplingParams(top_p=0.82, min_p=0.5), {0, 1}),
     ],
 )
-@pytest.mark.parametrize("num_candidates", [1, 2, 3, 256])
-def test_truncation_support_is_exact(
-    params: SamplingParams, expected: set[int], num_candidates: int
-) -> None:
-    """top-k / top-p / min-p keep exactly the tokens their definitions allow (400 seeded draws),
-    on the candidate path and on the full-vocabulary fallback alike."""
-    assert support(params, LOGITS, num_candidates) == expected
+def test_truncation_support_is_exact(params: SamplingParams, expected: set[int]) -> None:
+    """top-k / top-p / min-p keep exactly the tokens their definitions allow (400 seeded
+    draws)."""
+    assert support(params, LOGITS) == expected
 
 
 def test_top_k_keeps_ties_at_the_kth_value() -> None:
-    """Tokens tied with the k-th logit all stay in, in the top-k-only and the top-p path."""
+    """Tokens tied with the k-th logit all stay in, with and without top-p after it."""
     logits = [2.0, 1.0, 1.0, -5.0]
-    for num_candidates in (2, 3, 256):
-        assert support(SamplingParams(top_k=2), logits, num_candidates) == {0, 1, 2}
-        assert support(SamplingParams(top_k=2, top_p=0.999), logits, num_candidates) == {0, 1, 2}
+    assert support(SamplingParams(top_k=2), logits) == {0, 1, 2}
+    assert support(SamplingParams(top_k=2, top_p=0.999), logits) == {0, 1, 2}
+
+
+def test_top_p_keeps_ties_at_the_cut() -> None:
+    """The tokens tied with the last one top-p keeps all stay: p = 0.4, 0.2, 0.2, 0.2 with
+    top_p 0.5 keeps the first and the three tied with the second (no tie is split by an
+    arbitrary order)."""
+    logits = [math.log(p) for p in (0.4, 0.2, 0.2, 0.2)]
+    assert support(SamplingParams(top_p=0.5), logits) == {0, 1, 2, 3}
+    assert support(SamplingParams(top_p=0.4), logits) == {0}
 
 
 def test_penalties_match_hand_computation() -> None:
@@ -237,14 +238,11 @@ def test_seeded_row_is_batch_invariant() -> None:
 
 
 @pytest.mark.parametrize(
-    ("seeded", "top_p", "num_candidates"),
-    [(False, 1.0, 256), (True, 1.0, 256), (False, 0.9, 256), (True, 0.9, 5), (False, 0.9, 2)],
+    ("seeded", "top_p"), [(False, 1.0), (True, 1.0), (False, 0.9), (True, 0.9)]
 )
-def test_temperature_sampling_matches_softmax(
-    seeded: bool, top_p: float, num_candidates: int
-) -> None:
+def test_temperature_sampling_matches_softmax(seeded: bool, top_p: float) -> None:
     """Empirical frequencies over 20000 draws match softmax(logits / T), renormalised over the
-    top-p nucleus, within 5 sigma (unseeded, seeded, candidate and full-vocabulary paths)."""
+    top-p nucleus, within 5 sigma (unseeded and seeded)."""
     num_draws = 20_000
     logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0, 2.0, 0.2, -3.0])
     temperature = 0.7
@@ -253,15 +251,14 @@ def test_temperature_sampling_matches_softmax(
         make_seq(f"r{i}", SamplingParams(**{**_fields(params), "seed": i if seeded else None}))
         for i in range(num_draws)
     ]
-    sampler = Sampler(seed=42, num_candidates=num_candidates)
+    sampler = Sampler(seed=42)
     result = sampler.sample(logits.expand(num_draws, -1), seqs)
     counts = Counter(result.token_ids)
     expected = (logits / temperature).softmax(dim=0).tolist()
     if top_p < 1.0:
         # softmax(logits / 0.7) sorted: tokens 5, 0, 1, 6, 2, ... with cumulative mass
         # 0.652, 0.808, 0.885, 0.935: the mass before token 2 is the first >= 0.9, so the
-        # nucleus is {5, 0, 1, 6}. With 5 candidates the cut falls inside them; with 2 it
-        # does not, and the row takes the full-vocabulary path.
+        # nucleus is {5, 0, 1, 6}.
         nucleus = {5, 0, 1, 6}
         mass = sum(expected[t] for t in nucleus)
         expected = [p / mass if t in nucleus else 0.0 for t, p in enumerate(expected)]
@@ -377,3 +374,160 @@ def test_large_vocab_draws_follow_weights_across_chunks(top_k: int | None) -> No
         # The 600th largest logit is -2.0, shared by the 646 light tokens below 650: ties all
         # stay, so the 6 heavy tokens and those 646 survive, the -3.0 tail does not.
         assert allowed == set(heavy) | (set(range(650)) - set(heavy))
+
+
+# ---------------------------------------------------------------------- distributions
+
+
+def reference_probs(logits: Sequence[float], params: SamplingParams, history: Sequence[int] = (),
+                    num_prompt: int = 0) -> list[float]:  # fmt: skip
+    """The filtered softmax the sampler must draw from, written out plainly in float64:
+    penalties, temperature, top-k (ties stay), top-p over the top-k survivors (a token stays
+    when the tokens strictly above it hold less than top_p of their mass), min-p."""
+    x = list(logits)
+    for t in set(history):
+        if params.repetition_penalty != 1.0:
+            x[t] = (
+                x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
+            )
+    outputs = list(history[num_prompt:])
+    for t in set(outputs):
+        x[t] -= params.frequency_penalty * outputs.count(t) + params.presence_penalty
+    x = [v / params.temperature for v in x]
+    keep = set(range(len(x)))
+    if params.top_k is not None:
+        kth = sorted(x, reverse=True)[params.top_k - 1]
+        keep = {t for t in keep if x[t] >= kth}
+    top = max(x)
+    probs = [math.exp(v - top) for v in x]
+    if params.top_p < 1.0:
+        mass = sum(probs[t] for t in keep)
+        keep = {t for t in keep if sum(probs[u] for u in keep if x[u] > x[t]) < params.top_p * mass}
+    if params.min_p > 0.0:
+        keep = {t for t in keep if probs[t] >= params.min_p * max(probs)}
+    total = sum(probs[t] for t in keep)
+    return [probs[t] / total if t in keep else 0.0 for t in range(len(x))]
+
+
+def chi_square_bound(df: int, z: float = 4.75) -> float:
+    """The chi-square quantile with ``df`` degrees of freedom that a correct sampler exceeds
+    with probability about 1e-6 (Wilson-Hilferty)."""
+    c = 2.0 / (9.0 * df)
+    return df * (1.0 - c + z * math.sqrt(c)) ** 3
+
+
+DISTRIBUTION_CASES = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.3, top_k=5),
+    SamplingParams(temperature=1.0, top_p=0.8),
+    SamplingParams(temperature=0.9, min_p=0.1),
+    SamplingParams(temperature=1.1, top_k=12, top_p=0.9, min_p=0.05),
+    SamplingParams(
+        temperature=1.0,
+        top_p=0.95,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+    ),
+]
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+@pytest.mark.parametrize("params", DISTRIBUTION_CASES, ids=lambda p: repr(p)[15:60])
+def test_distribution_matches_the_filtered_softmax(params: SamplingParams, seeded: bool) -> None:
+    """20,000 draws of one row, each filter alone and combined (penalties first): tokens the
+    filters remove are never drawn, and the counts of the rest pass a chi-square test
+    against ``reference_probs`` (about 1e-6 false alarms), seeded and unseeded."""
+    num_draws, vocab = 20_000, 40
+    logits = (torch.randn(vocab, generator=torch.Generator().manual_seed(11)) * 1.5).tolist()
+    prompt, output = [3, 7, 7], [7, 12, 12, 5]
+    seqs = [
+        make_seq(
+            f"r{i}",
+            SamplingParams(**{**_fields(params), "seed": i if seeded else None}),
+            prompt=prompt,
+            output=output,
+        )
+        for i in range(num_draws)
+    ]
+    result = Sampler(seed=5).sample(torch.tensor([logits] * num_draws), seqs)
+    counts = Counter(result.token_ids)
+    expected = reference_probs(logits, params, prompt + output, len(prompt))
+    assert {t for t in counts} <= {t for t, p in enumerate(expected) if p > 0}
+    support_ = [t for t, p in enumerate(expected) if p > 0]
+    stat = sum(
+        (counts[t] - num_draws * expected[t]) ** 2 / (num_draws * expected[t]) for t in support_
+    )
+    assert len(support_) > 1
+    assert stat < chi_square_bound(len(support_) - 1), (stat, len(support_))
+
+
+def sorted_top_p(x: torch.Tensor, weights: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p by sorting, in float64, for comparison: per distinct value (descending), keep it
+    when the weight of the strictly larger values is below top_p of the total."""
+    keep = torch.zeros_like(x, dtype=torch.bool)
+    for r in range(x.shape[0]):
+        values, inverse = torch.unique(x[r].double(), sorted=True, return_inverse=True)
+        mass = torch.zeros(len(values), dtype=torch.float64).index_add_(
+            0, inverse, weights[r].double()
+        )
+        above = mass.flip(0).cumsum(0).flip(0) - mass  # weight of strictly larger values
+        keep[r] = (above < top_p * weights[r].double().sum())[inverse]
+    return keep
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
+@pytest.mark.parametrize("flat", [True, False])
+def test_top_p_threshold_equals_sorting_on_any_row(top_p: float, flat: bool) -> None:
+    """The sort-free top-p (radix selection over the float bits) keeps exactly what sorting
+    keeps: flat rows whose nucleus spans thousands of tokens, peaked rows, rows with many ties
+    (logits rounded to 0.01), and weights with zeros from a top-k before it."""
+    gen = torch.Generator().manual_seed(21 + flat)
+    x = torch.randn(6, 5000, generator=gen) * (0.05 if flat else 3.0)
+    x[3] = (x[3] * 100).round() / 100  # ties
+    probs = x.softmax(dim=1)
+    weights = probs.clone()
+    weights[4] *= x[4] >= x[4].topk(700).values[-1]  # a top-k before it
+    got = top_p_keep(x, weights, torch.full((6,), top_p, dtype=torch.float64))
+    want = sorted_top_p(x, weights, top_p) & (weights > 0)
+    assert torch.equal(got & (weights > 0), want)
+    assert bool(got.any(dim=1).all())
+    if flat and top_p == 0.9:
+        assert int(want[0].sum()) > 1000  # the nucleus really is large
+
+
+def test_unseeded_rows_are_random() -> None:
+    """Unseeded rows draw independently: 200 rows over a flat vocabulary of 1,000 give many
+    distinct tokens, and two samplers with different seeds draw different tokens."""
+    logits = torch.zeros(200, 1000)
+    seqs = [make_seq(f"r{i}") for i in range(200)]
+    first = Sampler(seed=1).sample(logits, seqs).token_ids
+    second = Sampler(seed=2).sample(logits, seqs).token_ids
+    assert len(set(first)) > 150
+    assert first != second
+    assert Sampler(seed=1).sample(logits, seqs).token_ids == first  # a seeded sampler repeats
+
+
+def test_placeholder_token_counts_in_the_penalties() -> None:
+    """A seq whose last token is a placeholder (scheduled one step ahead) is penalised for
+    that token, resolved on the device: the same logprobs as the seq whose history holds the
+    token itself."""
+    logits = torch.tensor([[2.0, 1.9, -1.0, 0.5, 0.25]])
+    params = SamplingParams(
+        temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.4, logprobs=5
+    )
+    known = make_seq("r", params, prompt=[0, 2], output=[1, 4])
+    ahead = make_seq("r", params, prompt=[0, 2], output=[1])
+    ahead.token_ids = [PLACEHOLDER_TOKEN_ID]
+    ahead.num_output_tokens = 2
+    sampler = Sampler(logprobs_mode="processed")
+    want = sampler.sample(logits, [known])
+    batch = sampler.prepare([ahead], logits.device, 5, placeholders={"r": -3})
+    future = torch.tensor([9, 9, 4])  # placeholder -3 stands for index 2
+
+    def resolve(ids: torch.Tensor) -> torch.Tensor:
+        return torch.where(ids < 0, future[(-ids - 1).clamp(min=0)], ids)
+
+    got = sampler.collect(batch, sampler.launch(logits, batch, resolve).map(lambda t: t))
+    assert got.token_ids == want.token_ids
+    assert got.logprobs == want.logprobs

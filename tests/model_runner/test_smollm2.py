@@ -4,12 +4,14 @@ tokenizer, checked against transformers on the same dequantized weights (slow te
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 
 from cache_manager import KVCacheConfig, KVCacheManager
+from model_runner.config import RunnerOptions
 from model_runner.loader import LoadedModel, load_model
 from model_runner.reference import build_hf_model
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
@@ -110,15 +112,8 @@ def run_engine(
     from model_runner.runner import TorchRunner
 
     block_size, num_blocks = 16, 96
-    runner = TorchRunner(
-        smol.config,
-        smol.state_dict,
-        num_blocks,
-        block_size,
-        torch.float32,
-        DEVICE,
-        kv_dtype=kv_dtype,
-    )
+    options = RunnerOptions(num_blocks, block_size, dtype=torch.float32, device=DEVICE)
+    runner = TorchRunner(smol.config, smol.state_dict, replace(options, kv_dtype=kv_dtype))
     for name, path in (adapters or {}).items():
         runner.lora.load(name, path)
     kv = KVCacheManager(

@@ -9,6 +9,7 @@ import pytest
 
 from benchmarks.bench_answers import PROMPTS  # the 8 chat prompts vLLM's rule is checked on
 from model_runner import kernels
+from model_runner.config import RunnerOptions
 from model_runner.loader import LoadedModel, load_model
 from scheduler import Request, SamplingParams
 from tests.model_runner.test_smollm2 import chat_ids, run_engine
@@ -64,9 +65,8 @@ def forced_choices(
     from tests.model_runner.oracle import plan, seq
 
     block_size = 16
-    runner = TorchRunner(
-        model.config, model.state_dict, 96, block_size, torch.float32, "cpu", kv_dtype=kv_dtype
-    )
+    options = RunnerOptions(96, block_size, dtype=torch.float32, device="cpu", kv_dtype=kv_dtype)
+    runner = TorchRunner(model.config, model.state_dict, options)
     ids = {k: chat_ids(model, prompts[k]) for k in reference}
     groups = [list(reference)] if together else [[k] for k in reference]
     out: dict[str, list[int]] = {k: [] for k in reference}
@@ -148,9 +148,8 @@ def free_running(
     from model_runner.runner import TorchRunner
     from tests.model_runner.oracle import plan, seq
 
-    runner = TorchRunner(
-        model.config, model.state_dict, 16, 16, torch.float32, "cpu", kv_dtype=kv_dtype
-    )
+    options = RunnerOptions(16, 16, dtype=torch.float32, device="cpu", kv_dtype=kv_dtype)
+    runner = TorchRunner(model.config, model.state_dict, options)
     ids = chat_ids(model, prompt)
     table = list(range(16))
     logits = runner.step_logits(plan(0, prefill=[seq("a", ids, 0, len(ids), table)]))["a"][-1]

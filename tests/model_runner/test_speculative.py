@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from cache_manager import KVCacheConfig, KVCacheManager
+from loadtest.workload import CHAT128_PROMPTS, WORKLOADS_DIR
+from model_runner.config import RunnerOptions
 from model_runner.runner import TorchRunner
 from scheduler import Request, SamplingParams, ScheduledSeq, Scheduler, SchedulerConfig
 from tests.model_runner.oracle import (
@@ -151,7 +153,9 @@ def test_runs_with_drafts_equal_runs_without(
     rejected (rolled back) along the way. The request aborted midway has the same tokens
     as far as both runs got."""
     hf = tiny_hf(kind, seed=11)
-    sampling = SamplingParams(temperature=temperature, seed=5, max_tokens=24, ignore_eos=True)
+    # Seed 8: the seeded runs of all three models accept some drafts (mistral's accept none
+    # with seeds 5..7; the draws are a pure function of the seed and the output index).
+    sampling = SamplingParams(temperature=temperature, seed=8, max_tokens=24, ignore_eos=True)
     off, sched_off = run(make_runner(hf, 64, BLOCK_SIZE), PROMPTS, sampling, "off", num_blocks)
     on, sched_on = run(make_runner(hf, 64, BLOCK_SIZE), PROMPTS, sampling, "ngram", num_blocks)
     aborted_on, aborted_off = on.pop(ABORTED), off.pop(ABORTED)
@@ -174,7 +178,6 @@ def test_embedded_model_greedy_tokens_equal_with_and_without_drafts() -> None:
     one at a time (k + 1 fused rows) and all together (verify chunks next to prefills);
     drafts were accepted and rejected."""
     import json
-    from pathlib import Path
 
     from model_runner import kernels
     from model_runner.loader import load_model
@@ -182,15 +185,15 @@ def test_embedded_model_greedy_tokens_equal_with_and_without_drafts() -> None:
     if not kernels.available():
         pytest.skip("kernels not built")
     model = load_model(None, weights="native")
-    root = Path(__file__).resolve().parents[2]
-    chat = json.loads((root.parent / "shared/workloads/chat128.json").read_text())["prompts"]
-    edit = json.loads((root / "loadtest/workloads/prompts/edit128.json").read_text())["prompts"]
+    chat = json.loads(CHAT128_PROMPTS.read_text())["prompts"]
+    edit = json.loads((WORKLOADS_DIR / "prompts/edit128.json").read_text())["prompts"]
     texts = [chat[0], *edit[:2]]
     prompts = [model.tokenizer.encode(t, add_special_tokens=False) for t in texts]
     sampling = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
     def greedy(speculative: str, together: bool) -> tuple[list[list[int]], Scheduler]:
-        runner = TorchRunner(model.config, model.state_dict, 160, 16, torch.float32, "cpu")
+        options = RunnerOptions(160, 16, dtype=torch.float32, device="cpu")
+        runner = TorchRunner(model.config, model.state_dict, options)
         kv = KVCacheManager(KVCacheConfig(num_blocks=160, block_size=16))
         config = SchedulerConfig(max_model_len=1024, speculative=speculative)
         scheduler = Scheduler(config, kv)

@@ -303,3 +303,39 @@ async def wait_until(
 
 async def collect(stream: AsyncIterator[Any]) -> list[Any]:
     return [item async for item in stream]
+
+
+async def closed_after(reader: asyncio.StreamReader, limit_s: float) -> float:
+    """Seconds until the server closed the connection (EOF); everything before it is read."""
+    start = time.monotonic()
+    async with asyncio.timeout(limit_s):
+        while await reader.read(65536):
+            pass
+    return time.monotonic() - start
+
+
+async def hostile_connections(
+    port: int, served_request: bytes, cut_body: bytes, limit_s: float
+) -> tuple[bytes, list[float]]:
+    """Four connections to an HTTP port on 127.0.0.1: one that sends nothing, one that sends
+    its headers a byte every 0.1 s, one whose body stops (``cut_body``: headers promising
+    more than follows), and one idle after ``served_request`` was answered. The answer's head
+    and the seconds until the server closed each (at most ``limit_s``)."""
+    silent, slow_header, slow_body, idle = [
+        await asyncio.open_connection("127.0.0.1", port) for _ in range(4)
+    ]
+    idle[1].write(served_request)
+    head = await idle[0].readuntil(b"\r\n\r\n")
+    slow_body[1].write(cut_body)
+
+    async def drip() -> None:
+        for byte in b"GET /health HTTP/1.1\r\nhost: x\r\n":
+            slow_header[1].write(bytes([byte]))
+            await asyncio.sleep(0.1)
+
+    dripping = asyncio.create_task(drip())
+    closed = await asyncio.gather(
+        *(closed_after(r, limit_s) for r, _ in (silent, slow_header, slow_body, idle))
+    )
+    dripping.cancel()
+    return head, list(closed)

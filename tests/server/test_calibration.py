@@ -57,6 +57,8 @@ def test_speculative_rounds_put_draft_rows_on_decodes() -> None:
 
 
 def test_calibration_fits_every_round_but_the_cold_first_step() -> None:
+    """The scripted rounds run every prompt token once and every decode to its output count,
+    and ``calibrate`` fits a six-coefficient step-cost model from them."""
     runner = FakeRunner(fake_info(2048))
     samples = run_rounds(runner, CACHE, 2048, ROUNDS)
     model = calibrate(runner, CACHE, 2048)

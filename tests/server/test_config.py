@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from server.build import build_engine
+from model_runner.config import RunnerOptions
+from server.build import build_engine, runner_options
 from server.config import (
     ServerConfig,
     add_serve_arguments,
@@ -17,7 +18,7 @@ from server.config import (
     client_address,
     parse_bytes,
 )
-from server.http_guard import ConnectionCaps
+from server.http_guard import ConnectionCaps, EdgeLimits
 
 
 def _flags(*argv: str) -> argparse.Namespace:
@@ -31,6 +32,21 @@ def test_defaults() -> None:
     cfg = build_config(_flags(), environ={})
     assert (cfg.host, cfg.port, cfg.metrics_port) == ("127.0.0.1", 50051, 9400)
     assert (cfg.runner, cfg.model, cfg.enable_prefix_caching) == ("torch", None, True)
+
+
+def test_the_flags_defaults_are_the_components_own() -> None:
+    """With no flag given, the torch runner's options are ``RunnerOptions``' defaults, but for
+    what the server decides (KV dtype "auto", the scheduler's decode row bound), and the edge
+    limits are ``EdgeLimits``' own; flags reach the options."""
+    cfg = ServerConfig()
+    options = runner_options(cfg)
+    assert (options.kv_dtype, options.max_decode_rows) == ("auto", cfg.max_num_seqs)
+    assert dataclasses.replace(options, kv_dtype=None, max_decode_rows=None) == RunnerOptions()
+    assert cfg.edge_limits() == EdgeLimits()
+    flags = {"activation_bits": 8, "attention_backend": "torch", "block_size": 8}
+    options = runner_options(ServerConfig(dtype="float16", **flags), name="m")
+    assert (options.activation_bits, options.attention_backend) == (8, "torch")
+    assert (options.block_size, options.dtype, options.name) == (8, "float16", "m")
 
 
 def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:

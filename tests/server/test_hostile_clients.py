@@ -33,7 +33,7 @@ from server.asgi import metrics_app, metrics_limits, start_asgi_server
 from server.http_guard import ConnectionCaps, GuardState, HttpLimits, OutOfDescriptors
 from server.rpc import generation_pb2 as pb
 from server.rpc import generation_pb2_grpc as pb_grpc
-from tests.server.helpers import wait_until
+from tests.server.helpers import closed_after, hostile_connections, wait_until
 
 TIMEOUT_S = 0.4
 LIMITS = HttpLimits(header_timeout_s=TIMEOUT_S, body_timeout_s=TIMEOUT_S, idle_timeout_s=TIMEOUT_S)
@@ -50,15 +50,6 @@ def _app(release: asyncio.Event) -> Starlette:
     return Starlette(routes=[Route("/echo", echo, methods=["POST"]), Route("/wait", wait)])
 
 
-async def _closed_after(reader: asyncio.StreamReader, limit_s: float) -> float:
-    """Seconds until the server closed the connection (EOF); everything before it is read."""
-    start = time.monotonic()
-    async with asyncio.timeout(limit_s):
-        while await reader.read(65536):
-            pass
-    return time.monotonic() - start
-
-
 async def test_silent_slow_header_slow_body_and_idle_connections_are_closed_in_time() -> None:
     """With every timeout at 0.4 s: a connection that sends nothing, one that sends its
     headers a byte every 0.1 s, one whose body stops after 10 of 100 bytes, and one idle
@@ -70,25 +61,12 @@ async def test_silent_slow_header_slow_body_and_idle_connections_are_closed_in_t
     )
     port = server.port
     try:
-        silent = await asyncio.open_connection("127.0.0.1", port)
-        slow_header = await asyncio.open_connection("127.0.0.1", port)
-        slow_body = await asyncio.open_connection("127.0.0.1", port)
-        idle = await asyncio.open_connection("127.0.0.1", port)
-        idle[1].write(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n\r\nabc")
-        served = await idle[0].readuntil(b'{"bytes":3}')
-        slow_body[1].write(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n")
-        slow_body[1].write(b"0123456789")
-
-        async def drip() -> None:
-            for byte in b"GET /echo HTTP/1.1\r\nhost: x\r\n":
-                slow_header[1].write(bytes([byte]))
-                await asyncio.sleep(0.1)
-
-        dripping = asyncio.create_task(drip())
-        closed = await asyncio.gather(
-            *(_closed_after(r, 2.0) for r, _ in (silent, slow_header, slow_body, idle))
+        served, closed = await hostile_connections(
+            port,
+            b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n\r\nabc",
+            b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n0123456789",
+            limit_s=2.0,
         )
-        dripping.cancel()
         async with httpx.AsyncClient() as client:
             ok = await client.post(f"http://127.0.0.1:{port}/echo", content=b"12345")
     finally:
@@ -117,7 +95,7 @@ async def test_at_the_cap_the_longest_idle_connection_makes_room_and_busy_ones_m
         await asyncio.sleep(0.1)
         async with httpx.AsyncClient() as client:
             first = await client.post(f"{url}/echo", content=b"x")
-        oldest_closed_s = await _closed_after(idle[0][0], 2.0)
+        oldest_closed_s = await closed_after(idle[0][0], 2.0)
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=10)) as busy:
             waits = [asyncio.create_task(busy.get(f"{url}/wait")) for _ in range(3)]
             await wait_until(lambda: len(events) >= 3, timeout_s=5.0)  # two more idle closed
@@ -197,18 +175,17 @@ def test_running_out_of_descriptors_is_one_warning_a_count_and_idle_connections_
         guard_closing = False
 
         def __init__(self, n: int) -> None:
-            self.guard_last_active_s = float(n)
             self.n = n
-
-        def guard_is_idle(self) -> bool:
-            return True
 
         def guard_close(self, event: str) -> None:
             self.guard_closing = True
             closed.append(self.n)
             state.on_event(event)
 
-    state.open.update(Idle(n) for n in range(16))
+    for n in range(16):  # idle in this order
+        idle = Idle(n)
+        state.open.add(idle)
+        state.note(idle, idle=True)
     loop = asyncio.new_event_loop()
     others: list[str] = []
     loop.set_exception_handler(lambda _, ctx: others.append(ctx["message"]))

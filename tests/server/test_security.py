@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from metrics.prometheus import PrometheusSink
 from server import cli
 from server.asgi import metrics_app, start_asgi_server
-from server.auth import Security, TlsFiles, key_owner
+from server.auth import AuthError, NotAdminError, Security, TlsFiles, key_owner, request_owner
 from server.client import KVServeClient
 from server.rpc import generation_pb2 as pb
 from server.rpc import generation_pb2_grpc as pb_grpc
@@ -291,3 +291,28 @@ async def test_kvserve_generate_and_the_python_client_take_a_key_and_a_ca(pki: P
         )
     )
     assert "UNAUTHENTICATED: missing API key" in err.getvalue()
+
+
+def _refusal(check: Callable[[str | None], None], header: str | None) -> tuple[type, str]:
+    try:
+        check(header)
+    except (AuthError, NotAdminError) as exc:
+        return type(exc), str(exc)
+    return type(None), ""
+
+
+def test_the_owner_gate_answers_as_the_keys_do_without_holding_them() -> None:
+    """Security.owner_gate() (key digests only, for the cluster's router) refuses a missing
+    or wrong key and a tenant's key exactly as Security does, lets the admin key through,
+    and is open without keys; request_owner names the owner a request's id is scoped by."""
+    security = Security(api_keys=frozenset({"alice", "root"}), admin_keys=frozenset({"root"}))
+    gate = security.owner_gate()
+    assert "alice" not in repr(gate) and gate.auth_enabled
+    headers = (None, "Basic x", "Bearer nope", "Bearer alice", "Bearer root")
+    want = [_refusal(security.authenticate_admin, h) for h in headers]
+    assert [kind for kind, _ in want] == [AuthError] * 3 + [NotAdminError, type(None)]
+    assert [_refusal(gate.authenticate_admin, h) for h in headers] == want
+    assert _refusal(Security().owner_gate().authenticate_admin, None) == (type(None), "")
+    assert request_owner("Bearer alice", "10.0.0.1", True) == key_owner("alice")
+    assert request_owner(None, "10.0.0.1", True) == "unauthenticated"
+    assert request_owner("Bearer alice", "10.0.0.1", False) == "peer:10.0.0.1"

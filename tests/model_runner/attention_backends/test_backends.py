@@ -9,6 +9,7 @@ import torch
 from model_runner.attention_backends import (
     AttentionBackend,
     AttentionSpec,
+    backend_class,
     make_attention_backend,
     resolve_attention_backend,
 )
@@ -37,6 +38,22 @@ def test_auto_is_torch_on_a_cpu() -> None:
     assert _make("auto").name == "torch"
 
 
+def test_one_table_names_every_backend() -> None:
+    """Each row of ``ATTENTION_BACKENDS`` is a class of that name; the server's
+    ``--attention-backend`` choices are ``auto`` and the table's names; on a CPU the torch
+    reference is available and FlashInfer is not."""
+    from dataclasses import fields
+
+    from model_runner.config import ATTENTION_BACKENDS
+    from server.config import ServerConfig
+
+    assert [backend_class(n).name for n in ATTENTION_BACKENDS] == list(ATTENTION_BACKENDS)
+    (flag,) = [f for f in fields(ServerConfig) if f.name == "attention_backend"]
+    assert tuple(flag.metadata["choices"]) == ("auto", *ATTENTION_BACKENDS)
+    assert backend_class("torch").available(CPU)
+    assert not backend_class("flashinfer").available(CPU)
+
+
 def test_unknown_and_impossible_choices_raise() -> None:
     """An unknown name and FlashInfer on a CPU raise ValueError naming the problem."""
     with pytest.raises(ValueError, match="unknown attention backend 'cuda'"):
@@ -50,10 +67,10 @@ def test_paged_backends_refuse_int8_pools_and_sinks(monkeypatch: pytest.MonkeyPa
     that refusal first, whether Triton's interpreter is on or off (off: as on a CUDA machine
     building for a CPU device), before the device's; ``auto`` falls back to torch instead."""
     pytest.importorskip("triton")
-    import model_runner.attention_backends as backends
+    from model_runner.attention_backends import triton_backend
 
     for interpreted in (True, False):
-        monkeypatch.setattr(backends, "triton_interpreted", lambda on=interpreted: on)
+        monkeypatch.setattr(triton_backend, "triton_interpreted", lambda on=interpreted: on)
         for name in ("triton", "flashinfer"):
             with pytest.raises(ValueError, match=f"the {name} backend reads float KV pools"):
                 _make(name, kv_dtype=torch.int8)

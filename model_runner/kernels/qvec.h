@@ -1,0 +1,203 @@
+// Part 1 of the quantized matmul (see qmatmul.h, which includes it): the register width. The
+// tiles (qtile.h) are written once over a lane-traits struct, and these structs are the only
+// place their intrinsics live:
+//
+//   I, F       int32 lanes (4 weight or activation bytes a lane, as the dot product reads
+//              them) and float lanes; LANES of each
+//   zero, bcast4 (4 activation bytes to every lane), dot4 (acc + w . a per 4-byte lane),
+//   shl8, add; cvt (int32 -> float), set1, mul, fmadd, load, store; join (two half-width
+//   vectors side by side, for the 16-lane pairs)
+//
+//   Y8         ymm: 8 lanes (the avx2 and avx512 families)
+//   Z16        zmm: 16 lanes (the avx512 family's pairs of records)
+//   Emu<N>     N lanes in plain arrays, each operation with exactly its intrinsic's semantics
+//              (vpdpbusd or maddubs + madd, round to nearest, one rounding per fused
+//              multiply-add). The emulated test families run the same tile template on it at 8
+//              and 16 lanes on any CPU, and the tests compare them bit for bit with the real
+//              families (tests/model_runner/test_kernel_emulation.py).
+
+#if defined(KV_USE_AVX512) || defined(KV_USE_AVX2)
+// A row group's records are a stream of a few KB (K = 576: 2.9 KB of Q4_1) that ends where
+// the next group's begins; the hardware prefetcher ramps up on each such stream too late
+// (a 576-wide model streamed at 7 GB/s a core without this, measured). So each record asks
+// for the bytes PREFETCH_AHEAD further on, which run into the next groups.
+constexpr int PREFETCH_AHEAD = 2048;
+KV_INLINE void prefetch_ahead(const uint8_t* rec, int bytes) {
+  for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_AHEAD + o), _MM_HINT_T0);
+}
+
+struct Y8 {
+  typedef __m256i I;
+  typedef __m256 F;
+  static constexpr int LANES = 8;
+  static KV_INLINE I zero() { return _mm256_setzero_si256(); }
+  static KV_INLINE I bcast4(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  }
+  // acc + (w . a) per 4-byte lane, w unsigned (SIGNED: signed; maddubs would saturate on
+  // 255 * 127 * 2, so AVX2 takes the sign trick).
+  template <bool SIGNED>
+  static KV_INLINE I dot4(I acc, I w, I a) {
+#if defined(KV_USE_AVX512)
+    static_assert(!SIGNED, "vpdpbusd takes unsigned weights");
+    return _mm256_dpbusd_epi32(acc, w, a);
+#else
+    const I one = _mm256_set1_epi16(1);
+    if (SIGNED) return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)), one));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), one));
+#endif
+  }
+  static KV_INLINE I shl8(I v) { return _mm256_slli_epi32(v, 8); }
+  static KV_INLINE I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static KV_INLINE F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static KV_INLINE F set1(float v) { return _mm256_set1_ps(v); }
+  static KV_INLINE F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static KV_INLINE F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static KV_INLINE F load(const float* p) { return _mm256_loadu_ps(p); }
+  static KV_INLINE void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+typedef Y8 W8;
+#endif
+
+#if defined(KV_USE_AVX512)
+struct Z16 {
+  typedef __m512i I;
+  typedef __m512 F;
+  static constexpr int LANES = 16;
+  static KV_INLINE I zero() { return _mm512_setzero_si512(); }
+  static KV_INLINE I bcast4(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+  }
+  template <bool SIGNED>
+  static KV_INLINE I dot4(I acc, I w, I a) {
+    static_assert(!SIGNED, "vpdpbusd takes unsigned weights");
+    return _mm512_dpbusd_epi32(acc, w, a);
+  }
+  static KV_INLINE I shl8(I v) { return _mm512_slli_epi32(v, 8); }
+  static KV_INLINE I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static KV_INLINE F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static KV_INLINE F set1(float v) { return _mm512_set1_ps(v); }
+  static KV_INLINE F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static KV_INLINE F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static KV_INLINE F load(const float* p) { return _mm512_loadu_ps(p); }
+  static KV_INLINE void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static KV_INLINE I join(Y8::I lo, Y8::I hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+  static KV_INLINE F join(Y8::F lo, Y8::F hi) { return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1); }
+};
+typedef Z16 W16;
+#endif
+
+#if defined(KV_EMULATE)
+KV_INLINE void prefetch_ahead(const uint8_t*, int) {}
+
+// N lanes in arrays; VNNI: dot4 is vpdpbusd's, else AVX2's maddubs + madd (with the sign
+// trick for SIGNED). Integer lanes wrap as the instructions do (unsigned arithmetic).
+template <int N, bool VNNI>
+struct Emu {
+  struct I {
+    int32_t v[N];
+  };
+  struct F {
+    float v[N];
+  };
+  static constexpr int LANES = N;
+  static I zero() { return splat(0); }
+  static I bcast4(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return splat(v);
+  }
+  static int sat16(int v) { return v > 32767 ? 32767 : v < -32768 ? -32768 : v; }
+  static int byte(int32_t lane, int t) { return (int)(((uint32_t)lane >> (8 * t)) & 255u); }
+  static int sbyte(int32_t lane, int t) { return (int)(int8_t)byte(lane, t); }
+  template <bool SIGNED>
+  static I dot4(I acc, I w, I a) {
+    static_assert(!(VNNI && SIGNED), "vpdpbusd takes unsigned weights");
+    for (int l = 0; l < N; ++l) {
+      int sum = 0;
+      if (VNNI) {  // vpdpbusd: four u8 x s8 products and the lane, in int32
+        for (int t = 0; t < 4; ++t) sum += byte(w.v[l], t) * sbyte(a.v[l], t);
+      } else {  // maddubs (u8 x s8 pairs, saturated to int16), then madd with ones
+        for (int h = 0; h < 2; ++h) {
+          int pair = 0;
+          for (int t = 2 * h; t < 2 * h + 2; ++t) {
+            int wt = byte(w.v[l], t), at = sbyte(a.v[l], t);
+            if (SIGNED) {  // sign_epi8(w, w) and sign_epi8(a, w)
+              const int ws = sbyte(w.v[l], t);
+              wt = (ws < 0 ? -ws : ws) & 255;
+              at = ws < 0 ? (int)(int8_t)(-at) : ws == 0 ? 0 : at;
+            }
+            pair += wt * at;
+          }
+          sum += sat16(pair);
+        }
+      }
+      acc.v[l] = (int32_t)((uint32_t)acc.v[l] + (uint32_t)sum);
+    }
+    return acc;
+  }
+  static I shl8(I x) {
+    for (int l = 0; l < N; ++l) x.v[l] = (int32_t)((uint32_t)x.v[l] << 8);
+    return x;
+  }
+  static I add(I a, I b) {
+    for (int l = 0; l < N; ++l) a.v[l] = (int32_t)((uint32_t)a.v[l] + (uint32_t)b.v[l]);
+    return a;
+  }
+  static F cvt(I x) {
+    F r;
+    for (int l = 0; l < N; ++l) r.v[l] = (float)x.v[l];
+    return r;
+  }
+  static F set1(float x) {
+    F r;
+    for (int l = 0; l < N; ++l) r.v[l] = x;
+    return r;
+  }
+  static F mul(F a, F b) {
+    for (int l = 0; l < N; ++l) a.v[l] *= b.v[l];
+    return a;
+  }
+  static F fmadd(F a, F b, F c) {
+    for (int l = 0; l < N; ++l) c.v[l] = std::fma(a.v[l], b.v[l], c.v[l]);
+    return c;
+  }
+  static F load(const float* p) {
+    F r;
+    memcpy(r.v, p, sizeof(r.v));
+    return r;
+  }
+  static void store(float* p, F x) { memcpy(p, x.v, sizeof(x.v)); }
+  template <class H>  // H: Emu<N / 2>'s I or F
+  static auto join(const H& lo, const H& hi) {
+    return joined(lo.v, hi.v);
+  }
+
+ private:
+  static I joined(const int32_t (&lo)[N / 2], const int32_t (&hi)[N / 2]) {
+    I r;
+    memcpy(r.v, lo, sizeof(lo));
+    memcpy(r.v + N / 2, hi, sizeof(hi));
+    return r;
+  }
+  static F joined(const float (&lo)[N / 2], const float (&hi)[N / 2]) {
+    F r;
+    memcpy(r.v, lo, sizeof(lo));
+    memcpy(r.v + N / 2, hi, sizeof(hi));
+    return r;
+  }
+  static I splat(int32_t v) {
+    I r;
+    for (int l = 0; l < N; ++l) r.v[l] = v;
+    return r;
+  }
+};
+typedef Emu<8, KV_EMULATE_VNNI> W8;
+#if KV_PAIRS
+typedef Emu<16, KV_EMULATE_VNNI> W16;
+#endif
+#endif

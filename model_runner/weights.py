@@ -1,0 +1,378 @@
+"""The model's weights as it runs them: prepared once at load, each matrix made a layer by
+``Linears.make_linear``, the one place a linear layer is chosen.
+
+Hugging Face parameter names come in; at load time the weights are rearranged for speed:
+
+- Q, K, V projections are fused into one ``[(H + 2 * kvh) * D, hidden]`` matrix (one GEMM),
+  with the Qwen2 QKV bias fused alike.
+- The softmax scale ``1/sqrt(D)`` is folded into the Q rows (attention runs with scale 1).
+- Q and K rows are permuted inside each head from Hugging Face's half-split RoPE layout
+  ``(x_0..x_{D/2-1}, x_{D/2}..x_{D-1})`` to interleaved pairs ``(x_0, x_{D/2}, x_1, ...)``, so
+  RoPE is one in-place complex multiply. Q and K get the same permutation, so q.k (and
+  attention) is unchanged; the pool stores keys in this layout.
+- Gate and up are fused into one ``[2 * I, hidden]`` matrix, except on oneDNN, whose packed
+  GEMMs fuse SiLU into the gate GEMM and the ``* up`` product into the up GEMM (``GateUp``).
+
+A quantized matrix (``QuantWeight``, ``QuantStack``) stays in its own format and runs on
+kvserve's CPU kernels (``QLinear``); a dense one runs as ``Linear``: on CPU pre-packed for
+oneDNN (``torch.ops.mkldnn``), whose skinny GEMM streams fp32 weights near memory bandwidth
+where MKL's ``F.linear`` reaches about half of it, and which fuses the residual add into the
+output and down GEMMs; elsewhere (CUDA, or when the self-check fails) plain ``F.linear`` /
+``addmm``. Every layer has the same calls (``linear(x)``, ``silu``, ``mul``, ``add``,
+``silu_mul``), so the model never asks which it holds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import overload
+
+import torch
+import torch.nn.functional as F
+
+from model_runner import onednn
+from model_runner.config import ModelConfig
+from model_runner.quant import QEmbedding, QLinear, QuantStack, QuantWeight, cat_rows
+
+Matrix = torch.Tensor | QuantWeight  # as a checkpoint holds it
+Weight = Matrix | QuantStack  # prepared: Q, K and V of several formats stack
+StateDict = Mapping[str, Matrix]
+
+
+class Linear:
+    """``y = x @ W.T + b`` with optional fused epilogues; the weight is either a plain tensor
+    or a oneDNN-packed one (CPU)."""
+
+    __slots__ = ("bias", "out_features", "packed", "weight")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
+        self.out_features = weight.shape[0]
+        self.bias = bias
+        self.packed = pack
+        if pack:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+        else:
+            self.weight = weight.contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return onednn.linear(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(linear(x))``."""
+        if self.packed:
+            return onednn.linear(x, self.weight, self.bias, "swish", [], "")
+        return F.silu(F.linear(x, self.weight, self.bias))
+
+    def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """``linear(x) * other``."""
+        if self.packed:
+            return onednn.linear_binary(x, other, self.weight, self.bias, "mul")
+        return F.linear(x, self.weight, self.bias).mul_(other)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + linear(x)`` (a new tensor; ``residual`` is not modified)."""
+        if self.packed:
+            return onednn.linear_binary(x, residual, self.weight, self.bias, "add")
+        if self.bias is None:
+            return torch.addmm(residual, x, self.weight.t())
+        return F.linear(x, self.weight, self.bias).add_(residual)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for a weight holding the gate rows, then the up rows."""
+        gu = self(x)
+        inter = gu.shape[-1] // 2
+        return F.silu(gu[:, :inter]).mul_(gu[:, inter:])
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight] if self.bias is None else [self.weight, self.bias]
+
+
+class GateUp:
+    """``silu(gate) * up`` as two GEMMs: on oneDNN SiLU fused into the gate's, the product
+    into the up's (one fused matrix would need the split and SiLU as two more ops)."""
+
+    __slots__ = ("gate", "up")
+
+    def __init__(self, gate: Linear | QLinear, up: Linear | QLinear) -> None:
+        self.gate = gate
+        self.up = up
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The gate, then the up projections [T, 2 * inter], as the fused matrix gives them
+        (a LoRA step adds its updates to them before the SiLU)."""
+        return torch.cat([self.gate(x), self.up(x)], dim=-1)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up.mul(x, self.gate.silu(x))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.gate.tensors(), *self.up.tensors()]
+
+
+class Embedding:
+    """The dense embedding lookup (``QEmbedding`` is the quantized one)."""
+
+    __slots__ = ("weight",)
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.weight)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight]
+
+
+AnyLinear = Linear | QLinear
+
+
+def onednn_works(dtype: torch.dtype) -> bool:
+    """Self-check of the oneDNN path on this machine: every epilogue against ``F.linear``."""
+    if not onednn.available() or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(24, 16, generator=g).to(dtype)
+        b = torch.randn(24, generator=g).to(dtype)
+        x = torch.randn(3, 16, generator=g).to(dtype)
+        other = torch.randn(3, 24, generator=g).to(dtype)
+        packed = Linear(w, b, pack=True)
+        dense = Linear(w, b, pack=False)
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        return all(
+            torch.allclose(p.float(), d.float(), atol=tol, rtol=tol)
+            for p, d in (
+                (packed(x), dense(x)),
+                (packed.silu(x), dense.silu(x)),
+                (packed.mul(x, other), dense.mul(x, other)),
+                (packed.add(x, other), dense.add(x, other)),
+            )
+        )
+    except RuntimeError:
+        return False
+
+
+class Linears:
+    """Makes the model's layers from prepared weights, in the run's dtype on its device:
+    ``make_linear`` is the one place a linear layer is chosen. ``use_onednn=None``: packed
+    for oneDNN on CPU when its self-check passes; ``activation_bits``: the quantized kernels'
+    activation precision (``quant.ACTIVATION_BITS``)."""
+
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        device: torch.device,
+        use_onednn: bool | None = None,
+        activation_bits: int = 16,
+    ) -> None:
+        if use_onednn is None:
+            use_onednn = device.type == "cpu" and onednn_works(dtype)
+        elif use_onednn and (device.type != "cpu" or not onednn_works(dtype)):
+            raise ValueError(f"oneDNN linear layers unavailable for {device} / {dtype}")
+        self.dtype = dtype
+        self.device = device
+        self.use_onednn = use_onednn
+        self.activation_bits = activation_bits
+
+    def dense(self, w: torch.Tensor) -> torch.Tensor:
+        """``w`` in the run's dtype on its device, contiguous."""
+        return w.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def make_linear(self, weight: Weight, bias: torch.Tensor | None = None) -> AnyLinear:
+        """The layer that runs ``weight`` (and ``bias``): the kernels' for a quantized one."""
+        if isinstance(weight, (QuantWeight, QuantStack)):
+            return QLinear(weight, bias, self.activation_bits)
+        return Linear(self.dense(weight), bias, self.use_onednn)
+
+    def make_gate_up(self, gate: Matrix, up: Matrix) -> AnyLinear | GateUp:
+        """``silu(gate) * up`` (``silu_mul``): one fused matrix, or oneDNN's two GEMMs."""
+        if self.use_onednn and not isinstance(gate, QuantWeight):
+            return GateUp(self.make_linear(gate), self.make_linear(up))
+        return self.make_linear(_cat_rows([gate, up]))
+
+    def make_embedding(self, weight: Weight) -> Embedding | QEmbedding:
+        if isinstance(weight, (QuantWeight, QuantStack)):
+            return QEmbedding(weight)
+        return Embedding(self.dense(weight))
+
+    def backend(self, weights_format: str) -> str:
+        """What runs the matrices: ``kvserve-<isa>-a<bits>`` (the kernels), onednn or torch."""
+        if weights_format != "float":
+            from model_runner import kernels
+
+            return f"kvserve-{kernels.isa()}-a{self.activation_bits}"
+        return "onednn" if self.use_onednn else "torch"
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: AnyLinear
+    o: AnyLinear
+    post_norm: torch.Tensor
+    gate_up: AnyLinear | GateUp  # silu(gate) * up
+    down: AnyLinear
+
+
+@dataclass(slots=True)
+class ModelWeights:
+    """Every weight the forward pass reads, made by ``load_weights``."""
+
+    layers: list[LayerWeights]
+    embed: Embedding | QEmbedding
+    norm: torch.Tensor
+    lm_head: AnyLinear
+    vocab_size: int  # rows of the embedding
+    formats: str  # "Q4_1+Q8_0"-style: the quantized formats held, or "float"
+
+    def num_bytes(self) -> int:
+        """Bytes of every weight tensor held (shared tensors counted once)."""
+        seen: dict[int, int] = {}
+        tensors = [self.norm, *self.embed.tensors(), *self.lm_head.tensors()]
+        for layer in self.layers:
+            tensors += [layer.input_norm, layer.post_norm]
+            for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                tensors += linear.tensors()
+        for t in tensors:
+            if not t.is_mkldnn:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            else:  # oneDNN-packed: opaque storage, the logical size
+                seen[id(t)] = t.numel() * t.element_size()
+        return sum(seen.values())
+
+
+def load_weights(config: ModelConfig, state_dict: StateDict, linears: Linears) -> ModelWeights:
+    """The model's layers from a Hugging Face-named ``state_dict`` (read, not kept)."""
+    missing = [k for k in _required_names(config) if k not in state_dict]
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"state dict lacks {len(missing)} weights the config needs: {shown}")
+    quantized = [n for n, w in state_dict.items() if isinstance(w, QuantWeight)]
+    if quantized and (linears.device.type != "cpu" or linears.dtype != torch.float32):
+        raise ValueError(
+            f"{len(quantized)} quantized weights ({quantized[0]}, ...) run on the CPU "
+            f"kernels with float32 compute, not {linears.device} / {linears.dtype}"
+        )
+    head = "lm_head.weight" if "lm_head.weight" in state_dict else "model.embed_tokens.weight"
+    if head == "model.embed_tokens.weight" and not config.tie_word_embeddings:
+        raise ValueError("state dict has no lm_head.weight and the config does not tie it")
+    prepared = _Prepared(state_dict, linears.device)
+    embed = prepared.matrix("model.embed_tokens.weight")
+    # Tied + oneDNN: the head is a packed copy of the embedding (the lookup needs it dense).
+    # Tied + quantized: the lookup and the head share one QuantWeight.
+    return ModelWeights(
+        layers=[_layer(config, prepared, linears, i) for i in range(config.num_layers)],
+        embed=linears.make_embedding(embed),
+        norm=linears.dense(prepared.vector("model.norm.weight")),
+        lm_head=linears.make_linear(prepared.matrix(head)),
+        vocab_size=embed.shape[0],
+        formats=_describe_formats(state_dict),
+    )
+
+
+class _Prepared:
+    """Reads ``state_dict``: matrices as held (quantized ones stay so), vectors as fp32 on
+    the run device (for the arithmetic of the preparation, before the run dtype)."""
+
+    def __init__(self, state_dict: StateDict, device: torch.device) -> None:
+        self.state_dict = state_dict
+        self.device = device
+
+    def vector(self, name: str) -> torch.Tensor:
+        w = self.state_dict[name]
+        if isinstance(w, QuantWeight):
+            w = w.dequantize()
+        return w.to(device=self.device, dtype=torch.float32)
+
+    def matrix(self, name: str) -> Matrix:
+        w = self.state_dict[name]
+        return w if isinstance(w, QuantWeight) else self.vector(name)
+
+
+def _layer(config: ModelConfig, w: _Prepared, linears: Linears, i: int) -> LayerWeights:
+    """Layer ``i``: fused QKV (Q scaled, Q and K in RoPE pair order), O, gate-up, down."""
+    p = f"model.layers.{i}.self_attn."
+    h, kvh, d = config.num_heads, config.num_kv_heads, config.head_dim
+    scale = 1.0 / math.sqrt(d)
+    wq = _scaled(_interleave_rows(w.matrix(p + "q_proj.weight"), h, d), scale)
+    wk = _interleave_rows(w.matrix(p + "k_proj.weight"), kvh, d)
+    bias: torch.Tensor | None = None
+    if config.attention_bias:
+        bias = linears.dense(
+            torch.cat(
+                [
+                    _interleave_rows(w.vector(p + "q_proj.bias"), h, d) * scale,
+                    _interleave_rows(w.vector(p + "k_proj.bias"), kvh, d),
+                    w.vector(p + "v_proj.bias"),
+                ]
+            )
+        )
+    qkv = linears.make_linear(_cat_rows([wq, wk, w.matrix(p + "v_proj.weight")]), bias)
+    p = f"model.layers.{i}."
+    return LayerWeights(
+        input_norm=linears.dense(w.vector(p + "input_layernorm.weight")),
+        qkv=qkv,
+        o=linears.make_linear(w.matrix(p + "self_attn.o_proj.weight")),
+        post_norm=linears.dense(w.vector(p + "post_attention_layernorm.weight")),
+        gate_up=linears.make_gate_up(
+            w.matrix(p + "mlp.gate_proj.weight"), w.matrix(p + "mlp.up_proj.weight")
+        ),
+        down=linears.make_linear(w.matrix(p + "mlp.down_proj.weight")),
+    )
+
+
+@overload
+def _interleave_rows(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor: ...
+@overload
+def _interleave_rows(w: Matrix, num_heads: int, head_dim: int) -> Matrix: ...
+def _interleave_rows(w: Matrix, num_heads: int, head_dim: int) -> Matrix:
+    """Permute each head's rows from half-split (HF) to interleaved RoPE pair order."""
+    half = head_dim // 2
+    order = torch.stack([torch.arange(half), torch.arange(half, head_dim)], dim=1).flatten()
+    if isinstance(w, QuantWeight):
+        heads = torch.arange(num_heads).unsqueeze(1) * head_dim
+        return w.rows((heads + order.to(heads.device)).flatten())
+    shape = w.shape
+    return w.reshape(num_heads, head_dim, -1)[:, order].reshape(shape)
+
+
+def _scaled(w: Matrix, factor: float) -> Matrix:
+    return w.scaled(factor) if isinstance(w, QuantWeight) else w * factor
+
+
+def _dense(w: Weight) -> torch.Tensor:
+    return w.dequantize() if isinstance(w, (QuantWeight, QuantStack)) else w
+
+
+def _cat_rows(weights: list[Matrix]) -> Weight:
+    """Stack row blocks; quantized ones stay quantized, each in its own format (else fp32)."""
+    if all(isinstance(w, QuantWeight) for w in weights):
+        quant = [w for w in weights if isinstance(w, QuantWeight)]
+        if len({w.in_features for w in quant}) == 1:
+            return cat_rows(quant)
+    return torch.cat([_dense(w) for w in weights])
+
+
+def _describe_formats(state_dict: StateDict) -> str:
+    """``"Q4_1+Q8_0"``-style list of the quantized formats held, or ``"float"``."""
+    sources = sorted({w.source for w in state_dict.values() if isinstance(w, QuantWeight)})
+    return "+".join(sources) if sources else "float"
+
+
+def _required_names(config: ModelConfig) -> list[str]:
+    """The Hugging Face parameter names ``config``'s model reads."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")] + [
+            p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")
+        ]
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        if config.attention_bias:
+            names += [p + f"self_attn.{n}_proj.bias" for n in ("q", "k", "v")]
+    return names

@@ -1,0 +1,122 @@
+"""cluster.ray_patches: the names it patches exist in the pinned Ray (a clear error when one
+moved), and a client's cancel reaches the proxy's calls to replicas through Ray's real gRPC
+proxy server class."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from cluster import ray_patches
+from cluster.ingress import NoServicer
+from server.grpc_service import generation_handler
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_pinned_ray_has_every_patched_name() -> None:
+    """pyproject pins Ray to the version the patches were written for, and it has them all."""
+    pinned = re.search(r'"ray\[serve\]==([\d.]+)"', (ROOT / "pyproject.toml").read_text())
+    assert pinned is not None and pinned.group(1) == ray_patches.RAY_VERSION
+    assert ray_patches.missing_ray_names() == []
+    ray_patches.check_ray_names()
+
+
+def test_a_moved_name_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name Ray no longer has (a module attribute or a parameter) is named, with the Ray
+    version the patches need."""
+    moved = (
+        ("ray.serve._private.proxy", "NoSuchThing"),
+        ("ray.serve._private.proxy", "ProxyResponseGenerator.(no_such_parameter)"),
+        ("ray.serve._private.no_such_module", "x"),
+    )
+    monkeypatch.setattr(ray_patches, "PATCHED_NAMES", ray_patches.PATCHED_NAMES + moved)
+    with pytest.raises(RuntimeError) as error:
+        ray_patches.check_ray_names()
+    message = str(error.value)
+    assert "ray.serve._private.proxy.NoSuchThing" in message
+    assert "ProxyResponseGenerator.(no_such_parameter)" in message
+    assert "no_such_module.x" in message
+    assert f"ray[serve]=={ray_patches.RAY_VERSION}" in message
+
+
+class _Response:
+    """What the proxy's ``ProxyResponseGenerator`` wraps: a replica call."""
+
+    def __init__(self) -> None:
+        self.was_cancelled = False
+
+    def cancelled(self) -> bool:
+        return self.was_cancelled
+
+    def cancel(self) -> None:
+        self.was_cancelled = True
+
+
+class _Context:
+    """The grpc.aio servicer context's done callbacks."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Any] = []
+
+    def add_done_callback(self, callback: Any) -> None:
+        self.callbacks.append(callback)
+
+    def end(self) -> None:
+        for callback in self.callbacks:
+            callback(self)
+
+
+async def test_a_cancelled_generate_cancels_the_proxys_calls_to_replicas() -> None:
+    """Registered on Ray's own gRPC proxy server, Generate's handler (Ray's, which sends the
+    call to a replica) records the replica calls it makes and cancels them when the client's
+    call ends before the replica's stream (grpc's cancelled() is not trusted: it can say
+    False for a cancel), not after it; unary methods keep Ray's handler."""
+    from ray.serve._private import proxy
+    from ray.serve._private.grpc_util import gRPCGenericServer
+
+    responses: list[_Response] = []
+
+    def factory(*, service_method: str, streaming_type: Any) -> Any:
+        async def ray_handler(request: Any, context: Any) -> Any:
+            response = _Response()
+            responses.append(response)
+            proxy.ProxyResponseGenerator(response)  # what Ray's proxy builds per replica call
+            yield "message"
+
+        ray_handler.__qualname__ = f"ray:{service_method}"
+        return ray_handler
+
+    server = gRPCGenericServer(factory)
+    ray_patches.add_streaming_handlers(server, generation_handler(NoServicer()))
+    assert server.service_handler_factory is factory  # put back
+    (handler,) = server.generic_rpc_handlers[-1]
+    methods = handler._method_handlers  # type: ignore[attr-defined]
+    assert methods["/kvserve.v1.Generation/GetModelInfo"].unary_unary.__qualname__ == (
+        "ray:/kvserve.v1.Generation/GetModelInfo"
+    )
+    generate = methods["/kvserve.v1.Generation/Generate"].unary_stream
+    for client_left_early in (True, False):
+        context = _Context()
+        stream = generate("request", context)
+        assert await anext(stream) == "message"
+        if not client_left_early:
+            assert [m async for m in stream] == []  # the replica's stream ended
+        context.end()
+        assert responses[-1].was_cancelled is client_left_early
+    await server.stop(None)
+
+
+async def test_the_null_servicer_answers_unimplemented() -> None:
+    """NoServicer's methods are never called (Ray replaces them); one that were says so."""
+
+    class Context:
+        async def abort(self, code: grpc.StatusCode, details: str) -> None:
+            raise RuntimeError(f"{code.name}: {details}")
+
+    with pytest.raises(RuntimeError, match="UNIMPLEMENTED: Generate is served by a replica"):
+        await NoServicer().Generate(None, Context())
