@@ -239,3 +239,41 @@ async def test_an_adapters_prefix_is_never_served_to_another(models: dict[str, A
     assert cached == {0: 0, 1: 0, 2: 0, 3: 20}
     for i, name in enumerate(("sql", "base", "chat", "sql")):
         assert answers[i] == hf_greedy(models[name], prompt), name
+
+
+async def test_adapters_reach_their_steps_one_step_ahead(models: dict[str, Any]) -> None:
+    """The engine one step ahead (overlap on, a CPU step thread, the next plan built while a
+    step runs, decodes on placeholder tokens): three adapters and the base model in the same
+    steps, on a pool small enough to preempt, each get their own transformers + PEFT greedy
+    tokens, so each request's adapter reaches every step it runs in; the pins are released."""
+    from scheduler import Request, SamplingParams
+    from server.engine_client import EngineClient
+    from tests.server.test_engine_overlap import engine_for, spy_on_submit
+
+    runner = runner_with(models, "sql", "chat", "small")
+    runner.use_step_thread(True)
+    planned = spy_on_submit(runner)
+    prompts = {name: random_ids(5 + 4 * i, seed=90 + i) for i, name in enumerate(models)}
+    want = {name: hf_greedy(models[name], prompts[name]) for name in models}
+    sampling = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    async def run(client: EngineClient, name: str) -> list[int]:
+        lora = None if name == "base" else runner.lora.resolve(name)
+        request = Request(name, prompts[name], sampling=sampling, lora=lora)
+        return [t async for out in client.generate(request) for t in out.token_ids]
+
+    try:
+        async with engine_for(
+            runner, overlap=True, num_blocks=14, max_model_len=64, max_num_batched_tokens=16
+        ) as (_, engine, scheduler):
+            assert engine.overlap is True
+            client = EngineClient(engine, runner.lora)
+            got = await asyncio.gather(*(run(client, name) for name in models))
+            stats = scheduler.make_stats()
+    finally:
+        runner.use_step_thread(False)
+    assert dict(zip(models, got, strict=True)) == want
+    assert stats.num_preemptions_total > 0 and stats.kv.num_blocks_used == 0
+    ahead = {s.lora.name for p in planned for s in p.decode if s.has_placeholder and s.lora}
+    assert ahead == {"sql", "chat", "small"}
+    assert all(runner.lora.pins(name) == 0 for name in ("sql", "chat", "small"))
