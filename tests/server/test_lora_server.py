@@ -135,7 +135,8 @@ async def test_runtime_load_and_unload_need_the_admin_key(
     """Loading needs an admin key (none: 401, a user key: 403); a corrupt file, an adapter
     of another model and a rank over the limit are 400s naming the reason, a taken name a
     409; the loaded adapter then serves PEFT's tokens; unloading makes it a 404 while the
-    server serves on. Every refusal leaves the server serving."""
+    server serves on. Every refusal leaves the server serving, and a base-model stream in
+    flight through all of them (its client not reading until the end) gets all its tokens."""
     runner = runner_with(models, max_lora_rank=4)
     prompt = random_ids(6, seed=71)
     other = tiny_hf("llama-gqa", hidden_size=32, intermediate_size=64)
@@ -144,13 +145,17 @@ async def test_runtime_load_and_unload_need_the_admin_key(
     (tmp_path / "corrupt" / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8}')
     (tmp_path / "corrupt" / "adapter_model.safetensors").write_bytes(b"\x00" * 100)
     admin = {"Authorization": f"Bearer {ADMIN}"}
+    long_prompt = random_ids(7, seed=74)
     async with serve(runner, ByteTokenizer(), http=True, security=admin_security) as h, \
-            httpx.AsyncClient(base_url=h.http_url, timeout=120) as http:  # fmt: skip
+            httpx.AsyncClient(base_url=h.http_url, timeout=120) as http, \
+            KVServeClient(h.address, api_key=ADMIN) as client:  # fmt: skip
 
         async def load(name: str, path: Path, headers: dict[str, str] | None = None) -> Any:
             body = {"lora_name": name, "lora_path": str(path)}
             return await http.post("/v1/load_lora_adapter", json=body, headers=headers)
 
+        in_flight = client.generate(long_prompt, max_tokens=60, ignore_eos=True)
+        first = await anext(in_flight)
         no_key = await load("sql", models["sql"].path)
         user = await load("sql", models["sql"].path, {"Authorization": f"Bearer {USER}"})
         corrupt = await load("c", tmp_path / "corrupt", admin)
@@ -164,6 +169,8 @@ async def test_runtime_load_and_unload_need_the_admin_key(
         gone = await http.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}, headers=admin)
         after = await http.post("/v1/completions", json=body, headers=admin)
         base = await http.post("/v1/completions", json={**body, "model": "tiny"}, headers=admin)
+        rest = await collect(in_flight)
+    assert tokens([first, *rest]) == hf_greedy(models["base"], long_prompt, 60)
     assert (no_key.status_code, user.status_code) == (401, 403)
     assert corrupt.status_code == 400 and "corrupt or truncated" in corrupt.text
     assert wrong.status_code == 400 and "another model" in wrong.text
