@@ -30,7 +30,10 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from benchmarks.sections import Context, SectionResult
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NUM_ADAPTERS = 8
@@ -91,11 +94,12 @@ def _say(message: str) -> None:
 def prepare(
     model_path: Path, work: Path, rank: int, converter: Path | None
 ) -> tuple[list[Path], Path | None, str]:
-    """The 8 PEFT adapters (cached in ``work``) and a0 as GGUF (None, and why, without a
-    converter)."""
+    """The 8 PEFT adapters (cached in ``work``, a folder per base model) and a0 as GGUF
+    (None, and why, without a converter)."""
     from benchmarks.make_random_lora import gguf_config, write_base_config, write_peft
 
     config = gguf_config(model_path)
+    work = work / model_path.stem  # adapters of one base model: another's would not fit
     work.mkdir(parents=True, exist_ok=True)
     adapters = []
     for i in range(NUM_ADAPTERS):
@@ -260,6 +264,37 @@ def format_table(f: LoraFigures) -> str:
     return "\n".join(lines)
 
 
+def section(ctx: Context) -> SectionResult:
+    """The ``lora`` section of ``make bench`` (``run_all``): 8 adapters mixed against the base
+    alone on one server, and one adapter against ``llama-server --lora``, chat128, runs
+    interleaved."""
+    from benchmarks import bench_llama_cpp, bench_models
+    from benchmarks.sections import SectionResult
+
+    sizes = ctx.sizes
+    cache_dir = bench_llama_cpp.default_cache_dir(os.environ)
+    quantize = Path("/nonexistent")
+    if ctx.llama_cpp.binary is not None:
+        quantize = bench_llama_cpp.ensure_tools(cache_dir, build=False).get(
+            "llama-quantize", quantize
+        )
+    work = cache_dir.parent.parent / "models"
+    ((path, _),) = bench_models.build_models([sizes.lora_model], work, quantize).values()
+    _say(f"[lora] {sizes.lora_model}: rank {sizes.lora_rank}, levels {sizes.lora_levels}")
+    figures, note = run(
+        path, sizes.lora_model, ctx.workload_file,
+        levels=list(sizes.lora_levels), mixed=sizes.lora_mixed,
+        output_tokens=sizes.lora_output_tokens, threads=ctx.threads, rank=sizes.lora_rank,
+        rounds=sizes.lora_rounds, work=work / "lora", llama_server=ctx.llama_cpp.binary,
+        converter=converter_path(cache_dir),
+    )  # fmt: skip
+    verdicts = figures.verdicts()
+    return SectionResult(
+        extra=asdict(figures) | {"gguf": note, "verdicts": verdicts if ctx.full else None},
+        table=format_table(figures) + f"\n\nThe adapter as GGUF: {note}.",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     from benchmarks import bench_llama_cpp, bench_models
 
@@ -269,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument(
+        "--output-tokens", type=int, default=None,
+        help="tokens per answer (default: chat128's 128; fewer to fit a busy machine's time)",
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny counts (wiring, not figures)")
     p.add_argument("--llama-cpp", default="cached", choices=("build", "cached", "off"))
     p.add_argument("--json", type=Path, default=None)
@@ -284,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         path, args.model, args.workload_file,
         levels=[(1, 1), (2, 2)] if quick else [(1, 4), (8, 16)],
         mixed=(2, 2) if quick else (8, 16),
-        output_tokens=8 if quick else 128,
+        output_tokens=args.output_tokens or (8 if quick else 128),
         threads=args.threads, rank=4 if quick else args.rank, rounds=args.rounds,
         work=work / "lora", llama_server=llama.binary, converter=converter,
     )  # fmt: skip

@@ -19,23 +19,14 @@ from pathlib import Path
 import torch
 
 from model_runner.config import ModelConfig
+from model_runner.lora.layout import HF_MODULES, target_shapes
 
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """(out, in) of each projection, Hugging Face's names."""
-    h, kvh, d = config.num_heads, config.num_kv_heads, config.head_dim
-    hidden, inter = config.hidden_size, config.intermediate_size
-    return {
-        "q_proj": (h * d, hidden),
-        "k_proj": (kvh * d, hidden),
-        "v_proj": (kvh * d, hidden),
-        "o_proj": (hidden, h * d),
-        "gate_proj": (inter, hidden),
-        "up_proj": (inter, hidden),
-        "down_proj": (hidden, inter),
-    }
+    return {HF_MODULES[t]: shape for t, shape in target_shapes(config).items()}
 
 
 def write_peft(

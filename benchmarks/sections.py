@@ -684,34 +684,3 @@ def kvtier(ctx: Context) -> SectionResult:
         f"({pools.in_flight} blocks) holds the turns in flight, not every history "
         f"({pools.all_conversations} blocks):\n\n" + bench_kv_tier_served.format_table(figures),
     )
-
-
-def lora(ctx: Context) -> SectionResult:
-    """LoRA adapters (bench_lora): 8 adapters mixed against the base alone on one server, and
-    one adapter against ``llama-server --lora``, chat128, runs interleaved."""
-    from dataclasses import asdict
-
-    from benchmarks import bench_llama_cpp, bench_lora, bench_models
-
-    sizes = ctx.sizes
-    cache_dir = bench_llama_cpp.default_cache_dir(os.environ)
-    quantize = Path("/nonexistent")
-    if ctx.llama_cpp.binary is not None:
-        quantize = bench_llama_cpp.ensure_tools(cache_dir, build=False).get(
-            "llama-quantize", quantize
-        )
-    work = cache_dir.parent.parent / "models"
-    ((path, _),) = bench_models.build_models([sizes.lora_model], work, quantize).values()
-    say(f"[lora] {sizes.lora_model}: rank {sizes.lora_rank}, levels {sizes.lora_levels}")
-    figures, note = bench_lora.run(
-        path, sizes.lora_model, ctx.workload_file,
-        levels=list(sizes.lora_levels), mixed=sizes.lora_mixed,
-        output_tokens=sizes.lora_output_tokens, threads=ctx.threads, rank=sizes.lora_rank,
-        rounds=sizes.lora_rounds, work=work / "lora", llama_server=ctx.llama_cpp.binary,
-        converter=bench_lora.converter_path(cache_dir), say=say,
-    )  # fmt: skip
-    verdicts = figures.verdicts()
-    return SectionResult(
-        extra=asdict(figures) | {"gguf": note, "verdicts": verdicts if ctx.full else None},
-        table=bench_lora.format_table(figures) + f"\n\nThe adapter as GGUF: {note}.",
-    )

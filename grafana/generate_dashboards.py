@@ -20,6 +20,7 @@ from typing import Any
 # grafana/ is not a package: this script runs as a file, and its building blocks sit beside it.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from lora_panels import lora_panels
 from panels import (
     BOTH_MET,
     DS,
@@ -58,43 +59,6 @@ def queue_panels() -> list[Panel]:
             "Waiting queue tokens",
             "Prompt tokens still to compute across the waiting queue.",
             [(f"sum(kvserve_waiting_queue_tokens{{{SEL}}})", "waiting tokens")],
-        ),
-    ]
-
-
-def lora_panels() -> list[Panel]:
-    """LoRA adapters: traffic, throughput and the queues by adapter (base: the base model)."""
-    return [
-        timeseries(
-            "Requests / s by adapter",
-            "Finished requests per second by LoRA adapter (base: requests of the base model).",
-            [(f"sum by (adapter) ({rate('kvserve_lora_requests_total')})", "{{adapter}}")],
-            unit="reqps",
-        ),
-        timeseries(
-            "Output tokens / s by adapter",
-            "Output tokens of finished requests per second, by LoRA adapter.",
-            [
-                (
-                    f"sum by (adapter) ({rate('kvserve_lora_generation_tokens_total')})",
-                    "{{adapter}}",
-                )
-            ],
-        ),
-        timeseries(
-            "Running / waiting by adapter",
-            "Requests running and waiting per LoRA adapter: at most --max-loras adapters run "
-            "at once; a request of one more waits.",
-            [
-                (
-                    f"sum by (adapter) (kvserve_lora_running_requests{{{SEL}}})",
-                    "running {{adapter}}",
-                ),
-                (
-                    f"sum by (adapter) (kvserve_lora_waiting_requests{{{SEL}}})",
-                    "waiting {{adapter}}",
-                ),
-            ],
         ),
     ]
 
