@@ -56,9 +56,12 @@ class Divergence:
         )
 
 
-def free_running(model: object, ids: list[int], tokens: int) -> tuple[list[int], list[object]]:
+def free_running(
+    model: object, ids: list[int], tokens: int, adapter: str | Path | None = None
+) -> tuple[list[int], list[object]]:
     """``tokens`` greedy tokens after ``ids`` and each step's log-probabilities (one request
-    through the runner: a prefill, then decode steps)."""
+    through the runner: a prefill, then decode steps), with the LoRA ``adapter`` (a PEFT
+    directory or a GGUF LoRA file) when given."""
     import torch
 
     from model_runner.config import RunnerOptions
@@ -70,9 +73,14 @@ def free_running(model: object, ids: list[int], tokens: int) -> tuple[list[int],
     blocks = -(-(len(ids) + tokens) // block)
     options = RunnerOptions(blocks, block, dtype=torch.float32, device="cpu", kv_dtype="float32")
     runner = TorchRunner(model.config, model.state_dict, options)  # type: ignore[attr-defined]
+    lora = None
+    if adapter is not None:
+        runner.lora.load("adapter", adapter)
+        lora = runner.lora.resolve("adapter")
     table = list(range(blocks))
     greedy = SamplingParams(temperature=0.0)
-    step = SchedulerOutput(0, prefill=[ScheduledSeq("a", list(ids), 0, table, greedy, True)])
+    first = ScheduledSeq("a", list(ids), 0, table, greedy, True, lora=lora)
+    step = SchedulerOutput(0, prefill=[first])
     logits = runner.step_logits(step)["a"][-1]
     out: list[int] = []
     logprobs: list[object] = []
@@ -84,7 +92,7 @@ def free_running(model: object, ids: list[int], tokens: int) -> tuple[list[int],
             break
         pos = len(ids) + i
         step = SchedulerOutput(
-            1 + i, decode=[ScheduledSeq("a", [out[-1]], pos, table, greedy, True)]
+            1 + i, decode=[ScheduledSeq("a", [out[-1]], pos, table, greedy, True, lora=lora)]
         )
         logits = runner.step_logits(step)["a"][-1]
     return out, logprobs

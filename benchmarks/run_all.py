@@ -73,7 +73,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks import sections
+from benchmarks import bench_lora, sections
 from benchmarks.bench_llama_cpp import LlamaCpp, find_llama_cpp, llama_cpp_note
 from benchmarks.sections import Context, SectionResult, say
 from benchmarks.sizes import FULL, QUICK
@@ -96,6 +96,7 @@ SECTIONS: dict[str, Callable[[Context], SectionResult]] = {
     "kernels": sections.kernels,
     "models": sections.models,
     "kvtier": sections.kvtier,
+    "lora": bench_lora.section,
 }
 
 

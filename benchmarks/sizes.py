@@ -46,6 +46,14 @@ class Sizes:
     kvtier_models: tuple[str, ...] = ("embedded", "random-1b-q4km")
     kvtier_quick: bool = False
     kvtier_users: int = 2
+    # lora: the model, one adapter against llama.cpp at these levels, 8 adapters mixed at
+    # (users, requests), output tokens, adapter rank and interleaved rounds (bench_lora).
+    lora_model: str = "random-1b-q4km"
+    lora_levels: tuple[tuple[int, int], ...] = ((1, 4), (8, 16))
+    lora_mixed: tuple[int, int] = (8, 16)
+    lora_output_tokens: int = 128
+    lora_rank: int = 16
+    lora_rounds: int = 1
 
 
 FULL = Sizes(
@@ -110,4 +118,9 @@ QUICK = Sizes(
     models_output_tokens=8,
     kvtier_models=("embedded",),
     kvtier_quick=True,
+    lora_model="embedded",
+    lora_levels=((1, 1),),
+    lora_mixed=(2, 2),
+    lora_output_tokens=8,
+    lora_rank=4,
 )

@@ -47,3 +47,13 @@ def prefix_block_keys(
         parent = hash_block_tokens(parent, token_ids[start : start + block_size], cache_salt)
         keys.append(parent)
     return keys
+
+
+def adapter_salt(cache_salt: str | None, adapter: str) -> str:
+    """The salt of a request run with a LoRA adapter: ``adapter`` (what names its weights
+    and scale) joins the tenant's ``cache_salt``. KV computed under an adapter differs from
+    the base model's and from any other adapter's, so their prefixes never hit each other's
+    blocks (in tier 1, tier 2, the prefill hand-off and the cluster's routing alike, which
+    all key by the salt); two requests of one adapter and one salt still share theirs. A
+    client's own salt reaches the cache as a digest, so it cannot spell this prefix."""
+    return f"lora={adapter};{cache_salt or ''}"

@@ -174,11 +174,13 @@ class OpenAIIngress:
 
         from server.build import constraint_tracker
         from server.frontend import Frontend
+        from server.lora import Adapters
         from server.openai.app import OpenAIFront
 
         cfg = build_config(engine or {}, environ={})
         replicas = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=replicas_app)
         model = await replicas.options(method_name="served_model").remote()
+        infos = await replicas.options(method_name="served_adapters").remote()
         tokenizer = tokenizer_for({"runner": cfg.runner, "model": cfg.model})
         tracker = constraint_tracker(tokenizer, model.vocab_size)
         security = cfg.security()
@@ -189,6 +191,9 @@ class OpenAIIngress:
             model,
             security=security,
             constraints=tracker.compiler if tracker is not None else None,
+            # The adapters the replicas load (--lora): the ingress resolves a model name to
+            # one, and the replica that runs the request pins it.
+            adapters=Adapters(infos=infos, base_name=model.name),
         )
         self.front = OpenAIFront(self.frontend, security, max_request_bytes=cfg.max_request_bytes)
         context = serve.get_replica_context()

@@ -61,7 +61,7 @@ def num_cached_tokens(request: Request, block_size: int, is_cached: Callable[[by
 
 def prefill_job(request: Request) -> Request:
     """The prefill replica's request for ``request``'s prompt: one greedy token (discarded),
-    the same owner, salt and priority, an id of its own."""
+    the same owner, salt, adapter and priority, an id of its own."""
     return Request(
         request_id=f"prefill/{uuid.uuid4().hex}",
         prompt_token_ids=list(request.prompt_token_ids),
@@ -70,6 +70,7 @@ def prefill_job(request: Request) -> Request:
         priority=request.priority,
         arrival_time_s=time.monotonic(),
         cache_salt=request.cache_salt,
+        lora=request.lora,  # KV made with the adapter, as the salt says
         tenant=request.tenant,
     )
 

@@ -38,7 +38,8 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from cluster.openai_ingress import GENERATE_METHOD, tokenizer_for
 from cluster.pd import PREFILL_METHOD
 from cluster.routing import DEFAULT_GUARD, LoadGuard, ReplicaLoad, make_router, routing_keys
-from scheduler.request import Request
+from scheduler.request import LoraRef, Request
+from server.lora import cache_salt_with
 from server.rpc import generation_pb2 as pb
 
 # Keys of requests chosen but not yet routed / completed, at most this many (a request Ray
@@ -91,6 +92,7 @@ class KVServeRequestRouter(RequestRouter):
         self._in_flight: Counter[str] = Counter()
         self._sent: dict[str, str] = {}  # internal request id -> replica id
         self._learned: dict[str, Any] = {}  # replica id -> the last report learned
+        self._adapter_keys: dict[str, str] = {}  # LoRA adapter -> its key (replica reports)
         self._auth = auth
         self._ids_of: OrderedDict[str, str] = OrderedDict()  # internal id -> scoped id
         self._holders: dict[str, tuple[str, str]] = {}  # scoped id -> (replica, internal id)
@@ -195,11 +197,27 @@ class KVServeRequestRouter(RequestRouter):
         except Exception:  # an invalid request: the replica answers it with a clear status
             logger.debug("no routing keys for request", exc_info=True)
             return [], 0
-        return routing_keys(ids, self.block_size, message.cache_salt or None), len(ids)
+        salt = self._adapter_salt(message.cache_salt or None, message)
+        return routing_keys(ids, self.block_size, salt), len(ids)
+
+    def _adapter_salt(self, salt: str | None, request: Any) -> str | None:
+        """``salt`` with the request's LoRA adapter in it, as the replicas salt its blocks
+        (the key of its weights comes from their reports); ``salt`` for the base model."""
+        name = request.adapter
+        if not name:
+            return salt
+        scale = request.adapter_scale if request.HasField("adapter_scale") else 1.0
+        key = self._adapter_keys.get(name)
+        if key is None or not scale:
+            return salt  # not served (the replica answers NOT_FOUND), or scale 0: the base
+        return cache_salt_with(salt, LoraRef(name, key, scale))
 
     # ------------------------------------------------------------------ RequestRouter
     def _learn_reports(self, replicas: list[RunningReplica]) -> None:
-        """Each replica's latest report, once: the keys it admitted, and the prices."""
+        """Each replica's latest report, once: the keys it admitted, the prices, and the
+        keys of its LoRA adapters."""
+        for r in replicas:
+            self._adapter_keys.update(r.routing_stats.get("adapters") or {})
         router = self.router
         router.retain(r.replica_id.unique_id for r in replicas)
         fresh = False

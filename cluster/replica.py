@@ -36,6 +36,7 @@ from cluster.metrics import (
 from cluster.openai_ingress import EXPECTED_CODES, Refusal
 from cluster.pd import DEFAULT_MIN_TRANSFER_TOKENS, ROLES, PrefillHandoff, Role, prefill_job
 from cluster.routing import routing_keys
+from model_runner.lora.info import AdapterInfo
 from scheduler.request import Request
 from server.config import ServerConfig, build_config
 from server.engine import EngineDeadError
@@ -43,6 +44,7 @@ from server.engine_client import EngineClient
 from server.frontend import Frontend, ServedModel, status_of
 from server.grpc_service import GenerationServicer
 from server.lifecycle import drain
+from server.lora import Adapters
 from server.outputs import GenerationOutput
 from server.rpc import generation_pb2 as pb
 
@@ -127,9 +129,13 @@ class _ReportingClient(EngineClient):
     decode replica it first hands the prompt to a prefill replica (``cluster.pd``)."""
 
     def __init__(
-        self, engine: Any, arrivals: _ArrivalKeys, handoff: PrefillHandoff | None = None
+        self,
+        engine: Any,
+        arrivals: _ArrivalKeys,
+        handoff: PrefillHandoff | None = None,
+        adapters: Any = None,
     ) -> None:
-        super().__init__(engine)
+        super().__init__(engine, adapters)
         self.arrivals = arrivals
         self.handoff = handoff
 
@@ -215,7 +221,7 @@ class KVServeReplica:
                 timeout_s=transfer_timeout_s,
                 min_tokens=transfer_min_tokens,
             )
-        self.client = _ReportingClient(built.engine, self.arrivals, handoff)
+        self.client = _ReportingClient(built.engine, self.arrivals, handoff, built.adapters)
         tracker = built.engine.constraint_tracker
         self.frontend = Frontend(
             self.client,
@@ -223,6 +229,7 @@ class KVServeReplica:
             built.model,
             security=security,
             constraints=tracker.compiler if tracker is not None else None,
+            adapters=Adapters(built.adapters, base_name=built.model.name),
         )
         self.servicer = GenerationServicer(self.frontend, sink=sink, security=security)
         built.engine.start()
@@ -265,6 +272,9 @@ class KVServeReplica:
             # A decode replica's prefill replicas: listed at the router's /targets too.
             "peer_metrics_urls": handoff.peer_metrics_urls() if handoff is not None else [],
             "tier2_capacity_blocks": tier_blocks,
+            # LoRA adapters -> the key of their weights: the router salts an adapter's prompt
+            # keys as this replica's cache does (server.lora.cache_salt_with).
+            "adapters": {a.name: a.key for a in self.frontend.adapters.infos()},
         }
 
     async def drain(self, grace_s: float) -> None:
@@ -351,6 +361,10 @@ class KVServeReplica:
     def served_model(self) -> ServedModel:
         """What the OpenAI ingress serves: this replica's model, context and limits."""
         return self.model
+
+    def served_adapters(self) -> list[AdapterInfo]:
+        """The LoRA adapters this replica serves (every replica loads the same ``--lora``)."""
+        return self.frontend.adapters.infos()
 
     async def Abort(self, request: pb.AbortRequest, grpc_context: Any = None) -> Any:
         """The router sends an Abort to the replica that runs the request it names."""

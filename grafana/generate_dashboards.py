@@ -20,6 +20,7 @@ from typing import Any
 # grafana/ is not a package: this script runs as a file, and its building blocks sit beside it.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from lora_panels import lora_panels
 from panels import (
     BOTH_MET,
     DS,
@@ -247,6 +248,8 @@ def overview() -> dict[str, Any]:
             ],
             row("Queue"),
             queue_panels(),
+            row("LoRA adapters"),
+            lora_panels(),
             row("Structured outputs and connections"),
             edge_panels(),
         ]

@@ -32,6 +32,7 @@ def build_request(
         request_id=request_id,
         priority=spec.priority,
         cache_salt=cache_salt or "",
+        adapter=spec.adapter or "",
     )
     for kind, value in (spec.constraint or {}).items():
         if kind == "choice":

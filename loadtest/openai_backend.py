@@ -83,6 +83,8 @@ def completion_body(spec: RequestSpec, model: str | None) -> dict[str, Any]:
     }
     if model is not None:
         body["model"] = model
+    if spec.adapter is not None:  # a LoRA adapter is named as the model (vLLM, kvserve)
+        body["model"] = spec.adapter
     if spec.ignore_eos:
         body["ignore_eos"] = True
     body.update({k: spec.sampling[k] for k in SAMPLING_FIELDS if k in spec.sampling})

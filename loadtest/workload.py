@@ -157,6 +157,7 @@ class RequestSpec:
     sampling: Mapping[str, Any] = field(default_factory=dict)
     # Structured outputs: one of {"json_schema": {...}}, {"regex": "..."}, {"choice": [...]}.
     constraint: Mapping[str, Any] | None = None
+    adapter: str | None = None  # the LoRA adapter it names (None: the base model)
 
     @property
     def num_prompt_tokens(self) -> int | None:
@@ -189,6 +190,8 @@ class Workload:
     cancel_fraction: float = 0.0
     cancel_after: LengthDist = field(default_factory=lambda: LengthDist(value=1))
     constraint: Mapping[str, Any] | None = None  # every request's (see RequestSpec)
+    # LoRA adapters the requests name in turn (request i: adapters[i % len]); () the base.
+    adapters: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -254,6 +257,7 @@ class Workload:
                 "priorities",
                 "cancel",
                 "constraint",
+                "adapters",
                 # Multi-turn structure, read by loadtest.multiturn (each request a turn);
                 # this loader sends the requests as independent prompts.
                 "conversations",
@@ -308,6 +312,7 @@ class Workload:
             cancel_fraction=float(cancel.get("fraction", 0.0)),
             cancel_after=LengthDist.parse(cancel.get("after_tokens"), 1),
             constraint=spec.get("constraint"),
+            adapters=tuple(str(a) for a in spec.get("adapters", ())),
         )
 
     @classmethod
@@ -337,6 +342,7 @@ class Workload:
             "cancel_fraction": self.cancel_fraction,
             "cancel_after_tokens": self.cancel_after.to_json(),
             "constraint": sorted(self.constraint) if self.constraint else None,
+            "adapters": list(self.adapters),
         }
 
     # ---------------------------------------------------------------- drawing
@@ -423,6 +429,7 @@ class Workload:
                     prefix_id=prefix_id,
                     sampling=self.sampling,
                     constraint=self.constraint,
+                    adapter=self.adapters[i % len(self.adapters)] if self.adapters else None,
                 )
             )
         return specs

@@ -55,6 +55,10 @@ CONNECTION_EVENTS = ("header_timeout", "body_timeout", "evicted_idle", "refused"
 TRANSFER_OUTCOMES = ("ok", "prefill_failed", "timeout")
 OTHER = "other"
 MAX_RPC_SERIES = 256
+# The adapter label of requests that run the base model (no adapter may take the name), and
+# the most adapters with series of their own (beyond: "other").
+BASE_ADAPTER = "base"
+MAX_ADAPTER_SERIES = 64
 # Model info labels always present (filled from the KV snapshot when not given).
 INFO_LABELS = ("model", "dtype", "device", "block_size", "num_blocks")
 
@@ -126,6 +130,17 @@ def _finished(s: SchedulerStats) -> dict[str, int]:
     return dict(sorted(finished.items()))
 
 
+def _by_adapter(counts: dict[str, int] | None) -> dict[str, int]:
+    """Requests by adapter label: the base model's ("" in the snapshot) always present."""
+    out = {BASE_ADAPTER: 0}
+    for name, n in (counts or {}).items():
+        key = name or BASE_ADAPTER
+        if key not in out and len(out) > MAX_ADAPTER_SERIES:
+            key = OTHER
+        out[key] = out.get(key, 0) + n
+    return out
+
+
 def _tier1_hit_tokens(kv: KVCacheStats) -> int:
     """Tier 1's prefix hits: all hits minus tier 2's."""
     return max(kv.prefix_hits_tokens_total - kv.tier2_hit_tokens_total, 0)
@@ -189,6 +204,12 @@ SNAPSHOT_METRICS: tuple[SnapshotMetric, ...] = (
     _stat("spec_accepted_tokens_total", COUNTER,
           "Speculative draft tokens accepted: output tokens that cost no step of their own.",
           "num_spec_accepted_tokens_total"),
+    SnapshotMetric("lora_running_requests", GAUGE,
+                   "Requests running by LoRA adapter (base: the base model).",
+                   lambda s: _by_adapter(s.lora_running), "adapter"),
+    SnapshotMetric("lora_waiting_requests", GAUGE,
+                   "Requests waiting by LoRA adapter (base: the base model).",
+                   lambda s: _by_adapter(s.lora_waiting), "adapter"),
     SnapshotMetric("requests_finished_total", COUNTER,
                    "Requests finished in the scheduler, by finish reason (stop, length, abort, "
                    "error).", _finished, "finish_reason"),
@@ -411,6 +432,18 @@ EVENT_COUNTERS: Mapping[str, tuple[tuple[str, ...], str]] = {
     "constraint_cache_hits_total": (
         (),
         "Constraints found in the compile cache (a request or check that compiled nothing).",
+    ),
+    "lora_requests_total": (
+        ("adapter",),
+        "Finished requests (each of the n samples counts) by LoRA adapter (base: the base model).",
+    ),
+    "lora_prompt_tokens_total": (
+        ("adapter",),
+        "Prompt tokens of finished requests by LoRA adapter (base: the base model).",
+    ),
+    "lora_generation_tokens_total": (
+        ("adapter",),
+        "Output tokens of finished requests by LoRA adapter (base: the base model).",
     ),
     "kv_transfers_total": (
         ("outcome",),

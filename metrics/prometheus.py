@@ -35,11 +35,13 @@ from prometheus_client.core import (
 from cache_manager.stats import KVCacheStats
 from metrics.catalog import (
     ABORT_REASONS,
+    BASE_ADAPTER,
     CONNECTION_EVENTS,
     CONNECTION_SERVERS,
     EVENT_COUNTERS,
     HISTOGRAMS,
     INFO_LABELS,
+    MAX_ADAPTER_SERIES,
     MAX_RPC_SERIES,
     OTHER,
     PREFIX,
@@ -57,6 +59,12 @@ from scheduler.request import AbortReason, FinishReason
 from scheduler.slo import attained, time_per_output_token
 
 logger = logging.getLogger(__name__)
+# The sink's per-adapter counts, in the order it keeps them.
+_ADAPTER_COUNTERS = (
+    "lora_requests_total",
+    "lora_prompt_tokens_total",
+    "lora_generation_tokens_total",
+)
 
 
 _F = TypeVar("_F", bound=Callable[..., None])
@@ -134,6 +142,8 @@ class PrometheusSink:
         self._transfer_bytes = 0
         self._sink_errors = 0
         self._constrained = 0
+        # By LoRA adapter: finished requests, their prompt and output tokens.
+        self._adapters: dict[str, list[int]] = {BASE_ADAPTER: [0, 0, 0]}
         self._constraint_compiles = 0
         self._constraint_cache_hits = 0
         self._logged_errors: set[str] = set()
@@ -219,6 +229,13 @@ class PrometheusSink:
             if abort_key is not None:
                 self._aborts[abort_key] = self._aborts.get(abort_key, 0) + 1
             self._constrained += bool(r.constrained)
+            adapter = r.adapter or BASE_ADAPTER
+            if adapter not in self._adapters and len(self._adapters) > MAX_ADAPTER_SERIES:
+                adapter = OTHER
+            counts = self._adapters.setdefault(adapter, [0, 0, 0])
+            counts[0] += 1
+            counts[1] += num_prompt
+            counts[2] += num_output
 
     @_never_raise
     def on_rejected(self, reason: str) -> None:
@@ -272,6 +289,10 @@ class PrometheusSink:
                 "connection_events_total": sorted(self._connections.items()),
                 "metrics_sink_errors_total": [((), self._sink_errors)],
                 "constrained_requests_total": [((), self._constrained)],
+                **{
+                    name: [((a,), c[i]) for a, c in sorted(self._adapters.items())]
+                    for i, name in enumerate(_ADAPTER_COUNTERS)
+                },
                 "constraint_compiles_total": [((), self._constraint_compiles)],
                 "constraint_cache_hits_total": [((), self._constraint_cache_hits)],
                 "kv_transfers_total": [((k,), v) for k, v in sorted(self._transfers.items())],

@@ -58,6 +58,7 @@ class RequestRecord:
     ttft_target_s: float | None = None
     itl_target_s: float | None = None
     constrained: bool = False  # carried a structured-output constraint
+    adapter: str | None = None  # the LoRA adapter it ran with (None: the base model)
 
 
 class MetricsSink(Protocol):

@@ -86,7 +86,9 @@ class RunnerOptions:
     when supported); ``cuda_graphs`` replays decode steps from CUDA graphs captured up to
     ``max_decode_rows`` rows (``max_num_seqs``, times 1 + k with speculation; None: the
     largest graph size), None = on CUDA with a backend that has graphs. ``name``: the
-    model's name in ``ModelInfo`` (default: the config's)."""
+    model's name in ``ModelInfo`` (default: the config's). ``max_lora_rank`` and
+    ``max_cpu_loras``: the LoRA adapters the runner accepts, and how many it keeps laid out
+    while unused (``lora.registry``)."""
 
     num_blocks: int | None = None
     block_size: int = 16
@@ -106,6 +108,8 @@ class RunnerOptions:
     cuda_graphs: bool | None = None
     max_decode_rows: int | None = None
     name: str | None = None
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 8
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

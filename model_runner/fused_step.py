@@ -26,6 +26,8 @@ import torch
 
 from model_runner import kernels
 from model_runner.kv_pool import KVPool
+from model_runner.lora.native import NativeLora
+from model_runner.lora.step import LoraStep
 from model_runner.model import LlamaModel
 from model_runner.quant import QLinear, describe
 
@@ -109,10 +111,11 @@ class FusedStep:
         return None
 
     def forward(self, token_ids: Sequence[int], positions: Sequence[int],
-                block_tables: Sequence[Sequence[int]]) -> torch.Tensor:  # fmt: skip
+                block_tables: Sequence[Sequence[int]],
+                lora: LoraStep | None = None) -> torch.Tensor:  # fmt: skip
         """Hidden states [rows, hidden] after the last layer for the tokens ``token_ids`` at
         ``positions``, each row with its request's block table; writes every layer's K/V of
-        those tokens into the pool."""
+        those tokens into the pool. ``lora``: the rows' adapters (``kernels/lora.h``)."""
         batch = len(token_ids)
         ids = torch.tensor(token_ids, dtype=torch.int64)
         hidden = self.model.embed_rows(ids).contiguous()
@@ -127,5 +130,10 @@ class FusedStep:
         step.batch = batch
         step.max_blocks = width
         step.nthreads = torch.get_num_threads()
-        self.lib.kv_step_layers(self.layers, len(self.model.layers), ctypes.byref(step))
+        native = NativeLora(lora) if lora is not None else None
+        step.lora = native.pointer if native is not None else None
+        try:
+            self.lib.kv_step_layers(self.layers, len(self.model.layers), ctypes.byref(step))
+        finally:
+            step.lora = None
         return hidden

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,9 @@ from model_runner.config import ModelConfig
 from model_runner.future import FutureTokens
 from model_runner.kv_pool import KVPool
 from model_runner.weights import Linears, StateDict, load_weights
+
+if TYPE_CHECKING:
+    from model_runner.lora.step import TorchLora
 
 # ---------------------------------------------------------------------------- RoPE
 
@@ -144,10 +147,13 @@ class LlamaModel:
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, batch: ForwardBatch[Any], pool: KVPool) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch[Any], pool: KVPool, lora: TorchLora | None = None
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] after the last layer (before the final norm) of every
-        token in ``batch``; writes every layer's K/V of those tokens into ``pool``."""
-        ops = self._fusion_ops(batch, pool)
+        token in ``batch``; writes every layer's K/V of those tokens into ``pool``.
+        ``lora``: the step's adapter updates, added after each projection they touch."""
+        ops = self._fusion_ops(batch, pool) if lora is None else None
         if ops is not None:
             return self._forward_fused(ops, batch, pool)
         h_heads, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -173,7 +179,10 @@ class LlamaModel:
         normed_shape = (self.hidden_size,)
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(hidden, normed_shape, layer.input_norm, self.eps)
-            qkv = layer.qkv(x).view(num_tokens, n_rot + kvh, d)
+            qkv = layer.qkv(x)
+            if lora is not None:
+                lora.add_(i, lora.qkv_spans, x, qkv)
+            qkv = qkv.view(num_tokens, n_rot + kvh, d)
             rot = qkv[:, :n_rot].unflatten(-1, (d // 2, 2))
             if self.rope_cis is not None:
                 torch.view_as_complex(rot).mul_(cis)
@@ -181,8 +190,16 @@ class LlamaModel:
                 _rope_real_(rot, cos, sin)
             self.attention.forward(i, qkv, batch, pool, attn_out)
             hidden = layer.o.add(attn_out, hidden)
+            if lora is not None:
+                lora.add_(i, (("o", 0),), attn_out, hidden)
             x = F.rms_norm(hidden, normed_shape, layer.post_norm, self.eps)
-            hidden = layer.down.add(layer.gate_up.silu_mul(x), hidden)
+            if lora is not None and lora.touches(i, lora.gate_up_spans):
+                act = _mlp_with_lora(layer.gate_up(x), i, x, lora)
+            else:
+                act = layer.gate_up.silu_mul(x)
+            hidden = layer.down.add(act, hidden)
+            if lora is not None:
+                lora.add_(i, (("down", 0),), act, hidden)
         return hidden
 
     def _fusion_ops(self, batch: ForwardBatch[Any], pool: KVPool) -> Any:
@@ -222,15 +239,13 @@ class LlamaModel:
         layers = self.layers
         x = ops.add_rms_norm(None, residual, layers[0].input_norm, self.eps)
         for i, layer in enumerate(layers):
-            gate_up = layer.gate_up  # the torch backend fuses gate and up in one matrix
-            assert callable(gate_up), "fusions need the fused gate+up matrix"
             qkv = layer.qkv(x).view(num_tokens, -1, d)
             ops.rope_kv_write(
                 qkv, cos, sin, batch.positions, batch.slot_mapping, pool.data[i], h_heads
             )
             self.attention.attend(i, qkv, batch.metadata, pool, attn_out)
             x = ops.add_rms_norm(layer.o(attn_out), residual, layer.post_norm, self.eps)
-            down = layer.down(ops.silu_mul(gate_up(x)))
+            down = layer.down(ops.silu_mul(layer.gate_up(x)))
             if i + 1 < len(layers):
                 x = ops.add_rms_norm(down, residual, layers[i + 1].input_norm, self.eps)
             else:
@@ -248,6 +263,15 @@ class LlamaModel:
         """Final norm + LM head on the given rows [R, hidden] -> fp32 logits [R, V]."""
         x = F.rms_norm(hidden, (self.hidden_size,), self.norm, self.eps)
         return self.lm_head(x).float()
+
+
+def _mlp_with_lora(gate_up: torch.Tensor, i: int, x: torch.Tensor, lora: TorchLora) -> torch.Tensor:
+    """``silu(gate) * up`` from the gate and up projections ``gate_up`` [T, 2 * inter] with
+    the adapters' updates of gate and up added before the SiLU (the fused epilogues cannot
+    take them)."""
+    lora.add_(i, lora.gate_up_spans, x, gate_up)
+    inter = gate_up.shape[-1] // 2
+    return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
 
 
 def _rope_real_(rot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

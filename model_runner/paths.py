@@ -19,7 +19,7 @@ another order, and an int8 activation near a rounding boundary could then flip a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -27,6 +27,7 @@ from model_runner.block_table import first_key_block
 from model_runner.cuda_graphs import DecodeGraphs, capture_sizes, graph_bucket
 from model_runner.fused_step import FusedStep
 from model_runner.kv_pool import KVPool
+from model_runner.lora.step import LoraStep, TorchLora
 from model_runner.model import LlamaModel
 from model_runner.step import StepRows
 
@@ -38,9 +39,10 @@ class ForwardPath(Protocol):
         """Whether this path can run ``step``."""
         ...
 
-    def forward(self, step: StepRows) -> torch.Tensor:
+    def forward(self, step: StepRows, lora: LoraStep | None = None) -> torch.Tensor:
         """Hidden states [rows, hidden] of every row of ``step`` (before the final norm);
-        writes every layer's K/V of those rows into the pool."""
+        writes every layer's K/V of those rows into the pool. ``lora``: the rows'
+        adapters (``fits`` said this path takes them)."""
         ...
 
 
@@ -52,12 +54,22 @@ class EagerPath:
     def __init__(self, model: LlamaModel, pool: KVPool) -> None:
         self.model = model
         self.pool = pool
+        self._stacks: Any = None  # CUDA: the last step's stacked adapter weights
 
     def fits(self, step: StepRows) -> bool:
         return True
 
-    def forward(self, step: StepRows) -> torch.Tensor:
-        return self.model.forward(self.model.attention.build(step), self.pool)
+    def forward(self, step: StepRows, lora: LoraStep | None = None) -> torch.Tensor:
+        model = self.model
+        adapters: TorchLora | None = None
+        if lora is not None and model.device.type == "cuda":
+            from model_runner.lora.cuda import StackCache, TritonLora  # needs triton
+
+            self._stacks = self._stacks or StackCache()
+            adapters = TritonLora(lora, step, model.config, model.device, self._stacks)
+        elif lora is not None:
+            adapters = TorchLora(lora, model.config, model.device)
+        return model.forward(model.attention.build(step), self.pool, adapters)
 
 
 class FusedPath:
@@ -74,8 +86,8 @@ class FusedPath:
     def fits(self, step: StepRows) -> bool:
         return step.num_rows <= self.max_rows and not skips_released(step, self.sliding_window)
 
-    def forward(self, step: StepRows) -> torch.Tensor:
-        return self.kernel.forward(step.token_ids, step.positions, step.block_tables())
+    def forward(self, step: StepRows, lora: LoraStep | None = None) -> torch.Tensor:
+        return self.kernel.forward(step.token_ids, step.positions, step.block_tables(), lora)
 
 
 class GraphPath:
@@ -87,9 +99,11 @@ class GraphPath:
         self.graphs = graphs
 
     def fits(self, step: StepRows) -> bool:
-        return graph_bucket(step, self.graphs.sizes) is not None
+        # No graphs were captured with adapters: a step with adapter rows runs eager.
+        return not step.has_adapters and graph_bucket(step, self.graphs.sizes) is not None
 
-    def forward(self, step: StepRows) -> torch.Tensor:
+    def forward(self, step: StepRows, lora: LoraStep | None = None) -> torch.Tensor:
+        assert lora is None, "a step with adapters never takes the graphs"
         return self.graphs.run(step)
 
 
@@ -109,8 +123,8 @@ class ForwardPaths:
             return self.graphs
         return self.eager
 
-    def forward(self, step: StepRows) -> torch.Tensor:
-        return self.choose(step).forward(step)
+    def forward(self, step: StepRows, lora: LoraStep | None = None) -> torch.Tensor:
+        return self.choose(step).forward(step, lora)
 
 
 def graph_sizes(

@@ -60,6 +60,10 @@ from model_runner.device import dtype_name, resolve_dtype, resolve_kv_dtype, sel
 from model_runner.future import FutureTokens
 from model_runner.kv_pool import KVPool, default_kv_budget_bytes, num_blocks_for_memory
 from model_runner.kv_transfer import PoolBlockIO
+from model_runner.lora.files import AdapterFile
+from model_runner.lora.layout import LoraWeights, lay_out
+from model_runner.lora.registry import LoraRegistry
+from model_runner.lora.step import LoraStep, resolve_adapters
 from model_runner.model import LlamaModel, rope_inv_freq
 from model_runner.paths import graph_sizes, make_paths
 from model_runner.sampler import (
@@ -104,6 +108,7 @@ class _Step:
     host: DeviceSample | None = None  # the sample, on the host once ``copied`` fired
     copied: torch.cuda.Event | None = None
     collected: SampleResult | None = None  # the one-by-one path's result
+    adapters: dict[str, LoraWeights] = field(default_factory=dict)  # the rows' LoRA weights
 
 
 class _Clock:
@@ -196,6 +201,13 @@ class TorchRunner:
         self._future_index: dict[str, int] = {}  # last step's sampled rows, for placeholders
         self._pending_scrub: list[int] = []  # blocks to scrub before the next step
         self._info = self._model_info(o.name)
+        # LoRA adapters: fp16 for the fused kernels (half the bytes a step reads; their
+        # error is far below the 4-bit weights'), the model's dtype elsewhere.
+        self.lora_dtype = torch.float16 if self.paths.fused is not None else self.dtype
+        self.lora = LoraRegistry(
+            config, self._lay_out_adapter, max_rank=o.max_lora_rank,
+            max_loaded=o.max_cpu_loras, base_name=self._info.name,
+        )  # fmt: skip
 
     def _attention_spec(self) -> AttentionSpec:
         """The model's attention as this runner runs it (``__init__``'s first step)."""
@@ -256,6 +268,9 @@ class TorchRunner:
     def info(self) -> ModelInfo:
         return self._info
 
+    def _lay_out_adapter(self, adapter: AdapterFile) -> LoraWeights:
+        return lay_out(adapter, self.config, self.lora_dtype, self.device)
+
     def block_io(self) -> PoolBlockIO:
         """The KV pool's blocks as bytes (tier 2)."""
         return PoolBlockIO(self.pool)
@@ -302,11 +317,14 @@ class TorchRunner:
         if plan.block_copies:
             self.pool.copy_blocks(plan.block_copies)
         step = StepRows.of(plan, self.limits)
-        if step.failed:
-            raise ValueError(f"invalid plan: {dict(step.failed)}")
+        failed = dict(step.failed)
+        step, adapters = self._adapters(step, failed)
+        if failed:
+            raise ValueError(f"invalid plan: {failed}")
         if step.is_empty:
             return {}
-        logits = self.model.compute_logits(self.paths.forward(step))
+        hidden = self.paths.forward(step, LoraStep.of(step, adapters) if adapters else None)
+        logits = self.model.compute_logits(hidden)
         out: dict[str, torch.Tensor] = {}
         row = 0
         for s in step.seqs:
@@ -326,6 +344,7 @@ class TorchRunner:
         placeholders = self._future_index
         rows = StepRows.of(plan, self.limits, placeholders)
         step.result.failed.update(rows.failed)
+        rows, step.adapters = self._adapters(rows, step.result.failed)
         self._future_index = {}
         if rows.is_empty:
             return step
@@ -390,13 +409,14 @@ class TorchRunner:
         if rows is None:
             return step
         clock = step.clock = _Clock(self.device)
+        adapters = step.adapters
         if self.fuse_batches or not (rows.prefill and rows.decode):
-            logits = self._forward_logits(rows)
+            logits = self._forward_logits(rows, adapters)
         else:
             prefill, decode = rows.split()
-            logits_p = self._forward_logits(prefill)
+            logits_p = self._forward_logits(prefill, adapters)
             clock.mark()
-            logits = torch.cat([logits_p, self._forward_logits(decode)])
+            logits = torch.cat([logits_p, self._forward_logits(decode, adapters)])
         clock.mark()
         if step.masks is not None:
             masks = step.masks.result()
@@ -415,9 +435,29 @@ class TorchRunner:
             step.collected = self._sample_one_by_one(logits, step)
         return step
 
-    def _forward_logits(self, step: StepRows) -> torch.Tensor:
+    def _adapters(
+        self, step: StepRows, failed: dict[str, str]
+    ) -> tuple[StepRows, dict[str, LoraWeights]]:
+        """The weights of the step's adapters by name; seqs whose adapter is not resident
+        go to ``failed`` and out of the step (the rest of it runs)."""
+        if not step.has_adapters:
+            return step, {}
+        adapters, missing = resolve_adapters(step.seqs, self.lora.weights)
+        if missing:
+            failed.update(missing)
+            step = StepRows.from_seqs(
+                [s for s in step.prefill if s.request_id not in missing],
+                [s for s in step.decode if s.request_id not in missing],
+                step.block_size,
+                step.null_block_id,
+                step.failed,
+            )
+        return step, adapters
+
+    def _forward_logits(self, step: StepRows, adapters: dict[str, LoraWeights]) -> torch.Tensor:
         """Logits [R, V] of the rows that sample, prefill rows first, in row order."""
-        hidden = self.paths.forward(step)
+        lora = LoraStep.of(step, adapters) if adapters else None
+        hidden = self.paths.forward(step, lora)
         rows = step.sample_rows()
         if not rows:
             return torch.empty(0, self.model.vocab_size, device=self.device)

@@ -186,6 +186,11 @@ class StepRows:
         return self.prefill + self.decode
 
     @property
+    def has_adapters(self) -> bool:
+        """Whether a row runs with a LoRA adapter (``ScheduledSeq.lora``)."""
+        return any(s.lora is not None for s in self.seqs)
+
+    @property
     def max_position(self) -> int:
         return max(self.positions, default=0)
 

@@ -101,6 +101,11 @@ class GateUp:
         self.gate = gate
         self.up = up
 
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The gate, then the up projections [T, 2 * inter], as the fused matrix gives them
+        (a LoRA step adds its updates to them before the SiLU)."""
+        return torch.cat([self.gate(x), self.up(x)], dim=-1)
+
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self.up.mul(x, self.gate.silu(x))
 

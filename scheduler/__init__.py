@@ -10,12 +10,20 @@ from scheduler.output import (
     SchedulerStats,
     TokenLogprobs,
 )
-from scheduler.request import AbortReason, FinishReason, Request, RequestStatus, SamplingParams
+from scheduler.request import (
+    AbortReason,
+    FinishReason,
+    LoraRef,
+    Request,
+    RequestStatus,
+    SamplingParams,
+)
 from scheduler.scheduler import Scheduler
 
 __all__ = [
     "AbortReason",
     "FinishReason",
+    "LoraRef",
     "ModelOutput",
     "OverloadError",
     "Request",

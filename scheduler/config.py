@@ -52,6 +52,10 @@ class SchedulerConfig:
     - ``memory_mode``: ``optimistic`` allocates blocks as tokens arrive and preempts (by
       recompute) when they run out; ``reserve`` admits a request only when blocks for its
       whole length (prompt + max_tokens) are free and never preempts.
+    - ``max_loras``: distinct LoRA adapters among the running requests at once, so in one
+      step (``scheduler.lora``): a request whose adapter would pass it waits, and requests
+      of running adapters or of the base model go past it, until it has waited
+      ``aging_steps`` steps; then only base requests may.
     - ``speculative``: ``ngram`` drafts up to ``num_speculative_tokens`` tokens per decode
       by prompt lookup (the request's last ``ngram_max`` down to ``ngram_min`` tokens,
       matched earlier in its own prompt and output; ``scheduler.spec``). The runner verifies
@@ -76,6 +80,7 @@ class SchedulerConfig:
     ttft_slo_ms: float = 2000.0
     slo_preempt_margin: float = 1.5
     slo_max_stretch: float = 8.0
+    max_loras: int = 8
     speculative: str = "off"
     num_speculative_tokens: int = 3
     ngram_max: int = 4
@@ -100,7 +105,7 @@ class SchedulerConfig:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("num_speculative_tokens", "ngram_max", "ngram_min"):
+        for name in ("num_speculative_tokens", "ngram_max", "ngram_min", "max_loras"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.ngram_min > self.ngram_max:

@@ -54,6 +54,7 @@ class Entry:
     group: ForkGroup | None = None  # n > 1, on sample 0: its samples (see scheduler.fork)
     blocked_at_num_free: int | None = None  # free blocks when admission last failed for memory
     moved_late: bool = False  # slo: moved back once, found late at the head (scheduler.slo)
+    lora_blocked_since: int | None = None  # max_loras: the step it first waited for a slot
     # For the decode hot path: tokens that may stop it, and the length that ends it.
     stop_ids: frozenset[int] = frozenset()
     max_num_tokens: int = 0  # prompt + max_tokens (within max_model_len: checked at admission)
@@ -184,6 +185,7 @@ def make_seq(
         len(req.output_token_ids) + num_placeholders,
         req.eos_token_ids,
         len(drafts) if drafts else 0,
+        req.lora,
     )
 
 
@@ -213,6 +215,7 @@ class Counters:
         waiting: WaitingQueue[Any],
         num_parked: int,
         kv: KVCacheManager,
+        lora_running: dict[str, int] | None = None,
     ) -> SchedulerStats:
         """The scheduler's stats: these counts, the queue's and the cache manager's."""
         return SchedulerStats(
@@ -233,9 +236,17 @@ class Counters:
             num_waiting_tokens=waiting.num_tokens,
             kv=kv.make_stats(),
             num_parked=num_parked,
+            lora_running=lora_running,
+            lora_waiting=_with_base(waiting.adapter_counts(), waiting.num_requests),
             num_spec_draft_tokens_total=self.num_spec_draft_tokens,
             num_spec_accepted_tokens_total=self.num_spec_accepted_tokens,
         )
+
+
+def _with_base(by_adapter: dict[str, int], total: int) -> dict[str, int]:
+    """Requests by adapter with the base model's under "" (the rest of ``total``)."""
+    base = total - sum(by_adapter.values())
+    return {"": base, **by_adapter} if base else by_adapter
 
 
 @dataclass(slots=True)

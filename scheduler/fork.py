@@ -101,6 +101,7 @@ def make_sample(parent: Request, index: int, request_id: str) -> Request:
         priority=parent.priority,
         arrival_time_s=parent.arrival_time_s,
         cache_salt=parent.cache_salt,
+        lora=parent.lora,
         tenant=parent.tenant,
         ttft_slo_s=parent.ttft_slo_s,
         itl_slo_s=parent.itl_slo_s,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cache_manager.stats import KVCacheStats
-from scheduler.request import FinishReason, SamplingParams
+from scheduler.request import FinishReason, LoraRef, SamplingParams
 
 # A token the step before sampled and the host does not know yet (scheduling one step ahead):
 # the runner reads it from that step's sampled ids on the device. Never a real token id.
@@ -62,6 +62,7 @@ class ScheduledSeq:
     # stop_token_ids, while num_output_tokens < sampling.min_tokens (unless ignore_eos).
     eos_token_ids: tuple[int, ...] = ()
     num_draft_tokens: int = 0  # speculative drafts at the end of token_ids (decode only)
+    lora: LoraRef | None = None  # the request's adapter (None: the base model)
 
     @property
     def num_tokens(self) -> int:
@@ -206,6 +207,9 @@ class SchedulerStats:
     num_parked: int = 0  # requests not scheduled because their client stopped reading
     num_spec_draft_tokens_total: int = 0  # speculative drafts verified
     num_spec_accepted_tokens_total: int = 0  # of them, accepted (became output tokens)
+    # Requests running / waiting by LoRA adapter ("": the base model; only those with some).
+    lora_running: dict[str, int] | None = None
+    lora_waiting: dict[str, int] | None = None
 
     @classmethod
     def make_empty(cls, kv: KVCacheStats | None = None) -> SchedulerStats:

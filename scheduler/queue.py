@@ -43,6 +43,7 @@ class WaitingQueue(Generic[W]):
     """Waiting entries in admission order, with exact counts; see the module docstring."""
 
     __slots__ = (
+        "_adapters",
         "_discarded",
         "_heap",
         "_num_stale",
@@ -60,6 +61,7 @@ class WaitingQueue(Generic[W]):
         self.num_tokens = 0  # tokens still to compute (all of them: nothing waiting holds KV)
         self.num_preempted = 0  # waiting again after a preemption
         self._tenants: dict[str, list[int]] = {}  # tenant -> [requests, tokens] (non-zero)
+        self._adapters: dict[str, int] = {}  # LoRA adapter -> requests (non-zero)
 
     def __len__(self) -> int:
         return self.num_requests
@@ -97,6 +99,20 @@ class WaitingQueue(Generic[W]):
         assert item[3] is entry, "admitted a request that is not the head of the queue"
         self._count(entry.request, -1)
 
+    def take(self, entry: W) -> None:
+        """Take ``entry`` out of the queue wherever it stands (the ``max_loras`` rule admits
+        past the head): ``pop`` for the head, else its live item is removed (O(n))."""
+        if self.peek() is entry:
+            self.pop(entry)
+            return
+        heap = self._heap
+        i = next(i for i, item in enumerate(heap) if item[3] is entry and item[0] == entry.sort_key)
+        last = heap.pop()
+        if i < len(heap):
+            heap[i] = last
+            heapq.heapify(heap)
+        self._count(entry.request, -1)
+
     def discard(self, entry: W) -> None:
         """``entry`` ends while waiting: it leaves the counts now and the heap lazily. Call
         before its status changes (a preempted request counts as such until then)."""
@@ -130,6 +146,15 @@ class WaitingQueue(Generic[W]):
             if id(item[3]) not in discarded and item[0] == item[3].sort_key
         ]
 
+    @property
+    def num_with_adapters(self) -> int:
+        """Waiting requests that run with a LoRA adapter."""
+        return sum(self._adapters.values())
+
+    def adapter_counts(self) -> dict[str, int]:
+        """Waiting requests by LoRA adapter (adapters with none left out)."""
+        return dict(self._adapters)
+
     def tenant_counts(self, tenant: str) -> tuple[int, int]:
         """(requests, tokens) waiting of ``tenant``."""
         counts = self._tenants.get(tenant)
@@ -146,6 +171,13 @@ class WaitingQueue(Generic[W]):
             counts[1] += sign * req.num_tokens
             if counts[0] == 0:
                 del self._tenants[req.tenant]  # a tenant gone leaves nothing behind
+        if req.lora is not None:
+            name = req.lora.name
+            count = self._adapters.get(name, 0) + sign
+            if count:
+                self._adapters[name] = count
+            else:
+                del self._adapters[name]
 
     def _compact(self) -> None:
         """Drop discarded and stale items once they are the majority of the heap."""

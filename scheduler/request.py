@@ -31,6 +31,29 @@ class Constraint:
             )
 
 
+@dataclass(frozen=True, slots=True)
+class LoraRef:
+    """The LoRA adapter a request runs with (``model_runner.lora``), as plain data.
+
+    ``name`` is what clients call it (the OpenAI ``model``); ``key`` names its weights (the
+    name and a digest of its files), so KV made with one adapter is never served to another,
+    or to an adapter reloaded under the same name with other weights; ``scale`` multiplies
+    its update (llama.cpp's per-request scale; 1 = as trained). The scheduler counts
+    adapters by ``name`` (``max_loras``); the runner finds the weights by ``name`` and checks
+    ``key``.
+    """
+
+    name: str
+    key: str
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("an adapter needs a name")
+        if not math.isfinite(self.scale):
+            raise ValueError(f"adapter scale must be finite, got {self.scale}")
+
+
 class SamplingParamsError(ValueError):
     """A ``SamplingParams`` value outside its range; the ranges live only here.
 
@@ -189,6 +212,7 @@ class Request:
     priority: int = 0  # lower value runs first
     arrival_time_s: float = 0.0
     cache_salt: str | None = None
+    lora: LoraRef | None = None  # the adapter it runs with; None: the base model
     tenant: str = ""  # who sent it (an API key's owner, a peer): per-tenant queue bounds
     # The request's own latency targets (the ``slo`` policy; None: the server's defaults).
     ttft_slo_s: float | None = None

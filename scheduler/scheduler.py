@@ -42,6 +42,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.cost_model import CostPredictor
 from scheduler.entry import Counters, Entry, StepPlan, check_in_flight, make_output, make_seq
 from scheduler.fork import ForkTable, make_sample
+from scheduler.lora import LoraAdmission, running_adapters
 from scheduler.output import (
     ModelOutput,
     RequestOutput,
@@ -98,6 +99,7 @@ class Scheduler:
         self._order = make_queue_order(config)
         self._victim = make_victim_rule(config)
         self._slo = make_slo_planner(config, cost_model, self._order)
+        self._lora = LoraAdmission(config.max_loras, config.aging_steps)
         self._drafter: NgramDrafter | None = None
         if config.speculative == "ngram":
             self._drafter = NgramDrafter(
@@ -392,7 +394,7 @@ class Scheduler:
                 return num_scheduled
             num_scheduled += scheduled
         while step.budget.remaining > 0:
-            head = self._waiting.peek()
+            head = self._next_admission()
             if head is None:
                 break
             if self._slo.move_if_late(head, len(self._waiting)):
@@ -414,6 +416,14 @@ class Scheduler:
                 break
             num_scheduled += scheduled
         return num_scheduled
+
+    def _next_admission(self) -> Entry | None:
+        """The waiting request to admit next: the head, unless LoRA requests wait, when the
+        ``max_loras`` rule may pick one behind it (``scheduler.lora``)."""
+        if not self._waiting.num_with_adapters:
+            return self._waiting.peek()
+        running = running_adapters(e.request for e in self._running.values())
+        return self._lora.choose(self._waiting, running, self._step_id)
 
     def _take_chunk(self, step: StepPlan, entry: Entry, *, first: bool) -> int | None:
         """A running prefill's next chunk, as long as the step's limit allows (at least a
@@ -531,7 +541,7 @@ class Scheduler:
                 return False
         entry.blocked_at_num_free = None
         step.budget.take_up_to(chunk)
-        self._waiting.pop(entry)
+        self._waiting.take(entry)
         if req.status is _WAITING:  # first admission (not a resumption after preemption)
             req.num_cached_tokens = num_hit
         req.num_computed_tokens = num_hit
@@ -678,6 +688,12 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         """A snapshot after the last step (batch composition of the last plan)."""
+        lora_running: dict[str, int] = {}  # by adapter; "" the base model
+        for entry in self._running.values():
+            ref = entry.request.lora
+            name = "" if ref is None else ref.name
+            lora_running[name] = lora_running.get(name, 0) + 1
         return self._counters.snapshot(
-            self._step_id, len(self._running), self._waiting, len(self._parked), self.kv
-        )
+            self._step_id, len(self._running), self._waiting, len(self._parked), self.kv,
+            lora_running,
+        )  # fmt: skip

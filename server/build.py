@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cache_manager import KVCacheManager, block_bytes
 from cache_manager.sizing import num_blocks_for_budget
@@ -28,6 +28,9 @@ from server.frontend import ServedModel, ServerTokenizer
 from server.kv_tier import KVTier, open_kv_tier
 from server.text import make_text_stream_factory
 
+if TYPE_CHECKING:
+    from model_runner.lora.registry import LoraRegistry
+
 logger = logging.getLogger(__name__)
 
 FAKE_DEFAULT_NUM_BLOCKS = 4096
@@ -44,6 +47,7 @@ class BuiltEngine:
     tokenizer: ServerTokenizer
     model: ServedModel
     source: str  # where the weights came from ("fake" for the fake runner)
+    adapters: LoraRegistry | None = None  # the runner's LoRA adapters (the torch runner's)
 
 
 def constraint_tracker(tokenizer: object, vocab_size: int) -> ConstraintTracker | None:
@@ -98,6 +102,8 @@ def runner_options(cfg: ServerConfig, name: str | None = None) -> RunnerOptions:
         activation_bits=cfg.activation_bits,
         max_decode_rows=cfg.scheduler_config(cfg.max_model_len or 1).max_decode_rows,
         name=name,
+        max_lora_rank=cfg.max_lora_rank,
+        max_cpu_loras=cfg.cpu_lora_budget,
     )
 
 
@@ -124,10 +130,20 @@ def _torch_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]
 
 def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEngine:
     """Load the model (or the fake runner), size the KV cache and wire up the engine."""
+    adapters: LoraRegistry | None = None
     if cfg.runner == "fake":
+        if cfg.lora:
+            raise ValueError("--lora needs the torch runner: the fake runner has no weights")
         runner, tokenizer, num_blocks, source = _fake_runner(cfg)
     else:
         runner, tokenizer, num_blocks, source = _torch_runner(cfg)
+        adapters = runner.lora  # type: ignore[attr-defined]
+        for name, path in cfg.lora_modules():
+            info = adapters.load(name, path)
+            logger.info(
+                "LoRA adapter %s: %s, rank %d, %s", name, path, info.rank,
+                "+".join(info.target_modules),
+            )  # fmt: skip
     info = runner.info
     max_model_len = min(info.max_model_len, cfg.max_model_len or info.max_model_len)
     per_block = block_bytes(info.shape, cfg.block_size)
@@ -169,7 +185,7 @@ def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEng
         weight_bytes=info.weight_bytes,
         streams_past_context=kv.streams_past_context,
     )
-    return BuiltEngine(engine, runner, scheduler, tokenizer, model, source)
+    return BuiltEngine(engine, runner, scheduler, tokenizer, model, source, adapters)
 
 
 def _kv_tier(

@@ -105,7 +105,7 @@ async def _serve(cfg: Any) -> int:
     server = KVServeServer(
         built.engine, built.tokenizer, model, sink=sink, security=security,
         max_request_bytes=cfg.max_request_bytes,
-        limits=cfg.edge_limits(),
+        limits=cfg.edge_limits(), adapters=built.adapters,
     )  # fmt: skip
     port = await server.start(cfg.host, cfg.port, http_port=cfg.http_port if cfg.http else None)
     scheme = "https" if security.tls is not None else "http"

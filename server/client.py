@@ -78,7 +78,8 @@ def build_generate_request(
     logprobs, ...) and StoppingOptions (max_tokens, min_tokens, stop, stop_token_ids,
     ignore_eos); unset ones take the server defaults. One constraint (structured outputs)
     may be given: ``json_schema`` (text), ``json_object=True``, ``regex``, ``choice`` (a list
-    of strings) or ``grammar``.
+    of strings) or ``grammar``. ``adapter`` names a LoRA adapter the server loaded
+    (``adapter_scale`` scales its update).
     """
     request = pb.GenerateRequest(request_id=request_id, priority=priority, cache_salt=cache_salt)
     if temperature is not None:
@@ -106,7 +107,7 @@ def build_generate_request(
             setattr(request.stopping, key, value)
         elif key == "choice":
             request.choice.choices.extend(value)
-        elif key in ("json_schema", "json_object", "regex", "grammar"):
+        elif key in ("json_schema", "json_object", "regex", "grammar", "adapter", "adapter_scale"):
             setattr(request, key, value)
         else:
             known = sorted(_SAMPLING_FIELDS | _STOPPING_FIELDS)

@@ -100,6 +100,10 @@ _HELP = {
         "within the decodes' TPOT slack (1 = never)"
     ),
     "speculative": "speculative decoding: off | ngram (drafts by prompt lookup)",
+    "max_loras": (
+        "LoRA adapters in one step (among the running requests); a request whose adapter "
+        "would pass it waits"
+    ),
     "num_speculative_tokens": "speculative: draft tokens verified per decode step",
     "ngram_max": "speculative ngram: longest suffix matched in the request's own tokens",
     "ngram_min": "speculative ngram: shortest suffix that may draft",
@@ -303,6 +307,21 @@ class ServerConfig:
         group="model",
     )
     threads: int | None = _f(None, "torch CPU threads (default: torch's choice)", group="model")
+    # -- LoRA adapters (model_runner.lora; --max-loras is the scheduler's, generated)
+    lora: tuple[str, ...] = _f(
+        (), "serve a LoRA adapter: NAME=PATH, a PEFT directory or a GGUF LoRA file "
+        "(repeatable; env: comma list); requests name it as their model", group="lora",
+        repeat=True,
+    )  # fmt: skip
+    max_lora_rank: int = _f(
+        _RUNNER.max_lora_rank, "largest adapter rank accepted (bounds memory and step cost)",
+        group="lora",
+    )  # fmt: skip
+    max_cpu_loras: int | None = _f(
+        None, "adapters kept laid out in memory while unused, LRU beyond it; they are read "
+        "back from disk when used (default: --max-loras or the --lora count, the larger)",
+        group="lora",
+    )  # fmt: skip
     max_model_len: int | None = _f(None, "context limit (default: the model's)", group="model")
     fake_step_sleep_s: float = _f(0.0, "fake runner: seconds each step sleeps", group="model")
     fake_token_sleep_s: float = _f(
@@ -386,6 +405,7 @@ class ServerConfig:
             "num_blocks",
             "fake_crash_at_step",
             "sliding_window",
+            "max_cpu_loras",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -400,6 +420,9 @@ class ServerConfig:
             )
         if self.kv_memory is not None:
             parse_bytes(self.kv_memory)
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        self.lora_modules()
         if parse_bytes(self.kv_disk_bytes) < 1:
             raise ValueError(f"kv_disk_bytes must be >= 1 byte, got {self.kv_disk_bytes!r}")
         for f in dataclasses.fields(self):
@@ -443,6 +466,28 @@ class ServerConfig:
             grpc_idle_timeout_s=self.grpc_idle_timeout_s,
             grpc_handshake_timeout_s=self.http_header_timeout_s,
         )
+
+    def lora_modules(self) -> list[tuple[str, str]]:
+        """``--lora`` as (name, path) pairs; ``ValueError`` for one without ``=`` or a name
+        given twice."""
+        pairs: list[tuple[str, str]] = []
+        for item in self.lora:
+            name, sep, path = item.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"--lora {item!r}: use NAME=PATH")
+            pairs.append((name.strip(), path.strip()))
+        names = [n for n, _ in pairs]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"--lora names {', '.join(twice)} more than once")
+        return pairs
+
+    @property
+    def cpu_lora_budget(self) -> int:
+        """Adapters kept resident while unused (``--max-cpu-loras``, or its default)."""
+        if self.max_cpu_loras is not None:
+            return int(self.max_cpu_loras)
+        return max(int(self.max_loras), len(self.lora), 1)
 
     @property
     def kv_memory_bytes(self) -> int | None:

@@ -8,13 +8,19 @@ the fast duplicate-id check (the scheduler's ``add_request`` is the authoritativ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
-from scheduler.request import AbortReason, Request
+from model_runner.lora.info import AdapterNotFoundError
+from scheduler.request import AbortReason, LoraRef, Request
 from server.auth import client_id
 from server.engine import EngineDeadError, EngineLoop, StalledStreamError, StreamBuffer
 from server.outputs import GenerationOutput, Item
+
+if TYPE_CHECKING:
+    from model_runner.lora.registry import LoraRegistry
 
 # A call cancelled this close to its deadline was cancelled BY the deadline. The client's clock
 # runs ahead of ours: it started counting when it sent the call, we when gRPC's core parsed
@@ -44,8 +50,11 @@ class EngineClient:
     next step.
     """
 
-    def __init__(self, engine: EngineLoop) -> None:
+    def __init__(self, engine: EngineLoop, adapters: LoraRegistry | None = None) -> None:
+        """``adapters``: the runner's LoRA adapters; a request's adapter is pinned while it
+        is in flight (read back from disk first if it was evicted)."""
         self.engine = engine
+        self.adapters = adapters
         self._active: dict[str, Request] = {}
         self._idle = asyncio.Event()
         self._idle.set()
@@ -71,6 +80,32 @@ class EngineClient:
         rid = request.request_id
         if rid in self._active:
             raise DuplicateRequestError(f"request_id {client_id(rid)!r} is already in flight")
+        lora = request.lora
+        if lora is not None:
+            await self._pin(lora)
+        try:
+            # aclosing: leaving early closes the inner stream now, which aborts the request.
+            async with contextlib.aclosing(self._generate(request, deadline_s)) as items:
+                async for item in items:
+                    yield item
+        finally:
+            if lora is not None and self.adapters is not None:
+                self.adapters.release(lora)
+
+    async def _pin(self, lora: LoraRef) -> None:
+        """Pin the request's adapter (read back from disk in a worker thread when evicted);
+        ``AdapterNotFoundError`` when this server does not serve it."""
+        if self.adapters is None:
+            raise AdapterNotFoundError(f"this server serves no adapters (asked for {lora.name!r})")
+        if self.adapters.needs_read(lora):
+            await asyncio.to_thread(self.adapters.acquire, lora)
+        else:
+            self.adapters.acquire(lora)
+
+    async def _generate(
+        self, request: Request, deadline_s: float | None
+    ) -> AsyncIterator[GenerationOutput]:
+        rid = request.request_id
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Item] = asyncio.Queue()
         buffer = StreamBuffer(rid)

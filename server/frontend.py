@@ -8,7 +8,8 @@ Imports run one way: ``server.lifecycle`` -> the fronts (``grpc_service``, ``ope
     InvalidRequestError / admission ValueError -> INVALID_ARGUMENT
     AuthError (no or a wrong API key)          -> UNAUTHENTICATED
     NotAdminError (a global view, no admin key) -> PERMISSION_DENIED
-    DuplicateRequestError                      -> ALREADY_EXISTS
+    AdapterNotFoundError (an unknown adapter)  -> NOT_FOUND
+    DuplicateRequestError, AdapterConflictError -> ALREADY_EXISTS
     OverloadError                              -> RESOURCE_EXHAUSTED
     a request finished with ERROR              -> INTERNAL (that request only)
     EngineDeadError / shutting down / cut off  -> UNAVAILABLE
@@ -34,12 +35,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
+from model_runner.lora.info import AdapterConflictError, AdapterNotFoundError
 from scheduler.errors import OverloadError
 from scheduler.request import FinishReason, Request
 from server import validation
 from server.auth import AuthError, NotAdminError, Security, client_id, scoped_id
 from server.engine import EngineDeadError, StalledStreamError
 from server.engine_client import DeadlineExceededError, DuplicateRequestError, EngineClient
+from server.lora import Adapters, cache_salt_with
 from server.outputs import GenerationOutput
 from server.rpc import generation_pb2 as pb
 from server.validation import InvalidRequestError, Limits
@@ -143,8 +146,10 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAUTHENTICATED, str(exc)
     if isinstance(exc, NotAdminError):
         return grpc.StatusCode.PERMISSION_DENIED, str(exc)
-    if isinstance(exc, DuplicateRequestError):
+    if isinstance(exc, DuplicateRequestError | AdapterConflictError):
         return grpc.StatusCode.ALREADY_EXISTS, str(exc)
+    if isinstance(exc, AdapterNotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, ValueError):  # InvalidRequestError, or the scheduler's admission check
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, OverloadError):
@@ -171,13 +176,16 @@ class Frontend:
         executor: Executor | None = None,
         security: Security | None = None,
         constraints: ConstraintCompiler | None = None,
+        adapters: Adapters | None = None,
     ) -> None:
         """``constraints``: compiles structured-output constraints (None: the runner takes
-        none, and a constrained request is refused)."""
+        none, and a constrained request is refused). ``adapters``: the LoRA adapters a
+        request may name (``server.lora``; None: none)."""
         self.client = client
         self.tokenizer = tokenizer
         self.model = model
         self.constraints = constraints
+        self.adapters = adapters if adapters is not None else Adapters(base_name=model.name)
         self.limits = model.limits
         self.security = security if security is not None else Security()
         self._executor = executor
@@ -207,9 +215,12 @@ class Frontend:
         if default_max_tokens is not None:
             limits = replace(limits, default_max_tokens=default_max_tokens)
         validation.check_request_fields(request, limits)
-        # Tenants apart: with keys on, the owner salts the prefix cache (server.auth).
-        cache_salt = self.security.cache_salt(
-            owner, validation.cache_salt_digest(request.cache_salt)
+        lora = self.adapters.for_request(request)
+        # Tenants apart: with keys on, the owner salts the prefix cache (server.auth); an
+        # adapter's KV apart from the base model's and the other adapters' (server.lora).
+        cache_salt = cache_salt_with(
+            self.security.cache_salt(owner, validation.cache_salt_digest(request.cache_salt)),
+            lora,
         )
         constraint = validation.constraint_of(request)
         prompt_ids = await self._prompt_ids(request)
@@ -226,6 +237,7 @@ class Frontend:
             priority=request.priority,
             arrival_time_s=time.monotonic(),
             cache_salt=cache_salt,
+            lora=lora,
             tenant=owner,  # the waiting queue's per-tenant bounds
             ttft_slo_s=ttft_slo_s,
             itl_slo_s=itl_slo_s,

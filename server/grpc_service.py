@@ -230,6 +230,17 @@ class GenerationServicer:
             kv_memory_bytes=m.kv_memory_bytes,
             weights=m.weights,
             weight_bytes=m.weight_bytes,
+            adapters=[
+                pb.LoraAdapter(
+                    name=a.name,
+                    rank=a.rank,
+                    alpha=a.alpha,
+                    target_modules=a.target_modules,
+                    format=a.kind,
+                    digest=a.digest,
+                )
+                for a in self.frontend.adapters.infos()
+            ],
         )
 
     async def GetKVCacheStats(

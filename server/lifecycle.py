@@ -12,6 +12,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -32,8 +33,12 @@ from server.grpc_service import (
     generation_handler,
 )
 from server.http_guard import EdgeLimits
+from server.lora import Adapters
 from server.openai.app import OpenAIFront
 from server.validation import DEFAULT_MAX_REQUEST_BYTES
+
+if TYPE_CHECKING:
+    from model_runner.lora.registry import LoraRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +50,8 @@ class KVServeServer:
     HTTP front's is ``http_port``) -> ``await wait()`` (returns the exit code: 0 after a
     graceful ``shutdown``, 1 when the engine died) and ``await shutdown(grace_s)`` from a
     signal handler or a test. ``security`` sets TLS and API keys for both front ends;
-    ``max_request_bytes`` bounds a request on both (a gRPC message, an HTTP body: 413).
+    ``max_request_bytes`` bounds a request on both (a gRPC message, an HTTP body: 413);
+    ``adapters``: the runner's LoRA adapters (``BuiltEngine.adapters``), served on both.
     """
 
     def __init__(
@@ -60,6 +66,7 @@ class KVServeServer:
         security: Security | None = None,
         limits: EdgeLimits | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        adapters: LoraRegistry | None = None,
     ) -> None:
         self.engine = engine
         self.limits = (limits if limits is not None else EdgeLimits()).resolved()
@@ -67,10 +74,13 @@ class KVServeServer:
         self.model = model
         self.security = security if security is not None else Security()
         self.sink: MetricsSink = sink if sink is not None else NullSink()
-        self.client = EngineClient(engine)
+        self.client = EngineClient(engine, adapters)
         tracker = engine.constraint_tracker
         compiler = tracker.compiler if tracker is not None else None
-        self.frontend = Frontend(self.client, tokenizer, model, executor, self.security, compiler)
+        self.frontend = Frontend(
+            self.client, tokenizer, model, executor, self.security, compiler,
+            Adapters(adapters, base_name=model.name),
+        )  # fmt: skip
         self.servicer = GenerationServicer(self.frontend, sink=sink, security=self.security)
         self.http: AsgiServer | None = None
         self.http_port = 0

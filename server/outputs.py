@@ -347,6 +347,7 @@ class OutputProcessor(Generic[StreamT]):
                 ttft_target_s=client.request.ttft_slo_s,
                 itl_target_s=client.request.itl_slo_s,
                 constrained=client.request.sampling.constraint is not None,
+                adapter=None if client.request.lora is None else client.request.lora.name,
             )
         )
 

@@ -101,6 +101,26 @@ class StepLayer(ctypes.Structure):
     ]
 
 
+class LoraPair(ctypes.Structure):
+    """One adapter's pair for one target of one layer (``kernels/lora.h``): fp16 ``a``
+    ``[rank, k]`` and ``bt`` ``[rank, n]``; ``a`` NULL where the adapter leaves it."""
+
+    _fields_ = [("a", _P), ("bt", _P), ("rank", _I32), ("pad", _I32)]
+
+
+class LoraRows(ctypes.Structure):
+    """A step's adapters: each row's slot (-1: the base) and scale, and per slot its
+    ``[num_layers * 7]`` pairs (``model_runner.lora.native``)."""
+
+    _fields_ = [
+        ("row_slot", _P),
+        ("row_scale", _P),
+        ("slots", ctypes.POINTER(ctypes.POINTER(LoraPair))),
+        ("num_slots", _I32),
+        ("max_rank", _I32),
+    ]
+
+
 class StepArgs(ctypes.Structure):
     """One step's rows and the model's shapes, for ``kv_step_layers`` (``kernels.cpp``'s
     ``StepArgs``)."""
@@ -129,10 +149,11 @@ class StepArgs(ctypes.Structure):
         ],
         ("eps", ctypes.c_float),
         ("residual", _I32),
+        ("lora", ctypes.POINTER(LoraRows)),
     ]
 
 
-_STRUCTS = (QW, StepLayer, StepArgs, QPart)  # kv_struct_sizes' order
+_STRUCTS = (QW, StepLayer, StepArgs, QPart, LoraPair, LoraRows)  # kv_struct_sizes' order
 
 
 def _struct_mismatch(lib: ctypes.CDLL) -> str | None:

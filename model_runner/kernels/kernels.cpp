@@ -89,6 +89,23 @@ struct StepLayer {
   float* kv_scales;  // int8 pools, else NULL
 };
 
+// LoRA (lora.h): one adapter's pair for one target of one layer, fp16: a [rank, k] and
+// bt = (scaling * B)^T [rank, n]; a == NULL where the adapter does not update the target.
+struct LoraPair {
+  const uint16_t* a;
+  const uint16_t* bt;
+  int32_t rank, pad;
+};
+
+// A step's adapters: each row's slot (-1: the base model) and scale; slots[s] points to the
+// adapter's [num_layers * 7] pairs (targets q, k, v, o, gate, up, down).
+struct LoraRows {
+  const int32_t* row_slot;
+  const float* row_scale;
+  const LoraPair* const* slots;
+  int32_t num_slots, max_rank;
+};
+
 // One step's rows and the model's shapes, for kv_step_layers.
 struct StepArgs {
   float* hidden;                // [B, hidden], updated in place
@@ -99,6 +116,7 @@ struct StepArgs {
   int32_t kv_dtype, num_blocks, block_size, max_blocks, window, nthreads;
   float eps;
   int32_t residual;  // activations with a residual byte (qmatmul.h's Acts), else int8
+  const LoraRows* lora;  // the rows' adapters, or NULL (lora.h)
 };
 
 // What a family library gives the dispatcher (kv_family; the dispatcher's kv_register_family).
@@ -109,11 +127,13 @@ struct KvFamily {
 };
 
 #ifndef KV_SPLIT_FORMAT
-// The sizes of the structs above (0 QW, 1 StepLayer, 2 StepArgs, 3 QPart; -1 past them), so
-// Python can check its ctypes mirrors against every library it loads.
+// The sizes of the structs above (0 QW, 1 StepLayer, 2 StepArgs, 3 QPart, 4 LoraPair,
+// 5 LoraRows; -1 past them), so Python can check its ctypes mirrors against every library
+// it loads.
 int kv_struct_sizes(int which) {
-  const int sizes[] = {(int)sizeof(QW), (int)sizeof(StepLayer), (int)sizeof(StepArgs), (int)sizeof(QPart)};
-  return which >= 0 && which < 4 ? sizes[which] : -1;
+  const int sizes[] = {(int)sizeof(QW),    (int)sizeof(StepLayer), (int)sizeof(StepArgs),
+                       (int)sizeof(QPart), (int)sizeof(LoraPair),  (int)sizeof(LoraRows)};
+  return which >= 0 && which < 6 ? sizes[which] : -1;
 }
 #endif
 
@@ -169,6 +189,7 @@ inline int imin(int a, int b) { return a < b ? a : b; }
 #include "qmatmul.h"
 
 #ifndef KV_SPLIT_FORMAT  // the core object of a split family (see the top)
+#include "lora.h"        // the fused step's adapters: the core's alone
 
 // ------------------------------------------------------------------ the fused layer stack
 //
@@ -327,11 +348,13 @@ struct StepBufs {
   float* attn;
   float* act;
   ActBufs* acts;
+  float* gate_up;  // [B, 2 * intermediate] with LoRA on gate or up, else NULL
+  float* lora_t;   // [B, 3 * max_rank] with LoRA, else NULL (lora.h)
 };
 
 // One layer, run by every thread of the step's team (tid of nth): the row-wise ops split by
 // rows, the matmuls by row blocks, attention by (row, KV head) tasks, a barrier between ops.
-void step_layer(const StepArgs& st, const StepLayer& L, const StepBufs& sb, int tid, int nth) {
+void step_layer(const StepArgs& st, const StepLayer& L, int layer, const StepBufs& sb, int tid, int nth) {
   const int B = st.batch, Hd = st.hidden_size, D = st.head_dim;
   const int H = st.num_heads, KVH = st.num_kv_heads, nq = (H + 2 * KVH) * D;
   ActBufs& ab = *sb.acts;
@@ -340,6 +363,11 @@ void step_layer(const StepArgs& st, const StepLayer& L, const StepBufs& sb, int 
 #pragma omp barrier
   }
   qgemm_team(L.qkv, sb.x, B, Hd, sb.qkv, nq, L.qkv_bias, nullptr, 0, EPI_NONE, st.residual, ab, tid, nth);
+  const int I = st.intermediate;
+  const LoraSpan qkv_spans[3] = {{LT_Q, 0, H * D}, {LT_K, H * D, KVH * D}, {LT_V, (H + KVH) * D, KVH * D}};
+  const LoraSpan o_span{LT_O, 0, Hd}, down_span{LT_DOWN, 0, Hd};
+  const LoraSpan gate_up_spans[2] = {{LT_GATE, 0, I}, {LT_UP, I, I}};
+  if (st.lora) lora_apply(st, layer, qkv_spans, 3, sb.x, Hd, sb.qkv, nq, sb.lora_t, tid, nth);
   for (int b = tid; b < B; b += nth) {
     const int64_t pos = st.positions[b];
     const float* cs = st.rope + pos * D;  // [D / 2] pairs of (cos, sin)
@@ -366,14 +394,29 @@ void step_layer(const StepArgs& st, const StepLayer& L, const StepBufs& sb, int 
     }
   }
   qgemm_team(L.o, sb.attn, B, H * D, st.hidden, Hd, nullptr, st.hidden, Hd, EPI_ADD, st.residual, ab, tid, nth);
+  if (st.lora) lora_apply(st, layer, &o_span, 1, sb.attn, H * D, st.hidden, Hd, sb.lora_t, tid, nth);
   for (int b = tid; b < B; b += nth) rms_norm(st.hidden + (int64_t)b * Hd, L.post_norm, st.eps, 1, Hd, sb.x + (int64_t)b * Hd);
   if (nth > 1) {
 #pragma omp barrier
   }
-  qgemm_team(L.gate_up, sb.x, B, Hd, sb.act, st.intermediate, nullptr, nullptr, 0, EPI_SILU_MUL, st.residual, ab, tid,
-             nth);
-  qgemm_team(L.down, sb.act, B, st.intermediate, st.hidden, Hd, nullptr, st.hidden, Hd, EPI_ADD, st.residual, ab, tid,
-             nth);
+  if (lora_touches(st, layer, gate_up_spans, 2)) {
+    // The update goes in before the SiLU: gate and up whole, then silu(gate) * up per row
+    // (the fused epilogue's arithmetic, so the base rows' numbers do not change).
+    qgemm_team(L.gate_up, sb.x, B, Hd, sb.gate_up, 2 * I, nullptr, nullptr, 0, EPI_NONE, st.residual, ab, tid, nth);
+    lora_apply(st, layer, gate_up_spans, 2, sb.x, Hd, sb.gate_up, 2 * I, sb.lora_t, tid, nth);
+    for (int b = tid; b < B; b += nth) {
+      const float* gu = sb.gate_up + (int64_t)b * 2 * I;
+      float* a = sb.act + (int64_t)b * I;
+      for (int j = 0; j < I; ++j) a[j] = silu(gu[j]) * gu[I + j];
+    }
+    if (nth > 1) {
+#pragma omp barrier
+    }
+  } else {
+    qgemm_team(L.gate_up, sb.x, B, Hd, sb.act, I, nullptr, nullptr, 0, EPI_SILU_MUL, st.residual, ab, tid, nth);
+  }
+  qgemm_team(L.down, sb.act, B, I, st.hidden, Hd, nullptr, st.hidden, Hd, EPI_ADD, st.residual, ab, tid, nth);
+  if (st.lora) lora_apply(st, layer, &down_span, 1, sb.act, I, st.hidden, Hd, sb.lora_t, tid, nth);
 }
 
 // Every layer in one OpenMP team: a barrier between ops instead of a team started per op
@@ -381,19 +424,21 @@ void step_layer(const StepArgs& st, const StepLayer& L, const StepBufs& sb, int 
 void step_layers(const StepLayer* layers, int num_layers, const StepArgs* step) {
   const StepArgs& st = *step;
   const int B = st.batch;
-  static thread_local Buf xb, qb, ab, mb;
+  static thread_local Buf xb, qb, ab, mb, gb, tb;
   static thread_local ActBufs acts;
   const int kmax = st.intermediate > st.hidden_size ? st.intermediate : st.hidden_size;
   acts.reserve(B, kmax > st.num_heads * st.head_dim ? kmax : st.num_heads * st.head_dim);
   const StepBufs sb{xb.get<float>((size_t)B * st.hidden_size),
                     qb.get<float>((size_t)B * (st.num_heads + 2 * st.num_kv_heads) * st.head_dim),
                     ab.get<float>((size_t)B * st.num_heads * st.head_dim), mb.get<float>((size_t)B * st.intermediate),
-                    &acts};
+                    &acts,
+                    st.lora ? gb.get<float>((size_t)B * 2 * st.intermediate) : nullptr,
+                    st.lora ? tb.get<float>((size_t)B * 3 * (st.lora->max_rank > 0 ? st.lora->max_rank : 1)) : nullptr};
   const int nt = st.nthreads > 1 ? st.nthreads : 1;
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-    for (int i = 0; i < num_layers; ++i) step_layer(st, layers[i], sb, tid, nth);
+    for (int i = 0; i < num_layers; ++i) step_layer(st, layers[i], i, sb, tid, nth);
   }
 }
 

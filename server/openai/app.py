@@ -7,7 +7,9 @@ server-sent events (``answer.Answer``)::
 
     POST /v1/completions       prompt (text or token ids)       -> text_completion
     POST /v1/chat/completions  messages (chat template)         -> chat.completion
-    GET  /v1/models            the served model
+    GET  /v1/models            the served model and its LoRA adapters (``parent``)
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter, GET/POST /lora-adapters
+                               the adapters (``server.openai.lora``; admin key to change)
     GET  /health               200 serving / 503 shutting down (no key needed)
     GET  /openapi.json         this API as an OpenAPI document (no key needed)
 
@@ -40,6 +42,7 @@ from server.auth import AuthError, Security
 from server.frontend import Frontend
 from server.openai.answer import Answer, Choices, sse
 from server.openai.fields import HttpError, body_too_large, error_body, http_error
+from server.openai.lora import LoraRoutes, model_entries
 from server.openai.openapi import openapi_document
 from server.openai.parse import load_body, parse_body
 from server.openai.tools import tool_call_format
@@ -83,6 +86,7 @@ class OpenAIFront:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                *LoraRoutes(frontend, self.security).routes(),
             ],
             exception_handlers={404: self._not_found, 405: self._not_allowed},
         )
@@ -114,7 +118,8 @@ class OpenAIFront:
                         "max_model_len": m.max_model_len,
                         # llama.cpp's extension; kvserve loadtest reads the vocabulary here.
                         "meta": {"n_vocab": m.vocab_size, "n_ctx": m.max_model_len},
-                    }
+                    },
+                    *model_entries(self.frontend, self.created),
                 ],
             }
         )
@@ -171,7 +176,9 @@ class OpenAIFront:
         try:
             owner = self._owner(http)
             body = load_body(await self._read_body(http))
-            parsed = parse_body(body, chat, self.model.name, self._tool_format)
+            parsed = parse_body(
+                body, chat, self.model.name, self._tool_format, self.frontend.adapters.names()
+            )
             request_id = http.headers.get("x-request-id") or (
                 f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             )

@@ -128,7 +128,15 @@ _TOOL_FIELDS: dict[str, dict[str, Any]] = {
 # naming it) and reads its integer ranges here; ``openapi`` writes the OpenAPI document
 # from the same tables, so the contract cannot drift from the parser.
 COMMON_FIELDS: dict[str, dict[str, Any]] = {
-    "model": {**_STRING, "description": "the served model's name (GET /v1/models); optional"},
+    "model": {**_STRING, "description": "the served model's name, or a loaded LoRA adapter's "
+                                        "(GET /v1/models); optional"},
+    "lora": {"type": "array",
+             "items": {"type": "object",
+                       "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
+                                      "scale": _number_schema("the adapter's scale")},
+                       "required": ["id"]},
+             "description": "llama.cpp's: [{id, scale}] over GET /lora-adapters' ids; one "
+                            "non-zero scale (one adapter per request), the rest 0"},
     "stream": {**_BOOLEAN, "description": "answer as server-sent events"},
     "stream_options": {
         "type": "object",

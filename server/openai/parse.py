@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import reprlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,22 +183,23 @@ class Parsed:
     tool_calls: ToolCalls | None = None  # the answer's text is tool calls (``tools``)
 
 
-def parse_body(body: Any, chat: bool, model_name: str, tool_format: str | None = None) -> Parsed:
+def parse_body(
+    body: Any,
+    chat: bool,
+    model_name: str,
+    tool_format: str | None = None,
+    adapters: Sequence[str] = (),
+) -> Parsed:
     """Translate a completions / chat completions body into a ``GenerateRequest``.
     ``tool_format``: the chat template's tool-call format (``tools.tool_call_format``;
-    None: tool_choice auto is refused)."""
+    None: tool_choice auto is refused). ``adapters``: the LoRA adapters' names, in
+    ``/lora-adapters`` order (a ``model`` may name one; llama.cpp's ``lora`` ids index it)."""
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"
     if not isinstance(body, Mapping):
         raise InvalidRequestError("the request body must be a JSON object")
     _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS, endpoint)
-    model = _str(body, "model")
-    if model is not None and model not in (model_name, ""):
-        raise HttpError(
-            grpc.StatusCode.NOT_FOUND,
-            f"the model {shown(model)} does not exist: this server serves {model_name!r}",
-            "model",
-        )
     request = pb.GenerateRequest()
+    _set_adapter(request, body, model_name, adapters)
     tools = parse_tools(body, tool_format) if chat else None
     if chat:
         _set_messages(request, body, tools.note if tools is not None else None)
@@ -229,6 +230,63 @@ def parse_body(body: Any, chat: bool, model_name: str, tool_format: str | None =
     return Parsed(
         request, stream, include_usage, logprobs, tools.calls if tools is not None else None
     )
+
+
+def _set_adapter(
+    request: pb.GenerateRequest, body: Mapping[str, Any], model_name: str, adapters: Sequence[str]
+) -> None:
+    """The adapter the request runs with: its ``model`` when that names an adapter, or
+    llama.cpp's ``lora`` list (ids into ``adapters``; the one entry with a non-zero scale).
+    An unknown model is a 404 naming what is served."""
+    model = _str(body, "model")
+    if model is not None and model not in (model_name, "", *adapters):
+        listed = ", ".join(repr(a) for a in adapters)
+        also = f" and the adapters {listed}" if adapters else ""
+        raise HttpError(
+            grpc.StatusCode.NOT_FOUND,
+            f"the model {shown(model)} does not exist: this server serves {model_name!r}{also}",
+            "model",
+        )
+    if model and model != model_name:
+        request.adapter = model
+    entries = body.get("lora")
+    if entries is None:
+        return
+    if not isinstance(entries, list):
+        raise InvalidRequestError(
+            f'lora must be a list of {{"id": ..., "scale": ...}}, got {shown(entries)}'
+        )
+    chosen: dict[int, float] = {}
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, Mapping) or not set(entry) <= {"id", "scale"}:
+            raise InvalidRequestError(
+                f'lora[{i}] must be {{"id": ..., "scale": ...}}, got {shown(entry)}'
+            )
+        index = entry.get("id")
+        if not _is_int(index) or not 0 <= index < len(adapters):
+            raise InvalidRequestError(
+                f"lora[{i}].id must be an adapter's id, 0..{len(adapters) - 1} "
+                f"(GET /lora-adapters), got {shown(index)}"
+            )
+        scale = _number(entry, "scale")
+        chosen[index] = 1.0 if scale is None else scale
+    nonzero = {index: scale for index, scale in chosen.items() if scale != 0}
+    if len(nonzero) > 1:
+        raise InvalidRequestError(
+            f"lora: {len(nonzero)} adapters have a non-zero scale; kvserve applies one adapter "
+            "per request"
+        )
+    if not nonzero:
+        request.adapter_scale = 0.0  # every adapter at 0: the base model, whatever the default
+        return
+    ((index, scale),) = nonzero.items()
+    if request.adapter and request.adapter != adapters[index]:
+        raise InvalidRequestError(
+            f"model names the adapter {request.adapter!r} and lora the adapter "
+            f"{adapters[index]!r}: name one"
+        )
+    request.adapter = adapters[index]
+    request.adapter_scale = scale
 
 
 def _set_slo(slo: pb.LatencyTargets, body: Mapping[str, Any]) -> None:

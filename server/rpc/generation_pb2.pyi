@@ -81,7 +81,7 @@ class StoppingOptions(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "chat", "sampling", "stopping", "request_id", "priority", "cache_salt", "n", "slo", "json_schema", "json_object", "regex", "choice", "grammar")
+    __slots__ = ("text", "token_ids", "chat", "sampling", "stopping", "request_id", "priority", "cache_salt", "n", "slo", "adapter", "adapter_scale", "json_schema", "json_object", "regex", "choice", "grammar")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,8 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     SLO_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_SCALE_FIELD_NUMBER: _ClassVar[int]
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
@@ -107,12 +109,14 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     n: int
     slo: LatencyTargets
+    adapter: str
+    adapter_scale: float
     json_schema: str
     json_object: bool
     regex: str
     choice: ChoiceList
     grammar: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stopping: _Optional[_Union[StoppingOptions, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., n: _Optional[int] = ..., slo: _Optional[_Union[LatencyTargets, _Mapping]] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stopping: _Optional[_Union[StoppingOptions, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., n: _Optional[int] = ..., slo: _Optional[_Union[LatencyTargets, _Mapping]] = ..., adapter: _Optional[str] = ..., adapter_scale: _Optional[float] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class ChoiceList(_message.Message):
     __slots__ = ("choices",)
@@ -213,7 +217,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "max_context_length", "vocab_size", "kv_block_size", "kv_num_blocks", "dtype", "device", "eos_token_ids", "kv_memory_bytes", "weights", "weight_bytes")
+    __slots__ = ("model", "max_context_length", "vocab_size", "kv_block_size", "kv_num_blocks", "dtype", "device", "eos_token_ids", "kv_memory_bytes", "weights", "weight_bytes", "adapters")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +229,7 @@ class ModelInfo(_message.Message):
     KV_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_context_length: int
     vocab_size: int
@@ -236,7 +241,24 @@ class ModelInfo(_message.Message):
     kv_memory_bytes: int
     weights: str
     weight_bytes: int
-    def __init__(self, model: _Optional[str] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_memory_bytes: _Optional[int] = ..., weights: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, model: _Optional[str] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_memory_bytes: _Optional[int] = ..., weights: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "rank", "alpha", "target_modules", "format", "digest")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rank: int
+    alpha: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    format: str
+    digest: str
+    def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., format: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class GetKVCacheStatsRequest(_message.Message):
     __slots__ = ()

@@ -203,3 +203,30 @@ async def test_abort_and_a_duplicate_id_go_where_the_request_runs() -> None:
     router.on_request_routed(generate("", 9), a.replica_id, None)  # type: ignore[arg-type]
     abort = call("Abort", pb.AbortRequest(request_id="x"), "alice", 10)
     assert await chosen(router, [a, b], abort) == "b"
+
+
+async def test_an_adapters_prompt_follows_its_own_keys() -> None:
+    """A Generate call naming an adapter is keyed with the adapter's salt, the key of its
+    weights learned from the replicas' reports: it goes where that adapter's prefix is, not
+    where the base model's same prompt is (and vice versa)."""
+    from scheduler.request import LoraRef
+    from server.lora import cache_salt_with
+
+    router = make_router(router="prefix")
+    prompt = "shared prefix shared prefix shared"
+    ids = ByteTokenizer().encode(prompt)
+    adapter_salt = cache_salt_with(None, LoraRef("sql", "sql@abc"))
+    base_keys, sql_keys = routing_keys(ids, 4, None), routing_keys(ids, 4, adapter_salt)
+    assert not set(base_keys) & set(sql_keys)
+    a = replica("a", keys=base_keys, adapters={"sql": "sql@abc"})
+    b = replica("b", keys=sql_keys, adapters={"sql": "sql@abc"})
+
+    def adapter_call(adapter: str, n: int) -> PendingRequest:
+        request = pb.GenerateRequest(text=prompt, adapter=adapter)
+        arg = pickle.dumps(gRPCRequest(user_request_proto=request))
+        return PendingRequest(
+            args=[arg], kwargs={}, metadata=RequestMetadata(f"r{n}", f"i{n}", "Generate")
+        )
+
+    assert await chosen(router, [a, b], adapter_call("sql", 1)) == "b"
+    assert await chosen(router, [a, b], adapter_call("", 2)) == "a"

@@ -90,8 +90,18 @@ def test_run_all_quick_prints_one_table_and_writes_json(tmp_path: Path) -> None:
     )
     assert list(SECTIONS) == [
         "chat128", "policy", "slo", "prefix", "paged", "spec", "kvcache", "sinks", "kernels",
-        "models", "kvtier",
+        "models", "kvtier", "lora",
     ]  # fmt: skip
+    # lora (quick: the embedded model, rank 4, llama.cpp off): base and 8 adapters on one
+    # server interleaved, then one adapter against llama-server (not measured).
+    lora = doc["lora"]
+    assert [r["kind"] for r in lora["runs"]] == [
+        "kvserve-base", "kvserve-8-adapters", "kvserve-8-adapters", "kvserve-base",
+        "kvserve-1-adapter", "llama.cpp-lora", "llama.cpp-lora", "kvserve-1-adapter",
+    ]  # fmt: skip
+    assert all(r["ok"] and r["output_tok_s"] > 0 for r in lora["runs"] if "kvserve" in r["kind"])
+    assert all(r["error"].startswith("not measured") for r in lora["runs"] if "llama" in r["kind"])
+    assert "LoRA adapters (lora)" in done.stdout
     # models (quick: the embedded file only, llama.cpp off): kvserve's rows, the peers'
     # reasons, a bandwidth probe.
     # kvtier (quick: the embedded model, llama.cpp off): the three kvserve configurations

@@ -371,3 +371,23 @@ def test_histogram_edges_nan_and_overflow(registry: CollectorRegistry) -> None:
     assert value(registry, itl + "_bucket", le="0.001") == 1.0
     assert value(registry, itl + "_bucket", le="20.0") == 1.0
     assert value(registry, itl + "_bucket", le="+Inf") == 2.0
+
+
+def test_requests_tokens_and_queues_by_adapter(registry: CollectorRegistry) -> None:
+    """Finished requests and their tokens count by LoRA adapter (base: the base model, always
+    exported); the running and waiting gauges read the snapshot's per-adapter counts."""
+    sink = PrometheusSink(registry)
+    assert value(registry, "kvserve_lora_requests_total", adapter="base") == 0.0
+    sink.on_request_done(make_record(adapter="sql"))
+    sink.on_request_done(make_record(adapter="sql", num_prompt_tokens=4, num_output_tokens=2))
+    sink.on_request_done(make_record())
+    assert value(registry, "kvserve_lora_requests_total", adapter="sql") == 2.0
+    assert value(registry, "kvserve_lora_prompt_tokens_total", adapter="sql") == 24.0
+    assert value(registry, "kvserve_lora_generation_tokens_total", adapter="sql") == 7.0
+    assert value(registry, "kvserve_lora_requests_total", adapter="base") == 1.0
+    stats = make_stats(lora_running={"": 1, "sql": 2}, lora_waiting={"chat": 3})
+    sink.on_step(StepRecord(stats, kind="mixed", step_duration_s=0.02, schedule_cpu_s=1e-4))
+    assert value(registry, "kvserve_lora_running_requests", adapter="sql") == 2.0
+    assert value(registry, "kvserve_lora_running_requests", adapter="base") == 1.0
+    assert value(registry, "kvserve_lora_waiting_requests", adapter="chat") == 3.0
+    assert value(registry, "kvserve_lora_waiting_requests", adapter="base") == 0.0

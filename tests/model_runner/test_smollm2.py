@@ -104,14 +104,18 @@ def run_engine(
     requests: list[tuple[int, Request]],
     max_num_seqs: int = 8,
     kv_dtype: str | None = None,
+    adapters: dict[str, Any] | None = None,
 ) -> tuple[dict[str, list[int]], Scheduler]:
     """Drive Scheduler + KVCacheManager + TorchRunner until every (arrival_step, request)
-    finished; returns each request's output tokens and the scheduler."""
+    finished; returns each request's output tokens and the scheduler. ``adapters``: LoRA
+    adapters (name -> path) loaded into the runner first."""
     from model_runner.runner import TorchRunner
 
     block_size, num_blocks = 16, 96
     options = RunnerOptions(num_blocks, block_size, dtype=torch.float32, device=DEVICE)
     runner = TorchRunner(smol.config, smol.state_dict, replace(options, kv_dtype=kv_dtype))
+    for name, path in (adapters or {}).items():
+        runner.lora.load(name, path)
     kv = KVCacheManager(
         KVCacheConfig(
             num_blocks=num_blocks, block_size=block_size, block_bytes=runner.pool.block_bytes

@@ -1,0 +1,106 @@
+"""A step's adapter updates on CUDA: ``TritonLora``, ``TorchLora``'s interface over the
+segmented kernels of ``lora.triton_ops``.
+
+The rows of a prefill chunk (and of a chunk over a cached prefix) are one SGMV segment; each
+decode row (a draft row too) is a BGMV row. The step's adapters' weights are stacked per
+layer and target, zero-padded to the step's largest rank; the stacks are kept while the
+same adapters come back step after step (``StackCache``: decode steps repeat their set).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from model_runner.config import ModelConfig
+from model_runner.lora import triton_ops
+from model_runner.lora.step import LoraStep, TorchLora
+from model_runner.step import StepRows
+
+
+class StackCache:
+    """The stacked weights of the last set of adapters a step ran with."""
+
+    def __init__(self) -> None:
+        self.key: tuple[int, ...] = ()
+        self.stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor] | None] = {}
+
+    def for_step(
+        self, lora: LoraStep
+    ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor] | None]:
+        key = tuple(id(w) for w in lora.slots)
+        if key != self.key:
+            self.key, self.stacks = key, {}
+        return self.stacks
+
+
+class TritonLora(TorchLora):
+    """See the module docstring; ``add_`` runs the kernels (``TorchLora`` keeps the spans and
+    ``touches``)."""
+
+    def __init__(
+        self,
+        lora: LoraStep,
+        step: StepRows,
+        config: ModelConfig,
+        device: torch.device,
+        cache: StackCache | None = None,
+    ) -> None:
+        super().__init__(lora, config, device)
+        segments: list[tuple[int, int, int]] = []
+        rows: list[int] = []
+        slots: list[int] = []
+        row = 0
+        for seq in step.prefill:
+            slot = lora.row_slot[row]
+            if slot >= 0:
+                segments.append((row, seq.num_tokens, slot))
+            row += seq.num_tokens
+        for seq in step.decode:
+            for _ in range(seq.num_tokens):
+                if lora.row_slot[row] >= 0:
+                    rows.append(row)
+                    slots.append(lora.row_slot[row])
+                row += 1
+        i32 = {"dtype": torch.int32, "device": device}
+        self.segments = torch.tensor(segments, **i32).reshape(-1, 3)
+        self.rows = torch.tensor(rows, **i32)
+        self.slots = torch.tensor(slots, **i32)
+        self.scale = torch.tensor(lora.row_scale, dtype=torch.float32, device=device)
+        self.num_rows = row
+        self.rank = triton_ops.padded_rank(lora.max_rank)
+        self._stacks = (cache or StackCache()).for_step(lora)
+
+    def _stack(self, layer: int, target: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        key = (layer, target)
+        if key not in self._stacks:
+            pairs = [w.layers[layer].get(target) for w in self.lora.slots]
+            first = next((p for p in pairs if p is not None), None)
+            if first is None:
+                self._stacks[key] = None
+            else:
+                a0, bt0 = first
+                a = a0.new_zeros(len(pairs), self.rank, a0.shape[1])
+                bt = bt0.new_zeros(len(pairs), self.rank, bt0.shape[1])
+                for s, pair in enumerate(pairs):
+                    if pair is not None:
+                        a[s, : pair[0].shape[0]] = pair[0]
+                        bt[s, : pair[1].shape[0]] = pair[1]
+                self._stacks[key] = (a, bt)
+        return self._stacks[key]
+
+    def add_(
+        self, layer: int, spans: Sequence[tuple[str, int]], x: torch.Tensor, y: torch.Tensor
+    ) -> None:
+        x = x.contiguous()
+        for target, col0 in spans:
+            stack = self._stack(layer, target)
+            if stack is None:
+                continue
+            a, bt = stack
+            t = torch.zeros(self.num_rows, self.rank, dtype=torch.float32, device=x.device)
+            triton_ops.sgmv_shrink(x, a, t, self.segments)
+            triton_ops.bgmv_shrink(x, a, t, self.rows, self.slots)
+            triton_ops.sgmv_expand(t, bt, y, self.scale, self.segments, col0)
+            triton_ops.bgmv_expand(t, bt, y, self.scale, self.rows, self.slots, col0)

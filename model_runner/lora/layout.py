@@ -1,0 +1,153 @@
+"""An adapter's pairs, checked against the base model and laid out as kvserve's model holds
+its weights (``LoraWeights``).
+
+kvserve's model (``model_runner.model``) does not hold Hugging Face's Q and K rows: each
+head's rows go from the half-split RoPE order ``(x_0 .. x_{D/2-1}, x_{D/2} .. x_{D-1})`` to
+interleaved pairs ``(x_0, x_{D/2}, x_1, ...)``, and Q carries the softmax scale ``1/sqrt(D)``.
+An update ``B @ A`` of Q or K must land in the same rows, so B's rows get the same
+permutation (and Q's B the same scale); A, which reads the input, is untouched. A GGUF
+adapter's Q and K rows come permuted as llama.cpp permutes its base (``files``): they are
+put back in Hugging Face's order first, with the base's head counts.
+
+Each pair is held as ``a`` ``[r, in]`` and ``bt = (scaling * B).T`` ``[r, out]`` (both
+contiguous along the long dimension, as the grouped products read them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from model_runner.config import ModelConfig
+from model_runner.lora.files import AdapterFile, LoraPair
+from model_runner.lora.info import AdapterError
+
+# kvserve's targets, in the order of a layer's projections, and their Hugging Face names.
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+HF_MODULES = {
+    "q": "q_proj",
+    "k": "k_proj",
+    "v": "v_proj",
+    "o": "o_proj",
+    "gate": "gate_proj",
+    "up": "up_proj",
+    "down": "down_proj",
+}
+TARGET_OF = {module: target for target, module in HF_MODULES.items()}
+# GGUF architectures whose Q / K rows llama.cpp's converter permutes (as gguf_loader's).
+_PERMUTED_ARCHS = frozenset({"llama"})
+
+
+def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """``(out_features, in_features)`` of each target in ``config``'s model."""
+    h, kvh, d = config.num_heads, config.num_kv_heads, config.head_dim
+    hidden, inter = config.hidden_size, config.intermediate_size
+    return {
+        "q": (h * d, hidden),
+        "k": (kvh * d, hidden),
+        "v": (kvh * d, hidden),
+        "o": (hidden, h * d),
+        "gate": (inter, hidden),
+        "up": (inter, hidden),
+        "down": (hidden, inter),
+    }
+
+
+def check_fits(adapter: AdapterFile, config: ModelConfig, max_rank: int) -> None:
+    """Raise ``AdapterError`` (naming the file and the mismatch) unless every pair of
+    ``adapter`` fits ``config``'s model and no rank is over ``max_rank``."""
+    path = adapter.path
+    arch = adapter.architecture
+    if arch is not None and arch != _gguf_arch(config.architecture):
+        raise AdapterError(
+            f"adapter {path!r} was made for a {arch!r} model; the base model is "
+            f"{config.architecture!r}"
+        )
+    if adapter.rank > max_rank:
+        raise AdapterError(
+            f"adapter {path!r} has rank {adapter.rank}, over --max-lora-rank {max_rank}: "
+            "raise it (it bounds every adapter's memory and step cost) or use a smaller rank"
+        )
+    shapes = target_shapes(config)
+    for (layer, module), pair in adapter.pairs.items():
+        if layer >= config.num_layers:
+            raise AdapterError(
+                f"adapter {path!r} targets layer {layer}; the base model has "
+                f"{config.num_layers} layers: it was made for another model"
+            )
+        out_features, in_features = shapes[TARGET_OF[module]]
+        got = (int(pair.b.shape[0]), int(pair.a.shape[1]))
+        if got != (out_features, in_features):
+            raise AdapterError(
+                f"adapter {path!r}: layer {layer} {module} updates a {got[0]} x {got[1]} "
+                f"matrix; the base model's is {out_features} x {in_features}: it was made "
+                "for another model"
+            )
+
+
+def _gguf_arch(architecture: str) -> str:
+    """The GGUF architecture name of a kvserve one (Mistral files are ``llama`` GGUFs)."""
+    return "llama" if architecture == "mistral" else architecture
+
+
+def _rope_pair_order(head_dim: int) -> torch.Tensor:
+    half = head_dim // 2
+    return torch.stack([torch.arange(half), torch.arange(half, head_dim)], dim=1).flatten()
+
+
+def _unpermute_gguf(b: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's row order of one head group -> Hugging Face's (gguf_loader.unpermute_qk)."""
+    half = b.shape[0] // num_heads // 2
+    return b.reshape(num_heads, half, 2, -1).transpose(1, 2).reshape(b.shape)
+
+
+def kvserve_rows(
+    target: str, pair: LoraPair, config: ModelConfig, qk_layout: str = "hf"
+) -> torch.Tensor:
+    """``scaling * B`` (fp32, ``[out, r]``) with its rows in kvserve's order for ``target``."""
+    b = pair.b * pair.scaling
+    if target not in ("q", "k"):
+        return b
+    heads = config.num_heads if target == "q" else config.num_kv_heads
+    d = config.head_dim
+    if qk_layout == "gguf" and _gguf_arch(config.architecture) in _PERMUTED_ARCHS:
+        b = _unpermute_gguf(b, heads)
+    b = b.reshape(heads, d, -1)[:, _rope_pair_order(d)].reshape(heads * d, -1)
+    return b * (1.0 / math.sqrt(d)) if target == "q" else b
+
+
+@dataclass(slots=True)
+class LoraWeights:
+    """One adapter in kvserve's layout: per layer, per target it updates, ``(a, bt)``."""
+
+    digest: str
+    rank: int
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    dtype: torch.dtype
+    native: Any = field(default=None, repr=False)  # the kernels' pair table (lora.native)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + bt.nbytes for layer in self.layers for a, bt in layer.values())
+
+    def targets(self, layer: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return self.layers[layer]
+
+
+def lay_out(
+    adapter: AdapterFile, config: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> LoraWeights:
+    """``adapter`` (already ``check_fits``) in kvserve's layout, ``dtype`` on ``device``."""
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
+        {} for _ in range(config.num_layers)
+    ]
+    for (layer, module), pair in adapter.pairs.items():
+        target = TARGET_OF[module]
+        b = kvserve_rows(target, pair, config, adapter.qk_layout)
+        a = pair.a.to(device=device, dtype=dtype).contiguous()
+        bt = b.t().to(device=device, dtype=dtype).contiguous()
+        layers[layer][target] = (a, bt)
+    return LoraWeights(adapter.digest, adapter.rank, layers, dtype)
