@@ -158,6 +158,7 @@ void quantize_row(const float* __restrict x, int K, bool residual, int8_t* __res
 //   BLOCK, RECORD, SUBS  values a record covers per row, its bytes, its 32-blocks
 //   HALVES               one scale and offset per 16-half (Q6_K), else per 32-block
 //   SIGNED               the SIMD quants are signed bytes (Q8_0 without VNNI)
+//   QMAX                 the largest unsigned quant (how many maddubs may sum in int16)
 //   row(rec, r, sub, q, S, O)   the scalar reference: row r of 32-block sub as unsigned
 //                        quants q[32] and, per 16-half h, S[h] and O[h] (w = S q + O); the
 //                        portable family's and dequant's decoder, which every SIMD one agrees with
@@ -229,7 +230,7 @@ KV_INLINE V add_high_bit(V w, uint32_t word) {
 // Q5_1 (w = d q + m). A record: d | m (HAS_M) | 8 mask words (FIVE) | 4 loads of nibble pairs.
 template <bool FIVE, bool HAS_M>
 struct DecQ32 : Rec {
-  static constexpr int BLOCK = 32, SUBS = 1, RECORD = 144 + (HAS_M ? 16 : 0) + (FIVE ? 32 : 0);
+  static constexpr int BLOCK = 32, SUBS = 1, RECORD = 144 + (HAS_M ? 16 : 0) + (FIVE ? 32 : 0), QMAX = FIVE ? 31 : 15;
   static constexpr int QH = HAS_M ? 32 : 16, QS = FIVE ? QH + 32 : QH;
   static constexpr bool HALVES = false, SIGNED = false;
   static constexpr float OFFSET = FIVE ? -16.f : -8.f;  // without m: O = OFFSET d
@@ -266,7 +267,7 @@ using DecQ5 = DecQ32<true, HAS_M>;
 
 // Q8_0 (w = d q - 128 d, quants stored XOR 0x80): d | 8 loads of bytes.
 struct DecQ8_0 : Rec {
-  static constexpr int BLOCK = 32, SUBS = 1, RECORD = 272;
+  static constexpr int BLOCK = 32, SUBS = 1, RECORD = 272, QMAX = 255;
   static constexpr bool HALVES = false, SIGNED = !KV_EMULATE_VNNI;  // maddubs would saturate on 255 * 127 * 2
   static void row(const uint8_t* rec, int r, int, uint8_t* q, float* S, float* O) {
     for (int i = 0; i < 8; ++i)
@@ -295,6 +296,7 @@ struct DecQ8_0 : Rec {
 template <bool FIVE>
 struct DecQK : Rec {
   static constexpr int BLOCK = 256, SUBS = 8, RECORD = FIVE ? 1408 : 1152, QS = FIVE ? 384 : 128;
+  static constexpr int QMAX = FIVE ? 31 : 15;
   static constexpr bool HALVES = false, SIGNED = false;
   static void row(const uint8_t* rec, int r, int sub, uint8_t* q, float* S, float* O) {
     const uint8_t* c = rec + QS + 256 * (sub >> 1);  // chunk sub / 2, low or high nibbles
@@ -337,7 +339,7 @@ struct DecQK : Rec {
 // Q6_K (w = d sc (q - 32) per 16-half): d | int8 scales, 16 groups x 8 rows | qh: 2 x 8 loads
 // of 2-bit quads | ql: 4 x 8 loads of nibble pairs.
 struct DecQ6_K : Rec {
-  static constexpr int BLOCK = 256, SUBS = 8, RECORD = 1680;
+  static constexpr int BLOCK = 256, SUBS = 8, RECORD = 1680, QMAX = 63;
   static constexpr bool HALVES = true, SIGNED = false;
   static void row(const uint8_t* rec, int r, int sub, uint8_t* q, float* S, float* O) {
     const int h = sub >> 2, qq = sub & 3, c = qq & 1, hi = qq >> 1;
@@ -389,7 +391,7 @@ struct DecQ6_K : Rec {
 // SIGNED), so the emulated tiles see what the real ones see.
 template <class D>
 struct Emulated : Rec {
-  static constexpr int BLOCK = D::BLOCK, SUBS = D::SUBS, RECORD = D::RECORD;
+  static constexpr int BLOCK = D::BLOCK, SUBS = D::SUBS, RECORD = D::RECORD, QMAX = D::QMAX;
   static constexpr bool HALVES = D::HALVES, SIGNED = D::SIGNED;
   using Rec::Rec;
   void unpack(int sub, W8::I* w) const {

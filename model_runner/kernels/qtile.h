@@ -18,11 +18,14 @@ struct Block {
 // per lane, for int8 activations; for residual ones 256 (w . a1) + (w . a2). The loop runs the
 // columns innermost, so consecutive dot products are independent (a chain of them waits ~4
 // cycles each, and the scheduler cannot look far enough ahead to overlap whole columns); a
-// lone column splits its sum into CH chains. Integer sums: exact, the same for every NC and CH.
-template <class W, bool SIGNED, bool RES, int NC, int I0, int N>
+// lone column splits its sum into CH chains. Each step takes G weight vectors (W::dots: on
+// maddubs families their int16 products are summed before one madd). Integer sums: exact, the
+// same for every NC, CH and G.
+template <class W, bool SIGNED, int G, bool RES, int NC, int I0, int N>
 KV_INLINE void col_dots(const typename W::I* w, const int8_t* ap, int64_t lda, int plane, typename W::I* out) {
   typedef typename W::I I;
-  constexpr int CH = NC >= 4 ? 1 : NC >= 2 ? 2 : 4;
+  static_assert(N % G == 0, "a step takes G whole weight vectors");
+  constexpr int CH0 = NC >= 4 ? 1 : NC >= 2 ? 2 : 4, CH = CH0 < N / G ? CH0 : N / G;
   // Few columns: the planes a1 and a2 sum apart (no chain runs through both); more columns
   // have parallelism enough, and registers for one accumulator each: a1, shift, then a2.
   constexpr int P = RES && NC < 4 ? 2 : 1;
@@ -33,13 +36,13 @@ KV_INLINE void col_dots(const typename W::I* w, const int8_t* ap, int64_t lda, i
     for (int j = 0; j < NC * CH; ++j) part[pl][j] = W::zero();
   }
 #pragma GCC unroll 8
-  for (int i = 0; i < N; ++i) {
+  for (int i = 0; i < N; i += G) {
 #pragma GCC unroll 2
     for (int pl = 0; pl < P; ++pl) {
 #pragma GCC unroll 8
       for (int c = 0; c < NC; ++c) {
-        I& p = part[pl][c * CH + i % CH];
-        p = W::template dot4<SIGNED>(p, w[I0 + i], W::bcast4(ap + pl * plane + c * lda + 4 * (I0 + i)));
+        I& p = part[pl][c * CH + (i / G) % CH];
+        p = W::template dots<SIGNED, G>(p, w + I0 + i, ap + pl * plane + c * lda + 4 * (I0 + i));
       }
     }
   }
@@ -47,11 +50,11 @@ KV_INLINE void col_dots(const typename W::I* w, const int8_t* ap, int64_t lda, i
 #pragma GCC unroll 16
     for (int j = 0; j < NC * CH; ++j) part[0][j] = W::shl8(part[0][j]);
 #pragma GCC unroll 8
-    for (int i = 0; i < N; ++i) {
+    for (int i = 0; i < N; i += G) {
 #pragma GCC unroll 8
       for (int c = 0; c < NC; ++c) {
-        I& p = part[0][c * CH + i % CH];
-        p = W::template dot4<SIGNED>(p, w[I0 + i], W::bcast4(ap + plane + c * lda + 4 * (I0 + i)));
+        I& p = part[0][c * CH + (i / G) % CH];
+        p = W::template dots<SIGNED, G>(p, w + I0 + i, ap + plane + c * lda + 4 * (I0 + i));
       }
     }
   }
@@ -73,14 +76,14 @@ KV_INLINE void col_dots(const typename W::I* w, const int8_t* ap, int64_t lda, i
 // is this same sequence for every NC, width and source (RES only changes the integers; a K
 // range split across calls continues the same sum), so a row's result does not depend on its
 // batch.
-template <class W, bool HALVES, bool SIGNED, bool RES, int NC>
+template <class W, bool HALVES, bool SIGNED, int G, bool RES, int NC>
 KV_INLINE void block_fma(const Block<W>& k, const int8_t* ap, const Acts& a, const float* au, int c0, int kb,
                          typename W::F* acc) {
   typedef typename W::F F;
   if constexpr (HALVES) {
     typename W::I i0[NC], i1[NC];
-    col_dots<W, SIGNED, RES, NC, 0, 4>(k.w, ap, a.lda, a.K32, i0);
-    col_dots<W, SIGNED, RES, NC, 4, 4>(k.w, ap, a.lda, a.K32, i1);
+    col_dots<W, SIGNED, G, RES, NC, 0, 4>(k.w, ap, a.lda, a.K32, i0);
+    col_dots<W, SIGNED, G, RES, NC, 4, 4>(k.w, ap, a.lda, a.K32, i1);
     const float* as = a.s16 + (int64_t)c0 * 2 * a.KB + 2 * kb;
 #pragma GCC unroll 8
     for (int c = 0; c < NC; ++c) {
@@ -92,7 +95,7 @@ KV_INLINE void block_fma(const Block<W>& k, const int8_t* ap, const Acts& a, con
     }
   } else {
     typename W::I isum[NC];
-    col_dots<W, SIGNED, RES, NC, 0, 8>(k.w, ap, a.lda, a.K32, isum);
+    col_dots<W, SIGNED, G, RES, NC, 0, 8>(k.w, ap, a.lda, a.K32, isum);
     const float* as = a.s + (int64_t)c0 * a.KB + kb;
 #pragma GCC unroll 8
     for (int c = 0; c < NC; ++c) {
@@ -110,7 +113,7 @@ KV_INLINE void block_fma(const Block<W>& k, const int8_t* ap, const Acts& a, con
 template <class D>
 struct One {
   typedef W8 W;
-  static constexpr int SUBS = D::SUBS, RES_COLS = 4;
+  static constexpr int SUBS = D::SUBS, RES_COLS = 4, QMAX = D::QMAX;
   static constexpr bool HALVES = D::HALVES, SIGNED = D::SIGNED;
   const uint8_t* rec;
   KV_INLINE D at(int b) const {
@@ -137,7 +140,7 @@ struct One {
 template <class D>
 struct Two {
   typedef W16 W;
-  static constexpr int SUBS = D::SUBS, RES_COLS = 4;
+  static constexpr int SUBS = D::SUBS, RES_COLS = 4, QMAX = D::QMAX;
   static constexpr bool HALVES = D::HALVES, SIGNED = D::SIGNED;
   struct Opened {
     D a, b;
@@ -182,7 +185,7 @@ typedef Block<W16> Unpacked;
 template <bool H>
 struct Buffered {
   typedef W16 W;
-  static constexpr int SUBS = 1, RES_COLS = H ? 4 : 8;  // the weights come from L1
+  static constexpr int SUBS = 1, RES_COLS = H ? 4 : 8, QMAX = 255;  // the weights come from L1
   static constexpr bool HALVES = H, SIGNED = false;
   const Unpacked* u;
   KV_INLINE const Unpacked* at(int b) const { return u + b; }
@@ -206,7 +209,7 @@ void tile(const Src& src, int nrec, const Acts& a, int c0, float* acc_io, int ld
       Block<W> scratch;
       const Block<W>& k = Src::block(opened, sub, scratch);
       const int kb = b * Src::SUBS + sub;
-      block_fma<W, Src::HALVES, Src::SIGNED, RES, NC>(k, aq + 32 * kb, a, au, c0, kb, acc);
+      block_fma<W, Src::HALVES, Src::SIGNED, W::group(Src::QMAX), RES, NC>(k, aq + 32 * kb, a, au, c0, kb, acc);
     }
   }
 #pragma GCC unroll 8
