@@ -179,19 +179,30 @@ struct Two {
   }
 };
 
-// Large M: a row pair's K chunk decoded once (Two::block, into an L1 buffer: one 32-block of
-// 16 rows an entry), then every column tile reads it back: the same per-lane arithmetic.
-typedef Block<W16> Unpacked;
-template <bool H>
+#endif  // KV_PAIRS
+
+// Large M: a row pair's K chunk decoded once into an L1 buffer, then every column tile reads
+// it back: the same per-lane arithmetic (the Block a source would have given the tile). An
+// entry is one 32-block of the rows one vector holds: 16 (Two::block) where the family has
+// pairs, else 8 (One::block), the pair's second group UNPACK_SETS - 1 = 1 buffer further on.
+#if KV_PAIRS
+typedef W16 UW;
+#else
+typedef W8 UW;
+#endif
+typedef Block<UW> Unpacked;
+constexpr int UNPACK_SETS = 16 / UW::LANES;
+template <class D>
 struct Buffered {
-  typedef W16 W;
-  static constexpr int SUBS = 1, RES_COLS = H ? 4 : 8, QMAX = 255;  // the weights come from L1
-  static constexpr bool HALVES = H, SIGNED = false;
+  typedef UW W;
+  // The weights come from L1: 8 columns a tile, but 4 where two sums per column (Q6_K's
+  // halves, or the residual on 16 registers) would spill.
+  static constexpr int SUBS = 1, RES_COLS = D::HALVES || UW::LANES == 8 ? 4 : 8, QMAX = D::QMAX;
+  static constexpr bool HALVES = D::HALVES, SIGNED = D::SIGNED;
   const Unpacked* u;
   KV_INLINE const Unpacked* at(int b) const { return u + b; }
   static KV_INLINE const Unpacked& block(const Unpacked* p, int, Unpacked&) { return *p; }
 };
-#endif  // KV_PAIRS
 
 // acc[ldc c + lane] += src's rows over records [0, nrec) times activation rows c0 + c, c < NC.
 template <class Src, bool RES, int NC>
@@ -261,8 +272,9 @@ void run_tiles(const Src& src, int nrec, const Acts& a, int c0, int nc, float* a
 
 #endif  // KV_TILES
 
-#if !KV_PAIRS  // the families without 16-row pairs
+#if !KV_TILES  // portable: no SIMD tiles
 struct Unpacked {};
+constexpr int UNPACK_SETS = 1;
 #endif
 
 // A format's tiles (a split family compiles each format's in its own object, kernels.cpp):
@@ -272,6 +284,7 @@ struct FormatTiles {
   static void group(const uint8_t* rec, int nrec, const Acts& a, int c0, int nc, float* acc, int ldc);
   static void pair(const uint8_t* r0, const uint8_t* r1, int nrec, const Acts& a, int c0, int nc, float* acc);
   static void unpack(const uint8_t* r0, const uint8_t* r1, int nrec, Unpacked* out);
+  static void unpacked(const Unpacked* u, int nsub, const Acts& a, int c0, int nc, float* acc);
 };
 
 #ifndef KV_SPLIT_CORE
@@ -325,15 +338,34 @@ void FormatTiles<D>::pair(const uint8_t* r0, const uint8_t* r1, int nrec, const 
   run_tiles(Two<Simd<D>>{r0, r1}, nrec, a, c0, nc, acc, 16);
 }
 
+#endif  // KV_PAIRS
+
+#if KV_TILES
 template <class D>
 void FormatTiles<D>::unpack(const uint8_t* r0, const uint8_t* r1, int nrec, Unpacked* out) {
-  typedef Two<Simd<D>> Src;
   for (int b = 0; b < nrec; ++b) {
-    const typename Src::Opened p(r0 + (int64_t)b * D::RECORD, r1 + (int64_t)b * D::RECORD);
-    for (int sub = 0; sub < D::SUBS; ++sub, ++out) Src::block(p, sub, *out);
+    const uint8_t* a = r0 + (int64_t)b * D::RECORD;
+    const uint8_t* c = r1 + (int64_t)b * D::RECORD;
+#if KV_PAIRS
+    const typename Two<Simd<D>>::Opened p(a, c);
+    for (int sub = 0; sub < D::SUBS; ++sub, ++out) Two<Simd<D>>::block(p, sub, *out);
+#else  // group r0's entries, then r1's, nrec * SUBS apart
+    const Simd<D> da(a), dc(c);
+    for (int sub = 0; sub < D::SUBS; ++sub, ++out) {
+      One<Simd<D>>::block(da, sub, *out);
+      One<Simd<D>>::block(dc, sub, out[nrec * D::SUBS]);
+    }
+#endif
   }
 }
-#endif  // KV_PAIRS
+
+template <class D>
+void FormatTiles<D>::unpacked(const Unpacked* u, int nsub, const Acts& a, int c0, int nc, float* acc) {
+  for (int set = 0; set < UNPACK_SETS; ++set) {
+    run_tiles(Buffered<Simd<D>>{u + (int64_t)set * nsub}, nsub, a, c0, nc, acc + set * UW::LANES, 16);
+  }
+}
+#endif  // KV_TILES
 #endif  // KV_SPLIT_CORE
 
 #ifdef KV_SPLIT_FORMAT  // this object is one format's tiles
@@ -345,27 +377,31 @@ void group_tile(int fmt, const uint8_t* rec, int nrec, const Acts& a, int c0, in
 }
 
 #if KV_PAIRS
-constexpr bool HAS_UNPACKED = true;
-
 // Two row groups of one format in 16 lanes (see Two); true where this family has the path.
 bool pair_tile(int fmt, const uint8_t* r0, const uint8_t* r1, int nrec, const Acts& a, int c0, int nc, float* acc) {
   with_decoder(fmt, [&](auto d) { FormatTiles<typename decltype(d)::type>::pair(r0, r1, nrec, a, c0, nc, acc); });
   return true;
 }
+#else
+bool pair_tile(int, const uint8_t*, const uint8_t*, int, const Acts&, int, int, float*) { return false; }
+#endif  // KV_PAIRS
 
-// Decode a pair's records [.., nrec) into u (false where this family has no 16-row path).
+#if KV_TILES
+constexpr bool HAS_UNPACKED = true;
+
+// Decode a pair's records [.., nrec) into u (false where this family has no tiles to read it).
 bool unpack_pair(int fmt, const uint8_t* r0, const uint8_t* r1, int nrec, Unpacked* u) {
   with_decoder(fmt, [&](auto d) { FormatTiles<typename decltype(d)::type>::unpack(r0, r1, nrec, u); });
   return true;
 }
 
-void unpacked_tiles(const Unpacked* u, int nsub, bool halves, const Acts& a, int c0, int nc, float* acc) {
-  with_flag(halves, [&](auto h) { run_tiles(Buffered<decltype(h)::value>{u}, nsub, a, c0, nc, acc, 16); });
+// acc[16 c + r] += the unpacked pair (nsub 32-blocks of format fmt) times activation rows c0 + c.
+void unpacked_tiles(int fmt, const Unpacked* u, int nsub, const Acts& a, int c0, int nc, float* acc) {
+  with_decoder(fmt, [&](auto d) { FormatTiles<typename decltype(d)::type>::unpacked(u, nsub, a, c0, nc, acc); });
 }
 #else
 constexpr bool HAS_UNPACKED = false;
-bool pair_tile(int, const uint8_t*, const uint8_t*, int, const Acts&, int, int, float*) { return false; }
 bool unpack_pair(int, const uint8_t*, const uint8_t*, int, Unpacked*) { return false; }
-void unpacked_tiles(const Unpacked*, int, bool, const Acts&, int, int, float*) {}
-#endif  // KV_PAIRS
+void unpacked_tiles(int, const Unpacked*, int, const Acts&, int, int, float*) {}
+#endif  // KV_TILES
 #endif  // KV_SPLIT_FORMAT
