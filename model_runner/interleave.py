@@ -16,13 +16,14 @@ Records (``d``, ``m``, ``dmin``: fp16 x 8 rows; "8 x 4B" = rows r = 0..7, 4 byte
     Q5_1  d | m | qh | qs                                                    192 B
     Q8_0  d | qs: 8 loads of 8 x 4B, each byte XOR 0x80                       272 B
     Q4_K  d | dmin | scales 96 B | qs: 4 chunks x 8 loads of 8 x 4B          1152 B
-    Q5_K  d | dmin | scales | qh: 64 mask words | qs                       1408 B
+    Q5_K  d | dmin | scales | qh: 8 loads of 8 x 4B | qs                   1408 B
     Q6_K  d | sc: 16 groups x 8 rows (int8) | qh: 2 x 8 loads | ql: 4 x 8 loads   1680 B
 
-Mask words (Q5_0, Q5_K): word w holds, at bits 4r .. 4r + 3, the high bits of the 4 quants
-that load w's lane r carries: Q5_0 word i = bits 4i .. 4i + 3 of row r's 32-bit ``qh``
-(quants 4i .. 4i + 3, i < 8); Q5_K word (2j + h) * 8 + i = bit 2j + h of row r's ``qh`` bytes
-4i .. 4i + 3 (chunk j's low (h = 0) or high (h = 1) nibbles).
+Mask words (Q5_0): word i holds, at bits 4r .. 4r + 3, the high bits of the 4 quants that
+load i's lane r carries: bits 4i .. 4i + 3 of row r's 32-bit ``qh`` (quants 4i .. 4i + 3).
+Q5_K's ``qh`` stays GGUF's bytes, interleaved like the quants: bit s of row r's byte l is the
+5th bit of quant l of 32-block s, so one load of 8 x 4 bytes holds the 5th bits of all 8
+32-blocks, and the kernel reads it once a record and shifts bit s into place.
 
 Q4_K / Q5_K scales: GGUF packs 8 six-bit scales and 8 six-bit mins in 12 bytes; a record
 keeps the same 96 bits a row as ``lo[s][r] = sc & 15 | (mn & 15) << 4`` (64 B) and
@@ -88,28 +89,6 @@ def _q5_0_unmask(masks: np.ndarray) -> np.ndarray:
     i = np.arange(8, dtype=np.uint32).reshape(1, 1, 8, 1)
     word = (nib.astype(np.uint32) << (4 * i)).sum(axis=2, dtype=np.uint32)  # [G, nb, 8]
     return word.transpose(0, 2, 1).copy().view(np.uint8).reshape(g, ROWS, nb, 4)
-
-
-def _q5_k_masks(qh: np.ndarray) -> np.ndarray:
-    """Row-major ``qh [G, 8, nb, 32]`` -> 64 mask words a block, as bytes ``[G, nb, 256]``."""
-    g, _, nb, _ = qh.shape
-    q = qh.reshape(g, ROWS, nb, 8, 4)  # [..., load i, byte t]
-    bit = np.arange(8, dtype=np.uint8).reshape(1, 1, 1, 8, 1, 1)  # bit 2j + h
-    nib = ((q[:, :, :, None] >> bit) & 1).astype(np.uint8)  # [G, 8, nb, bit, i, t]
-    nib = (nib << np.arange(4, dtype=np.uint8)).sum(axis=5, dtype=np.uint8)  # [G, 8, nb, bit, i]
-    nib = nib.reshape(g, ROWS, nb, 64).transpose(0, 2, 3, 1)  # [G, nb, word, row]
-    return _nibble_words(nib).view(np.uint8).reshape(g, nb, 256)
-
-
-def _q5_k_unmask(masks: np.ndarray) -> np.ndarray:
-    g, nb, _ = masks.shape
-    nib = _word_nibbles(masks.copy().view("<u4"))  # [G, nb, 64 words, 8 rows]
-    nib = nib.reshape(g, nb, 8, 8, ROWS)  # [G, nb, bit, i, row]
-    t = np.arange(4, dtype=np.uint8).reshape(1, 1, 1, 1, 1, 4)
-    bits = (nib[..., None] >> t) & 1  # [G, nb, bit, i, row, t]
-    shift = np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1, 1, 1)
-    qh = (bits << shift).sum(axis=2, dtype=np.uint8)  # [G, nb, i, row, t]
-    return qh.transpose(0, 3, 1, 2, 4).reshape(g, ROWS, nb, 32)
 
 
 def unpack_k_scales(packed: np.ndarray) -> np.ndarray:
@@ -187,7 +166,7 @@ def to_records(raw: np.ndarray, fmt: str, n: int, k: int) -> np.ndarray:
     elif fmt == "Q4_K":
         parts = [half(0), half(2), _k_scales(x[..., 4:16]), _chunks(x[..., 16:144])]
     elif fmt == "Q5_K":
-        qh = _q5_k_masks(x[..., 16:48])
+        qh = _chunks(x[..., 16:48])
         parts = [half(0), half(2), _k_scales(x[..., 4:16]), qh, _chunks(x[..., 48:176])]
     elif fmt == "Q6_K":
         sc = _rows_minor(x[..., 192:208]).reshape(groups, nb, 128)
@@ -254,7 +233,7 @@ def to_blocks(records: np.ndarray, fmt: str, n: int) -> np.ndarray:
         x[..., 2:4] = half()
         x[..., 4:16] = _k_unscales(take(96))
         if fmt == "Q5_K":
-            x[..., 16:48] = _q5_k_unmask(take(256))
+            x[..., 16:48] = _unchunks(take(256), 32)
             x[..., 48:176] = _unchunks(take(1024), 128)
         else:
             x[..., 16:144] = _unchunks(take(1024), 128)

@@ -158,6 +158,7 @@ void quantize_row(const float* __restrict x, int K, bool residual, int8_t* __res
 //   BLOCK, RECORD, SUBS  values a record covers per row, its bytes, its 32-blocks
 //   HALVES               one scale and offset per 16-half (Q6_K), else per 32-block
 //   SIGNED               the SIMD quants are signed bytes (Q8_0 without VNNI)
+//   QMAX                 the largest unsigned quant (how many maddubs may sum in int16)
 //   row(rec, r, sub, q, S, O)   the scalar reference: row r of 32-block sub as unsigned
 //                        quants q[32] and, per 16-half h, S[h] and O[h] (w = S q + O); the
 //                        portable family's and dequant's decoder, which every SIMD one agrees with
@@ -209,6 +210,12 @@ inline F ld_h8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinte
 inline V low4(V v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
 inline V high4(V v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
 
+// Each byte's bits from .. from + 1 moved to to .. to + 1 (a 16-bit shift: the callers mask
+// the bits they keep, which never cross a byte for from, to <= 7).
+KV_INLINE V move_bits(V v, int from, int to) {
+  return to > from ? _mm256_slli_epi16(v, to - from) : to < from ? _mm256_srli_epi16(v, from - to) : v;
+}
+
 // w[i] += 16 where bit 4r + t of mask word `word` is set (lane r, byte t).
 KV_INLINE V add_high_bit(V w, uint32_t word) {
 #if defined(KV_USE_AVX512)
@@ -229,7 +236,7 @@ KV_INLINE V add_high_bit(V w, uint32_t word) {
 // Q5_1 (w = d q + m). A record: d | m (HAS_M) | 8 mask words (FIVE) | 4 loads of nibble pairs.
 template <bool FIVE, bool HAS_M>
 struct DecQ32 : Rec {
-  static constexpr int BLOCK = 32, SUBS = 1, RECORD = 144 + (HAS_M ? 16 : 0) + (FIVE ? 32 : 0);
+  static constexpr int BLOCK = 32, SUBS = 1, RECORD = 144 + (HAS_M ? 16 : 0) + (FIVE ? 32 : 0), QMAX = FIVE ? 31 : 15;
   static constexpr int QH = HAS_M ? 32 : 16, QS = FIVE ? QH + 32 : QH;
   static constexpr bool HALVES = false, SIGNED = false;
   static constexpr float OFFSET = FIVE ? -16.f : -8.f;  // without m: O = OFFSET d
@@ -266,7 +273,7 @@ using DecQ5 = DecQ32<true, HAS_M>;
 
 // Q8_0 (w = d q - 128 d, quants stored XOR 0x80): d | 8 loads of bytes.
 struct DecQ8_0 : Rec {
-  static constexpr int BLOCK = 32, SUBS = 1, RECORD = 272;
+  static constexpr int BLOCK = 32, SUBS = 1, RECORD = 272, QMAX = 255;
   static constexpr bool HALVES = false, SIGNED = !KV_EMULATE_VNNI;  // maddubs would saturate on 255 * 127 * 2
   static void row(const uint8_t* rec, int r, int, uint8_t* q, float* S, float* O) {
     for (int i = 0; i < 8; ++i)
@@ -291,10 +298,12 @@ struct DecQ8_0 : Rec {
 };
 
 // Q4_K, Q5_K (w = d sc q - dmin mn per 32-block): d | dmin | 6-bit scales as a nibble plane
-// and a 2-bit plane (96 B) | Q5_K: 64 mask words | 4 chunks of 8 loads of nibble pairs.
+// and a 2-bit plane (96 B) | Q5_K: 8 loads of 5th-bit bytes (bit sub: 32-block sub's) | 4
+// chunks of 8 loads of nibble pairs.
 template <bool FIVE>
 struct DecQK : Rec {
   static constexpr int BLOCK = 256, SUBS = 8, RECORD = FIVE ? 1408 : 1152, QS = FIVE ? 384 : 128;
+  static constexpr int QMAX = FIVE ? 31 : 15;
   static constexpr bool HALVES = false, SIGNED = false;
   static void row(const uint8_t* rec, int r, int sub, uint8_t* q, float* S, float* O) {
     const uint8_t* c = rec + QS + 256 * (sub >> 1);  // chunk sub / 2, low or high nibbles
@@ -303,7 +312,10 @@ struct DecQK : Rec {
         const uint8_t b = c[32 * i + 4 * r + t];
         q[4 * i + t] = sub & 1 ? b >> 4 : b & 15;
       }
-    if (FIVE) row_high_bits(rec + 128 + 32 * sub, r, q);
+    if (FIVE) {
+      for (int i = 0; i < 8; ++i)
+        for (int t = 0; t < 4; ++t) q[4 * i + t] |= ((rec[128 + 32 * i + 4 * r + t] >> sub) & 1) << 4;
+    }
     const uint8_t lo = rec[32 + 8 * sub + r], hi = (rec[96 + 8 * (sub >> 1) + r] >> (4 * (sub & 1))) & 15;
     const int sc = (lo & 15) | (hi & 3) << 4, mn = (lo >> 4) | (hi >> 2) << 4;
     both_halves(S, O, row_d(rec, 0, r) * (float)sc, -row_d(rec, 16, r) * (float)mn);
@@ -317,7 +329,7 @@ struct DecQK : Rec {
     for (int i = 0; i < 8; ++i) {
       const V v = ld(c + 32 * i);
       w[i] = sub & 1 ? high4(v) : low4(v);
-      if (FIVE) w[i] = add_high_bit(w[i], rd32(r + 128 + 32 * sub + 4 * i));
+      if (FIVE) w[i] = _mm256_or_si256(w[i], _mm256_and_si256(move_bits(ld(r + 128 + 32 * i), sub, 4), _mm256_set1_epi8(16)));
     }
   }
   KV_INLINE void scales(int sub, F& S, F& O) const {
@@ -337,7 +349,7 @@ struct DecQK : Rec {
 // Q6_K (w = d sc (q - 32) per 16-half): d | int8 scales, 16 groups x 8 rows | qh: 2 x 8 loads
 // of 2-bit quads | ql: 4 x 8 loads of nibble pairs.
 struct DecQ6_K : Rec {
-  static constexpr int BLOCK = 256, SUBS = 8, RECORD = 1680;
+  static constexpr int BLOCK = 256, SUBS = 8, RECORD = 1680, QMAX = 63;
   static constexpr bool HALVES = true, SIGNED = false;
   static void row(const uint8_t* rec, int r, int sub, uint8_t* q, float* S, float* O) {
     const int h = sub >> 2, qq = sub & 3, c = qq & 1, hi = qq >> 1;
@@ -366,11 +378,7 @@ struct DecQ6_K : Rec {
     for (int i = 0; i < 8; ++i) {
       const V l = ld(ql + 32 * i), hb = ld(qh + 32 * i);
       // bits 2 qq, 2 qq + 1 of each byte, moved to bits 4, 5
-      const V bits = qq == 0   ? _mm256_slli_epi16(hb, 4)
-                     : qq == 1 ? _mm256_slli_epi16(hb, 2)
-                     : qq == 2 ? hb
-                               : _mm256_srli_epi16(hb, 2);
-      w[i] = _mm256_or_si256(qq >> 1 ? high4(l) : low4(l), _mm256_and_si256(bits, m30));
+      w[i] = _mm256_or_si256(qq >> 1 ? high4(l) : low4(l), _mm256_and_si256(move_bits(hb, 2 * qq, 4), m30));
     }
   }
   KV_INLINE void scales16(int sub, F& S0, F& O0, F& S1, F& O1) const {
@@ -389,7 +397,7 @@ struct DecQ6_K : Rec {
 // SIGNED), so the emulated tiles see what the real ones see.
 template <class D>
 struct Emulated : Rec {
-  static constexpr int BLOCK = D::BLOCK, SUBS = D::SUBS, RECORD = D::RECORD;
+  static constexpr int BLOCK = D::BLOCK, SUBS = D::SUBS, RECORD = D::RECORD, QMAX = D::QMAX;
   static constexpr bool HALVES = D::HALVES, SIGNED = D::SIGNED;
   using Rec::Rec;
   void unpack(int sub, W8::I* w) const {

@@ -144,7 +144,7 @@ void qgemm_team(const QW& w, const float* x, int M, int ldx, float* out, int ldo
   float* yg = gbuf.get<float>((size_t)M * rb);  // [M][rb]: the running sums, column-major
   float* yu = epilogue == EPI_SILU_MUL ? ubuf2.get<float>((size_t)M * rb) : nullptr;
   // Past UNPACK_MIN_M rows a chunk of a row pair is decoded once for all column tiles.
-  Unpacked* ub = HAS_UNPACKED && M >= UNPACK_MIN_M ? unbuf.get<Unpacked>((size_t)(kc + 31) / 32) : nullptr;
+  Unpacked* ub = HAS_UNPACKED && M >= UNPACK_MIN_M ? unbuf.get<Unpacked>((size_t)UNPACK_SETS * ((kc + 31) / 32)) : nullptr;
   const int b0 = (int)((int64_t)blocks * tid / nth), b1 = (int)((int64_t)blocks * (tid + 1) / nth);
   for (int blk = b0; blk < b1; ++blk) {
     const int g = blk * per, ng = imin(per, groups - g), ldc = ng * ROWS;
@@ -160,12 +160,10 @@ void qgemm_team(const QW& w, const float* x, int M, int ldx, float* out, int ldo
           const Acts ak = from_column(acts, k0);
           int fmt, all;
           group_records(w, gg, fmt, all);
-          const bool halves = format_info(fmt).halves;
-          // 8 columns (the weights come from L1), but 4 where two sums per column (Q6_K's
-          // halves) and the residual's would spill.
-          const int uc = halves && residual ? 4 : 8;
-          for (int c0 = 0; c0 < M; c0 += uc) {
-            unpacked_tiles(ub, (k1 - k0 + 31) / 32, halves, ak, c0, imin(uc, M - c0), y + (int64_t)c0 * ldc);
+          // 8 columns at a time (the tiles take 4 where more would spill), both 8-row sets
+          // of a family without pairs while the columns' activations are in L1.
+          for (int c0 = 0; c0 < M; c0 += 8) {
+            unpacked_tiles(fmt, ub, (k1 - k0 + 31) / 32, ak, c0, imin(8, M - c0), y + (int64_t)c0 * ldc);
           }
           continue;
         }

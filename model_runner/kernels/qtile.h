@@ -18,11 +18,14 @@ struct Block {
 // per lane, for int8 activations; for residual ones 256 (w . a1) + (w . a2). The loop runs the
 // columns innermost, so consecutive dot products are independent (a chain of them waits ~4
 // cycles each, and the scheduler cannot look far enough ahead to overlap whole columns); a
-// lone column splits its sum into CH chains. Integer sums: exact, the same for every NC and CH.
-template <class W, bool SIGNED, bool RES, int NC, int I0, int N>
+// lone column splits its sum into CH chains. Each step takes G weight vectors (W::dots: on
+// maddubs families their int16 products are summed before one madd). Integer sums: exact, the
+// same for every NC, CH and G.
+template <class W, bool SIGNED, int G, bool RES, int NC, int I0, int N>
 KV_INLINE void col_dots(const typename W::I* w, const int8_t* ap, int64_t lda, int plane, typename W::I* out) {
   typedef typename W::I I;
-  constexpr int CH = NC >= 4 ? 1 : NC >= 2 ? 2 : 4;
+  static_assert(N % G == 0, "a step takes G whole weight vectors");
+  constexpr int CH0 = NC >= 4 ? 1 : NC >= 2 ? 2 : 4, CH = CH0 < N / G ? CH0 : N / G;
   // Few columns: the planes a1 and a2 sum apart (no chain runs through both); more columns
   // have parallelism enough, and registers for one accumulator each: a1, shift, then a2.
   constexpr int P = RES && NC < 4 ? 2 : 1;
@@ -33,13 +36,13 @@ KV_INLINE void col_dots(const typename W::I* w, const int8_t* ap, int64_t lda, i
     for (int j = 0; j < NC * CH; ++j) part[pl][j] = W::zero();
   }
 #pragma GCC unroll 8
-  for (int i = 0; i < N; ++i) {
+  for (int i = 0; i < N; i += G) {
 #pragma GCC unroll 2
     for (int pl = 0; pl < P; ++pl) {
 #pragma GCC unroll 8
       for (int c = 0; c < NC; ++c) {
-        I& p = part[pl][c * CH + i % CH];
-        p = W::template dot4<SIGNED>(p, w[I0 + i], W::bcast4(ap + pl * plane + c * lda + 4 * (I0 + i)));
+        I& p = part[pl][c * CH + (i / G) % CH];
+        p = W::template dots<SIGNED, G>(p, w + I0 + i, ap + pl * plane + c * lda + 4 * (I0 + i));
       }
     }
   }
@@ -47,11 +50,11 @@ KV_INLINE void col_dots(const typename W::I* w, const int8_t* ap, int64_t lda, i
 #pragma GCC unroll 16
     for (int j = 0; j < NC * CH; ++j) part[0][j] = W::shl8(part[0][j]);
 #pragma GCC unroll 8
-    for (int i = 0; i < N; ++i) {
+    for (int i = 0; i < N; i += G) {
 #pragma GCC unroll 8
       for (int c = 0; c < NC; ++c) {
-        I& p = part[0][c * CH + i % CH];
-        p = W::template dot4<SIGNED>(p, w[I0 + i], W::bcast4(ap + plane + c * lda + 4 * (I0 + i)));
+        I& p = part[0][c * CH + (i / G) % CH];
+        p = W::template dots<SIGNED, G>(p, w + I0 + i, ap + plane + c * lda + 4 * (I0 + i));
       }
     }
   }
@@ -73,14 +76,14 @@ KV_INLINE void col_dots(const typename W::I* w, const int8_t* ap, int64_t lda, i
 // is this same sequence for every NC, width and source (RES only changes the integers; a K
 // range split across calls continues the same sum), so a row's result does not depend on its
 // batch.
-template <class W, bool HALVES, bool SIGNED, bool RES, int NC>
+template <class W, bool HALVES, bool SIGNED, int G, bool RES, int NC>
 KV_INLINE void block_fma(const Block<W>& k, const int8_t* ap, const Acts& a, const float* au, int c0, int kb,
                          typename W::F* acc) {
   typedef typename W::F F;
   if constexpr (HALVES) {
     typename W::I i0[NC], i1[NC];
-    col_dots<W, SIGNED, RES, NC, 0, 4>(k.w, ap, a.lda, a.K32, i0);
-    col_dots<W, SIGNED, RES, NC, 4, 4>(k.w, ap, a.lda, a.K32, i1);
+    col_dots<W, SIGNED, G, RES, NC, 0, 4>(k.w, ap, a.lda, a.K32, i0);
+    col_dots<W, SIGNED, G, RES, NC, 4, 4>(k.w, ap, a.lda, a.K32, i1);
     const float* as = a.s16 + (int64_t)c0 * 2 * a.KB + 2 * kb;
 #pragma GCC unroll 8
     for (int c = 0; c < NC; ++c) {
@@ -92,7 +95,7 @@ KV_INLINE void block_fma(const Block<W>& k, const int8_t* ap, const Acts& a, con
     }
   } else {
     typename W::I isum[NC];
-    col_dots<W, SIGNED, RES, NC, 0, 8>(k.w, ap, a.lda, a.K32, isum);
+    col_dots<W, SIGNED, G, RES, NC, 0, 8>(k.w, ap, a.lda, a.K32, isum);
     const float* as = a.s + (int64_t)c0 * a.KB + kb;
 #pragma GCC unroll 8
     for (int c = 0; c < NC; ++c) {
@@ -110,7 +113,7 @@ KV_INLINE void block_fma(const Block<W>& k, const int8_t* ap, const Acts& a, con
 template <class D>
 struct One {
   typedef W8 W;
-  static constexpr int SUBS = D::SUBS, RES_COLS = 4;
+  static constexpr int SUBS = D::SUBS, RES_COLS = 4, QMAX = D::QMAX;
   static constexpr bool HALVES = D::HALVES, SIGNED = D::SIGNED;
   const uint8_t* rec;
   KV_INLINE D at(int b) const {
@@ -137,7 +140,7 @@ struct One {
 template <class D>
 struct Two {
   typedef W16 W;
-  static constexpr int SUBS = D::SUBS, RES_COLS = 4;
+  static constexpr int SUBS = D::SUBS, RES_COLS = 4, QMAX = D::QMAX;
   static constexpr bool HALVES = D::HALVES, SIGNED = D::SIGNED;
   struct Opened {
     D a, b;
@@ -176,19 +179,30 @@ struct Two {
   }
 };
 
-// Large M: a row pair's K chunk decoded once (Two::block, into an L1 buffer: one 32-block of
-// 16 rows an entry), then every column tile reads it back: the same per-lane arithmetic.
-typedef Block<W16> Unpacked;
-template <bool H>
+#endif  // KV_PAIRS
+
+// Large M: a row pair's K chunk decoded once into an L1 buffer, then every column tile reads
+// it back: the same per-lane arithmetic (the Block a source would have given the tile). An
+// entry is one 32-block of the rows one vector holds: 16 (Two::block) where the family has
+// pairs, else 8 (One::block), the pair's second group UNPACK_SETS - 1 = 1 buffer further on.
+#if KV_PAIRS
+typedef W16 UW;
+#else
+typedef W8 UW;
+#endif
+typedef Block<UW> Unpacked;
+constexpr int UNPACK_SETS = 16 / UW::LANES;
+template <class D>
 struct Buffered {
-  typedef W16 W;
-  static constexpr int SUBS = 1, RES_COLS = H ? 4 : 8;  // the weights come from L1
-  static constexpr bool HALVES = H, SIGNED = false;
+  typedef UW W;
+  // The weights come from L1: 8 columns a tile, but 4 where two sums per column (Q6_K's
+  // halves, or the residual on 16 registers) would spill.
+  static constexpr int SUBS = 1, RES_COLS = D::HALVES || UW::LANES == 8 ? 4 : 8, QMAX = D::QMAX;
+  static constexpr bool HALVES = D::HALVES, SIGNED = D::SIGNED;
   const Unpacked* u;
   KV_INLINE const Unpacked* at(int b) const { return u + b; }
   static KV_INLINE const Unpacked& block(const Unpacked* p, int, Unpacked&) { return *p; }
 };
-#endif  // KV_PAIRS
 
 // acc[ldc c + lane] += src's rows over records [0, nrec) times activation rows c0 + c, c < NC.
 template <class Src, bool RES, int NC>
@@ -206,7 +220,7 @@ void tile(const Src& src, int nrec, const Acts& a, int c0, float* acc_io, int ld
       Block<W> scratch;
       const Block<W>& k = Src::block(opened, sub, scratch);
       const int kb = b * Src::SUBS + sub;
-      block_fma<W, Src::HALVES, Src::SIGNED, RES, NC>(k, aq + 32 * kb, a, au, c0, kb, acc);
+      block_fma<W, Src::HALVES, Src::SIGNED, W::group(Src::QMAX), RES, NC>(k, aq + 32 * kb, a, au, c0, kb, acc);
     }
   }
 #pragma GCC unroll 8
@@ -258,8 +272,9 @@ void run_tiles(const Src& src, int nrec, const Acts& a, int c0, int nc, float* a
 
 #endif  // KV_TILES
 
-#if !KV_PAIRS  // the families without 16-row pairs
+#if !KV_TILES  // portable: no SIMD tiles
 struct Unpacked {};
+constexpr int UNPACK_SETS = 1;
 #endif
 
 // A format's tiles (a split family compiles each format's in its own object, kernels.cpp):
@@ -269,6 +284,7 @@ struct FormatTiles {
   static void group(const uint8_t* rec, int nrec, const Acts& a, int c0, int nc, float* acc, int ldc);
   static void pair(const uint8_t* r0, const uint8_t* r1, int nrec, const Acts& a, int c0, int nc, float* acc);
   static void unpack(const uint8_t* r0, const uint8_t* r1, int nrec, Unpacked* out);
+  static void unpacked(const Unpacked* u, int nsub, const Acts& a, int c0, int nc, float* acc);
 };
 
 #ifndef KV_SPLIT_CORE
@@ -322,15 +338,34 @@ void FormatTiles<D>::pair(const uint8_t* r0, const uint8_t* r1, int nrec, const 
   run_tiles(Two<Simd<D>>{r0, r1}, nrec, a, c0, nc, acc, 16);
 }
 
+#endif  // KV_PAIRS
+
+#if KV_TILES
 template <class D>
 void FormatTiles<D>::unpack(const uint8_t* r0, const uint8_t* r1, int nrec, Unpacked* out) {
-  typedef Two<Simd<D>> Src;
   for (int b = 0; b < nrec; ++b) {
-    const typename Src::Opened p(r0 + (int64_t)b * D::RECORD, r1 + (int64_t)b * D::RECORD);
-    for (int sub = 0; sub < D::SUBS; ++sub, ++out) Src::block(p, sub, *out);
+    const uint8_t* a = r0 + (int64_t)b * D::RECORD;
+    const uint8_t* c = r1 + (int64_t)b * D::RECORD;
+#if KV_PAIRS
+    const typename Two<Simd<D>>::Opened p(a, c);
+    for (int sub = 0; sub < D::SUBS; ++sub, ++out) Two<Simd<D>>::block(p, sub, *out);
+#else  // group r0's entries, then r1's, nrec * SUBS apart
+    const Simd<D> da(a), dc(c);
+    for (int sub = 0; sub < D::SUBS; ++sub, ++out) {
+      One<Simd<D>>::block(da, sub, *out);
+      One<Simd<D>>::block(dc, sub, out[nrec * D::SUBS]);
+    }
+#endif
   }
 }
-#endif  // KV_PAIRS
+
+template <class D>
+void FormatTiles<D>::unpacked(const Unpacked* u, int nsub, const Acts& a, int c0, int nc, float* acc) {
+  for (int set = 0; set < UNPACK_SETS; ++set) {
+    run_tiles(Buffered<Simd<D>>{u + (int64_t)set * nsub}, nsub, a, c0, nc, acc + set * UW::LANES, 16);
+  }
+}
+#endif  // KV_TILES
 #endif  // KV_SPLIT_CORE
 
 #ifdef KV_SPLIT_FORMAT  // this object is one format's tiles
@@ -342,27 +377,31 @@ void group_tile(int fmt, const uint8_t* rec, int nrec, const Acts& a, int c0, in
 }
 
 #if KV_PAIRS
-constexpr bool HAS_UNPACKED = true;
-
 // Two row groups of one format in 16 lanes (see Two); true where this family has the path.
 bool pair_tile(int fmt, const uint8_t* r0, const uint8_t* r1, int nrec, const Acts& a, int c0, int nc, float* acc) {
   with_decoder(fmt, [&](auto d) { FormatTiles<typename decltype(d)::type>::pair(r0, r1, nrec, a, c0, nc, acc); });
   return true;
 }
+#else
+bool pair_tile(int, const uint8_t*, const uint8_t*, int, const Acts&, int, int, float*) { return false; }
+#endif  // KV_PAIRS
 
-// Decode a pair's records [.., nrec) into u (false where this family has no 16-row path).
+#if KV_TILES
+constexpr bool HAS_UNPACKED = true;
+
+// Decode a pair's records [.., nrec) into u (false where this family has no tiles to read it).
 bool unpack_pair(int fmt, const uint8_t* r0, const uint8_t* r1, int nrec, Unpacked* u) {
   with_decoder(fmt, [&](auto d) { FormatTiles<typename decltype(d)::type>::unpack(r0, r1, nrec, u); });
   return true;
 }
 
-void unpacked_tiles(const Unpacked* u, int nsub, bool halves, const Acts& a, int c0, int nc, float* acc) {
-  with_flag(halves, [&](auto h) { run_tiles(Buffered<decltype(h)::value>{u}, nsub, a, c0, nc, acc, 16); });
+// acc[16 c + r] += the unpacked pair (nsub 32-blocks of format fmt) times activation rows c0 + c.
+void unpacked_tiles(int fmt, const Unpacked* u, int nsub, const Acts& a, int c0, int nc, float* acc) {
+  with_decoder(fmt, [&](auto d) { FormatTiles<typename decltype(d)::type>::unpacked(u, nsub, a, c0, nc, acc); });
 }
 #else
 constexpr bool HAS_UNPACKED = false;
-bool pair_tile(int, const uint8_t*, const uint8_t*, int, const Acts&, int, int, float*) { return false; }
 bool unpack_pair(int, const uint8_t*, const uint8_t*, int, Unpacked*) { return false; }
-void unpacked_tiles(const Unpacked*, int, bool, const Acts&, int, int, float*) {}
-#endif  // KV_PAIRS
+void unpacked_tiles(int, const Unpacked*, int, const Acts&, int, int, float*) {}
+#endif  // KV_TILES
 #endif  // KV_SPLIT_FORMAT

@@ -5,8 +5,9 @@
 //   I, F       int32 lanes (4 weight or activation bytes a lane, as the dot product reads
 //              them) and float lanes; LANES of each
 //   zero, bcast4 (4 activation bytes to every lane), dot4 (acc + w . a per 4-byte lane),
-//   shl8, add; cvt (int32 -> float), set1, mul, fmadd, load, store; join (two half-width
-//   vectors side by side, for the 16-lane pairs)
+//   dots (acc + the G dot products of w[0..G) with G consecutive 4-byte activation words;
+//   group(qmax) says how many one call may take), shl8, add; cvt (int32 -> float), set1,
+//   mul, fmadd, load, store; join (two half-width vectors side by side, for the 16-lane pairs)
 //
 //   Y8         ymm: 8 lanes (the avx2 and avx512 families)
 //   Z16        zmm: 16 lanes (the avx512 family's pairs of records)
@@ -15,6 +16,14 @@
 //              multiply-add). The emulated test families run the same tile template on it at 8
 //              and 16 lanes on any CPU, and the tests compare them bit for bit with the real
 //              families (tests/model_runner/test_kernel_emulation.py).
+
+// maddubs families: how many weight vectors' int16 products (maddubs) may be summed in int16
+// before one madd widens them. A maddubs lane is a pair of products, at most 2 * qmax * 128 in
+// size, so G of them stay inside int16 while G * 256 * qmax <= 32767: quants of up to 5 bits
+// take 4 (one madd and one add for 4 maddubs instead of 4 each), Q6_K's 6 bits 2. The sums
+// are exact either way (no lane saturates or wraps), so results are the same bit for bit;
+// vpdpbusd families take 1 (no madd to save).
+constexpr int maddubs_group(int qmax) { return qmax <= 31 ? 4 : qmax <= 63 ? 2 : 1; }
 
 #if defined(KV_USE_AVX512) || defined(KV_USE_AVX2)
 // A row group's records are a stream of a few KB (K = 576: 2.9 KB of Q4_1) that ends where
@@ -49,6 +58,24 @@ struct Y8 {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), one));
 #endif
   }
+#if defined(KV_USE_AVX512)
+  static constexpr int group(int) { return 1; }
+#else
+  static constexpr int group(int qmax) { return maddubs_group(qmax); }
+#endif
+  template <bool SIGNED, int G>
+  static KV_INLINE I dots(I acc, const I* w, const int8_t* a) {
+    if constexpr (SIGNED || G == 1) {
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) acc = dot4<SIGNED>(acc, w[g], bcast4(a + 4 * g));
+      return acc;
+    } else {
+      I s = _mm256_maddubs_epi16(w[0], bcast4(a));
+#pragma GCC unroll 4
+      for (int g = 1; g < G; ++g) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[g], bcast4(a + 4 * g)));
+      return _mm256_add_epi32(acc, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
+    }
+  }
   static KV_INLINE I shl8(I v) { return _mm256_slli_epi32(v, 8); }
   static KV_INLINE I add(I a, I b) { return _mm256_add_epi32(a, b); }
   static KV_INLINE F cvt(I v) { return _mm256_cvtepi32_ps(v); }
@@ -76,6 +103,13 @@ struct Z16 {
   static KV_INLINE I dot4(I acc, I w, I a) {
     static_assert(!SIGNED, "vpdpbusd takes unsigned weights");
     return _mm512_dpbusd_epi32(acc, w, a);
+  }
+  static constexpr int group(int) { return 1; }
+  template <bool SIGNED, int G>
+  static KV_INLINE I dots(I acc, const I* w, const int8_t* a) {
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) acc = dot4<SIGNED>(acc, w[g], bcast4(a + 4 * g));
+    return acc;
   }
   static KV_INLINE I shl8(I v) { return _mm512_slli_epi32(v, 8); }
   static KV_INLINE I add(I a, I b) { return _mm512_add_epi32(a, b); }
@@ -139,6 +173,31 @@ struct Emu {
       acc.v[l] = (int32_t)((uint32_t)acc.v[l] + (uint32_t)sum);
     }
     return acc;
+  }
+  static constexpr int group(int qmax) { return VNNI ? 1 : maddubs_group(qmax); }
+  // maddubs of G weight vectors summed with add_epi16 (int16 lanes wrap), then one madd.
+  template <bool SIGNED, int G>
+  static I dots(I acc, const I* w, const int8_t* a) {
+    if constexpr (VNNI || SIGNED || G == 1) {
+      for (int g = 0; g < G; ++g) acc = dot4<SIGNED>(acc, w[g], bcast4(a + 4 * g));
+      return acc;
+    } else {
+      for (int l = 0; l < N; ++l) {
+        int sum = 0;
+        for (int h = 0; h < 2; ++h) {
+          uint16_t s = 0;
+          for (int g = 0; g < G; ++g) {
+            const int32_t av = bcast4(a + 4 * g).v[0];
+            int pair = 0;
+            for (int t = 2 * h; t < 2 * h + 2; ++t) pair += byte(w[g].v[l], t) * sbyte(av, t);
+            s = (uint16_t)(s + (uint16_t)sat16(pair));
+          }
+          sum += (int16_t)s;
+        }
+        acc.v[l] = (int32_t)((uint32_t)acc.v[l] + (uint32_t)sum);
+      }
+      return acc;
+    }
   }
   static I shl8(I x) {
     for (int l = 0; l < N; ++l) x.v[l] = (int32_t)((uint32_t)x.v[l] << 8);

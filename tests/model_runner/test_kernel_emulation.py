@@ -160,3 +160,35 @@ def test_the_emulated_vnni_tiles_equal_the_avx512_family_bit_for_bit() -> None:
     """Where the CPU has AVX-512 VNNI: the real ymm / zmm tiles give emu_vnni16's bits for every
     case (every format, pairs across a format boundary, unpacked chunks)."""
     assert differing("emu_vnni16", "avx512") == []
+
+
+def extreme_weight(fmt: str, n: int, k: int) -> quant.QuantWeight:
+    """Every quant at its format's largest unsigned value (all bits set; Q8_0's +127, which its
+    records hold as 255) and every fp16 scale a valid 0.01: the largest integer products."""
+    spec = quant.FORMATS[fmt]
+    raw = np.full((n, k // spec.block, spec.block_bytes), 0x7F if fmt == "Q8_0" else 0xFF, np.uint8)
+    for lo in quant._SCALE_OFFSETS[fmt]:
+        raw[..., lo : lo + 2] = np.array([0.01], np.float16).view(np.uint8)
+    return quant.QuantWeight.from_blocks(raw.reshape(n, -1), fmt, (n, k))
+
+
+def test_the_largest_quants_and_activations_do_not_overflow_the_dot_products() -> None:
+    """With every quant at its maximum and activations at +-127 (whole rows of +1 or -1), each
+    family (real and emulated) gives the reference's result, and a row alone equals the same row
+    inside a 64-row product bit for bit: the maddubs families sum up to 4 (Q6_K: 2) weight
+    vectors' int16 products before widening, and no lane saturates or wraps."""
+    m, k = 64, 512
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3))
+    x[0::4] = 1.0
+    x[1::4] = -1.0
+    for family in (*kernels.supported_isas(), *kernels.EMULATED):
+        with running(family):
+            for fmt in quant.FORMATS:
+                w = extreme_weight(fmt, 24, k)
+                for bits in quant.ACTIVATION_BITS:
+                    lin = quant.QLinear(w, None, bits)
+                    together = lin(x)
+                    assert_close(together, reference(w, x, bits), KERNEL_TOL)
+                    for i in (0, 1, 2, 63):
+                        alone = lin(x[i : i + 1])
+                        assert torch.equal(alone, together[i : i + 1]), (family, fmt, bits, i)

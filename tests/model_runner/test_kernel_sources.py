@@ -126,7 +126,7 @@ def test_the_twin_finder_catches_a_planted_twin() -> None:
     """The finder is not blind: a copy of one of qtile.h's functions with every name and
     number changed (as a ymm / zmm twin would be) is reported, at both places."""
     text = (KERNELS / "qtile.h").read_text()
-    start = text.index("template <class W, bool HALVES, bool SIGNED, bool RES, int NC>")
+    start = text.index("template <class W, bool HALVES, bool SIGNED, int G, bool RES, int NC>")
     end = text.index("\n}\n", start) + 3
     body = text[start:end]
     twin = re.sub(r"\b(W|acc|col_dots|k)\b", lambda m: m.group(1) + "16", body).replace(
