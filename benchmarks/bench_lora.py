@@ -25,12 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from loadtest.launch import cpu_model
 
 if TYPE_CHECKING:
     from benchmarks.sections import Context, SectionResult
@@ -75,16 +76,6 @@ def converter_path(cache_dir: Path) -> Path | None:
     """llama.cpp's convert_lora_to_gguf.py in the unpacked source of the build (None: none)."""
     path = cache_dir / "src" / "convert_lora_to_gguf.py"
     return path if path.is_file() else None
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _say(message: str) -> None:

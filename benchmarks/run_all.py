@@ -78,6 +78,7 @@ from benchmarks.bench_llama_cpp import LlamaCpp, find_llama_cpp, llama_cpp_note
 from benchmarks.sections import Context, SectionResult, say
 from benchmarks.sizes import FULL, QUICK
 from benchmarks.table import Row, format_table
+from loadtest.launch import cpu_model
 from loadtest.workload import CHAT128_PROMPTS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -114,14 +115,7 @@ def parse_levels(text: str) -> tuple[tuple[int, int], ...]:
 
 
 def machine_info(threads: int) -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     versions = {}
     for mod in ("torch", "transformers", "grpc"):
         try:

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import signal
 import socket
 import subprocess
@@ -36,7 +35,7 @@ from typing import Any
 import grpc
 import httpx
 
-from loadtest.launch import REPO_ROOT
+from loadtest.launch import REPO_ROOT, cpu_model
 from server.rpc import generation_pb2 as pb
 from server.rpc import generation_pb2_grpc as pb_grpc
 
@@ -335,7 +334,7 @@ def unplaceable() -> dict[str, Any]:
 
 
 async def run(args: argparse.Namespace) -> None:
-    print(f"CPU: {_cpu_model()}, {os.cpu_count()} cores, load {os.getloadavg()}", flush=True)
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, load {os.getloadavg()}", flush=True)
     results: dict[str, Any] = {}
     cluster = Cluster()
     try:
@@ -363,16 +362,6 @@ def _spread(seconds: list[float]) -> str:
     """The median and the largest of ``seconds``, and how many."""
     ordered = sorted(seconds)
     return f"median {ordered[len(ordered) // 2]:.3f}, max {ordered[-1]:.3f} of {len(ordered)}"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:

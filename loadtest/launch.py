@@ -11,6 +11,7 @@ not come up.
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -159,3 +160,14 @@ class ServerProcess(ChildServer):
         if self.metrics:
             self.metrics_port = int(self.metrics_port_file.read_text().strip())
         return self
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), printed beside every benchmark figure."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
