@@ -1,5 +1,5 @@
 """The repository stands alone: nothing in it reads a file outside it (a user's clone has no
-``../shared`` or any other folder beside it)."""
+folder beside it, whatever its name)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,14 @@ from pathlib import Path
 from loadtest.workload import WORKLOADS_DIR
 
 REPO = Path(__file__).resolve().parents[1]
-# A path that leaves the repository for the folder beside it: "../shared", "shared/workloads",
-# or the repository's parent joined with "shared".
-OUTSIDE = re.compile(r"\.\./shared|shared/workloads|parents?(\[\d+\])?\s*/\s*[\"']shared")
+# A path that leaves the repository for a folder beside it: one that climbs out with "../" to
+# a named folder, or the repository root's parent, whatever the folder's name (``BESIDE``
+# stands for it in the examples).
+BESIDE = "beside"
+OUTSIDE = re.compile(
+    r"(?:\.\./){2,}[\w-]+/|^\s*\"?\.\./[\w-]+/|[\"']\.\./[\w-]+/"
+    r"|\b(?:REPO_ROOT|REPO|ROOT|root)\.parents?\b"
+)
 SUFFIXES = {".py", ".json", ".toml", ".yaml", ".yml", ".sh", ".cfg", ".ini"}
 SKIP = {".venv", ".git", "node_modules", "bench-results", "gpu-check", ".gpu-wheels", "build"}
 
@@ -31,8 +36,8 @@ def _files() -> list[Path]:
 
 
 def test_no_file_reaches_for_a_folder_beside_the_repository() -> None:
-    """No product, test, benchmark, workload or build file names ``../shared`` (or the
-    repository's parent joined with "shared")."""
+    """No product, test, benchmark, workload or build file names a path that climbs out of
+    the repository to a folder beside it (or the repository's parent joined with one)."""
     hits = [
         f"{path.relative_to(REPO)}:{number}: {line.strip()}"
         for path in _files()
@@ -45,13 +50,14 @@ def test_no_file_reaches_for_a_folder_beside_the_repository() -> None:
 def test_the_check_sees_the_paths_it_looks_for() -> None:
     """The pattern catches each way a path to the folder beside the repository was written."""
     for text in (
-        '"path": "../../../shared/workloads/chat128.json"',
-        'REPO_ROOT.parent / "shared" / "workloads" / "chat128.json"',
-        '(root.parent / "shared/workloads/chat128.json")',
-        "Path(__file__).parents[2] / 'shared'",
+        f'"path": "../../../{BESIDE}/workloads/chat128.json"',
+        f'REPO_ROOT.parent / "{BESIDE}" / "workloads" / "chat128.json"',
+        f'(root.parent / "{BESIDE}/workloads/chat128.json")',
+        f'"../{BESIDE}/prompts.json"',
     ):
         assert OUTSIDE.search(text), text
-    assert not OUTSIDE.search('"shared_prefix": {"num_prefixes": 4}')
+    for inside in ('"shared_prefix": {"num_prefixes": 4}', 'REPO_ROOT / "loadtest" / "x"'):
+        assert not OUTSIDE.search(inside), inside
     assert len(_files()) > 100  # the walk finds the tree
 
 
