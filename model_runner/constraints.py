@@ -20,6 +20,22 @@ Three pieces, each with one job:
   So a matcher always equals a fresh replay of its request's output tokens.
 - ``allowed_token_ids`` / ``is_allowed``: reading a mask row (tests, the fake runner).
 
+**Bounded numbers.** A JSON grammar allows a number any count of digits, and a sampled model
+at temperature 1 can keep drawing them until ``max_tokens`` (``{"t": 9.48871712233874292...``).
+So every JSON constraint (``json_schema``, ``json_object``: response formats, tools'
+arguments, gRPC alike) runs beside a second llguidance matcher, the **number guard**: one
+regular expression over the whole output that tracks strings and bounds each number outside
+them to ``MAX_NUMBER_DIGITS`` significant digits (a double's 17; up to
+``MAX_LEADING_ZEROS`` zeros after ``0.`` do not count) and ``MAX_EXPONENT_DIGITS`` exponent
+digits. A row's mask is the schema's AND the guard's. Where the schema itself needs a longer
+number (a ``const`` or ``enum`` of one, a bound of 10**18 or more) the AND is empty: the row
+keeps the schema's mask and the guard is dropped for that request, so the guard never fails a
+request that the schema allows.
+
+**Closed objects.** Likewise a schema's object that lists ``properties`` and says nothing of
+others takes no others (``closed_objects``: OpenAI's strict mode and xgrammar's, vLLM's
+default, read it so), or a model adds a property of its own with a string that never ends.
+
 No torch here: the fake runner uses the tracker too. ``model_runner.sampler.apply_token_bitmask``
 applies a mask to logits.
 """
@@ -90,12 +106,86 @@ JSON_OPTIONS: dict[str, object] = {
 }
 
 
+# The number guard's bounds (see the module docstring; docs/api.md).
+MAX_NUMBER_DIGITS = 17
+MAX_LEADING_ZEROS = 16
+MAX_EXPONENT_DIGITS = 3
+GUARDED_KINDS = frozenset({"json_object", "json_schema"})
+
+
+def number_guard_regex(
+    max_digits: int = MAX_NUMBER_DIGITS,
+    max_leading_zeros: int = MAX_LEADING_ZEROS,
+    max_exponent_digits: int = MAX_EXPONENT_DIGITS,
+) -> str:
+    """The number guard: any text whose JSON strings are skipped and whose numbers outside
+    them have at most ``max_digits`` significant digits and ``max_exponent_digits`` exponent
+    digits. A number must be followed by what JSON allows after one (``,``, ``]``, ``}``,
+    whitespace) or end the text, so two runs of digits never count as two numbers.
+
+    ::
+
+        -?  0 | 0.000 (<= Z zeros) | 0.00 (<= Z) 1234 (<= D)     e|E +|- 123 (<= X)
+            123.45 | 12345 (<= D digits, first one 1-9)
+    """
+    d, z = max_digits, max_leading_zeros
+    mantissa = [
+        rf"0(?:\.(?:0{{1,{z}}}|0{{0,{z}}}[1-9][0-9]{{0,{d - 1}}}))?",
+        rf"[1-9][0-9]{{0,{d - 1}}}",
+        *(rf"[1-9][0-9]{{{i}}}\.[0-9]{{1,{d - 1 - i}}}" for i in range(d - 1)),
+    ]
+    number = rf"-?(?:{'|'.join(mantissa)})(?:[eE][+-]?[0-9]{{1,{max_exponent_digits}}})?"
+    string = r'"(?:[^"\\]|\\(?s:.))*"'
+    return rf'(?:{string}|{number}[,\]}}\s]|[^"0-9\-])*(?:{number})?'
+
+
+# Keywords whose value is one subschema, a list of them, or a map of names to them.
+_ONE_SCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed_objects(schema: object, in_all_of: bool = False) -> object:
+    """``schema`` with every object that lists ``properties`` and says nothing of other
+    ones closed (``additionalProperties: false``), as OpenAI's strict structured outputs
+    and xgrammar's strict mode (vLLM's default) read a schema. Otherwise a sampled model
+    may add a property of its own with a string that never ends. Members of an ``allOf``
+    stay open (each would forbid the others' properties); their subschemas do not."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE_SCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = closed_objects(out[key])
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed_objects(sub, in_all_of=True) for sub in out["allOf"]]
+    if (
+        not in_all_of
+        and isinstance(out.get("properties"), dict)
+        and not any(key in out for key in _OPEN_KEYS)
+        and set(out.get("required") or ()) <= set(out["properties"])  # or it is unsatisfiable
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
 def grammar_of(constraint: Constraint) -> str:
     """The llguidance grammar of ``constraint`` (not yet checked: ``compile`` checks)."""
     kind, spec = constraint.kind, constraint.spec
     try:
         if kind in ("json_object", "json_schema"):
             schema = spec if kind == "json_schema" else '{"type": "object"}'
+            if kind == "json_schema":
+                schema = json.dumps(closed_objects(json.loads(spec)))
             return llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
         if kind == "choice":
             choices = json.loads(spec)
@@ -144,6 +234,7 @@ class ConstraintCompiler:
         self.num_compiled_total = 0
         self.num_cache_hits_total = 0
         self.compile_time_s_total = 0.0
+        self._guard: llg.LLMatcher | None = None  # the number guard, compiled on first use
 
     def compile(self, constraint: Constraint) -> None:
         """Check and cache ``constraint``; raises ``ConstraintError`` with the reason."""
@@ -153,6 +244,21 @@ class ConstraintCompiler:
         """A fresh matcher for one request (a copy of the cached compilation; not counted
         as a cache hit: ``compile`` counted the request)."""
         return self._template(constraint, count_hit=False).deep_copy()
+
+    def new_guard(self, constraint: Constraint) -> llg.LLMatcher | None:
+        """A fresh number guard for one request of a JSON kind; None for the other kinds
+        (a regex or grammar says itself how long its numbers are)."""
+        if constraint.kind not in GUARDED_KINDS:
+            return None
+        with self._lock:
+            if self._guard is None:
+                guard = llg.LLMatcher(
+                    self.ll_tokenizer, llg.grammar_from("regex", number_guard_regex()), log_level=0
+                )
+                if guard.is_error():  # a bug: the expression is ours
+                    raise RuntimeError(f"the number guard does not compile: {guard.get_error()}")
+                self._guard = guard
+            return self._guard.deep_copy()
 
     def _template(self, constraint: Constraint, count_hit: bool = True) -> llg.LLMatcher:
         with self._lock:
@@ -184,16 +290,29 @@ class ConstraintCompiler:
         matcher = self.new_matcher(constraint)
         if not _consume(matcher, token_ids):
             raise ConstraintError(f"tokens leave the constraint: {matcher.get_error()}")
-        mask = self.empty_masks(1)
-        matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
-        row: np.ndarray = mask[0]
-        return row
+        guard = self.new_guard(constraint)
+        if guard is not None and not _consume(guard, token_ids):
+            guard = None  # the schema needed a longer number: the guard is off
+        masks = self.empty_masks(2)
+        matcher.unsafe_compute_mask_ptr(masks[0].ctypes.data, masks[0].nbytes)
+        if guard is not None:
+            guard.unsafe_compute_mask_ptr(masks[1].ctypes.data, masks[1].nbytes)
+        row: np.ndarray = masks[0]
+        both = masks[0] & masks[1]
+        return both if both.any() else row
 
 
 @dataclass(slots=True)
 class _State:
     matcher: llg.LLMatcher
-    token_ids: list[int] = field(default_factory=list)  # output tokens it has consumed
+    guard: llg.LLMatcher | None  # the number guard (JSON kinds); None: none, or dropped
+    token_ids: list[int] = field(default_factory=list)  # output tokens both have consumed
+
+    def consume_guard(self, token_ids: Sequence[int]) -> None:
+        """Advance the guard; a token it refuses was one the schema needed (the row fell
+        back to the schema's mask), so the guard is dropped for the request."""
+        if self.guard is not None and not _consume(self.guard, token_ids):
+            self.guard = None
 
 
 @dataclass(slots=True)
@@ -233,9 +352,8 @@ class ConstraintTracker:
         constrained row's matcher with its output tokens first."""
         t0 = time.perf_counter()
         num_rows = sum(1 + s.num_draft_tokens for s in seqs)
-        jobs: list[tuple[llg.LLMatcher, int, list[int]]] = []
+        jobs: list[tuple[_State, int, list[int]]] = []  # (state, first row, drafts)
         job_ids: list[str] = []
-        drafts_valid: list[tuple[int, int, int]] = []  # (first row, valid drafts, drafts)
         failed: dict[str, str] = {}
         row = 0
         for seq in seqs:
@@ -248,36 +366,50 @@ class ConstraintTracker:
                 if error is not None:
                     failed[seq.request_id] = error
                 else:
-                    matcher = self._states[seq.request_id].matcher
                     drafts = list(seq.token_ids[1:]) if seq.num_draft_tokens else []
-                    jobs.append((matcher, row, drafts))
+                    jobs.append((self._states[seq.request_id], row, drafts))
                     job_ids.append(seq.request_id)
-                    if drafts:
-                        drafts_valid.append((row, matcher.validate_tokens(drafts), len(drafts)))
             row += 1 + seq.num_draft_tokens
         if not jobs:
             return Masks(None, failed)
-        bitmask = self.compiler.empty_masks(num_rows)
-        words = self.compiler.num_mask_words
-        plain = [(m, r) for m, r, drafts in jobs if not drafts]
+        # Rows [0, num_rows) the schemas' masks, [num_rows, 2 num_rows) the guards' (all
+        # allowed where a row has none): both filled in one parallel call per kind.
+        masks = self.compiler.empty_masks(2 * num_rows)
+        plain: list[tuple[llg.LLMatcher, int]] = []
+        with_drafts: list[tuple[llg.LLMatcher, int, list[int]]] = []
+        for state, first, drafts in jobs:
+            for matcher, mask_row in _matchers(state, first, num_rows):
+                if drafts:
+                    with_drafts.append((matcher, mask_row, drafts))
+                else:
+                    plain.append((matcher, mask_row))
+        ptr, row_bytes = masks.ctypes.data, self.compiler.num_mask_words * 4
         if plain:
-            self._executor.unsafe_compute_mask_ptr(plain, bitmask.ctypes.data, words * 4, num_rows)
-        with_drafts = [job for job in jobs if job[2]]
+            self._executor.unsafe_compute_mask_ptr(plain, ptr, row_bytes, 2 * num_rows)
         if with_drafts:
             self._executor.unsafe_compute_mask_ptr_with_draft_token(
-                with_drafts, bitmask.ctypes.data, words * 4, num_rows
+                with_drafts, ptr, row_bytes, 2 * num_rows
             )
-        # Rows after a draft the grammar rejects: their tokens are never accepted (the row
-        # of the rejected draft samples a token that differs from it), so allow anything.
-        # So do rows after a draft that ends the grammar (an EOS copied from the prompt):
-        # a stopped matcher allows nothing, and an empty row would fail the request.
-        for first, num_valid, num_drafts in drafts_valid:
-            bitmask[first + num_valid + 1 : first + num_drafts + 1] = -1
-            rows = bitmask[first + 1 : first + num_drafts + 1]
-            rows[~rows.any(axis=1)] = -1
-        for (matcher, first, _), request_id in zip(jobs, job_ids, strict=True):
+        bitmask, guards = masks[:num_rows], masks[num_rows:]
+        both = bitmask & guards
+        keep = both.any(axis=1)  # an empty AND: the schema needs what the guard bounds
+        bitmask[keep] = both[keep]
+        for (state, first, drafts), request_id in zip(jobs, job_ids, strict=True):
             if not bitmask[first].any():
-                failed[request_id] = f"the constraint allows no next token ({matcher.get_error()})"
+                failed[request_id] = (
+                    f"the constraint allows no next token ({state.matcher.get_error()})"
+                )
+            if not drafts:
+                continue
+            # Rows after a draft the grammar (or the guard) rejects: their tokens are never
+            # accepted (the row of the rejected draft samples a token that differs from it),
+            # so allow anything. So do rows after a draft that ends the grammar (an EOS
+            # copied from the prompt): a stopped matcher allows nothing, and an empty row
+            # would fail the request.
+            num_valid = min(m.validate_tokens(drafts) for m, _ in _matchers(state, first, 0))
+            bitmask[first + num_valid + 1 : first + len(drafts) + 1] = -1
+            rows = bitmask[first + 1 : first + len(drafts) + 1]
+            rows[~rows.any(axis=1)] = -1
         return Masks(bitmask, failed, time.perf_counter() - t0)
 
     def accept(self, seq: ScheduledSeq, token_ids: Sequence[int]) -> str | None:
@@ -292,6 +424,7 @@ class ConstraintTracker:
             error = state.matcher.get_error()
             del self._states[seq.request_id]
             return f"sampled token leaves the constraint: {error}"
+        state.consume_guard(token_ids)
         state.token_ids.extend(token_ids)
         return None
 
@@ -301,7 +434,9 @@ class ConstraintTracker:
         output = seq.all_token_ids[seq.num_prompt_tokens :]
         state = self._states.get(seq.request_id)
         if state is None:
-            state = self._states[seq.request_id] = _State(self.compiler.new_matcher(constraint))
+            state = self._states[seq.request_id] = _State(
+                self.compiler.new_matcher(constraint), self.compiler.new_guard(constraint)
+            )
         seen = state.token_ids
         if len(seen) == len(output) and (not seen or seen[-1] == output[-1]):
             return None  # the usual case: the last step's token was accepted here
@@ -310,9 +445,13 @@ class ConstraintTracker:
             if a != b:
                 break
             common += 1
-        matcher = state.matcher
-        if common < len(seen) and not matcher.rollback(len(seen) - common):
+        matcher, guard = state.matcher, state.guard
+        back = len(seen) - common
+        if back and not (
+            matcher.rollback(back) and (guard is None or guard.rollback(back))
+        ):  # fmt: skip
             matcher.reset()
+            state.guard = self.compiler.new_guard(constraint)
             common = 0
         del seen[common:]
         rest = list(output[common:])
@@ -320,8 +459,18 @@ class ConstraintTracker:
             error = matcher.get_error()
             del self._states[seq.request_id]
             return f"output tokens leave the constraint: {error}"
+        state.consume_guard(rest)
         seen.extend(rest)
         return None
+
+
+def _matchers(state: _State, row: int, guard_offset: int) -> list[tuple[llg.LLMatcher, int]]:
+    """``state``'s matchers with the mask row each fills: the schema's at ``row``, the
+    guard's (if any) ``guard_offset`` rows further."""
+    pairs = [(state.matcher, row)]
+    if state.guard is not None:
+        pairs.append((state.guard, row + guard_offset))
+    return pairs
 
 
 def _consume(matcher: llg.LLMatcher, token_ids: Iterable[int]) -> bool:
