@@ -1,0 +1,171 @@
+"""The engine failing from inside: a step that raises (the forward pass, the sampler, the
+structured-output masks), K failed steps in a row (the engine dies), and a KV tier that
+cannot move bytes. Each case pins what the clients see on both APIs, that every block is
+freed once (the cache manager's invariants), health, and the server's exit code."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from model_runner.fake import FakeRunner
+from server.fake_tokenizer import ByteTokenizer
+from tests.server.helpers import (
+    Harness,
+    assert_idle_and_sound,
+    collect,
+    make_fake_runner,
+    serve,
+    wait_until,
+)
+
+LONG = 1000  # max_tokens of a request that is still running when the step fails
+
+
+async def _status(call: Any) -> tuple[grpc.StatusCode, str]:
+    try:
+        async for _ in call:
+            pass
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+async def _sse(http: httpx.AsyncClient, rid: str, started: asyncio.Event) -> list[str]:
+    """A streamed completion's data lines, to the end."""
+    body = {"prompt": "stream me", "max_tokens": LONG, "stream": True}
+    lines: list[str] = []
+    headers = {"X-Request-Id": rid}
+    async with http.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                lines.append(line[6:])
+                started.set()
+    return lines
+
+
+async def _whole(http: httpx.AsyncClient, rid: str) -> httpx.Response:
+    body = {"prompt": "whole", "max_tokens": LONG}
+    return await http.post("/v1/completions", json=body, headers={"X-Request-Id": rid})
+
+
+async def _health(h: Harness, http: httpx.AsyncClient) -> tuple[list[int], int]:
+    stub = health_pb2_grpc.HealthStub(h.channel)
+    grpc_statuses = [
+        (await stub.Check(health_pb2.HealthCheckRequest(service=name))).status
+        for name in ("", "kvserve.v1.Generation")
+    ]
+    return grpc_statuses, (await http.get("/health")).status_code
+
+
+async def _in_flight_on_both_apis(
+    h: Harness, http: httpx.AsyncClient, fail: Any
+) -> tuple[list[tuple[grpc.StatusCode, str]], list[str], httpx.Response]:
+    """Two gRPC streams, one SSE stream and one whole completion running; then ``fail()``;
+    what each of them ended with."""
+    streams = [h.client.generate("grpc", request_id=f"g{i}", max_tokens=LONG) for i in range(2)]
+    for s in streams:
+        await anext(s)
+    started = asyncio.Event()
+    sse = asyncio.create_task(_sse(http, "h-stream", started))
+    whole = asyncio.create_task(_whole(http, "h-whole"))
+    await asyncio.wait_for(started.wait(), 60)
+    await wait_until(lambda: h.engine.latest_stats.num_running == 4, timeout_s=60)
+    fail()
+    codes = await asyncio.gather(*(_status(s) for s in streams))
+    return codes, await sse, await whole
+
+
+async def test_forward_error_fails_the_step_on_both_apis_and_keeps_serving() -> None:
+    """A step whose forward raises once: its 4 requests get INTERNAL / an SSE error event
+    then [DONE] / a 500 JSON error, their blocks are freed, health stays SERVING and the
+    next request is served."""
+    runner = make_fake_runner(max_model_len=4096, sleep_s=0.005)
+    served = serve(runner, http=True, num_blocks=2048)
+    async with served as h, httpx.AsyncClient(base_url=h.http_url) as http:
+        crash = RuntimeError("CUDA error: an illegal memory access was encountered")
+        codes, sse, whole = await _in_flight_on_both_apis(
+            h, http, lambda: runner.crash_next_step(crash)
+        )
+        assert_idle_and_sound(h)
+        health = await _health(h, http)
+        after = await collect(h.client.generate("after", request_id="after", max_tokens=3))
+        alive = h.engine.is_alive
+    assert [c for c, _ in codes] == [grpc.StatusCode.INTERNAL] * 2
+    assert all("the model step failed" in d and "illegal memory access" in d for _, d in codes)
+    assert sse[-1] == "[DONE]"
+    error = json.loads(sse[-2])["error"]
+    assert error["type"] == "internal_error" and "illegal memory access" in error["message"]
+    assert all("error" not in json.loads(x) for x in sse[:-2])
+    assert whole.status_code == 500
+    assert "illegal memory access" in whole.json()["error"]["message"]
+    assert health == ([health_pb2.HealthCheckResponse.SERVING] * 2, 200)
+    assert sum(len(m.token_ids) for m in after) == 3
+    assert h.engine.num_failed_steps_total == 1 and alive
+    assert {h.sink.request(r).finish_reason for r in ("h-stream", "h-whole")} == {"error"}
+
+
+async def test_engine_death_fails_every_request_on_both_apis_and_exits_1() -> None:
+    """With no failed step to spare the first one kills the engine: UNAVAILABLE, an SSE
+    service_unavailable event then [DONE], a 503; blocks freed, health NOT_SERVING on gRPC
+    and HTTP, wait() returns 1 and a later request is refused."""
+    runner = make_fake_runner(max_model_len=4096, sleep_s=0.005)
+    options = {"max_step_failures": 0}
+    served = serve(runner, http=True, num_blocks=2048, engine_options=options)
+    async with served as h, httpx.AsyncClient(base_url=h.http_url) as http:
+        codes, sse, whole = await _in_flight_on_both_apis(h, http, runner.crash_next_step)
+        exit_code = await asyncio.wait_for(h.server.wait(), 60)
+        assert_idle_and_sound(h)
+        health = await _health(h, http)
+        late = await _whole(http, "late")
+    assert [c for c, _ in codes] == [grpc.StatusCode.UNAVAILABLE] * 2
+    assert all("engine loop died" in d and "fake runner died" in d for _, d in codes)
+    assert sse[-1] == "[DONE]"
+    assert json.loads(sse[-2])["error"]["type"] == "service_unavailable"
+    assert whole.status_code == 503 and "fake runner died" in whole.json()["error"]["message"]
+    assert exit_code == 1
+    assert health == ([health_pb2.HealthCheckResponse.NOT_SERVING] * 2, 503)
+    assert late.status_code == 503
+
+
+async def test_engine_death_after_max_step_failures_in_a_row() -> None:
+    """max_step_failures=1: a failed step fails its request (INTERNAL) and a success resets
+    the count; a dead device then fails one request, and the next failed step in a row kills
+    the engine (UNAVAILABLE, exit 1), blocks back to 0 each time."""
+    runner = make_fake_runner(max_model_len=4096, sleep_s=0.002)
+    async with serve(runner, engine_options={"max_step_failures": 1}) as h:
+        results = []
+        for i, fail in enumerate(["once", None, "once", None, "dead", None]):
+            if fail == "once":
+                runner.crash_next_step(RuntimeError(f"transient {i}"))
+            elif fail == "dead":
+                runner.crash_every_step()
+            results.append(await _status(h.client.generate("x", request_id=f"r{i}", max_tokens=4)))
+            assert_idle_and_sound(h)
+        exit_code = await asyncio.wait_for(h.server.wait(), 60)
+    assert [c for c, _ in results] == [
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.OK,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.OK,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+    ]
+    assert "transient 0" in results[0][1] and "fake runner is dead" in results[4][1]
+    assert "2 steps in a row failed" in results[5][1]
+    assert exit_code == 1 and h.engine.num_failed_steps_total == 4
+
+
+def test_max_step_failures_below_0_is_refused() -> None:
+    """A negative bound is refused when the engine is built, naming the setting."""
+    from tests.server.helpers import build_server
+
+    with pytest.raises(ValueError, match="max_step_failures must be >= 0"):
+        build_server(FakeRunner(), ByteTokenizer(), engine_options={"max_step_failures": -1})
