@@ -39,6 +39,7 @@ def serve_process(tmp_path: Path, *flags: str) -> Iterator[tuple[subprocess.Pope
     """Start `kvserve serve --runner fake --port 0` and wait for its --port-file."""
     port_file = tmp_path / "port"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")}
+    env["PYTHONPATH"] = str(REPO_ROOT)  # this checkout's code, whichever one the script names
     proc = subprocess.Popen(
         [*_kvserve(), "serve", "--runner", "fake", "--port", "0", "--port-file",
          str(port_file), "--metrics-port", "0", "--http-port", "0", *flags],
@@ -146,26 +147,35 @@ def test_generate_command_streams_from_a_served_process(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.slow
-def test_runner_death_exits_nonzero(tmp_path: Path) -> None:
-    """When the runner dies the in-flight call gets UNAVAILABLE and serve exits 1."""
+def test_engine_death_exits_nonzero(tmp_path: Path) -> None:
+    """A dead device with --max-step-failures 1: the first call gets INTERNAL (a failed
+    step is survived), the next UNAVAILABLE (two in a row: the engine dies), serve exits 1."""
     import grpc
 
-    with serve_process(tmp_path, "--fake-crash-at-step", "5") as (proc, port):
+    flags = ("--fake-crash-at-step", "3", "--max-step-failures", "1")
+    with serve_process(tmp_path, *flags) as (proc, port):
 
-        async def scenario() -> grpc.StatusCode:
+        async def scenario() -> list[grpc.StatusCode]:
+            codes = []
             async with KVServeClient(f"127.0.0.1:{port}") as client:
-                try:
-                    await collect(client.generate("x", request_id="doomed", max_tokens=50))
-                except grpc.aio.AioRpcError as exc:
-                    return exc.code()
-            return grpc.StatusCode.OK
+                for i in range(3):
+                    try:
+                        await collect(client.generate("x", request_id=f"r{i}", max_tokens=50))
+                        codes.append(grpc.StatusCode.OK)
+                    except grpc.aio.AioRpcError as exc:
+                        codes.append(exc.code())
+            return codes
 
-        code = asyncio.run(scenario())
-        assert proc.wait(timeout=30) == 1
+        codes = asyncio.run(scenario())
+        assert proc.wait(timeout=60) == 1
         out = _output(proc)
-    assert code == grpc.StatusCode.UNAVAILABLE
-    assert "runner died" in out and "fake runner died at step 5" in out
+    assert codes == [
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.UNAVAILABLE,
+    ]
+    assert "runner died" in out and "2 steps in a row failed" in out
+    assert "fake runner died at step 3" in out
 
 
 def test_bad_serve_settings_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

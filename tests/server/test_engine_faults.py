@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -169,3 +171,118 @@ def test_max_step_failures_below_0_is_refused() -> None:
 
     with pytest.raises(ValueError, match="max_step_failures must be >= 0"):
         build_server(FakeRunner(), ByteTokenizer(), engine_options={"max_step_failures": -1})
+
+
+class _FailOnce:
+    """Wraps a callable; its ``at``-th call (1-based) raises ``exc``."""
+
+    def __init__(self, fn: Any, at: int, exc: Exception) -> None:
+        self.fn, self.at, self.exc, self.calls = fn, at, exc, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls == self.at:
+            raise self.exc
+        return self.fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("where", ["forward", "sampler"])
+async def test_forward_error_in_a_torch_runner_on_cpu_fails_the_step_then_serves_exactly(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiny random llama on CPU whose forward pass (or sampler) raises once mid-decode: both
+    requests in the step get INTERNAL naming the error, blocks are freed, and the same
+    prompts then give the greedy tokens they gave before the fault."""
+    from tests.model_runner.oracle import make_runner, random_ids, tiny_hf
+
+    runner = make_runner(tiny_hf("llama", seed=3), num_blocks=64, block_size=4)
+    prompts = [random_ids(6, seed=71), random_ids(9, seed=72)]
+
+    async def both(tag: str) -> list[Any]:
+        calls = [
+            h.client.generate(p, request_id=f"{tag}{i}", max_tokens=8, temperature=0.0,
+                              ignore_eos=True)
+            for i, p in enumerate(prompts)
+        ]  # fmt: skip
+        return await asyncio.gather(*(collect(c) for c in calls), return_exceptions=True)
+
+    async with serve(runner, ByteTokenizer(), max_num_seqs=4, max_num_batched_tokens=64) as h:
+        before = [[t for m in msgs for t in m.token_ids] for msgs in await both("a")]
+        crash = RuntimeError(f"injected {where} failure")
+        owner = runner.paths if where == "forward" else runner.sampler
+        name = "forward" if where == "forward" else "launch"
+        fail = _FailOnce(getattr(type(owner), name), 3, crash)
+        monkeypatch.setattr(type(owner), name, lambda *a, **k: fail(*a, **k))
+        failed = await both("b")
+        assert_idle_and_sound(h)
+        after = [[t for m in msgs for t in m.token_ids] for msgs in await both("c")]
+    assert [type(e).__name__ for e in failed] == ["AioRpcError"] * 2
+    assert {e.code() for e in failed} == {grpc.StatusCode.INTERNAL}
+    assert all(f"injected {where} failure" in e.details() for e in failed)
+    assert after == before and all(len(t) == 8 for t in before)
+
+
+async def test_forward_error_in_the_constraint_masks_fails_the_step_then_serves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The structured-output engine raising (not a ConstraintError: a bug, a library
+    failure) fails the step like a forward error: INTERNAL naming it, blocks freed, the
+    next constrained request matches its regex."""
+    from model_runner.constraints import ConstraintCompiler, ConstraintTracker
+
+    tracker = ConstraintTracker(ConstraintCompiler(ByteTokenizer()))
+    runner = make_fake_runner(max_model_len=2048, constraints=tracker)
+    fail = _FailOnce(ConstraintTracker.compute_masks, 2, RuntimeError("matcher state lost"))
+    monkeypatch.setattr(ConstraintTracker, "compute_masks", lambda *a, **k: fail(*a, **k))
+    async with serve(runner) as h:
+        code, details = await _status(
+            h.client.generate("go", request_id="c1", regex="[a-c]{8}!", max_tokens=20)
+        )
+        assert_idle_and_sound(h)
+        text, last = await h.client.generate_text(
+            "go", request_id="c2", regex="[a-c]{4}!", max_tokens=20
+        )
+    assert code == grpc.StatusCode.INTERNAL and "matcher state lost" in details
+    assert re.fullmatch("[a-c]{4}!", text) and last.finish_reason == 1
+
+
+async def test_engine_death_on_a_kv_tier_error_frees_blocks_and_exits_1(tmp_path: Path) -> None:
+    """Tier 2 failing to write restored bytes into the pool kills the engine at once (the
+    pool can no longer be trusted): the request gets UNAVAILABLE, blocks are freed, health
+    NOT_SERVING, wait() returns 1."""
+    from server.build import build_engine
+    from server.client import KVServeClient
+    from server.config import ServerConfig
+    from server.lifecycle import KVServeServer
+
+    cfg = ServerConfig(
+        runner="fake", num_blocks=8, block_size=4, kv_disk_dir=str(tmp_path), metrics=False
+    )
+    built = build_engine(cfg)
+    server = KVServeServer(built.engine, built.tokenizer, built.model)
+    port = await server.start("127.0.0.1", 0)
+    client = KVServeClient(f"127.0.0.1:{port}")
+    tier = built.engine.tier
+    try:
+        await client.wait_ready()
+        prompt = "abcdefghijklmnopq"  # 4 full blocks; "b" evicts two of them to tier 2
+        await collect(client.generate(prompt, request_id="a", max_tokens=2))
+        await collect(client.generate("zyxwvutsrqponmlkjihgf", request_id="b", max_tokens=2))
+
+        def broken(*args: Any) -> None:
+            raise OSError("pool write failed")
+
+        tier.io.write_blocks = broken  # type: ignore[attr-defined]
+        code, details = await _status(client.generate(prompt, request_id="c", max_tokens=2))
+        exit_code = await asyncio.wait_for(server.wait(), 60)
+        stats = built.engine.latest_stats
+        built.scheduler.kv.check_invariants()
+        health = await health_pb2_grpc.HealthStub(client.channel).Check(
+            health_pb2.HealthCheckRequest(service="")
+        )
+    finally:
+        await client.close()
+        await server.shutdown(grace_s=0.5)
+    assert code == grpc.StatusCode.UNAVAILABLE and "pool write failed" in details
+    assert exit_code == 1 and stats.kv.num_blocks_used == 0
+    assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
