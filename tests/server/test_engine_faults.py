@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from tests.server.helpers import (
     wait_until,
 )
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 LONG = 1000  # max_tokens of a request that is still running when the step fails
 
 
@@ -286,3 +289,37 @@ async def test_engine_death_on_a_kv_tier_error_frees_blocks_and_exits_1(tmp_path
     assert code == grpc.StatusCode.UNAVAILABLE and "pool write failed" in details
     assert exit_code == 1 and stats.kv.num_blocks_used == 0
     assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.mark.parametrize("api", ["grpc", "http"])
+async def test_vanish_16_streams_whose_client_process_is_killed(api: str) -> None:
+    """A client process with 16 long streams open is SIGKILLed once each has a token (and
+    0.5 s more): every request is aborted (client_cancel), blocks are back to 0, the engine
+    and the scheduler hold no request and no server task is left."""
+    runner = make_fake_runner(max_model_len=4096, sleep_s=0.01)
+    async with serve(runner, http=True, num_blocks=4096) as h:
+        baseline = len(asyncio.all_tasks())
+        target = h.address if api == "grpc" else h.http_url
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.server.vanishing_client", api, target, "16", "1000",
+            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert proc.stdout is not None
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), 120)
+            assert line == b"ready\n", line
+            await asyncio.sleep(0.5)  # mid-stream: 1000 tokens take 10 s at least
+            assert h.engine.latest_stats.num_running == 16
+        finally:
+            proc.kill()
+            await proc.wait()
+        await wait_until(lambda: len(h.sink.requests) == 16, timeout_s=60)
+        assert_idle_and_sound(h)
+        await wait_until(lambda: len(asyncio.all_tasks()) <= baseline, timeout_s=60)
+        in_flight = (h.server.client.num_in_flight, h.engine.outputs.num_clients)
+        scheduled = (h.scheduler.running_request_ids(), h.scheduler.waiting_request_ids())
+    records = [h.sink.request(f"v{i}") for i in range(16)]
+    assert {r.abort_reason for r in records} == {"client_cancel"}
+    assert all(0 < r.num_output_tokens < 1000 for r in records)
+    assert in_flight == (0, 0) and scheduled == ([], [])
