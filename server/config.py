@@ -184,6 +184,10 @@ class ServerConfig:
         None, "write the bound metrics port to this file once serving"
     )
     grace_period_s: float = _f(30.0, "on SIGTERM/SIGINT, let in-flight requests finish this long")
+    exit_with_parent: bool = _f(
+        False, "stop as on SIGTERM when the process that started serve exits (its pid is "
+        "watched every 0.5 s): a server started by a wrapper never outlives it",
+    )  # fmt: skip
     log_level: str = _f("info", "logging level", choices=("debug", "info", "warning", "error"))
     # -- HTTP front, TLS, API keys, backpressure (server.openai, server.asgi, server.auth)
     http: bool = _f(True, "serve the OpenAI-compatible HTTP API", group="http and security")

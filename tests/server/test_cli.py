@@ -207,3 +207,68 @@ def test_dispatch_subcommands_to_their_packages(
         cli.main([command, "--help"])
     assert exc.value.code == 0
     assert "usage:" in capsys.readouterr().out
+
+
+def _gone(pid: int) -> bool:
+    """The process exited (a zombie nobody reaped yet counts: it runs nothing, holds no port)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in status
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_parent_death_stops_serve_started_with_exit_with_parent(tmp_path: Path) -> None:
+    """serve --exit-with-parent, started by a wrapper process that is then SIGKILLed, exits
+    on its own within 30 s and its port closes; without the flag it keeps serving."""
+
+    def start(name: str, *flags: str) -> tuple[subprocess.Popen[str], int, int]:
+        port_file = tmp_path / f"{name}.port"
+        server = [
+            sys.executable, "-m", "server.cli", "serve", "--runner", "fake", "--port", "0",
+            "--port-file", str(port_file), "--no-metrics", "--no-http", "--grace-period-s",
+            "1", *flags,
+        ]  # fmt: skip
+        wrapper = (
+            "import subprocess, sys, time\n"
+            f"log = open({str(tmp_path / name)!r} + '.log', 'w')\n"
+            f"p = subprocess.Popen({server!r}, stdout=log, stderr=log)\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(600)\n"
+        )
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")}
+        env["PYTHONPATH"] = str(REPO_ROOT)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", wrapper], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        assert proc.stdout is not None
+        child = int(proc.stdout.readline())
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert not _gone(child), (tmp_path / f"{name}.log").read_text()
+            assert time.monotonic() < deadline, "serve did not write its port file in 60 s"
+            time.sleep(0.05)
+        return proc, child, int(port_file.read_text())
+
+    watched = start("watched", "--exit-with-parent")
+    unwatched = start("unwatched")
+    try:
+        for wrapper, _, _ in (watched, unwatched):
+            wrapper.kill()
+            wrapper.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while not _gone(watched[1]):
+            assert time.monotonic() < deadline, "serve outlived its parent by 30 s"
+            time.sleep(0.05)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", watched[2]), timeout=5).close()
+        socket.create_connection(("127.0.0.1", unwatched[2]), timeout=5).close()
+        assert not _gone(unwatched[1])
+    finally:
+        for _, child, _ in (watched, unwatched):
+            if not _gone(child):
+                os.kill(child, signal.SIGKILL)
+    log = (tmp_path / "watched.log").read_text()
+    assert "exited: draining in-flight requests" in log and "stopped" in log
