@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,9 @@ from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("kvserve")
+
+# After the engine died, serve exits within this many seconds whatever still runs.
+DEATH_EXIT_S = 10.0
 
 # Subcommands that hand their arguments to another package's main().
 _DISPATCH = {
@@ -155,6 +159,7 @@ async def _serve(cfg: Any) -> int:
         code = await server.wait()
         if code != 0:
             _say(f"runner died: {built.engine.dead_error!r}; exiting with status {code}")
+            exit_within(DEATH_EXIT_S, code)
             await server.close_after_death()
         else:
             _say("stopped")
@@ -166,6 +171,19 @@ async def _serve(cfg: Any) -> int:
         if metrics_server is not None:
             await metrics_server.stop()
     return code
+
+
+def exit_within(seconds: float, code: int) -> None:
+    """Bound the way out: ``os._exit(code)`` unless the process exited ``seconds`` from now
+    (a thread that never returns, say a runner stuck in the device, would keep it alive)."""
+
+    def force() -> None:
+        print(f"kvserve serve: forcing exit {code} after {seconds:g}s", file=sys.stderr, flush=True)
+        os._exit(code)
+
+    timer = threading.Timer(seconds, force)
+    timer.daemon = True  # runs on while the interpreter joins the threads that hang
+    timer.start()
 
 
 async def watch_parent(

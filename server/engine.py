@@ -233,6 +233,7 @@ class EngineLoop:
         self.max_step_failures = max_step_failures
         self.num_failed_steps = 0  # in a row; a step that succeeds resets it
         self.num_failed_steps_total = 0
+        self._last_failure_s = float("-inf")  # perf_counter of the last failed step
         self._scheduler = scheduler
         self._runner = runner
         self.cost_model = cost_model
@@ -473,7 +474,10 @@ class EngineLoop:
         try:
             result = handle.result() if handle is not None else ModelOutput.make_empty()
         except Exception as exc:
-            result = self._failed_step(plan, exc)
+            # One step ahead, the step submitted before the one before it failed ran on that
+            # step's missing KV: the same failure, not one more in a row.
+            counted = launched.submitted_s > self._last_failure_s
+            result = self._failed_step(plan, exc, counted)
         else:
             if handle is not None:
                 self.num_failed_steps = 0
@@ -516,13 +520,15 @@ class EngineLoop:
         )
         return flush
 
-    def _failed_step(self, plan: SchedulerOutput, exc: Exception) -> ModelOutput:
+    def _failed_step(self, plan: SchedulerOutput, exc: Exception, counted: bool) -> ModelOutput:
         """A step that raised (the forward pass, the sampler, the constraint masks): each of
         its requests fails with the error, through the scheduler's failure path (its blocks
         are freed once, and none of the step's blocks enters the prefix cache). More than
-        ``max_step_failures`` failed steps in a row: the runner is taken for dead."""
-        self.num_failed_steps += 1
-        self.num_failed_steps_total += 1
+        ``max_step_failures`` failed steps in a row (``counted`` ones): the runner is taken
+        for dead."""
+        self._last_failure_s = time.perf_counter()
+        self.num_failed_steps += counted
+        self.num_failed_steps_total += counted
         if self.num_failed_steps > self.max_step_failures:
             raise EngineStepError(
                 f"{self.num_failed_steps} steps in a row failed, the last with {exc!r}"

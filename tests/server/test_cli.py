@@ -272,3 +272,21 @@ def test_parent_death_stops_serve_started_with_exit_with_parent(tmp_path: Path) 
                 os.kill(child, signal.SIGKILL)
     log = (tmp_path / "watched.log").read_text()
     assert "exited: draining in-flight requests" in log and "stopped" in log
+
+
+def test_engine_death_exit_is_bounded_by_exit_within() -> None:
+    """exit_within ends a process that a non-daemon thread would keep alive for 10 min,
+    with the given status, long before that."""
+    script = (
+        "import threading, time\n"
+        "from server.cli import exit_within\n"
+        "threading.Thread(target=time.sleep, args=(600,)).start()\n"
+        "exit_within(0.2, 3)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 3
+    assert "forcing exit 3 after 0.2s" in proc.stderr

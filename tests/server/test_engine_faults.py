@@ -88,12 +88,13 @@ async def _in_flight_on_both_apis(
     return codes, await sse, await whole
 
 
-async def test_forward_error_fails_the_step_on_both_apis_and_keeps_serving() -> None:
-    """A step whose forward raises once: its 4 requests get INTERNAL / an SSE error event
-    then [DONE] / a 500 JSON error, their blocks are freed, health stays SERVING and the
-    next request is served."""
-    runner = make_fake_runner(max_model_len=4096, sleep_s=0.005)
-    served = serve(runner, http=True, num_blocks=2048)
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "one-step-ahead"])
+async def test_forward_error_fails_the_step_on_both_apis_and_keeps_serving(ahead: bool) -> None:
+    """A step whose forward raises once (also on the fake device, one step ahead): its 4
+    requests get INTERNAL / an SSE error event then [DONE] / a 500 JSON error, their blocks
+    are freed, health stays SERVING and the next request is served."""
+    runner = make_fake_runner(max_model_len=4096, sleep_s=0.005, step_thread=ahead)
+    served = serve(runner, http=True, num_blocks=2048, engine_options={"overlap": ahead})
     async with served as h, httpx.AsyncClient(base_url=h.http_url) as http:
         crash = RuntimeError("CUDA error: an illegal memory access was encountered")
         codes, sse, whole = await _in_flight_on_both_apis(
