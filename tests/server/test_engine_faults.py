@@ -33,10 +33,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 LONG = 1000  # max_tokens of a request that is still running when the step fails
 
 
-async def _status(call: Any) -> tuple[grpc.StatusCode, str]:
+async def _status(call: Any, started: asyncio.Event | None = None) -> tuple[grpc.StatusCode, str]:
+    """How a gRPC stream ended, read to its end (``started`` set at its first message)."""
     try:
         async for _ in call:
-            pass
+            if started is not None:
+                started.set()
     except grpc.aio.AioRpcError as exc:
         return exc.code(), exc.details() or ""
     return grpc.StatusCode.OK, ""
@@ -73,18 +75,21 @@ async def _health(h: Harness, http: httpx.AsyncClient) -> tuple[list[int], int]:
 async def _in_flight_on_both_apis(
     h: Harness, http: httpx.AsyncClient, fail: Any
 ) -> tuple[list[tuple[grpc.StatusCode, str]], list[str], httpx.Response]:
-    """Two gRPC streams, one SSE stream and one whole completion running; then ``fail()``;
-    what each of them ended with."""
-    streams = [h.client.generate("grpc", request_id=f"g{i}", max_tokens=LONG) for i in range(2)]
-    for s in streams:
-        await anext(s)
-    started = asyncio.Event()
-    sse = asyncio.create_task(_sse(http, "h-stream", started))
+    """Two gRPC streams, one SSE stream and one whole completion running (every stream read
+    all along, so none is parked out of the step); then ``fail()``; how each ended."""
+    started = [asyncio.Event() for _ in range(3)]
+    streams = [
+        asyncio.create_task(
+            _status(h.client.generate("grpc", request_id=f"g{i}", max_tokens=LONG), started[i])
+        )
+        for i in range(2)
+    ]
+    sse = asyncio.create_task(_sse(http, "h-stream", started[2]))
     whole = asyncio.create_task(_whole(http, "h-whole"))
-    await asyncio.wait_for(started.wait(), 60)
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
     await wait_until(lambda: h.engine.latest_stats.num_running == 4, timeout_s=60)
     fail()
-    codes = await asyncio.gather(*(_status(s) for s in streams))
+    codes = await asyncio.gather(*streams)
     return codes, await sse, await whole
 
 
@@ -95,7 +100,7 @@ async def test_forward_error_fails_the_step_on_both_apis_and_keeps_serving(ahead
     are freed, health stays SERVING and the next request is served."""
     runner = make_fake_runner(max_model_len=4096, sleep_s=0.005, step_thread=ahead)
     served = serve(runner, http=True, num_blocks=2048, engine_options={"overlap": ahead})
-    async with served as h, httpx.AsyncClient(base_url=h.http_url) as http:
+    async with served as h, httpx.AsyncClient(base_url=h.http_url, timeout=60) as http:
         crash = RuntimeError("CUDA error: an illegal memory access was encountered")
         codes, sse, whole = await _in_flight_on_both_apis(
             h, http, lambda: runner.crash_next_step(crash)
@@ -125,7 +130,7 @@ async def test_engine_death_fails_every_request_on_both_apis_and_exits_1() -> No
     runner = make_fake_runner(max_model_len=4096, sleep_s=0.005)
     options = {"max_step_failures": 0}
     served = serve(runner, http=True, num_blocks=2048, engine_options=options)
-    async with served as h, httpx.AsyncClient(base_url=h.http_url) as http:
+    async with served as h, httpx.AsyncClient(base_url=h.http_url, timeout=60) as http:
         codes, sse, whole = await _in_flight_on_both_apis(h, http, runner.crash_next_step)
         exit_code = await asyncio.wait_for(h.server.wait(), 60)
         assert_idle_and_sound(h)
