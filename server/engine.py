@@ -12,6 +12,8 @@
                                                         6. publish; stats snapshot; metrics
 
 Step 5 is ``server.outputs.OutputProcessor``; the asyncio side is ``server.engine_client``.
+A step that raises (3, or its submit) fails its own requests; more than ``max_step_failures``
+in a row, or an exception anywhere else, and the engine dies (docs/reliability.md).
 
 One step ahead (``overlap``; vLLM's async scheduling, SGLang's overlap scheduler): with a
 runner that can run ahead (``model_runner.base.AheadRunner``: CUDA, a CPU step thread, the
@@ -232,7 +234,7 @@ class EngineLoop:
             raise ValueError(f"max_step_failures must be >= 0, got {max_step_failures}")
         self.max_step_failures = max_step_failures
         self.num_failed_steps = 0  # in a row; a step that succeeds resets it
-        self.num_failed_steps_total = 0
+        self.num_failed_steps_total = 0  # counted ones (not those run behind a failed step)
         self._last_failure_s = float("-inf")  # perf_counter of the last failed step
         self._scheduler = scheduler
         self._runner = runner
@@ -474,8 +476,8 @@ class EngineLoop:
         try:
             result = handle.result() if handle is not None else ModelOutput.make_empty()
         except Exception as exc:
-            # One step ahead, the step submitted before the one before it failed ran on that
-            # step's missing KV: the same failure, not one more in a row.
+            # One step ahead, a step submitted before a failure was seen ran behind the failed
+            # step (on its missing KV): the same failure, not one more in a row.
             counted = launched.submitted_s > self._last_failure_s
             result = self._failed_step(plan, exc, counted)
         else:
@@ -535,13 +537,9 @@ class EngineLoop:
             ) from exc
         logger.error(
             "step %d failed (%d in a row, up to %d survived): %r; failing its %d requests",
-            plan.step_id,
-            self.num_failed_steps,
-            self.max_step_failures,
-            exc,
-            len(plan.prefill) + len(plan.decode),
-            exc_info=exc,
-        )
+            plan.step_id, self.num_failed_steps, self.max_step_failures, exc,
+            len(plan.prefill) + len(plan.decode), exc_info=exc,
+        )  # fmt: skip
         error = f"the model step failed: {type(exc).__name__}: {exc}"
         result = ModelOutput.make_empty()
         for seq in (*plan.prefill, *plan.decode):
