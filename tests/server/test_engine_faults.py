@@ -195,16 +195,20 @@ class _FailOnce:
         return self.fn(*args, **kwargs)
 
 
-@pytest.mark.parametrize("where", ["forward", "sampler"])
+@pytest.mark.parametrize(
+    ("where", "ahead"), [("forward", False), ("sampler", False), ("forward", True)]
+)
 async def test_forward_error_in_a_torch_runner_on_cpu_fails_the_step_then_serves_exactly(
-    where: str, monkeypatch: pytest.MonkeyPatch
+    where: str, ahead: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A tiny random llama on CPU whose forward pass (or sampler) raises once mid-decode: both
-    requests in the step get INTERNAL naming the error, blocks are freed, and the same
-    prompts then give the greedy tokens they gave before the fault."""
+    """A tiny random llama on CPU (also on its step thread, one step ahead) whose forward
+    pass (or sampler) raises once mid-decode: both requests in the step get INTERNAL naming
+    the error, blocks are freed, and the same prompts then give the greedy tokens they gave
+    before the fault."""
     from tests.model_runner.oracle import make_runner, random_ids, tiny_hf
 
     runner = make_runner(tiny_hf("llama", seed=3), num_blocks=64, block_size=4)
+    runner.use_step_thread(ahead)
     prompts = [random_ids(6, seed=71), random_ids(9, seed=72)]
 
     async def both(tag: str) -> list[Any]:
@@ -215,7 +219,12 @@ async def test_forward_error_in_a_torch_runner_on_cpu_fails_the_step_then_serves
         ]  # fmt: skip
         return await asyncio.gather(*(collect(c) for c in calls), return_exceptions=True)
 
-    async with serve(runner, ByteTokenizer(), max_num_seqs=4, max_num_batched_tokens=64) as h:
+    served = serve(
+        runner, ByteTokenizer(), max_num_seqs=4, max_num_batched_tokens=64,
+        engine_options={"overlap": ahead},
+    )  # fmt: skip
+    async with served as h:
+        assert h.engine.overlap == ahead
         before = [[t for m in msgs for t in m.token_ids] for msgs in await both("a")]
         crash = RuntimeError(f"injected {where} failure")
         owner = runner.paths if where == "forward" else runner.sampler
@@ -225,6 +234,7 @@ async def test_forward_error_in_a_torch_runner_on_cpu_fails_the_step_then_serves
         failed = await both("b")
         assert_idle_and_sound(h)
         after = [[t for m in msgs for t in m.token_ids] for msgs in await both("c")]
+    runner.use_step_thread(False)
     assert [type(e).__name__ for e in failed] == ["AioRpcError"] * 2
     assert {e.code() for e in failed} == {grpc.StatusCode.INTERNAL}
     assert all(f"injected {where} failure" in e.details() for e in failed)
