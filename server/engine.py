@@ -518,6 +518,7 @@ class EngineLoop:
                 constraint_mask_s=result.constraint_mask_time_s,
                 num_constraint_compiles_total=compiler.num_compiled_total if compiler else 0,
                 num_constraint_cache_hits_total=compiler.num_cache_hits_total if compiler else 0,
+                num_failed_steps_total=self.num_failed_steps_total,
             )
         )
         return flush

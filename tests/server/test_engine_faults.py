@@ -149,9 +149,17 @@ async def test_engine_death_fails_every_request_on_both_apis_and_exits_1() -> No
 async def test_engine_death_after_max_step_failures_in_a_row() -> None:
     """max_step_failures=1: a failed step fails its request (INTERNAL) and a success resets
     the count; a dead device then fails one request, and the next failed step in a row kills
-    the engine (UNAVAILABLE, exit 1), blocks back to 0 each time."""
+    the engine (UNAVAILABLE, exit 1), blocks back to 0 each time; the steps that failed are
+    counted in kvserve_engine_failed_steps_total."""
+    from prometheus_client import CollectorRegistry
+
+    from metrics.prometheus import PrometheusSink
+    from tests.metrics.helpers import value
+
+    registry = CollectorRegistry()
     runner = make_fake_runner(max_model_len=4096, sleep_s=0.002)
     async with serve(runner, engine_options={"max_step_failures": 1}) as h:
+        h.engine.sink = PrometheusSink(registry)
         results = []
         for i, fail in enumerate(["once", None, "once", None, "dead", None]):
             if fail == "once":
@@ -172,6 +180,8 @@ async def test_engine_death_after_max_step_failures_in_a_row() -> None:
     assert "transient 0" in results[0][1] and "fake runner is dead" in results[4][1]
     assert "2 steps in a row failed" in results[5][1]
     assert exit_code == 1 and h.engine.num_failed_steps_total == 4
+    # The last failed step killed the engine before it was recorded.
+    assert value(registry, "kvserve_engine_failed_steps_total") == 3
 
 
 def test_max_step_failures_below_0_is_refused() -> None:
