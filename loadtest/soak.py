@@ -454,7 +454,9 @@ async def soak(args: argparse.Namespace) -> int:
 async def crash_drill(workdir: Path, rng: random.Random) -> list[str]:
     """A server whose runner raises at its 300th step, under streams: every stream ends with
     UNAVAILABLE (none hangs) and the server exits with status 1, saying why."""
-    server = start_server(workdir / "crash.log", ["--fake-crash-at-step", "300"])
+    server = start_server(
+        workdir / "crash.log", ["--fake-crash-at-step", "300", "--max-step-failures", "0"]
+    )
     proc = server.proc
     assert proc is not None
     tally = Tally()

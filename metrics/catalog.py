@@ -433,6 +433,10 @@ EVENT_COUNTERS: Mapping[str, tuple[tuple[str, ...], str]] = {
         (),
         "Constraints found in the compile cache (a request or check that compiled nothing).",
     ),
+    "engine_failed_steps_total": (
+        (),
+        "Model steps that raised; each failed the requests in it (--max-step-failures).",
+    ),
     "lora_requests_total": (
         ("adapter",),
         "Finished requests (each of the n samples counts) by LoRA adapter (base: the base model).",

@@ -146,6 +146,7 @@ class PrometheusSink:
         self._adapters: dict[str, list[int]] = {BASE_ADAPTER: [0, 0, 0]}
         self._constraint_compiles = 0
         self._constraint_cache_hits = 0
+        self._failed_steps = 0
         self._logged_errors: set[str] = set()
         self.registry.register(self)
 
@@ -160,6 +161,7 @@ class PrometheusSink:
         with self._lock:
             self._constraint_compiles = record.num_constraint_compiles_total
             self._constraint_cache_hits = record.num_constraint_cache_hits_total
+            self._failed_steps = record.num_failed_steps_total
             if record.constraint_mask_s > 0:
                 hist["step_constraint_mask"].observe(record.constraint_mask_s)
             self._step_duration[record.kind].observe(_nonneg(record.step_duration_s))
@@ -295,6 +297,7 @@ class PrometheusSink:
                 },
                 "constraint_compiles_total": [((), self._constraint_compiles)],
                 "constraint_cache_hits_total": [((), self._constraint_cache_hits)],
+                "engine_failed_steps_total": [((), self._failed_steps)],
                 "kv_transfers_total": [((k,), v) for k, v in sorted(self._transfers.items())],
                 "kv_transfer_blocks_total": [((), self._transfer_blocks)],
                 "kv_transfer_bytes_total": [((), self._transfer_bytes)],

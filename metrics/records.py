@@ -31,6 +31,8 @@ class StepRecord:
     constraint_mask_s: float = 0.0
     num_constraint_compiles_total: int = 0
     num_constraint_cache_hits_total: int = 0
+    # Model steps that raised, so far (each failed its requests; docs/reliability.md).
+    num_failed_steps_total: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,8 @@ For tests the runner can also:
 
 - fail one request: ``fail_request(rid, error)`` puts it into ``ModelOutput.failed`` the next
   time it is scheduled (the rest of the batch continues);
-- die: ``crash_next_step(exc)`` (or ``crash_at_step``) makes ``execute`` raise;
+- fail a step: ``crash_next_step(exc)`` makes the next ``execute`` raise (a transient
+  failure), ``crash_at_step=N`` every ``execute`` from engine step N on (a dead device);
 - sleep ``sleep_s`` per step plus ``sleep_per_token_s`` per scheduled token to emulate compute;
 - verify the plan against a shadow paged KV (``verify_kv_block_size``): every scheduled
   token is written into ``(block_id, offset)`` slots after applying ``block_copies``, and
@@ -150,6 +151,7 @@ class FakeRunner:
         self._fail: dict[str, str] = dict(fail_requests or {})
         self._crash_at_step = crash_at_step
         self._crash_next: BaseException | None = None
+        self._crash_always: BaseException | None = None
         self._eos = frozenset(self._info.eos_token_ids)
         self._keys: dict[str, str] = {}
         self._kv_block_size = verify_kv_block_size
@@ -208,6 +210,11 @@ class FakeRunner:
     def crash_next_step(self, exc: BaseException | None = None) -> None:
         """The next ``execute`` raises ``exc`` (default ``FakeRunnerCrash``)."""
         self._crash_next = exc if exc is not None else FakeRunnerCrash("fake runner died")
+
+    def crash_every_step(self, exc: BaseException | None = None) -> None:
+        """Every ``execute`` from now on raises ``exc`` (a dead device), as ``crash_at_step``
+        does from its step on."""
+        self._crash_always = exc if exc is not None else FakeRunnerCrash("fake runner is dead")
 
     # -- the token rule -----------------------------------------------------------------
 
@@ -294,8 +301,12 @@ class FakeRunner:
         if self._crash_next is not None:
             exc, self._crash_next = self._crash_next, None
             raise exc
-        if self._crash_at_step is not None and plan.step_id == self._crash_at_step:
-            raise FakeRunnerCrash(f"fake runner died at step {plan.step_id}")
+        if self._crash_always is not None:
+            raise self._crash_always
+        if self._crash_at_step is not None and plan.step_id >= self._crash_at_step:
+            raise FakeRunnerCrash(
+                f"fake runner died at step {self._crash_at_step} (step {plan.step_id})"
+            )
         if self._kv_block_size is not None:
             self._verify_kv(plan, self._kv_block_size)
 

@@ -167,6 +167,7 @@ def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEng
         max_unread_outputs=cfg.max_unread_outputs,
         stalled_stream_timeout_s=cfg.stalled_stream_timeout_s,
         kv_tier=kv_tier,
+        max_step_failures=cfg.max_step_failures,
         overlap={"on": True, "off": False}.get(cfg.async_scheduling),  # auto: None
     )
     model = ServedModel(

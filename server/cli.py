@@ -7,9 +7,11 @@
     kvserve cluster serve ... (cluster.cli: N replicas on Ray Serve, prefix-aware routing)
 
 ``serve`` settings come from flags, ``KVSERVE_*`` variables and ``--config`` (see
-``server.config``). It exits 0 after a graceful stop (SIGTERM / SIGINT: health NOT_SERVING,
-new calls refused, in-flight requests drain for ``--grace-period-s``) and 1 when the runner
-dies.
+``server.config``). It exits 0 after a graceful stop (SIGTERM / SIGINT, or with
+``--exit-with-parent`` its parent's exit: health NOT_SERVING, new calls refused, in-flight
+requests drain for ``--grace-period-s``), 1 when the engine dies (more than
+``--max-step-failures`` failed steps in a row, or a failure outside a step) or cannot start,
+2 for a bad setting and 130 for a second Ctrl-C (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -19,14 +21,20 @@ import asyncio
 import gc
 import importlib
 import logging
+import os
 import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("kvserve")
+
+# After the engine died, serve exits within this many seconds whatever still runs.
+DEATH_EXIT_S = 10.0
 
 # Subcommands that hand their arguments to another package's main().
 _DISPATCH = {
@@ -143,19 +151,54 @@ async def _serve(cfg: Any) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig.name)
+    watch = None
+    if cfg.exit_with_parent:
+        parent = os.getppid()
+        watch = loop.create_task(watch_parent(parent, lambda: on_signal(f"parent {parent} exited")))
     try:
         code = await server.wait()
         if code != 0:
             _say(f"runner died: {built.engine.dead_error!r}; exiting with status {code}")
+            exit_within(DEATH_EXIT_S, code)
             await server.close_after_death()
         else:
             _say("stopped")
     finally:
+        if watch is not None:
+            watch.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         if metrics_server is not None:
             await metrics_server.stop()
     return code
+
+
+def exit_within(seconds: float, code: int) -> None:
+    """Bound the way out: ``os._exit(code)`` unless the process exited ``seconds`` from now
+    (a thread that never returns, say a runner stuck in the device, would keep it alive)."""
+
+    def force() -> None:
+        print(f"kvserve serve: forcing exit {code} after {seconds:g}s", file=sys.stderr, flush=True)
+        os._exit(code)
+
+    timer = threading.Timer(seconds, force)
+    timer.daemon = True  # runs on while the interpreter joins the threads that hang
+    timer.start()
+
+
+async def watch_parent(
+    parent_pid: int, on_exit: Callable[[], None], interval_s: float = 0.5
+) -> None:
+    """Call ``on_exit`` once the process ``parent_pid`` is no longer this one's parent (it
+    exited: the kernel gave this process to init or a subreaper). A watch rather than
+    ``PR_SET_PDEATHSIG``, which fires when the *thread* that started us exits, and is Linux's
+    only."""
+    if parent_pid <= 1:
+        logger.warning("--exit-with-parent: started by pid %d, nothing to watch", parent_pid)
+        return
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(interval_s)
+    on_exit()
 
 
 def write_port_file(path: str, port: int) -> None:

@@ -184,6 +184,10 @@ class ServerConfig:
         None, "write the bound metrics port to this file once serving"
     )
     grace_period_s: float = _f(30.0, "on SIGTERM/SIGINT, let in-flight requests finish this long")
+    exit_with_parent: bool = _f(
+        False, "stop as on SIGTERM when the process that started serve exits (its pid is "
+        "watched every 0.5 s): a server started by a wrapper never outlives it",
+    )  # fmt: skip
     log_level: str = _f("info", "logging level", choices=("debug", "info", "warning", "error"))
     # -- HTTP front, TLS, API keys, backpressure (server.openai, server.asgi, server.auth)
     http: bool = _f(True, "serve the OpenAI-compatible HTTP API", group="http and security")
@@ -328,8 +332,13 @@ class ServerConfig:
         0.0, "fake runner: and seconds per scheduled token (a prefill's cost)", group="model"
     )
     fake_crash_at_step: int | None = _f(
-        None, "fake runner: raise at this engine step (a runner-death drill)", group="model"
-    )
+        None, "fake runner: raise at this engine step and every one after (a dead device)",
+        group="model",
+    )  # fmt: skip
+    max_step_failures: int = _f(
+        3, "failed model steps in a row survived, each failing its requests; one more and "
+        "the engine dies and serve exits 1", group="model",
+    )  # fmt: skip
     # -- scheduler (and, generated, every SchedulerConfig field but max_model_len)
     max_n: int = _f(16, "largest n (parallel samples) a request may ask for", group="scheduler")
     async_scheduling: str = _f(
@@ -397,6 +406,8 @@ class ServerConfig:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.max_unread_outputs < 2:
             raise ValueError(f"max_unread_outputs must be >= 2, got {self.max_unread_outputs}")
+        if self.max_step_failures < 0:
+            raise ValueError(f"max_step_failures must be >= 0, got {self.max_step_failures}")
         if self.grace_period_s < 0:
             raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s}")
         for name in (

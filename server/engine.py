@@ -12,6 +12,8 @@
                                                         6. publish; stats snapshot; metrics
 
 Step 5 is ``server.outputs.OutputProcessor``; the asyncio side is ``server.engine_client``.
+A step that raises (3, or its submit) fails its own requests; more than ``max_step_failures``
+in a row, or an exception anywhere else, and the engine dies (docs/reliability.md).
 
 One step ahead (``overlap``; vLLM's async scheduling, SGLang's overlap scheduler): with a
 runner that can run ahead (``model_runner.base.AheadRunner``: CUDA, a CPU step thread, the
@@ -69,6 +71,10 @@ if TYPE_CHECKING:
     from model_runner.constraints import ConstraintTracker
 
 logger = logging.getLogger(__name__)
+
+# Failed steps in a row that the engine survives (each fails the requests in it); one more and
+# it dies (docs/reliability.md). A runner that fails every step is dead after this many + 1.
+DEFAULT_MAX_STEP_FAILURES = 3
 
 
 class EngineDeadError(RuntimeError):
@@ -178,6 +184,22 @@ class _Executed:
         return self._runner.execute(self._plan)
 
 
+class _Failed:
+    """The handle of a step whose ``submit`` raised: its result raises the same."""
+
+    __slots__ = ("_exc",)
+
+    def __init__(self, exc: Exception) -> None:
+        self._exc = exc
+
+    def result(self) -> ModelOutput:
+        raise self._exc
+
+
+class EngineStepError(RuntimeError):
+    """More consecutive steps failed than ``max_step_failures`` allows: the engine dies."""
+
+
 class EngineLoop:
     """Runs the scheduler and the runner on its own thread; see the module docstring.
 
@@ -200,12 +222,20 @@ class EngineLoop:
         cost_model: StepCostModel | None = None,
         kv_tier: Tier[_Add] | None = None,
         overlap: bool | None = None,
+        max_step_failures: int = DEFAULT_MAX_STEP_FAILURES,
     ) -> None:
         """``cost_model``: fed every step's shape and measured iteration time (the slo
         policy's scheduler holds the same model). ``kv_tier``: tier 2 under the prefix cache
         (its cache manager is the scheduler's). ``overlap``: plan each step while the one
         before runs (see the module docstring); None: where the runner can run ahead; True
-        raises for a runner that cannot."""
+        raises for a runner that cannot. ``max_step_failures``: consecutive failed steps
+        survived (each fails its own requests); one more and the engine dies."""
+        if max_step_failures < 0:
+            raise ValueError(f"max_step_failures must be >= 0, got {max_step_failures}")
+        self.max_step_failures = max_step_failures
+        self.num_failed_steps = 0  # in a row; a step that succeeds resets it
+        self.num_failed_steps_total = 0  # counted ones (not those run behind a failed step)
+        self._last_failure_s = float("-inf")  # perf_counter of the last failed step
         self._scheduler = scheduler
         self._runner = runner
         self.cost_model = cost_model
@@ -414,7 +444,10 @@ class EngineLoop:
         submitted_s = time.perf_counter()
         if not (plan.is_empty and not plan.finished_request_ids and not plan.block_copies):
             runner = self._runner
-            handle = runner.submit(plan) if self._submits else _Executed(runner, plan)
+            try:
+                handle = runner.submit(plan) if self._submits else _Executed(runner, plan)
+            except Exception as exc:  # the step failed: its result says so (``_apply``)
+                handle = _Failed(exc)
         launched = _Launched(plan, handle, started_s, submitted_s, schedule_cpu_s)
         previous, self._in_flight = self._in_flight, None
         flush = False
@@ -440,7 +473,16 @@ class EngineLoop:
         sched = self._scheduler
         plan = launched.plan
         handle = launched.handle
-        result = handle.result() if handle is not None else ModelOutput.make_empty()
+        try:
+            result = handle.result() if handle is not None else ModelOutput.make_empty()
+        except Exception as exc:
+            # One step ahead, a step submitted before a failure was seen ran behind the failed
+            # step (on its missing KV): the same failure, not one more in a row.
+            counted = launched.submitted_s > self._last_failure_s
+            result = self._failed_step(plan, exc, counted)
+        else:
+            if handle is not None:
+                self.num_failed_steps = 0
         wall1 = time.perf_counter()
         cpu2 = time.thread_time()
         outs = sched.update(plan, result)
@@ -476,9 +518,34 @@ class EngineLoop:
                 constraint_mask_s=result.constraint_mask_time_s,
                 num_constraint_compiles_total=compiler.num_compiled_total if compiler else 0,
                 num_constraint_cache_hits_total=compiler.num_cache_hits_total if compiler else 0,
+                num_failed_steps_total=self.num_failed_steps_total,
             )
         )
         return flush
+
+    def _failed_step(self, plan: SchedulerOutput, exc: Exception, counted: bool) -> ModelOutput:
+        """A step that raised (the forward pass, the sampler, the constraint masks): each of
+        its requests fails with the error, through the scheduler's failure path (its blocks
+        are freed once, and none of the step's blocks enters the prefix cache). More than
+        ``max_step_failures`` failed steps in a row (``counted`` ones): the runner is taken
+        for dead."""
+        self._last_failure_s = time.perf_counter()
+        self.num_failed_steps += counted
+        self.num_failed_steps_total += counted
+        if self.num_failed_steps > self.max_step_failures:
+            raise EngineStepError(
+                f"{self.num_failed_steps} steps in a row failed, the last with {exc!r}"
+            ) from exc
+        logger.error(
+            "step %d failed (%d in a row, up to %d survived): %r; failing its %d requests",
+            plan.step_id, self.num_failed_steps, self.max_step_failures, exc,
+            len(plan.prefill) + len(plan.decode), exc_info=exc,
+        )  # fmt: skip
+        error = f"the model step failed: {type(exc).__name__}: {exc}"
+        result = ModelOutput.make_empty()
+        for seq in (*plan.prefill, *plan.decode):
+            result.failed[seq.request_id] = error
+        return result
 
     def _is_waiting(self, request_id: str) -> bool:
         """Whether a request with staged tier-2 blocks may still be admitted."""
@@ -564,7 +631,11 @@ class EngineLoop:
             stranded += self.tier.release_all()
             self._inbox.clear()
         error = EngineDeadError(f"engine loop died: {exc!r}")
-        self.outputs.fail_all(error)
+        self.outputs.fail_all(error)  # frees their blocks where the scheduler still can
+        try:
+            self.latest_stats = self.tier.annotate(self._scheduler.make_stats())
+        except Exception:
+            logger.exception("stats after the engine died")
         for msg in stranded:
             self._emit(msg.stream, error)
         self._publish()

@@ -207,7 +207,14 @@ class OutputProcessor(Generic[StreamT]):
             self.abort(client_id, reason, now)
 
     def fail_all(self, error: BaseException) -> None:
-        """The engine died: every client stream gets ``error``, and nothing is tracked."""
+        """The engine died: every client stream gets ``error``, and nothing is tracked.
+        Each sample is failed in the scheduler first, which frees its blocks (unless the
+        scheduler itself is what broke: then they stay, and the process exits anyway)."""
+        for sid in sorted(self._samples, key=lambda s: -self._samples[s].index):
+            try:
+                self._scheduler.fail(sid, str(error))
+            except Exception:
+                logger.exception("failing %s in the scheduler after the engine died", sid)
         for client in self._clients.values():
             self._emit(client.stream, error)
         self._clients.clear()

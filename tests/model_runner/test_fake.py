@@ -107,7 +107,8 @@ def test_fail_request_fails_it_once() -> None:
 
 
 def test_crash_emulates_runner_death() -> None:
-    """crash_next_step raises once (default FakeRunnerCrash); crash_at_step at that step id."""
+    """crash_next_step raises once (default FakeRunnerCrash); crash_at_step from that step id
+    on (a dead device)."""
     runner = FakeRunner(crash_at_step=3)
     runner.crash_next_step()
     with pytest.raises(FakeRunnerCrash):
@@ -115,6 +116,9 @@ def test_crash_emulates_runner_death() -> None:
     runner.execute(SchedulerOutput(step_id=2))
     with pytest.raises(FakeRunnerCrash, match="step 3"):
         runner.execute(SchedulerOutput(step_id=3))
+    with pytest.raises(FakeRunnerCrash, match=r"step 3 \(step 4\)"):
+        runner.execute(SchedulerOutput(step_id=4))
+    runner = FakeRunner()
     runner.crash_next_step(KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         runner.execute(SchedulerOutput(step_id=4))

@@ -39,6 +39,7 @@ def serve_process(tmp_path: Path, *flags: str) -> Iterator[tuple[subprocess.Pope
     """Start `kvserve serve --runner fake --port 0` and wait for its --port-file."""
     port_file = tmp_path / "port"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")}
+    env["PYTHONPATH"] = str(REPO_ROOT)  # this checkout's code, whichever one the script names
     proc = subprocess.Popen(
         [*_kvserve(), "serve", "--runner", "fake", "--port", "0", "--port-file",
          str(port_file), "--metrics-port", "0", "--http-port", "0", *flags],
@@ -146,26 +147,35 @@ def test_generate_command_streams_from_a_served_process(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.slow
-def test_runner_death_exits_nonzero(tmp_path: Path) -> None:
-    """When the runner dies the in-flight call gets UNAVAILABLE and serve exits 1."""
+def test_engine_death_exits_nonzero(tmp_path: Path) -> None:
+    """A dead device with --max-step-failures 1: the first call gets INTERNAL (a failed
+    step is survived), the next UNAVAILABLE (two in a row: the engine dies), serve exits 1."""
     import grpc
 
-    with serve_process(tmp_path, "--fake-crash-at-step", "5") as (proc, port):
+    flags = ("--fake-crash-at-step", "3", "--max-step-failures", "1")
+    with serve_process(tmp_path, *flags) as (proc, port):
 
-        async def scenario() -> grpc.StatusCode:
+        async def scenario() -> list[grpc.StatusCode]:
+            codes = []
             async with KVServeClient(f"127.0.0.1:{port}") as client:
-                try:
-                    await collect(client.generate("x", request_id="doomed", max_tokens=50))
-                except grpc.aio.AioRpcError as exc:
-                    return exc.code()
-            return grpc.StatusCode.OK
+                for i in range(3):
+                    try:
+                        await collect(client.generate("x", request_id=f"r{i}", max_tokens=50))
+                        codes.append(grpc.StatusCode.OK)
+                    except grpc.aio.AioRpcError as exc:
+                        codes.append(exc.code())
+            return codes
 
-        code = asyncio.run(scenario())
-        assert proc.wait(timeout=30) == 1
+        codes = asyncio.run(scenario())
+        assert proc.wait(timeout=60) == 1
         out = _output(proc)
-    assert code == grpc.StatusCode.UNAVAILABLE
-    assert "runner died" in out and "fake runner died at step 5" in out
+    assert codes == [
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.UNAVAILABLE,
+    ]
+    assert "runner died" in out and "2 steps in a row failed" in out
+    assert "fake runner died at step 3" in out
 
 
 def test_bad_serve_settings_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -197,3 +207,86 @@ def test_dispatch_subcommands_to_their_packages(
         cli.main([command, "--help"])
     assert exc.value.code == 0
     assert "usage:" in capsys.readouterr().out
+
+
+def _gone(pid: int) -> bool:
+    """The process exited (a zombie nobody reaped yet counts: it runs nothing, holds no port)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in status
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_parent_death_stops_serve_started_with_exit_with_parent(tmp_path: Path) -> None:
+    """serve --exit-with-parent, started by a wrapper process that is then SIGKILLed, exits
+    on its own within 30 s and its port closes; without the flag it keeps serving."""
+
+    def start(name: str, *flags: str) -> tuple[subprocess.Popen[str], int, int]:
+        port_file = tmp_path / f"{name}.port"
+        server = [
+            sys.executable, "-m", "server.cli", "serve", "--runner", "fake", "--port", "0",
+            "--port-file", str(port_file), "--no-metrics", "--no-http", "--grace-period-s",
+            "1", *flags,
+        ]  # fmt: skip
+        wrapper = (
+            "import subprocess, sys, time\n"
+            f"log = open({str(tmp_path / name)!r} + '.log', 'w')\n"
+            f"p = subprocess.Popen({server!r}, stdout=log, stderr=log)\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(600)\n"
+        )
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")}
+        env["PYTHONPATH"] = str(REPO_ROOT)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", wrapper], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        assert proc.stdout is not None
+        child = int(proc.stdout.readline())
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert not _gone(child), (tmp_path / f"{name}.log").read_text()
+            assert time.monotonic() < deadline, "serve did not write its port file in 60 s"
+            time.sleep(0.05)
+        return proc, child, int(port_file.read_text())
+
+    watched = start("watched", "--exit-with-parent")
+    unwatched = start("unwatched")
+    try:
+        for wrapper, _, _ in (watched, unwatched):
+            wrapper.kill()
+            wrapper.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while not _gone(watched[1]):
+            assert time.monotonic() < deadline, "serve outlived its parent by 30 s"
+            time.sleep(0.05)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", watched[2]), timeout=5).close()
+        socket.create_connection(("127.0.0.1", unwatched[2]), timeout=5).close()
+        assert not _gone(unwatched[1])
+    finally:
+        for _, child, _ in (watched, unwatched):
+            if not _gone(child):
+                os.kill(child, signal.SIGKILL)
+    log = (tmp_path / "watched.log").read_text()
+    assert "exited: draining in-flight requests" in log and "stopped" in log
+
+
+def test_engine_death_exit_is_bounded_by_exit_within() -> None:
+    """exit_within ends a process that a non-daemon thread would keep alive for 10 min,
+    with the given status, long before that."""
+    script = (
+        "import threading, time\n"
+        "from server.cli import exit_within\n"
+        "threading.Thread(target=time.sleep, args=(600,)).start()\n"
+        "exit_within(0.2, 3)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 3
+    assert "forcing exit 3 after 0.2s" in proc.stderr

@@ -149,11 +149,13 @@ async def test_duplicate_id_and_deadline() -> None:
 
 
 async def test_engine_death_reaches_every_stream_and_later_submits() -> None:
-    """A runner exception: streams raise EngineDeadError, on_death runs once, submit refuses."""
+    """A runner exception with no failed step to spare: streams raise EngineDeadError,
+    on_death runs once, submit refuses, and the scheduler's blocks are all freed."""
     deaths: list[BaseException] = []
     runner = make_fake_runner(sleep_s=0.01)
     async with engine_client(runner) as (client, engine, _, _):
         engine.set_on_death(deaths.append)
+        engine.max_step_failures = 0
         streams = [client.generate(request(f"s{i}", 100)) for i in range(2)]
         for s in streams:
             await anext(s)
@@ -165,6 +167,7 @@ async def test_engine_death_reaches_every_stream_and_later_submits() -> None:
         with pytest.raises(EngineDeadError):
             await run(client, request("after", 2))
     assert len(deaths) == 1 and not engine.is_alive
+    assert engine.latest_stats.kv.num_blocks_used == 0
 
 
 async def test_stop_strings_and_utf8_through_the_detokenizer() -> None:
