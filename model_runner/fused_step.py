@@ -100,6 +100,8 @@ class FusedStep:
         linears = [(l.qkv, l.o, l.gate_up, l.down) for l in model.layers]  # noqa: E741
         if not all(isinstance(lin, QLinear) for group in linears for lin in group):
             return "needs every layer matrix quantized"
+        if any(layer.q_norm is not None for layer in model.layers):
+            return "QK-norm (Qwen3) is not in the kernels' step yet: the PyTorch path runs it"
         if not kernels.available():
             return f"kernels unavailable ({kernels.unavailable_reason()})"
         if model.config.head_dim > 512:
