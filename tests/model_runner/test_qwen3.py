@@ -105,7 +105,10 @@ def hf_greedy(hf: torch.nn.Module, prompt: Sequence[int], n: int = NEW_TOKENS) -
 
 
 def engine_greedy(
-    config: ModelConfig, state: dict[str, Any], repeat_first: bool = False
+    config: ModelConfig,
+    state: dict[str, Any],
+    repeat_first: bool = False,
+    kv_dtype: str | None = None,
 ) -> tuple[list[list[int]], list[Request]]:
     """Every prompt's greedy tokens through Scheduler + KVCacheManager + TorchRunner (prefix
     caching on, 32-token prefill chunks); ``repeat_first`` sends PROMPTS[3] again after the
@@ -115,7 +118,7 @@ def engine_greedy(
     requests = [Request(f"q{i}", list(p), sampling=sampling) for i, p in enumerate(prompts)]
     arrivals = [0] * len(PROMPTS) + ([40] if repeat_first else [])
     model = LoadedModel(config, state, None, "tiny", "")  # type: ignore[arg-type]
-    outputs, _ = run_engine(model, list(zip(arrivals, requests, strict=True)))
+    outputs, _ = run_engine(model, list(zip(arrivals, requests, strict=True)), kv_dtype=kv_dtype)
     return [outputs[r.request_id] for r in requests], requests
 
 
@@ -208,18 +211,23 @@ def hf_logits_fn(hf: torch.nn.Module) -> Any:
     return step
 
 
+def quantized_qwen3(tmp_path: Path, qtype: str) -> tuple[torch.nn.Module, Path]:
+    """A 256-wide Qwen3 (head_dim 128 over 4 heads: 512 != 256) and its ``qtype`` GGUF."""
+    hf = tiny_hf("qwen3", seed=5, hidden_size=256, intermediate_size=512, head_dim=128)
+    return hf, write_qwen3_gguf(hf, tmp_path / f"{qtype}.gguf", qtype)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not kernels.available(), reason="kernels not built")
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
 def test_quantized_gguf_is_logprobs_close_to_transformers(qtype: str, tmp_path: Path) -> None:
-    """A 256-wide Qwen3 (head_dim 128, 4 heads) in a Q8_0 / Q4_K GGUF, held in its format on
-    the kernels: vLLM's check_logprobs_close on 4 prompts x 12 tokens against transformers'
-    Qwen3ForCausalLM holding the file's weights (where greedy first differs, each side's
-    token is in the other's top-5)."""
+    """A 256-wide Qwen3 (head_dim 128, 4 heads) in a Q8_0 / Q4_K GGUF, held in its format and
+    run by the kernels' fused step: vLLM's check_logprobs_close on 4 prompts x 12 tokens
+    against transformers' Qwen3ForCausalLM holding the file's weights (where greedy first
+    differs, each side's token is in the other's top-5)."""
     from model_runner.reference import build_hf_model
 
-    hf = tiny_hf("qwen3", seed=5, hidden_size=256, intermediate_size=512, head_dim=128)
-    path = write_qwen3_gguf(hf, tmp_path / f"{qtype}.gguf", qtype)
+    _, path = quantized_qwen3(tmp_path, qtype)
     loaded = load_model(path, weights="native")
     held = loaded.state_dict["model.layers.0.self_attn.q_proj.weight"]
     assert isinstance(held, QuantWeight) and held.fmt == qtype
@@ -227,6 +235,7 @@ def test_quantized_gguf_is_logprobs_close_to_transformers(qtype: str, tmp_path: 
     twin = build_hf_model(dense.config, dict(dense.state_dict), with_eos=False)  # type: ignore[arg-type]
     options = RunnerOptions(8, 16, dtype=torch.float32, device="cpu", kv_dtype="float32")
     runner = TorchRunner(loaded.config, loaded.state_dict, options)
+    assert runner.paths.fused is not None  # the kernels' whole-step call, QK-norm inside
     for prompt in PROMPTS:
         ours, our_lp = free_running(runner_logits(runner), prompt, NEW_TOKENS)
         ref, ref_lp = free_running(hf_logits_fn(twin), prompt, NEW_TOKENS)
@@ -236,3 +245,23 @@ def test_quantized_gguf_is_logprobs_close_to_transformers(qtype: str, tmp_path: 
         for mine, lp in ((ours[first], ref_lp[first]), (ref[first], our_lp[first])):
             top5 = lp.topk(5).indices.tolist()
             assert mine in top5, f"{prompt} step {first}: {mine} not in the other's top-5 {top5}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels.available(), reason="kernels not built")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_fused_step_chunked_and_cached_equals_one_shot(qtype: str, tmp_path: Path) -> None:
+    """Through the fused step, the engine's run (32-token prefill chunks, the 40-token prompt
+    sent again and served from the prefix cache) gives the greedy ids of each prompt
+    prefilled whole in a fresh runner, token for token."""
+    _, path = quantized_qwen3(tmp_path, qtype)
+    loaded = load_model(path, weights="native")
+    options = RunnerOptions(8, 16, dtype=torch.float32, device="cpu", kv_dtype="float32")
+    runner = TorchRunner(loaded.config, loaded.state_dict, options)
+    assert runner.paths.fused is not None
+    want = [free_running(runner_logits(runner), p, NEW_TOKENS)[0] for p in PROMPTS]
+    got, requests = engine_greedy(
+        loaded.config, dict(loaded.state_dict), repeat_first=True, kv_dtype="float32"
+    )
+    assert requests[-1].num_cached_tokens >= 32
+    assert got == [*want, want[3]]
