@@ -74,6 +74,8 @@ def write_qwen3_gguf(hf: torch.nn.Module, path: Path, qtype: str = "F32") -> Pat
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     for name, tensor in hf.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue  # tied (Qwen3-0.6B ... 4B): the checkpoint, and so the file, has no output
         if name.startswith("model.layers."):
             _, _, i, rest = name.split(".", 3)
             gguf_name = f"blk.{i}.{_LAYER[rest]}"
@@ -159,6 +161,16 @@ def test_converter_layout_gguf_serves_transformers_greedy(
         )  # fmt: skip
     got, _ = engine_greedy(loaded.config, dict(loaded.state_dict))
     assert got == want
+
+
+def test_tied_embeddings_gguf_serves_transformers_greedy(tmp_path: Path) -> None:
+    """Qwen3-0.6B's layout, tied embeddings (no output.weight in the file): the LM head is
+    the embedding, and the greedy ids equal transformers'."""
+    tied = tiny_hf("qwen3", seed=6, tie_word_embeddings=True)
+    loaded = load_model(write_qwen3_gguf(tied, tmp_path / "tied.gguf"))
+    assert loaded.config.tie_word_embeddings and "lm_head.weight" not in loaded.state_dict
+    got, _ = engine_greedy(loaded.config, dict(loaded.state_dict))
+    assert got == [hf_greedy(tied, p) for p in PROMPTS]
 
 
 def test_prefix_cache_hit_answers_the_same(hf: torch.nn.Module, want: list[list[int]]) -> None:
