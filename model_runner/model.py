@@ -1,5 +1,5 @@
-"""The LLaMA-family model (LLaMA, Mistral, Qwen2) as a functional forward pass over a paged
-KV pool.
+"""The LLaMA-family model (LLaMA, Mistral, Qwen2, Qwen3: ``model_runner.families``) as a
+functional forward pass over a paged KV pool.
 
 Its weights come prepared from ``weights.load_weights`` (Q, K and V fused, the softmax scale
 in Q, RoPE pairs interleaved, each matrix a layer chosen by ``Linears.make_linear``), so the
@@ -23,9 +23,10 @@ import torch.nn.functional as F
 
 from model_runner.attention_backends.base import AttentionBackend, ForwardBatch
 from model_runner.config import ModelConfig
+from model_runner.families import family
 from model_runner.future import FutureTokens
 from model_runner.kv_pool import KVPool
-from model_runner.weights import Linears, StateDict, load_weights
+from model_runner.weights import LayerWeights, Linears, StateDict, load_weights
 
 if TYPE_CHECKING:
     from model_runner.lora.step import TorchLora
@@ -106,10 +107,7 @@ class LlamaModel:
     ) -> None:
         """``state_dict`` has Hugging Face names; it is read, not kept. ``use_onednn`` and
         ``activation_bits``: see ``weights.Linears``."""
-        if config.architecture not in ("llama", "mistral", "qwen2"):
-            raise ValueError(
-                f"unsupported architecture {config.architecture!r}: llama, mistral or qwen2"
-            )
+        family(config.architecture)  # ValueError naming the families kvserve runs
         if config.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {config.head_dim}")
         self.config = config
@@ -183,6 +181,7 @@ class LlamaModel:
             if lora is not None:
                 lora.add_(i, lora.qkv_spans, x, qkv)
             qkv = qkv.view(num_tokens, n_rot + kvh, d)
+            _qk_norm_(layer, qkv, h_heads, kvh, self.eps)
             rot = qkv[:, :n_rot].unflatten(-1, (d // 2, 2))
             if self.rope_cis is not None:
                 torch.view_as_complex(rot).mul_(cis)
@@ -240,6 +239,7 @@ class LlamaModel:
         x = ops.add_rms_norm(None, residual, layers[0].input_norm, self.eps)
         for i, layer in enumerate(layers):
             qkv = layer.qkv(x).view(num_tokens, -1, d)
+            _qk_norm_(layer, qkv, h_heads, self.num_kv_heads, self.eps)
             ops.rope_kv_write(
                 qkv, cos, sin, batch.positions, batch.slot_mapping, pool.data[i], h_heads
             )
@@ -272,6 +272,17 @@ def _mlp_with_lora(gate_up: torch.Tensor, i: int, x: torch.Tensor, lora: TorchLo
     lora.add_(i, lora.gate_up_spans, x, gate_up)
     inter = gate_up.shape[-1] // 2
     return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+
+
+def _qk_norm_(layer: LayerWeights, qkv: torch.Tensor, h: int, kvh: int, eps: float) -> None:
+    """Per-head RMSNorm of Q and K in place in ``qkv`` [T, H + 2 * kvh, D], before RoPE, for a
+    layer with QK-norm weights (Qwen3); nothing for the Llama block."""
+    if layer.q_norm is None or layer.k_norm is None:
+        return
+    d = qkv.shape[-1]
+    q, k = qkv[:, :h], qkv[:, h : h + kvh]
+    q.copy_(F.rms_norm(q, (d,), layer.q_norm, eps))
+    k.copy_(F.rms_norm(k, (d,), layer.k_norm, eps))
 
 
 def _rope_real_(rot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

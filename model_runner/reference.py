@@ -8,12 +8,7 @@ from typing import Any
 import torch
 
 from model_runner.config import ModelConfig
-
-_CLASSES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-}
+from model_runner.families import family
 
 
 def build_hf_model(
@@ -32,7 +27,8 @@ def build_hf_model(
     """
     import transformers
 
-    config_name, model_name = _CLASSES[config.architecture]
+    fam = family(config.architecture)
+    config_name, model_name = fam.hf_classes
     eos = list(config.eos_token_ids) if with_eos and config.eos_token_ids else None
     kwargs: dict[str, Any] = {
         "vocab_size": config.vocab_size,
@@ -51,12 +47,11 @@ def build_hf_model(
         "eos_token_id": eos,
         "pad_token_id": (config.eos_token_ids or (0,))[0],
     }
-    if config.architecture == "llama":
+    if not fam.hf_attention_bias:  # a family whose bias is optional (always on for Qwen2)
         kwargs["attention_bias"] = config.attention_bias
     if config.sliding_window is not None:
         kwargs["sliding_window"] = config.sliding_window
-        if config.architecture == "qwen2":
-            kwargs["use_sliding_window"] = True
+        kwargs["use_sliding_window"] = True  # Qwen's switch; the others have no such field
     hf_config = getattr(transformers, config_name)(**kwargs)
     # transformers 5 folds rope_theta / rope_scaling into rope_parameters; check it took them.
     rope = getattr(hf_config, "rope_parameters", None) or {}

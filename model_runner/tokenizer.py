@@ -257,8 +257,10 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        """Text of ``ids`` (invalid UTF-8 becomes U+FFFD, as Hugging Face does)."""
-        text: str = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """Text of ``ids`` (invalid UTF-8 becomes U+FFFD, as Hugging Face does); ids past the
+        tokenizer's entries (a padded embedding's rows) are empty text."""
+        kept = [i for i in ids if i < self.vocab_size]
+        text: str = self.backend.decode(kept, skip_special_tokens=skip_special_tokens)
         return text
 
     def id_to_token(self, token_id: int) -> str | None:
@@ -271,11 +273,16 @@ class Tokenizer:
         return token_id
 
     def token_bytes(self, token_id: int) -> bytes:
-        """Raw bytes one token contributes to the text (byte-level tokenizers only)."""
+        """Raw bytes one token contributes to the text (byte-level tokenizers only).
+
+        An id past the tokenizer's entries is empty text: a padded embedding (Qwen2.5's
+        151,936 rows for 151,665 tokens) can sample one, and vLLM streams nothing for it."""
         if not self.is_byte_level:
             raise ValueError("token_bytes needs a byte-level tokenizer")
-        if not 0 <= token_id < self.vocab_size:
-            raise ValueError(f"token id {token_id} is outside the vocabulary of {self.vocab_size}")
+        if token_id >= self.vocab_size:
+            return b""
+        if token_id < 0:
+            raise ValueError(f"token id {token_id} is negative")
         cached = self._token_bytes[token_id]
         if cached is None:
             token = self.backend.id_to_token(token_id) or ""

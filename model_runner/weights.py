@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from model_runner import onednn
 from model_runner.config import ModelConfig
+from model_runner.families import family
 from model_runner.quant import QEmbedding, QLinear, QuantStack, QuantWeight, cat_rows
 
 Matrix = torch.Tensor | QuantWeight  # as a checkpoint holds it
@@ -217,6 +218,10 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: AnyLinear | GateUp  # silu(gate) * up
     down: AnyLinear
+    # Per-head RMSNorm weights [D] on Q and K before RoPE (a family with ``qk_norm``), in
+    # RoPE pair order, the softmax scale folded into Q's; None for the Llama block.
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -236,6 +241,7 @@ class ModelWeights:
         tensors = [self.norm, *self.embed.tensors(), *self.lm_head.tensors()]
         for layer in self.layers:
             tensors += [layer.input_norm, layer.post_norm]
+            tensors += [t for t in (layer.q_norm, layer.k_norm) if t is not None]
             for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 tensors += linear.tensors()
         for t in tensors:
@@ -295,12 +301,22 @@ class _Prepared:
 
 
 def _layer(config: ModelConfig, w: _Prepared, linears: Linears, i: int) -> LayerWeights:
-    """Layer ``i``: fused QKV (Q scaled, Q and K in RoPE pair order), O, gate-up, down."""
+    """Layer ``i``: fused QKV (Q scaled, Q and K in RoPE pair order), O, gate-up, down.
+
+    With QK-norm the scale goes into Q's norm weight instead (a norm after the projection
+    would undo a scaled Q), and both norm weights take the rows' RoPE pair order (RMSNorm
+    over a head commutes with permuting it)."""
     p = f"model.layers.{i}.self_attn."
     h, kvh, d = config.num_heads, config.num_kv_heads, config.head_dim
     scale = 1.0 / math.sqrt(d)
-    wq = _scaled(_interleave_rows(w.matrix(p + "q_proj.weight"), h, d), scale)
+    qk_norm = family(config.architecture).qk_norm
+    wq = _interleave_rows(w.matrix(p + "q_proj.weight"), h, d)
+    wq = wq if qk_norm else _scaled(wq, scale)
     wk = _interleave_rows(w.matrix(p + "k_proj.weight"), kvh, d)
+    q_norm = k_norm = None
+    if qk_norm:
+        q_norm = linears.dense(_interleave_rows(w.vector(p + "q_norm.weight"), 1, d) * scale)
+        k_norm = linears.dense(_interleave_rows(w.vector(p + "k_norm.weight"), 1, d))
     bias: torch.Tensor | None = None
     if config.attention_bias:
         bias = linears.dense(
@@ -323,6 +339,8 @@ def _layer(config: ModelConfig, w: _Prepared, linears: Linears, i: int) -> Layer
             w.matrix(p + "mlp.gate_proj.weight"), w.matrix(p + "mlp.up_proj.weight")
         ),
         down=linears.make_linear(w.matrix(p + "mlp.down_proj.weight")),
+        q_norm=q_norm,
+        k_norm=k_norm,
     )
 
 
@@ -367,8 +385,10 @@ def _describe_formats(state_dict: StateDict) -> str:
 def _required_names(config: ModelConfig) -> list[str]:
     """The Hugging Face parameter names ``config``'s model reads."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
+    extra = family(config.architecture).extra_layer_weights()
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
+        names += [p + n for n in extra]
         names += [p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")] + [
             p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")
         ]

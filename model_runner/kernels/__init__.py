@@ -92,6 +92,8 @@ class StepLayer(ctypes.Structure):
         ("input_norm", _P),
         ("post_norm", _P),
         ("qkv_bias", _P),
+        ("q_norm", _P),
+        ("k_norm", _P),
         ("qkv", QW),
         ("o", QW),
         ("gate_up", QW),

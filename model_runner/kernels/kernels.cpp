@@ -84,6 +84,9 @@ struct StepLayer {
   const float* input_norm;
   const float* post_norm;
   const float* qkv_bias;  // or NULL
+  // Per-head RMSNorm weights [head_dim] of Q and K before RoPE (QK-norm: Qwen3), or NULL.
+  const float* q_norm;
+  const float* k_norm;
   QW qkv, o, gate_up, down;
   void* kv;
   float* kv_scales;  // int8 pools, else NULL
@@ -198,7 +201,8 @@ inline int imin(int a, int b) { return a < b ? a : b; }
 // consecutive rows per prefill chunk, k + 1 rows per speculative verification. Each row has
 // its position and its request's block table:
 //
-//   x = rms_norm(h) -> qkv = x Wqkv (+b) -> RoPE(q, k) -> every row's k, v into the paged pool
+//   x = rms_norm(h) -> qkv = x Wqkv (+b) -> (per-head rms_norm of q, k) -> RoPE(q, k)
+//     -> every row's k, v into the paged pool
 //     -> attention of each row over its request's positions <= its own (causal inside a
 //        chunk, because all rows are written before any row attends)
 //     -> h += attn Wo -> x = rms_norm(h) -> a = silu(x Wg) * (x Wu) -> h += a Wd
@@ -372,6 +376,10 @@ void step_layer(const StepArgs& st, const StepLayer& L, int layer, const StepBuf
     const int64_t pos = st.positions[b];
     const float* cs = st.rope + pos * D;  // [D / 2] pairs of (cos, sin)
     float* row = sb.qkv + (int64_t)b * nq;
+    if (L.q_norm) {  // in place: rms_norm reads a row's sum of squares before it writes
+      for (int h = 0; h < H; ++h) rms_norm(row + h * D, L.q_norm, st.eps, 1, D, row + h * D);
+      for (int h = H; h < H + KVH; ++h) rms_norm(row + h * D, L.k_norm, st.eps, 1, D, row + h * D);
+    }
     for (int h = 0; h < H + KVH; ++h) rope(row + h * D, cs, D / 2);
     const int64_t slot = (int64_t)st.block_tables[(int64_t)b * st.max_blocks + pos / st.block_size] * st.block_size +
                          pos % st.block_size;

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from model_runner.config import ModelConfig
+from model_runner.families import family
 from model_runner.lora.files import AdapterFile, LoraPair
 from model_runner.lora.info import AdapterError
 
@@ -37,8 +38,6 @@ HF_MODULES = {
     "down": "down_proj",
 }
 TARGET_OF = {module: target for target, module in HF_MODULES.items()}
-# GGUF architectures whose Q / K rows llama.cpp's converter permutes (as gguf_loader's).
-_PERMUTED_ARCHS = frozenset({"llama"})
 
 
 def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -61,7 +60,7 @@ def check_fits(adapter: AdapterFile, config: ModelConfig, max_rank: int) -> None
     ``adapter`` fits ``config``'s model and no rank is over ``max_rank``."""
     path = adapter.path
     arch = adapter.architecture
-    if arch is not None and arch != _gguf_arch(config.architecture):
+    if arch is not None and arch != family(config.architecture).gguf_arch:
         raise AdapterError(
             f"adapter {path!r} was made for a {arch!r} model; the base model is "
             f"{config.architecture!r}"
@@ -88,11 +87,6 @@ def check_fits(adapter: AdapterFile, config: ModelConfig, max_rank: int) -> None
             )
 
 
-def _gguf_arch(architecture: str) -> str:
-    """The GGUF architecture name of a kvserve one (Mistral files are ``llama`` GGUFs)."""
-    return "llama" if architecture == "mistral" else architecture
-
-
 def _rope_pair_order(head_dim: int) -> torch.Tensor:
     half = head_dim // 2
     return torch.stack([torch.arange(half), torch.arange(half, head_dim)], dim=1).flatten()
@@ -113,10 +107,14 @@ def kvserve_rows(
         return b
     heads = config.num_heads if target == "q" else config.num_kv_heads
     d = config.head_dim
-    if qk_layout == "gguf" and _gguf_arch(config.architecture) in _PERMUTED_ARCHS:
+    fam = family(config.architecture)
+    if qk_layout == "gguf" and fam.gguf_qk_permuted:
         b = _unpermute_gguf(b, heads)
     b = b.reshape(heads, d, -1)[:, _rope_pair_order(d)].reshape(heads * d, -1)
-    return b * (1.0 / math.sqrt(d)) if target == "q" else b
+    # Q's rows carry the softmax scale (weights._layer), but not under QK-norm, whose norm
+    # weight holds it instead.
+    scaled = target == "q" and not fam.qk_norm
+    return b * (1.0 / math.sqrt(d)) if scaled else b
 
 
 @dataclass(slots=True)

@@ -37,7 +37,8 @@ def tiny_hf(kind: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
     """A tiny random-weight causal LM in fp32, eval mode, on DEVICE.
 
     kind: "llama" (4 heads, MHA), "llama-gqa" (4 heads / 2 KV heads, tied embeddings),
-    "qwen2" (GQA + QKV bias), "mistral" (GQA + sliding window of 8 tokens).
+    "qwen2" (GQA + QKV bias), "mistral" (GQA + sliding window of 8 tokens), "qwen3" (GQA,
+    QK-norm, head_dim 32 where hidden / heads is 16).
     Weights are drawn wider than Hugging Face's init (std 0.02) so logits are well spread
     and greedy choices are not near-ties.
     """
@@ -48,11 +49,13 @@ def tiny_hf(kind: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     torch.manual_seed(seed)
     common: dict[str, object] = {**_COMMON}
-    for key in [k for k in overrides if k in common]:  # e.g. num_hidden_layers
+    for key in [k for k in overrides if k in common or k == "head_dim"]:
         common[key] = overrides.pop(key)
     if kind == "llama":
         cfg = LlamaConfig(**common, num_attention_heads=4, num_key_value_heads=4, **overrides)
@@ -75,6 +78,10 @@ def tiny_hf(kind: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
             **common, num_attention_heads=4, num_key_value_heads=2, sliding_window=8, **overrides
         )
         model = MistralForCausalLM(cfg)
+    elif kind == "qwen3":
+        common.setdefault("head_dim", 32)
+        cfg = Qwen3Config(**common, num_attention_heads=4, num_key_value_heads=2, **overrides)
+        model = Qwen3ForCausalLM(cfg)
     else:
         raise ValueError(kind)
     with torch.no_grad():

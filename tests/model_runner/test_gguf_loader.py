@@ -333,7 +333,7 @@ def test_unsupported_architecture_error(tmp_path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(CheckpointError, match="'gpt2' model"):
+    with pytest.raises(CheckpointError, match="'gpt2' GGUF is not supported; kvserve runs llama"):
         load_gguf(path)
 
 

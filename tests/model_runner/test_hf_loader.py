@@ -104,9 +104,9 @@ def test_broken_files(tmp_path: Path) -> None:
 
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
-    """A model_type kvserve does not run is refused with its name."""
+    """A model_type kvserve does not run is refused (a CheckpointError) with its name."""
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="gpt2"):
+    with pytest.raises(CheckpointError, match="model_type 'gpt2' is not supported; kvserve runs"):
         load_hf_dir(tmp_path)
 
 

@@ -32,7 +32,7 @@ def logits_with(runner: TorchRunner, ids: list[int], ref: LoraRef | None) -> tor
     return runner.step_logits(plan(0, prefill=[chunk]))["a"]
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama-gqa", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "llama-gqa", "qwen2", "mistral", "qwen3"])
 def test_peft_adapter_gives_transformers_peft_logits(kind: str, tmp_path: Path) -> None:
     """A random PEFT adapter on every projection (B not zero), loaded from PEFT's own files:
     every position's logits equal transformers + PEFT's within 1e-4, and differ from the base

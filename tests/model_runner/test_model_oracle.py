@@ -20,7 +20,7 @@ from tests.model_runner.oracle import (
     tiny_hf,
 )
 
-KINDS = ["llama", "llama-gqa", "qwen2", "mistral"]
+KINDS = ["llama", "llama-gqa", "qwen2", "mistral", "qwen3"]
 
 
 @pytest.fixture(scope="module", params=KINDS)

@@ -110,8 +110,16 @@ def test_token_bytes(smol: Tokenizer) -> None:
     assert smol.token_bytes(2) == b"<|im_end|>"
     ids = smol.encode("😀", add_special_tokens=False)
     assert b"".join(smol.token_bytes(i) for i in ids) == "😀".encode()
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        smol.token_bytes(49152)
+    with pytest.raises(ValueError, match="negative"):
+        smol.token_bytes(-1)
+
+
+def test_ids_past_the_tokenizer_are_empty_text(smol: Tokenizer) -> None:
+    """A padded embedding's ids (past the tokenizer's entries) stream and decode as ''."""
+    padded = smol.vocab_size
+    assert smol.token_bytes(padded) == b"" and smol.token_bytes(padded + 300) == b""
+    hi = smol.encode("hi", add_special_tokens=False)
+    assert smol.decode([*hi, padded, *hi]) == smol.decode(hi + hi)
 
 
 @pytest.mark.slow

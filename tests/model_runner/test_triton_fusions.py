@@ -187,14 +187,16 @@ def _steps(runner: TorchRunner, fusions: bool) -> tuple[list[torch.Tensor], torc
     ("backend", "dtype", "tol"),
     [("torch", "float32", 1e-4), ("triton", "float32", 1e-4), ("torch", "bfloat16", 0.2)],
 )
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3"])
 def test_the_fused_forward_equals_the_torch_forward(
-    backend: str, dtype: str, tol: float, monkeypatch: pytest.MonkeyPatch
+    backend: str, dtype: str, tol: float, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A tiny GQA model's logits and pool over prefill chunks (one attending to a cached
     prefix), a mixed step and a decode step: the same with the fusions as without, on both
     attention backends (bf16: within its rounding); the fused forward calls each fusion
-    once per layer (the first norm once per step)."""
-    hf = tiny_hf("llama-gqa")
+    once per layer (the first norm once per step). Qwen3: its QK-norm before the fused
+    RoPE + KV write."""
+    hf = tiny_hf(kind)
     state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
     options = RunnerOptions(
         num_blocks=8, block_size=4, kv_dtype=dtype, dtype=dtype, device=DEVICE, use_onednn=False,

@@ -81,12 +81,13 @@ def test_paged_backends_refuse_int8_pools_and_sinks(monkeypatch: pytest.MonkeyPa
         _make("triton")  # a float pool: the device is the one problem left
 
 
-def test_runner_on_triton_matches_the_torch_runner() -> None:
-    """A GQA model through prefill chunks over a prefix, then batched decodes: every
-    position's logits on the Triton backend equal the torch backend's (fp32, 1e-4), and the
-    runner reports its backend."""
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3"])
+def test_runner_on_triton_matches_the_torch_runner(kind: str) -> None:
+    """A GQA model (Qwen3: QK-norm, head_dim 32 over hidden 64) through prefill chunks over
+    a prefix, then batched decodes: every position's logits on the Triton backend equal the
+    torch backend's (fp32, 1e-4), and the runner reports its backend."""
     pytest.importorskip("triton")
-    hf = tiny_hf("llama-gqa")
+    hf = tiny_hf(kind)
     ids_a, ids_b = random_ids(11, 1), random_ids(6, 2)
     steps = [
         plan(0, prefill=[seq("a", ids_a, 0, 7, [3, 4, 5]), seq("b", ids_b, 0, 5, [8, 9])]),
