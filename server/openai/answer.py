@@ -13,9 +13,10 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from scheduler.request import FinishReason
+from server.openai.fields import HttpError, error_body
 from server.openai.parse import Parsed
 from server.openai.tools import ToolCalls
 from server.outputs import GenerationOutput
@@ -60,6 +61,7 @@ class Choices:
         self.texts: dict[int, list[str]] = {}
         self.logprobs: dict[int, list[Any]] = {}
         self.finish: dict[int, str | None] = {}
+        self.stop_reason: dict[int, int | str | None] = {}  # the stop string / token id
         self.usage = Usage()
 
     def add(self, out: GenerationOutput) -> None:
@@ -67,6 +69,7 @@ class Choices:
         self.logprobs.setdefault(out.index, []).extend(out.logprobs)
         if out.finished:
             self.finish[out.index] = finish_reason(out)
+            self.stop_reason[out.index] = out.stop_reason
             self.usage.add(out)
 
 
@@ -255,3 +258,38 @@ class Answer:
         body["choices"] = []
         body["usage"] = self.usage.body()
         return body
+
+
+class Writer(Protocol):
+    """How one API writes one request's answer: whole from ``Choices``, or as the stream's
+    server-sent events (``events`` per engine output, ``end`` after the last one, ``failed``
+    for an error after the first event). Chat completions' is ``ChatWriter``; the Responses
+    and Messages APIs have theirs (``server.openai.responses``, ``server.openai.anthropic``)."""
+
+    def whole(self, choices: Choices) -> dict[str, Any]: ...
+
+    def events(self, out: GenerationOutput) -> list[str]: ...
+
+    def end(self) -> list[str]: ...
+
+    def failed(self, error: HttpError) -> list[str]: ...
+
+
+class ChatWriter:
+    """``Writer`` of /v1/completions and /v1/chat/completions over ``Answer``."""
+
+    def __init__(self, answer: Answer) -> None:
+        self.answer = answer
+
+    def whole(self, choices: Choices) -> dict[str, Any]:
+        return self.answer.whole(choices)
+
+    def events(self, out: GenerationOutput) -> list[str]:
+        return self.answer.chunks(out)
+
+    def end(self) -> list[str]:
+        usage = [sse(self.answer.usage_chunk())] if self.answer.parsed.include_usage else []
+        return [*usage, "data: [DONE]\n\n"]
+
+    def failed(self, error: HttpError) -> list[str]:
+        return [sse(error_body(error.message, error.kind, error.param)), "data: [DONE]\n\n"]

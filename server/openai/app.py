@@ -28,7 +28,9 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from starlette.applications import Starlette
@@ -39,12 +41,16 @@ from starlette.routing import Route
 
 from metrics.records import MetricsSink, NullSink
 from server.auth import AuthError, Security
-from server.frontend import Frontend
-from server.openai.answer import Answer, Choices, sse
+from server.frontend import Frontend, prompt_token_ids
+from server.openai.answer import Answer, ChatWriter, Choices, Writer
+from server.openai.anthropic import MessagesWriter, parse_messages
+from server.openai.anthropic import error_body as anthropic_error_body
 from server.openai.fields import HttpError, body_too_large, error_body, http_error
 from server.openai.lora import LoraRoutes, model_entries
 from server.openai.openapi import openapi_document
-from server.openai.parse import load_body, parse_body
+from server.openai.parse import Parsed, load_body, parse_body
+from server.openai.responses import ResponsesWriter, parse_responses
+from server.openai.tokenize import parse_detokenize, parse_tokenize, tokenize, tokenize_answer
 from server.openai.tools import tool_call_format
 from server.outputs import GenerationOutput
 from server.validation import (
@@ -58,6 +64,36 @@ logger = logging.getLogger(__name__)
 
 def _json_error(error: HttpError, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(error.message, error.kind, error.param), error.status, headers)
+
+
+def authorization(request: HttpRequest) -> str | None:
+    """The request's key as an ``Authorization`` value: that header, else Anthropic's
+    ``x-api-key`` (the same keys, tenants and limits either way)."""
+    header = request.headers.get("authorization")
+    key = request.headers.get("x-api-key")
+    return header if header or not key else f"Bearer {key}"
+
+
+def openai_error(error: HttpError) -> Response:
+    return _json_error(error)
+
+
+def anthropic_error(error: HttpError) -> Response:
+    return JSONResponse(anthropic_error_body(error), error.status)
+
+
+@dataclass(frozen=True, slots=True)
+class Api:
+    """One generation API over the shared pipeline (``OpenAIFront.generate``): its body ->
+    the shared ``Parsed`` request, its ``Writer``, its error shape; ``method`` names it in
+    the metrics; ``default_max_tokens`` for an unset limit (None: the server's)."""
+
+    method: str
+    id_prefix: str
+    parse: Callable[[Any], Parsed]
+    writer: Callable[[Parsed, str, int], Writer]  # (parsed, request id, prompt tokens)
+    error_response: Callable[[HttpError], Response]
+    default_max_tokens: int | None = None
 
 
 class OpenAIFront:
@@ -86,6 +122,11 @@ class OpenAIFront:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/responses", self.responses, methods=["POST"]),
+                Route("/v1/messages", self.messages, methods=["POST"]),
+                Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/detokenize", self.detokenize, methods=["POST"]),
                 *LoraRoutes(frontend, self.security).routes(),
             ],
             exception_handlers={404: self._not_found, 405: self._not_allowed},
@@ -130,6 +171,61 @@ class OpenAIFront:
     async def chat_completions(self, request: HttpRequest) -> Response:
         return await self._generate(request, chat=True)
 
+    async def responses(self, request: HttpRequest) -> Response:
+        def parse(body: Any) -> Parsed:
+            names = self.frontend.adapters.names()
+            return parse_responses(body, self.model.name, self._tool_format, names)
+
+        def writer(parsed: Parsed, request_id: str, num_prompt_tokens: int) -> Writer:
+            return ResponsesWriter(parsed, request_id, self.model.name, num_prompt_tokens)
+
+        api = Api("Responses", "resp", parse, writer, openai_error, default_max_tokens=2**31 - 1)
+        return await self.generate(request, api)
+
+    async def messages(self, request: HttpRequest) -> Response:
+        def parse(body: Any) -> Parsed:
+            names = self.frontend.adapters.names()
+            return parse_messages(body, self.model.name, self._tool_format, names)
+
+        def writer(parsed: Parsed, request_id: str, num_prompt_tokens: int) -> Writer:
+            return MessagesWriter(parsed, request_id, self.model.name, num_prompt_tokens)
+
+        return await self.generate(request, Api("Messages", "msg", parse, writer, anthropic_error))
+
+    async def count_tokens(self, request: HttpRequest) -> Response:
+        try:
+            self._owner(request)
+            body = load_body(await self._read_body(request))
+            names = self.frontend.adapters.names()
+            parsed = parse_messages(body, self.model.name, self._tool_format, names, True)
+            tokenizer = self.frontend.tokenizer
+            ids = await self.frontend.in_thread(prompt_token_ids, tokenizer, parsed.request)
+        except Exception as exc:
+            return anthropic_error(http_error(exc))
+        return JSONResponse({"input_tokens": len(ids)})
+
+    async def tokenize(self, request: HttpRequest) -> Response:
+        try:
+            self._owner(request)
+            body = load_body(await self._read_body(request))
+            read = parse_tokenize(body, self.model.name, self.frontend.adapters.names())
+            tokenizer = self.frontend.tokenizer
+            ids = await self.frontend.in_thread(tokenize, read, tokenizer)
+        except Exception as exc:
+            return openai_error(http_error(exc))
+        return JSONResponse(tokenize_answer(ids, self.model.max_model_len, read, tokenizer))
+
+    async def detokenize(self, request: HttpRequest) -> Response:
+        try:
+            self._owner(request)
+            body = load_body(await self._read_body(request))
+            names = self.frontend.adapters.names()
+            ids = parse_detokenize(body, self.model.name, self.model.vocab_size, names)
+            text = await self.frontend.in_thread(self.frontend.tokenizer.decode, ids)
+        except Exception as exc:
+            return openai_error(http_error(exc))
+        return JSONResponse({"prompt": text})
+
     async def _not_found(self, request: HttpRequest, exc: Exception) -> Response:
         return _json_error(
             HttpError(grpc.StatusCode.NOT_FOUND, f"no route {request.url.path}; see GET /v1/models")
@@ -169,28 +265,44 @@ class OpenAIFront:
     def _owner(self, request: HttpRequest) -> str:
         """Raises ``AuthError`` (401) without a valid key."""
         host = request.client.host if request.client is not None else "unknown"
-        return self.security.owner(request.headers.get("authorization"), host)
+        return self.security.owner(authorization(request), host)
 
     async def _generate(self, http: HttpRequest, chat: bool) -> Response:
-        method = "ChatCompletions" if chat else "Completions"
-        try:
-            owner = self._owner(http)
-            body = load_body(await self._read_body(http))
-            parsed = parse_body(
+        def parse(body: Any) -> Parsed:
+            return parse_body(
                 body, chat, self.model.name, self._tool_format, self.frontend.adapters.names()
             )
-            request_id = http.headers.get("x-request-id") or (
-                f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            )
+
+        def writer(parsed: Parsed, request_id: str, num_prompt_tokens: int) -> Writer:
+            return ChatWriter(
+                Answer(parsed, chat, request_id, self.model.name, num_prompt_tokens,
+                       self.frontend.token)
+            )  # fmt: skip
+
+        api = Api(
+            "ChatCompletions" if chat else "Completions", "chatcmpl" if chat else "cmpl",
+            parse, writer, openai_error,
+            # OpenAI's defaults: 16 tokens for a completion, the rest of the context for chat
+            default_max_tokens=2**31 - 1 if chat else None,
+        )  # fmt: skip
+        return await self.generate(http, api)
+
+    async def generate(self, http: HttpRequest, api: Api) -> Response:
+        """One generation through ``api``: its body parsed into the shared request, the
+        engine's outputs written in its shape, whole or streamed."""
+        method = api.method
+        try:
+            owner = self._owner(http)
+            parsed = api.parse(load_body(await self._read_body(http)))
+            request_id = http.headers.get("x-request-id") or f"{api.id_prefix}-{uuid.uuid4().hex}"
             if len(request_id) > MAX_REQUEST_ID_CHARS:
                 raise InvalidRequestError(
                     f"X-Request-Id must be at most {MAX_REQUEST_ID_CHARS} characters"
                 )
             parsed.request.request_id = request_id
             engine_request = await self.frontend.engine_request(
-                # OpenAI's defaults: 16 tokens for a completion, the rest of the context for chat
-                parsed.request, owner, default_max_tokens=2**31 - 1 if chat else None,
-            )  # fmt: skip
+                parsed.request, owner, default_max_tokens=api.default_max_tokens
+            )
             outputs = self.frontend.stream(engine_request)
             # The first output before any header: a refusal (overload) is still a status.
             try:
@@ -205,14 +317,11 @@ class OpenAIFront:
         except Exception as exc:
             error = http_error(exc)
             self.sink.on_rpc(method, self._count_failure(method, error, exc))
-            return _json_error(error)
-        answer = Answer(
-            parsed, chat, request_id, self.model.name,
-            len(engine_request.prompt_token_ids), self.frontend.token,
-        )  # fmt: skip
+            return api.error_response(error)
+        writer = api.writer(parsed, request_id, len(engine_request.prompt_token_ids))
         if parsed.stream:
             return StreamingResponse(
-                self._events(answer, first, outputs, method),
+                self._events(writer, first, outputs, method),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": request_id},
             )
@@ -227,41 +336,41 @@ class OpenAIFront:
         except Exception as exc:
             error = http_error(exc)
             self.sink.on_rpc(method, self._count_failure(method, error, exc))
-            return _json_error(error)
+            return api.error_response(error)
         finally:
             await outputs.aclose()
         self.sink.on_rpc(method, "OK")
-        return JSONResponse(answer.whole(choices), headers={"X-Request-Id": request_id})
+        return JSONResponse(writer.whole(choices), headers={"X-Request-Id": request_id})
 
     async def _events(
         self,
-        answer: Answer,
+        writer: Writer,
         first: GenerationOutput,
         outputs: AsyncGenerator[GenerationOutput, None],
         method: str,
     ) -> AsyncIterator[str]:
         code = "OK"
         try:
-            for event in answer.chunks(first):
+            for event in writer.events(first):
                 yield event
             if not first.closes_stream:
                 async for out in outputs:
-                    for event in answer.chunks(out):
+                    for event in writer.events(out):
                         yield event
-            if answer.parsed.include_usage:
-                yield sse(answer.usage_chunk())
+            closing = writer.end()
         except (asyncio.CancelledError, GeneratorExit):
             code = "CANCELLED"
             raise
         except Exception as exc:
             error = http_error(exc)
             code = self._count_failure(method, error, exc)
-            yield sse(error_body(error.message, error.kind, error.param))
+            closing = writer.failed(error)
         finally:
             with contextlib.suppress(Exception):
                 await outputs.aclose()
             self.sink.on_rpc(method, code)
-        yield "data: [DONE]\n\n"
+        for event in closing:
+            yield event
 
     def _count_failure(self, method: str, error: HttpError, exc: BaseException) -> str:
         """Log an internal failure and count a rejection as gRPC's would be; the caller

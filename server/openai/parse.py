@@ -8,6 +8,7 @@ constraint and system note they need. Errors are ``InvalidRequestError`` (400) o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import reprlib
@@ -181,6 +182,8 @@ class Parsed:
     include_usage: bool
     logprobs: bool
     tool_calls: ToolCalls | None = None  # the answer's text is tool calls (``tools``)
+    # What the answer repeats of its request (the Responses API echoes its settings).
+    echo: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def parse_body(
