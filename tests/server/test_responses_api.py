@@ -189,3 +189,45 @@ async def test_responses_refuses_state_and_unknown_fields() -> None:
 
 def serve_with(runner: Any, tokenizer: Any = None) -> Any:
     return serve(runner, tokenizer or ByteTokenizer(), http=True)
+
+
+@pytest.mark.slow
+async def test_same_greedy_text_through_chat_responses_and_messages() -> None:
+    """The embedded SmolLM2 at temperature 0: chat completions, the Responses API (openai
+    SDK) and the Messages API (anthropic SDK) give the same text for the same question."""
+    import asyncio
+
+    import anthropic
+
+    from server.build import build_engine
+    from server.config import build_config
+    from server.lifecycle import KVServeServer
+
+    built = await asyncio.to_thread(build_engine, build_config({"threads": 2}, environ={}))
+    server = KVServeServer(built.engine, built.tokenizer, built.model)
+    await server.start("127.0.0.1", 0, http_port=0)
+    question = "What is the capital of France?"
+    name = built.model.name
+    try:
+        url = f"http://127.0.0.1:{server.http_port}"
+        client = sdk(url)
+        chat = await client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": question}], max_tokens=24,
+            temperature=0,
+        )  # fmt: skip
+        response = await client.responses.create(
+            model=name, input=question, max_output_tokens=24, temperature=0
+        )
+        await client.close()
+        claude = anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0)
+        message = await claude.messages.create(
+            model=name, max_tokens=24, messages=[{"role": "user", "content": question}],
+            extra_body={"temperature": 0},
+        )  # fmt: skip
+        await claude.close()
+    finally:
+        await server.shutdown(grace_s=1)
+    text = chat.choices[0].message.content
+    assert text and "Paris" in text
+    assert response.output_text == text
+    assert [b.text for b in message.content if b.type == "text"] == [text]
