@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 
 from server.openai.answer import Choices, Usage, split_tool_calls
-from server.openai.fields import HttpError
+from server.openai.fields import CHAT_FIELDS, HttpError
 from server.openai.parse import Parsed, parse_body, shown
 from server.outputs import GenerationOutput
 from server.validation import InvalidRequestError
@@ -51,31 +51,24 @@ _MESSAGE = {
     },
     "required": ["role", "content"],
 }
-# The count_tokens body: what makes the prompt.
+# The count_tokens body: what makes the prompt. (Published in /openapi.json: each
+# constraint here is one the parser enforces.)
 COUNT_FIELDS: dict[str, dict[str, Any]] = {
     "model": _STR,
     "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
     "system": {"anyOf": [_STR, {"type": "array", "items": _TEXT_BLOCK}]},
-    "tools": {"type": "array", "items": _TOOL},
+    "tools": {"type": "array", "items": _TOOL, "minItems": 1},
     "tool_choice": {
         "type": "object",
-        "properties": {
-            "type": {"enum": ["auto", "any", "tool", "none"]},
-            "name": _STR,
-            "disable_parallel_tool_use": {"type": "boolean"},
-        },
+        "properties": {"type": {"enum": ["auto", "any", "tool", "none"]}},
         "required": ["type"],
     },
 }
 MESSAGES_FIELDS: dict[str, dict[str, Any]] = {
     **COUNT_FIELDS,
-    "max_tokens": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1},
+    **{k: CHAT_FIELDS[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "stream")},
     "stop_sequences": {"type": "array", "items": _STR},
-    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-    "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "top_k": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
     "metadata": {"type": "object"},
-    "stream": {"type": "boolean"},
 }
 MESSAGES_REQUIRED = ("model", "max_tokens", "messages")
 COUNT_REQUIRED = ("model", "messages")
@@ -182,11 +175,13 @@ def _tools(body: Mapping[str, Any], tool_format: str | None) -> dict[str, Any]:
     for i, tool in enumerate(tools):
         if not isinstance(tool, Mapping) or not isinstance(tool.get("name"), str):
             raise InvalidRequestError(f"tools[{i}] must be {{name, description, input_schema}}")
-        schema = tool.get("input_schema", {"type": "object"})
+        schema = tool.get("input_schema")
         if not isinstance(schema, Mapping):
             raise InvalidRequestError(f"tools[{i}].input_schema must be a JSON schema object")
         function = {"name": tool["name"], "parameters": schema}
-        if isinstance(tool.get("description"), str):
+        if tool.get("description") is not None:
+            if not isinstance(tool["description"], str):
+                raise InvalidRequestError(f"tools[{i}].description must be a string")
             function["description"] = tool["description"]
         chat_tools.append({"type": "function", "function": function})
     choice = {"type": "auto"} if choice is None else choice

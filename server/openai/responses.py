@@ -34,41 +34,26 @@ from typing import Any
 import grpc
 
 from server.openai.answer import Choices, Usage, split_tool_calls
-from server.openai.fields import HttpError, error_body
+from server.openai.fields import CHAT_FIELDS, HttpError, error_body
 from server.openai.parse import Parsed, parse_body, shown
 from server.outputs import GenerationOutput
 from server.validation import InvalidRequestError
 
 _STR = {"type": "string"}
 _OBJECT = {"type": "object"}
-_FORMAT = {
-    "type": "object",
-    "properties": {
-        "type": {"enum": ["text", "json_object", "json_schema"]},
-        "name": _STR,
-        "schema": _OBJECT,
-        "strict": {"type": ["boolean", "null"]},
-    },
-    "required": ["type"],
-}
+# Published in /openapi.json: each constraint here is one the parser enforces.
 RESPONSES_FIELDS: dict[str, dict[str, Any]] = {
     "model": _STR,
     "input": {"anyOf": [_STR, {"type": "array", "items": _OBJECT, "minItems": 1}]},
     "instructions": _STR,
-    "max_output_tokens": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1},
-    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-    "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "max_output_tokens": CHAT_FIELDS["max_tokens"],
+    "temperature": CHAT_FIELDS["temperature"],
+    "top_p": CHAT_FIELDS["top_p"],
     "tools": {
         "type": "array",
         "items": {
             "type": "object",
-            "properties": {
-                "type": {"enum": ["function"]},
-                "name": _STR,
-                "description": _STR,
-                "parameters": _OBJECT,
-                "strict": {"type": ["boolean", "null"]},
-            },
+            "properties": {"type": {"enum": ["function"]}, "name": _STR, "parameters": _OBJECT},
             "required": ["type", "name"],
         },
     },
@@ -83,7 +68,16 @@ RESPONSES_FIELDS: dict[str, dict[str, Any]] = {
         ]
     },
     "parallel_tool_calls": {"type": "boolean"},
-    "text": {"type": "object", "properties": {"format": _FORMAT}},
+    "text": {
+        "type": "object",
+        "properties": {
+            "format": {
+                "type": "object",
+                "properties": {"type": {"enum": ["text", "json_object", "json_schema"]}},
+                "required": ["type"],
+            }
+        },
+    },
     "stream": {"type": "boolean"},
     "store": {"enum": [False]},
     "metadata": _OBJECT,
@@ -100,10 +94,10 @@ def _check(body: Any) -> None:
             "previous_response_id is not supported: this server stores no responses; send "
             "the whole conversation in input"
         )
-    if body.get("store") is True:
+    if body.get("store") is not None and body["store"] is not False:
         raise InvalidRequestError(
-            "store: true is not supported: this server stores no responses; send store: false "
-            "or leave it out"
+            f"store: {shown(body['store'])} is not supported: this server stores no responses; "
+            "send store: false or leave it out"
         )
     unknown = sorted(str(k) for k in body if k not in RESPONSES_FIELDS and body[k] is not None)
     if unknown:
@@ -213,8 +207,13 @@ def _tools(body: Mapping[str, Any], tool_format: str | None) -> dict[str, Any]:
         )
     if choice is not None:
         fields["tool_choice"] = choice
-    if body.get("parallel_tool_calls") is not None:
-        fields["parallel_tool_calls"] = body["parallel_tool_calls"]
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None:
+        if not isinstance(parallel, bool):
+            raise InvalidRequestError(
+                f"parallel_tool_calls must be true or false, got {shown(parallel)}"
+            )
+        fields["parallel_tool_calls"] = parallel
     return fields
 
 
