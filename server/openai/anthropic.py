@@ -310,8 +310,7 @@ class MessagesWriter:
                 self._text_open = True
                 block = {"type": "text", "text": ""}
                 events.append(self._block_start(0, block))
-            delta = {"type": "text_delta", "text": out.text}
-            events.append(self._delta(0, delta))
+            events.append(self._delta(0, {"type": "text_delta", "text": out.text}))
         if not out.finished:
             return events
         self.usage.add(out)
@@ -322,8 +321,11 @@ class MessagesWriter:
             blocks, tools = _blocks(self.parsed, "".join(self._buffered), finish)
             for index, block in enumerate(blocks):
                 events.extend(self._whole_block(index, block))
-        delta = {"type": "message_delta", "delta": _stop(finish, out.stop_reason, tools)}
-        delta["usage"] = {"output_tokens": self.usage.num_output_tokens}
+        delta = {
+            "type": "message_delta",
+            "delta": _stop(finish, out.stop_reason, tools),
+            "usage": {"output_tokens": self.usage.num_output_tokens},
+        }
         events.append(event("message_delta", delta))
         events.append(event("message_stop", {"type": "message_stop"}))
         return events
@@ -337,11 +339,11 @@ class MessagesWriter:
         return event("content_block_delta", body)
 
     def _whole_block(self, index: int, block: dict[str, Any]) -> list[str]:
+        start: dict[str, Any]
+        delta: dict[str, Any]
         if block["type"] == "text":
-            start, delta = (
-                {"type": "text", "text": ""},
-                {"type": "text_delta", "text": block["text"]},
-            )
+            start = {"type": "text", "text": ""}
+            delta = {"type": "text_delta", "text": block["text"]}
         else:
             start = {**block, "input": {}}
             delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
