@@ -96,8 +96,8 @@ def _check(body: Any) -> None:
         )
     if body.get("store") is not None and body["store"] is not False:
         raise InvalidRequestError(
-            f"store: {shown(body['store'])} is not supported: this server stores no responses; "
-            "send store: false or leave it out"
+            "store must be false or left out: this server stores no responses, got "
+            f"{json.dumps(body['store']) if body['store'] is True else shown(body['store'])}"
         )
     unknown = sorted(str(k) for k in body if k not in RESPONSES_FIELDS and body[k] is not None)
     if unknown:
