@@ -230,3 +230,44 @@ async def test_keys_by_x_api_key_or_bearer_and_anthropic_errors() -> None:
     assert isinstance(bad.value.body, dict)
     assert bad.value.body["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in bad.value.body["error"]["message"]
+
+
+async def test_tool_choice_auto_on_a_hermes_template_in_both_new_apis() -> None:
+    """On a template that renders tools, tool_choice auto (the default): the template gets
+    the tools in chat's shape; the model's <tool_call> block becomes a tool_use block after
+    a text block (Messages, whole and streamed) and a function_call item after a message
+    item (Responses); an answer without a call is plain text."""
+    from tests.server.test_structured_outputs import HermesTokenizer
+
+    call = {"name": "weather", "arguments": {"city": "Rome", "days": 2}}
+    said = f"Checking.<tool_call>\n{json.dumps(call)}\n</tool_call>".encode()
+    runner = runner_saying(h1=said, h2=said, h3=said, h4=b"Hello")
+    tokenizer = HermesTokenizer()
+    async with serve(runner, tokenizer, http=True) as h:
+        client = sdk(h.http_url)
+        common: Any = {"model": "fake", "max_tokens": 300, "messages": USER, "tools": TOOLS}
+        whole = await client.messages.create(**common, extra_headers=rid("h1"))
+        async with client.messages.stream(**common, extra_headers=rid("h2")) as stream:
+            streamed = await stream.get_final_message()
+        plain = await client.messages.create(**common, extra_headers=rid("h4"))
+        await client.close()
+        responses = openai.AsyncOpenAI(base_url=f"{h.http_url}/v1", api_key="x", max_retries=0)
+        flat: Any = [{"type": "function", "name": "weather", "parameters": WEATHER}]
+        done = await responses.responses.create(
+            model="fake", input="hi", tools=flat, extra_headers=rid("h3")
+        )
+        await responses.close()
+    chat_tool = {"type": "function", "function": {"name": "weather", "description": "forecast",
+                                                  "parameters": WEATHER}}  # fmt: skip
+    assert tokenizer.rendered_tools[0] == [chat_tool]
+    for message in (whole, streamed):
+        text, use = message.content
+        assert text.type == "text" and text.text == "Checking."
+        assert use.type == "tool_use" and (use.name, use.input) == ("weather", call["arguments"])
+        assert message.stop_reason == "tool_use"
+    assert [b.text for b in plain.content if b.type == "text"] == ["Hello"]
+    assert plain.stop_reason == "end_turn"
+    message_item, function_call = done.output
+    assert message_item.type == "message" and done.output_text == "Checking."
+    assert function_call.type == "function_call" and function_call.name == "weather"
+    assert json.loads(function_call.arguments) == call["arguments"]
