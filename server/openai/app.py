@@ -3,10 +3,15 @@
 A thin adapter over the same engine as gRPC. A JSON body becomes a ``GenerateRequest``
 (``parse.parse_body``) and takes the gRPC path (``Frontend.engine_request``: one
 validation, one tokenizer call, one engine client); the outputs become OpenAI's JSON or
-server-sent events (``answer.Answer``)::
+server-sent events (``answer.Answer``). Each generation API is an ``Api``: a parser into
+that one request and a ``Writer`` of its answers, over one pipeline (``generate``)::
 
     POST /v1/completions       prompt (text or token ids)       -> text_completion
     POST /v1/chat/completions  messages (chat template)         -> chat.completion
+    POST /v1/responses         OpenAI's Responses API           -> response (``responses``)
+    POST /v1/messages          Anthropic's Messages API         -> message (``anthropic``)
+    POST /v1/messages/count_tokens                              -> {"input_tokens"}
+    POST /tokenize, /detokenize  vLLM's tokenizer routes        (``tokenize``)
     GET  /v1/models            the served model and its LoRA adapters (``parent``)
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter, GET/POST /lora-adapters
                                the adapters (``server.openai.lora``; admin key to change)
@@ -17,8 +22,9 @@ A body over ``max_request_bytes`` is a 413, refused by its declared Content-Leng
 byte of it is read, or (chunked) as soon as the bytes read pass the bound: never buffered
 whole.
 
-A stream that fails after its first event (cut off at the end of the shutdown grace period,
-say) sends ``data: {"error": ...}`` and ends. ``server.asgi`` serves the app.
+A key comes in ``Authorization: Bearer`` or Anthropic's ``x-api-key``. A stream that fails
+after its first event (cut off at the end of the shutdown grace period, say) sends its API's
+error event (``data: {"error": ...}`` for chat) and ends. ``server.asgi`` serves the app.
 """
 
 from __future__ import annotations
