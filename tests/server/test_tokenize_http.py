@@ -1,16 +1,24 @@
-"""POST /tokenize and /detokenize in vLLM's shapes, and hostile bodies on every route the
-Responses, Messages and tokenize APIs added: 4xx with a message, never 5xx, and the server
-keeps serving."""
+"""POST /tokenize and /detokenize in vLLM's shapes; hostile bodies on every route the
+Responses, Messages and tokenize APIs added (4xx with a message, never 5xx, and the server
+keeps serving); and their streams' error events."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 import httpx
 import pytest
 
 from server.fake_tokenizer import BOS_TOKEN_ID, ByteTokenizer
-from tests.server.helpers import MAX_MODEL_LEN, assert_idle_and_sound, serve, serve_in_thread
+from tests.server.helpers import (
+    MAX_MODEL_LEN,
+    assert_idle_and_sound,
+    make_fake_runner,
+    serve,
+    serve_in_thread,
+)
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -127,3 +135,37 @@ def test_hostile_bodies_are_4xx_and_the_server_keeps_serving(
         }[path]
         assert http.post(path, json=good).status_code == 200
     assert_idle_and_sound(server)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "event", "error"),
+    [
+        ("/v1/responses", {"input": "x", "max_output_tokens": 500}, "error",
+         {"code": "service_unavailable"}),
+        ("/v1/messages", {"model": "fake", "max_tokens": 500, "messages": CHAT}, "error",
+         {"type": "error", "error": {"type": "overloaded_error"}}),
+    ],
+)  # fmt: skip
+async def test_a_stream_cut_off_at_shutdown_ends_with_its_apis_error_event(
+    path: str, body: dict[str, Any], event: str, error: dict[str, Any]
+) -> None:
+    """A Responses or Messages stream still running when the grace period ends ends with
+    its API's error event (no completed / message_stop event), naming the cut-off."""
+    runner = make_fake_runner(max_model_len=1024, sleep_s=0.01)
+    async with serve(runner, http=True) as h, httpx.AsyncClient(base_url=h.http_url) as http:
+        lines: list[str] = []
+        async with http.stream("POST", path, json={**body, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                lines.append(line)
+                if len(lines) == 1:
+                    shutdown = asyncio.create_task(h.server.shutdown(grace_s=0.1))
+        await shutdown
+    names = [line[7:] for line in lines if line.startswith("event: ")]
+    assert names[-1] == event and names.count(event) == 1
+    assert not {"response.completed", "message_stop"} & set(names)
+    last = json.loads([line for line in lines if line.startswith("data: ")][-1][6:])
+    for key, value in error.items():
+        got = last[key]
+        assert got == value if not isinstance(value, dict) else value.items() <= got.items()
+    message = last["message"] if "message" in last else last["error"]["message"]
+    assert "was cut off: the server shut down" in message
