@@ -40,11 +40,11 @@ from starlette.routing import Route
 from metrics.records import MetricsSink, NullSink
 from server.auth import AuthError, Security
 from server.frontend import Frontend
-from server.openai.answer import Answer, Choices, sse
+from server.openai.answer import Answer, Choices, Echo, sse
 from server.openai.fields import HttpError, body_too_large, error_body, http_error
 from server.openai.lora import LoraRoutes, model_entries
 from server.openai.openapi import openapi_document
-from server.openai.parse import load_body, parse_body
+from server.openai.parse import Parsed, load_body, parse_body
 from server.openai.tools import tool_call_format
 from server.outputs import GenerationOutput
 from server.validation import (
@@ -209,6 +209,7 @@ class OpenAIFront:
         answer = Answer(
             parsed, chat, request_id, self.model.name,
             len(engine_request.prompt_token_ids), self.frontend.token,
+            self._echo(parsed, engine_request.prompt_token_ids), self._piece,
         )  # fmt: skip
         if parsed.stream:
             return StreamingResponse(
@@ -232,6 +233,20 @@ class OpenAIFront:
             await outputs.aclose()
         self.sink.on_rpc(method, "OK")
         return JSONResponse(answer.whole(choices), headers={"X-Request-Id": request_id})
+
+    def _echo(self, parsed: Parsed, prompt_ids: list[int]) -> Echo | None:
+        """The prompt an echo answer starts with: as sent, or its ids decoded."""
+        if not parsed.echo:
+            return None
+        request = parsed.request
+        text = request.text if request.WhichOneof("input") == "text" else None
+        if text is None:
+            text = self.frontend.tokenizer.decode(prompt_ids)  # type: ignore[attr-defined]
+        return Echo(text, prompt_ids)
+
+    def _piece(self, token_id: int) -> str:
+        """A token's decoded text (text_offset counts it)."""
+        return str(self.frontend.tokenizer.decode([token_id]))  # type: ignore[attr-defined]
 
     async def _events(
         self,
