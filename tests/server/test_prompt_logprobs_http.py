@@ -9,6 +9,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -128,7 +129,8 @@ async def test_echo_streams_the_prompt_first_and_prompt_logprobs_in_vllm_shape()
 
 async def test_grpc_prompt_logprobs_on_the_first_response() -> None:
     """gRPC sampling.prompt_logprobs: the first response carries every prompt token but the
-    first, each equal to transformers' logprob with its top 3; later ones carry none."""
+    first, each equal to transformers' logprob with its top 3; later ones carry none; 21 is
+    INVALID_ARGUMENT naming the field and its range."""
     hf = tiny_hf("llama", seed=5)
     ref = _reference(hf, PROMPT)
     runner = make_runner(hf, num_blocks=64, block_size=4)
@@ -136,6 +138,10 @@ async def test_grpc_prompt_logprobs_on_the_first_response() -> None:
         messages = await collect(
             h.client.generate(PROMPT, max_tokens=3, prompt_logprobs=3, ignore_eos=True)
         )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await collect(h.client.generate(PROMPT, max_tokens=1, prompt_logprobs=21))
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.prompt_logprobs must be in [0, 20], got 21" in str(refused.value.details())
     assert [len(m.prompt_logprobs) for m in messages] == [len(PROMPT) - 1] + [0] * (
         len(messages) - 1
     )
