@@ -48,7 +48,7 @@ from starlette.routing import Route
 from metrics.records import MetricsSink, NullSink
 from server.auth import AuthError, Security
 from server.frontend import Frontend, prompt_token_ids
-from server.openai.answer import Answer, ChatWriter, Choices, Writer
+from server.openai.answer import Answer, ChatWriter, Choices, Echo, Writer
 from server.openai.anthropic import MessagesWriter, parse_messages
 from server.openai.anthropic import error_body as anthropic_error_body
 from server.openai.fields import HttpError, body_too_large, error_body, http_error
@@ -97,7 +97,7 @@ class Api:
     method: str
     id_prefix: str
     parse: Callable[[Any], Parsed]
-    writer: Callable[[Parsed, str, int], Writer]  # (parsed, request id, prompt tokens)
+    writer: Callable[[Parsed, str, list[int]], Writer]  # (parsed, request id, prompt ids)
     error_response: Callable[[HttpError], Response]
     default_max_tokens: int | None = None
 
@@ -182,8 +182,8 @@ class OpenAIFront:
             names = self.frontend.adapters.names()
             return parse_responses(body, self.model.name, self._tool_format, names)
 
-        def writer(parsed: Parsed, request_id: str, num_prompt_tokens: int) -> Writer:
-            return ResponsesWriter(parsed, request_id, self.model.name, num_prompt_tokens)
+        def writer(parsed: Parsed, request_id: str, prompt_ids: list[int]) -> Writer:
+            return ResponsesWriter(parsed, request_id, self.model.name, len(prompt_ids))
 
         api = Api("Responses", "resp", parse, writer, openai_error, default_max_tokens=2**31 - 1)
         return await self.generate(request, api)
@@ -193,8 +193,8 @@ class OpenAIFront:
             names = self.frontend.adapters.names()
             return parse_messages(body, self.model.name, self._tool_format, names)
 
-        def writer(parsed: Parsed, request_id: str, num_prompt_tokens: int) -> Writer:
-            return MessagesWriter(parsed, request_id, self.model.name, num_prompt_tokens)
+        def writer(parsed: Parsed, request_id: str, prompt_ids: list[int]) -> Writer:
+            return MessagesWriter(parsed, request_id, self.model.name, len(prompt_ids))
 
         return await self.generate(request, Api("Messages", "msg", parse, writer, anthropic_error))
 
@@ -279,10 +279,12 @@ class OpenAIFront:
                 body, chat, self.model.name, self._tool_format, self.frontend.adapters.names()
             )
 
-        def writer(parsed: Parsed, request_id: str, num_prompt_tokens: int) -> Writer:
+        def writer(parsed: Parsed, request_id: str, prompt_ids: list[int]) -> Writer:
             return ChatWriter(
-                Answer(parsed, chat, request_id, self.model.name, num_prompt_tokens,
-                       self.frontend.token)
+                Answer(
+                    parsed, chat, request_id, self.model.name, len(prompt_ids),
+                    self.frontend.token, self._echo(parsed, prompt_ids), self._piece,
+                )
             )  # fmt: skip
 
         api = Api(
@@ -324,7 +326,7 @@ class OpenAIFront:
             error = http_error(exc)
             self.sink.on_rpc(method, self._count_failure(method, error, exc))
             return api.error_response(error)
-        writer = api.writer(parsed, request_id, len(engine_request.prompt_token_ids))
+        writer = api.writer(parsed, request_id, list(engine_request.prompt_token_ids))
         if parsed.stream:
             return StreamingResponse(
                 self._events(writer, first, outputs, method),
@@ -347,6 +349,20 @@ class OpenAIFront:
             await outputs.aclose()
         self.sink.on_rpc(method, "OK")
         return JSONResponse(writer.whole(choices), headers={"X-Request-Id": request_id})
+
+    def _echo(self, parsed: Parsed, prompt_ids: list[int]) -> Echo | None:
+        """The prompt an echo answer starts with: as sent, or its ids decoded."""
+        if not parsed.echo:
+            return None
+        request = parsed.request
+        text = request.text if request.WhichOneof("input") == "text" else None
+        if text is None:
+            text = self.frontend.tokenizer.decode(prompt_ids)  # type: ignore[attr-defined]
+        return Echo(text, prompt_ids)
+
+    def _piece(self, token_id: int) -> str:
+        """A token's decoded text (text_offset counts it)."""
+        return str(self.frontend.tokenizer.decode([token_id]))  # type: ignore[attr-defined]
 
     async def _events(
         self,

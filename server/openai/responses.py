@@ -258,7 +258,7 @@ def parse_responses(
     if body.get("metadata") is not None and not isinstance(body["metadata"], Mapping):
         raise InvalidRequestError("metadata must be an object")
     parsed = parse_body(chat, True, model_name, tool_format, adapters)
-    parsed.echo = {
+    parsed.request_settings = {
         "instructions": body.get("instructions"),
         "max_output_tokens": body.get("max_output_tokens"),
         "temperature": body.get("temperature"),
@@ -306,7 +306,7 @@ class ResponsesWriter:
             "id": self.id, "object": "response", "created_at": self.created_at,
             "status": status, "model": self.model, "output": output, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
-            **self.parsed.echo, "usage": _usage(self.usage) if done else None,
+            **self.parsed.request_settings, "usage": _usage(self.usage) if done else None,
         }  # fmt: skip
 
     def _message(self, text: str, status: str = "completed") -> dict[str, Any]:

@@ -92,7 +92,7 @@ def test_responses_items_become_the_chat_request() -> None:
         ("tool", "r"),
     ]  # fmt: skip
     assert request.adapter == "sql" and request.stopping.max_tokens == 5
-    assert request.json_object and parsed.echo["store"] is False
+    assert request.json_object and parsed.request_settings["store"] is False
 
 
 @pytest.mark.parametrize(
