@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-deps test-fast lint bench soak proto clean fuzz fuzz-install \
+.PHONY: install serve test test-deps test-fast lint eval bench soak proto clean fuzz fuzz-install \
 	gpu-wheels gpu-check gpu-check-quick
 
 $(STAMP): pyproject.toml
@@ -37,6 +37,12 @@ test: install test-deps
 
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# lm-evaluation-harness's local-completions model on the shipped multiple-choice task
+# (tests/data/eval) against an in-process server with the embedded model; CI runs the same
+# test in `make test` (it is marked slow).
+eval: install
+	$(PY) -m pytest tests/server/test_lm_eval.py -q $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

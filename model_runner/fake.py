@@ -362,6 +362,12 @@ class FakeRunner:
                 continue
             if seq.request_id in out.failed:
                 continue
+            if seq.num_prompt_logprobs:
+                # Scripted like the sampled logprobs: each prompt token its own top one.
+                top_n = seq.sampling.prompt_logprobs or 0
+                after = seq.all_token_ids[seq.start_pos + 1 : seq.end_pos + 1]
+                scored = after[: seq.num_prompt_logprobs]
+                out.prompt_logprobs[seq.request_id] = [self._logprobs(t, top_n) for t in scored]
             if not seq.do_sample:
                 continue
             num_accepted = 0

@@ -66,6 +66,7 @@ from model_runner.lora.registry import LoraRegistry
 from model_runner.lora.step import LoraStep, resolve_adapters
 from model_runner.model import LlamaModel, rope_inv_freq
 from model_runner.paths import graph_sizes, make_paths
+from model_runner.prompt_logprobs import PromptScores, score_prompts
 from model_runner.sampler import (
     DeviceSample,
     Sampler,
@@ -109,6 +110,7 @@ class _Step:
     copied: torch.cuda.Event | None = None
     collected: SampleResult | None = None  # the one-by-one path's result
     adapters: dict[str, LoraWeights] = field(default_factory=dict)  # the rows' LoRA weights
+    prompt: PromptScores | None = None  # prompt logprobs of the rows that ask, on the device
 
 
 class _Clock:
@@ -411,10 +413,10 @@ class TorchRunner:
         clock = step.clock = _Clock(self.device)
         adapters = step.adapters
         if self.fuse_batches or not (rows.prefill and rows.decode):
-            logits = self._forward_logits(rows, adapters)
+            logits = self._forward_logits(rows, adapters, step)
         else:
             prefill, decode = rows.split()
-            logits_p = self._forward_logits(prefill, adapters)
+            logits_p = self._forward_logits(prefill, adapters, step)
             clock.mark()
             logits = torch.cat([logits_p, self._forward_logits(decode, adapters)])
         clock.mark()
@@ -454,10 +456,15 @@ class TorchRunner:
             )
         return step, adapters
 
-    def _forward_logits(self, step: StepRows, adapters: dict[str, LoraWeights]) -> torch.Tensor:
-        """Logits [R, V] of the rows that sample, prefill rows first, in row order."""
+    def _forward_logits(
+        self, step: StepRows, adapters: dict[str, LoraWeights], scores: _Step | None = None
+    ) -> torch.Tensor:
+        """Logits [R, V] of the rows that sample, prefill rows first, in row order; the
+        prompt logprobs of the rows that ask go to ``scores.prompt``."""
         lora = LoraStep.of(step, adapters) if adapters else None
         hidden = self.paths.forward(step, lora)
+        if scores is not None:
+            scores.prompt = score_prompts(step, hidden, self.model.compute_logits)
         rows = step.sample_rows()
         if not rows:
             return torch.empty(0, self.model.vocab_size, device=self.device)
@@ -526,6 +533,8 @@ class TorchRunner:
         failed = dict(step.mask_failed)
         failed.update(sampled.failed)
         result.failed.update(failed)
+        if step.prompt is not None:
+            result.prompt_logprobs.update(step.prompt.to_host(result.failed))
         token_ids, logprobs = sampled.token_ids, sampled.logprobs
         row = 0
         for seq in step.sampled:

@@ -63,6 +63,9 @@ class Entry:
     pending: list[ScheduledSeq] = field(default_factory=list)
     num_inflight_tokens: int = 0
     num_placeholders: int = 0
+    # Prompt logprobs scored so far (index p: the token at p + 1), until the first output
+    # carries them; None when not asked for, or once delivered.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     def __post_init__(self) -> None:
         req = self.request
@@ -70,6 +73,25 @@ class Entry:
         eos = () if sampling.ignore_eos else req.eos_token_ids
         self.stop_ids = frozenset((*sampling.stop_token_ids, *eos))
         self.max_num_tokens = req.num_prompt_tokens + sampling.max_tokens
+        if sampling.prompt_logprobs is not None and not req.output_token_ids:
+            self.prompt_logprobs = []
+
+    def keep_prompt_logprobs(self, start_pos: int, scored: list[TokenLogprobs]) -> None:
+        """A chunk from ``start_pos`` scored ``scored``; a chunk computed again (after a
+        preemption) replaces what it scored before."""
+        kept = self.prompt_logprobs
+        if kept is None:
+            return
+        if start_pos > len(kept):
+            msg = f"{self.request_id!r}: prompt logprobs from {start_pos}, {len(kept)} kept"
+            raise RuntimeError(msg)
+        del kept[start_pos:]
+        kept.extend(scored)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether its prompt is still to be scored: it takes no prefix-cache hit."""
+        return self.prompt_logprobs is not None
 
     @property
     def request_id(self) -> str:
@@ -169,6 +191,9 @@ def make_seq(
     all_token_ids = req.all_token_ids
     num_known = len(all_token_ids)
     num_placeholders = entry.num_placeholders
+    num_scored = 0
+    if entry.prompt_logprobs is not None:
+        num_scored = max(0, min(end, len(req.prompt_token_ids) - 1) - start)
     if end > num_known:
         token_ids = all_token_ids[start:num_known] + [PLACEHOLDER_TOKEN_ID] * (end - num_known)
     else:
@@ -186,6 +211,7 @@ def make_seq(
         req.eos_token_ids,
         len(drafts) if drafts else 0,
         req.lora,
+        num_scored,
     )
 
 

@@ -42,6 +42,13 @@ class ScheduledSeq:
     sampled tokens, and reports how many (``ModelOutput.num_accepted_drafts``) and the
     sampled token after them (``sampled_token_ids``).
 
+    Prompt logprobs (``SamplingParams.prompt_logprobs``): the first ``num_prompt_logprobs``
+    rows of a prefill chunk are scored, row ``start_pos + i`` giving the logprob of the
+    prompt token after it (at ``start_pos + i + 1``, read from ``all_token_ids``)::
+
+        prompt   | t0 | t1 | t2 | t3 | t4 |      chunk: start_pos 2, 3 tokens (t2 t3 t4)
+        scored               t3   t4   --       num_prompt_logprobs 2: t4 is the last
+
     Scheduling one step ahead: a decode planned while the step that samples its input token
     still runs carries ``PLACEHOLDER_TOKEN_ID`` as its one token (``has_placeholder``). That
     token is output token ``num_output_tokens - 1`` and is not in ``all_token_ids`` yet; the
@@ -63,6 +70,7 @@ class ScheduledSeq:
     eos_token_ids: tuple[int, ...] = ()
     num_draft_tokens: int = 0  # speculative drafts at the end of token_ids (decode only)
     lora: LoraRef | None = None  # the request's adapter (None: the base model)
+    num_prompt_logprobs: int = 0  # rows scored for prompt logprobs, from the first (above)
 
     @property
     def num_tokens(self) -> int:
@@ -129,11 +137,13 @@ class SchedulerOutput:
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
-    """Logprob of the sampled token and the top-n alternatives (token_id, logprob)."""
+    """Logprob of the sampled token and the top-n alternatives (token_id, logprob); for a
+    prompt token, its ``rank`` in its position's distribution (1: the most likely)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(slots=True)
@@ -149,6 +159,8 @@ class ModelOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     num_accepted_drafts: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Prefill seqs with ``num_prompt_logprobs``: one entry per scored row, in order.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     prefill_time_s: float = 0.0
     decode_time_s: float = 0.0
@@ -180,6 +192,9 @@ class RequestOutput:
     # n > 1: samples 1..n-1 in index order, on the parent's first output after the fork
     # (and on its final output when that comes first); see scheduler.fork.
     forked_ids: tuple[str, ...] = ()
+    # On the first output of a request with ``prompt_logprobs``: prompt tokens 1 .. P - 1,
+    # each given the tokens before it (the first token has none).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,7 +73,10 @@ class SamplingParams:
     (``SamplingParamsError``, a ``ValueError``, naming the field, its range and the value).
 
     ``temperature == 0`` means greedy. ``top_k is None`` disables top-k; ``logprobs is None``
-    returns no logprobs (0 returns only the sampled token's logprob).
+    returns no logprobs (0 returns only the sampled token's logprob). ``prompt_logprobs``
+    asks the same of the prompt: each prompt token's logprob given the tokens before it (all
+    but the first), with the top n at its position; it is computed in prefill, so such a
+    request does not use the prefix cache (a cached prefix has no logits).
     """
 
     temperature: float = 1.0
@@ -85,6 +88,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     max_tokens: int = 16
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
@@ -120,6 +124,13 @@ class SamplingParams:
             raise SamplingParamsError(
                 "logprobs", f" must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"
             )
+        if self.prompt_logprobs is not None and not (
+            0 <= self.prompt_logprobs <= self.MAX_LOGPROBS
+        ):
+            raise SamplingParamsError(
+                "prompt_logprobs",
+                f" must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}",
+            )
         if self.max_tokens < 1:
             raise SamplingParamsError("max_tokens", f" must be >= 1, got {self.max_tokens}")
         if not (0 <= self.min_tokens <= self.max_tokens):
@@ -133,6 +144,11 @@ class SamplingParams:
                 raise SamplingParamsError("stop", f"[{i}] is empty: stop strings need text")
         if self.n < 1:
             raise SamplingParamsError("n", f" must be >= 1, got {self.n}")
+        if self.n > 1 and self.prompt_logprobs is not None:
+            # The samples share the prompt's prefill: its scores are one request's.
+            raise SamplingParamsError(
+                "prompt_logprobs", f" cannot be combined with n > 1 (got n={self.n})"
+            )
         if self.constraint is not None and (self.ignore_eos or self.min_tokens):
             # The constraint decides where the output ends (it allows only EOS there).
             which = "ignore_eos" if self.ignore_eos else "min_tokens"

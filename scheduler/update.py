@@ -68,7 +68,7 @@ class ResultApplier:
         well under a millisecond here, so what a plain decode never needs is branched off
         under ``slow``: prefill chunks (a middle one samples nothing, the one that reaches
         the fork forks; a sampling one turns the request DECODING), failures, a sliding
-        window, logprobs. The end of a request branches off at its token."""
+        window, logprobs, prompt logprobs. The end of a request branches off at its token."""
         running = self._running
         block_size = self._block_size
         kv = self.kv
@@ -110,6 +110,9 @@ class ResultApplier:
             new_logprobs: list[TokenLogprobs] = []
             if slow:
                 self._after_tokens(req, seq.start_pos)
+                if seq.num_prompt_logprobs:
+                    scored = result.prompt_logprobs.get(rid, [])
+                    entry.keep_prompt_logprobs(seq.start_pos, scored)
                 if not seq.do_sample:
                     if entry.group is not None and num_computed == entry.prefill_target:
                         self._fork_children(entry)
@@ -130,8 +133,12 @@ class ResultApplier:
                 status = stop_status(req, token, entry.max_num_tokens)
                 if status is not None:
                     append(self._finish(entry, status, [token], new_logprobs, None))
+                    if slow and entry.prompt_logprobs is not None:
+                        outputs[-1].prompt_logprobs = _take_prompt_logprobs(entry)
                     continue
             append(make_output(entry, [token], new_logprobs, None))
+            if slow and entry.prompt_logprobs is not None:
+                outputs[-1].prompt_logprobs = _take_prompt_logprobs(entry)
             if drop and not kv.keeps_kv(req):
                 self._recompute_next_step(entry)
         # Every output since the batch began carries one new token, but those uncounted.
@@ -189,6 +196,14 @@ class ResultApplier:
             self.kv.cache_full_blocks(req)
         if self._sliding_window is not None:
             self.kv.release_out_of_window(req)
+
+
+def _take_prompt_logprobs(entry: Entry) -> list[TokenLogprobs]:
+    """The prompt's scores, for its first output; none are kept after (a recompute after a
+    preemption scores nothing again)."""
+    scored = entry.prompt_logprobs or []
+    entry.prompt_logprobs = None
+    return scored
 
 
 def _no_token(request_id: str) -> RuntimeError:

@@ -28,7 +28,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -65,6 +65,8 @@ class ServerTokenizer(Protocol):
     ) -> str: ...
 
     def id_to_token(self, token_id: int) -> str | None: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)

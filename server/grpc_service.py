@@ -163,6 +163,8 @@ class GenerationServicer:
         )
         if want_logprobs and out.logprobs:
             response.logprobs.extend(self._logprobs(lp) for lp in out.logprobs)
+        if out.prompt_logprobs:
+            response.prompt_logprobs.extend(self._logprobs(lp) for lp in out.prompt_logprobs)
         if out.finished:
             response.finish_reason = finish_reason_pb(out.finish_reason)
             if out.stop_reason is not None:

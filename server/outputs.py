@@ -98,6 +98,8 @@ class GenerationOutput:
     time_to_first_token_s: float | None = None
     e2e_time_s: float | None = None
     closes_stream: bool = False  # the last item of the client's stream (all samples ended)
+    # On a request's first item when it asked for prompt logprobs: prompt tokens 1 .. P - 1.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 # A stream item is an output, or an exception the client side re-raises.
@@ -264,6 +266,7 @@ class OutputProcessor(Generic[StreamT]):
                 token_ids=list(new),
                 text=result.text_delta,
                 logprobs=list(out.new_logprobs),
+                prompt_logprobs=out.prompt_logprobs,
             ),
         )
         return False
@@ -335,6 +338,7 @@ class OutputProcessor(Generic[StreamT]):
                 time_to_first_token_s=_since(arrival, sample.first_token_s),
                 e2e_time_s=now - arrival,
                 closes_stream=closes,
+                prompt_logprobs=step.prompt_logprobs,
             ),
         )
         self._on_request_done(

@@ -263,6 +263,7 @@ def sampling_params(
             frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
             seed=s.seed if s.HasField("seed") else None,
             logprobs=s.logprobs if s.HasField("logprobs") else None,
+            prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
             max_tokens=max_tokens,
             min_tokens=min_tokens,
             stop_token_ids=tuple(stopping.stop_token_ids),
@@ -277,6 +278,7 @@ def sampling_params(
 # Where each SamplingParams field travels in a GenerateRequest.
 _REQUEST_FIELDS = {
     **{f: f"sampling.{f}" for f in ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs")},
+    "prompt_logprobs": "sampling.prompt_logprobs",
     **{f: f"sampling.{f}" for f in ("repetition_penalty", "presence_penalty", "frequency_penalty")},
     **{f: f"stopping.{f}" for f in ("max_tokens", "min_tokens", "stop_token_ids", "stop")},
     "ignore_eos": "stopping.ignore_eos",

@@ -3,10 +3,15 @@
 A thin adapter over the same engine as gRPC. A JSON body becomes a ``GenerateRequest``
 (``parse.parse_body``) and takes the gRPC path (``Frontend.engine_request``: one
 validation, one tokenizer call, one engine client); the outputs become OpenAI's JSON or
-server-sent events (``answer.Answer``)::
+server-sent events (``answer.Answer``). Each generation API is an ``Api``: a parser into
+that one request and a ``Writer`` of its answers, over one pipeline (``generate``)::
 
     POST /v1/completions       prompt (text or token ids)       -> text_completion
     POST /v1/chat/completions  messages (chat template)         -> chat.completion
+    POST /v1/responses         OpenAI's Responses API           -> response (``responses``)
+    POST /v1/messages          Anthropic's Messages API         -> message (``anthropic``)
+    POST /v1/messages/count_tokens                              -> {"input_tokens"}
+    POST /tokenize, /detokenize  vLLM's tokenizer routes        (``tokenize``)
     GET  /v1/models            the served model and its LoRA adapters (``parent``)
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter, GET/POST /lora-adapters
                                the adapters (``server.openai.lora``; admin key to change)
@@ -17,8 +22,9 @@ A body over ``max_request_bytes`` is a 413, refused by its declared Content-Leng
 byte of it is read, or (chunked) as soon as the bytes read pass the bound: never buffered
 whole.
 
-A stream that fails after its first event (cut off at the end of the shutdown grace period,
-say) sends ``data: {"error": ...}`` and ends. ``server.asgi`` serves the app.
+A key comes in ``Authorization: Bearer`` or Anthropic's ``x-api-key``. A stream that fails
+after its first event (cut off at the end of the shutdown grace period, say) sends its API's
+error event (``data: {"error": ...}`` for chat) and ends. ``server.asgi`` serves the app.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from starlette.applications import Starlette
@@ -39,12 +47,16 @@ from starlette.routing import Route
 
 from metrics.records import MetricsSink, NullSink
 from server.auth import AuthError, Security
-from server.frontend import Frontend
-from server.openai.answer import Answer, Choices, sse
+from server.frontend import Frontend, prompt_token_ids
+from server.openai.answer import Answer, ChatWriter, Choices, Echo, Writer
+from server.openai.anthropic import MessagesWriter, parse_messages
+from server.openai.anthropic import error_body as anthropic_error_body
 from server.openai.fields import HttpError, body_too_large, error_body, http_error
 from server.openai.lora import LoraRoutes, model_entries
 from server.openai.openapi import openapi_document
-from server.openai.parse import load_body, parse_body
+from server.openai.parse import Parsed, load_body, parse_body
+from server.openai.responses import ResponsesWriter, parse_responses
+from server.openai.tokenize import parse_detokenize, parse_tokenize, tokenize, tokenize_answer
 from server.openai.tools import tool_call_format
 from server.outputs import GenerationOutput
 from server.validation import (
@@ -58,6 +70,36 @@ logger = logging.getLogger(__name__)
 
 def _json_error(error: HttpError, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(error.message, error.kind, error.param), error.status, headers)
+
+
+def authorization(request: HttpRequest) -> str | None:
+    """The request's key as an ``Authorization`` value: that header, else Anthropic's
+    ``x-api-key`` (the same keys, tenants and limits either way)."""
+    header = request.headers.get("authorization")
+    key = request.headers.get("x-api-key")
+    return header if header or not key else f"Bearer {key}"
+
+
+def openai_error(error: HttpError) -> Response:
+    return _json_error(error)
+
+
+def anthropic_error(error: HttpError) -> Response:
+    return JSONResponse(anthropic_error_body(error), error.status)
+
+
+@dataclass(frozen=True, slots=True)
+class Api:
+    """One generation API over the shared pipeline (``OpenAIFront.generate``): its body ->
+    the shared ``Parsed`` request, its ``Writer``, its error shape; ``method`` names it in
+    the metrics; ``default_max_tokens`` for an unset limit (None: the server's)."""
+
+    method: str
+    id_prefix: str
+    parse: Callable[[Any], Parsed]
+    writer: Callable[[Parsed, str, list[int]], Writer]  # (parsed, request id, prompt ids)
+    error_response: Callable[[HttpError], Response]
+    default_max_tokens: int | None = None
 
 
 class OpenAIFront:
@@ -86,6 +128,11 @@ class OpenAIFront:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/responses", self.responses, methods=["POST"]),
+                Route("/v1/messages", self.messages, methods=["POST"]),
+                Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/detokenize", self.detokenize, methods=["POST"]),
                 *LoraRoutes(frontend, self.security).routes(),
             ],
             exception_handlers={404: self._not_found, 405: self._not_allowed},
@@ -130,6 +177,61 @@ class OpenAIFront:
     async def chat_completions(self, request: HttpRequest) -> Response:
         return await self._generate(request, chat=True)
 
+    async def responses(self, request: HttpRequest) -> Response:
+        def parse(body: Any) -> Parsed:
+            names = self.frontend.adapters.names()
+            return parse_responses(body, self.model.name, self._tool_format, names)
+
+        def writer(parsed: Parsed, request_id: str, prompt_ids: list[int]) -> Writer:
+            return ResponsesWriter(parsed, request_id, self.model.name, len(prompt_ids))
+
+        api = Api("Responses", "resp", parse, writer, openai_error, default_max_tokens=2**31 - 1)
+        return await self.generate(request, api)
+
+    async def messages(self, request: HttpRequest) -> Response:
+        def parse(body: Any) -> Parsed:
+            names = self.frontend.adapters.names()
+            return parse_messages(body, self.model.name, self._tool_format, names)
+
+        def writer(parsed: Parsed, request_id: str, prompt_ids: list[int]) -> Writer:
+            return MessagesWriter(parsed, request_id, self.model.name, len(prompt_ids))
+
+        return await self.generate(request, Api("Messages", "msg", parse, writer, anthropic_error))
+
+    async def count_tokens(self, request: HttpRequest) -> Response:
+        try:
+            self._owner(request)
+            body = load_body(await self._read_body(request))
+            names = self.frontend.adapters.names()
+            parsed = parse_messages(body, self.model.name, self._tool_format, names, True)
+            tokenizer = self.frontend.tokenizer
+            ids = await self.frontend.in_thread(prompt_token_ids, tokenizer, parsed.request)
+        except Exception as exc:
+            return anthropic_error(http_error(exc))
+        return JSONResponse({"input_tokens": len(ids)})
+
+    async def tokenize(self, request: HttpRequest) -> Response:
+        try:
+            self._owner(request)
+            body = load_body(await self._read_body(request))
+            read = parse_tokenize(body, self.model.name, self.frontend.adapters.names())
+            tokenizer = self.frontend.tokenizer
+            ids = await self.frontend.in_thread(tokenize, read, tokenizer)
+        except Exception as exc:
+            return openai_error(http_error(exc))
+        return JSONResponse(tokenize_answer(ids, self.model.max_model_len, read, tokenizer))
+
+    async def detokenize(self, request: HttpRequest) -> Response:
+        try:
+            self._owner(request)
+            body = load_body(await self._read_body(request))
+            names = self.frontend.adapters.names()
+            ids = parse_detokenize(body, self.model.name, self.model.vocab_size, names)
+            text = await self.frontend.in_thread(self.frontend.tokenizer.decode, ids)
+        except Exception as exc:
+            return openai_error(http_error(exc))
+        return JSONResponse({"prompt": text})
+
     async def _not_found(self, request: HttpRequest, exc: Exception) -> Response:
         return _json_error(
             HttpError(grpc.StatusCode.NOT_FOUND, f"no route {request.url.path}; see GET /v1/models")
@@ -169,28 +271,46 @@ class OpenAIFront:
     def _owner(self, request: HttpRequest) -> str:
         """Raises ``AuthError`` (401) without a valid key."""
         host = request.client.host if request.client is not None else "unknown"
-        return self.security.owner(request.headers.get("authorization"), host)
+        return self.security.owner(authorization(request), host)
 
     async def _generate(self, http: HttpRequest, chat: bool) -> Response:
-        method = "ChatCompletions" if chat else "Completions"
-        try:
-            owner = self._owner(http)
-            body = load_body(await self._read_body(http))
-            parsed = parse_body(
+        def parse(body: Any) -> Parsed:
+            return parse_body(
                 body, chat, self.model.name, self._tool_format, self.frontend.adapters.names()
             )
-            request_id = http.headers.get("x-request-id") or (
-                f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            )
+
+        def writer(parsed: Parsed, request_id: str, prompt_ids: list[int]) -> Writer:
+            return ChatWriter(
+                Answer(
+                    parsed, chat, request_id, self.model.name, len(prompt_ids),
+                    self.frontend.token, self._echo(parsed, prompt_ids), self._piece,
+                )
+            )  # fmt: skip
+
+        api = Api(
+            "ChatCompletions" if chat else "Completions", "chatcmpl" if chat else "cmpl",
+            parse, writer, openai_error,
+            # OpenAI's defaults: 16 tokens for a completion, the rest of the context for chat
+            default_max_tokens=2**31 - 1 if chat else None,
+        )  # fmt: skip
+        return await self.generate(http, api)
+
+    async def generate(self, http: HttpRequest, api: Api) -> Response:
+        """One generation through ``api``: its body parsed into the shared request, the
+        engine's outputs written in its shape, whole or streamed."""
+        method = api.method
+        try:
+            owner = self._owner(http)
+            parsed = api.parse(load_body(await self._read_body(http)))
+            request_id = http.headers.get("x-request-id") or f"{api.id_prefix}-{uuid.uuid4().hex}"
             if len(request_id) > MAX_REQUEST_ID_CHARS:
                 raise InvalidRequestError(
                     f"X-Request-Id must be at most {MAX_REQUEST_ID_CHARS} characters"
                 )
             parsed.request.request_id = request_id
             engine_request = await self.frontend.engine_request(
-                # OpenAI's defaults: 16 tokens for a completion, the rest of the context for chat
-                parsed.request, owner, default_max_tokens=2**31 - 1 if chat else None,
-            )  # fmt: skip
+                parsed.request, owner, default_max_tokens=api.default_max_tokens
+            )
             outputs = self.frontend.stream(engine_request)
             # The first output before any header: a refusal (overload) is still a status.
             try:
@@ -205,14 +325,11 @@ class OpenAIFront:
         except Exception as exc:
             error = http_error(exc)
             self.sink.on_rpc(method, self._count_failure(method, error, exc))
-            return _json_error(error)
-        answer = Answer(
-            parsed, chat, request_id, self.model.name,
-            len(engine_request.prompt_token_ids), self.frontend.token,
-        )  # fmt: skip
+            return api.error_response(error)
+        writer = api.writer(parsed, request_id, list(engine_request.prompt_token_ids))
         if parsed.stream:
             return StreamingResponse(
-                self._events(answer, first, outputs, method),
+                self._events(writer, first, outputs, method),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": request_id},
             )
@@ -227,41 +344,55 @@ class OpenAIFront:
         except Exception as exc:
             error = http_error(exc)
             self.sink.on_rpc(method, self._count_failure(method, error, exc))
-            return _json_error(error)
+            return api.error_response(error)
         finally:
             await outputs.aclose()
         self.sink.on_rpc(method, "OK")
-        return JSONResponse(answer.whole(choices), headers={"X-Request-Id": request_id})
+        return JSONResponse(writer.whole(choices), headers={"X-Request-Id": request_id})
+
+    def _echo(self, parsed: Parsed, prompt_ids: list[int]) -> Echo | None:
+        """The prompt an echo answer starts with: as sent, or its ids decoded."""
+        if not parsed.echo:
+            return None
+        request = parsed.request
+        text = request.text if request.WhichOneof("input") == "text" else None
+        if text is None:
+            text = self.frontend.tokenizer.decode(prompt_ids)  # type: ignore[attr-defined]
+        return Echo(text, prompt_ids)
+
+    def _piece(self, token_id: int) -> str:
+        """A token's decoded text (text_offset counts it)."""
+        return str(self.frontend.tokenizer.decode([token_id]))  # type: ignore[attr-defined]
 
     async def _events(
         self,
-        answer: Answer,
+        writer: Writer,
         first: GenerationOutput,
         outputs: AsyncGenerator[GenerationOutput, None],
         method: str,
     ) -> AsyncIterator[str]:
         code = "OK"
         try:
-            for event in answer.chunks(first):
+            for event in writer.events(first):
                 yield event
             if not first.closes_stream:
                 async for out in outputs:
-                    for event in answer.chunks(out):
+                    for event in writer.events(out):
                         yield event
-            if answer.parsed.include_usage:
-                yield sse(answer.usage_chunk())
+            closing = writer.end()
         except (asyncio.CancelledError, GeneratorExit):
             code = "CANCELLED"
             raise
         except Exception as exc:
             error = http_error(exc)
             code = self._count_failure(method, error, exc)
-            yield sse(error_body(error.message, error.kind, error.param))
+            closing = writer.failed(error)
         finally:
             with contextlib.suppress(Exception):
                 await outputs.aclose()
             self.sink.on_rpc(method, code)
-        yield "data: [DONE]\n\n"
+        for event in closing:
+            yield event
 
     def _count_failure(self, method: str, error: HttpError, exc: BaseException) -> str:
         """Log an internal failure and count a rejection as gRPC's would be; the caller

@@ -144,7 +144,8 @@ COMMON_FIELDS: dict[str, dict[str, Any]] = {
         "description": "with stream: true only; include_usage adds a final usage chunk",
     },
     "max_tokens": {**_proto_int(pb.StoppingOptions, "max_tokens"),
-                   "description": "at most this many output tokens (>= 1, within the context)"},
+                   "description": "at most this many output tokens (>= 1, within the "
+                                  "context; 0 with echo: score the prompt only)"},
     "stop": {
         "anyOf": [_STRING, {"type": "array", "items": _STRING}],
         "description": "stop strings (at most 16 of at most 256 characters), cut from the text",
@@ -187,7 +188,11 @@ COMPLETION_FIELDS: dict[str, dict[str, Any]] = {
     "logprobs": {**_proto_int(pb.SamplingOptions, "logprobs"),
                  "description": "return the sampled tokens' logprobs and this many top ones "
                                 "(0..20)"},
-    "echo": {"type": "boolean", "enum": [False], "description": "not supported: false only"},
+    "echo": {**_BOOLEAN, "description": "the prompt before the text; with logprobs, the "
+                                        "prompt tokens' logprobs (the first null) too"},
+    "prompt_logprobs": {**_proto_int(pb.SamplingOptions, "prompt_logprobs"),
+                        "description": "vLLM's: each prompt token's logprob and this many top "
+                                       "ones (0..20), in choices[].prompt_logprobs"},
     "best_of": {"type": "integer", "enum": [1], "description": "not supported: 1 only"},
 }  # fmt: skip
 _TEXT_PART = {

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from server.openai.anthropic import (
+    COUNT_FIELDS,
+    COUNT_REQUIRED,
+    MESSAGES_FIELDS,
+    MESSAGES_REQUIRED,
+)
 from server.openai.fields import CHAT_FIELDS, COMPLETION_FIELDS, REQUIRED_FIELDS
+from server.openai.responses import RESPONSES_FIELDS, RESPONSES_REQUIRED
+from server.openai.tokenize import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
 
 _NULL = {"type": "null"}
 _INT = {"type": "integer"}
@@ -51,6 +59,20 @@ def request_schema(chat: bool) -> dict[str, Any]:
         },
         "required": list(required),
         "additionalProperties": {"enum": [None, False, {}, []]},
+    }
+
+
+def body_schema(fields: dict[str, Any], required: tuple[str, ...]) -> dict[str, Any]:
+    """A Responses / Messages / tokenize body: its fields (null for one left out); any
+    other field must be null, else a 400."""
+    return {
+        "type": "object",
+        "properties": {
+            name: schema if name in required else _nullable(schema)
+            for name, schema in fields.items()
+        },
+        "required": list(required),
+        "additionalProperties": _NULL,
     }
 
 
@@ -183,6 +205,91 @@ def _generation(chat: bool) -> dict[str, Any]:
     }
 
 
+_RESPONSE = _obj(
+    {
+        "id": _STR,
+        "object": {"enum": ["response"]},
+        "status": {"enum": ["completed", "incomplete"]},
+        "output": {"type": "array", "items": {"type": "object"}},
+        "usage": _obj({"input_tokens": _INT, "output_tokens": _INT, "total_tokens": _INT}),
+    }
+)
+_MESSAGE = _obj(
+    {
+        "id": _STR,
+        "type": {"enum": ["message"]},
+        "role": {"enum": ["assistant"]},
+        "content": {"type": "array", "items": {"type": "object"}},
+        "stop_reason": {"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]},
+        "usage": _obj({"input_tokens": _INT, "output_tokens": _INT}),
+    }
+)
+_ANTHROPIC_ERROR = _obj(
+    {"type": {"enum": ["error"]}, "error": _obj({"type": _STR, "message": _STR})}
+)
+_TOKENIZED = _obj(
+    {"count": _INT, "max_model_len": _INT, "tokens": {"type": "array", "items": _INT}}
+)
+# Failures of a request that only reads the tokenizer.
+_TOKENIZER_ERRORS = {
+    "400": "invalid request: the message names the field and what to change",
+    "401": "no API key, or a wrong one",
+    "404": "the model is not the one served",
+    "413": "the body is over --max-request-bytes",
+}
+
+
+def _post(
+    operation: str, what: str, request: str, answer: dict[str, Any], errors: dict[str, str],
+    error: str = "Error", stream: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    content: dict[str, Any] = {"application/json": {"schema": answer}}
+    if stream:
+        content["text/event-stream"] = {"schema": _SSE_EVENT}
+    responses = {
+        code: {"description": why, "content": {"application/json": {"schema": _ref(error)}}}
+        for code, why in errors.items()
+    }
+    return {
+        "post": {
+            "operationId": operation,
+            "summary": what,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": _ref(request)}},
+            },
+            "responses": {"200": {"description": what, "content": content}, **responses},
+        }
+    }
+
+
+def _new_paths() -> dict[str, Any]:
+    """The Responses, Messages and tokenize routes."""
+    errors = _GENERATION_ERRORS
+    return {
+        "/v1/responses": _post(
+            "createResponse", "a response (OpenAI's Responses API)", "ResponseRequest",
+            _ref("Response"), errors, stream=True,
+        ),
+        "/v1/messages": _post(
+            "createMessage", "a message (Anthropic's Messages API)", "MessageRequest",
+            _ref("Message"), errors, "AnthropicError", stream=True,
+        ),
+        "/v1/messages/count_tokens": _post(
+            "countMessageTokens", "the prompt's token count", "CountTokensRequest",
+            _obj({"input_tokens": _INT}), _TOKENIZER_ERRORS, "AnthropicError",
+        ),
+        "/tokenize": _post(
+            "tokenize", "a prompt's or chat's token ids", "TokenizeRequest", _TOKENIZED,
+            _TOKENIZER_ERRORS,
+        ),
+        "/detokenize": _post(
+            "detokenize", "token ids' text", "DetokenizeRequest", _obj({"prompt": _STR}),
+            _TOKENIZER_ERRORS,
+        ),
+    }  # fmt: skip
+
+
 def openapi_document(model_name: str) -> dict[str, Any]:
     """The OpenAPI 3.1 document of ``OpenAIFront`` serving ``model_name``."""
     json_response = {"application/json": {"schema": {"type": "object"}}}
@@ -192,7 +299,8 @@ def openapi_document(model_name: str) -> dict[str, Any]:
             "title": "kvserve OpenAI-compatible API",
             "version": "1",
             "description": f"Serves the model {model_name!r}. With API keys on, every path "
-            "but /health and /openapi.json needs 'Authorization: Bearer KEY'.",
+            "but /health and /openapi.json needs 'Authorization: Bearer KEY' (or "
+            "'x-api-key: KEY').",
         },
         "paths": {
             "/health": {
@@ -232,6 +340,7 @@ def openapi_document(model_name: str) -> dict[str, Any]:
             },
             "/v1/completions": _generation(chat=False),
             "/v1/chat/completions": _generation(chat=True),
+            **_new_paths(),
         },
         "components": {
             "schemas": {
@@ -241,8 +350,19 @@ def openapi_document(model_name: str) -> dict[str, Any]:
                 "ChatCompletion": _completion(chat=True),
                 "ModelList": _MODELS,
                 "Error": _ERROR,
+                "ResponseRequest": body_schema(RESPONSES_FIELDS, RESPONSES_REQUIRED),
+                "Response": _RESPONSE,
+                "MessageRequest": body_schema(MESSAGES_FIELDS, MESSAGES_REQUIRED),
+                "CountTokensRequest": body_schema(COUNT_FIELDS, COUNT_REQUIRED),
+                "Message": _MESSAGE,
+                "AnthropicError": _ANTHROPIC_ERROR,
+                "TokenizeRequest": body_schema(TOKENIZE_FIELDS, ()),
+                "DetokenizeRequest": body_schema(DETOKENIZE_FIELDS, ("tokens",)),
             },
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+            },
         },
-        "security": [{"bearer": []}, {}],
+        "security": [{"bearer": []}, {"apiKey": []}, {}],
     }

@@ -8,6 +8,7 @@ constraint and system note they need. Errors are ``InvalidRequestError`` (400) o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import reprlib
@@ -132,8 +133,6 @@ def _is_blank(value: Any) -> bool:
 def _check_fields(body: Mapping[str, Any], allowed: Mapping[str, Any], endpoint: str) -> None:
     """Refuse fields this server does not implement, instead of ignoring them."""
     unsupported = sorted(str(k) for k, v in body.items() if k not in allowed and not _is_blank(v))
-    if not (body.get("echo") is None or body.get("echo") is False):
-        unsupported.append("echo")
     best_of = body.get("best_of")
     if not (best_of is None or (_is_int(best_of) and best_of == 1)):
         unsupported.append("best_of")
@@ -144,7 +143,7 @@ def _check_fields(body: Mapping[str, Any], allowed: Mapping[str, Any], endpoint:
             grpc.StatusCode.INVALID_ARGUMENT,
             f"unsupported field(s) for {endpoint}: {', '.join(unsupported[:5])}{more}; this "
             "server takes "
-            f"{', '.join(sorted(set(allowed) - {'echo', 'best_of'}))}",
+            f"{', '.join(sorted(set(allowed) - {'best_of'}))}",
             unsupported[0],
         )
 
@@ -181,6 +180,11 @@ class Parsed:
     include_usage: bool
     logprobs: bool
     tool_calls: ToolCalls | None = None  # the answer's text is tool calls (``tools``)
+    echo: bool = False  # completions: the prompt (and its logprobs) before the text
+    score_only: bool = False  # echo with max_tokens 0: the prompt alone, nothing generated
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs: choices[].prompt_logprobs
+    # What the Responses answer repeats of its request (its settings: store, temperature ...).
+    request_settings: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def parse_body(
@@ -217,6 +221,7 @@ def parse_body(
     request.cache_salt = _str(body, "cache_salt") or ""
     _set_slo(request.slo, body)
     logprobs = _set_logprobs(request.sampling, body, chat)
+    echo, score_only, prompt_logprobs = (False, False, False) if chat else _set_echo(request, body)
     _str(body, "user")  # accepted (OpenAI's end-user id); kvserve scopes by key or peer
     stream = bool(_bool(body, "stream"))
     options = body.get("stream_options")
@@ -228,7 +233,14 @@ def parse_body(
             raise InvalidRequestError("stream_options is only allowed with stream: true")
         include_usage = bool(_bool(options, "include_usage"))
     return Parsed(
-        request, stream, include_usage, logprobs, tools.calls if tools is not None else None
+        request,
+        stream,
+        include_usage,
+        logprobs,
+        tools.calls if tools is not None else None,
+        echo,
+        score_only,
+        prompt_logprobs,
     )
 
 
@@ -480,3 +492,26 @@ def _set_logprobs(sampling: pb.SamplingOptions, body: Mapping[str, Any], chat: b
         return False
     sampling.logprobs = top
     return True
+
+
+def _set_echo(request: pb.GenerateRequest, body: Mapping[str, Any]) -> tuple[bool, bool, bool]:
+    """Completions' ``echo`` and vLLM's ``prompt_logprobs``: (echo, score_only,
+    prompt_logprobs). Echo with logprobs scores the prompt with as many top ones; echo with
+    max_tokens 0 scores it without generating (one token is computed and dropped, as vLLM
+    does: the prompt's last position is computed anyway)."""
+    echo = bool(_bool(body, "echo"))
+    sampling, stopping = request.sampling, request.stopping
+    asked = _int(body, "prompt_logprobs")
+    if asked is not None:
+        sampling.prompt_logprobs = asked
+    if echo and sampling.HasField("logprobs") and (asked is None or asked >= 0):
+        # The echoed prompt's top_logprobs: as many as the generated tokens' (or more).
+        sampling.prompt_logprobs = max(sampling.logprobs, asked or 0)
+    if sampling.HasField("prompt_logprobs") and request.HasField("n") and request.n > 1:
+        what = "prompt_logprobs" if asked is not None else "echo with logprobs"
+        raise InvalidRequestError(f"{what} scores the prompt once: n must be 1, got {request.n}")
+    # Without echo, max_tokens 0 goes on to SamplingParams' range check (>= 1).
+    score_only = echo and stopping.HasField("max_tokens") and stopping.max_tokens == 0
+    if score_only:
+        stopping.max_tokens = 1
+    return echo, score_only, asked is not None

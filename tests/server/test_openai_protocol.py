@@ -256,7 +256,7 @@ def test_unsupported_field_names_are_shown_bounded() -> None:
     )
     shown_part, known = message.split(" and 4 more; this server takes ")
     assert len(shown_part) < 300  # the client's part; the rest lists the server's own fields
-    assert known.split(", ") == sorted(set(COMPLETION_FIELDS) - {"echo", "best_of"})
+    assert known.split(", ") == sorted(set(COMPLETION_FIELDS) - {"best_of"})
 
 
 @pytest.mark.parametrize(
@@ -268,7 +268,13 @@ def test_unsupported_field_names_are_shown_bounded() -> None:
         ({"prompt": "x", "temperature": 10**400}, False,
          "temperature must be a finite number within [-3.402823e+38, 3.402823e+38], got 1000"),
         ({"prompt": "x", "top_p": 1e39}, False, "top_p must be a finite number within"),
-        ({"prompt": "x", "echo": "yes"}, False, "unsupported field(s) for /v1/completions: echo"),
+        ({"prompt": "x", "echo": "yes"}, False, "echo must be true or false, got 'yes'"),
+        ({"prompt": "x", "echo": True, "logprobs": 1, "n": 2}, False,
+         "echo with logprobs scores the prompt once: n must be 1, got 2"),
+        ({"prompt": "x", "prompt_logprobs": 0, "n": 3}, False,
+         "prompt_logprobs scores the prompt once: n must be 1, got 3"),
+        ({"prompt": "x", "prompt_logprobs": 2**31}, False,
+         "prompt_logprobs must be in [-2147483648, 2147483647], got 2147483648"),
         ({"prompt": "x", "best_of": True}, False,
          "unsupported field(s) for /v1/completions: best_of"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, True,
@@ -280,9 +286,10 @@ def test_unsupported_field_names_are_shown_bounded() -> None:
 def test_parse_body_refuses_values_no_proto_field_holds(
     body: Any, chat: bool, message: str
 ) -> None:
-    """Token ids past uint32, floats past float32 (or past what float() takes), echo / best_of
-    other than their one supported value, and a non-string text part are 400s naming the
-    field; a value shown in a message is bounded (never the client's 10 kB string)."""
+    """Token ids past uint32, floats past float32 (or past what float() takes), a non-boolean
+    echo, best_of other than 1, prompt scores with n > 1 and a non-string text part are
+    400s naming the field; a value shown in a message is bounded (never the client's 10 kB
+    string)."""
     with pytest.raises((InvalidRequestError, HttpError)) as error:
         parse_body(body, chat, MODEL)
     assert message in str(error.value)
@@ -317,8 +324,6 @@ def test_load_body_refuses_what_the_json_parser_cannot_take(raw: bytes, message:
          "'gpt-4' does not exist: this server serves 'fake'", "model"),
         ({**CHAT, "functions": [{"name": "f"}]}, True, grpc.StatusCode.INVALID_ARGUMENT,
          "unsupported field(s) for /v1/chat/completions: functions", "functions"),
-        ({"prompt": "x", "echo": True}, False, grpc.StatusCode.INVALID_ARGUMENT,
-         "unsupported field(s) for /v1/completions: echo", "echo"),
         ({"prompt": "x", "best_of": 2}, False, grpc.StatusCode.INVALID_ARGUMENT,
          "unsupported field(s) for /v1/completions: best_of", "best_of"),
     ],
@@ -431,6 +436,7 @@ def test_logprobs_in_both_shapes() -> None:
         "tokens": ["7"],
         "token_logprobs": [-0.5],
         "top_logprobs": [{"7": -0.5, "8": -1.0}],
+        "text_offset": [0],
     }
     chat = Answer(parse_body({**CHAT, "logprobs": True}, True, MODEL), True, "c", MODEL, 1, str)
     content = chat.whole(choices)["choices"][0]["logprobs"]["content"]

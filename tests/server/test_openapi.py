@@ -12,9 +12,12 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
+from server.openai.anthropic import parse_messages
 from server.openai.fields import CHAT_FIELDS, COMPLETION_FIELDS, REQUIRED_FIELDS, HttpError
 from server.openai.openapi import openapi_document, request_schema
 from server.openai.parse import parse_body
+from server.openai.responses import parse_responses
+from server.openai.tokenize import parse_detokenize, parse_tokenize
 from server.validation import InvalidRequestError
 from tests.server.helpers import Harness, assert_idle_and_sound, serve_in_thread
 
@@ -55,6 +58,40 @@ def test_schema_and_parser_take_the_same_fields(chat: bool) -> None:
         parse_body({}, chat, MODEL)
 
 
+_NEW_APIS: list[tuple[str, Any, dict[str, Any]]] = [
+    ("ResponseRequest", lambda b: parse_responses(b, MODEL), {"input": "x"}),
+    ("MessageRequest", lambda b: parse_messages(b, MODEL), {"model": MODEL, "max_tokens": 1,
+     "messages": [{"role": "user", "content": "x"}]}),
+    ("CountTokensRequest", lambda b: parse_messages(b, MODEL, count_only=True),
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}),
+    ("TokenizeRequest", lambda b: parse_tokenize(b, MODEL), {"prompt": "x"}),
+    ("DetokenizeRequest", lambda b: parse_detokenize(b, MODEL, 258), {"tokens": [1]}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "parse", "base"), _NEW_APIS, ids=[n for n, _, _ in _NEW_APIS])
+def test_new_api_schemas_and_parsers_take_the_same_fields(
+    name: str, parse: Any, base: dict[str, Any]
+) -> None:
+    """Responses, Messages, count_tokens, tokenize, detokenize: each field of the published
+    body, set to a value of its type, is taken by the parser (it may refuse the value's
+    meaning, never the field); a field outside it is refused by name; each required field
+    is required."""
+    schema = openapi_document(MODEL)["components"]["schemas"][name]
+    parse(base)
+    for field, spec in schema["properties"].items():
+        value = _example(spec["anyOf"][0] if field not in schema["required"] else spec)
+        try:
+            parse({**base, field: value})
+        except (InvalidRequestError, HttpError) as exc:
+            assert "unsupported field" not in str(exc), (field, exc)
+    with pytest.raises(HttpError, match=r"unsupported field.*logit_bias"):
+        parse({**base, "logit_bias": {"1": 5}})
+    for field in schema["required"]:
+        with pytest.raises(InvalidRequestError, match=field):
+            parse({k: v for k, v in base.items() if k != field})
+
+
 def test_integer_ranges_in_the_schema_are_the_parsers() -> None:
     """The schema's bounds of an integer field are where the parser starts refusing."""
     for chat, fields in ((False, COMPLETION_FIELDS), (True, CHAT_FIELDS)):
@@ -86,8 +123,13 @@ def test_openapi_json_is_served_and_valid(server: Harness) -> None:
     assert labels == [  # (schemathesis leaves out the path it loaded the document from)
         "GET /health",
         "GET /v1/models",
+        "POST /detokenize",
+        "POST /tokenize",
         "POST /v1/chat/completions",
         "POST /v1/completions",
+        "POST /v1/messages",
+        "POST /v1/messages/count_tokens",
+        "POST /v1/responses",
     ]
 
 

@@ -16,7 +16,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from server.openai.anthropic import COUNT_FIELDS, MESSAGES_FIELDS
 from server.openai.fields import CHAT_FIELDS, COMPLETION_FIELDS
+from server.openai.responses import RESPONSES_FIELDS
+from server.openai.tokenize import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
 from server.rpc import generation_pb2 as pb
 from server.rpc import generation_pb2_grpc
 from server.validation import CHAT_ROLES
@@ -97,17 +100,26 @@ def _bodies(fields: dict[str, Any], required: str, typed: bool) -> Any:
     )
 
 
+NEW_ROUTES = ["/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/tokenize",
+              "/detokenize"]  # fmt: skip
 ENDPOINT_BODIES = st.one_of(
     *(
         st.tuples(st.just(path), _bodies(fields, required, typed))
         for path, fields, required in (
             ("/v1/completions", COMPLETION_FIELDS, "prompt"),
             ("/v1/chat/completions", CHAT_FIELDS, "messages"),
+            ("/v1/responses", RESPONSES_FIELDS, "input"),
+            ("/v1/messages", MESSAGES_FIELDS, "messages"),
+            ("/v1/messages/count_tokens", COUNT_FIELDS, "messages"),
+            ("/tokenize", TOKENIZE_FIELDS, "prompt"),
+            ("/detokenize", DETOKENIZE_FIELDS, "tokens"),
         )
         for typed in (True, False)
     ),
     st.tuples(
-        st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/models", "/health"]),
+        st.sampled_from(
+            ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", *NEW_ROUTES]
+        ),
         ANY_JSON,
     ),
 )
@@ -119,10 +131,16 @@ def _check_answer(path: str, response: httpx.Response, body: Any) -> None:
     assert status < 500, (status, response.text, body)
     if status >= 400:
         error = response.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        if path.startswith("/v1/messages"):  # Anthropic's shape
+            assert set(error) == {"type", "message"} and response.json()["type"] == "error"
+        else:
+            assert set(error) == {"message", "type", "param", "code"}
+        assert error["message"]
         return
     assert status == 200, (status, body)
-    if path in ("/v1/models", "/health"):
+    if path in NEW_ROUTES:
+        _check_new_answer(path, response)
+    elif path in ("/v1/models", "/health"):
         assert response.json()
     elif response.headers["content-type"].startswith("text/event-stream"):
         events = [line for line in response.text.split("\n") if line]
@@ -134,6 +152,22 @@ def _check_answer(path: str, response: httpx.Response, body: Any) -> None:
         answer = response.json()
         assert answer["choices"] and all(c["finish_reason"] for c in answer["choices"])
         assert answer["usage"]["completion_tokens"] >= len(answer["choices"])
+
+
+def _check_new_answer(path: str, response: httpx.Response) -> None:
+    """A served answer of the Responses, Messages or tokenize routes: whole, or a stream
+    that ends with its API's last event and holds no error event."""
+    if response.headers["content-type"].startswith("text/event-stream"):
+        names = [line[7:] for line in response.text.split("\n") if line.startswith("event: ")]
+        assert "error" not in names, response.text
+        last = {"/v1/responses": ("response.completed", "response.incomplete"),
+                "/v1/messages": ("message_stop",)}[path]  # fmt: skip
+        assert names[-1] in last, names
+        return
+    answer = response.json()
+    keys = {"/v1/responses": "output", "/v1/messages": "stop_reason", "/tokenize": "tokens",
+            "/v1/messages/count_tokens": "input_tokens", "/detokenize": "prompt"}  # fmt: skip
+    assert answer[keys[path]] is not None, answer
 
 
 @SETTINGS
