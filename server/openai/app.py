@@ -22,6 +22,10 @@ A body over ``max_request_bytes`` is a 413, refused by its declared Content-Leng
 byte of it is read, or (chunked) as soon as the bytes read pass the bound: never buffered
 whole.
 
+With the reasoning parser on (``--reasoning-parser``), chat, Responses and Messages answers
+carry a ``<think>`` model's thought apart (``reasoning``), and a thought budget cuts it
+(``budget``).
+
 A key comes in ``Authorization: Bearer`` or Anthropic's ``x-api-key``. A stream that fails
 after its first event (cut off at the end of the shutdown grace period, say) sends its API's
 error event (``data: {"error": ...}`` for chat) and ends. ``server.asgi`` serves the app.
@@ -383,13 +387,7 @@ class OpenAIFront:
             return _unsplit
         parsed.reasoning = True
         tail = self.frontend.tokenizer.decode(prompt_ids[-8:])  # type: ignore[attr-defined]
-        reasoning = Reasoning(inside=opens_thought(tail))
-
-        def split(out: GenerationOutput) -> tuple[GenerationOutput, str]:
-            thought, content = reasoning.split(out)
-            return content, thought
-
-        return split
+        return Reasoning(inside=opens_thought(tail)).split
 
     def _outputs(self, parsed: Parsed, request: Request) -> AsyncGenerator[GenerationOutput, None]:
         """The engine's outputs, the thought cut at the request's budget (``budget``)."""

@@ -59,7 +59,6 @@ class ThinkSplitter:
         self.state = "thought" if inside else "start"  # start -> thought -> answer
         self._buffer = ""
         self._strip = inside  # drop the blanks that open the next part
-        self.closed = False  # the thought ended with its tag
 
     def feed(self, text: str) -> tuple[str, str]:
         """The (reasoning, content) that ``text`` (the next delta) makes safe to send."""
@@ -87,7 +86,7 @@ class ThinkSplitter:
                 if end >= 0:
                     reasoning.append(buffer[:end])
                     self._buffer = buffer[end + len(CLOSE) :]
-                    self.state, self._strip, self.closed = "answer", True, True
+                    self.state, self._strip = "answer", True
                     continue
                 keep = _held(buffer, CLOSE)
                 reasoning.append(buffer[: len(buffer) - keep])
@@ -125,10 +124,11 @@ class Reasoning:
         self.inside = inside
         self._splitters: dict[int, ThinkSplitter] = {}
 
-    def split(self, out: GenerationOutput) -> tuple[str, GenerationOutput]:
+    def split(self, out: GenerationOutput) -> tuple[GenerationOutput, str]:
+        """(``out`` with its text the content delta, the reasoning delta)."""
         splitter = self._splitters.setdefault(out.index, ThinkSplitter(self.inside))
         reasoning, content = splitter.feed(out.text)
         if out.finished:
             more_reasoning, more_content = splitter.flush()
             reasoning, content = reasoning + more_reasoning, content + more_content
-        return reasoning, dataclasses.replace(out, text=content)
+        return dataclasses.replace(out, text=content), reasoning
