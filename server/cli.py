@@ -112,7 +112,7 @@ async def _serve(cfg: Any) -> int:
 
     server = KVServeServer(
         built.engine, built.tokenizer, model, sink=sink, security=security,
-        max_request_bytes=cfg.max_request_bytes,
+        max_request_bytes=cfg.max_request_bytes, reasoning_parser=cfg.reasoning_parser,
         limits=cfg.edge_limits(), adapters=built.adapters,
     )  # fmt: skip
     port = await server.start(cfg.host, cfg.port, http_port=cfg.http_port if cfg.http else None)

@@ -48,6 +48,7 @@ from scheduler.config import (
 )
 from server.auth import Security, TlsFiles, read_api_keys
 from server.http_guard import EdgeLimits, HttpLimits
+from server.openai.reasoning import REASONING_PARSERS
 from server.validation import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)
@@ -229,6 +230,12 @@ class ServerConfig:
         DEFAULT_MAX_REQUEST_BYTES, "largest request: an HTTP body (over it: 413, refused "
         "before it is read) or a gRPC message (RESOURCE_EXHAUSTED); gRPC's own default, 4 MiB",
         group="http and security",
+    )  # fmt: skip
+    reasoning_parser: str = _f(
+        "auto", "split a reasoning model's <think> thought from its answer (chat's "
+        "reasoning_content, a Responses reasoning item, a Messages thinking block): think, "
+        "none, or auto = when the chat template mentions <think>",
+        choices=REASONING_PARSERS, group="http and security",
     )  # fmt: skip
     # -- hostile clients and tenants (server.http_guard, server.auth)
     http_max_connections: int = _f(

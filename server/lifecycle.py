@@ -51,7 +51,8 @@ class KVServeServer:
     graceful ``shutdown``, 1 when the engine died) and ``await shutdown(grace_s)`` from a
     signal handler or a test. ``security`` sets TLS and API keys for both front ends;
     ``max_request_bytes`` bounds a request on both (a gRPC message, an HTTP body: 413);
-    ``adapters``: the runner's LoRA adapters (``BuiltEngine.adapters``), served on both.
+    ``adapters``: the runner's LoRA adapters (``BuiltEngine.adapters``), served on both;
+    ``reasoning_parser``: the HTTP front's (auto / none / think, ``server.openai.reasoning``).
     """
 
     def __init__(
@@ -67,8 +68,10 @@ class KVServeServer:
         limits: EdgeLimits | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         adapters: LoraRegistry | None = None,
+        reasoning_parser: str = "auto",
     ) -> None:
         self.engine = engine
+        self.reasoning_parser = reasoning_parser
         self.limits = (limits if limits is not None else EdgeLimits()).resolved()
         self.max_request_bytes = max_request_bytes
         self.model = model
@@ -137,8 +140,9 @@ class KVServeServer:
         self._server = server
         if http_port is not None:
             front = OpenAIFront(
-                self.frontend, self.security, self.sink, max_request_bytes=self.max_request_bytes
-            )
+                self.frontend, self.security, self.sink, max_request_bytes=self.max_request_bytes,
+                reasoning_parser=self.reasoning_parser,
+            )  # fmt: skip
             self.http = await start_asgi_server(
                 front.app, host, http_port, self.security, limits=self.limits.http,
                 on_event=self.sink_connection_event("http"),

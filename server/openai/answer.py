@@ -81,10 +81,13 @@ class Choices:
         self.prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
         self.finish: dict[int, str | None] = {}
         self.stop_reason: dict[int, int | str | None] = {}  # the stop string / token id
+        self.reasoning: dict[int, list[str]] = {}  # a reasoning model's thought, apart
         self.usage = Usage()
 
-    def add(self, out: GenerationOutput) -> None:
+    def add(self, out: GenerationOutput, reasoning: str = "") -> None:
+        """Add one output (its text the answer's content) and the thought's ``reasoning``."""
         self.texts.setdefault(out.index, []).append(out.text)
+        self.reasoning.setdefault(out.index, []).append(reasoning)
         self.logprobs.setdefault(out.index, []).extend(out.logprobs)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[out.index] = out.prompt_logprobs
@@ -265,13 +268,16 @@ class Answer:
             finish = choices.finish.get(index)
             if self.chat:
                 item["message"] = {"role": "assistant", "content": text}
+                if self.parsed.reasoning:
+                    thought = "".join(choices.reasoning.get(index, [])) or None
+                    item["message"]["reasoning_content"] = thought
                 content, calls = (
                     split_tool_calls(tools, text)
                     if tools is not None and finish == "stop"
                     else (text, None)
                 )
                 if tools is not None and calls is not None:
-                    item["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                    item["message"].update(content=content, tool_calls=calls)
                     finish = tools.finish_reason
                 item["logprobs"] = self._logprobs(choices.logprobs[index])
             else:
@@ -297,12 +303,15 @@ class Answer:
             usage = Usage(usage.num_prompt_tokens, usage.num_cached_tokens, 0)
         return usage.body()
 
-    def chunks(self, out: GenerationOutput) -> list[str]:
-        """The SSE events for one engine output (chat opens each choice with its role)."""
+    def chunks(self, out: GenerationOutput, reasoning: str = "") -> list[str]:
+        """The SSE events for one engine output (chat opens each choice with its role; a
+        thought's ``reasoning`` goes in ``reasoning_content`` deltas)."""
         events = []
         if self.chat and out.index not in self.started:
             self.started.add(out.index)
             events.append(self._chunk(out.index, {"role": "assistant", "content": ""}))
+        if self.chat and reasoning:
+            events.append(self._chunk(out.index, {"reasoning_content": reasoning}))
         reason = finish_reason(out)
         if out.finished:
             self.usage.add(out)
@@ -397,13 +406,14 @@ class Answer:
 
 class Writer(Protocol):
     """How one API writes one request's answer: whole from ``Choices``, or as the stream's
-    server-sent events (``events`` per engine output, ``end`` after the last one, ``failed``
-    for an error after the first event). Chat completions' is ``ChatWriter``; the Responses
+    server-sent events (``events`` per engine output, with its thought's text apart when the
+    reasoning parser is on, ``end`` after the last one, ``failed`` for an error after the
+    first event). Chat completions' is ``ChatWriter``; the Responses
     and Messages APIs have theirs (``server.openai.responses``, ``server.openai.anthropic``)."""
 
     def whole(self, choices: Choices) -> dict[str, Any]: ...
 
-    def events(self, out: GenerationOutput) -> list[str]: ...
+    def events(self, out: GenerationOutput, reasoning: str = "") -> list[str]: ...
 
     def end(self) -> list[str]: ...
 
@@ -419,8 +429,8 @@ class ChatWriter:
     def whole(self, choices: Choices) -> dict[str, Any]:
         return self.answer.whole(choices)
 
-    def events(self, out: GenerationOutput) -> list[str]:
-        return self.answer.chunks(out)
+    def events(self, out: GenerationOutput, reasoning: str = "") -> list[str]:
+        return self.answer.chunks(out, reasoning)
 
     def end(self) -> list[str]:
         usage = [sse(self.answer.usage_chunk())] if self.answer.parsed.include_usage else []

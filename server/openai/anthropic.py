@@ -7,8 +7,12 @@ validation. ``MessagesWriter`` writes the engine's outputs as a ``message`` or a
 event stream::
 
     message_start, then per content block: content_block_start, content_block_delta
-    (text_delta / input_json_delta)..., content_block_stop; message_delta (stop_reason,
-    usage), message_stop
+    (thinking_delta then signature_delta / text_delta / input_json_delta)...,
+    content_block_stop; message_delta (stop_reason, usage), message_stop
+
+A reasoning model's thought is a ``thinking`` block before the others (its ``signature``
+empty: nothing is signed here). ``thinking: {"type": "enabled", "budget_tokens": N}`` bounds
+the thought (chat's ``max_thinking_tokens``); ``disabled`` is accepted.
 
 Blocks map to chat messages as follows: ``system`` (a string or text blocks) is the system
 message; a user turn's ``tool_result`` blocks are ``tool`` messages (before its text); an
@@ -69,6 +73,14 @@ MESSAGES_FIELDS: dict[str, dict[str, Any]] = {
     **{k: CHAT_FIELDS[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "stream")},
     "stop_sequences": {"type": "array", "items": _STR},
     "metadata": {"type": "object"},
+    "thinking": {
+        "type": "object",
+        "properties": {
+            "type": {"enum": ["enabled", "disabled"]},
+            "budget_tokens": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1},
+        },
+        "required": ["type"],
+    },
 }
 MESSAGES_REQUIRED = ("model", "max_tokens", "messages")
 COUNT_REQUIRED = ("model", "messages")
@@ -150,6 +162,8 @@ def _chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
             elif kind == "tool_use" and role == "assistant" and isinstance(block.get("name"), str):
                 arguments = json.dumps(block.get("input", {}))
                 calls.append({"function": {"name": block["name"], "arguments": arguments}})
+            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+                continue  # an earlier turn's thought, sent back: not part of the prompt
             elif kind == "tool_result" and role == "user":
                 result = block.get("content", "")
                 text = _text(result, f"{where}.content")
@@ -232,7 +246,30 @@ def parse_messages(
         chat["stop"] = stops
     if body.get("metadata") is not None and not isinstance(body["metadata"], Mapping):
         raise InvalidRequestError("metadata must be an object")
+    if not count_only:
+        chat.update(_thinking(body.get("thinking")))
     return parse_body(chat, True, model_name, tool_format, adapters)
+
+
+def _thinking(value: Any) -> dict[str, Any]:
+    """``thinking``: enabled with ``budget_tokens`` -> the thought's budget; disabled or left
+    out: none (a reasoning model's thought still comes as a thinking block)."""
+    if value is None:
+        return {}
+    kind = value.get("type") if isinstance(value, Mapping) else None
+    if kind == "disabled":
+        return {}
+    if kind != "enabled":
+        raise InvalidRequestError(
+            'thinking must be {"type": "enabled", "budget_tokens": N} or '
+            f'{{"type": "disabled"}}, got {shown(value)}'
+        )
+    budget = value.get("budget_tokens")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise InvalidRequestError(
+            f"thinking.budget_tokens must be an integer >= 1, got {shown(budget)}"
+        )
+    return {"max_thinking_tokens": budget}
 
 
 def _blocks(parsed: Parsed, text: str, finish: str | None) -> tuple[list[dict[str, Any]], bool]:
@@ -283,6 +320,8 @@ class MessagesWriter:
         self.usage = Usage(num_prompt_tokens=num_prompt_tokens)
         self._started = False
         self._text_open = False
+        self._thinking_open = False
+        self._next_block = 0  # the index of the next content block
         self._buffered: list[str] = []  # a tool answer's text, parsed when it ends
 
     def _message(self, content: list[dict[str, Any]], stop: dict[str, Any]) -> dict[str, Any]:
@@ -295,31 +334,45 @@ class MessagesWriter:
         self.usage = choices.usage
         text, finish = "".join(choices.texts.get(0, [])), choices.finish.get(0)
         blocks, tools = _blocks(self.parsed, text, finish)
+        thought = "".join(choices.reasoning.get(0, []))
+        if thought:
+            blocks.insert(0, {"type": "thinking", "thinking": thought, "signature": ""})
         return self._message(blocks, _stop(finish, choices.stop_reason.get(0), tools))
 
-    def events(self, out: GenerationOutput) -> list[str]:
+    def events(self, out: GenerationOutput, reasoning: str = "") -> list[str]:
         events = []
         if not self._started:
             self._started = True
             start = self._message([], {"stop_reason": None, "stop_sequence": None})
             events.append(event("message_start", {"type": "message_start", "message": start}))
+        if reasoning:
+            if not self._thinking_open:
+                self._thinking_open = True
+                block = {"type": "thinking", "thinking": "", "signature": ""}
+                events.append(self._block_start(self._next_block, block))
+            events.append(
+                self._delta(self._next_block, {"type": "thinking_delta", "thinking": reasoning})
+            )
+        if self._thinking_open and (out.finished or (out.text and self.parsed.tool_calls is None)):
+            events.extend(self._close_thinking())
         if self.parsed.tool_calls is not None:
             self._buffered.append(out.text)
         elif out.text:
             if not self._text_open:
                 self._text_open = True
                 block = {"type": "text", "text": ""}
-                events.append(self._block_start(0, block))
-            events.append(self._delta(0, {"type": "text_delta", "text": out.text}))
+                events.append(self._block_start(self._next_block, block))
+            events.append(self._delta(self._next_block, {"type": "text_delta", "text": out.text}))
         if not out.finished:
             return events
         self.usage.add(out)
         finish, tools = (out.finish_reason.value if out.finish_reason else None), False
         if self._text_open:
-            events.append(event("content_block_stop", {"type": "content_block_stop", "index": 0}))
+            stop = {"type": "content_block_stop", "index": self._next_block}
+            events.append(event("content_block_stop", stop))
         elif self.parsed.tool_calls is not None:
             blocks, tools = _blocks(self.parsed, "".join(self._buffered), finish)
-            for index, block in enumerate(blocks):
+            for index, block in enumerate(blocks, start=self._next_block):
                 events.extend(self._whole_block(index, block))
         delta = {
             "type": "message_delta",
@@ -329,6 +382,14 @@ class MessagesWriter:
         events.append(event("message_delta", delta))
         events.append(event("message_stop", {"type": "message_stop"}))
         return events
+
+    def _close_thinking(self) -> list[str]:
+        """The thinking block's end: its (empty: nothing is signed here) signature, its stop."""
+        index = self._next_block
+        self._thinking_open, self._next_block = False, index + 1
+        signature = {"type": "signature_delta", "signature": ""}
+        stop = {"type": "content_block_stop", "index": index}
+        return [self._delta(index, signature), event("content_block_stop", stop)]
 
     def _block_start(self, index: int, block: dict[str, Any]) -> str:
         body = {"type": "content_block_start", "index": index, "content_block": block}

@@ -22,6 +22,10 @@ A body over ``max_request_bytes`` is a 413, refused by its declared Content-Leng
 byte of it is read, or (chunked) as soon as the bytes read pass the bound: never buffered
 whole.
 
+With the reasoning parser on (``--reasoning-parser``), chat, Responses and Messages answers
+carry a ``<think>`` model's thought apart (``reasoning``), and a thought budget cuts it
+(``budget``).
+
 A key comes in ``Authorization: Bearer`` or Anthropic's ``x-api-key``. A stream that fails
 after its first event (cut off at the end of the shutdown grace period, say) sends its API's
 error event (``data: {"error": ...}`` for chat) and ends. ``server.asgi`` serves the app.
@@ -46,15 +50,18 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from metrics.records import MetricsSink, NullSink
+from scheduler.request import Request
 from server.auth import AuthError, Security
 from server.frontend import Frontend, prompt_token_ids
 from server.openai.answer import Answer, ChatWriter, Choices, Echo, Writer
 from server.openai.anthropic import MessagesWriter, parse_messages
 from server.openai.anthropic import error_body as anthropic_error_body
+from server.openai.budget import CLOSE_TEXT, budgeted
 from server.openai.fields import HttpError, body_too_large, error_body, http_error
 from server.openai.lora import LoraRoutes, model_entries
 from server.openai.openapi import openapi_document
 from server.openai.parse import Parsed, load_body, parse_body
+from server.openai.reasoning import Reasoning, opens_thought, reasoning_enabled
 from server.openai.responses import ResponsesWriter, parse_responses
 from server.openai.tokenize import parse_detokenize, parse_tokenize, tokenize, tokenize_answer
 from server.openai.tools import tool_call_format
@@ -66,6 +73,13 @@ from server.validation import (
 )
 
 logger = logging.getLogger(__name__)
+
+# An output -> (the output, its text the answer's content; the thought's text).
+Split = Callable[[GenerationOutput], tuple[GenerationOutput, str]]
+
+
+def _unsplit(out: GenerationOutput) -> tuple[GenerationOutput, str]:
+    return out, ""
 
 
 def _json_error(error: HttpError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -100,6 +114,7 @@ class Api:
     writer: Callable[[Parsed, str, list[int]], Writer]  # (parsed, request id, prompt ids)
     error_response: Callable[[HttpError], Response]
     default_max_tokens: int | None = None
+    reasons: bool = True  # a reasoning model's thought is split off (not /v1/completions)
 
 
 class OpenAIFront:
@@ -111,7 +126,9 @@ class OpenAIFront:
         security: Security | None = None,
         sink: MetricsSink | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        reasoning_parser: str = "auto",
     ) -> None:
+        """``reasoning_parser``: auto / none / think (``server.openai.reasoning``)."""
         self.frontend = frontend
         self.max_request_bytes = max_request_bytes
         self.security = security if security is not None else Security()
@@ -121,6 +138,7 @@ class OpenAIFront:
         self._openapi = openapi_document(self.model.name)
         # tool_choice "auto" needs a template that renders tools (server.openai.tools).
         self._tool_format = tool_call_format(frontend.tokenizer.chat_template)
+        self.reasoning = reasoning_enabled(reasoning_parser, frontend.tokenizer.chat_template)
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
@@ -291,7 +309,7 @@ class OpenAIFront:
             "ChatCompletions" if chat else "Completions", "chatcmpl" if chat else "cmpl",
             parse, writer, openai_error,
             # OpenAI's defaults: 16 tokens for a completion, the rest of the context for chat
-            default_max_tokens=2**31 - 1 if chat else None,
+            default_max_tokens=2**31 - 1 if chat else None, reasons=chat,
         )  # fmt: skip
         return await self.generate(http, api)
 
@@ -311,7 +329,8 @@ class OpenAIFront:
             engine_request = await self.frontend.engine_request(
                 parsed.request, owner, default_max_tokens=api.default_max_tokens
             )
-            outputs = self.frontend.stream(engine_request)
+            split = self._reasoning(parsed, api, engine_request.prompt_token_ids)
+            outputs = self._outputs(parsed, engine_request)
             # The first output before any header: a refusal (overload) is still a status.
             try:
                 first = await anext(outputs)
@@ -329,15 +348,19 @@ class OpenAIFront:
         writer = api.writer(parsed, request_id, list(engine_request.prompt_token_ids))
         if parsed.stream:
             return StreamingResponse(
-                self._events(writer, first, outputs, method),
+                self._events(writer, first, outputs, method, split),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": request_id},
             )
         try:
             choices = Choices()
-            choices.add(first)
+
+            def add(out: GenerationOutput) -> None:
+                choices.add(*split(out))
+
+            add(first)
             if not first.closes_stream and not await _collect_unless_disconnected(
-                http, outputs, choices
+                http, outputs, add
             ):
                 self.sink.on_rpc(method, "CANCELLED")
                 return Response(status_code=499)  # nobody is listening any more
@@ -349,6 +372,35 @@ class OpenAIFront:
             await outputs.aclose()
         self.sink.on_rpc(method, "OK")
         return JSONResponse(writer.whole(choices), headers={"X-Request-Id": request_id})
+
+    def _reasoning(self, parsed: Parsed, api: Api, prompt_ids: list[int]) -> Split:
+        """How this request's outputs split into (output with the content, thought): with
+        the parser on, a ``<think>`` thought comes apart, opened already when the prompt
+        ends with ``<think>``; else nothing does."""
+        if not (self.reasoning and api.reasons):
+            if parsed.thinking_budget is not None:
+                raise InvalidRequestError(
+                    "a thinking budget (max_thinking_tokens, reasoning_effort, thinking) needs "
+                    "a reasoning model: this server runs no reasoning parser (start it with "
+                    "--reasoning-parser think)"
+                )
+            return _unsplit
+        parsed.reasoning = True
+        tail = self.frontend.tokenizer.decode(prompt_ids[-8:])  # type: ignore[attr-defined]
+        return Reasoning(inside=opens_thought(tail)).split
+
+    def _outputs(self, parsed: Parsed, request: Request) -> AsyncGenerator[GenerationOutput, None]:
+        """The engine's outputs, the thought cut at the request's budget (``budget``)."""
+        budget = parsed.thinking_budget
+        if budget is None:
+            return self.frontend.stream(request)
+        if request.sampling.n > 1:
+            raise InvalidRequestError(
+                f"a thinking budget takes n = 1, got n = {request.sampling.n}"
+            )
+        tokenizer = self.frontend.tokenizer
+        close_ids = list(tokenizer.encode(CLOSE_TEXT, add_special_tokens=False))
+        return budgeted(self.frontend.stream, request, budget, close_ids)
 
     def _echo(self, parsed: Parsed, prompt_ids: list[int]) -> Echo | None:
         """The prompt an echo answer starts with: as sent, or its ids decoded."""
@@ -370,14 +422,15 @@ class OpenAIFront:
         first: GenerationOutput,
         outputs: AsyncGenerator[GenerationOutput, None],
         method: str,
+        split: Split,
     ) -> AsyncIterator[str]:
         code = "OK"
         try:
-            for event in writer.events(first):
+            for event in writer.events(*split(first)):
                 yield event
             if not first.closes_stream:
                 async for out in outputs:
-                    for event in writer.events(out):
+                    for event in writer.events(*split(out)):
                         yield event
             closing = writer.end()
         except (asyncio.CancelledError, GeneratorExit):
@@ -407,14 +460,16 @@ class OpenAIFront:
 
 
 async def _collect_unless_disconnected(
-    http: HttpRequest, outputs: AsyncGenerator[GenerationOutput, None], choices: Choices
+    http: HttpRequest,
+    outputs: AsyncGenerator[GenerationOutput, None],
+    add: Callable[[GenerationOutput], None],
 ) -> bool:
     """Collect the rest of a non-streamed answer; False when the client hung up first (the
     request is then aborted: closing its stream does that)."""
 
     async def collect() -> None:
         async for out in outputs:
-            choices.add(out)
+            add(out)
 
     async def disconnected() -> None:
         while (await http.receive())["type"] != "http.disconnect":

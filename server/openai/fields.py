@@ -218,6 +218,11 @@ CHAT_FIELDS: dict[str, dict[str, Any]] = {
     "top_logprobs": {**_proto_int(pb.SamplingOptions, "logprobs", minimum=0),
                      "description": "with logprobs: true, this many top alternatives (0..20)"},
     **_TOOL_FIELDS,
+    "max_thinking_tokens": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1,
+                            "description": "a reasoning model's thought budget: at it, the "
+                                           "thought is closed and the answer follows"},
+    "reasoning_effort": {"enum": ["minimal", "low", "medium", "high"],
+                         "description": "a thought budget of 256, 1024, 4096 or 16384 tokens"},
 }  # fmt: skip
 REQUIRED_FIELDS = {False: ("prompt",), True: ("messages",)}
 # Integer fields -> their (minimum, maximum); chat's ``logprobs`` is a boolean.

@@ -29,6 +29,7 @@ from server.openai.fields import (
     TOKEN_ID,
     HttpError,
 )
+from server.openai.reasoning import EFFORT_BUDGETS
 from server.openai.tools import ToolCalls, parse_tools
 from server.rpc import generation_pb2 as pb
 from server.validation import InvalidRequestError
@@ -183,6 +184,8 @@ class Parsed:
     echo: bool = False  # completions: the prompt (and its logprobs) before the text
     score_only: bool = False  # echo with max_tokens 0: the prompt alone, nothing generated
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs: choices[].prompt_logprobs
+    thinking_budget: int | None = None  # the thought's tokens at most (a reasoning model)
+    reasoning: bool = False  # the answer's thought is split off (set by the HTTP front)
     # What the Responses answer repeats of its request (its settings: store, temperature ...).
     request_settings: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -241,7 +244,24 @@ def parse_body(
         echo,
         score_only,
         prompt_logprobs,
+        _thinking_budget(body) if chat else None,
     )
+
+
+def _thinking_budget(body: Mapping[str, Any]) -> int | None:
+    """The thought's budget in tokens: ``max_thinking_tokens`` (wins), else
+    ``reasoning_effort``'s (``reasoning.EFFORT_BUDGETS``); None: unbounded."""
+    budget = _int(body, "max_thinking_tokens")
+    if budget is not None:
+        return budget
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return None
+    if effort not in EFFORT_BUDGETS:
+        raise InvalidRequestError(
+            f"reasoning_effort must be one of {', '.join(EFFORT_BUDGETS)}, got {shown(effort)}"
+        )
+    return EFFORT_BUDGETS[effort]
 
 
 def _set_adapter(

@@ -7,6 +7,9 @@ and validation. ``ResponsesWriter`` writes the engine's outputs as a ``response`
 as Responses' event stream, each event with its ``sequence_number``::
 
     response.created, response.in_progress,
+    (a reasoning model's thought, output_index 0: response.output_item.added (reasoning),
+    response.content_part.added, response.reasoning_text.delta...,
+    response.reasoning_text.done, response.content_part.done, response.output_item.done),
     response.output_item.added, response.content_part.added, response.output_text.delta...,
     response.output_text.done, response.content_part.done, response.output_item.done,
     (function calls: response.output_item.added, response.function_call_arguments.delta,
@@ -19,6 +22,8 @@ Items map to chat messages: ``instructions`` is the system message; ``message`` 
 are ``tool`` messages. Function ``tools`` (Responses' flat shape) and ``tool_choice`` are
 chat's; ``text.format`` json_schema / json_object is chat's ``response_format``. A tool
 answer's items are sent when its sample ends.
+
+``reasoning.effort`` is chat's ``reasoning_effort`` (a thought budget).
 
 No responses are stored: ``previous_response_id`` and ``store: true`` are a 400 (send the
 whole conversation in ``input``); answers say ``"store": false``.
@@ -79,6 +84,10 @@ RESPONSES_FIELDS: dict[str, dict[str, Any]] = {
         },
     },
     "stream": {"type": "boolean"},
+    "reasoning": {
+        "type": "object",
+        "properties": {"effort": {"enum": ["minimal", "low", "medium", "high"]}},
+    },
     "store": {"enum": [False]},
     "metadata": _OBJECT,
     "user": _STR,
@@ -257,6 +266,11 @@ def parse_responses(
             chat[renamed.get(key, key)] = body[key]
     if body.get("metadata") is not None and not isinstance(body["metadata"], Mapping):
         raise InvalidRequestError("metadata must be an object")
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        if not isinstance(reasoning, Mapping):
+            raise InvalidRequestError('reasoning must be an object: {"effort": ...}')
+        chat["reasoning_effort"] = reasoning.get("effort")
     parsed = parse_body(chat, True, model_name, tool_format, adapters)
     parsed.request_settings = {
         "instructions": body.get("instructions"),
@@ -269,6 +283,7 @@ def parse_responses(
         "text": body.get("text") or {"format": {"type": "text"}},
         "metadata": body.get("metadata") or {},
         "user": body.get("user"),
+        "reasoning": {"effort": (reasoning or {}).get("effort"), "summary": None},
         "store": False,
         "previous_response_id": None,
     }
@@ -297,6 +312,9 @@ class ResponsesWriter:
         self._sequence_number = 0
         self._text: list[str] = []
         self._message_open = False
+        self._thought: list[str] = []  # the reasoning item's text (a reasoning model)
+        self._thought_open = False  # its item streams (until the message, or the end)
+        self._message_index = 0  # the message's output_index: 1 after a reasoning item
 
     def _response(
         self, status: str, output: list[dict[str, Any]], finish: str | None = None
@@ -316,12 +334,21 @@ class ResponsesWriter:
             "role": "assistant", "content": content if status == "completed" else [],
         }  # fmt: skip
 
-    def _items(self, text: str, finish: str | None) -> list[dict[str, Any]]:
+    def _reasoning(self, text: str, status: str = "completed") -> dict[str, Any]:
+        content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+        return {
+            "type": "reasoning", "id": f"rs_{self.id[5:]}", "status": status,
+            "summary": [], "content": content,
+        }  # fmt: skip
+
+    def _items(self, text: str, finish: str | None, thought: str = "") -> list[dict[str, Any]]:
         calls = None
         if self.parsed.tool_calls is not None and finish == "stop":
             content, calls = split_tool_calls(self.parsed.tool_calls, text)
             text = content or ""
-        items = [self._message(text)] if text or not calls else []
+        items = [self._reasoning(thought)] if thought else []
+        if text or not calls:
+            items.append(self._message(text))
         for call in calls or []:
             items.append(
                 {
@@ -339,20 +366,30 @@ class ResponsesWriter:
     def whole(self, choices: Choices) -> dict[str, Any]:
         self.usage = choices.usage
         text, finish = "".join(choices.texts.get(0, [])), choices.finish.get(0)
-        return self._response(self._status(finish), self._items(text, finish), finish)
+        thought = "".join(choices.reasoning.get(0, []))
+        return self._response(self._status(finish), self._items(text, finish, thought), finish)
 
     def _event(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": self._sequence_number, **fields}
         self._sequence_number += 1
         return f"event: {kind}\ndata: {json.dumps(body, separators=(',', ':'))}\n\n"
 
-    def events(self, out: GenerationOutput) -> list[str]:
+    def events(self, out: GenerationOutput, reasoning: str = "") -> list[str]:
         events = []
         if self._sequence_number == 0:
             started = self._response("in_progress", [])
             events.append(self._event("response.created", response=started))
             events.append(self._event("response.in_progress", response=started))
+        if reasoning:
+            if not self._thought:
+                self._thought_open = True
+                events.extend(self._open_reasoning())
+            self._thought.append(reasoning)
+            at = self._at_reasoning()
+            events.append(self._event("response.reasoning_text.delta", **at, delta=reasoning))
         self._text.append(out.text)
+        if self._thought_open and (out.finished or (out.text and self.parsed.tool_calls is None)):
+            events.extend(self._close_reasoning())
         if self.parsed.tool_calls is None and out.text:
             if not self._message_open:
                 self._message_open = True
@@ -362,9 +399,12 @@ class ResponsesWriter:
             return events
         self.usage.add(out)
         finish = out.finish_reason.value if out.finish_reason else None
-        items = self._items("".join(self._text), finish)
+        items = self._items("".join(self._text), finish, "".join(self._thought))
         for index, item in enumerate(items):
+            if item["type"] == "reasoning":
+                continue  # streamed, closed above
             if item["type"] == "message":
+                self._message_index = index
                 if not self._message_open:  # a tool answer's text, known only now
                     events.extend(self._open_message())
                     text = item["content"][0]["text"]
@@ -382,14 +422,37 @@ class ResponsesWriter:
         return events
 
     def _at(self) -> dict[str, Any]:
-        return {"item_id": f"msg_{self.id[5:]}", "output_index": 0, "content_index": 0}
+        index = self._message_index
+        return {"item_id": f"msg_{self.id[5:]}", "output_index": index, "content_index": 0}
+
+    def _at_reasoning(self) -> dict[str, Any]:
+        return {"item_id": f"rs_{self.id[5:]}", "output_index": 0, "content_index": 0}
+
+    def _open_reasoning(self) -> list[str]:
+        item = self._reasoning("", "in_progress")
+        part = {"type": "reasoning_text", "text": ""}
+        return [
+            self._event("response.output_item.added", output_index=0, item=item),
+            self._event("response.content_part.added", **self._at_reasoning(), part=part),
+        ]
+
+    def _close_reasoning(self) -> list[str]:
+        self._thought_open, self._message_index = False, 1
+        item = self._reasoning("".join(self._thought))
+        (part,) = item["content"]
+        at = self._at_reasoning()
+        return [
+            self._event("response.reasoning_text.done", **at, text=part["text"]),
+            self._event("response.content_part.done", **at, part=part),
+            self._event("response.output_item.done", output_index=0, item=item),
+        ]
 
     def _open_message(self) -> list[str]:
         part = {"type": "output_text", "text": "", "annotations": []}
         return [
             self._event(
                 "response.output_item.added",
-                output_index=0,
+                output_index=self._message_index,
                 item=self._message("", "in_progress"),
             ),
             self._event("response.content_part.added", **self._at(), part=part),
@@ -400,7 +463,7 @@ class ResponsesWriter:
         return [
             self._event("response.output_text.done", **self._at(), text=part["text"]),
             self._event("response.content_part.done", **self._at(), part=part),
-            self._event("response.output_item.done", output_index=0, item=item),
+            self._event("response.output_item.done", output_index=self._message_index, item=item),
         ]
 
     def _call(self, index: int, item: dict[str, Any]) -> list[str]:

@@ -180,8 +180,8 @@ async def test_responses_refuses_state_and_unknown_fields() -> None:
             await client.responses.create(model="fake", input="x", store=True)
         with pytest.raises(openai.BadRequestError, match="only function tools"):
             await client.responses.create(model="fake", input="x", tools=[{"type": "web_search"}])
-        with pytest.raises(openai.BadRequestError, match=r"unsupported field.*reasoning"):
-            await client.responses.create(model="fake", input="x", reasoning={"effort": "low"})
+        with pytest.raises(openai.BadRequestError, match=r"unsupported field.*background"):
+            await client.responses.create(model="fake", input="x", background=True)
         await client.close()
         async with httpx.AsyncClient(base_url=h.http_url) as http:
             ok = await http.post(

@@ -98,7 +98,7 @@ HOSTILE: list[tuple[str, Any]] = [
     ("/v1/messages", {**MESSAGE, "tools": [{"name": "f", "input_schema": {}}]}),
     ("/v1/messages", {**MESSAGE, "tools": [{"name": "f"}], "tool_choice": {"type": "tool"}}),
     ("/v1/messages", {**MESSAGE, "tools": [{"name": "f"}], "tool_choice": "any"}),
-    ("/v1/messages", {**MESSAGE, "thinking": {"type": "enabled", "budget_tokens": 9}}),
+    ("/v1/messages", {**MESSAGE, "thinking": {"type": "enabled", "budget_tokens": 0}}),
     ("/v1/messages", {**MESSAGE, "messages": [{"role": "user", "content": "x"}] * 100_000}),
     ("/v1/messages/count_tokens", {"model": "fake"}),
     ("/v1/messages/count_tokens", {"model": "fake", "messages": CHAT, "max_tokens": 3}),
