@@ -1,12 +1,8 @@
 """Tokenizer (``tokenizers``), chat template (sandboxed jinja2) and streaming detokenization.
 
 Two sources:
-- GGUF metadata (``tokenizer.ggml.model == "gpt2"``: byte-level BPE from the token list, the
-  merges and the token types). The pre-tokenizer follows ``tokenizer.ggml.pre`` the way
-  llama.cpp does: ``smollm`` splits every digit on its own before the GPT-2 regex (as
-  SmolLM2's ``tokenizer.json``: ``Digits(individual_digits) + ByteLevel``); ``llama3``-style
-  and ``qwen2`` use their split regexes. Control tokens (type 3) become special added tokens
-  and user-defined tokens (type 4) plain added tokens, so both are matched whole in text.
+- GGUF metadata: byte-level BPE (``tokenizer.ggml.model == "gpt2"``) or SentencePiece-style
+  BPE with scores and byte fallback (``"llama"``), built in ``model_runner.gguf_vocab``.
 - A Hugging Face directory: ``tokenizer.json`` plus ``tokenizer_config.json`` (special tokens,
   chat template; or ``chat_template.jinja``) and ``generation_config.json`` (EOS ids).
 
@@ -24,54 +20,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
+
+from model_runner.gguf_vocab import backend_from_gguf, byte_to_unicode, spm_piece_bytes
+
+__all__ = ["ALLOWED_ROLES", "IncrementalDetokenizer", "Tokenizer", "byte_to_unicode"]
 
 ALLOWED_ROLES = ("system", "user", "assistant", "tool")
-
-# GGUF token types (llama.cpp's llama_token_type).
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
-
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# tokenizer.ggml.pre -> regex applied before the byte-level step (None: the GPT-2 regex).
-_SPLITS: dict[str, str] = {
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "dbrx": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
-# llama.cpp splits every \p{N} character on its own first for these (llama-vocab.cpp).
-_INDIVIDUAL_DIGITS = frozenset(
-    {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
-)
-
-
-@lru_cache(maxsize=1)
-def byte_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table (byte-level BPE alphabet)."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 @lru_cache(maxsize=1)
@@ -107,6 +63,9 @@ class Tokenizer:
             i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
         )
         self.is_byte_level = isinstance(backend.decoder, decoders.ByteLevel)
+        # SentencePiece spelling (``▁``, ``<0x0A>``): token_bytes reads it too.
+        self.is_sentencepiece = _spells_sentencepiece(backend)
+        self._added_ids = frozenset(backend.get_added_tokens_decoder())
         self._token_bytes: list[bytes | None] = [None] * self.vocab_size
         self._template: Any = None
 
@@ -114,64 +73,11 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any], name: str = "") -> Tokenizer:
-        """Byte-level BPE from a GGUF's ``tokenizer.ggml.*`` keys (``model == "gpt2"``)."""
-        kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(
-                f"GGUF tokenizer model {kind!r} is not supported (kvserve builds 'gpt2' byte-level "
-                f"BPE tokenizers from GGUF); use a Hugging Face directory with tokenizer.json"
-            )
+        """From a GGUF's ``tokenizer.ggml.*`` keys (``model`` ``"gpt2"`` or ``"llama"``)."""
+        backend = backend_from_gguf(metadata)
         tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
-        token_types: list[int] = list(
-            metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        )
-        merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges") or []]
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        backend = HFTokenizer(
-            models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
-        )
-        pre = str(metadata.get("tokenizer.ggml.pre") or "default")
-        split = _SPLITS.get(pre)
-        if split is not None:
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                ]
-            )
-        elif pre in _INDIVIDUAL_DIGITS:
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Digits(individual_digits=True),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-                ]
-            )
-        else:
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        backend.decoder = decoders.ByteLevel()
-        control = [
-            AddedToken(tok, special=True, normalized=False)
-            for tok, kind_ in zip(tokens, token_types, strict=False)
-            if kind_ == _TOKEN_TYPE_CONTROL and tok
-        ]
-        user = [
-            AddedToken(tok, special=False, normalized=False)
-            for tok, kind_ in zip(tokens, token_types, strict=False)
-            if kind_ == _TOKEN_TYPE_USER_DEFINED and tok
-        ]
-        if control:
-            backend.add_special_tokens(control)
-        if user:
-            backend.add_tokens(user)
-
         bos = metadata.get("tokenizer.ggml.bos_token_id")
         bos_id = int(bos) if bos is not None else None
-        if metadata.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
-            backend.post_processor = processors.TemplateProcessing(
-                single=f"{tokens[bos_id]} $A",
-                pair=f"{tokens[bos_id]} $A {tokens[bos_id]} $B",
-                special_tokens=[(tokens[bos_id], bos_id)],
-            )
         eos_ids = [
             int(metadata[k])
             for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
@@ -273,12 +179,13 @@ class Tokenizer:
         return token_id
 
     def token_bytes(self, token_id: int) -> bytes:
-        """Raw bytes one token contributes to the text (byte-level tokenizers only).
+        """Raw bytes one token contributes to the text (byte-level and SentencePiece
+        tokenizers: ``▁`` is a space, ``<0x0A>`` its byte, before any leading-space strip).
 
         An id past the tokenizer's entries is empty text: a padded embedding (Qwen2.5's
         151,936 rows for 151,665 tokens) can sample one, and vLLM streams nothing for it."""
-        if not self.is_byte_level:
-            raise ValueError("token_bytes needs a byte-level tokenizer")
+        if not (self.is_byte_level or self.is_sentencepiece):
+            raise ValueError("token_bytes needs a byte-level or SentencePiece tokenizer")
         if token_id >= self.vocab_size:
             return b""
         if token_id < 0:
@@ -286,6 +193,11 @@ class Tokenizer:
         cached = self._token_bytes[token_id]
         if cached is None:
             token = self.backend.id_to_token(token_id) or ""
+            if self.is_sentencepiece:  # an added token is its literal text
+                added = token_id in self._added_ids
+                cached = token.encode("utf-8") if added else spm_piece_bytes(token)
+                self._token_bytes[token_id] = cached
+                return cached
             table = _unicode_to_byte()
             out = bytearray()
             for ch in token:
@@ -370,6 +282,19 @@ def _compile_template(source: str) -> Any:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"the model's chat template does not compile: {e}") from e
+
+
+def _spells_sentencepiece(backend: HFTokenizer) -> bool:
+    """Whether the decoder turns ``▁`` into a space and byte tokens into bytes (Llama-2 style)."""
+    if backend.decoder is None:
+        return False
+    try:
+        decoder = json.loads(backend.decoder.__getstate__())
+    except (AttributeError, TypeError, ValueError):
+        return False
+    parts = decoder.get("decoders", [decoder]) if isinstance(decoder, dict) else []
+    kinds = {p.get("type") for p in parts if isinstance(p, dict)}
+    return "ByteFallback" in kinds or "Metaspace" in kinds
 
 
 def _read_json(path: Path) -> dict[str, Any]:
