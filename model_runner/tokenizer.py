@@ -23,6 +23,7 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders
 
+from model_runner.chat_template import compile_template, render
 from model_runner.gguf_vocab import backend_from_gguf, byte_to_unicode, spm_piece_bytes
 
 __all__ = ["ALLOWED_ROLES", "IncrementalDetokenizer", "Tokenizer", "byte_to_unicode"]
@@ -241,47 +242,8 @@ class Tokenizer:
                 )
             checked.append(dict(message))
         if self._template is None:
-            self._template = _compile_template(self.chat_template)
-        import jinja2
-
-        try:
-            rendered: str = self._template.render(
-                messages=checked,
-                add_generation_prompt=add_generation_prompt,
-                **{k: v for k, v in self.special_tokens.items() if v is not None},
-                **extra,
-            )
-        except jinja2.TemplateError as e:
-            raise ValueError(f"chat template error: {e}") from e
-        return rendered
-
-
-def _compile_template(source: str) -> Any:
-    import jinja2
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.TemplateError(message)
-
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **_: Any) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent)
-
-    def strftime_now(fmt: str) -> str:
-        import datetime
-
-        return datetime.datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"the model's chat template does not compile: {e}") from e
+            self._template = compile_template(self.chat_template)
+        return render(self._template, checked, add_generation_prompt, self.special_tokens, extra)
 
 
 def _spells_sentencepiece(backend: HFTokenizer) -> bool:
