@@ -22,9 +22,6 @@ import jinja2.utils
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-# What a renderer sets itself; chat_template_kwargs may not override these.
-RESERVED_NAMES = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
-
 
 class _Generation(Extension):
     """``{% generation %}...{% endgeneration %}``: transformers marks assistant text with it."""

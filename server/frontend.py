@@ -102,7 +102,7 @@ def encode_chat(
     tokenizer: ServerTokenizer, chat: pb.ChatMessages, add_special_tokens: bool
 ) -> list[int]:
     """Chat messages rendered with the model's template, then tokenized."""
-    extra = {}
+    extra = validation.chat_template_kwargs(chat)
     if chat.tools:
         try:
             extra["tools"] = json.loads(chat.tools)

@@ -16,6 +16,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from scheduler.request import Constraint, SamplingParams, SamplingParamsError
 from server.rpc import generation_pb2 as pb
@@ -78,6 +79,31 @@ def chat_messages(chat: pb.ChatMessages) -> list[dict[str, str]]:
 
 def add_generation_prompt(chat: pb.ChatMessages) -> bool:
     return chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+
+
+# Names the chat template renderer sets itself (model_runner.chat_template.render).
+_RESERVED_TEMPLATE_NAMES = ("messages", "add_generation_prompt", "tools", "documents")
+
+
+def chat_template_kwargs(chat: pb.ChatMessages) -> dict[str, Any]:
+    """``chat.chat_template_kwargs`` (a JSON object, vLLM's field) as template variables."""
+    if not chat.chat_template_kwargs:
+        return {}
+    try:
+        value = json.loads(chat.chat_template_kwargs)
+    except ValueError as exc:
+        raise InvalidRequestError(f"chat_template_kwargs must be a JSON object: {exc}") from exc
+    if not isinstance(value, dict):
+        raise InvalidRequestError(
+            f"chat_template_kwargs must be a JSON object, got {type(value).__name__}"
+        )
+    taken = [k for k in _RESERVED_TEMPLATE_NAMES if k in value]
+    if taken:
+        raise InvalidRequestError(
+            f"chat_template_kwargs must not set {', '.join(taken)}: the server sets "
+            f"{', '.join(_RESERVED_TEMPLATE_NAMES)} itself (send tools in their own field)"
+        )
+    return value
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, field: str = "token_ids") -> list[int]:

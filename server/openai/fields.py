@@ -217,6 +217,8 @@ CHAT_FIELDS: dict[str, dict[str, Any]] = {
     "logprobs": {**_BOOLEAN, "description": "return the sampled tokens' logprobs"},
     "top_logprobs": {**_proto_int(pb.SamplingOptions, "logprobs", minimum=0),
                      "description": "with logprobs: true, this many top alternatives (0..20)"},
+    "chat_template_kwargs": {**_OBJECT, "description": "extra chat template variables, as "
+                             "vLLM's (Qwen3's {\"enable_thinking\": false})"},
     **_TOOL_FIELDS,
 }  # fmt: skip
 REQUIRED_FIELDS = {False: ("prompt",), True: ("messages",)}

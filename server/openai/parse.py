@@ -209,6 +209,11 @@ def parse_body(
         _set_messages(request, body, tools.note if tools is not None else None)
         if tools is not None:
             request.chat.tools = tools.template_tools
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs is not None:
+            if not isinstance(kwargs, Mapping):
+                raise InvalidRequestError("chat_template_kwargs must be an object")
+            request.chat.chat_template_kwargs = json.dumps(kwargs)
     else:
         _set_prompt(request, body)
     _set_sampling(request.sampling, body)
