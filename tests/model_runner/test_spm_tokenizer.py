@@ -9,19 +9,22 @@ sentencepiece itself and with the tokenizer transformers builds from the same GG
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 import pytest
+import sentencepiece as spm
 
 from model_runner.gguf_loader import read_metadata
 from model_runner.gguf_vocab import score_merges
+from model_runner.loader import load_model
 from model_runner.tokenizer import IncrementalDetokenizer, Tokenizer
+from tests.model_runner.test_gguf_loader import write_tiny_gguf
 
-spm = pytest.importorskip("sentencepiece")
-
+VOCAB = 480
 CORPUS = [
     "Hello world, this is a tiny corpus for a tiny tokenizer.",
     "The quick brown fox jumps over the lazy dog.",
@@ -64,7 +67,7 @@ def trained() -> Any:
         sentence_iterator=iter(CORPUS * 20),
         model_writer=model,
         model_type="bpe",
-        vocab_size=480,
+        vocab_size=VOCAB,
         byte_fallback=True,
         normalization_rule_name="identity",
         remove_extra_whitespaces=False,
@@ -80,23 +83,32 @@ def trained() -> Any:
     return model.getvalue()
 
 
-def write_vocab_gguf(path: Path, model_proto: bytes, arch: str = "llama", **keys: Any) -> Path:
-    """The vocabulary as llama.cpp's converter writes a sentencepiece model's."""
+def vocab_writer(model_proto: bytes, **keys: Any) -> Callable[[gguf.GGUFWriter], None]:
+    """Writes the vocabulary as llama.cpp's converter writes a sentencepiece model's."""
     from sentencepiece import sentencepiece_model_pb2
 
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(model_proto)
+
+    def write(writer: gguf.GGUFWriter) -> None:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list([p.piece for p in proto.pieces])
+        writer.add_token_scores([p.score for p in proto.pieces])
+        writer.add_token_types([int(p.type) for p in proto.pieces])  # llama.cpp's numbering
+        writer.add_unk_token_id(0)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_add_bos_token(keys.get("add_bos", True))
+        writer.add_add_space_prefix(keys.get("add_space_prefix", True))
+
+    return write
+
+
+def write_vocab_gguf(path: Path, model_proto: bytes, arch: str = "llama", **keys: Any) -> Path:
+    """A GGUF holding only the vocabulary (and an embedding of its size)."""
     writer = gguf.GGUFWriter(str(path), arch=arch)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list([p.piece for p in proto.pieces])
-    writer.add_token_scores([p.score for p in proto.pieces])
-    writer.add_token_types([int(p.type) for p in proto.pieces])  # same numbering as llama.cpp
-    writer.add_unk_token_id(0)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(keys.get("add_bos", True))
-    writer.add_add_space_prefix(keys.get("add_space_prefix", True))
-    writer.add_tensor("token_embd.weight", np.zeros((len(proto.pieces), 4), dtype=np.float32))
+    vocab_writer(model_proto, **keys)(writer)
+    writer.add_tensor("token_embd.weight", np.zeros((VOCAB, 4), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -213,3 +225,15 @@ def test_unsupported_gguf_tokenizer_model() -> None:
     meta = {"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"]}
     with pytest.raises(ValueError, match=r"'t5' is not supported.*'gpt2'.*'llama'"):
         Tokenizer.from_gguf_metadata(meta)
+
+
+def test_a_llama2_style_gguf_loads_with_its_vocabulary(
+    trained: bytes, sp: Any, tmp_path: Path
+) -> None:
+    """A llama GGUF whose vocabulary is SentencePiece loads; its tokenizer is sentencepiece's."""
+    path = tmp_path / "llama2.gguf"
+    write_tiny_gguf(path, vocab=VOCAB, write_vocab=vocab_writer(trained))
+    loaded = load_model(str(path))
+    text = "Hello world, émoji 😀\n"
+    assert loaded.tokenizer.encode(text) == [1, *sp.encode(text)]
+    assert loaded.tokenizer.bos_token_id == 1 and 2 in loaded.config.eos_token_ids
