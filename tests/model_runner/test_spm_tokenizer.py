@@ -17,6 +17,8 @@ import gguf
 import numpy as np
 import pytest
 import sentencepiece as spm
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from model_runner.gguf_loader import read_metadata
 from model_runner.gguf_vocab import score_merges
@@ -237,3 +239,57 @@ def test_a_llama2_style_gguf_loads_with_its_vocabulary(
     text = "Hello world, émoji 😀\n"
     assert loaded.tokenizer.encode(text) == [1, *sp.encode(text)]
     assert loaded.tokenizer.bos_token_id == 1 and 2 in loaded.config.eos_token_ids
+
+
+_ALPHABET = "ab cdeHlo wrld\n\t  éü😀中🇫👩\u200d,.1"
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(alphabet=_ALPHABET, max_size=30))
+def test_any_text_matches_sentencepiece(tok: Tokenizer, sp: Any, text: str) -> None:
+    """Random text over spaces, newlines, accents, emoji and CJK: sentencepiece's ids, and back."""
+    assert tok.encode(text, add_special_tokens=False) == sp.encode(text)
+    assert tok.decode(tok.encode(text), skip_special_tokens=True) == text
+
+
+_FIRST_PIECE = 261  # after <unk> <s> </s> <|end|> <|user|> and the 256 byte tokens
+
+
+def _byte_ids(char: str) -> list[int]:
+    return [_FIRST_PIECE - 256 + b for b in char.encode("utf-8")]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    runs=st.lists(
+        st.one_of(
+            st.integers(min_value=_FIRST_PIECE, max_value=VOCAB - 1).map(lambda i: [i]),
+            st.sampled_from(["\n", "é", "😀", "中", "\x00"]).map(_byte_ids),
+        ),
+        max_size=12,
+    ),
+    prompt=st.sampled_from(["", "Hi", "Hi\n"]),
+    skip=st.booleans(),
+)
+def test_any_ids_stream_to_their_decode(
+    tok: Tokenizer, runs: list[list[int]], prompt: str, skip: bool
+) -> None:
+    """Pieces and byte-token runs of whole characters, one id at a time after a prompt: the
+    deltas and the flush join to what the ids add to the prompt's decode."""
+    ids = [i for run in runs for i in run]
+    assert (tok.id_to_token(5), tok.id_to_token(260)) == ("<0x00>", "<0xFF>")  # the layout
+    before = tok.encode(prompt)
+    detok = IncrementalDetokenizer(tok, prompt_ids=before, skip_special_tokens=skip)
+    text = "".join(detok.push([i]).text_delta for i in ids) + detok.flush().text_delta
+    context = tok.decode(before, skip_special_tokens=skip)
+    assert text == tok.decode(before + ids, skip_special_tokens=skip)[len(context) :]
+
+
+def test_an_invalid_byte_run_streams_its_valid_bytes(tok: Tokenizer) -> None:
+    """<0x00><0x80>: the stream keeps the NUL and replaces the stray byte (Python's UTF-8
+    decoding); the whole-text decode replaces the run byte by byte (ByteFallback)."""
+    detok = IncrementalDetokenizer(tok, prompt_ids=[1])
+    ids = [5, 5 + 0x80]
+    text = "".join(detok.push([i]).text_delta for i in ids) + detok.flush().text_delta
+    assert text == "\x00\ufffd"
+    assert tok.decode(ids) == "\ufffd\ufffd"
