@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import jinja2
 import jinja2.nodes
@@ -26,7 +26,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 class _Generation(Extension):
     """``{% generation %}...{% endgeneration %}``: transformers marks assistant text with it."""
 
-    tags: ClassVar[set[str]] = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 (jinja2 reads the class attribute)
 
     def parse(self, parser: Any) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
@@ -81,7 +81,7 @@ def _tojson(
     separators: Sequence[str] | None = None,
     sort_keys: bool = False,
 ) -> str:
-    seps = tuple(separators) if separators is not None else None
+    seps = (str(separators[0]), str(separators[1])) if separators is not None else None
     return json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=seps, sort_keys=sort_keys
     )
