@@ -293,3 +293,15 @@ def test_an_invalid_byte_run_streams_its_valid_bytes(tok: Tokenizer) -> None:
     text = "".join(detok.push([i]).text_delta for i in ids) + detok.flush().text_delta
     assert text == "\x00\ufffd"
     assert tok.decode(ids) == "\ufffd\ufffd"
+
+
+def test_the_same_vocabulary_from_a_tokenizer_json(tok: Tokenizer, hf: Any, tmp_path: Path) -> None:
+    """transformers' tokenizer saved as a directory (tokenizer.json) reads back with the same
+    ids and SentencePiece token bytes."""
+    hf.save_pretrained(str(tmp_path))
+    from_dir = Tokenizer.from_hf_dir(tmp_path)
+    assert from_dir.is_sentencepiece and not from_dir.is_byte_level
+    for text in TEXTS + SPECIAL_TEXTS:
+        ids = tok.encode(text)
+        assert from_dir.encode(text) == ids
+        assert [from_dir.token_bytes(i) for i in ids] == [tok.token_bytes(i) for i in ids]
