@@ -50,6 +50,7 @@ class Tokenizer:
         eos_token_ids: Sequence[int] = (),
         bos_token_id: int | None = None,
         chat_template: str | None = None,
+        tool_use_template: str | None = None,
         special_tokens: Mapping[str, str | None] | None = None,
         name: str = "",
     ) -> None:
@@ -57,6 +58,8 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(t) for t in eos_token_ids))
         self.bos_token_id = bos_token_id
         self.chat_template = chat_template
+        # A second template for requests with tools (Hugging Face's named "tool_use" one).
+        self.tool_use_template = tool_use_template
         self.special_tokens: dict[str, str | None] = dict(special_tokens or {})
         self.name = name
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
@@ -68,7 +71,7 @@ class Tokenizer:
         self.is_sentencepiece = _spells_sentencepiece(backend)
         self._added_ids = frozenset(backend.get_added_tokens_decoder())
         self._token_bytes: list[bytes | None] = [None] * self.vocab_size
-        self._template: Any = None
+        self._templates: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ construction
 
@@ -94,6 +97,7 @@ class Tokenizer:
             eos_token_ids=eos_ids,
             bos_token_id=bos_id,
             chat_template=metadata.get("tokenizer.chat_template"),
+            tool_use_template=metadata.get("tokenizer.chat_template.tool_use"),
             special_tokens={
                 "bos_token": token("tokenizer.ggml.bos_token_id"),
                 "eos_token": token("tokenizer.ggml.eos_token_id"),
@@ -124,9 +128,11 @@ class Tokenizer:
             for key in ("bos_token", "eos_token", "unk_token", "pad_token")
         }
         template = config.get("chat_template")
+        tool_use = None
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default") or next(iter(named.values()), None)
+            tool_use = named.get("tool_use")
         jinja_file = root / "chat_template.jinja"
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text(encoding="utf-8")
@@ -150,6 +156,7 @@ class Tokenizer:
             eos_token_ids=eos_ids,
             bos_token_id=bos_id,
             chat_template=template if isinstance(template, str) else None,
+            tool_use_template=tool_use if isinstance(tool_use, str) else None,
             special_tokens=special,
             name=name or root.name,
         )
@@ -241,9 +248,13 @@ class Tokenizer:
                     f"{', '.join(ALLOWED_ROLES)}"
                 )
             checked.append(dict(message))
-        if self._template is None:
-            self._template = compile_template(self.chat_template)
-        return render(self._template, checked, add_generation_prompt, self.special_tokens, extra)
+        source = self.chat_template
+        if extra.get("tools") is not None and self.tool_use_template is not None:
+            source = self.tool_use_template  # as transformers picks a named "tool_use" one
+        template = self._templates.get(source)
+        if template is None:
+            template = self._templates[source] = compile_template(source)
+        return render(template, checked, add_generation_prompt, self.special_tokens, extra)
 
 
 def _spells_sentencepiece(backend: HFTokenizer) -> bool:

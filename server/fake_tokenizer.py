@@ -27,6 +27,7 @@ class ByteTokenizer:
     special_token_ids: frozenset[int] = frozenset(SPECIAL_TOKENS)
     is_byte_level = True  # IncrementalDetokenizer streams token_bytes() through a UTF-8 decoder
     chat_template: str | None = None  # the chat rendering below is built in
+    tool_use_template: str | None = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))

@@ -57,6 +57,8 @@ class ServerTokenizer(Protocol):
 
     # The checkpoint's chat template (None: none); the OpenAI front reads its tool format.
     chat_template: str | None
+    # The template for requests with tools, where the checkpoint names one ("tool_use").
+    tool_use_template: str | None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 

@@ -8,6 +8,7 @@ conversations, and the strings must be equal.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -172,3 +173,37 @@ def test_namespace_refuses_underscore_names() -> None:
     )
     with pytest.raises(ValueError, match="underscore"):
         ours.apply_chat_template([USER])
+
+
+def test_named_tool_use_template_is_picked_with_tools(tmp_path: Path) -> None:
+    """A list of named templates: "default" without tools, "tool_use" with them, as
+    transformers picks; the same from a GGUF's tokenizer.chat_template.tool_use."""
+    from transformers import PreTrainedTokenizerFast
+
+    named = [
+        {"name": "default", "template": "plain:{{ messages[0].content }}"},
+        {"name": "tool_use", "template": "tools:{{ tools | length }}:{{ messages[0].content }}"},
+    ]
+    theirs = PreTrainedTokenizerFast(
+        tokenizer_object=backend(None, "</s>"),
+        chat_template={t["name"]: t["template"] for t in named},
+    )
+    theirs.save_pretrained(str(tmp_path))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = named  # the list form tokenizer_config.json files carry
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    from_dir = Tokenizer.from_hf_dir(tmp_path)
+    from_gguf = Tokenizer.from_gguf_metadata(
+        {
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.tokens": ["</s>", "a"],
+            "tokenizer.chat_template": named[0]["template"],
+            "tokenizer.chat_template.tool_use": named[1]["template"],
+        }
+    )
+    for ours in (from_dir, from_gguf):
+        for tools in (None, TOOLS):
+            extra = {} if tools is None else {"tools": tools}
+            mine = ours.apply_chat_template([USER2], **extra)
+            assert mine == theirs.apply_chat_template([USER2], tokenize=False, **extra)
+            assert mine.startswith("tools:1:" if tools else "plain:")
