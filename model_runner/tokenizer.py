@@ -222,7 +222,7 @@ class Tokenizer:
 
     def apply_chat_template(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         **extra: Any,
     ) -> str:
@@ -237,7 +237,7 @@ class Tokenizer:
             raise ValueError(
                 f"model {self.name!r} has no chat template; send a plain prompt instead"
             )
-        checked: list[dict[str, str]] = []
+        checked: list[dict[str, Any]] = []
         for i, message in enumerate(messages):
             role, content = message.get("role"), message.get("content")
             if not isinstance(role, str) or not isinstance(content, str):

@@ -10,6 +10,7 @@ model. A byte sequence that is not valid UTF-8 decodes with U+FFFD.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 BOS_TOKEN_ID = 256
 EOS_TOKEN_ID = 257
@@ -70,7 +71,7 @@ class ByteTokenizer:
 
     def apply_chat_template(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         **extra: object,
     ) -> str:

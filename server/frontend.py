@@ -63,7 +63,7 @@ class ServerTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **extra: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> str: ...
 
     def id_to_token(self, token_id: int) -> str | None: ...
@@ -110,8 +110,9 @@ def encode_chat(
             extra["tools"] = json.loads(chat.tools)
         except ValueError as exc:
             raise InvalidRequestError(f"chat.tools must be a JSON list of tools: {exc}") from exc
+    templates = (tokenizer.chat_template or "") + (tokenizer.tool_use_template or "")
     text = tokenizer.apply_chat_template(
-        validation.chat_messages(chat),
+        validation.chat_messages(chat, renders_tool_calls="tool_calls" in templates),
         add_generation_prompt=validation.add_generation_prompt(chat),
         **extra,
     )

@@ -85,3 +85,59 @@ def test_openai_body_must_be_an_object() -> None:
     body: dict[str, Any] = {"model": "m", "messages": MESSAGES, "chat_template_kwargs": "x"}
     with pytest.raises(InvalidRequestError, match="chat_template_kwargs must be an object"):
         parse_body(body, True, "m")
+
+
+QWEN25 = QWEN3.parent / "qwen2_5.jinja"
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'},
+}
+TOOL_HISTORY: list[dict[str, Any]] = [
+    {"role": "user", "content": "Weather?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+]
+
+
+def test_tool_call_history_reaches_a_template_that_renders_it(qwen3: Tokenizer) -> None:
+    """An OpenAI body's assistant tool_calls (arguments as JSON text) and tool_call_id reach
+    Qwen2.5's template as transformers renders them with the arguments as an object."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+    from transformers import PreTrainedTokenizerFast
+
+    template = QWEN25.read_text(encoding="utf-8")
+    qwen25 = Tokenizer(qwen3.backend, chat_template=template)  # the same byte vocabulary
+    parsed = parse_body({"model": "m", "messages": TOOL_HISTORY}, True, "m")
+    mine = rendered(qwen25, parsed.request.chat)
+    as_object = {**CALL, "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}
+    messages = [TOOL_HISTORY[0], {"role": "assistant", "content": "", "tool_calls": [as_object]}]
+    messages.append(TOOL_HISTORY[2])
+    theirs = PreTrainedTokenizerFast(
+        tokenizer_object=HFTokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
+        chat_template=template,
+    )
+    assert mine == theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}' in mine
+
+
+def test_tool_call_history_without_a_template_for_it(qwen3: Tokenizer) -> None:
+    """A template that renders no tool_calls (ChatML) sees the calls' JSON after the content."""
+    parsed = parse_body({"model": "m", "messages": TOOL_HISTORY}, True, "m")
+    chatml = Tokenizer(
+        qwen3.backend,
+        chat_template="{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}",
+    )
+    text = rendered(chatml, parsed.request.chat)
+    assert text == (
+        '[user]Weather?[assistant][{"name": "get_weather", "arguments": "{\\"city\\": '
+        '\\"Z\\u00fcrich\\"}"}][tool]{"temp": 21}'
+    )
+
+
+def test_tool_calls_must_be_a_list_of_calls() -> None:
+    """tool_calls that is not a list of objects is a 400 naming the message."""
+    body = {"model": "m", "messages": [{"role": "assistant", "content": "", "tool_calls": "x"}]}
+    with pytest.raises(InvalidRequestError, match=r"messages\[0\].tool_calls must be a list"):
+        parse_body(body, True, "m")
