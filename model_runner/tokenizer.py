@@ -1,12 +1,8 @@
 """Tokenizer (``tokenizers``), chat template (sandboxed jinja2) and streaming detokenization.
 
 Two sources:
-- GGUF metadata (``tokenizer.ggml.model == "gpt2"``: byte-level BPE from the token list, the
-  merges and the token types). The pre-tokenizer follows ``tokenizer.ggml.pre`` the way
-  llama.cpp does: ``smollm`` splits every digit on its own before the GPT-2 regex (as
-  SmolLM2's ``tokenizer.json``: ``Digits(individual_digits) + ByteLevel``); ``llama3``-style
-  and ``qwen2`` use their split regexes. Control tokens (type 3) become special added tokens
-  and user-defined tokens (type 4) plain added tokens, so both are matched whole in text.
+- GGUF metadata: byte-level BPE (``tokenizer.ggml.model == "gpt2"``) or SentencePiece-style
+  BPE with scores and byte fallback (``"llama"``), built in ``model_runner.gguf_vocab``.
 - A Hugging Face directory: ``tokenizer.json`` plus ``tokenizer_config.json`` (special tokens,
   chat template; or ``chat_template.jinja``) and ``generation_config.json`` (EOS ids).
 
@@ -24,54 +20,15 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
+
+from model_runner.chat_template import compile_template, render
+from model_runner.gguf_vocab import backend_from_gguf, byte_to_unicode, spm_piece_bytes
+
+__all__ = ["ALLOWED_ROLES", "IncrementalDetokenizer", "Tokenizer", "byte_to_unicode"]
 
 ALLOWED_ROLES = ("system", "user", "assistant", "tool")
-
-# GGUF token types (llama.cpp's llama_token_type).
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
-
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# tokenizer.ggml.pre -> regex applied before the byte-level step (None: the GPT-2 regex).
-_SPLITS: dict[str, str] = {
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "dbrx": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
-# llama.cpp splits every \p{N} character on its own first for these (llama-vocab.cpp).
-_INDIVIDUAL_DIGITS = frozenset(
-    {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
-)
-
-
-@lru_cache(maxsize=1)
-def byte_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table (byte-level BPE alphabet)."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 @lru_cache(maxsize=1)
@@ -93,6 +50,7 @@ class Tokenizer:
         eos_token_ids: Sequence[int] = (),
         bos_token_id: int | None = None,
         chat_template: str | None = None,
+        tool_use_template: str | None = None,
         special_tokens: Mapping[str, str | None] | None = None,
         name: str = "",
     ) -> None:
@@ -100,6 +58,8 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(t) for t in eos_token_ids))
         self.bos_token_id = bos_token_id
         self.chat_template = chat_template
+        # A second template for requests with tools (Hugging Face's named "tool_use" one).
+        self.tool_use_template = tool_use_template
         self.special_tokens: dict[str, str | None] = dict(special_tokens or {})
         self.name = name
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
@@ -107,71 +67,21 @@ class Tokenizer:
             i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
         )
         self.is_byte_level = isinstance(backend.decoder, decoders.ByteLevel)
+        # SentencePiece spelling (``▁``, ``<0x0A>``): token_bytes reads it too.
+        self.is_sentencepiece = _spells_sentencepiece(backend)
+        self._added_ids = frozenset(backend.get_added_tokens_decoder())
         self._token_bytes: list[bytes | None] = [None] * self.vocab_size
-        self._template: Any = None
+        self._templates: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ construction
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any], name: str = "") -> Tokenizer:
-        """Byte-level BPE from a GGUF's ``tokenizer.ggml.*`` keys (``model == "gpt2"``)."""
-        kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(
-                f"GGUF tokenizer model {kind!r} is not supported (kvserve builds 'gpt2' byte-level "
-                f"BPE tokenizers from GGUF); use a Hugging Face directory with tokenizer.json"
-            )
+        """From a GGUF's ``tokenizer.ggml.*`` keys (``model`` ``"gpt2"`` or ``"llama"``)."""
+        backend = backend_from_gguf(metadata)
         tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
-        token_types: list[int] = list(
-            metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        )
-        merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges") or []]
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        backend = HFTokenizer(
-            models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
-        )
-        pre = str(metadata.get("tokenizer.ggml.pre") or "default")
-        split = _SPLITS.get(pre)
-        if split is not None:
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                ]
-            )
-        elif pre in _INDIVIDUAL_DIGITS:
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Digits(individual_digits=True),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-                ]
-            )
-        else:
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        backend.decoder = decoders.ByteLevel()
-        control = [
-            AddedToken(tok, special=True, normalized=False)
-            for tok, kind_ in zip(tokens, token_types, strict=False)
-            if kind_ == _TOKEN_TYPE_CONTROL and tok
-        ]
-        user = [
-            AddedToken(tok, special=False, normalized=False)
-            for tok, kind_ in zip(tokens, token_types, strict=False)
-            if kind_ == _TOKEN_TYPE_USER_DEFINED and tok
-        ]
-        if control:
-            backend.add_special_tokens(control)
-        if user:
-            backend.add_tokens(user)
-
         bos = metadata.get("tokenizer.ggml.bos_token_id")
         bos_id = int(bos) if bos is not None else None
-        if metadata.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
-            backend.post_processor = processors.TemplateProcessing(
-                single=f"{tokens[bos_id]} $A",
-                pair=f"{tokens[bos_id]} $A {tokens[bos_id]} $B",
-                special_tokens=[(tokens[bos_id], bos_id)],
-            )
         eos_ids = [
             int(metadata[k])
             for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
@@ -187,6 +97,7 @@ class Tokenizer:
             eos_token_ids=eos_ids,
             bos_token_id=bos_id,
             chat_template=metadata.get("tokenizer.chat_template"),
+            tool_use_template=metadata.get("tokenizer.chat_template.tool_use"),
             special_tokens={
                 "bos_token": token("tokenizer.ggml.bos_token_id"),
                 "eos_token": token("tokenizer.ggml.eos_token_id"),
@@ -217,9 +128,11 @@ class Tokenizer:
             for key in ("bos_token", "eos_token", "unk_token", "pad_token")
         }
         template = config.get("chat_template")
+        tool_use = None
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default") or next(iter(named.values()), None)
+            tool_use = named.get("tool_use")
         jinja_file = root / "chat_template.jinja"
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text(encoding="utf-8")
@@ -243,6 +156,7 @@ class Tokenizer:
             eos_token_ids=eos_ids,
             bos_token_id=bos_id,
             chat_template=template if isinstance(template, str) else None,
+            tool_use_template=tool_use if isinstance(tool_use, str) else None,
             special_tokens=special,
             name=name or root.name,
         )
@@ -273,12 +187,13 @@ class Tokenizer:
         return token_id
 
     def token_bytes(self, token_id: int) -> bytes:
-        """Raw bytes one token contributes to the text (byte-level tokenizers only).
+        """Raw bytes one token contributes to the text (byte-level and SentencePiece
+        tokenizers: ``▁`` is a space, ``<0x0A>`` its byte, before any leading-space strip).
 
         An id past the tokenizer's entries is empty text: a padded embedding (Qwen2.5's
         151,936 rows for 151,665 tokens) can sample one, and vLLM streams nothing for it."""
-        if not self.is_byte_level:
-            raise ValueError("token_bytes needs a byte-level tokenizer")
+        if not (self.is_byte_level or self.is_sentencepiece):
+            raise ValueError("token_bytes needs a byte-level or SentencePiece tokenizer")
         if token_id >= self.vocab_size:
             return b""
         if token_id < 0:
@@ -286,6 +201,11 @@ class Tokenizer:
         cached = self._token_bytes[token_id]
         if cached is None:
             token = self.backend.id_to_token(token_id) or ""
+            if self.is_sentencepiece:  # an added token is its literal text
+                added = token_id in self._added_ids
+                cached = token.encode("utf-8") if added else spm_piece_bytes(token)
+                self._token_bytes[token_id] = cached
+                return cached
             table = _unicode_to_byte()
             out = bytearray()
             for ch in token:
@@ -302,7 +222,7 @@ class Tokenizer:
 
     def apply_chat_template(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         **extra: Any,
     ) -> str:
@@ -317,7 +237,7 @@ class Tokenizer:
             raise ValueError(
                 f"model {self.name!r} has no chat template; send a plain prompt instead"
             )
-        checked: list[dict[str, str]] = []
+        checked: list[dict[str, Any]] = []
         for i, message in enumerate(messages):
             role, content = message.get("role"), message.get("content")
             if not isinstance(role, str) or not isinstance(content, str):
@@ -328,48 +248,26 @@ class Tokenizer:
                     f"{', '.join(ALLOWED_ROLES)}"
                 )
             checked.append(dict(message))
-        if self._template is None:
-            self._template = _compile_template(self.chat_template)
-        import jinja2
-
-        try:
-            rendered: str = self._template.render(
-                messages=checked,
-                add_generation_prompt=add_generation_prompt,
-                **{k: v for k, v in self.special_tokens.items() if v is not None},
-                **extra,
-            )
-        except jinja2.TemplateError as e:
-            raise ValueError(f"chat template error: {e}") from e
-        return rendered
+        source = self.chat_template
+        if extra.get("tools") is not None and self.tool_use_template is not None:
+            source = self.tool_use_template  # as transformers picks a named "tool_use" one
+        template = self._templates.get(source)
+        if template is None:
+            template = self._templates[source] = compile_template(source)
+        return render(template, checked, add_generation_prompt, self.special_tokens, extra)
 
 
-def _compile_template(source: str) -> Any:
-    import jinja2
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.TemplateError(message)
-
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **_: Any) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent)
-
-    def strftime_now(fmt: str) -> str:
-        import datetime
-
-        return datetime.datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
+def _spells_sentencepiece(backend: HFTokenizer) -> bool:
+    """Whether the decoder turns ``▁`` into a space and byte tokens into bytes (Llama-2 style)."""
+    if backend.decoder is None:
+        return False
     try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"the model's chat template does not compile: {e}") from e
+        decoder = json.loads(backend.decoder.__getstate__())
+    except (AttributeError, TypeError, ValueError):
+        return False
+    parts = decoder.get("decoders", [decoder]) if isinstance(decoder, dict) else []
+    kinds = {p.get("type") for p in parts if isinstance(p, dict)}
+    return "ByteFallback" in kinds or "Metaspace" in kinds
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -10,6 +10,7 @@ model. A byte sequence that is not valid UTF-8 decodes with U+FFFD.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 BOS_TOKEN_ID = 256
 EOS_TOKEN_ID = 257
@@ -27,6 +28,7 @@ class ByteTokenizer:
     special_token_ids: frozenset[int] = frozenset(SPECIAL_TOKENS)
     is_byte_level = True  # IncrementalDetokenizer streams token_bytes() through a UTF-8 decoder
     chat_template: str | None = None  # the chat rendering below is built in
+    tool_use_template: str | None = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -69,7 +71,7 @@ class ByteTokenizer:
 
     def apply_chat_template(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         **extra: object,
     ) -> str:

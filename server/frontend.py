@@ -57,11 +57,13 @@ class ServerTokenizer(Protocol):
 
     # The checkpoint's chat template (None: none); the OpenAI front reads its tool format.
     chat_template: str | None
+    # The template for requests with tools, where the checkpoint names one ("tool_use").
+    tool_use_template: str | None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **extra: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> str: ...
 
     def id_to_token(self, token_id: int) -> str | None: ...
@@ -102,14 +104,15 @@ def encode_chat(
     tokenizer: ServerTokenizer, chat: pb.ChatMessages, add_special_tokens: bool
 ) -> list[int]:
     """Chat messages rendered with the model's template, then tokenized."""
-    extra = {}
+    extra = validation.chat_template_kwargs(chat)
     if chat.tools:
         try:
             extra["tools"] = json.loads(chat.tools)
         except ValueError as exc:
             raise InvalidRequestError(f"chat.tools must be a JSON list of tools: {exc}") from exc
+    templates = (tokenizer.chat_template or "") + (tokenizer.tool_use_template or "")
     text = tokenizer.apply_chat_template(
-        validation.chat_messages(chat),
+        validation.chat_messages(chat, renders_tool_calls="tool_calls" in templates),
         add_generation_prompt=validation.add_generation_prompt(chat),
         **extra,
     )

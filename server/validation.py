@@ -16,6 +16,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from scheduler.request import Constraint, SamplingParams, SamplingParamsError
 from server.rpc import generation_pb2 as pb
@@ -62,22 +63,84 @@ def input_kind(request: pb.GenerateRequest | pb.TokenizeRequest) -> str:
     return kind
 
 
-def chat_messages(chat: pb.ChatMessages) -> list[dict[str, str]]:
-    """Chat messages as template input; rejects an empty list and unknown roles."""
+def chat_messages(chat: pb.ChatMessages, renders_tool_calls: bool = False) -> list[dict[str, Any]]:
+    """Chat messages as template input; rejects an empty list and unknown roles.
+
+    An assistant turn's ``tool_calls`` are given to a template that ``renders_tool_calls``
+    as a list (each ``function.arguments`` an object where its text is one, as vLLM passes
+    them); any other template gets the calls' functions as JSON after the content, so the
+    model still sees them. A tool message's ``tool_call_id`` is passed as it is."""
     if not chat.messages:
         raise InvalidRequestError("chat.messages must hold at least one message")
-    messages = []
+    messages: list[dict[str, Any]] = []
     for i, msg in enumerate(chat.messages):
         if msg.role not in CHAT_ROLES:
             raise InvalidRequestError(
                 f"chat.messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {msg.role!r}"
             )
-        messages.append({"role": msg.role, "content": msg.content})
+        message: dict[str, Any] = {"role": msg.role, "content": msg.content}
+        if msg.tool_calls:
+            calls = _tool_calls(msg.tool_calls, i, parse_arguments=renders_tool_calls)
+            if renders_tool_calls:
+                message["tool_calls"] = calls
+            else:
+                functions = [c.get("function") for c in calls]
+                message["content"] = (msg.content + "\n" + json.dumps(functions)).strip()
+        if msg.tool_call_id:
+            message["tool_call_id"] = msg.tool_call_id
+        messages.append(message)
     return messages
+
+
+def _tool_calls(text: str, i: int, parse_arguments: bool) -> list[dict[str, Any]]:
+    try:
+        calls = json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequestError(
+            f"chat.messages[{i}].tool_calls must be a JSON list: {exc}"
+        ) from exc
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise InvalidRequestError(f"chat.messages[{i}].tool_calls must be a JSON list of objects")
+    for call in calls if parse_arguments else ():
+        function = call.get("function")
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                continue  # not JSON: the template gets the text
+            if isinstance(parsed, dict):
+                function["arguments"] = parsed
+    return calls
 
 
 def add_generation_prompt(chat: pb.ChatMessages) -> bool:
     return chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+
+
+# Names the chat template renderer sets itself (model_runner.chat_template.render).
+_RESERVED_TEMPLATE_NAMES = ("messages", "add_generation_prompt", "tools", "documents")
+
+
+def chat_template_kwargs(chat: pb.ChatMessages) -> dict[str, Any]:
+    """``chat.chat_template_kwargs`` (a JSON object, vLLM's field) as template variables."""
+    if not chat.chat_template_kwargs:
+        return {}
+    try:
+        value = json.loads(chat.chat_template_kwargs)
+    except ValueError as exc:
+        raise InvalidRequestError(f"chat_template_kwargs must be a JSON object: {exc}") from exc
+    if not isinstance(value, dict):
+        raise InvalidRequestError(
+            f"chat_template_kwargs must be a JSON object, got {type(value).__name__}"
+        )
+    taken = [k for k in _RESERVED_TEMPLATE_NAMES if k in value]
+    if taken:
+        raise InvalidRequestError(
+            f"chat_template_kwargs must not set {', '.join(taken)}: the server sets "
+            f"{', '.join(_RESERVED_TEMPLATE_NAMES)} itself (send tools in their own field)"
+        )
+    return value
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, field: str = "token_ids") -> list[int]:

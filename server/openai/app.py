@@ -137,8 +137,9 @@ class OpenAIFront:
         self.created = int(time.time())
         self._openapi = openapi_document(self.model.name)
         # tool_choice "auto" needs a template that renders tools (server.openai.tools).
-        self._tool_format = tool_call_format(frontend.tokenizer.chat_template)
-        self.reasoning = reasoning_enabled(reasoning_parser, frontend.tokenizer.chat_template)
+        tokenizer = frontend.tokenizer
+        self._tool_format = tool_call_format(tokenizer.tool_use_template or tokenizer.chat_template)
+        self.reasoning = reasoning_enabled(reasoning_parser, tokenizer.chat_template)
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),

@@ -217,6 +217,8 @@ CHAT_FIELDS: dict[str, dict[str, Any]] = {
     "logprobs": {**_BOOLEAN, "description": "return the sampled tokens' logprobs"},
     "top_logprobs": {**_proto_int(pb.SamplingOptions, "logprobs", minimum=0),
                      "description": "with logprobs: true, this many top alternatives (0..20)"},
+    "chat_template_kwargs": {**_OBJECT, "description": "extra chat template variables, as "
+                             "vLLM's (Qwen3's {\"enable_thinking\": false})"},
     **_TOOL_FIELDS,
     "max_thinking_tokens": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1,
                             "description": "a reasoning model's thought budget: at it, the "

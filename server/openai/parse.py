@@ -212,6 +212,11 @@ def parse_body(
         _set_messages(request, body, tools.note if tools is not None else None)
         if tools is not None:
             request.chat.tools = tools.template_tools
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs is not None:
+            if not isinstance(kwargs, Mapping):
+                raise InvalidRequestError("chat_template_kwargs must be an object")
+            request.chat.chat_template_kwargs = json.dumps(kwargs)
     else:
         _set_prompt(request, body)
     _set_sampling(request.sampling, body)
@@ -344,8 +349,9 @@ def _set_messages(
     request: pb.GenerateRequest, body: Mapping[str, Any], system_note: str | None = None
 ) -> None:
     """The chat messages; ``system_note`` (the tools) goes at the end of the system message,
-    or in a new one first. An assistant turn's earlier ``tool_calls`` follow its content as
-    JSON, so the model sees them."""
+    or in a new one first. An assistant turn's earlier ``tool_calls`` and a tool message's
+    ``tool_call_id`` travel beside the content (``validation.chat_messages`` gives them to
+    the template)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {role, content}")
@@ -354,12 +360,20 @@ def _set_messages(
             raise InvalidRequestError(f"messages[{i}] must be an object with role, content")
         role = str(msg.get("role") or "")
         content = _chat_content(msg.get("content"), i)
-        if msg.get("tool_calls"):
-            calls = [c.get("function") for c in msg["tool_calls"] if isinstance(c, Mapping)]
-            content = (content + "\n" + json.dumps(calls)).strip()
+        calls = msg.get("tool_calls")
+        if calls and not (isinstance(calls, list) and all(isinstance(c, Mapping) for c in calls)):
+            raise InvalidRequestError(f"messages[{i}].tool_calls must be a list of tool calls")
+        call_id = msg.get("tool_call_id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise InvalidRequestError(f"messages[{i}].tool_call_id must be a string")
         if system_note is not None and i == 0 and role == "system":
             content, system_note = f"{content}\n\n{system_note}", None
-        request.chat.messages.add(role=role, content=content)
+        request.chat.messages.add(
+            role=role,
+            content=content,
+            tool_calls=json.dumps(calls) if calls else "",
+            tool_call_id=call_id or "",
+        )
     if system_note is not None:
         request.chat.messages.insert(0, pb.ChatMessage(role="system", content=system_note))
 

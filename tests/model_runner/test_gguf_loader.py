@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,11 +60,14 @@ def write_tiny_gguf(
     bias: bool = False,
     seed: int = 0,
     skip: tuple[str, ...] = (),
+    vocab: int = 40,
+    write_vocab: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> TinyModel:
     """Write a tiny GGUF the way llama.cpp's converter would (Q/K permuted for llama),
-    with 2-D weights stored as ``qtype`` and norms/biases as F32."""
+    with 2-D weights stored as ``qtype`` and norms/biases as F32. ``write_vocab`` writes the
+    ``tokenizer.ggml.*`` keys of a ``vocab``-token vocabulary (default: ``t0``... as gpt2)."""
     rng = np.random.default_rng(seed)
-    m = TinyModel(path=path, arch=arch, hf={}, qtype=qtype)
+    m = TinyModel(path=path, arch=arch, hf={}, qtype=qtype, vocab=vocab)
     head_dim = m.hidden // m.num_heads
     shapes = {"model.embed_tokens.weight": (m.vocab, m.hidden), "model.norm.weight": (m.hidden,)}
     if not tied:
@@ -106,11 +110,14 @@ def write_tiny_gguf(
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_dimension_count(head_dim)
     writer.add_file_type(int(qtype))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(m.vocab)])
-    writer.add_token_types([1] * m.vocab)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    if write_vocab is not None:
+        write_vocab(writer)
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list([f"t{i}" for i in range(m.vocab)])
+        writer.add_token_types([1] * m.vocab)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
     for name, weights in m.hf.items():
         gguf_name = to_gguf[name]
         if gguf_name in skip:

@@ -244,12 +244,6 @@ def test_user_defined_tokens_are_matched_whole() -> None:
     assert tok.decode([think], skip_special_tokens=True) == "<think>"
 
 
-def test_unsupported_gguf_tokenizer_model() -> None:
-    """A sentencepiece ('llama') GGUF vocabulary is refused with a pointer to tokenizer.json."""
-    with pytest.raises(ValueError, match=r"'llama' is not supported.*tokenizer\.json"):
-        Tokenizer.from_gguf_metadata(tiny_metadata(**{"tokenizer.ggml.model": "llama"}))
-
-
 def test_from_hf_dir(tmp_path: Path, smol: Tokenizer) -> None:
     """tokenizer.json + tokenizer_config.json (+ generation_config.json EOS ids) round trip."""
     smol.backend.save(str(tmp_path / "tokenizer.json"))

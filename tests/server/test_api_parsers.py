@@ -12,13 +12,14 @@ from server.openai.anthropic import parse_messages
 from server.openai.fields import HttpError
 from server.openai.responses import parse_responses
 from server.openai.tokenize import parse_detokenize, parse_tokenize
-from server.validation import InvalidRequestError
+from server.validation import InvalidRequestError, chat_messages
 
 ADAPTERS = ["sql"]
 
 
 def _messages(request: Any) -> list[tuple[str, str]]:
-    return [(m.role, m.content) for m in request.chat.messages]
+    """(role, content) as a template that renders no tool_calls sees them."""
+    return [(m["role"], m["content"]) for m in chat_messages(request.chat)]
 
 
 def test_messages_body_becomes_the_chat_request() -> None:
