@@ -28,11 +28,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import grpc
-
 from server.openai.answer import Choices, Usage, split_tool_calls
 from server.openai.fields import CHAT_FIELDS, HttpError
-from server.openai.parse import Parsed, parse_body, shown
+from server.openai.parse import Parsed, known_fields, parse_body, shown
 from server.outputs import GenerationOutput
 from server.validation import InvalidRequestError
 
@@ -102,22 +100,6 @@ def error_body(error: HttpError) -> dict[str, Any]:
 def event(name: str, data: Mapping[str, Any]) -> str:
     """One named server-sent event, as Anthropic streams them."""
     return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
-
-
-def _check(body: Any, fields: Mapping[str, Any], required: Sequence[str], path: str) -> None:
-    if not isinstance(body, Mapping):
-        raise InvalidRequestError("the request body must be a JSON object")
-    unknown = sorted(str(k) for k in body if k not in fields and body[k] is not None)
-    if unknown:
-        raise HttpError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"unsupported field(s) for {path}: {', '.join(shown(k) for k in unknown[:5])}; "
-            f"this server takes {', '.join(fields)}",
-            unknown[0],
-        )
-    for key in required:
-        if body.get(key) is None:
-            raise InvalidRequestError(f"{key} is required")
 
 
 def _text(value: Any, where: str) -> str:
@@ -229,9 +211,9 @@ def parse_messages(
 ) -> Parsed:
     """A Messages (``count_only``: count_tokens) body -> the shared request."""
     if count_only:
-        _check(body, COUNT_FIELDS, COUNT_REQUIRED, "/v1/messages/count_tokens")
+        known_fields(body, COUNT_FIELDS, "/v1/messages/count_tokens", COUNT_REQUIRED)
     else:
-        _check(body, MESSAGES_FIELDS, MESSAGES_REQUIRED, "/v1/messages")
+        known_fields(body, MESSAGES_FIELDS, "/v1/messages", MESSAGES_REQUIRED)
     if not isinstance(body.get("model"), str):
         raise InvalidRequestError(f"model must be a string, got {shown(body.get('model'))}")
     chat: dict[str, Any] = {"model": body["model"], "messages": _chat_messages(body)}

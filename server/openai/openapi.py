@@ -50,7 +50,14 @@ def request_schema(chat: bool) -> dict[str, Any]:
     """A completions (or chat) body: the parser's fields; any other field must be blank
     (null, false, {} or []: what SDKs send for a field they leave unset), else a 400."""
     fields = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    required = REQUIRED_FIELDS[chat]
+    return body_schema(fields, REQUIRED_FIELDS[chat], others={"enum": [None, False, {}, []]})
+
+
+def body_schema(
+    fields: dict[str, Any], required: tuple[str, ...], others: dict[str, Any] = _NULL
+) -> dict[str, Any]:
+    """A body of ``fields`` (null for one left out); any other field must match ``others``
+    (a Responses / Messages / tokenize body: null), else a 400."""
     return {
         "type": "object",
         "properties": {
@@ -58,21 +65,7 @@ def request_schema(chat: bool) -> dict[str, Any]:
             for name, schema in fields.items()
         },
         "required": list(required),
-        "additionalProperties": {"enum": [None, False, {}, []]},
-    }
-
-
-def body_schema(fields: dict[str, Any], required: tuple[str, ...]) -> dict[str, Any]:
-    """A Responses / Messages / tokenize body: its fields (null for one left out); any
-    other field must be null, else a 400."""
-    return {
-        "type": "object",
-        "properties": {
-            name: schema if name in required else _nullable(schema)
-            for name, schema in fields.items()
-        },
-        "required": list(required),
-        "additionalProperties": _NULL,
+        "additionalProperties": others,
     }
 
 

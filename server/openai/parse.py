@@ -63,6 +63,28 @@ def shown(value: Any) -> str:
     return _SHOWN.repr(value)
 
 
+def known_fields(
+    body: Any, fields: Mapping[str, Any], path: str, required: Sequence[str] = ()
+) -> Mapping[str, Any]:
+    """``body`` as a JSON object of ``fields`` (one set to null counts as left out), each of
+    ``required`` set; else a 400 that names the first unknown field and lists the known
+    ones (the Responses, Messages and tokenize routes)."""
+    if not isinstance(body, Mapping):
+        raise InvalidRequestError("the request body must be a JSON object")
+    unknown = sorted(str(k) for k in body if k not in fields and body[k] is not None)
+    if unknown:
+        raise HttpError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"unsupported field(s) for {path}: {', '.join(shown(k) for k in unknown[:5])}; "
+            f"this server takes {', '.join(fields)}",
+            unknown[0],
+        )
+    for key in required:
+        if body.get(key) is None:
+            raise InvalidRequestError(f"{key} is required")
+    return body
+
+
 def _typed(body: Mapping[str, Any], key: str, ok: Callable[[Any], bool], what: str) -> Any:
     value = body.get(key)
     if value is None or ok(value):

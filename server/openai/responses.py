@@ -36,11 +36,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import grpc
-
 from server.openai.answer import Choices, Usage, split_tool_calls
 from server.openai.fields import CHAT_FIELDS, HttpError, error_body
-from server.openai.parse import Parsed, parse_body, shown
+from server.openai.parse import Parsed, known_fields, parse_body, shown
 from server.outputs import GenerationOutput
 from server.validation import InvalidRequestError
 
@@ -108,15 +106,7 @@ def _check(body: Any) -> None:
             "store must be false or left out: this server stores no responses, got "
             f"{json.dumps(body['store']) if body['store'] is True else shown(body['store'])}"
         )
-    unknown = sorted(str(k) for k in body if k not in RESPONSES_FIELDS and body[k] is not None)
-    if unknown:
-        raise HttpError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"unsupported field(s) for /v1/responses: "
-            f"{', '.join(shown(k) for k in unknown[:5])}; this server takes "
-            f"{', '.join(RESPONSES_FIELDS)}",
-            unknown[0],
-        )
+    known_fields(body, RESPONSES_FIELDS, "/v1/responses")
     if body.get("input") is None:
         raise InvalidRequestError("input is required: a string or a list of input items")
 

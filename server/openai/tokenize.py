@@ -14,11 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
-
 from server.frontend import ServerTokenizer, encode_chat
-from server.openai.fields import TOKEN_ID, HttpError
-from server.openai.parse import parse_body, shown
+from server.openai.fields import TOKEN_ID
+from server.openai.parse import known_fields, parse_body, shown
 from server.rpc import generation_pb2 as pb
 from server.validation import InvalidRequestError, check_token_ids
 
@@ -48,16 +46,7 @@ class TokenizeRequest:
 
 
 def _check(body: Any, fields: Mapping[str, Any], path: str) -> Mapping[str, Any]:
-    if not isinstance(body, Mapping):
-        raise InvalidRequestError("the request body must be a JSON object")
-    unknown = sorted(str(k) for k in body if k not in fields and body[k] is not None)
-    if unknown:
-        raise HttpError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"unsupported field(s) for {path}: {', '.join(shown(k) for k in unknown[:5])}; "
-            f"this server takes {', '.join(fields)}",
-            unknown[0],
-        )
+    body = known_fields(body, fields, path)
     for key, schema in fields.items():
         value = body.get(key)
         if schema.get("type") == "boolean" and value is not None and not isinstance(value, bool):
