@@ -4,6 +4,7 @@ dequantized to fp32: vLLM's logprobs-close rule at every prompt position (slow).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -45,10 +46,13 @@ def hf_model() -> Any:
     return build_hf_model(dense.config, dense.state_dict)
 
 
-def score(model: LoadedModel, prompts: list[list[int]]) -> tuple[dict[str, Any], list[int]]:
+def score(
+    model: LoadedModel, prompts: list[list[int]], then_plain: list[int]
+) -> tuple[dict[str, Any], dict[str, int]]:
     """Scheduler + KVCacheManager + TorchRunner on the served defaults (fp16 KV, 48-token
-    chunks) run each prompt after the other with prompt_logprobs 5: each request's prompt
-    logprobs and the cached tokens each request's first output reports."""
+    chunks) run each prompt after the other with prompt_logprobs 5 (r0, r1, ...), then
+    ``then_plain`` without ("plain"): each scoring request's prompt logprobs and the cached
+    tokens each request's first output reports."""
     from model_runner.runner import TorchRunner
 
     options = RunnerOptions(64, BLOCK_SIZE, dtype=torch.float32, device="cpu", kv_dtype="float16")
@@ -63,19 +67,22 @@ def score(model: LoadedModel, prompts: list[list[int]]) -> tuple[dict[str, Any],
         long_prefill_token_threshold=48,
     )
     scheduler = Scheduler(config, kv)
-    sampling = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=TOP_N)
+    plain = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    scoring = replace(plain, prompt_logprobs=TOP_N)
+    requests = [Request(f"r{i}", list(ids), sampling=scoring) for i, ids in enumerate(prompts)]
+    requests.append(Request("plain", list(then_plain), sampling=plain))
     scored: dict[str, Any] = {}
-    cached: list[int] = []
-    for i, ids in enumerate(prompts):
-        scheduler.add_request(Request(f"r{i}", list(ids), sampling=sampling))
+    cached: dict[str, int] = {}
+    for request in requests:
+        scheduler.add_request(request)
         while scheduler.has_unfinished_requests():
             plan = scheduler.schedule()
             result = runner.execute(plan)
             assert not result.failed, result.failed
             for out in scheduler.update(plan, result):
+                cached.setdefault(out.request_id, out.num_cached_tokens)
                 if out.prompt_logprobs is not None:
                     scored[out.request_id] = out.prompt_logprobs
-                    cached.append(out.num_cached_tokens)
             kv.check_invariants()
     return scored, cached
 
@@ -104,14 +111,14 @@ def test_prompt_logprobs_on_the_defaults_are_logprobs_close_to_transformers(
     48-token chunks: at every prompt position each side's top-1 token is in the other's
     top-5 and the prompt token's logprobs are within MAX_GAP nats; the sharer took no prefix
     hit (it scores its whole prompt) and its scores of the shared positions are the first
-    prompt's."""
+    prompt's; a later request without prompt logprobs hits the full blocks they cached."""
     tok = native.tokenizer
     first = chat_ids(native, QUESTIONS[0])
     sharer = first + tok.encode(ANSWER, add_special_tokens=False)
     prompts = [first, sharer, [1, *tok.encode(TEXT, add_special_tokens=False)]]
     assert len(first) >= 2 * BLOCK_SIZE  # the sharer's first full blocks are the first's
-    scored, cached = score(native, prompts)
-    assert cached == [0, 0, 0]
+    scored, cached = score(native, prompts, then_plain=sharer)
+    assert cached == {"r0": 0, "r1": 0, "r2": 0, "plain": len(sharer) // BLOCK_SIZE * BLOCK_SIZE}
     worst = [float(gaps(hf_model, ids, scored[f"r{i}"]).max()) for i, ids in enumerate(prompts)]
     first_rows = [(s.logprob, s.top) for s in scored["r0"]]
     assert [(s.logprob, s.top) for s in scored["r1"][: len(first) - 1]] == first_rows
