@@ -38,9 +38,9 @@ test: install test-deps
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-# lm-evaluation-harness's local-completions model on the shipped multiple-choice task
-# (tests/data/eval) against an in-process server with the embedded model; CI runs the same
-# test in `make test` (it is marked slow).
+# lm-evaluation-harness's local-completions model on the shipped multiple-choice
+# (loglikelihood) and generate_until tasks (tests/data/eval) against an in-process server with
+# the embedded model; CI runs the same tests in `make test` (they are marked slow).
 eval: install
 	$(PY) -m pytest tests/server/test_lm_eval.py -q $(PYTEST_ARGS)
 
