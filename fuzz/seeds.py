@@ -87,10 +87,25 @@ def gguf_file(with_tensors: bool = True, head_count: int = 2) -> bytes:
         return path.read_bytes()
 
 
+# One body per route of ``fuzz.targets.ROUTES`` (by its index there).
+ROUTE_BODIES: list[tuple[int, dict[str, Any]]] = [
+    (0, {"model": "fake", "input": "hi", "max_output_tokens": 4, "stream": True}),
+    (0, {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+         "text": {"format": {"type": "json_object"}}}),
+    (1, {"model": "fake", "max_tokens": 4, "system": "be brief",
+         "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}),
+    (2, {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}),
+    (3, {"prompt": "hello", "add_special_tokens": False}),
+    (3, {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": True}),
+    (4, {"tokens": [1, 2, 3]}),
+]  # fmt: skip
+
+
 def seeds() -> dict[str, list[bytes]]:
     return {
         "openai_parser": [b"\x00" + json.dumps(b).encode() for b in COMPLETION_BODIES]
-        + [b"\x01" + json.dumps(b).encode() for b in CHAT_BODIES],
+        + [b"\x01" + json.dumps(b).encode() for b in CHAT_BODIES]
+        + [bytes([0x80 + 2 * i]) + json.dumps(b).encode() for i, b in ROUTE_BODIES],
         "request_validation": [r.SerializeToString() for r in generate_requests()],
         "detokenizer": DETOKENIZER_INPUTS,
         "gguf_header": [gguf_file(with_tensors=True), gguf_file(with_tensors=False)],

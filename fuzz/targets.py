@@ -6,7 +6,8 @@ one ``bytes`` input that returns on any expected refusal and raises on anything 
 regression inputs without atheris, so the harness is checked by ``make test``.
 
 Contracts checked, beyond "no unexpected exception":
-- openai_parser: a refusal is a 4xx with a bounded message, whatever the body.
+- openai_parser: a refusal is a 4xx with a bounded message, whatever the body, on every
+  route (completions, chat, Responses, Messages, count_tokens, tokenize, detokenize).
 - request_validation: a decoded ``GenerateRequest`` is valid or an ``InvalidRequestError``.
 - detokenizer: byte-level streams are exact (the emitted text is the full decode cut right
   before the first stop string, which is never emitted), whatever the push sizes.
@@ -25,8 +26,11 @@ from google.protobuf.message import DecodeError
 from model_runner.errors import CheckpointError
 from model_runner.gguf_loader import read_header
 from model_runner.tokenizer import IncrementalDetokenizer, Tokenizer, byte_to_unicode
+from server.openai.anthropic import parse_messages
 from server.openai.fields import HttpError, http_error
 from server.openai.parse import load_body, parse_body
+from server.openai.responses import parse_responses
+from server.openai.tokenize import parse_detokenize, parse_tokenize
 from server.rpc import generation_pb2 as pb
 from server.validation import (
     InvalidRequestError,
@@ -49,13 +53,33 @@ def _check_refusal(exc: Exception) -> None:
     assert len(error.message) <= MAX_MESSAGE_CHARS, f"a {len(error.message)}-char message"
 
 
+# The routes a first byte >= 0x80 picks (byte >> 1, modulo their count); below it, the byte's
+# low bit picks chat (odd) or completions.
+ROUTES = ("responses", "messages", "count_tokens", "tokenize", "detokenize")
+
+
 def openai_parser(data: bytes) -> None:
-    """The first byte picks the endpoint (odd: chat); the rest is the HTTP body, parsed and
-    validated as the server does before tokenizing."""
+    """The first byte picks the endpoint (below 0x80 odd: chat, even: completions; from
+    0x80 one of ``ROUTES``); the rest is the HTTP body, parsed and validated as the server
+    does before tokenizing."""
     if not data:
         return
     try:
-        parsed = parse_body(load_body(data[1:]), bool(data[0] & 1), MODEL)
+        body = load_body(data[1:])
+        if data[0] >= 0x80:
+            route = ROUTES[(data[0] >> 1) % len(ROUTES)]
+            if route == "tokenize":
+                parse_tokenize(body, MODEL)
+                return
+            if route == "detokenize":
+                parse_detokenize(body, MODEL, LIMITS.vocab_size)
+                return
+            if route == "responses":
+                parsed = parse_responses(body, MODEL)
+            else:
+                parsed = parse_messages(body, MODEL, count_only=route == "count_tokens")
+        else:
+            parsed = parse_body(body, bool(data[0] & 1), MODEL)
         check_request_fields(parsed.request, LIMITS)
         sampling_params(parsed.request, 1 + data[0] % 8, LIMITS)
     except (InvalidRequestError, HttpError) as exc:
