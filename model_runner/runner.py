@@ -295,6 +295,12 @@ class TorchRunner:
             self._step_thread.shutdown(wait=True)
             self._step_thread = None
 
+    def scrub_blocks(self, block_ids: Sequence[int]) -> None:
+        """Zero those of ``block_ids`` (in the pool) that hold a non-finite key or value at
+        the start of the next step, before it reads the KV (after a step that raised: the
+        engine frees its requests' blocks, which a NaN it wrote would poison)."""
+        self._pending_scrub.extend(b for b in block_ids if 0 <= b < self.num_blocks)
+
     def execute(self, plan: SchedulerOutput) -> ModelOutput:
         """Compute ``plan``: KV of every scheduled token into the pool, one sampled token
         for every seq with ``do_sample``. Never mutates ``plan``."""
