@@ -2,7 +2,8 @@
 
 ``Runner`` is the contract the server holds a runner to: ``info`` (what the model is),
 ``constraints`` (structured outputs, None when the runner takes none), ``block_io()`` (its KV
-as block bytes, for tier 2) and ``execute``. The server reads these and nothing else.
+as block bytes, for tier 2), ``execute`` and ``scrub_blocks`` (after a step that raised). The
+server reads these and nothing else.
 
 ``AheadRunner`` adds ``submit(plan) -> StepHandle``: the step starts and ``submit`` returns,
 so the engine can plan the next step while this one runs (vLLM's async scheduling, SGLang's
@@ -89,6 +90,12 @@ class Runner(Protocol):
         ...
 
     def execute(self, plan: SchedulerOutput) -> ModelOutput: ...
+
+    def scrub_blocks(self, block_ids: Sequence[int]) -> None:
+        """Before the next step reads the KV, zero each of ``block_ids`` that holds a
+        non-finite key or value: a step that raised may have left them in its requests'
+        blocks, which the engine frees (runners without KV values: nothing to do)."""
+        ...
 
 
 class StepHandle(Protocol):

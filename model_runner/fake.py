@@ -157,6 +157,7 @@ class FakeRunner:
         self._kv_block_size = verify_kv_block_size
         self._kv_null_block_id = verify_kv_null_block_id
         self._kv_slots: dict[int, list[int | None]] = {}
+        self.scrubbed: list[list[int]] = []  # block ids of each ``scrub_blocks`` call
         self.num_steps = 0
         self.plans: list[SchedulerOutput] | None = [] if record_plans else None
         self.constraints = constraints
@@ -186,6 +187,10 @@ class FakeRunner:
         if self._kv_block_size is None:
             return NullBlockIO()
         return ShadowBlockIO(self, self._kv_block_size)
+
+    def scrub_blocks(self, block_ids: Sequence[int]) -> None:
+        """No KV values to poison: the ids are recorded (``scrubbed``, one list per call)."""
+        self.scrubbed.append(list(block_ids))
 
     def read_kv_block(self, block_id: int) -> list[int | None]:
         """The token each slot of ``block_id`` holds in the shadow KV (None: never written)."""

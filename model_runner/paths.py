@@ -55,6 +55,9 @@ class EagerPath:
         self.model = model
         self.pool = pool
         self._stacks: Any = None  # CUDA: the last step's stacked adapter weights
+        # Adapters through the segmented Triton kernels (None: on CUDA; the tests also run
+        # them in Triton's interpreter on CPU), else the torch path's grouped matmuls.
+        self.triton_lora: bool | None = None
 
     def fits(self, step: StepRows) -> bool:
         return True
@@ -62,7 +65,10 @@ class EagerPath:
     def forward(self, step: StepRows, lora: LoraStep | None = None) -> torch.Tensor:
         model = self.model
         adapters: TorchLora | None = None
-        if lora is not None and model.device.type == "cuda":
+        triton = self.triton_lora
+        if triton is None:
+            triton = model.device.type == "cuda"
+        if lora is not None and triton:
             from model_runner.lora.cuda import StackCache, TritonLora  # needs triton
 
             self._stacks = self._stacks or StackCache()

@@ -109,7 +109,8 @@ class _Step:
     host: DeviceSample | None = None  # the sample, on the host once ``copied`` fired
     copied: torch.cuda.Event | None = None
     collected: SampleResult | None = None  # the one-by-one path's result
-    adapters: dict[str, LoraWeights] = field(default_factory=dict)  # the rows' LoRA weights
+    # The forward passes (one, or prefill then decode unfused), each with its adapters' plan.
+    passes: list[tuple[StepRows, LoraStep | None]] = field(default_factory=list)
     prompt: PromptScores | None = None  # prompt logprobs of the rows that ask, on the device
 
 
@@ -294,6 +295,12 @@ class TorchRunner:
             self._step_thread.shutdown(wait=True)
             self._step_thread = None
 
+    def scrub_blocks(self, block_ids: Sequence[int]) -> None:
+        """Zero those of ``block_ids`` (in the pool) that hold a non-finite key or value at
+        the start of the next step, before it reads the KV (after a step that raised: the
+        engine frees its requests' blocks, which a NaN it wrote would poison)."""
+        self._pending_scrub.extend(b for b in block_ids if 0 <= b < self.num_blocks)
+
     def execute(self, plan: SchedulerOutput) -> ModelOutput:
         """Compute ``plan``: KV of every scheduled token into the pool, one sampled token
         for every seq with ``do_sample``. Never mutates ``plan``."""
@@ -346,11 +353,12 @@ class TorchRunner:
         placeholders = self._future_index
         rows = StepRows.of(plan, self.limits, placeholders)
         step.result.failed.update(rows.failed)
-        rows, step.adapters = self._adapters(rows, step.result.failed)
+        rows, adapters = self._adapters(rows, step.result.failed)
         self._future_index = {}
         if rows.is_empty:
             return step
         step.rows = rows
+        step.passes = self._passes(rows, adapters)
         sampled = rows.sampled()
         step.sampled = sampled
         step.sample_rows = sampled
@@ -407,18 +415,14 @@ class TorchRunner:
             self.pool.scrub_blocks(step.scrub)
         if step.block_copies:
             self.pool.copy_blocks(step.block_copies)
-        rows = step.rows
-        if rows is None:
+        if step.rows is None:
             return step
         clock = step.clock = _Clock(self.device)
-        adapters = step.adapters
-        if self.fuse_batches or not (rows.prefill and rows.decode):
-            logits = self._forward_logits(rows, adapters, step)
-        else:
-            prefill, decode = rows.split()
-            logits_p = self._forward_logits(prefill, adapters, step)
+        (first, lora), *second = step.passes
+        logits = self._forward_logits(first, lora, step)
+        if second:
             clock.mark()
-            logits = torch.cat([logits_p, self._forward_logits(decode, adapters)])
+            logits = torch.cat([logits, self._forward_logits(*second[0])])
         clock.mark()
         if step.masks is not None:
             masks = step.masks.result()
@@ -456,12 +460,19 @@ class TorchRunner:
             )
         return step, adapters
 
+    def _passes(
+        self, rows: StepRows, adapters: dict[str, LoraWeights]
+    ) -> list[tuple[StepRows, LoraStep | None]]:
+        """The step's forward passes: one, or with ``fuse_batches=False`` the prefill rows
+        then the decode rows; each with its adapters planned here, on the host."""
+        parts = (rows,) if self.fuse_batches or not (rows.prefill and rows.decode) else rows.split()
+        return [(p, LoraStep.of(p, adapters) if adapters else None) for p in parts]
+
     def _forward_logits(
-        self, step: StepRows, adapters: dict[str, LoraWeights], scores: _Step | None = None
+        self, step: StepRows, lora: LoraStep | None, scores: _Step | None = None
     ) -> torch.Tensor:
         """Logits [R, V] of the rows that sample, prefill rows first, in row order; the
         prompt logprobs of the rows that ask go to ``scores.prompt``."""
-        lora = LoraStep.of(step, adapters) if adapters else None
         hidden = self.paths.forward(step, lora)
         if scores is not None:
             scores.prompt = score_prompts(step, hidden, self.model.compute_logits)

@@ -300,6 +300,9 @@ class SimRunner:
         """No KV bytes: a simulated runner holds none."""
         return NullBlockIO()
 
+    def scrub_blocks(self, block_ids: Sequence[int]) -> None:
+        """No KV values to scrub."""
+
     def execute(
         self, plan: SchedulerOutput, *, padding: Sequence[tuple[int, int]] = ()
     ) -> ModelOutput:

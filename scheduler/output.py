@@ -7,7 +7,7 @@ The runner reads a ``SchedulerOutput`` and never mutates it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from cache_manager.stats import KVCacheStats
@@ -133,6 +133,11 @@ class SchedulerOutput:
             if seq.num_draft_tokens or seq.sampling.constraint is not None:
                 return False
         return not any(s.do_sample and s.sampling.constraint is not None for s in self.prefill)
+
+    def block_ids_of(self, request_ids: Collection[str]) -> set[int]:
+        """Every block in the tables of this step's seqs of ``request_ids``."""
+        seqs = (*self.prefill, *self.decode)
+        return {b for s in seqs if s.request_id in request_ids for b in s.block_ids}
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,8 +12,9 @@
                                                         6. publish; stats snapshot; metrics
 
 Step 5 is ``server.outputs.OutputProcessor``; the asyncio side is ``server.engine_client``.
-A step that raises (3, or its submit) fails its own requests; more than ``max_step_failures``
-in a row, or an exception anywhere else, and the engine dies (docs/reliability.md).
+A step that raises (3, or its submit) fails its own requests (the runner scrubs their blocks
+of any NaN it left); more than ``max_step_failures`` in a row, or an exception anywhere else,
+and the engine dies (docs/reliability.md).
 
 One step ahead (``overlap``; vLLM's async scheduling, SGLang's overlap scheduler): with a
 runner that can run ahead (``model_runner.base.AheadRunner``: CUDA, a CPU step thread, the
@@ -41,9 +42,8 @@ Tier 2 (``server.kv_tier.Tier``, ``--kv-disk-dir``; a null object when off): a n
 whose prefix tier 1 lacks is held while its blocks are read from the store (other requests
 keep stepping), then admitted; each step's spills and restores move right after
 ``schedule``, before ``execute``, and the blocks ``update`` freed right after it.
-
-If the runner (or the scheduler) raises, the engine is dead: every stream gets
-``EngineDeadError``, later submissions raise it, and ``on_death`` is called once.
+When the engine dies, every stream gets ``EngineDeadError``, later submissions raise it, and
+``on_death`` is called once.
 """
 
 from __future__ import annotations
@@ -452,7 +452,7 @@ class EngineLoop:
         previous, self._in_flight = self._in_flight, None
         flush = False
         if previous is not None:
-            flush = self._apply(previous)  # while the device runs this step
+            flush = self._apply(previous, plan)  # while the device runs this step
         if self.overlap and handle is not None and plan.can_run_ahead:
             self._in_flight = launched
         else:
@@ -466,7 +466,7 @@ class EngineLoop:
             and sched.has_unfinished_requests()
         )
 
-    def _apply(self, launched: _Launched) -> bool:
+    def _apply(self, launched: _Launched, behind: SchedulerOutput | None = None) -> bool:
         """Wait for a submitted step's result, apply it (``update``), process and publish
         its outputs, and record the step. True when processing ended a request in the
         scheduler (a stop string, a detokenizer failure): the next step reports it."""
@@ -479,7 +479,7 @@ class EngineLoop:
             # One step ahead, a step submitted before a failure was seen ran behind the failed
             # step (on its missing KV): the same failure, not one more in a row.
             counted = launched.submitted_s > self._last_failure_s
-            result = self._failed_step(plan, exc, counted)
+            result = self._failed_step(plan, exc, counted, behind)
         else:
             if handle is not None:
                 self.num_failed_steps = 0
@@ -523,12 +523,14 @@ class EngineLoop:
         )
         return flush
 
-    def _failed_step(self, plan: SchedulerOutput, exc: Exception, counted: bool) -> ModelOutput:
+    def _failed_step(
+        self, plan: SchedulerOutput, exc: Exception, counted: bool, behind: SchedulerOutput | None
+    ) -> ModelOutput:
         """A step that raised (the forward pass, the sampler, the constraint masks): each of
         its requests fails with the error, through the scheduler's failure path (its blocks
-        are freed once, and none of the step's blocks enters the prefix cache). More than
-        ``max_step_failures`` failed steps in a row (``counted`` ones): the runner is taken
-        for dead."""
+        are freed once, none enters the prefix cache; the runner scrubs them, and theirs in
+        the step ``behind`` it, of any NaN left). More than ``max_step_failures`` failed
+        steps in a row (``counted`` ones): the runner is taken for dead."""
         self._last_failure_s = time.perf_counter()
         self.num_failed_steps += counted
         self.num_failed_steps_total += counted
@@ -545,6 +547,8 @@ class EngineLoop:
         result = ModelOutput.make_empty()
         for seq in (*plan.prefill, *plan.decode):
             result.failed[seq.request_id] = error
+        blocks = plan.block_ids_of(result.failed) | (behind or plan).block_ids_of(result.failed)
+        self._runner.scrub_blocks(sorted(blocks))
         return result
 
     def _is_waiting(self, request_id: str) -> bool:

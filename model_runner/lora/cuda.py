@@ -5,6 +5,10 @@ The rows of a prefill chunk (and of a chunk over a cached prefix) are one SGMV s
 decode row (a draft row too) is a BGMV row. The step's adapters' weights are stacked per
 layer and target, zero-padded to the step's largest rank; the stacks are kept while the
 same adapters come back step after step (``StackCache``: decode steps repeat their set).
+
+Nothing here reads the device: the segments, decode rows and grids come from the step's host
+plan (``LoraStep``, made when the step is prepared), and their tables reach the device in
+copies from pinned memory that do not block (``sampling_ops.to_device``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,13 @@ import torch
 from model_runner.config import ModelConfig
 from model_runner.lora import triton_ops
 from model_runner.lora.step import LoraStep, TorchLora
+from model_runner.sampling_ops import to_device
 from model_runner.step import StepRows
+
+
+def _columns(rows: Sequence[tuple[int, ...]], width: int) -> list[int]:
+    """``rows`` of ``width`` ints, column after column (a [width, len(rows)] table)."""
+    return [row[c] for c in range(width) for row in rows]
 
 
 class StackCache:
@@ -36,8 +46,8 @@ class StackCache:
 
 
 class TritonLora(TorchLora):
-    """See the module docstring; ``add_`` runs the kernels (``TorchLora`` keeps the spans and
-    ``touches``)."""
+    """See the module docstring; ``add_`` runs the kernels (``TorchLora`` gives the spans and
+    ``touches``; its groups are not built)."""
 
     def __init__(
         self,
@@ -47,28 +57,14 @@ class TritonLora(TorchLora):
         device: torch.device,
         cache: StackCache | None = None,
     ) -> None:
-        super().__init__(lora, config, device)
-        segments: list[tuple[int, int, int]] = []
-        rows: list[int] = []
-        slots: list[int] = []
-        row = 0
-        for seq in step.prefill:
-            slot = lora.row_slot[row]
-            if slot >= 0:
-                segments.append((row, seq.num_tokens, slot))
-            row += seq.num_tokens
-        for seq in step.decode:
-            for _ in range(seq.num_tokens):
-                if lora.row_slot[row] >= 0:
-                    rows.append(row)
-                    slots.append(lora.row_slot[row])
-                row += 1
-        i32 = {"dtype": torch.int32, "device": device}
-        self.segments = torch.tensor(segments, **i32).reshape(-1, 3)
-        self.rows = torch.tensor(rows, **i32)
-        self.slots = torch.tensor(slots, **i32)
-        self.scale = torch.tensor(lora.row_scale, dtype=torch.float32, device=device)
-        self.num_rows = row
+        self.set_spans(lora, config)
+        # The host plan's ints, each table in one copy from pinned memory (non-blocking).
+        self.segments = to_device(_columns(lora.segments, 3), torch.int32, device).reshape(3, -1)
+        self.longest = lora.longest_segment
+        decode = to_device(_columns(lora.decode_rows, 2), torch.int32, device).reshape(2, -1)
+        self.rows, self.slots = decode[0], decode[1]
+        self.scale = to_device(list(lora.row_scale), torch.float32, device)
+        self.num_rows = step.num_rows
         self.rank = triton_ops.padded_rank(lora.max_rank)
         self._stacks = (cache or StackCache()).for_step(lora)
 
@@ -100,7 +96,7 @@ class TritonLora(TorchLora):
                 continue
             a, bt = stack
             t = torch.zeros(self.num_rows, self.rank, dtype=torch.float32, device=x.device)
-            triton_ops.sgmv_shrink(x, a, t, self.segments)
+            triton_ops.sgmv_shrink(x, a, t, self.segments, self.longest)
             triton_ops.bgmv_shrink(x, a, t, self.rows, self.slots)
-            triton_ops.sgmv_expand(t, bt, y, self.scale, self.segments, col0)
+            triton_ops.sgmv_expand(t, bt, y, self.scale, self.segments, self.longest, col0)
             triton_ops.bgmv_expand(t, bt, y, self.scale, self.rows, self.slots, col0)

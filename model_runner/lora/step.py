@@ -22,6 +22,7 @@ import torch
 
 from model_runner.config import ModelConfig
 from model_runner.lora.layout import LoraWeights
+from model_runner.sampling_ops import to_device
 from model_runner.step import StepRows
 from scheduler.output import ScheduledSeq
 from scheduler.request import LoraRef
@@ -29,16 +30,27 @@ from scheduler.request import LoraRef
 
 @dataclass(frozen=True, slots=True)
 class LoraStep:
-    """The adapters of one step: ``slots`` the distinct adapters, ``row_slot`` each row's
-    index into them (-1: the base model), ``row_scale`` each row's scale (0 for base rows)."""
+    """The adapters of one step, planned on the host from the step's rows (plain ints, so
+    no kernel launch reads a device value back): ``slots`` the distinct adapters,
+    ``row_slot`` each row's index into them (-1: the base model), ``row_scale`` each row's
+    scale (0 for base rows); for the segmented kernels, ``segments`` the prefill chunks of
+    an adapter as ``(first row, rows, slot)`` and ``decode_rows`` the decode rows (draft
+    rows too) of an adapter as ``(row, slot)``."""
 
     slots: tuple[LoraWeights, ...]
     row_slot: tuple[int, ...]
     row_scale: tuple[float, ...]
+    segments: tuple[tuple[int, int, int], ...] = ()
+    decode_rows: tuple[tuple[int, int], ...] = ()
 
     @property
     def max_rank(self) -> int:
         return max(w.rank for w in self.slots)
+
+    @property
+    def longest_segment(self) -> int:
+        """The most rows of one segment (0 without any): the SGMV grid's second axis."""
+        return max((length for _, length, _ in self.segments), default=0)
 
     @classmethod
     def of(cls, step: StepRows, weights: dict[str, LoraWeights]) -> LoraStep | None:
@@ -48,7 +60,10 @@ class LoraStep:
         slots: list[LoraWeights] = []
         row_slot: list[int] = []
         row_scale: list[float] = []
-        for seq in step.seqs:
+        segments: list[tuple[int, int, int]] = []
+        decode_rows: list[tuple[int, int]] = []
+        num_prefill = len(step.prefill)
+        for i, seq in enumerate(step.seqs):
             ref = seq.lora
             if ref is None:
                 slot, scale = -1, 0.0
@@ -58,11 +73,18 @@ class LoraStep:
                     slot = names[ref.name] = len(slots)
                     slots.append(weights[ref.name])
                 scale = ref.scale
+                row = len(row_slot)
+                if i < num_prefill:
+                    segments.append((row, seq.num_tokens, slot))
+                else:
+                    decode_rows.extend((row + j, slot) for j in range(seq.num_tokens))
             row_slot.extend([slot] * seq.num_tokens)
             row_scale.extend([scale] * seq.num_tokens)
         if not slots:
             return None
-        return cls(tuple(slots), tuple(row_slot), tuple(row_scale))
+        return cls(
+            tuple(slots), tuple(row_slot), tuple(row_scale), tuple(segments), tuple(decode_rows)
+        )
 
 
 def resolve_adapters(
@@ -89,23 +111,30 @@ class TorchLora:
     gathered, two small matmuls, and the result added back to those rows."""
 
     def __init__(self, lora: LoraStep, config: ModelConfig, device: torch.device) -> None:
+        self.set_spans(lora, config)
+        # Each adapter's rows and scales, from the host plan (pinned, non-blocking copies).
+        self.groups: list[tuple[LoraWeights, torch.Tensor | None, torch.Tensor | None]] = []
+        for s, weights in enumerate(lora.slots):
+            rows = [r for r, slot in enumerate(lora.row_slot) if slot == s]
+            index = (
+                None if len(rows) == len(lora.row_slot) else to_device(rows, torch.int64, device)
+            )
+            scale = [lora.row_scale[r] for r in rows]
+            factor = None
+            if any(x != 1.0 for x in scale):
+                factor = to_device(scale, torch.float32, device).unsqueeze(1)
+            self.groups.append((weights, index, factor))
+
+    def set_spans(self, lora: LoraStep, config: ModelConfig) -> None:
+        """The column spans of the fused projections' targets, and the step's adapters."""
         h, kvh, d = config.num_heads, config.num_kv_heads, config.head_dim
         self.qkv_spans = (("q", 0), ("k", h * d), ("v", (h + kvh) * d))
         self.gate_up_spans = (("gate", 0), ("up", config.intermediate_size))
         self.lora = lora
-        slots = torch.tensor(lora.row_slot, dtype=torch.int64)
-        scales = torch.tensor(lora.row_scale, dtype=torch.float32)
-        self.groups: list[tuple[LoraWeights, torch.Tensor | None, torch.Tensor | None]] = []
-        for s, weights in enumerate(lora.slots):
-            rows = (slots == s).nonzero().flatten()
-            index = None if len(rows) == len(slots) else rows.to(device)
-            scale = scales[rows]
-            factor = None if bool((scale == 1.0).all()) else scale.unsqueeze(1).to(device)
-            self.groups.append((weights, index, factor))
 
     def touches(self, layer: int, spans: Sequence[tuple[str, int]]) -> bool:
         """Whether an adapter of the step updates one of ``spans``' targets in ``layer``."""
-        return any(t in w.layers[layer] for w, _, _ in self.groups for t, _ in spans)
+        return any(t in w.layers[layer] for w in self.lora.slots for t, _ in spans)
 
     def add_(
         self, layer: int, spans: Sequence[tuple[str, int]], x: torch.Tensor, y: torch.Tensor

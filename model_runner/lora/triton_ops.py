@@ -16,6 +16,10 @@ neighbours, so a row's numbers do not depend on what else the step holds.
 The weights of the step's adapters come stacked per layer and target (``[S, R, K]`` and
 ``[S, R, N]``, zero-padded to the step's largest rank, ``R`` at least 16 for ``tl.dot``).
 ``TRITON_INTERPRET=1`` runs the kernels on CPU (the tests, ``tests/conftest.py``).
+
+A launch takes its grid from host ints the step planned (``LoraStep``: the segments and
+the longest one), never from a device tensor: reading one back would make the host wait
+for the device in the middle of a step.
 """
 
 from __future__ import annotations
@@ -148,18 +152,21 @@ def _bgmv_expand_kernel(
     tl.store(out, (y.to(tl.float32) + acc * scale).to(y.dtype), mask=col_ok)
 
 
-def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, t: torch.Tensor, segments: torch.Tensor) -> None:
-    """``t[rows] = x[rows] @ a[slot]^T`` for each segment ``(start, length, slot)`` (rows of
-    ``segments`` [G, 3], int32); ``a`` [S, R, K], ``t`` fp32 [T, R]."""
-    if not len(segments):
+def sgmv_shrink(
+    x: torch.Tensor, a: torch.Tensor, t: torch.Tensor, segments: torch.Tensor, longest: int
+) -> None:
+    """``t[rows] = x[rows] @ a[slot]^T`` for each segment: ``segments`` [3, G] int32, its
+    rows the segments' first rows, lengths and slots; ``longest`` the most rows of one, a
+    host int (the grid: the launch never reads the device); ``a`` [S, R, K], ``t`` fp32
+    [T, R]."""
+    num_segments = segments.shape[1]
+    if not num_segments:
         return
     _, rank, k = a.shape
-    longest = int(segments[:, 1].max())
-    grid = (len(segments), triton.cdiv(longest, BLOCK_M))
+    grid = (num_segments, triton.cdiv(longest, BLOCK_M))
     _sgmv_shrink_kernel[grid](
-        x, a, t, segments[:, 0].contiguous(), segments[:, 1].contiguous(),
-        segments[:, 2].contiguous(), k, rank, x.stride(0), a.stride(0), a.stride(1),
-        t.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=padded_rank(rank), BLOCK_K=BLOCK_K,
+        x, a, t, segments[0], segments[1], segments[2], k, rank, x.stride(0), a.stride(0),
+        a.stride(1), t.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=padded_rank(rank), BLOCK_K=BLOCK_K,
     )  # fmt: skip
 
 
@@ -169,18 +176,20 @@ def sgmv_expand(
     y: torch.Tensor,
     scale: torch.Tensor,
     segments: torch.Tensor,
+    longest: int,
     col0: int = 0,
 ) -> None:
-    """``y[rows, col0 : col0 + N] += scale[rows] * t[rows] @ bt[slot]`` per segment."""
-    if not len(segments):
+    """``y[rows, col0 : col0 + N] += scale[rows] * t[rows] @ bt[slot]`` per segment (as
+    ``sgmv_shrink`` takes them)."""
+    num_segments = segments.shape[1]
+    if not num_segments:
         return
     _, rank, n = bt.shape
-    longest = int(segments[:, 1].max())
-    grid = (len(segments), triton.cdiv(longest, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    grid = (num_segments, triton.cdiv(longest, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _sgmv_expand_kernel[grid](
-        t, bt, y, scale, segments[:, 0].contiguous(), segments[:, 1].contiguous(),
-        segments[:, 2].contiguous(), n, rank, col0, t.stride(0), bt.stride(0), bt.stride(1),
-        y.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=padded_rank(rank), BLOCK_N=BLOCK_N,
+        t, bt, y, scale, segments[0], segments[1], segments[2], n, rank, col0, t.stride(0),
+        bt.stride(0), bt.stride(1), y.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=padded_rank(rank),
+        BLOCK_N=BLOCK_N,
     )  # fmt: skip
 
 
@@ -188,10 +197,10 @@ def bgmv_shrink(
     x: torch.Tensor, a: torch.Tensor, t: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor
 ) -> None:
     """``t[row] = x[row] @ a[slot]^T`` for each decode row and its adapter's slot."""
-    if not len(rows):
+    if not rows.shape[0]:
         return
     _, rank, k = a.shape
-    _bgmv_shrink_kernel[(len(rows),)](
+    _bgmv_shrink_kernel[(rows.shape[0],)](
         x, a, t, rows, slots, k, rank, x.stride(0), a.stride(0), a.stride(1), t.stride(0),
         BLOCK_R=padded_rank(rank), BLOCK_K=BLOCK_K,
     )  # fmt: skip
@@ -207,10 +216,10 @@ def bgmv_expand(
     col0: int = 0,
 ) -> None:
     """``y[row, col0 : col0 + N] += scale[row] * t[row] @ bt[slot]`` for each decode row."""
-    if not len(rows):
+    if not rows.shape[0]:
         return
     _, rank, n = bt.shape
-    grid = (len(rows), triton.cdiv(n, BLOCK_N))
+    grid = (rows.shape[0], triton.cdiv(n, BLOCK_N))
     _bgmv_expand_kernel[grid](
         t, bt, y, scale, rows, slots, n, rank, col0, t.stride(0), bt.stride(0), bt.stride(1),
         y.stride(0), BLOCK_R=padded_rank(rank), BLOCK_N=BLOCK_N,

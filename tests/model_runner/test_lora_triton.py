@@ -3,12 +3,20 @@ decode rows) against the torch reference; on CPU in Triton's interpreter."""
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 triton = pytest.importorskip("triton")
 
 from model_runner.lora import triton_ops  # noqa: E402
+from tests.model_runner.test_sampler_sync import _SYNCING, _has_bool_index  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -25,6 +33,13 @@ def stacked(
         a[s, :rank] = torch.randn(rank, k, generator=g) / k**0.5
         bt[s, :rank] = torch.randn(rank, n, generator=g)
     return a.to(DEVICE, dtype), bt.to(DEVICE, dtype)
+
+
+def segment_table(segments: list[tuple[int, int, int]]) -> tuple[torch.Tensor, int]:
+    """``(start, length, slot)`` segments as the kernels take them: a [3, G] int32 table and
+    the longest segment's length."""
+    table = torch.tensor(segments, dtype=torch.int32).reshape(-1, 3).t().contiguous()
+    return table.to(DEVICE), max((n for _, n, _ in segments), default=0)
 
 
 def reference(x, a, bt, y, scale, row_slot, col0):  # type: ignore[no-untyped-def]
@@ -64,13 +79,13 @@ def test_sgmv_and_bgmv_match_the_reference(dtype: torch.dtype, ranks: list[int])
     scale = torch.tensor([0.5 if b % 3 == 0 else 1.0 for b in range(total)], device=DEVICE)
     want = reference(x, a, bt, y, scale, row_slot, col0)
     t = torch.zeros(total, a.shape[1], device=DEVICE)
-    segments = torch.tensor(seg_rows, dtype=torch.int32, device=DEVICE)
+    segments, longest = segment_table(seg_rows)
     rows = torch.tensor([r for r, s in decode if s >= 0], dtype=torch.int32, device=DEVICE)
     slots = torch.tensor([s for r, s in decode if s >= 0], dtype=torch.int32, device=DEVICE)
-    triton_ops.sgmv_shrink(x, a, t, segments)
+    triton_ops.sgmv_shrink(x, a, t, segments, longest)
     triton_ops.bgmv_shrink(x, a, t, rows, slots)
     got = y.clone()
-    triton_ops.sgmv_expand(t, bt, got, scale, segments, col0)
+    triton_ops.sgmv_expand(t, bt, got, scale, segments, longest, col0)
     triton_ops.bgmv_expand(t, bt, got, scale, rows, slots, col0)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     err = (got.double() - want).abs().max().item()
@@ -95,12 +110,12 @@ def test_a_rows_result_does_not_depend_on_its_neighbours() -> None:
     def run(segs: list[tuple[int, int, int]], dec: list[tuple[int, int]]) -> torch.Tensor:
         t = torch.zeros(24, a.shape[1], device=DEVICE)
         out = y.clone()
-        seg = torch.tensor(segs, dtype=torch.int32, device=DEVICE).reshape(-1, 3)
+        seg, longest = segment_table(segs)
         rows = torch.tensor([r for r, _ in dec], dtype=torch.int32, device=DEVICE)
         slots = torch.tensor([s for _, s in dec], dtype=torch.int32, device=DEVICE)
-        triton_ops.sgmv_shrink(x, a, t, seg)
+        triton_ops.sgmv_shrink(x, a, t, seg, longest)
         triton_ops.bgmv_shrink(x, a, t, rows, slots)
-        triton_ops.sgmv_expand(t, bt, out, scale, seg)
+        triton_ops.sgmv_expand(t, bt, out, scale, seg, longest)
         triton_ops.bgmv_expand(t, bt, out, scale, rows, slots)
         return out
 
@@ -151,3 +166,132 @@ def test_triton_lora_equals_the_torch_path_on_a_step(tmp_path) -> None:  # type:
             TorchLora(lora, config, cpu).add_(layer, spans, x, want)
             TritonLora(lora, step, config, cpu).add_(layer, spans, x, got)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+class LoraHostReads(TorchFunctionMode):
+    """Counts the torch calls made from the LoRA code (a frame in ``model_runner/lora/``):
+    ``reads`` those that read a device value back on the host (a synchronisation on a GPU:
+    ``test_sampler_sync._SYNCING``, boolean-mask indexing), ``calls`` all of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+        self.calls = 0
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None and _LORA_DIR not in frame.f_code.co_filename:
+            frame = frame.f_back
+        if frame is not None:
+            self.calls += 1
+            name = getattr(func, "__name__", "")
+            if name in _SYNCING or (name == "__getitem__" and _has_bool_index(args[1:2])):
+                where = frame.f_code.co_filename.split(_LORA_DIR)[-1]
+                self.reads.append(f"{name} at lora/{where}:{frame.f_lineno}")
+        return func(*args, **(kwargs or {}))
+
+
+_LORA_DIR = os.path.join("model_runner", "lora", "")
+
+
+def _lora_steps(runner: Any, refs: dict[str, Any]) -> list[tuple[dict[str, int], list[str], int]]:
+    """Three steps with adapters x, y and the base model: prefills (y's a middle chunk),
+    then y's last chunk over its cached prefix beside two decodes, then three decodes. Per
+    step: the tokens, the LoRA code's host reads and how many torch calls it made."""
+    from tests.model_runner.lora_oracle import with_lora
+    from tests.model_runner.oracle import plan, random_ids, seq
+
+    ids = {"a": random_ids(7, seed=41), "b": random_ids(10, seed=42), "c": random_ids(5, seed=43)}
+    tables = {"a": [1, 2, 3], "b": [4, 5, 6, 7], "c": [8, 9]}
+    adapters = {"a": refs["x"], "b": refs["y"], "c": None}
+
+    def at(rid: str, start: int, end: int, sample: bool = True) -> Any:
+        return with_lora(seq(rid, ids[rid], start, end, tables[rid], sample), adapters[rid])
+
+    def last(rid: str) -> Any:
+        return at(rid, len(ids[rid]) - 1, len(ids[rid]))
+
+    plans = [
+        lambda: plan(0, prefill=[at("a", 0, 7), at("b", 0, 5, False), at("c", 0, 5)]),
+        lambda: plan(1, prefill=[at("b", 5, 10)], decode=[last("a"), last("c")]),
+        lambda: plan(2, decode=[last(r) for r in "abc"]),
+    ]
+    steps = []
+    for make in plans:
+        with LoraHostReads() as counter:
+            result = runner.execute(make())
+        assert not result.failed, result.failed
+        for rid, token in result.sampled_token_ids.items():
+            ids[rid].append(token)
+        steps.append((result.sampled_token_ids, counter.reads, counter.calls))
+    return steps
+
+
+def test_a_lora_step_reads_nothing_back_from_the_device(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A runner's LoRA steps through the Triton kernels (as on CUDA; here in the interpreter)
+    make no call that reads a device value back (0 per step: the launch grids come from the
+    host plan), and give the torch path's greedy tokens, step after step."""
+    from tests.model_runner.lora_oracle import peft_adapter
+    from tests.model_runner.oracle import make_runner, tiny_hf
+
+    hf = tiny_hf("llama-gqa", seed=5)
+    got = {}
+    for kernels in ("torch", "triton"):
+        runner = make_runner(hf, num_blocks=16)
+        for name, r in (("x", 4), ("y", 8)):
+            peft_adapter(hf, tmp_path / name, r=r, seed=r)
+            runner.lora.load(name, tmp_path / name)
+        runner.paths.eager.triton_lora = kernels == "triton"
+        got[kernels] = _lora_steps(runner, {n: runner.lora.resolve(n) for n in "xy"})
+    for kernels, steps in got.items():
+        assert [reads for _, reads, _ in steps] == [[], [], []], kernels
+        assert all(calls > 0 for _, _, calls in steps), kernels  # the LoRA code ran, watched
+    tokens = [[t for t, _, _ in got[k]] for k in ("torch", "triton")]
+    assert tokens[0] == tokens[1]
+    assert [sorted(t) for t in tokens[0]] == [["a", "c"], ["a", "b", "c"], ["a", "b", "c"]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_lora_step_makes_no_synchronisation(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """On CUDA, preparing a LoRA step's tables (pinned, non-blocking copies) and running its
+    kernels over every layer and target makes no synchronisation (torch's sync debug mode
+    raises on one, an unpinned copy included)."""
+    from model_runner.lora.cuda import TritonLora
+    from model_runner.lora.step import LoraStep
+    from model_runner.step import StepRows
+    from tests.model_runner.lora_oracle import peft_adapter, with_lora
+    from tests.model_runner.oracle import make_runner, random_ids, seq, tiny_hf
+
+    hf = tiny_hf("llama-gqa")
+    runner = make_runner(hf)
+    peft_adapter(hf, tmp_path / "x", r=8, seed=8)
+    runner.lora.load("x", tmp_path / "x")
+    ref = runner.lora.resolve("x")
+    ids = random_ids(30, seed=4)
+    step = StepRows.from_seqs(
+        [with_lora(seq("p", ids, 0, 19, [1, 2, 3, 4, 5]), ref)],
+        [with_lora(seq("d", ids, 20, 21, [6, 7, 8, 9, 10, 11]), ref)],
+        4,
+    )
+    lora = LoraStep.of(step, {"x": runner.lora.weights(ref)})
+    assert lora is not None
+    device = torch.device("cuda")
+    x = torch.randn(step.num_rows, 64, device=device)
+    y = torch.zeros(step.num_rows, 128, device=device)
+    spans = (("q", 0), ("k", 64), ("v", 96))
+    TritonLora(lora, step, runner.config, device).add_(0, spans, x, y)  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        adapters = TritonLora(lora, step, runner.config, device)
+        for layer in range(runner.config.num_layers):
+            adapters.add_(layer, spans, x, y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert bool(y.abs().sum() > 0)

@@ -251,6 +251,69 @@ async def test_forward_error_in_a_torch_runner_on_cpu_fails_the_step_then_serves
     assert after == before and all(len(t) == 8 for t in before)
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "one-step-ahead"])
+async def test_forward_error_that_leaves_nan_in_the_kv_poisons_no_later_request(
+    ahead: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward pass that writes NaN into its step's blocks, then raises (sync: a decode;
+    one step ahead: a prompt's first chunk, so the next chunk, already submitted, spreads the
+    NaN into a new block): the request fails, and the next one, on those same blocks (the
+    pool holds 3), gets the greedy tokens it gets on a fresh runner (the engine had the
+    runner scrub them, those of the step behind too; without, NaN logits)."""
+    from model_runner.paths import ForwardPaths
+    from tests.model_runner.oracle import make_runner, random_ids, tiny_hf
+
+    hf = tiny_hf("llama", seed=3)
+    # One step ahead the first prompt takes 3 chunks of 4: the second one runs behind the
+    # failed first one without sampling (nothing in the runner sees its NaN).
+    first, second = random_ids(10 if ahead else 6, seed=81), random_ids(5, seed=82)
+    chunk = 4 if ahead else 64
+
+    async def tokens(prompt: list[int], rid: str, max_tokens: int = 6) -> list[int] | str:
+        try:
+            msgs = await collect(
+                h.client.generate(prompt, request_id=rid, max_tokens=max_tokens, temperature=0.0,
+                                  ignore_eos=True)
+            )  # fmt: skip
+        except grpc.aio.AioRpcError as exc:
+            return exc.details() or ""
+        return [t for m in msgs for t in m.token_ids]
+
+    fresh = make_runner(hf, num_blocks=3, block_size=4)
+    async with serve(fresh, ByteTokenizer(), max_num_batched_tokens=chunk, max_num_seqs=2) as h:
+        want = await tokens(second, "want")
+    runner = make_runner(hf, num_blocks=3, block_size=4)
+    runner.use_step_thread(ahead)
+    forward, calls = ForwardPaths.forward, []
+
+    def poisoning(self: ForwardPaths, step: Any, lora: Any = None) -> Any:
+        if self is not runner.paths:  # another test's runner, still stepping
+            return forward(self, step, lora)
+        calls.append(step)
+        if len(calls) == (1 if ahead else 3):  # the first chunk / the second decode
+            blocks = sorted({b for s in step.seqs for b in s.block_ids})
+            runner.pool.data[:, :, blocks] = float("nan")
+            raise RuntimeError("injected: NaN in the KV, then a failure")
+        return forward(self, step, lora)
+
+    monkeypatch.setattr(ForwardPaths, "forward", poisoning)
+    served = serve(
+        runner,
+        ByteTokenizer(),
+        max_num_batched_tokens=chunk,
+        max_num_seqs=2,
+        engine_options={"overlap": ahead},
+    )
+    async with served as h:
+        failed = await tokens(first, "nan", max_tokens=2 if ahead else 6)
+        assert_idle_and_sound(h)
+        got = await tokens(second, "next")
+    runner.use_step_thread(False)
+    assert isinstance(failed, str) and "injected: NaN in the KV" in failed
+    assert isinstance(want, list) and len(want) == 6
+    assert got == want
+
+
 async def test_forward_error_in_the_constraint_masks_fails_the_step_then_serves(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
