@@ -560,13 +560,12 @@ class Scheduler:
         return True
 
     def _max_hit_tokens(self, entry: Entry, budget: int) -> int | None:
-        """The longest prefix hit to use (None: no limit). None at all while the prompt is
-        to be scored (prompt logprobs). Under a sliding window, hit blocks are taken whole,
-        even those the window has left behind (released right after admission), so a long
-        hit plus the first chunk could need more blocks than the pool has: the hit must
-        leave the hit + first chunk within the per-request window bound."""
+        """The longest prefix hit to use (None: no limit): 0 while the prompt is to be scored
+        (a cached prefix has no logits). Under a sliding window hit blocks are taken whole,
+        even those the window left behind (released after admission): the hit must leave the
+        hit + first chunk within the per-request window bound, or the pool may not hold it."""
         if entry.wants_prompt_logprobs:
-            return 0  # a cached prefix has no logits to score: compute it again
+            return 0
         if self._sliding_window is None:
             return None
         bound = self.kv.max_resident_blocks(entry.prefill_target, self._max_chunk)
