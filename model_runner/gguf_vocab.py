@@ -37,6 +37,10 @@ TOKEN_TYPE_USER_DEFINED = 4
 TOKEN_TYPE_BYTE = 6
 
 SPACE = "\u2581"  # ▁, SentencePiece's spelling of a space
+# GGUF's tokenizer models (``tokenizer.ggml.model``): vocabulary kinds, not architectures
+# (a qwen2 file says "gpt2", a Phi-3 or Mistral v0.1 file "llama").
+BYTE_LEVEL_BPE = "gpt2"
+SENTENCEPIECE = "llama"
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -86,11 +90,11 @@ def backend_from_gguf(metadata: Mapping[str, Any]) -> HFTokenizer:
     if not tokens:
         raise ValueError("the GGUF file has no tokenizer.ggml.tokens: it carries no vocabulary")
     types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    if kind == "gpt2":
+    if kind == BYTE_LEVEL_BPE:
         backend = _byte_level_bpe(metadata, tokens)
         add_bos_default = False
         special_types = {TOKEN_TYPE_CONTROL}
-    elif kind == "llama":
+    elif kind == SENTENCEPIECE:
         backend = _sentencepiece_bpe(metadata, tokens, types)
         add_bos_default = True  # llama.cpp's default for SPM vocabularies
         special_types = {TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN}
