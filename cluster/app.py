@@ -57,6 +57,9 @@ SHUTDOWN_WAIT_LOOP_S = 0.2
 RAY_ENV_FOR_BUSY_HOSTS = {
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+    # The head waits this long for its GCS to write its port file (Ray's default: 30 s;
+    # a fresh clone's CI once missed it).
+    "RAY_gcs_server_port_wait_time_s": "120",
 }
 
 
@@ -69,6 +72,8 @@ def set_ray_env(environ: MutableMapping[str, str]) -> None:
 # Ray 2.60.0 gives a new local node 30 s (hard-coded) to register with its GCS; on a host
 # whose cores are busy with other work, starting one took 31-52 s (load 15 on 2 cores).
 RAY_START_ATTEMPTS = 3
+# What ray.init raises when the local node missed a start-up window (then it starts again).
+RAY_START_TIMEOUTS = ("timed out during startup", "Timed out waiting for file")
 
 
 def init_ray(**init_kwargs: Any) -> None:
@@ -84,7 +89,8 @@ def init_ray(**init_kwargs: Any) -> None:
             ray.init(**init_kwargs)
             return
         except Exception as exc:
-            if "timed out during startup" not in str(exc) or attempt == RAY_START_ATTEMPTS:
+            missed = any(text in str(exc) for text in RAY_START_TIMEOUTS)
+            if not missed or attempt == RAY_START_ATTEMPTS:
                 raise
             for pid in _descendants(os.getpid()) - before:
                 with contextlib.suppress(OSError):

@@ -4,6 +4,7 @@ proxy server class."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -120,3 +121,39 @@ async def test_the_null_servicer_answers_unimplemented() -> None:
 
     with pytest.raises(RuntimeError, match="UNIMPLEMENTED: Generate is served by a replica"):
         await NoServicer().Generate(None, Context())
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        "The current node timed out during startup.",
+        "Timed out waiting for file /tmp/ray/session_x/gcs_server_port_abc",
+    ],
+)
+def test_a_node_that_missed_its_start_window_is_started_again(
+    error: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Either window Ray gives a new local node (registering with its GCS, the GCS writing
+    its port file) missed on a busy host: the node is started again, the GCS given 120 s;
+    any other error is raised at once."""
+    import ray
+
+    from cluster import app
+
+    calls: list[dict[str, Any]] = []
+
+    def init(**kwargs: Any) -> None:
+        calls.append(kwargs)
+        if len(calls) == 1:
+            raise RuntimeError(error)
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    environ: dict[str, str] = {}
+    monkeypatch.setattr(os, "environ", environ)  # what set_ray_env writes stays here
+    app.init_ray(num_cpus=1)
+    assert calls == [{"num_cpus": 1}] * 2
+    assert environ["RAY_gcs_server_port_wait_time_s"] == "120"
+    monkeypatch.setattr(ray, "init", lambda **_: (_ for _ in ()).throw(RuntimeError("no GPUs")))
+    with pytest.raises(RuntimeError, match="no GPUs"):
+        app.init_ray()
