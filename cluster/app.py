@@ -84,7 +84,7 @@ def init_ray(**init_kwargs: Any) -> None:
 
     set_ray_env(os.environ)
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
-        before = _descendants(os.getpid())
+        before = descendants(os.getpid())
         try:
             ray.init(**init_kwargs)
             return
@@ -92,14 +92,14 @@ def init_ray(**init_kwargs: Any) -> None:
             missed = any(text in str(exc) for text in RAY_START_TIMEOUTS)
             if not missed or attempt == RAY_START_ATTEMPTS:
                 raise
-            for pid in _descendants(os.getpid()) - before:
+            for pid in descendants(os.getpid()) - before:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
             ray.shutdown()
             logger.warning("Ray's node did not start in time (busy host?); starting it again")
 
 
-def _descendants(pid: int) -> set[int]:
+def descendants(pid: int) -> set[int]:
     """The processes below ``pid`` (Linux /proc; elsewhere none are known)."""
     parents: dict[int, int] = {}
     with contextlib.suppress(OSError):

@@ -7,7 +7,8 @@ admin key, 2 s timeouts):
               longest a new HTTP and a new gRPC client waited to be served or refused, and
               the errors a keep-alive client saw meanwhile
     metrics   /metrics on every port (router and replicas) and /targets without a key
-    abort     4 streams over both replicas: Aborts found; a duplicate in-flight id's status
+    abort     4 streams over both replicas, each read to its first message, then Aborted:
+              found of 4 x --abort-rounds (default 20); a duplicate in-flight id's status
     log       bytes of log per 429
     internal  POST /_kvserve_grpc from outside
     drain     SIGTERM to the CLI, then (a second cluster) to its process group: a new call's
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -233,27 +235,49 @@ async def metrics_auth(cluster: Cluster) -> dict[str, Any]:
     return {"no_key": codes}
 
 
-async def abort_and_duplicate(cluster: Cluster) -> dict[str, Any]:
-    """Alice's 4 streams (the replicas each serve some): her Aborts; a second "ab-0"."""
+async def abort_round(cluster: Cluster, tag: str) -> list[bool]:
+    """Alice's 4 streams (the replicas each serve some), each read to its first message (it
+    runs: a single server would find it), then her Abort of each; every stream must end."""
+    started = [asyncio.Event() for _ in range(4)]
 
     async def read(i: int) -> list[Any]:
-        return [m async for m in _generate(cluster.grpc, ALICE, f"ab-{i}", 3000)]
+        out = []
+        async for m in _generate(cluster.grpc, ALICE, f"{tag}-{i}", 3000):
+            out.append(m)
+            started[i].set()
+        return out
 
     readers = [asyncio.create_task(read(i)) for i in range(4)]
-    await asyncio.sleep(3)
+    async with asyncio.timeout(120):
+        await asyncio.gather(*(e.wait() for e in started))
     async with grpc.aio.insecure_channel(cluster.grpc) as channel:
         stub = pb_grpc.GenerationStub(channel)
         metadata = (("authorization", f"Bearer {ALICE}"),)
-        try:
-            [m async for m in _generate(cluster.grpc, ALICE, "ab-0", 1)]
-            duplicate = "OK"
-        except grpc.aio.AioRpcError as exc:
-            duplicate = exc.code().name
         found = [
-            (await stub.Abort(pb.AbortRequest(request_id=f"ab-{i}"), metadata=metadata)).found
+            (await stub.Abort(pb.AbortRequest(request_id=f"{tag}-{i}"), metadata=metadata)).found
             for i in range(4)
         ]
-    await asyncio.gather(*readers)
+    async with asyncio.timeout(120):
+        await asyncio.gather(*readers)
+    return found
+
+
+async def abort_and_duplicate(cluster: Cluster, rounds: int) -> dict[str, Any]:
+    """``rounds`` of ``abort_round`` in a row (Aborts found of 4 x rounds; which missed);
+    then a second in-flight "dup-g" (gRPC) and "dup-h" (HTTP)."""
+    found = [await abort_round(cluster, f"ab{r}") for r in range(rounds)]
+    missed = [f"ab{r}-{i}" for r, row in enumerate(found) for i, ok in enumerate(row) if not ok]
+    readers = [asyncio.create_task(_first(cluster, "dup-g"))]
+    await readers[0]  # "dup-g" runs
+    try:
+        [m async for m in _generate(cluster.grpc, ALICE, "dup-g", 1)]
+        duplicate = "OK"
+    except grpc.aio.AioRpcError as exc:
+        duplicate = exc.code().name
+    async with grpc.aio.insecure_channel(cluster.grpc) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        metadata = (("authorization", f"Bearer {ALICE}"),)
+        await stub.Abort(pb.AbortRequest(request_id="dup-g"), metadata=metadata)
     async with httpx.AsyncClient(base_url=cluster.http, timeout=60) as client:
         body = {"model": "fake", "prompt": "long", "max_tokens": 3000, "stream": True}
         headers = _auth(ALICE) | {"X-Request-Id": "dup-h"}
@@ -263,8 +287,27 @@ async def abort_and_duplicate(cluster: Cluster) -> dict[str, Any]:
             again = await client.post(
                 "/v1/completions", json={"model": "fake", "prompt": "x"}, headers=headers
             )
-    return {"abort_found": f"{sum(found)}/4", "duplicate_grpc": duplicate,
-            "duplicate_http": again.status_code}  # fmt: skip
+    total = sum(map(sum, found))
+    return {"abort_found": f"{total}/{4 * rounds}", "rounds": rounds, "missed": missed,
+            "duplicate_grpc": duplicate, "duplicate_http": again.status_code}  # fmt: skip
+
+
+async def _first(cluster: Cluster, request_id: str) -> None:
+    """Start Alice's long stream ``request_id`` and return once its first message came (the
+    stream goes on in a task of its own until aborted)."""
+    came = asyncio.Event()
+
+    async def read() -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            async for _ in _generate(cluster.grpc, ALICE, request_id, 3000):
+                came.set()
+
+    _BACKGROUND.add(asyncio.create_task(read()))
+    async with asyncio.timeout(120):
+        await came.wait()
+
+
+_BACKGROUND: set[asyncio.Task[None]] = set()
 
 
 async def log_per_429(cluster: Cluster) -> dict[str, Any]:
@@ -333,26 +376,40 @@ def unplaceable() -> dict[str, Any]:
             "said": done.stderr.strip().splitlines()[-1:]}  # fmt: skip
 
 
+PHASES = ("slow", "flood", "metrics", "abort", "log", "internal", "drain", "startup")
+
+
 async def run(args: argparse.Namespace) -> None:
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, load {os.getloadavg()}", flush=True)
+    phases = set(args.phases.split(",")) if args.phases else set(PHASES)
+    if unknown := phases - set(PHASES):
+        raise SystemExit(f"unknown phases {sorted(unknown)}: choose from {', '.join(PHASES)}")
     results: dict[str, Any] = {}
-    cluster = Cluster()
-    try:
-        results["slow"] = await slow_connections(cluster, 100)
-        results["flood"] = await flood(cluster, args.flood)
-        results["metrics"] = await metrics_auth(cluster)
-        results["abort"] = await abort_and_duplicate(cluster)
-        results["log"] = await log_per_429(cluster)
-        results["internal"] = await internal_route(cluster)
-        results["drain_cli"] = await drain(cluster, group=False)
-    finally:
-        cluster.stop()
-    cluster = Cluster()
-    try:
-        results["drain_group"] = await drain(cluster, group=True)
-    finally:
-        cluster.stop()
-    results["startup"] = unplaceable()
+    one_cluster = {
+        "slow": lambda c: slow_connections(c, 100),
+        "flood": lambda c: flood(c, args.flood),
+        "metrics": metrics_auth,
+        "abort": lambda c: abort_and_duplicate(c, args.abort_rounds),
+        "log": log_per_429,
+        "internal": internal_route,
+        "drain": lambda c: drain(c, group=False),
+    }
+    if phases & set(one_cluster):
+        cluster = Cluster()
+        try:
+            for name, phase in one_cluster.items():
+                if name in phases:
+                    results["drain_cli" if name == "drain" else name] = await phase(cluster)
+        finally:
+            cluster.stop()
+    if "drain" in phases:
+        cluster = Cluster()
+        try:
+            results["drain_group"] = await drain(cluster, group=True)
+        finally:
+            cluster.stop()
+    if "startup" in phases:
+        results["startup"] = unplaceable()
     for name, figures in results.items():
         print(f"{name:12s} {json.dumps(figures)}", flush=True)
     print(f"load after: {os.getloadavg()}")
@@ -367,6 +424,8 @@ def _spread(seconds: list[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--flood", type=int, default=20_000, help="idle connections")
+    parser.add_argument("--abort-rounds", type=int, default=20, help="rounds of 4 Aborts")
+    parser.add_argument("--phases", default="", help=f"comma-separated, of {','.join(PHASES)}")
     asyncio.run(run(parser.parse_args(argv)))
     return 0
 

@@ -213,3 +213,103 @@ def test_a_pd_split_that_cannot_be_placed_exits_1_within_60_s(tmp_path: Path) ->
     assert done.returncode == 1, done.stderr[-2000:]
     assert "--replica-cpus" in done.stderr and "CPUs" in done.stderr
     assert took_s < 60, took_s
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _alive(pids: set[int]) -> set[int]:
+    """Those of ``pids`` that still run (a zombie nobody reaped yet runs nothing)."""
+    alive = set()
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        if "\nState:\tZ" not in status:
+            alive.add(pid)
+    return alive
+
+
+def _refused(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    except OSError:
+        return True
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+async def test_parent_death_sigkill_of_a_replica_worker_then_of_cluster_serve(
+    tmp_path: Path,
+) -> None:
+    """kvserve cluster serve --replicas 1 (fake runner): SIGKILL of the replica's Ray worker
+    closes its metrics port and Serve starts a new replica that answers; SIGKILL of the CLI
+    alone (not its group: the cluster runs in its child, which the kernel then sends SIGTERM)
+    leaves no process of kvserve or Ray within 60 s (a drain of --grace-period-s 2, then Ray
+    stops) and closes every port (gRPC, HTTP, the router's and the replica's metrics)."""
+    from cluster.app import descendants
+
+    port, http_port, metrics_port = free_port(), free_port(), free_port()
+    log = tmp_path / "cluster.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "cluster", "serve", "--runner", "fake",
+             "--replicas", "1", "--replica-cpus", "0", "--grace-period-s", "2",
+             "--port", str(port),
+             "--http-port", str(http_port), "--metrics-port", str(metrics_port),
+             "--http-port-file", str(tmp_path / "http")],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    address = f"127.0.0.1:{port}"
+    started: set[int] = set()
+    try:
+        await asyncio.to_thread(wait_served, address, 240.0)
+        await wait_for((tmp_path / "http").exists, timeout_s=240)
+        (replica_url,) = replica_targets(metrics_port, 1)
+        workers = [p for p in descendants(proc.pid) if ":KVServeReplica" in _cmdline(p)]
+        assert len(workers) == 1, [_cmdline(p) for p in descendants(proc.pid)]
+        os.kill(workers[0], signal.SIGKILL)
+        replica_port = int(replica_url.rsplit(":", 1)[1])
+        await wait_for(lambda: _refused(replica_port), timeout_s=60)
+
+        async def answered() -> list[int]:
+            async with KVServeClient(address) as client:
+                return [t async for m in client.generate("again", max_tokens=3)
+                        for t in m.token_ids]  # fmt: skip
+
+        deadline = time.monotonic() + 180
+        while True:  # Serve notices the dead replica and starts another
+            try:
+                assert len(await answered()) == 3
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(1)
+        (new_url,) = replica_targets(metrics_port, 1)
+        started |= descendants(proc.pid)
+        assert _alive(started) and workers[0] not in _alive(started)
+        proc.kill()  # the CLI alone
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while left := _alive(started):
+            assert time.monotonic() < deadline, [_cmdline(p) for p in left]
+            await asyncio.sleep(0.5)
+        ports = [port, http_port, metrics_port, int(new_url.rsplit(":", 1)[1])]
+        assert all(_refused(p) for p in ports), [p for p in ports if not _refused(p)]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for pid in _alive(started):  # what a failed run left
+            os.kill(pid, signal.SIGKILL)
+        print(log.read_text()[-3000:])

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +19,7 @@ from model_runner.constraints import ConstraintCompiler, ConstraintTracker
 from server.auth import Security
 from server.fake_tokenizer import ByteTokenizer
 from tests.cluster.helpers import (
+    ROOT,
     LocalCluster,
     replica_actor,
     replica_targets,
@@ -220,6 +223,44 @@ async def test_a_killed_replica_ends_its_http_streams_with_an_error_that_says_re
     after = await client.completions.create(model="fake", prompt="after", max_tokens=3)
     assert after.choices[0].finish_reason == "length"
     await client.close()
+
+
+@pytest.mark.parametrize("api", ["grpc", "http"])
+async def test_vanish_16_streams_on_the_cluster_whose_client_process_is_killed(
+    cluster: LocalCluster, api: str
+) -> None:
+    """A client process with 16 long streams open through the cluster (both replicas serve
+    some) is SIGKILLed once each has a token: on every replica each request is aborted
+    (client_cancel, 16 in all), none runs or waits, and no KV block stays in use."""
+    metrics_port = cluster.deploy_openai(
+        f"vanish-{api}", engine=engine(fake_step_sleep_s=0.02), num_replicas=2
+    )
+    urls = replica_targets(metrics_port, 2)
+    target = cluster.address if api == "grpc" else cluster.http_url
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.server.vanishing_client", api, target, "16", "1000", ALICE,
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), 120)
+        assert line == b"ready\n", line
+        by_replica = running_by_replica(urls)
+    finally:
+        proc.kill()
+        await proc.wait()
+    assert sum(by_replica.values()) == 16 and min(by_replica.values()) >= 1
+
+    def settled() -> bool:
+        samples = [scrape(u) for u in urls]
+        busy = total(samples, "kvserve_requests_running") + total(
+            samples, "kvserve_requests_waiting"
+        )
+        used = total(samples, "kvserve_kv_cache_blocks", state="used")
+        cancelled = total(samples, "kvserve_request_aborts_total", reason="client_cancel")
+        return busy == 0 and used == 0 and cancelled == 16
+
+    await wait_for(settled, timeout_s=120)
 
 
 async def test_a_killed_ingress_ends_its_streams_saying_retry_while_the_other_serves(
