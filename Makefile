@@ -32,11 +32,17 @@ test-deps:
 	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null)
 
+# The suite's files on TEST_WORKERS processes (pytest-xdist; a file's tests stay on one, so
+# its module fixtures start once): much of it waits on servers, subprocesses and Ray.
+# TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: install test-deps
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 # lm-evaluation-harness's local-completions model on the shipped multiple-choice
 # (loglikelihood) and generate_until tasks (tests/data/eval) against an in-process server with

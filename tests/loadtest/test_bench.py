@@ -61,24 +61,34 @@ def test_format_table_is_markdown_with_dashes_for_missing() -> None:
     assert cells[4] == "21.2" and cells[10] == "1.20x"
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(5700)
-def test_run_all_quick_prints_one_table_and_writes_json(tmp_path: Path) -> None:
-    """`python -m benchmarks.run_all --quick` runs every section on the real model and server.
+SERVING_SECTIONS = "chat128,policy,slo,prefix,paged,spec"
+MODEL_SECTIONS = "kvcache,sinks,kernels,models,kvtier,lora"
 
-    About 15 minutes alone on 2 cores; the timeout is only the safety net against a hang, far
-    above what a machine whose cores are busy with something else needs."""
+
+def run_quick(sections: str, out_dir: Path) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """`python -m benchmarks.run_all --quick --sections ...` on the real model and server
+    (llama.cpp off): its output, and the JSON it wrote. The timeout is only the safety net
+    against a hang, far above what a machine whose cores are busy needs."""
     assert CHAT128_PROMPTS.is_file(), f"the reference workload is missing: {CHAT128_PROMPTS}"
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.run_all", "--quick", "--no-progress",
-         "--llama-cpp", "off", "--out-dir", str(tmp_path)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=5400, check=False,
+         "--llama-cpp", "off", "--sections", sections, "--out-dir", str(out_dir)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=3000, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.count("| Section ") == 1
-    (path,) = tmp_path.glob("bench-quick-*.json")
+    (path,) = out_dir.glob("bench-quick-*.json")
     doc = json.loads(path.read_text())
     assert doc["schema"] == "kvserve.bench/v1" and doc["quick"] is True
+    return done, doc
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_run_all_quick_serving_sections_print_one_table_and_write_json(tmp_path: Path) -> None:
+    """`run_all --quick` runs the serving sections (the table's rows) on the real model and
+    server; the model sections run in test_bench_models.py (two files: two test workers)."""
+    _, doc = run_quick(SERVING_SECTIONS, tmp_path)
     rows = doc["rows"]
     assert [r["section"] for r in rows] == (
         ["chat128"] * 6
@@ -92,58 +102,7 @@ def test_run_all_quick_prints_one_table_and_writes_json(tmp_path: Path) -> None:
         "chat128", "policy", "slo", "prefix", "paged", "spec", "kvcache", "sinks", "kernels",
         "models", "kvtier", "lora",
     ]  # fmt: skip
-    # lora (quick: the embedded model, rank 4, llama.cpp off): base and 8 adapters on one
-    # server interleaved, then one adapter against llama-server (not measured).
-    lora = doc["lora"]
-    assert [r["kind"] for r in lora["runs"]] == [
-        "kvserve-base", "kvserve-8-adapters", "kvserve-8-adapters", "kvserve-base",
-        "kvserve-1-adapter", "llama.cpp-lora", "llama.cpp-lora", "kvserve-1-adapter",
-    ]  # fmt: skip
-    assert all(r["ok"] and r["output_tok_s"] > 0 for r in lora["runs"] if "kvserve" in r["kind"])
-    assert all(r["error"].startswith("not measured") for r in lora["runs"] if "llama" in r["kind"])
-    assert "LoRA adapters (lora)" in done.stdout
-    # models (quick: the embedded file only, llama.cpp off): kvserve's rows, the peers'
-    # reasons, a bandwidth probe.
-    # kvtier (quick: the embedded model, llama.cpp off): the three kvserve configurations
-    # measured, the peer's reason.
-    kvtier = {r["config"]: r for r in doc["kvtier"]["runs"]}
-    assert list(kvtier) == [
-        "kvserve, pool holds all", "kvserve, tier on", "kvserve, tier off",
-        "llama.cpp --cache-ram",
-    ]  # fmt: skip
-    assert all(kvtier[c]["ttft_p50_s"] > 0 for c in list(kvtier)[:3])
-    assert kvtier["llama.cpp --cache-ram"]["note"] == "not measured: no llama-server build"
-    # kernels (quick: two types at n = 1 and 8, llama.cpp off): kvserve's timings at both
-    # activation precisions, ggml's reason.
-    kern = doc["kernels"]
-    assert kern["ggml"].startswith("not measured")
-    assert [t["type"] for t in kern["types"]] == ["q4_0", "q4_K"]
-    for t in kern["types"]:
-        assert set(t["kv16_us"]) == set(t["kv8_us"]) == {"1", "8"}
-        assert all(us > 0 for us in [*t["kv16_us"].values(), *t["kv8_us"].values()])
-    assert "Quantized matmul against ggml (kernels)" in done.stdout
-    (model,) = doc["models"]
-    assert model["model"] == "embedded" and model["read_gbs"] > 0
-    assert model["kv_prefill_tok_s"] > 0 and model["kv_decode_tok_s"] > 0
-    assert model["llama_bench"] == "not measured: no llama-bench build"
-    assert list(model["chat128"]) == ["1", "2"]
-    assert all(p["kvserve"]["ok"] == int(u) for u, p in model["chat128"].items())
-    assert all(p["llama.cpp"].startswith("not measured") for p in model["chat128"].values())
-    assert "Real GGUF files (models)" in done.stdout
-    points = doc["kvcache"]["points"]
-    assert [(p["strategy"], p["length"]) for p in points] == [
-        (s, n) for n in (64, 128, 256) for s in ("always", "disabled")
-    ]
-    assert all(len(p["samples_ms"]) == 2 and p["ms_per_token"] > 0 for p in points)
-    assert all(len(p["token_ids"]) == 3 for p in points)
-    assert Path(doc["kvcache"]["png"]).stat().st_size > 10_000
-    assert "| Sequence length (tokens) |" in done.stdout
-    sinks = {r["name"]: r for r in doc["sinks"]}
-    assert list(sinks) == ["sinks 4 + window 124", "window 128 alone", "full attention"]
-    assert all(r["num_scored"] == 511 and r["perplexity"] > 1 for r in sinks.values())
-    # The window holds at most 124 + a 64-token chunk + a block; sinks add their block.
-    assert sinks["window 128 alone"]["peak_kv_slots"] <= 128 + 64 + 16
-    assert sinks["sinks 4 + window 124"]["peak_kv_slots"] <= 16 + 124 + 64 + 16
+    assert ",".join(SECTIONS) == f"{SERVING_SECTIONS},{MODEL_SECTIONS}"
     spec = [r for r in rows if r["section"] == "spec"]
     off, k3, k4 = (f"kvserve speculation {c}" for c in ("off", "on k=3", "on k=4"))
     assert [r["system"] for r in spec] == [off, k3, k4, off, k3, k4, off, k3]

@@ -1,0 +1,70 @@
+"""`python -m benchmarks.run_all --quick` over the model sections (kvcache, sinks, kernels,
+models, kvtier, lora) on the real model; the serving sections run in test_bench.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.loadtest.test_bench import MODEL_SECTIONS, run_quick
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_run_all_quick_model_sections_print_their_tables_and_write_json(tmp_path: Path) -> None:
+    """Each model section's figures in the JSON and its table in the output; no serving row."""
+    done, doc = run_quick(MODEL_SECTIONS, tmp_path)
+    assert doc["rows"] == []
+    # lora (quick: the embedded model, rank 4, llama.cpp off): base and 8 adapters on one
+    # server interleaved, then one adapter against llama-server (not measured).
+    lora = doc["lora"]
+    assert [r["kind"] for r in lora["runs"]] == [
+        "kvserve-base", "kvserve-8-adapters", "kvserve-8-adapters", "kvserve-base",
+        "kvserve-1-adapter", "llama.cpp-lora", "llama.cpp-lora", "kvserve-1-adapter",
+    ]  # fmt: skip
+    assert all(r["ok"] and r["output_tok_s"] > 0 for r in lora["runs"] if "kvserve" in r["kind"])
+    assert all(r["error"].startswith("not measured") for r in lora["runs"] if "llama" in r["kind"])
+    assert "LoRA adapters (lora)" in done.stdout
+    # models (quick: the embedded file only, llama.cpp off): kvserve's rows, the peers'
+    # reasons, a bandwidth probe.
+    # kvtier (quick: the embedded model, llama.cpp off): the three kvserve configurations
+    # measured, the peer's reason.
+    kvtier = {r["config"]: r for r in doc["kvtier"]["runs"]}
+    assert list(kvtier) == [
+        "kvserve, pool holds all", "kvserve, tier on", "kvserve, tier off",
+        "llama.cpp --cache-ram",
+    ]  # fmt: skip
+    assert all(kvtier[c]["ttft_p50_s"] > 0 for c in list(kvtier)[:3])
+    assert kvtier["llama.cpp --cache-ram"]["note"] == "not measured: no llama-server build"
+    # kernels (quick: two types at n = 1 and 8, llama.cpp off): kvserve's timings at both
+    # activation precisions, ggml's reason.
+    kern = doc["kernels"]
+    assert kern["ggml"].startswith("not measured")
+    assert [t["type"] for t in kern["types"]] == ["q4_0", "q4_K"]
+    for t in kern["types"]:
+        assert set(t["kv16_us"]) == set(t["kv8_us"]) == {"1", "8"}
+        assert all(us > 0 for us in [*t["kv16_us"].values(), *t["kv8_us"].values()])
+    assert "Quantized matmul against ggml (kernels)" in done.stdout
+    (model,) = doc["models"]
+    assert model["model"] == "embedded" and model["read_gbs"] > 0
+    assert model["kv_prefill_tok_s"] > 0 and model["kv_decode_tok_s"] > 0
+    assert model["llama_bench"] == "not measured: no llama-bench build"
+    assert list(model["chat128"]) == ["1", "2"]
+    assert all(p["kvserve"]["ok"] == int(u) for u, p in model["chat128"].items())
+    assert all(p["llama.cpp"].startswith("not measured") for p in model["chat128"].values())
+    assert "Real GGUF files (models)" in done.stdout
+    points = doc["kvcache"]["points"]
+    assert [(p["strategy"], p["length"]) for p in points] == [
+        (s, n) for n in (64, 128, 256) for s in ("always", "disabled")
+    ]
+    assert all(len(p["samples_ms"]) == 2 and p["ms_per_token"] > 0 for p in points)
+    assert all(len(p["token_ids"]) == 3 for p in points)
+    assert Path(doc["kvcache"]["png"]).stat().st_size > 10_000
+    assert "| Sequence length (tokens) |" in done.stdout
+    sinks = {r["name"]: r for r in doc["sinks"]}
+    assert list(sinks) == ["sinks 4 + window 124", "window 128 alone", "full attention"]
+    assert all(r["num_scored"] == 511 and r["perplexity"] > 1 for r in sinks.values())
+    # The window holds at most 124 + a 64-token chunk + a block; sinks add their block.
+    assert sinks["window 128 alone"]["peak_kv_slots"] <= 128 + 64 + 16
+    assert sinks["sinks 4 + window 124"]["peak_kv_slots"] <= 16 + 124 + 64 + 16
