@@ -18,7 +18,7 @@ holds no weights: it lists and resolves from the adapters a replica reported at 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from cache_manager.hashing import adapter_salt
@@ -39,10 +39,15 @@ class Adapters:
         registry: LoraRegistry | None = None,
         infos: Sequence[AdapterInfo] = (),
         base_name: str = "",
+        keys: Mapping[str, str] | None = None,
     ) -> None:
+        """``infos``: the adapters a front without weights lists and resolves; ``keys``:
+        adapters known only by the key of their weights (name -> key: the Ray router's,
+        from the replicas' reports), resolved and not listed."""
         self.registry = registry
         self.base_name = base_name
         self._static = {i.name: i for i in infos}
+        self._keys = {i.name: i.key for i in infos} | dict(keys or {})
         self._scales: dict[str, float] = {}  # llama.cpp's server-wide scales (non-zero only)
         self._lock = threading.Lock()
 
@@ -65,8 +70,8 @@ class Adapters:
                 return self.registry.resolve(name, scale)
             except AdapterNotFoundError:
                 pass
-        elif name in self._static:
-            return LoraRef(name, self._static[name].key, scale)
+        elif name in self._keys:
+            return LoraRef(name, self._keys[name], scale)
         raise AdapterNotFoundError(not_found_message(name, self.base_name, self.names()))
 
     def for_request(self, request: pb.GenerateRequest) -> LoraRef | None:
