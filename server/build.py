@@ -29,7 +29,7 @@ from server.kv_tier import KVTier, open_kv_tier
 from server.text import make_text_stream_factory
 
 if TYPE_CHECKING:
-    from model_runner.lora.registry import LoraRegistry
+    from model_runner.base import AdapterSource
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class BuiltEngine:
     tokenizer: ServerTokenizer
     model: ServedModel
     source: str  # where the weights came from ("fake" for the fake runner)
-    adapters: LoraRegistry | None = None  # the runner's LoRA adapters (the torch runner's)
+    adapters: AdapterSource | None = None  # the runner's LoRA adapters (Runner.adapters)
 
 
 def constraint_tracker(tokenizer: object, vocab_size: int) -> ConstraintTracker | None:
@@ -130,20 +130,19 @@ def _torch_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]
 
 def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEngine:
     """Load the model (or the fake runner), size the KV cache and wire up the engine."""
-    adapters: LoraRegistry | None = None
     if cfg.runner == "fake":
         if cfg.lora:
             raise ValueError("--lora needs the torch runner: the fake runner has no weights")
         runner, tokenizer, num_blocks, source = _fake_runner(cfg)
     else:
         runner, tokenizer, num_blocks, source = _torch_runner(cfg)
-        adapters = runner.lora  # type: ignore[attr-defined]
-        for name, path in cfg.lora_modules():
-            info = adapters.load(name, path)
-            logger.info(
-                "LoRA adapter %s: %s, rank %d, %s", name, path, info.rank,
-                "+".join(info.target_modules),
-            )  # fmt: skip
+    adapters = runner.adapters
+    for name, path in cfg.lora_modules() if adapters is not None else ():
+        info = adapters.load(name, path)
+        logger.info(
+            "LoRA adapter %s: %s, rank %d, %s", name, path, info.rank,
+            "+".join(info.target_modules),
+        )  # fmt: skip
     info = runner.info
     max_model_len = min(info.max_model_len, cfg.max_model_len or info.max_model_len)
     per_block = block_bytes(info.shape, cfg.block_size)

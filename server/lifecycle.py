@@ -38,7 +38,7 @@ from server.openai.app import OpenAIFront
 from server.validation import DEFAULT_MAX_REQUEST_BYTES
 
 if TYPE_CHECKING:
-    from model_runner.lora.registry import LoraRegistry
+    from model_runner.base import AdapterSource
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class KVServeServer:
         security: Security | None = None,
         limits: EdgeLimits | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-        adapters: LoraRegistry | None = None,
+        adapters: AdapterSource | None = None,
         reasoning_parser: str = "auto",
     ) -> None:
         self.engine = engine

@@ -28,7 +28,7 @@ from server.rpc import generation_pb2 as pb
 from server.validation import InvalidRequestError
 
 if TYPE_CHECKING:
-    from model_runner.lora.registry import LoraRegistry
+    from model_runner.base import AdapterSource
 
 
 class Adapters:
@@ -36,7 +36,7 @@ class Adapters:
 
     def __init__(
         self,
-        registry: LoraRegistry | None = None,
+        registry: AdapterSource | None = None,
         infos: Sequence[AdapterInfo] = (),
         base_name: str = "",
         keys: Mapping[str, str] | None = None,
