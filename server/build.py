@@ -75,7 +75,7 @@ def _fake_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]:
         sleep_per_token_s=cfg.fake_token_sleep_s,
         crash_at_step=cfg.fake_crash_at_step,
         constraints=constraint_tracker(tokenizer, info.vocab_size),
-        step_thread=cfg.async_scheduling == "on",  # the fake device
+        step_thread=cfg.overlap is True,  # the fake device
     )
     if cfg.num_blocks is not None:
         num_blocks = cfg.num_blocks
@@ -121,7 +121,7 @@ def _torch_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]
         runner_options(cfg, loaded.name),
         constraints=constraint_tracker(loaded.tokenizer, loaded.config.vocab_size),
     )
-    if runner.device.type == "cpu" and cfg.async_scheduling == "on":
+    if runner.device.type == "cpu" and cfg.overlap is True:
         runner.use_step_thread()  # steps on their own thread: the engine plans meanwhile
     del loaded.state_dict  # the runner holds its own copy of the weights
     return_freed_memory()  # the fused projections' parts, freed into malloc's arenas
@@ -167,7 +167,7 @@ def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEng
         stalled_stream_timeout_s=cfg.stalled_stream_timeout_s,
         kv_tier=kv_tier,
         max_step_failures=cfg.max_step_failures,
-        overlap={"on": True, "off": False}.get(cfg.async_scheduling),  # auto: None
+        overlap=cfg.overlap,
     )
     model = ServedModel(
         name=info.name,

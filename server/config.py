@@ -407,6 +407,12 @@ class ServerConfig:
         return max(int(self.max_loras), len(self.lora), 1)
 
     @property
+    def overlap(self) -> bool | None:
+        """``--async-scheduling`` decoded: True (on: also on CPU, on a step thread), False
+        (off), None (auto: where the runner can run ahead, ``EngineLoop(overlap=)``)."""
+        return {"on": True, "off": False}.get(self.async_scheduling)
+
+    @property
     def kv_memory_bytes(self) -> int | None:
         return None if self.kv_memory is None else parse_bytes(self.kv_memory)
 
