@@ -31,6 +31,7 @@ import logging
 import pickle
 import time
 from collections import Counter, OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -50,6 +51,54 @@ _MAX_TRACKED = 65_536
 
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedCall:
+    """One call as the router reads it, decoded once (``of``)::
+
+        kind      what it carries                        routed
+        engine    an engine ``Request``: the OpenAI      by its keys (ids and salt made by
+                  ingress's Generate, a decode           the ingress's front); a Generate's
+                  replica's prefill handoff              id where that id runs
+        generate  the gRPC proxy's ``GenerateRequest``   tokenized and salted here; its id
+        abort     the gRPC proxy's ``AbortRequest``      where its request runs
+        other     anything else (GetModelInfo, an        to the least loaded replica
+                  undecodable message)
+
+    ``request_id``: the id the call names (an engine Generate's, already owner-scoped; the
+    client's for the gRPC calls), "" for none."""
+
+    kind: str = "other"
+    engine: Request | None = None
+    generate: pb.GenerateRequest | None = None
+    request_id: str = ""
+
+    @classmethod
+    def of(cls, pending: PendingRequest) -> RoutedCall:
+        if not pending.args:
+            return cls()
+        arg = pending.args[0]
+        method = pending.metadata.call_method
+        if method in (GENERATE_METHOD, PREFILL_METHOD):
+            if not isinstance(arg, Request):
+                return cls()
+            return cls("engine", arg, None, arg.request_id if method == GENERATE_METHOD else "")
+        try:
+            message = pickle.loads(arg).user_request_proto if isinstance(arg, bytes) else arg
+        except Exception:  # not ours to judge: the replica answers it with a clear status
+            logger.debug("undecodable request", exc_info=True)
+            return cls()
+        if isinstance(message, pb.GenerateRequest):
+            return cls("generate", None, message, message.request_id)
+        if isinstance(message, pb.AbortRequest):
+            return cls("abort", request_id=message.request_id)
+        return cls()
+
+
+def _load(replica: ReplicaLoad) -> tuple[int, str]:
+    """The least loaded replica first, ties by id."""
+    return replica.num_ongoing, replica.replica_id
 
 
 class KVServeRequestRouter(RequestRouter):
@@ -155,21 +204,6 @@ class KVServeRequestRouter(RequestRouter):
         return sorted(u for u in urls if u)
 
     # ------------------------------------------------------------------ request -> keys
-    def _message(self, pending: PendingRequest | None) -> Any:
-        """What the call carries: the engine request of ``generate_request`` (the OpenAI
-        ingress) and ``prefill_request`` (a decode replica's handoff), the gRPC proxy's
-        decoded message (``GenerateRequest``, ``AbortRequest``, ...); None otherwise."""
-        if pending is None or not pending.args:
-            return None
-        arg = pending.args[0]
-        if pending.metadata.call_method in (GENERATE_METHOD, PREFILL_METHOD):
-            return arg if isinstance(arg, Request) else None
-        try:
-            return pickle.loads(arg).user_request_proto if isinstance(arg, bytes) else arg
-        except Exception:  # not ours to judge: the replica answers it with a clear status
-            logger.debug("undecodable request", exc_info=True)
-            return None
-
     def _owner(self, pending: PendingRequest) -> str:
         """Who a gRPC call's request belongs to, as its replica will judge (``server.auth``)."""
         context = pending.metadata.grpc_context
@@ -177,30 +211,29 @@ class KVServeRequestRouter(RequestRouter):
         peer = grpc_peer_host(str(context.peer())) if context is not None else ""
         return request_owner(metadata.get("authorization"), peer, self._auth)
 
-    def _scoped_id(self, pending: PendingRequest, message: Any) -> str | None:
-        """The engine id (owner-scoped) a Generate or Abort names; None without one."""
-        if isinstance(message, Request):
-            return message.request_id if pending.metadata.call_method == GENERATE_METHOD else None
-        if not isinstance(message, pb.GenerateRequest | pb.AbortRequest) or not message.request_id:
-            return None
-        return scoped_id(self._owner(pending), message.request_id)
+    def _scoped_id(self, pending: PendingRequest, call: RoutedCall) -> str | None:
+        """The engine id (owner-scoped) a call names; None without one."""
+        if call.kind == "engine" or not call.request_id:
+            return call.request_id or None
+        return scoped_id(self._owner(pending), call.request_id)
 
-    def _prompt_keys(self, pending: PendingRequest, message: Any) -> tuple[list[int], int]:
+    def _prompt_keys(self, pending: PendingRequest, call: RoutedCall) -> tuple[list[int], int]:
         """The request's block keys and prompt length; empty for calls that generate nothing.
         A gRPC ``GenerateRequest`` is tokenized and salted here, as its replica will
         (``server.identity``: the owner, the client's salt, the adapter)."""
         from server.frontend import prompt_token_ids
 
-        if isinstance(message, Request):
-            ids = message.prompt_token_ids
-            return routing_keys(ids, self.block_size, message.cache_salt), len(ids)
-        if not isinstance(message, pb.GenerateRequest):
+        if call.engine is not None:
+            ids = call.engine.prompt_token_ids
+            return routing_keys(ids, self.block_size, call.engine.cache_salt), len(ids)
+        if call.generate is None:
             return [], 0
         try:
             if self._tokenizer is None:
                 self._tokenizer = tokenizer_for(self._engine)
-            ids = prompt_token_ids(self._tokenizer, message)
-            _, salt = request_identity(message, self._owner(pending), self._scope, self._adapters)
+            ids = prompt_token_ids(self._tokenizer, call.generate)
+            owner = self._owner(pending)
+            _, salt = request_identity(call.generate, owner, self._scope, self._adapters)
         except Exception:  # an invalid request: the replica answers it with a clear status
             logger.debug("no routing keys for request", exc_info=True)
             return [], 0
@@ -241,23 +274,21 @@ class KVServeRequestRouter(RequestRouter):
         if not live:
             return []
         self._learn_reports(candidate_replicas)
-        message = self._message(pending_request)
-        if pending_request is not None:
-            scoped = self._scoped_id(pending_request, message)
-            if scoped is not None:
-                internal_id = pending_request.metadata.internal_request_id
-                holder = self._holders.get(scoped)
-                if not isinstance(message, pb.AbortRequest):
-                    self._track(self._ids_of, internal_id, scoped)
-                if holder is not None and holder[0] in by_id:
-                    # An Abort finds its request; a duplicate id is refused where it runs.
-                    return [[by_id[holder[0]]]]
-        keys, num_prompt_tokens = (
-            self._prompt_keys(pending_request, message) if pending_request else ([], 0)
-        )
-        if pending_request is None or not num_prompt_tokens:
-            least = min(live, key=lambda r: (r.num_ongoing, r.replica_id))
-            return [[by_id[least.replica_id]]]
+        if pending_request is None:
+            return [[by_id[min(live, key=_load).replica_id]]]
+        call = RoutedCall.of(pending_request)
+        scoped = self._scoped_id(pending_request, call)
+        if scoped is not None:
+            internal_id = pending_request.metadata.internal_request_id
+            holder = self._holders.get(scoped)
+            if call.kind != "abort":
+                self._track(self._ids_of, internal_id, scoped)
+            if holder is not None and holder[0] in by_id:
+                # An Abort finds its request; a duplicate id is refused where it runs.
+                return [[by_id[holder[0]]]]
+        keys, num_prompt_tokens = self._prompt_keys(pending_request, call)
+        if not num_prompt_tokens:
+            return [[by_id[min(live, key=_load).replica_id]]]
         decision = self.router.choose(
             live, keys, num_prompt_tokens=num_prompt_tokens, now_s=time.monotonic()
         )
