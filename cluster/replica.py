@@ -41,10 +41,9 @@ from scheduler.request import Request
 from server.config import ServerConfig, build_config
 from server.engine import EngineDeadError
 from server.engine_client import EngineClient
-from server.frontend import Frontend, ServedModel, status_of
-from server.grpc_service import GenerationServicer
+from server.front import assemble_front
+from server.frontend import ServedModel, status_of
 from server.lifecycle import drain
-from server.lora import Adapters
 from server.outputs import GenerationOutput
 from server.rpc import generation_pb2 as pb
 
@@ -249,17 +248,9 @@ class KVServeReplica:
             )
             self.metrics_url = f"{advertised_host(metrics_host)}:{self._metrics_server.port}"
         handoff = _handoff(role, built, prefill, sink, transfer_timeout_s, transfer_min_tokens)
-        self.client = _ReportingClient(built.engine, self.arrivals, handoff, built.adapters)
-        tracker = built.engine.constraint_tracker
-        self.frontend = Frontend(
-            self.client,
-            built.tokenizer,
-            built.model,
-            security=security,
-            constraints=tracker.compiler if tracker is not None else None,
-            adapters=Adapters(built.adapters, base_name=built.model.name),
-        )
-        self.servicer = GenerationServicer(self.frontend, sink=sink, security=security)
+        client = _ReportingClient(built.engine, self.arrivals, handoff, built.adapters)
+        front = assemble_front(client, built.tokenizer, built.model, security, sink=sink)
+        self.client, self.frontend, self.servicer = client, front.frontend, front.servicer
         built.engine.start()
         self._drain = watch_drain(context.app_name, f"replica {self.replica}", self.drain)
         logger.info(
