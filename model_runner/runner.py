@@ -195,9 +195,6 @@ class TorchRunner:
         self._future_index: dict[str, int] = {}  # last step's sampled rows, for placeholders
         self._pending_scrub: list[int] = []  # blocks to scrub before the next step
         self._info = self._model_info(o.name)
-        # LoRA adapters: fp16 for the fused kernels (half the bytes a step reads; their
-        # error is far below the 4-bit weights'), the model's dtype elsewhere.
-        self.lora_dtype = torch.float16 if self.paths.fused is not None else self.dtype
         self.lora = LoraRegistry(
             config, self._lay_out_adapter, max_rank=o.max_lora_rank,
             max_loaded=o.max_cpu_loras, base_name=self._info.name,
@@ -281,6 +278,12 @@ class TorchRunner:
     def adapters(self) -> LoraRegistry:
         """The LoRA adapters this runner serves (``Runner.adapters``)."""
         return self.lora
+
+    @property
+    def lora_dtype(self) -> torch.dtype:
+        """The LoRA adapters' dtype: fp16 for the fused kernels (half the bytes a step reads;
+        their error is far below the 4-bit weights'), the model's dtype elsewhere."""
+        return torch.float16 if self.paths.fused is not None else self.dtype
 
     def _lay_out_adapter(self, adapter: AdapterFile) -> LoraWeights:
         return lay_out(adapter, self.config, self.lora_dtype, self.device)
