@@ -56,7 +56,8 @@ a 2-thread OpenMP team waits on a descheduled thread, and the curve shows the ne
 not the cache.
 
 The ``kvcache`` and ``sinks`` sections print their own tables under the main one. The
-sections themselves are ``benchmarks.sections``; ``SECTIONS`` below lists them in table order.
+sections themselves are ``benchmarks.sections`` (the KV cache's: ``benchmarks.kv_sections``);
+``SECTIONS`` below lists them in table order.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks import bench_lora, sections
+from benchmarks import bench_lora, kv_sections, sections
 from benchmarks.bench_llama_cpp import LlamaCpp, find_llama_cpp, llama_cpp_note
 from benchmarks.sections import Context, SectionResult, say
 from benchmarks.sizes import FULL, QUICK
@@ -90,10 +91,10 @@ SECTIONS: dict[str, Callable[[Context], SectionResult]] = {
     "policy": sections.policy,
     "slo": sections.slo,
     "prefix": sections.prefix,
-    "paged": sections.paged,
+    "paged": kv_sections.paged,
     "spec": sections.spec,
-    "kvcache": sections.kvcache,
-    "sinks": sections.sinks,
+    "kvcache": kv_sections.kvcache,
+    "sinks": kv_sections.sinks,
     "kernels": sections.kernels,
     "models": sections.models,
     "kvtier": sections.kvtier,

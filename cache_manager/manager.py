@@ -13,6 +13,7 @@ Progress is the request's ``num_computed_tokens`` (owned by the scheduler). A st
 step advanced ``num_computed_tokens``, ``cache_full_blocks(seq)`` gives every newly full,
 computed block its prefix-cache key. At admission ``get_computed_blocks(seq)`` returns a
 ``PrefixHit`` (verified blocks and their keys) that ``allocate_slots(seq, n, hit)`` consumes.
+The keys' chain and the lookup live in ``cache_manager.prefix``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 
-from cache_manager import audit
+from cache_manager import audit, prefix
 from cache_manager.allocation import (
     NOTHING_NEW,
     Allocation,
@@ -32,7 +33,6 @@ from cache_manager.block import KVBlock
 from cache_manager.block_pool import BlockPool
 from cache_manager.config import KVCacheConfig
 from cache_manager.eviction import make_eviction_policy
-from cache_manager.hashing import hash_block_tokens
 from cache_manager.stats import KVCacheStats
 from cache_manager.strategy import make_kv_strategy
 from cache_manager.tier import TierBlock, TierLedger, TierPlan
@@ -160,42 +160,9 @@ class KVCacheManager:
         it is counted in the prefix statistics when an allocation consumes it. Empty when
         prefix caching is off.
         """
-        tokens = seq.all_token_ids
         if not self.enable_prefix_caching:
             return PrefixHit(seq.request_id, (), (), 0, 0)
-        pool = self._pool
-        bs = self.block_size
-        num_blocks = (len(tokens) - 1) // bs
-        if max_num_tokens is not None:
-            num_blocks = min(num_blocks, max_num_tokens // bs)
-        blocks: list[KVBlock] = []
-        keys: list[bytes] = []
-        restore: list[TierBlock] = []
-        salt = seq.cache_salt
-        parent: bytes | None = None
-        staged = self._tier.staged(seq.request_id) if self._tier is not None else None
-        for start in range(0, num_blocks * bs if pool.cached or staged else 0, bs):
-            chunk = tokens[start : start + bs]
-            key = hash_block_tokens(parent, chunk, salt)
-            # Tier 1 first; once the chain continues in tier 2 it stays there.
-            block = None if restore else pool.lookup(key, parent, chunk, salt)
-            if block is not None:
-                blocks.append(block)
-            else:
-                entry = None if staged is None else staged.get(key)
-                if entry is None or not entry.matches(parent, chunk, salt):
-                    break
-                restore.append(entry)
-            keys.append(key)
-            parent = key
-        return PrefixHit(
-            seq.request_id,
-            tuple(blocks),
-            tuple(keys),
-            len(keys) * bs,
-            len(tokens),
-            tuple(restore),
-        )
+        return prefix.longest_hit(seq, self._pool, self._tier, self.block_size, max_num_tokens)
 
     def cache_full_blocks(self, seq: CacheSequence) -> None:
         """Give each newly full, computed block of ``seq`` its prefix-cache key.
@@ -208,32 +175,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         state = self._requests[seq.request_id]
-        bs = self.block_size
-        num_full = seq.num_computed_tokens // bs
-        keys = state.block_keys
-        first = len(keys)
-        if num_full <= first:
-            return
-        blocks = state.blocks
-        if num_full > len(blocks):
-            raise ValueError(
-                f"request {seq.request_id!r}: num_computed_tokens={seq.num_computed_tokens} "
-                f"exceeds its {len(blocks)} blocks of {bs} slots"
-            )
-        tokens = seq.all_token_ids
-        salt = seq.cache_salt
-        pool = self._pool
-        null = self._null_block
-        parent = keys[-1] if keys else None
-        for i in range(first, num_full):
-            chunk = tokens[i * bs : (i + 1) * bs]
-            key = hash_block_tokens(parent, chunk, salt)
-            block = blocks[i]
-            # A released position still gets its key: later blocks chain on it.
-            if block is not null and block.block_hash is None:
-                pool.register(block, key, parent, chunk, salt)
-            keys.append(key)
-            parent = key
+        prefix.key_full_blocks(seq, state, self._pool, self._null_block, self.block_size)
 
     # ------------------------------------------------------------------ tier 2
 

@@ -312,6 +312,7 @@ def _replicas(cfg: ClusterConfig, name: str, num_replicas: int, metrics_port: in
             "shared_tier_blocks": shared_tier_blocks,
             "chunk_tokens": engine.long_prefill_token_threshold or engine.max_num_batched_tokens,
             "auth": security.auth_enabled,
+            "share_prefix_cache": security.share_prefix_cache,
             # Key digests, never the keys: Ray keeps these settings in the deployment config.
             "metrics_gate": {
                 "api_owners": sorted(gate.api_owners),

@@ -73,12 +73,20 @@ class ReplicaDiedError(EngineDeadError):
     """The replica running a request died (its engine went with it): retry, it may work now."""
 
 
+def replica_died(exc: BaseException) -> bool:
+    """Whether ``exc`` is Ray's word that the replica running a call died (the one test, for
+    the ingress here and the gRPC proxy in ``cluster.ray_patches``)."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    return isinstance(exc, ActorDiedError | ActorUnavailableError) or type(exc) is RayActorError
+
+
 def unwrap_ray_error(exc: BaseException) -> BaseException:
     """What a replica raised (``OverloadError``, ``ValueError``...), out of Ray's wrapper; a
     replica that died is a ``ReplicaDiedError``."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+    from ray.exceptions import RayTaskError
 
-    if isinstance(exc, ActorDiedError | ActorUnavailableError) or type(exc) is RayActorError:
+    if replica_died(exc):
         return ReplicaDiedError(
             f"the replica serving this request died; retry: {type(exc).__name__}"
         )

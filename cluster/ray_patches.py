@@ -94,12 +94,14 @@ def check_ray_names() -> None:
 
 
 def _replica_died(exc: BaseException) -> bool:
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    """``openai_ingress.replica_died`` of the exception the proxy's status wraps."""
     from ray.serve.exceptions import gRPCStatusError
+
+    from cluster.openai_ingress import replica_died
 
     if isinstance(exc, gRPCStatusError):
         exc = exc.original_exception
-    return isinstance(exc, ActorDiedError | ActorUnavailableError) or (type(exc) is RayActorError)
+    return replica_died(exc)
 
 
 def unavailable_on_replica_death() -> None:

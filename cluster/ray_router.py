@@ -31,6 +31,7 @@ import logging
 import pickle
 import time
 from collections import Counter, OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -38,8 +39,10 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from cluster.openai_ingress import GENERATE_METHOD, tokenizer_for
 from cluster.pd import PREFILL_METHOD
 from cluster.routing import DEFAULT_GUARD, LoadGuard, ReplicaLoad, make_router, routing_keys
-from scheduler.request import LoraRef, Request
-from server.lora import cache_salt_with
+from scheduler.request import Request
+from server.auth import CacheScope, grpc_peer_host, request_owner, scoped_id
+from server.identity import request_identity
+from server.lora import Adapters
 from server.rpc import generation_pb2 as pb
 
 # Keys of requests chosen but not yet routed / completed, at most this many (a request Ray
@@ -48,6 +51,54 @@ _MAX_TRACKED = 65_536
 
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedCall:
+    """One call as the router reads it, decoded once (``of``)::
+
+        kind      what it carries                        routed
+        engine    an engine ``Request``: the OpenAI      by its keys (ids and salt made by
+                  ingress's Generate, a decode           the ingress's front); a Generate's
+                  replica's prefill handoff              id where that id runs
+        generate  the gRPC proxy's ``GenerateRequest``   tokenized and salted here; its id
+        abort     the gRPC proxy's ``AbortRequest``      where its request runs
+        other     anything else (GetModelInfo, an        to the least loaded replica
+                  undecodable message)
+
+    ``request_id``: the id the call names (an engine Generate's, already owner-scoped; the
+    client's for the gRPC calls), "" for none."""
+
+    kind: str = "other"
+    engine: Request | None = None
+    generate: pb.GenerateRequest | None = None
+    request_id: str = ""
+
+    @classmethod
+    def of(cls, pending: PendingRequest) -> RoutedCall:
+        if not pending.args:
+            return cls()
+        arg = pending.args[0]
+        method = pending.metadata.call_method
+        if method in (GENERATE_METHOD, PREFILL_METHOD):
+            if not isinstance(arg, Request):
+                return cls()
+            return cls("engine", arg, None, arg.request_id if method == GENERATE_METHOD else "")
+        try:
+            message = pickle.loads(arg).user_request_proto if isinstance(arg, bytes) else arg
+        except Exception:  # not ours to judge: the replica answers it with a clear status
+            logger.debug("undecodable request", exc_info=True)
+            return cls()
+        if isinstance(message, pb.GenerateRequest):
+            return cls("generate", None, message, message.request_id)
+        if isinstance(message, pb.AbortRequest):
+            return cls("abort", request_id=message.request_id)
+        return cls()
+
+
+def _load(replica: ReplicaLoad) -> tuple[int, str]:
+    """The least loaded replica first, ties by id."""
+    return replica.num_ongoing, replica.replica_id
 
 
 class KVServeRequestRouter(RequestRouter):
@@ -67,11 +118,13 @@ class KVServeRequestRouter(RequestRouter):
         shared_tier_blocks: int | None = None,
         chunk_tokens: int = 512,
         auth: bool = False,
+        share_prefix_cache: bool = False,
         metrics_gate: dict[str, Any] | None = None,
         metrics_limits: dict[str, Any] | None = None,
         **_: Any,
     ) -> None:
         """``auth``: whether API keys are on (request ids are scoped by key, else by peer);
+        ``share_prefix_cache``: keys on, tenants share the prefix cache (``server.auth``);
         ``metrics_gate``: ``OwnerGate`` fields for /metrics and /targets (keys on);
         ``metrics_limits``: ``HttpLimits`` fields of the metrics port."""
         self.router_name = router
@@ -93,7 +146,9 @@ class KVServeRequestRouter(RequestRouter):
         self._sent: dict[str, str] = {}  # internal request id -> replica id
         self._learned: dict[str, Any] = {}  # replica id -> the last report learned
         self._adapter_keys: dict[str, str] = {}  # LoRA adapter -> its key (replica reports)
+        self._adapters = Adapters()  # resolves the names in _adapter_keys
         self._auth = auth
+        self._scope = CacheScope(auth, share_prefix_cache)
         self._ids_of: OrderedDict[str, str] = OrderedDict()  # internal id -> scoped id
         self._holders: dict[str, tuple[str, str]] = {}  # scoped id -> (replica, internal id)
         self.metrics: Any = None
@@ -149,75 +204,50 @@ class KVServeRequestRouter(RequestRouter):
         return sorted(u for u in urls if u)
 
     # ------------------------------------------------------------------ request -> keys
-    def _message(self, pending: PendingRequest | None) -> Any:
-        """What the call carries: the engine request of ``generate_request`` (the OpenAI
-        ingress) and ``prefill_request`` (a decode replica's handoff), the gRPC proxy's
-        decoded message (``GenerateRequest``, ``AbortRequest``, ...); None otherwise."""
-        if pending is None or not pending.args:
-            return None
-        arg = pending.args[0]
-        if pending.metadata.call_method in (GENERATE_METHOD, PREFILL_METHOD):
-            return arg if isinstance(arg, Request) else None
-        try:
-            return pickle.loads(arg).user_request_proto if isinstance(arg, bytes) else arg
-        except Exception:  # not ours to judge: the replica answers it with a clear status
-            logger.debug("undecodable request", exc_info=True)
-            return None
-
-    def _scoped_id(self, pending: PendingRequest, message: Any) -> str | None:
-        """The engine id (owner-scoped) a Generate or Abort names; None without one."""
-        from server.auth import grpc_peer_host, request_owner, scoped_id
-        from server.rpc import generation_pb2 as pb
-
-        if isinstance(message, Request):
-            return message.request_id if pending.metadata.call_method == GENERATE_METHOD else None
-        if not isinstance(message, pb.GenerateRequest | pb.AbortRequest) or not message.request_id:
-            return None
+    def _owner(self, pending: PendingRequest) -> str:
+        """Who a gRPC call's request belongs to, as its replica will judge (``server.auth``)."""
         context = pending.metadata.grpc_context
         metadata = dict(context.invocation_metadata()) if context is not None else {}
         peer = grpc_peer_host(str(context.peer())) if context is not None else ""
-        owner = request_owner(metadata.get("authorization"), peer, self._auth)
-        return scoped_id(owner, message.request_id)
+        return request_owner(metadata.get("authorization"), peer, self._auth)
 
-    def _prompt_keys(self, message: Any) -> tuple[list[int], int]:
+    def _scoped_id(self, pending: PendingRequest, call: RoutedCall) -> str | None:
+        """The engine id (owner-scoped) a call names; None without one."""
+        if call.kind == "engine" or not call.request_id:
+            return call.request_id or None
+        return scoped_id(self._owner(pending), call.request_id)
+
+    def _prompt_keys(self, pending: PendingRequest, call: RoutedCall) -> tuple[list[int], int]:
         """The request's block keys and prompt length; empty for calls that generate nothing.
-        A gRPC ``GenerateRequest`` is tokenized here, as a replica would."""
+        A gRPC ``GenerateRequest`` is tokenized and salted here, as its replica will
+        (``server.identity``: the owner, the client's salt, the adapter)."""
         from server.frontend import prompt_token_ids
-        from server.rpc import generation_pb2 as pb
 
-        if isinstance(message, Request):
-            ids = message.prompt_token_ids
-            return routing_keys(ids, self.block_size, message.cache_salt), len(ids)
-        if not isinstance(message, pb.GenerateRequest):
+        if call.engine is not None:
+            ids = call.engine.prompt_token_ids
+            return routing_keys(ids, self.block_size, call.engine.cache_salt), len(ids)
+        if call.generate is None:
             return [], 0
         try:
             if self._tokenizer is None:
                 self._tokenizer = tokenizer_for(self._engine)
-            ids = prompt_token_ids(self._tokenizer, message)
+            ids = prompt_token_ids(self._tokenizer, call.generate)
+            owner = self._owner(pending)
+            _, salt = request_identity(call.generate, owner, self._scope, self._adapters)
         except Exception:  # an invalid request: the replica answers it with a clear status
             logger.debug("no routing keys for request", exc_info=True)
             return [], 0
-        salt = self._adapter_salt(message.cache_salt or None, message)
         return routing_keys(ids, self.block_size, salt), len(ids)
-
-    def _adapter_salt(self, salt: str | None, request: Any) -> str | None:
-        """``salt`` with the request's LoRA adapter in it, as the replicas salt its blocks
-        (the key of its weights comes from their reports); ``salt`` for the base model."""
-        name = request.adapter
-        if not name:
-            return salt
-        scale = request.adapter_scale if request.HasField("adapter_scale") else 1.0
-        key = self._adapter_keys.get(name)
-        if key is None or not scale:
-            return salt  # not served (the replica answers NOT_FOUND), or scale 0: the base
-        return cache_salt_with(salt, LoraRef(name, key, scale))
 
     # ------------------------------------------------------------------ RequestRouter
     def _learn_reports(self, replicas: list[RunningReplica]) -> None:
         """Each replica's latest report, once: the keys it admitted, the prices, and the
         keys of its LoRA adapters."""
+        known = dict(self._adapter_keys)
         for r in replicas:
             self._adapter_keys.update(r.routing_stats.get("adapters") or {})
+        if self._adapter_keys != known:
+            self._adapters = Adapters(keys=self._adapter_keys)
         router = self.router
         router.retain(r.replica_id.unique_id for r in replicas)
         fresh = False
@@ -244,21 +274,21 @@ class KVServeRequestRouter(RequestRouter):
         if not live:
             return []
         self._learn_reports(candidate_replicas)
-        message = self._message(pending_request)
-        if pending_request is not None:
-            scoped = self._scoped_id(pending_request, message)
-            if scoped is not None:
-                internal_id = pending_request.metadata.internal_request_id
-                holder = self._holders.get(scoped)
-                if not isinstance(message, pb.AbortRequest):
-                    self._track(self._ids_of, internal_id, scoped)
-                if holder is not None and holder[0] in by_id:
-                    # An Abort finds its request; a duplicate id is refused where it runs.
-                    return [[by_id[holder[0]]]]
-        keys, num_prompt_tokens = self._prompt_keys(message)
-        if pending_request is None or not num_prompt_tokens:
-            least = min(live, key=lambda r: (r.num_ongoing, r.replica_id))
-            return [[by_id[least.replica_id]]]
+        if pending_request is None:
+            return [[by_id[min(live, key=_load).replica_id]]]
+        call = RoutedCall.of(pending_request)
+        scoped = self._scoped_id(pending_request, call)
+        if scoped is not None:
+            internal_id = pending_request.metadata.internal_request_id
+            holder = self._holders.get(scoped)
+            if call.kind != "abort":
+                self._track(self._ids_of, internal_id, scoped)
+            if holder is not None and holder[0] in by_id:
+                # An Abort finds its request; a duplicate id is refused where it runs.
+                return [[by_id[holder[0]]]]
+        keys, num_prompt_tokens = self._prompt_keys(pending_request, call)
+        if not num_prompt_tokens:
+            return [[by_id[min(live, key=_load).replica_id]]]
         decision = self.router.choose(
             live, keys, num_prompt_tokens=num_prompt_tokens, now_s=time.monotonic()
         )

@@ -22,7 +22,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -41,12 +41,15 @@ from scheduler.request import Request
 from server.config import ServerConfig, build_config
 from server.engine import EngineDeadError
 from server.engine_client import EngineClient
-from server.frontend import Frontend, ServedModel, status_of
-from server.grpc_service import GenerationServicer
+from server.front import assemble_front
+from server.frontend import ServedModel, status_of
 from server.lifecycle import drain
-from server.lora import Adapters
 from server.outputs import GenerationOutput
 from server.rpc import generation_pb2 as pb
+
+if TYPE_CHECKING:
+    from metrics.records import MetricsSink
+    from server.build import BuiltEngine
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +152,51 @@ class _ReportingClient(EngineClient):
             yield out
 
 
+def _check_role(role: str, cfg: ServerConfig, prefill: Any) -> None:
+    """``ValueError`` unless a replica of ``role`` can run as ``cfg`` and ``prefill`` say."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    if role != "both" and cfg.kv_disk_dir is None:
+        raise ValueError(f"a {role} replica needs the shared KV tier: set kv_disk_dir")
+    if role == "decode" and prefill is None:
+        raise ValueError("a decode replica needs the prefill deployment's handle")
+
+
+def _calibrate(built: BuiltEngine) -> None:
+    """The cost router prices prefills with this replica's own step-cost model (fitted
+    online from every step, as the slo policy's is): calibrated now, where the policy is not
+    slo."""
+    from server.calibration import calibrate
+
+    built.engine.cost_model = calibrate(
+        built.runner, built.scheduler.kv.config, built.model.max_model_len
+    )
+
+
+def _handoff(
+    role: str,
+    built: BuiltEngine,
+    prefill: Any,
+    sink: MetricsSink,
+    timeout_s: float,
+    min_tokens: int,
+) -> PrefillHandoff | None:
+    """A decode replica's handoff of its prompts to the prefill deployment (``cluster.pd``);
+    None for the other roles."""
+    if role != "decode":
+        return None
+    model = built.model
+    return PrefillHandoff(
+        prefill,
+        built.scheduler.kv.has_cached_key,
+        model.block_size,
+        model.kv_memory_bytes // max(model.num_blocks, 1),
+        sink,
+        timeout_s=timeout_s,
+        min_tokens=min_tokens,
+    )
+
+
 class KVServeReplica:
     """The Ray Serve deployment class (``cluster.app`` wraps it with ``serve.deployment``).
 
@@ -174,12 +222,7 @@ class KVServeReplica:
         from server.build import attach_metrics, build_engine
 
         cfg: ServerConfig = build_config(engine or {}, environ={})
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-        if role != "both" and cfg.kv_disk_dir is None:
-            raise ValueError(f"a {role} replica needs the shared KV tier: set kv_disk_dir")
-        if role == "decode" and prefill is None:
-            raise ValueError("a decode replica needs the prefill deployment's handle")
+        _check_role(role, cfg, prefill)
         self.role = role
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
@@ -188,13 +231,7 @@ class KVServeReplica:
         self.replica = str(getattr(rank, "rank", rank) if rank is not None else self.replica_id)
         built = build_engine(cfg)
         if report_prices and built.engine.cost_model is None:
-            # The cost router prices prefills with this replica's own step-cost model
-            # (fitted online from every step, as the slo policy's is).
-            from server.calibration import calibrate
-
-            built.engine.cost_model = calibrate(
-                built.runner, built.scheduler.kv.config, built.model.max_model_len
-            )
+            _calibrate(built)
         self.built = built
         self.model = built.model
         self.arrivals = _ArrivalKeys(built.model.num_blocks, built.model.block_size)
@@ -210,39 +247,16 @@ class KVServeReplica:
                 metrics_host, metrics_port, served, security, cfg.edge_limits().metrics
             )
             self.metrics_url = f"{advertised_host(metrics_host)}:{self._metrics_server.port}"
-        handoff = None
-        if role == "decode":
-            handoff = PrefillHandoff(
-                prefill,
-                built.scheduler.kv.has_cached_key,
-                built.model.block_size,
-                built.model.kv_memory_bytes // max(built.model.num_blocks, 1),
-                sink,
-                timeout_s=transfer_timeout_s,
-                min_tokens=transfer_min_tokens,
-            )
-        self.client = _ReportingClient(built.engine, self.arrivals, handoff, built.adapters)
-        tracker = built.engine.constraint_tracker
-        self.frontend = Frontend(
-            self.client,
-            built.tokenizer,
-            built.model,
-            security=security,
-            constraints=tracker.compiler if tracker is not None else None,
-            adapters=Adapters(built.adapters, base_name=built.model.name),
-        )
-        self.servicer = GenerationServicer(self.frontend, sink=sink, security=security)
+        handoff = _handoff(role, built, prefill, sink, transfer_timeout_s, transfer_min_tokens)
+        client = _ReportingClient(built.engine, self.arrivals, handoff, built.adapters)
+        front = assemble_front(client, built.tokenizer, built.model, security, sink=sink)
+        self.client, self.frontend, self.servicer = client, front.frontend, front.servicer
         built.engine.start()
         self._drain = watch_drain(context.app_name, f"replica {self.replica}", self.drain)
         logger.info(
-            "replica %s (%s, %s): %s, %d KV blocks, metrics %s",
-            self.replica,
-            role,
-            self.replica_id,
-            built.model.name,
-            built.model.num_blocks,
-            self.metrics_url or "off",
-        )
+            "replica %s (%s, %s): %s, %d KV blocks, metrics %s", self.replica, role,
+            self.replica_id, built.model.name, built.model.num_blocks, self.metrics_url or "off",
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ Ray Serve hooks
     def record_routing_stats(self) -> dict[str, Any]:

@@ -1,4 +1,6 @@
-"""Every metric kvserve exports, written once: name, kind, labels, doc and how to read it.
+"""Every metric a kvserve server (or a cluster replica) exports, written once: name, kind,
+labels, doc and how to read it. The Ray router's own ``kvserve_router_*`` series are
+``cluster.metrics.RouterMetrics``'s.
 
 - ``SNAPSHOT_METRICS``: read at scrape time from the latest ``SchedulerStats`` snapshot
   (``KVCacheStats`` included). ``KV_FIELD_METRICS``, which says which metric exports each

@@ -1,28 +1,34 @@
 """What every runner offers the engine. Pure Python: FakeRunner and SimRunner need no torch.
 
 ``Runner`` is the contract the server holds a runner to: ``info`` (what the model is),
-``constraints`` (structured outputs, None when the runner takes none), ``block_io()`` (its KV
-as block bytes, for tier 2), ``execute`` and ``scrub_blocks`` (after a step that raised). The
-server reads these and nothing else.
+``constraints`` (structured outputs, None when the runner takes none), ``adapters`` (its LoRA
+adapters, None when it takes none), ``block_io()`` (its KV as block bytes, for tier 2),
+``submit`` / ``execute`` and ``scrub_blocks`` (after a step that raised). The server reads
+these and nothing else: it never asks what type a runner is.
 
-``AheadRunner`` adds ``submit(plan) -> StepHandle``: the step starts and ``submit`` returns,
-so the engine can plan the next step while this one runs (vLLM's async scheduling, SGLang's
-overlap scheduler); ``handle.result()`` waits for its outputs. ``execute(plan)`` stays, and is
-``submit(plan).result()``. ``can_run_ahead`` says whether ``submit`` really returns before the
-step is computed (a CUDA device, a step thread); the engine overlaps only then.
+``submit(plan) -> StepHandle`` starts a step and returns, so the engine can plan the next step
+while this one runs (vLLM's async scheduling, SGLang's overlap scheduler); ``handle.result()``
+waits for its outputs. ``execute(plan)`` is ``submit(plan).result()``. ``can_run_ahead`` says
+whether ``submit`` really returns before the step is computed (a CUDA device, a step thread);
+the engine overlaps only then. A runner that computes only in ``execute`` takes ``SyncRunner``'s
+``submit``: a handle that runs the step when its result is asked for.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol
 
 from cache_manager.sizing import ModelShape
 from scheduler.output import ModelOutput, SchedulerOutput
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from model_runner.constraints import ConstraintTracker
+    from model_runner.lora.info import AdapterInfo
+    from scheduler.request import LoraRef
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +80,42 @@ class NullBlockIO:
         pass
 
 
+class AdapterSource(Protocol):
+    """A runner's LoRA adapters as the server uses them (``model_runner.lora.LoraRegistry``):
+    the fronts list, resolve, load and unload them; the engine client pins a request's
+    adapter while it runs. Errors are ``model_runner.lora.info``'s."""
+
+    def infos(self) -> list[AdapterInfo]: ...
+
+    def resolve(self, name: str, scale: float = 1.0) -> LoraRef: ...
+
+    def load(self, name: str, path: str | Path) -> AdapterInfo: ...
+
+    def unload(self, name: str) -> AdapterInfo: ...
+
+    def needs_read(self, ref: LoraRef) -> bool:
+        """Whether ``acquire(ref)`` reads from disk (blocking: run it in a thread)."""
+        ...
+
+    def acquire(self, ref: LoraRef) -> None: ...
+
+    def release(self, ref: LoraRef) -> None: ...
+
+
 class Runner(Protocol):
-    """Computes one step. ``execute`` must not mutate ``plan``."""
+    """Computes one step; neither ``submit`` nor ``execute`` mutates ``plan``.
+
+    ``submit`` contract:
+
+    - it reads from ``plan`` (and the requests' token lists its seqs view) everything the
+      step needs before it returns, on the caller's thread: the caller applies the previous
+      step's result to those requests as soon as ``submit`` returns;
+    - steps run in submission order, and their handles' ``result`` is taken in that order;
+    - a decode seq of ``plan`` may carry a placeholder (``ScheduledSeq.has_placeholder``) for
+      the token its request samples in the plan submitted just before: the runner takes it
+      from that step's sampled ids where they are (``model_runner.future``), never waiting
+      for them on the host. Only a runner that ``can_run_ahead`` gets such plans.
+    """
 
     @property
     def info(self) -> ModelInfo: ...
@@ -85,11 +125,29 @@ class Runner(Protocol):
         """The matchers of constrained requests (structured outputs); None: none taken."""
         ...
 
+    @property
+    def adapters(self) -> AdapterSource | None:
+        """The LoRA adapters this runner serves, which the fronts resolve requests' names in
+        (``server.lora``); None: it takes none."""
+        ...
+
+    @property
+    def can_run_ahead(self) -> bool:
+        """Whether ``submit`` returns before the step is computed (else the engine has
+        nothing to overlap and applies each step before it plans the next)."""
+        ...
+
     def block_io(self) -> BlockIO:
         """This runner's KV as block bytes (tier 2 spills and restores through it)."""
         ...
 
-    def execute(self, plan: SchedulerOutput) -> ModelOutput: ...
+    def submit(self, plan: SchedulerOutput) -> StepHandle:
+        """Start computing ``plan``; see the class docstring."""
+        ...
+
+    def execute(self, plan: SchedulerOutput) -> ModelOutput:
+        """Compute ``plan`` now (``submit(plan).result()``)."""
+        ...
 
     def scrub_blocks(self, block_ids: Sequence[int]) -> None:
         """Before the next step reads the KV, zero each of ``block_ids`` that holds a
@@ -99,7 +157,7 @@ class Runner(Protocol):
 
 
 class StepHandle(Protocol):
-    """A step a runner has started (``AheadRunner.submit``)."""
+    """A step a runner has started (``Runner.submit``)."""
 
     def result(self) -> ModelOutput:
         """Wait for the step's outputs on the host (raises what the step raised)."""
@@ -134,28 +192,14 @@ class PendingStep:
         return self._output
 
 
-@runtime_checkable
-class AheadRunner(Runner, Protocol):
-    """A runner that can compute a step while the engine plans the next one.
+class SyncRunner:
+    """``submit`` for a runner that computes a step only in ``execute`` (it cannot run ahead):
+    the handle runs ``execute`` when its result is asked for."""
 
-    ``submit`` contract:
+    can_run_ahead = False
 
-    - it reads from ``plan`` (and the requests' token lists its seqs view) everything the
-      step needs before it returns, on the caller's thread: the caller applies the previous
-      step's result to those requests as soon as ``submit`` returns;
-    - steps run in submission order, and their handles' ``result`` is taken in that order;
-    - a decode seq of ``plan`` may carry a placeholder (``ScheduledSeq.has_placeholder``) for
-      the token its request samples in the plan submitted just before: the runner takes it
-      from that step's sampled ids where they are (``model_runner.future``), never waiting
-      for them on the host.
-    """
-
-    @property
-    def can_run_ahead(self) -> bool:
-        """Whether ``submit`` returns before the step is computed (else the engine has
-        nothing to overlap and runs ``execute``)."""
-        ...
+    def execute(self, plan: SchedulerOutput) -> ModelOutput:
+        raise NotImplementedError
 
     def submit(self, plan: SchedulerOutput) -> StepHandle:
-        """Start computing ``plan``; see the class docstring."""
-        ...
+        return PendingStep(lambda: self.execute(plan))

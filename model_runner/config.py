@@ -117,7 +117,8 @@ class RunnerOptions:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         for key in ("num_blocks", "kv_budget_bytes", "max_model_len", "sliding_window",
-                    "max_decode_rows", "fused_max_rows"):  # fmt: skip
+                    "max_decode_rows", "fused_max_rows", "max_lora_rank",
+                    "max_cpu_loras"):  # fmt: skip
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise ValueError(f"{key} must be >= 1, got {value}")

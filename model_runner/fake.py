@@ -180,6 +180,11 @@ class FakeRunner:
         """Whether ``submit`` returns before the step is computed (``step_thread``)."""
         return self._device is not None
 
+    @property
+    def adapters(self) -> None:
+        """No weights, so no LoRA adapters."""
+        return None
+
     # -- the shadow KV as block bytes (tier 2) -------------------------------------------
 
     def block_io(self) -> ShadowBlockIO | NullBlockIO:
@@ -265,7 +270,7 @@ class FakeRunner:
     # -- one step -----------------------------------------------------------------------
 
     def submit(self, plan: SchedulerOutput) -> StepHandle:
-        """Start ``plan`` (``base.AheadRunner``): on the fake device, a copy of what the step
+        """Start ``plan`` (``base.Runner.submit``): on the fake device, a copy of what the step
         reads is taken now and the step runs on the worker; without it, ``execute`` now."""
         if self._device is None:
             return DoneStep(self.execute(plan))

@@ -151,11 +151,10 @@ class TorchRunner:
         sampler: Sampler | None = None,
         constraints: ConstraintTracker | None = None,
     ) -> None:
-        """``config``'s model from ``state_dict`` (Hugging Face names; read, not kept), run
-        as ``options`` says (``RunnerOptions``; default: every default), over a KV pool
-        sized after the weights are on the device. ``sampler``: ``Sampler()`` by default.
-        ``constraints``: the matchers of constrained requests (structured outputs); their
-        masks are computed on a thread while the model runs."""
+        """``config``'s model from ``state_dict`` (Hugging Face names; read, not kept), run as
+        ``options`` says (default: every default), over a KV pool sized once the weights are
+        on the device. ``sampler``: ``Sampler()`` by default. ``constraints``: the matchers of
+        structured outputs; their masks are computed on a thread while the model runs."""
         o = options if options is not None else RunnerOptions()
         self.config = config
         self.device = select_device(o.device)
@@ -164,9 +163,8 @@ class TorchRunner:
         self.sliding_window = o.sliding_window or config.sliding_window
         self.attention_sinks = o.attention_sinks
         self.block_size = o.block_size
-        self.max_model_len = max_len = min(
-            o.max_model_len or config.max_position_embeddings, config.max_position_embeddings
-        )
+        positions = config.max_position_embeddings
+        self.max_model_len = max_len = min(o.max_model_len or positions, positions)
         self.attention = make_attention_backend(o.attention_backend, self._attention_spec())
         self.model = LlamaModel(
             config, state_dict, self.dtype, self.device, self.attention, max_len,
@@ -177,11 +175,7 @@ class TorchRunner:
         self.future = self.model.future = FutureTokens(max(max_rows, _FUTURE_ROWS), self.device)
         sizes = graph_sizes(o.cuda_graphs, self.model, max_rows)
         self.num_blocks = o.num_blocks or self._num_blocks_for_budget(o.kv_budget_bytes, sizes)
-        # With graphs, one more block than the cache manager lends: padding rows write there.
-        self.pool = KVPool.from_config(
-            config, self.num_blocks + int(bool(sizes)), o.block_size, self.kv_dtype,
-            self.device, self.dtype,
-        )  # fmt: skip
+        self.pool = self._make_pool(bool(sizes))
         self.paths = make_paths(
             self.model,
             self.pool,
@@ -191,10 +185,7 @@ class TorchRunner:
             max_model_len=max_len,
             scratch_slot=self.num_blocks * o.block_size,
         )
-        self.limits = StepLimits(
-            o.block_size, self.num_blocks, max_len, self.model.vocab_size, self.sliding_window,
-            unbounded_positions=o.attention_sinks > 0,
-        )  # fmt: skip
+        self.limits = self._step_limits()
         self.fuse_batches = o.fuse_batches
         self.sampler = sampler if sampler is not None else Sampler()
         self.constraints = constraints
@@ -204,9 +195,6 @@ class TorchRunner:
         self._future_index: dict[str, int] = {}  # last step's sampled rows, for placeholders
         self._pending_scrub: list[int] = []  # blocks to scrub before the next step
         self._info = self._model_info(o.name)
-        # LoRA adapters: fp16 for the fused kernels (half the bytes a step reads; their
-        # error is far below the 4-bit weights'), the model's dtype elsewhere.
-        self.lora_dtype = torch.float16 if self.paths.fused is not None else self.dtype
         self.lora = LoraRegistry(
             config, self._lay_out_adapter, max_rank=o.max_lora_rank,
             max_loaded=o.max_cpu_loras, base_name=self._info.name,
@@ -239,6 +227,21 @@ class TorchRunner:
         )
         return num_blocks_for_memory(self.config, self.block_size, self.kv_dtype, budget)
 
+    def _make_pool(self, graphs: bool) -> KVPool:
+        """The KV pool: ``num_blocks``, and with CUDA graphs one block more, which the cache
+        manager never lends: the graphs' padding rows write there."""
+        return KVPool.from_config(
+            self.config, self.num_blocks + int(graphs), self.block_size, self.kv_dtype,
+            self.device, self.dtype,
+        )  # fmt: skip
+
+    def _step_limits(self) -> StepLimits:
+        """What a step's rows are checked against (``model_runner.step``)."""
+        return StepLimits(
+            self.block_size, self.num_blocks, self.max_model_len, self.model.vocab_size,
+            self.sliding_window, unbounded_positions=self.attention_sinks > 0,
+        )  # fmt: skip
+
     def _model_info(self, name: str | None) -> ModelInfo:
         config = self.config
         return ModelInfo(
@@ -270,6 +273,17 @@ class TorchRunner:
     @property
     def info(self) -> ModelInfo:
         return self._info
+
+    @property
+    def adapters(self) -> LoraRegistry:
+        """The LoRA adapters this runner serves (``Runner.adapters``)."""
+        return self.lora
+
+    @property
+    def lora_dtype(self) -> torch.dtype:
+        """The LoRA adapters' dtype: fp16 for the fused kernels (half the bytes a step reads;
+        their error is far below the 4-bit weights'), the model's dtype elsewhere."""
+        return torch.float16 if self.paths.fused is not None else self.dtype
 
     def _lay_out_adapter(self, adapter: AdapterFile) -> LoraWeights:
         return lay_out(adapter, self.config, self.lora_dtype, self.device)
@@ -307,7 +321,7 @@ class TorchRunner:
         return self.submit(plan).result()
 
     def submit(self, plan: SchedulerOutput) -> StepHandle:
-        """Start computing ``plan`` (``base.AheadRunner``'s contract): everything is read
+        """Start computing ``plan`` (``base.Runner.submit``'s contract): everything is read
         from the plan here; the forward pass and the sampling are launched on the device (or
         queued on the step thread); the sampled ids are copied to the host on a side stream.
         A placeholder token is read from the previous step's sampled ids on the device."""

@@ -65,7 +65,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from cache_manager.sizing import ModelShape
-from model_runner.base import ModelInfo, NullBlockIO
+from model_runner.base import ModelInfo, NullBlockIO, SyncRunner
 from model_runner.fake import FakeRunner
 from scheduler.cost_model import StepCostModel, StepShape
 from scheduler.output import ModelOutput, SchedulerOutput
@@ -252,7 +252,7 @@ class VirtualClock:
         self.now_s = max(self.now_s, when_s)
 
 
-class SimRunner:
+class SimRunner(SyncRunner):
     """A runner that costs each step with the roofline model and advances a virtual clock.
 
     Tokens come from a ``FakeRunner`` (same rule, scripts and failure injection).
@@ -294,6 +294,11 @@ class SimRunner:
     @property
     def constraints(self) -> None:
         """No structured outputs: the simulation samples no masks."""
+        return None
+
+    @property
+    def adapters(self) -> None:
+        """No LoRA adapters: the simulation has no weights."""
         return None
 
     def block_io(self) -> NullBlockIO:

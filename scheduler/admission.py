@@ -1,8 +1,10 @@
-"""Admission checks: whether a request can ever run, and whether the waiting queue has room.
+"""Admission checks: whether a request can ever run, whether the waiting queue has room, and
+how an admission may use the prefix cache.
 
 Pure functions of the request, the scheduler's config and the cache manager's geometry;
 ``Scheduler.add_request`` raises what they raise (``ValueError``: never, with the numbers;
-``OverloadError``: not now, retry later).
+``OverloadError``: not now, retry later). ``Scheduler._try_admit`` asks ``may_fit`` and
+``max_hit_tokens`` before it looks up a prompt's prefix.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 from cache_manager import KVCacheManager
 from scheduler.config import SchedulerConfig
+from scheduler.entry import Entry
 from scheduler.errors import OverloadError
 from scheduler.fork import ForkGroup
 from scheduler.queue import WaitingQueue
@@ -104,3 +107,30 @@ def check_not_overloaded(
             f"tokens waiting + {request.num_prompt_tokens} new > "
             f"max_waiting_tokens_per_tenant={config.max_waiting_tokens_per_tenant}"
         )
+
+
+def max_hit_tokens(entry: Entry, kv: KVCacheManager, max_chunk: int, budget: int) -> int | None:
+    """The longest prefix hit an admission may use (None: no limit): 0 while the prompt is
+    to be scored (a cached prefix has no logits). Under a sliding window hit blocks are taken
+    whole, even those the window left behind (released after admission): the hit must leave
+    the hit + first chunk within the per-request window bound, or the pool may not hold it."""
+    if entry.wants_prompt_logprobs:
+        return 0
+    if kv.sliding_window is None:
+        return None
+    bound = kv.max_resident_blocks(entry.prefill_target, max_chunk)
+    if kv.num_blocks_for(entry.prefill_target) <= bound:
+        return None
+    return max(0, bound * kv.block_size - min(max_chunk, budget))
+
+
+def may_fit(entry: Entry, kv: KVCacheManager, may_preempt: bool) -> bool:
+    """Whether an admission attempt is worth a prefix lookup (hashing the prompt). Every
+    admission needs at least one fresh block, and one that failed for memory cannot succeed
+    before the free list grows: skip the lookup until then. ``may_preempt`` (priority order,
+    not reserve mode): an attempt may preempt, so it is always made."""
+    if may_preempt:
+        return True
+    num_free = kv.num_free_blocks
+    blocked_at = entry.blocked_at_num_free
+    return num_free > 0 and (blocked_at is None or num_free > blocked_at)

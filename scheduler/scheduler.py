@@ -29,7 +29,7 @@ accepted drafts and the token sampled after them, and rolls back the KV of the r
 Request states: ``WAITING -> PREFILLING -> DECODING -> FINISHED_*``, and
 ``PREFILLING|DECODING -> PREEMPTED`` (back in the waiting queue, at its old place in line)
 ``-> PREFILLING``. Preemption is by recompute: the blocks are freed, the output tokens kept,
-and the whole sequence is prefilled again (cheap with the prefix cache).
+and the whole sequence is prefilled again (cheap with the prefix cache): ``scheduler.preemption``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from cache_manager import Allocation, KVCacheManager, PrefixHit
-from scheduler.admission import check_can_ever_run, check_not_overloaded
+from scheduler.admission import check_can_ever_run, check_not_overloaded, max_hit_tokens, may_fit
 from scheduler.config import SchedulerConfig
 from scheduler.cost_model import CostPredictor
 from scheduler.entry import Counters, Entry, StepPlan, check_in_flight, make_output, make_seq
@@ -57,6 +57,7 @@ from scheduler.policies import (
     make_queue_order,
     make_victim_rule,
 )
+from scheduler.preemption import Preemption
 from scheduler.queue import WaitingQueue
 from scheduler.request import Request, RequestStatus
 from scheduler.slo import SloStep, UnsizedStep, make_slo_planner
@@ -66,7 +67,6 @@ from scheduler.update import ResultApplier
 _WAITING = RequestStatus.WAITING
 _PREFILLING = RequestStatus.PREFILLING
 _DECODING = RequestStatus.DECODING
-_PREEMPTED = RequestStatus.PREEMPTED
 _FINISHED_STOPPED = RequestStatus.FINISHED_STOPPED
 _FINISHED_ABORTED = RequestStatus.FINISHED_ABORTED
 _FINISHED_ERROR = RequestStatus.FINISHED_ERROR
@@ -119,6 +119,12 @@ class Scheduler:
         self._results = ResultApplier(
             self._running, kv, self._counters, self._finish, self._fork_children
         )
+        self._preemption = Preemption(
+            kv, self._running, self._waiting, self._forks, self._counters, self._victim,
+            self._order, self._reserve, lambda out: self._pending_outputs.append(out),
+        )  # fmt: skip
+        self._preempt = self._preemption.preempt
+        self._preempt_for = self._preemption.preempt_for
 
     # -- queries ------------------------------------------------------------------------
 
@@ -493,24 +499,10 @@ class Scheduler:
         if allocation is None and entry.pending:
             step.budget.give_back(num_new)
             return False
-        while allocation is None:
-            if self._reserve:
-                raise RuntimeError(
-                    f"reserve mode: {req.request_id!r} ran out of its reserved blocks at "
-                    f"{req.num_computed_tokens} + {num_new} tokens"
-                )
-            windowed = self.kv.shrink_retention([e.request for e in self._running.values()])
-            if windowed is not None:
-                step.refresh_block_ids(windowed, self._block_ids(windowed))
-                allocation = self.kv.allocate_slots(req, num_slots)
-                continue
-            victim = self._victim.choose(self._running.values())
-            if victim is entry:
-                step.budget.give_back(num_new)
-                self._preempt(step, entry)
-                return False
-            self._preempt(step, victim)
-            allocation = self.kv.allocate_slots(req, num_slots)
+        if allocation is None:
+            allocation = self._preemption.make_room(step, entry, num_slots, num_new)
+            if allocation is None:
+                return False  # it was the victim
         seq = make_seq(entry, num_new, self._block_ids(req.request_id))
         if decode:
             step.add_decode(seq, allocation)
@@ -525,9 +517,10 @@ class Scheduler:
         while len(self._running) + self._forks.num_held_seats + entry.num_seats > max_num_seqs:
             if not self._preempt_for(step, entry):
                 return False
-        if not self._may_fit(entry):
+        if not may_fit(entry, self.kv, self._order.preempts_for_admission and not self._reserve):
             return False
-        hit = self.kv.get_computed_blocks(req, self._max_hit_tokens(entry, step.budget.remaining))
+        max_hit = max_hit_tokens(entry, self.kv, self._max_chunk, step.budget.remaining)
+        hit = self.kv.get_computed_blocks(req, max_hit)
         num_hit = hit.num_tokens
         # 0 only for a parent of samples whose prompt, but the last token, is cached.
         chunk = min(entry.prefill_target - num_hit, self._max_chunk, step.budget.remaining)
@@ -559,71 +552,12 @@ class Scheduler:
         sized.admit(req)
         return True
 
-    def _max_hit_tokens(self, entry: Entry, budget: int) -> int | None:
-        """The longest prefix hit to use (None: no limit): 0 while the prompt is to be scored
-        (a cached prefix has no logits). Under a sliding window hit blocks are taken whole,
-        even those the window left behind (released after admission): the hit must leave the
-        hit + first chunk within the per-request window bound, or the pool may not hold it."""
-        if entry.wants_prompt_logprobs:
-            return 0
-        if self._sliding_window is None:
-            return None
-        bound = self.kv.max_resident_blocks(entry.prefill_target, self._max_chunk)
-        if self.kv.num_blocks_for(entry.prefill_target) <= bound:
-            return None
-        return max(0, bound * self._block_size - min(self._max_chunk, budget))
-
-    def _may_fit(self, entry: Entry) -> bool:
-        """Whether an admission attempt is worth a prefix lookup (hashing the prompt). Every
-        admission needs at least one fresh block, and one that failed for memory cannot
-        succeed before the free list grows: skip the lookup until then. Under priority order
-        an attempt may preempt, so it is always made."""
-        if self._order.preempts_for_admission and not self._reserve:
-            return True
-        num_free = self.kv.num_free_blocks
-        blocked_at = entry.blocked_at_num_free
-        return num_free > 0 and (blocked_at is None or num_free > blocked_at)
-
     def _allocate_admission(self, entry: Entry, chunk: int, hit: PrefixHit) -> Allocation | None:
         """Blocks for the prefix hit and the first chunk; in reserve mode for the whole
         length (prompt + max_tokens) at once. None (nothing changed) if there is no room."""
         if self._reserve:
             return self.kv.reserve_slots(entry.request, entry.max_num_tokens, hit, chunk)
         return self.kv.allocate_slots(entry.request, chunk, hit)
-
-    # -- preemption ---------------------------------------------------------------------
-
-    def _preempt_for(self, step: StepPlan, entry: Entry) -> bool:
-        """Under priority order (and not in reserve mode), preempt the victim if it ranks
-        strictly worse than the waiting ``entry``; return whether it did."""
-        if self._reserve or not self._order.preempts_for_admission or not self._running:
-            return False
-        victim = self._victim.choose(self._running.values())
-        if victim.rank <= entry.rank:
-            return False
-        self._preempt(step, victim)
-        return True
-
-    def _preempt(self, step: StepPlan, entry: Entry) -> None:
-        """Free the request's blocks, keep its output tokens, and put it back in the waiting
-        queue at its old place (its key is fixed at arrival); it is prefilled again later."""
-        req = entry.request
-        rid = req.request_id
-        step.unschedule(rid)
-        del self._running[rid]
-        if entry.group is not None:
-            self._forks.release_seats(entry.group)
-        self.kv.free(rid)
-        self._counters.num_preemptions += 1
-        self._counters.num_recomputed_tokens += req.num_computed_tokens
-        entry.drop_pending()  # a step in flight computes for it in vain
-        req.num_preemptions += 1
-        req.num_computed_tokens = 0
-        req.status = _PREEMPTED
-        self._waiting.push(entry)
-        if entry.forked_ids and not req.output_token_ids:
-            # Its samples run on and report: name them now, not at its first token.
-            self._pending_outputs.append(make_output(entry, [], [], None))
 
     # -- n > 1 --------------------------------------------------------------------------
 

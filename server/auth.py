@@ -51,6 +51,22 @@ class TlsFiles:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheScope:
+    """Whose prefix cache a request's prompt lands in: what a replica (``Security``) and the
+    Ray router (which holds no keys, only whether they are on) both derive a salt from."""
+
+    keys_on: bool = False
+    share_prefix_cache: bool = False
+
+    def cache_salt(self, owner: str, client_salt: str | None) -> str | None:
+        """The prefix-cache salt of a request: with keys on, the owner's (the client's own
+        salt, a digest, narrows it); None: the shared cache."""
+        if not self.keys_on or self.share_prefix_cache:
+            return client_salt
+        return f"{owner}|{client_salt or ''}"
+
+
+@dataclass(frozen=True, slots=True)
 class Security:
     """API keys (empty: authentication off), TLS (None: plaintext), and how tenants (keys)
     are kept apart::
@@ -106,12 +122,14 @@ class Security:
             self.metrics_require_key,
         )
 
+    @property
+    def cache_scope(self) -> CacheScope:
+        """How these keys keep tenants apart in the prefix cache (the keys themselves stay)."""
+        return CacheScope(self.auth_enabled, self.share_prefix_cache)
+
     def cache_salt(self, owner: str, client_salt: str | None) -> str | None:
-        """The prefix-cache salt of a request: with keys on, the owner's (the client's own
-        salt, a digest, narrows it); None: the shared cache."""
-        if not self.api_keys or self.share_prefix_cache:
-            return client_salt
-        return f"{owner}|{client_salt or ''}"
+        """``CacheScope.cache_salt`` under these keys."""
+        return self.cache_scope.cache_salt(owner, client_salt)
 
     def owner(self, authorization: str | None, peer_host: str) -> str:
         """Who owns a request: the key's owner, or the peer's host when auth is off."""

@@ -29,7 +29,7 @@ from server.kv_tier import KVTier, open_kv_tier
 from server.text import make_text_stream_factory
 
 if TYPE_CHECKING:
-    from model_runner.lora.registry import LoraRegistry
+    from model_runner.base import AdapterSource
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class BuiltEngine:
     tokenizer: ServerTokenizer
     model: ServedModel
     source: str  # where the weights came from ("fake" for the fake runner)
-    adapters: LoraRegistry | None = None  # the runner's LoRA adapters (the torch runner's)
+    adapters: AdapterSource | None = None  # the runner's LoRA adapters (Runner.adapters)
 
 
 def constraint_tracker(tokenizer: object, vocab_size: int) -> ConstraintTracker | None:
@@ -75,7 +75,7 @@ def _fake_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]:
         sleep_per_token_s=cfg.fake_token_sleep_s,
         crash_at_step=cfg.fake_crash_at_step,
         constraints=constraint_tracker(tokenizer, info.vocab_size),
-        step_thread=cfg.async_scheduling == "on",  # the fake device
+        step_thread=cfg.overlap is True,  # the fake device
     )
     if cfg.num_blocks is not None:
         num_blocks = cfg.num_blocks
@@ -121,7 +121,7 @@ def _torch_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]
         runner_options(cfg, loaded.name),
         constraints=constraint_tracker(loaded.tokenizer, loaded.config.vocab_size),
     )
-    if runner.device.type == "cpu" and cfg.async_scheduling == "on":
+    if runner.device.type == "cpu" and cfg.overlap is True:
         runner.use_step_thread()  # steps on their own thread: the engine plans meanwhile
     del loaded.state_dict  # the runner holds its own copy of the weights
     return_freed_memory()  # the fused projections' parts, freed into malloc's arenas
@@ -130,20 +130,19 @@ def _torch_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]
 
 def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEngine:
     """Load the model (or the fake runner), size the KV cache and wire up the engine."""
-    adapters: LoraRegistry | None = None
     if cfg.runner == "fake":
         if cfg.lora:
             raise ValueError("--lora needs the torch runner: the fake runner has no weights")
         runner, tokenizer, num_blocks, source = _fake_runner(cfg)
     else:
         runner, tokenizer, num_blocks, source = _torch_runner(cfg)
-        adapters = runner.lora  # type: ignore[attr-defined]
-        for name, path in cfg.lora_modules():
-            info = adapters.load(name, path)
-            logger.info(
-                "LoRA adapter %s: %s, rank %d, %s", name, path, info.rank,
-                "+".join(info.target_modules),
-            )  # fmt: skip
+    adapters = runner.adapters
+    for name, path in cfg.lora_modules() if adapters is not None else ():
+        info = adapters.load(name, path)
+        logger.info(
+            "LoRA adapter %s: %s, rank %d, %s", name, path, info.rank,
+            "+".join(info.target_modules),
+        )  # fmt: skip
     info = runner.info
     max_model_len = min(info.max_model_len, cfg.max_model_len or info.max_model_len)
     per_block = block_bytes(info.shape, cfg.block_size)
@@ -168,7 +167,7 @@ def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEng
         stalled_stream_timeout_s=cfg.stalled_stream_timeout_s,
         kv_tier=kv_tier,
         max_step_failures=cfg.max_step_failures,
-        overlap={"on": True, "off": False}.get(cfg.async_scheduling),  # auto: None
+        overlap=cfg.overlap,
     )
     model = ServedModel(
         name=info.name,

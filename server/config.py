@@ -7,7 +7,8 @@ environment variables < command-line flags. Each field of ``ServerConfig`` is on
 
 The scheduler and KV-cache fields are not written here: they are generated from
 ``SchedulerConfig`` and ``KVCacheConfig`` (type, default; choices from the components'
-registries), and those configs validate them. A new component field is a new flag.
+registries; ``server.config_fields``), and those configs validate them. A new component
+field is a new flag.
 """
 
 from __future__ import annotations
@@ -21,13 +22,12 @@ import re
 import tomllib
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from cache_manager.config import EVICTION_POLICIES, KVCacheConfig
-from cache_manager.strategy import KV_STRATEGIES
+from cache_manager.config import KVCacheConfig
 from kv_store import STORE_KINDS
 from model_runner.config import (
     ACTIVATION_BITS,
@@ -38,15 +38,9 @@ from model_runner.config import (
     RunnerOptions,
 )
 from model_runner.sim import PROFILES as SIM_PROFILES
-from scheduler.config import (
-    MEMORY_MODES,
-    POLICIES,
-    PREEMPTION_RULES,
-    QUEUE_ORDERS,
-    SPECULATIVE_MODES,
-    SchedulerConfig,
-)
+from scheduler.config import SchedulerConfig
 from server.auth import Security, TlsFiles, read_api_keys
+from server.config_fields import component_names, option, with_component_fields
 from server.http_guard import EdgeLimits, HttpLimits
 from server.openai.reasoning import REASONING_PARSERS
 from server.validation import DEFAULT_MAX_REQUEST_BYTES
@@ -63,108 +57,13 @@ _RUNNER = RunnerOptions()
 _HTTP = HttpLimits()
 _EDGE = EdgeLimits()
 
-# Choices of the component fields, from the registries of the packages that implement them.
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "policy": POLICIES,
-    "queue_order": QUEUE_ORDERS,
-    "preemption": PREEMPTION_RULES,
-    "memory_mode": MEMORY_MODES,
-    "speculative": SPECULATIVE_MODES,
-    "eviction_policy": EVICTION_POLICIES,
-    "kv_strategy": KV_STRATEGIES,
-}
-# Flag help of the component fields (their meaning is documented on the component config).
-_HELP = {
-    "max_num_seqs": "requests running at once",
-    "max_num_batched_tokens": "token budget of one step",
-    "long_prefill_token_threshold": (
-        "largest prefill chunk one request gets per step (0 = the step budget)"
-    ),
-    "policy": "batch formation",
-    "max_decode_starvation_steps": "prefill-first: most steps in a row without decodes",
-    "queue_order": "waiting queue order",
-    "aging_steps": "priority order: steps per one level of aging (0 = no aging)",
-    "preemption": "preemption victim rule",
-    "max_waiting_requests": "waiting-queue bound; over it: RESOURCE_EXHAUSTED",
-    "max_waiting_tokens": "waiting prompt-token bound",
-    "max_waiting_requests_per_tenant": (
-        "waiting-queue bound of one API key (or peer without keys); over it: RESOURCE_EXHAUSTED "
-        "for that tenant only"
-    ),
-    "max_waiting_tokens_per_tenant": "waiting prompt-token bound of one API key (or peer)",
-    "memory_mode": "optimistic (preempt when full) | reserve (admit at full length)",
-    "itl_slo_ms": "ITL target: slo policy steps stay under it; goodput metrics judge by it",
-    "ttft_slo_ms": "TTFT target: slo policy admits by arrival + it; goodput metrics judge by it",
-    "slo_preempt_margin": "slo: preempt decodes only when they alone exceed ITL x this",
-    "slo_max_stretch": (
-        "slo: a step may run up to ITL x this for prompts waiting for their first token, "
-        "within the decodes' TPOT slack (1 = never)"
-    ),
-    "speculative": "speculative decoding: off | ngram (drafts by prompt lookup)",
-    "max_loras": (
-        "LoRA adapters in one step (among the running requests); a request whose adapter "
-        "would pass it waits"
-    ),
-    "num_speculative_tokens": "speculative: draft tokens verified per decode step",
-    "ngram_max": "speculative ngram: longest suffix matched in the request's own tokens",
-    "ngram_min": "speculative ngram: shortest suffix that may draft",
-    "block_size": "tokens per KV block",
-    "enable_prefix_caching": "reuse KV of shared prompt prefixes",
-    "eviction_policy": "which cached block to evict first",
-    "attention_sinks": (
-        "StreamingLLM: keep the first N tokens with the --sliding-window; a request may then "
-        "generate past the context (0 = off)"
-    ),
-    "kv_strategy": (
-        "always: keep KV; disabled: recompute the whole sequence every step; "
-        "long-sequence-only: recompute below --kv-strategy-threshold; adaptive: under memory "
-        "pressure window the longest requests before preempting"
-    ),
-    "kv_strategy_threshold": (
-        "tokens: long-sequence-only keeps KV from this length; adaptive keeps at least the "
-        "last this many"
-    ),
-}
-# Component fields the server derives instead: the context from the model (or
-# --max-model-len), the pool size from a budget (or --num-blocks), the window from the model
-# (or --sliding-window), the bytes per block from the model's shape, tier 2 from --kv-disk-dir.
-_DERIVED = frozenset({"max_model_len", "num_blocks", "sliding_window", "block_bytes", "kv_tier"})
-_COMPONENTS = {"scheduler": SchedulerConfig, "kv cache": KVCacheConfig}
-
-
-def _opt(
-    help_text: str,
-    *,
-    choices: Sequence[str | int] | None = None,
-    group: str = "server",
-    repeat: bool = False,
-) -> Any:
-    return {"help": help_text, "choices": choices, "group": group, "repeat": repeat}
-
 
 def _f(default: Any, help_text: str, **kw: Any) -> Any:
-    return field(default=default, metadata=_opt(help_text, **kw))
-
-
-T = TypeVar("T")
-
-
-def _with_component_fields(cls: type[T]) -> type[T]:
-    """Add one field per scheduler / KV-cache setting to ``cls`` (before ``@dataclass``):
-    the component's type and default, help from ``_HELP``, choices from ``_CHOICES``."""
-    for group, component in _COMPONENTS.items():
-        for f in dataclasses.fields(component):
-            if f.name in _DERIVED:
-                continue
-            help_text = _HELP.get(f.name, f"see {component.__name__}.{f.name}")
-            cls.__annotations__[f.name] = f.type
-            meta = _opt(help_text, choices=_CHOICES.get(f.name), group=group)
-            setattr(cls, f.name, field(default=f.default, metadata=meta))
-    return cls
+    return field(default=default, metadata=option(help_text, **kw))
 
 
 @dataclass(frozen=True, slots=True)
-@_with_component_fields
+@with_component_fields
 class ServerConfig:
     """Everything ``kvserve serve`` needs; validated at construction. The scheduler and
     KV-cache settings are generated fields (see the module docstring): read them as
@@ -508,19 +407,25 @@ class ServerConfig:
         return max(int(self.max_loras), len(self.lora), 1)
 
     @property
+    def overlap(self) -> bool | None:
+        """``--async-scheduling`` decoded: True (on: also on CPU, on a step thread), False
+        (off), None (auto: where the runner can run ahead, ``EngineLoop(overlap=)``)."""
+        return {"on": True, "off": False}.get(self.async_scheduling)
+
+    @property
     def kv_memory_bytes(self) -> int | None:
         return None if self.kv_memory is None else parse_bytes(self.kv_memory)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler's config: the generated fields and the server's context limit."""
-        values = {name: getattr(self, name) for name in _component_names(SchedulerConfig)}
+        values = {name: getattr(self, name) for name in component_names(SchedulerConfig)}
         return SchedulerConfig(max_model_len=max_model_len, **values)
 
     def cache_config(
         self, num_blocks: int, sliding_window: int | None, block_bytes: int
     ) -> KVCacheConfig:
         """The cache manager's config: the generated fields and what the model decides."""
-        values = {name: getattr(self, name) for name in _component_names(KVCacheConfig)}
+        values = {name: getattr(self, name) for name in component_names(KVCacheConfig)}
         return KVCacheConfig(
             num_blocks=num_blocks,
             sliding_window=sliding_window,
@@ -528,10 +433,6 @@ class ServerConfig:
             kv_tier=self.kv_disk_dir is not None,
             **values,
         )
-
-
-def _component_names(component: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(component) if f.name not in _DERIVED]
 
 
 _UNITS = {

@@ -17,8 +17,8 @@ of any NaN it left); more than ``max_step_failures`` in a row, or an exception a
 and the engine dies (docs/reliability.md).
 
 One step ahead (``overlap``; vLLM's async scheduling, SGLang's overlap scheduler): with a
-runner that can run ahead (``model_runner.base.AheadRunner``: CUDA, a CPU step thread, the
-fake device), an iteration plans and submits step N+1 *before* it waits for step N::
+runner that can run ahead (``model_runner.base.Runner.can_run_ahead``: CUDA, a CPU step
+thread, the fake device), an iteration plans and submits step N+1 *before* it waits for step N::
 
     schedule N+1 -> runner.submit(N+1) -> N.result() -> update(N) -> outputs.process(N) -> publish
                     ^ the device runs N+1 while the host applies, detokenizes and publishes N
@@ -58,8 +58,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from metrics.records import MetricsSink, NullSink, StepRecord
-from model_runner.base import AheadRunner, Runner, StepHandle
+from metrics.records import MetricsSink, NullSink, RequestRecord, StepRecord
+from model_runner.base import Runner, StepHandle
 from scheduler.cost_model import StepCostModel, StepShape
 from scheduler.errors import OverloadError
 from scheduler.output import ModelOutput, RequestOutput, SchedulerOutput, SchedulerStats
@@ -171,19 +171,6 @@ class _Launched:
     schedule_cpu_s: float
 
 
-class _Executed:
-    """A synchronous step's handle: ``execute`` runs when the result is asked for."""
-
-    __slots__ = ("_plan", "_runner")
-
-    def __init__(self, runner: Runner, plan: SchedulerOutput) -> None:
-        self._runner = runner
-        self._plan = plan
-
-    def result(self) -> ModelOutput:
-        return self._runner.execute(self._plan)
-
-
 class _Failed:
     """The handle of a step whose ``submit`` raised: its result raises the same."""
 
@@ -194,6 +181,21 @@ class _Failed:
 
     def result(self) -> ModelOutput:
         raise self._exc
+
+
+def _overlap(runner: Runner, overlap: bool | None, kv_tier: bool) -> bool:
+    """Whether the engine plans each step while the one before runs: ``overlap``, or where
+    the runner can run ahead (None), and never with KV tier 2 (it reads and writes block
+    bytes on the host between steps: no step in flight). ValueError: ``overlap`` on a runner
+    that cannot run ahead."""
+    if overlap and not runner.can_run_ahead:
+        raise ValueError(
+            f"overlap needs a runner that computes a step while the next is planned; "
+            f"{type(runner).__name__} on {runner.info.device} does not"
+        )
+    if overlap and kv_tier:
+        logger.warning("async scheduling is off: KV tier 2 moves blocks between steps")
+    return (runner.can_run_ahead if overlap is None else overlap) and not kv_tier
 
 
 class EngineStepError(RuntimeError):
@@ -240,9 +242,7 @@ class EngineLoop:
         self._runner = runner
         self.cost_model = cost_model
         self.sink: MetricsSink = sink if sink is not None else NullSink()  # set before start()
-        self.outputs = OutputProcessor(
-            scheduler, text_stream_factory, self._emit, lambda r: self.sink.on_request_done(r)
-        )
+        self.outputs = OutputProcessor(scheduler, text_stream_factory, self._emit, self._done)
         self._on_death = on_death
         self._idle_wait_s = idle_wait_s
         self._cond = threading.Condition()
@@ -262,23 +262,11 @@ class EngineLoop:
         # Tier 2 holds new requests while their prefix is read, and moves block bytes.
         self.tier: Tier[_Add] = kv_tier if kv_tier is not None else NoTier()
         self.tier.attach(self._wake, self._is_waiting)
-        can_run_ahead = isinstance(runner, AheadRunner) and runner.can_run_ahead
-        if overlap and not can_run_ahead:
-            raise ValueError(
-                f"overlap needs a runner that computes a step while the next is planned; "
-                f"{type(runner).__name__} on {runner.info.device} does not"
-            )
-        # Tier 2 reads and writes block bytes on the host between steps: no step in flight.
-        self.overlap = (can_run_ahead if overlap is None else overlap) and kv_tier is None
-        if overlap and kv_tier is not None:
-            logger.warning("async scheduling is off: KV tier 2 moves blocks between steps")
-        self._submits = isinstance(runner, AheadRunner)  # else: runner.execute
+        self.overlap = _overlap(runner, overlap, kv_tier is not None)
         self._in_flight: _Launched | None = None  # overlap: the step the device runs
         self._last_applied_s = 0.0
         # Read from other threads: a reference swap per step.
         self.latest_stats: SchedulerStats = self.tier.annotate(scheduler.make_stats())
-        tracker = self.constraint_tracker
-        self._constraint_compiler = tracker.compiler if tracker is not None else None
         self.num_steps = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -445,7 +433,7 @@ class EngineLoop:
         if not (plan.is_empty and not plan.finished_request_ids and not plan.block_copies):
             runner = self._runner
             try:
-                handle = runner.submit(plan) if self._submits else _Executed(runner, plan)
+                handle = runner.submit(plan)
             except Exception as exc:  # the step failed: its result says so (``_apply``)
                 handle = _Failed(exc)
         launched = _Launched(plan, handle, started_s, submitted_s, schedule_cpu_s)
@@ -506,7 +494,8 @@ class EngineLoop:
             predicted_s = self.cost_model.observe(StepShape.of_plan(plan), iteration_s)
         stats = self.tier.annotate(sched.make_stats())
         self.latest_stats = stats
-        compiler = self._constraint_compiler
+        tracker = self._runner.constraints
+        compiler = tracker.compiler if tracker is not None else None
         self.sink.on_step(
             StepRecord(
                 stats=stats,
@@ -554,6 +543,10 @@ class EngineLoop:
     def _is_waiting(self, request_id: str) -> bool:
         """Whether a request with staged tier-2 blocks may still be admitted."""
         return bool(self.outputs.open_sample_ids(request_id))
+
+    def _done(self, record: RequestRecord) -> None:
+        """A request's end, to the sink of the moment (it may be set after construction)."""
+        self.sink.on_request_done(record)
 
     def _emit(self, stream: _Stream, item: Item) -> None:
         self._pending.setdefault(stream.loop, []).append((stream.queue, item))

@@ -20,7 +20,7 @@ from server.engine import EngineDeadError, EngineLoop, StalledStreamError, Strea
 from server.outputs import GenerationOutput, Item
 
 if TYPE_CHECKING:
-    from model_runner.lora.registry import LoraRegistry
+    from model_runner.base import AdapterSource
 
 # A call cancelled this close to its deadline was cancelled BY the deadline. The client's clock
 # runs ahead of ours: it started counting when it sent the call, we when gRPC's core parsed
@@ -50,7 +50,7 @@ class EngineClient:
     next step.
     """
 
-    def __init__(self, engine: EngineLoop, adapters: LoraRegistry | None = None) -> None:
+    def __init__(self, engine: EngineLoop, adapters: AdapterSource | None = None) -> None:
         """``adapters``: the runner's LoRA adapters; a request's adapter is pinned while it
         is in flight (read back from disk first if it was evicted)."""
         self.engine = engine

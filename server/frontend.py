@@ -42,7 +42,8 @@ from server import validation
 from server.auth import AuthError, NotAdminError, Security, client_id, scoped_id
 from server.engine import EngineDeadError, StalledStreamError
 from server.engine_client import DeadlineExceededError, DuplicateRequestError, EngineClient
-from server.lora import Adapters, cache_salt_with
+from server.identity import request_identity
+from server.lora import Adapters
 from server.outputs import GenerationOutput
 from server.rpc import generation_pb2 as pb
 from server.validation import InvalidRequestError, Limits
@@ -220,13 +221,8 @@ class Frontend:
         if default_max_tokens is not None:
             limits = replace(limits, default_max_tokens=default_max_tokens)
         validation.check_request_fields(request, limits)
-        lora = self.adapters.for_request(request)
-        # Tenants apart: with keys on, the owner salts the prefix cache (server.auth); an
-        # adapter's KV apart from the base model's and the other adapters' (server.lora).
-        cache_salt = cache_salt_with(
-            self.security.cache_salt(owner, validation.cache_salt_digest(request.cache_salt)),
-            lora,
-        )
+        # Tenants apart, and an adapter's KV apart from the base model's (server.identity).
+        lora, cache_salt = request_identity(request, owner, self.security, self.adapters)
         constraint = validation.constraint_of(request)
         prompt_ids = await self._prompt_ids(request)
         sampling = validation.sampling_params(request, len(prompt_ids), limits)

@@ -25,20 +25,19 @@ from server.asgi import AsgiServer, start_asgi_server
 from server.auth import Security
 from server.engine import EngineLoop
 from server.engine_client import EngineClient
+from server.front import assemble_front
 from server.frontend import Frontend, ServedModel, ServerTokenizer
 from server.grpc_service import (
     SERVICE_NAME,
     AuthInterceptor,
-    GenerationServicer,
     generation_handler,
 )
 from server.http_guard import EdgeLimits
-from server.lora import Adapters
 from server.openai.app import OpenAIFront
 from server.validation import DEFAULT_MAX_REQUEST_BYTES
 
 if TYPE_CHECKING:
-    from model_runner.lora.registry import LoraRegistry
+    from model_runner.base import AdapterSource
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +66,7 @@ class KVServeServer:
         security: Security | None = None,
         limits: EdgeLimits | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-        adapters: LoraRegistry | None = None,
+        adapters: AdapterSource | None = None,
         reasoning_parser: str = "auto",
     ) -> None:
         self.engine = engine
@@ -77,14 +76,11 @@ class KVServeServer:
         self.model = model
         self.security = security if security is not None else Security()
         self.sink: MetricsSink = sink if sink is not None else NullSink()
-        self.client = EngineClient(engine, adapters)
-        tracker = engine.constraint_tracker
-        compiler = tracker.compiler if tracker is not None else None
-        self.frontend = Frontend(
-            self.client, tokenizer, model, executor, self.security, compiler,
-            Adapters(adapters, base_name=model.name),
+        front = assemble_front(
+            EngineClient(engine, adapters), tokenizer, model, self.security, sink=sink,
+            executor=executor,
         )  # fmt: skip
-        self.servicer = GenerationServicer(self.frontend, sink=sink, security=self.security)
+        self.client, self.frontend, self.servicer = front.client, front.frontend, front.servicer
         self.http: AsgiServer | None = None
         self.http_port = 0
         self.health = health_aio.HealthServicer()

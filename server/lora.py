@@ -10,16 +10,17 @@ A request that names no adapter runs the base model, unless llama.cpp's ``POST
 /lora-adapters`` set a server-wide adapter (the only one with a non-zero scale), as
 llama-server applies its loaded adapters to requests without their own ``lora``.
 
-Single server and replicas: a live ``LoraRegistry`` behind it. The cluster's OpenAI ingress
-holds no weights: it lists and resolves from the adapters a replica reported at start
-(``infos``), and its replicas check the names again when they admit the request.
+Single server and replicas: a live ``LoraRegistry`` behind it (``LiveAdapters``). The
+cluster's OpenAI ingress holds no weights: it lists and resolves from the adapters a replica
+reported at start (``ListedAdapters``), and its replicas check the names again when they
+admit the request; the Ray router resolves by the keys the replicas report.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from cache_manager.hashing import adapter_salt
 from model_runner.lora.info import AdapterError, AdapterInfo, AdapterNotFoundError
@@ -28,7 +29,74 @@ from server.rpc import generation_pb2 as pb
 from server.validation import InvalidRequestError
 
 if TYPE_CHECKING:
-    from model_runner.lora.registry import LoraRegistry
+    from model_runner.base import AdapterSource
+
+
+class _Catalog(Protocol):
+    """Where a front's adapter names resolve: a live registry or a list."""
+
+    can_load: bool
+
+    def infos(self) -> list[AdapterInfo]: ...
+
+    def resolve(self, name: str, scale: float) -> LoraRef | None:
+        """``name``'s reference; None when it is not served."""
+        ...
+
+    def load(self, name: str, path: str) -> AdapterInfo: ...
+
+    def unload(self, name: str) -> AdapterInfo: ...
+
+
+class LiveAdapters:
+    """The adapters of a runner's registry (a single server, a replica): loaded at run time."""
+
+    can_load = True
+
+    def __init__(self, registry: AdapterSource) -> None:
+        self.registry = registry
+
+    def infos(self) -> list[AdapterInfo]:
+        return self.registry.infos()
+
+    def resolve(self, name: str, scale: float) -> LoraRef | None:
+        try:
+            return self.registry.resolve(name, scale)
+        except AdapterNotFoundError:
+            return None
+
+    def load(self, name: str, path: str) -> AdapterInfo:
+        return self.registry.load(name, path)
+
+    def unload(self, name: str) -> AdapterInfo:
+        return self.registry.unload(name)
+
+
+class ListedAdapters:
+    """Adapters a front holds no weights of (the cluster's OpenAI ingress: ``infos``, listed;
+    the Ray router: ``keys``, name -> the key of its weights, resolved only)."""
+
+    can_load = False
+
+    def __init__(self, infos: Sequence[AdapterInfo], keys: Mapping[str, str]) -> None:
+        self._infos = list(infos)
+        self._keys = {i.name: i.key for i in infos} | dict(keys)
+
+    def infos(self) -> list[AdapterInfo]:
+        return list(self._infos)
+
+    def resolve(self, name: str, scale: float) -> LoraRef | None:
+        key = self._keys.get(name)
+        return None if key is None else LoraRef(name, key, scale)
+
+    def load(self, name: str, path: str) -> AdapterInfo:
+        raise AdapterError(_NO_WEIGHTS)
+
+    def unload(self, name: str) -> AdapterInfo:
+        raise AdapterError(_NO_WEIGHTS)
+
+
+_NO_WEIGHTS = "this front holds no adapters: load them with --lora on the replicas"
 
 
 class Adapters:
@@ -36,38 +104,37 @@ class Adapters:
 
     def __init__(
         self,
-        registry: LoraRegistry | None = None,
+        registry: AdapterSource | None = None,
         infos: Sequence[AdapterInfo] = (),
         base_name: str = "",
+        keys: Mapping[str, str] | None = None,
     ) -> None:
-        self.registry = registry
+        """``infos``: the adapters a front without weights lists and resolves; ``keys``:
+        adapters known only by the key of their weights (name -> key: the Ray router's,
+        from the replicas' reports), resolved and not listed."""
+        self._catalog: _Catalog = (
+            LiveAdapters(registry) if registry is not None else ListedAdapters(infos, keys or {})
+        )
         self.base_name = base_name
-        self._static = {i.name: i for i in infos}
         self._scales: dict[str, float] = {}  # llama.cpp's server-wide scales (non-zero only)
         self._lock = threading.Lock()
 
     @property
     def can_load(self) -> bool:
-        return self.registry is not None
+        return self._catalog.can_load
 
     def infos(self) -> list[AdapterInfo]:
-        if self.registry is not None:
-            return self.registry.infos()
-        return list(self._static.values())
+        return self._catalog.infos()
 
     def names(self) -> list[str]:
         return [i.name for i in self.infos()]
 
     def resolve(self, name: str, scale: float = 1.0) -> LoraRef:
         """``name``'s reference; ``AdapterNotFoundError`` naming what is served."""
-        if self.registry is not None:
-            try:
-                return self.registry.resolve(name, scale)
-            except AdapterNotFoundError:
-                pass
-        elif name in self._static:
-            return LoraRef(name, self._static[name].key, scale)
-        raise AdapterNotFoundError(not_found_message(name, self.base_name, self.names()))
+        ref = self._catalog.resolve(name, scale)
+        if ref is None:
+            raise AdapterNotFoundError(not_found_message(name, self.base_name, self.names()))
+        return ref
 
     def for_request(self, request: pb.GenerateRequest) -> LoraRef | None:
         """The adapter ``request`` runs with: its ``adapter`` field, else the server-wide
@@ -112,19 +179,11 @@ class Adapters:
 
     # ------------------------------------------------------------------ admin (blocking)
     def load(self, name: str, path: str) -> AdapterInfo:
-        if self.registry is None:
-            raise AdapterError(
-                "this front holds no adapters: load them with --lora on the replicas"
-            )
-        return self.registry.load(name, path)
+        return self._catalog.load(name, path)
 
     def unload(self, name: str) -> AdapterInfo:
-        if self.registry is None:
-            raise AdapterError(
-                "this front holds no adapters: load them with --lora on the replicas"
-            )
         try:
-            info = self.registry.unload(name)
+            info = self._catalog.unload(name)
         except AdapterNotFoundError:
             raise AdapterNotFoundError(
                 not_found_message(name, self.base_name, self.names(), model=False)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-import cache_manager.manager
+import cache_manager.prefix
 from cache_manager import hash_block_tokens
 from tests.cache_manager.helpers import hit_view, make_kv, make_seq, prefill
 
@@ -51,7 +51,7 @@ def test_key_depends_on_every_input() -> None:
 
 def test_hash_collision_never_returns_wrong_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """With every key colliding, lookups still verify tokens, parent and salt: no false hit."""
-    monkeypatch.setattr(cache_manager.manager, "hash_block_tokens", lambda *args: b"\x00" * 16)
+    monkeypatch.setattr(cache_manager.prefix, "hash_block_tokens", lambda *args: b"\x00" * 16)
     kv = make_kv(num_blocks=8, block_size=4)
     prefill(kv, make_seq("a", [1, 2, 3, 4, 5]))  # block 0 keyed under the constant key
     assert hit_view(kv.get_computed_blocks(make_seq("b", [9, 9, 9, 9, 9]))) == ([], 0)

@@ -157,3 +157,26 @@ def test_a_node_that_missed_its_start_window_is_started_again(
     monkeypatch.setattr(ray, "init", lambda **_: (_ for _ in ()).throw(RuntimeError("no GPUs")))
     with pytest.raises(RuntimeError, match="no GPUs"):
         app.init_ray()
+
+
+def test_one_test_says_a_replica_died() -> None:
+    """Ray's actor errors mean the replica died, to the OpenAI ingress (a retryable
+    ReplicaDiedError) and, inside the status a gRPC proxy builds, to the proxy; a replica's
+    own exception, and a subclass of RayActorError Ray raises for other reasons, do not."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.serve.exceptions import gRPCStatusError
+
+    from cluster.openai_ingress import ReplicaDiedError, replica_died, unwrap_ray_error
+    from cluster.ray_patches import _replica_died
+
+    class OtherActorError(RayActorError):
+        pass
+
+    for died in (ActorDiedError(), ActorUnavailableError("gone", b"a" * 16), RayActorError()):
+        assert replica_died(died)
+        assert isinstance(unwrap_ray_error(died), ReplicaDiedError)
+        assert _replica_died(gRPCStatusError(died, grpc.StatusCode.UNKNOWN, "x"))
+    own = ValueError("max_tokens must be >= 1")
+    assert not replica_died(own) and unwrap_ray_error(own) is own
+    assert not replica_died(OtherActorError())
+    assert not _replica_died(gRPCStatusError(own, grpc.StatusCode.INVALID_ARGUMENT, "x"))

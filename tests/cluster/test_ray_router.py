@@ -230,3 +230,39 @@ async def test_an_adapters_prompt_follows_its_own_keys() -> None:
 
     assert await chosen(router, [a, b], adapter_call("sql", 1)) == "b"
     assert await chosen(router, [a, b], adapter_call("", 2)) == "a"
+
+
+@pytest.mark.parametrize("share_prefix_cache", [False, True])
+async def test_the_router_keys_a_prompt_as_its_replica_caches_it(share_prefix_cache: bool) -> None:
+    """API keys on, a client's cache_salt and an adapter: the keys the router gives Alice's
+    gRPC Generate call are the keys a replica reports for the request its front admits (owner,
+    the salt's digest, the adapter: server.identity), so the call follows them to b. Bob's same
+    request is another tenant's prefix (it goes to a), unless tenants share the prefix cache."""
+    from cluster.replica import _ArrivalKeys
+    from model_runner.lora.info import AdapterInfo
+    from server.auth import Security
+    from server.frontend import Frontend, ServedModel
+    from server.lora import Adapters
+
+    security = Security(api_keys=frozenset({"alice", "bob"}), share_prefix_cache=share_prefix_cache)
+    sql = AdapterInfo("sql", "/adapters/sql", "peft", 8, 16.0, ("q_proj",), "abc", 0)
+    tokenizer = ByteTokenizer()
+    model = ServedModel("m", 256, tokenizer.vocab_size, 4, 64, 0, "float32", "cpu", (257,))
+    no_engine: Any = None  # engine_request builds the request; nothing reaches an engine
+    front = Frontend(no_engine, tokenizer, model, security=security, adapters=Adapters(infos=[sql]))
+    message = pb.GenerateRequest(
+        text="a shared system prompt, then the question", request_id="q",
+        cache_salt="session 7", adapter="sql",
+    )  # fmt: skip
+    admitted = await front.engine_request(message, security.owner("Bearer alice", "10.0.0.9"))
+    arrivals = _ArrivalKeys(capacity=64, block_size=4)
+    arrivals.add(admitted)
+    reported = arrivals.snapshot()
+    assert admitted.cache_salt is not None and len(reported) == len(admitted.prompt_token_ids) // 4
+
+    router = make_router(router="prefix", auth=True, share_prefix_cache=share_prefix_cache)
+    a, b = replica("a"), replica("b", keys=reported, adapters={"sql": sql.key})
+    assert await chosen(router, [a, b], call("Generate", message, "alice", 1)) == "b"
+    assert router._keys_of["i1"] == reported
+    bobs = await chosen(router, [a, b], call("Generate", message, "bob", 2))
+    assert bobs == ("b" if share_prefix_cache else "a")

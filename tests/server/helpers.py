@@ -194,7 +194,7 @@ def build_server(
         eos_token_ids=tuple(info.eos_token_ids),
         max_n=max_n,
     )
-    options = {"adapters": getattr(runner, "lora", None), **(server_options or {})}
+    options = {"adapters": runner.adapters, **(server_options or {})}
     server = KVServeServer(engine, tokenizer, model, sink=sink, security=security, **options)
     return server, engine, scheduler, sink
 

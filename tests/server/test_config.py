@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from model_runner.config import RunnerOptions
+from model_runner.fake import FakeRunner
 from server.build import build_engine, runner_options
 from server.config import (
     ServerConfig,
@@ -121,6 +122,23 @@ def test_build_fake_engine_sizes_the_cache_from_the_budget() -> None:
     assert built.engine.latest_stats.kv.num_blocks_total == 32
     assert built.model.max_n == 16
     assert build_engine(ServerConfig(runner="fake", memory_mode="reserve")).model.max_n == 1
+
+
+def test_async_scheduling_is_decoded_once_into_the_engines_overlap() -> None:
+    """--async-scheduling on gives the fake runner its device thread and the engine overlaps;
+    off, and auto with a runner that cannot run ahead (the fake one without its thread), run
+    one step at a time."""
+    modes = ("on", "off", "auto")
+    assert [ServerConfig(async_scheduling=m).overlap for m in modes] == [True, False, None]
+    for mode, overlaps in zip(modes, (True, False, False), strict=True):
+        built = build_engine(ServerConfig(runner="fake", async_scheduling=mode))
+        runner = built.runner
+        assert isinstance(runner, FakeRunner)
+        try:
+            assert built.engine.overlap is overlaps, mode
+            assert runner.can_run_ahead is overlaps, mode
+        finally:
+            runner.shutdown()  # the fake device's thread
 
 
 def test_scheduler_and_cache_settings_are_generated_from_the_component_configs() -> None:
