@@ -18,12 +18,13 @@ from typing import Any
 
 from model_runner.families.base import Family
 from model_runner.families.llama import LLAMA, MISTRAL
+from model_runner.families.phi3 import PHI3
 from model_runner.families.qwen2 import QWEN2
 from model_runner.families.qwen3 import QWEN3
 
 __all__ = ["FAMILIES", "Family", "family", "for_gguf", "for_hf_config", "supported"]
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3)}
 
 _BY_HF_TYPE = {t: f for f in FAMILIES.values() for t in f.hf_model_types}
 _BY_GGUF_ARCH = {a: f for f in FAMILIES.values() for a in f.gguf_archs}
@@ -42,7 +43,6 @@ _NOT_YET = {
     "gemma2": "Gemma 2's soft-capping and sliding layers",
     "gemma3": "Gemma 3's interleaved sliding and global layers",
     "gemma3_text": "Gemma 3's interleaved sliding and global layers",
-    "phi3": "Phi-3's fused projections and longrope",
 }
 _MOE = "mixture-of-experts"
 

@@ -25,6 +25,7 @@ from model_runner.config import ModelConfig
 from model_runner.families import family
 from model_runner.lora.files import AdapterFile, LoraPair
 from model_runner.lora.info import AdapterError
+from model_runner.rope import rope_pair_order
 
 # kvserve's targets, in the order of a layer's projections, and their Hugging Face names.
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -87,11 +88,6 @@ def check_fits(adapter: AdapterFile, config: ModelConfig, max_rank: int) -> None
             )
 
 
-def _rope_pair_order(head_dim: int) -> torch.Tensor:
-    half = head_dim // 2
-    return torch.stack([torch.arange(half), torch.arange(half, head_dim)], dim=1).flatten()
-
-
 def _unpermute_gguf(b: torch.Tensor, num_heads: int) -> torch.Tensor:
     """llama.cpp's row order of one head group -> Hugging Face's (gguf_loader.unpermute_qk)."""
     half = b.shape[0] // num_heads // 2
@@ -110,7 +106,7 @@ def kvserve_rows(
     fam = family(config.architecture)
     if qk_layout == "gguf" and fam.gguf_qk_permuted:
         b = _unpermute_gguf(b, heads)
-    b = b.reshape(heads, d, -1)[:, _rope_pair_order(d)].reshape(heads * d, -1)
+    b = b.reshape(heads, d, -1)[:, rope_pair_order(d, config.rope_dim)].reshape(heads * d, -1)
     # Q's rows carry the softmax scale (weights._layer), but not under QK-norm, whose norm
     # weight holds it instead.
     scaled = target == "q" and not fam.qk_norm

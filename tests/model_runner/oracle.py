@@ -38,7 +38,8 @@ def tiny_hf(kind: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
 
     kind: "llama" (4 heads, MHA), "llama-gqa" (4 heads / 2 KV heads, tied embeddings),
     "qwen2" (GQA + QKV bias), "mistral" (GQA + sliding window of 8 tokens), "qwen3" (GQA,
-    QK-norm, head_dim 32 where hidden / heads is 16).
+    QK-norm, head_dim 32 where hidden / heads is 16), "phi3" (GQA, fused qkv_proj and
+    gate_up_proj; pass partial_rotary_factor, rope_scaling, ... as overrides).
     Weights are drawn wider than Hugging Face's init (std 0.02) so logits are well spread
     and greedy choices are not near-ties.
     """
@@ -47,6 +48,8 @@ def tiny_hf(kind: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -82,6 +85,9 @@ def tiny_hf(kind: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
         common.setdefault("head_dim", 32)
         cfg = Qwen3Config(**common, num_attention_heads=4, num_key_value_heads=2, **overrides)
         model = Qwen3ForCausalLM(cfg)
+    elif kind == "phi3":
+        cfg = Phi3Config(**common, num_attention_heads=4, num_key_value_heads=2, **overrides)
+        model = Phi3ForCausalLM(cfg)
     else:
         raise ValueError(kind)
     with torch.no_grad():
