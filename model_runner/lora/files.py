@@ -34,7 +34,8 @@ import torch
 from model_runner.lora.info import AdapterError
 
 # The projections an adapter may target, by their Hugging Face names.
-MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "qkv_proj", "gate_up_proj")  # fmt: skip  # the last two: Phi-3's fused ones
 _GGUF_MODULES = {
     "attn_q": "q_proj",
     "attn_k": "k_proj",

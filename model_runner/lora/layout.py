@@ -39,6 +39,8 @@ HF_MODULES = {
     "down": "down_proj",
 }
 TARGET_OF = {module: target for target, module in HF_MODULES.items()}
+# A checkpoint's fused projections (Phi-3) -> the targets whose rows they stack, in order.
+FUSED_MODULES = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
 
 
 def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -72,7 +74,7 @@ def check_fits(adapter: AdapterFile, config: ModelConfig, max_rank: int) -> None
             "raise it (it bounds every adapter's memory and step cost) or use a smaller rank"
         )
     shapes = target_shapes(config)
-    for (layer, module), pair in adapter.pairs.items():
+    for (layer, module), pair in unfused_pairs(adapter, config).items():
         if layer >= config.num_layers:
             raise AdapterError(
                 f"adapter {path!r} targets layer {layer}; the base model has "
@@ -92,6 +94,29 @@ def _unpermute_gguf(b: torch.Tensor, num_heads: int) -> torch.Tensor:
     """llama.cpp's row order of one head group -> Hugging Face's (gguf_loader.unpermute_qk)."""
     half = b.shape[0] // num_heads // 2
     return b.reshape(num_heads, half, 2, -1).transpose(1, 2).reshape(b.shape)
+
+
+def unfused_pairs(adapter: AdapterFile, config: ModelConfig) -> dict[tuple[int, str], LoraPair]:
+    """``adapter``'s pairs, those of a fused projection (Phi-3's ``qkv_proj``,
+    ``gate_up_proj``) split into one per part: A shared, B's rows cut at ``config``'s sizes
+    (``AdapterError`` when B's rows are not those sizes' sum)."""
+    shapes = target_shapes(config)
+    out: dict[tuple[int, str], LoraPair] = {}
+    for (layer, module), pair in adapter.pairs.items():
+        parts = FUSED_MODULES.get(module)
+        if parts is None:
+            out[(layer, module)] = pair
+            continue
+        rows = [shapes[t][0] for t in parts]
+        if pair.b.shape[0] != sum(rows):
+            raise AdapterError(
+                f"adapter {adapter.path!r}: layer {layer} {module} updates {pair.b.shape[0]} "
+                f"rows; the base model's fused {module} has {sum(rows)}: it was made for "
+                "another model"
+            )
+        for target, b in zip(parts, pair.b.split(rows), strict=True):
+            out[(layer, HF_MODULES[target])] = LoraPair(pair.a, b, pair.scaling)
+    return out
 
 
 def kvserve_rows(
@@ -138,7 +163,7 @@ def lay_out(
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
         {} for _ in range(config.num_layers)
     ]
-    for (layer, module), pair in adapter.pairs.items():
+    for (layer, module), pair in unfused_pairs(adapter, config).items():
         target = TARGET_OF[module]
         b = kvserve_rows(target, pair, config, adapter.qk_layout)
         a = pair.a.to(device=device, dtype=dtype).contiguous()

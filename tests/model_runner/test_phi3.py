@@ -329,3 +329,41 @@ def test_fused_step_chunked_and_cached_equals_one_shot(qtype: str, tmp_path: Pat
     )  # fmt: skip
     assert requests[-1].num_cached_tokens >= 32
     assert got == [*want, want[3]]
+
+
+# ---------------------------------------------------------------- LoRA
+
+PHI3_MODULES = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+
+
+def test_peft_adapter_on_the_fused_projections(tmp_path: Path) -> None:
+    """A random PEFT adapter on Phi-3's own module names (qkv_proj, gate_up_proj: one A, B's
+    rows split into Q / K / V and gate / up, Q and K rows in the partial-rotary pair order):
+    every position's logits equal transformers + PEFT's, and differ from the base model's."""
+    from tests.model_runner.lora_oracle import peft_adapter
+    from tests.model_runner.oracle import assert_close, hf_logits, make_runner
+    from tests.model_runner.test_lora import logits_with
+
+    hf = tiny_hf("phi4-mini")
+    reference = peft_adapter(hf, tmp_path / "a", r=4, alpha=8, targets=PHI3_MODULES)
+    runner = make_runner(hf)
+    info = runner.lora.load("a", tmp_path / "a")
+    assert info.target_modules == ("o_proj", "down_proj", "qkv_proj", "gate_up_proj")
+    ids = random_ids(13, seed=1)
+    ours = logits_with(runner, ids, runner.lora.resolve("a"))
+    assert_close(ours, hf_logits(reference, ids))
+    assert (ours - logits_with(runner, ids, None)).abs().max() > 0.1
+
+
+def test_fused_projection_adapter_of_another_shape_is_refused(tmp_path: Path) -> None:
+    """A gate_up_proj adapter made for a model with another intermediate size fails in one
+    line naming the fused projection and its rows."""
+    from model_runner.lora.info import AdapterError
+    from tests.model_runner.lora_oracle import peft_adapter
+    from tests.model_runner.oracle import make_runner
+
+    other = tiny_hf("phi3", intermediate_size=64)
+    peft_adapter(other, tmp_path / "a", r=4, alpha=8, targets=["gate_up_proj"])
+    runner = make_runner(tiny_hf("phi3"))
+    with pytest.raises(AdapterError, match=r"layer 0 gate_up_proj updates 128 rows; .* has 256"):
+        runner.lora.load("a", tmp_path / "a")
