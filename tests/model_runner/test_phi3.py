@@ -4,6 +4,7 @@ converter (``Phi3MiniModel``) writes, against transformers."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -132,6 +133,40 @@ def test_long_factors_past_the_original_context(tmp_path: Path) -> None:
 
 def _fields(config: ModelConfig) -> dict[str, Any]:
     return {name: getattr(config, name) for name in config.__dataclass_fields__}
+
+
+def test_hub_config_spellings_give_the_same_rope(tmp_path: Path) -> None:
+    """The config.json the hub's Phi-3 / Phi-4-mini checkpoints carry (written by
+    transformers 4: ``rope_scaling`` of type ``su`` or ``longrope``, ``partial_rotary_factor``
+    and ``original_max_position_embeddings`` at the top level) reads as the directory
+    transformers 5 saves (``rope_parameters``): the same rotary dimensions, frequencies and
+    cos / sin scale, and the long factors past the original context."""
+    from model_runner.hf_loader import load_hf_config
+    from model_runner.rope import rope_inv_freq, rope_magnitude
+
+    hf = longrope_phi3(LONG_ORIGINAL)
+    saved, _ = _saved(hf, tmp_path / "v5")
+    rope = hf.config.rope_parameters
+    for kind in ("su", "longrope"):
+        hub = {
+            **{k: v for k, v in hf.config.to_dict().items() if k != "rope_parameters"},
+            "rope_theta": rope["rope_theta"],
+            "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": LONG_ORIGINAL,
+            "rope_scaling": {"type": kind, "short_factor": rope["short_factor"],
+                             "long_factor": rope["long_factor"]},
+        }  # fmt: skip
+        (tmp_path / kind).mkdir()
+        (tmp_path / kind / "config.json").write_text(json.dumps(hub))
+        config = load_hf_config(tmp_path / kind)
+        assert config.rotary_dim == saved.rotary_dim == 12
+        for length in (LONG_ORIGINAL, 256):
+            want = rope_inv_freq(saved, length)
+            assert torch.equal(rope_inv_freq(config, length), want)
+        assert torch.equal(rope_magnitude(config), rope_magnitude(saved))
+    long = _longrope_inv_freq(hf, rope["long_factor"])
+    assert torch.equal(rope_inv_freq(saved, 256)[:6], long)
+    assert torch.equal(rope_inv_freq(saved, 256)[6:], torch.zeros(2))
 
 
 def test_tied_embeddings_and_sliding_window(tmp_path: Path) -> None:
