@@ -18,6 +18,7 @@ A head's rows are held in pair order (``rope_pair_order``), so a pair is two adj
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -90,7 +91,7 @@ def _rotary_inv_freq(config: ModelConfig, max_model_len: int | None) -> torch.Te
     raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: {_SUPPORTED})")
 
 
-def _llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+def _llama3(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     factor = float(scaling["factor"])
     low_freq_factor = float(scaling["low_freq_factor"])
     high_freq_factor = float(scaling["high_freq_factor"])

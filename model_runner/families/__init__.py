@@ -48,7 +48,7 @@ _MOE = "mixture-of-experts"
 
 
 def supported(gguf: bool = False) -> str:
-    """The families kvserve runs, for messages: ``llama, mistral, qwen2, qwen3 (dense)``, or
+    """The families kvserve runs, for messages: ``llama, mistral, qwen2, qwen3, phi3 (dense)``, or
     as GGUF architectures."""
     if gguf:
         return ", ".join(_BY_GGUF_ARCH) + " GGUFs (dense; Mistral converts to 'llama')"
