@@ -504,7 +504,10 @@ def _with_rope_factors(
             f"GGUF file {path!r}: longrope needs both rope_factors_short / _long tensors and "
             f"{arch}.rope.scaling.original_context_length; it has {present}"
         )
-    short, long = (_dequantize(tensors[n]).reshape(-1).tolist() for n in names)
+    try:
+        short, long = (_dequantize(tensors[n]).reshape(-1).tolist() for n in names)
+    except Exception as e:  # a corrupt or oddly typed tensor
+        raise CheckpointError(f"GGUF file {path!r}: cannot read the rope factors: {e}") from e
     scaling = {
         "rope_type": "longrope",
         "short_factor": short,

@@ -113,7 +113,7 @@ def _longrope(config: ModelConfig, shape: torch.Tensor, max_model_len: int | Non
     they were rotated); kvserve fixes the choice for the run by ``max_model_len``, as vLLM
     and llama.cpp do, so a block's keys never depend on the batch that wrote them."""
     scaling = config.rope_scaling or {}
-    original = int(scaling["original_max_position_embeddings"])
+    original = _original(config)
     long = (max_model_len or config.max_position_embeddings) > original
     factors = scaling["long_factor" if long else "short_factor"]
     if len(factors) != config.rope_dim // 2:
@@ -134,10 +134,17 @@ def _attention_factor(config: ModelConfig) -> float:
     scaling = config.rope_scaling or {}
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
-    original = int(scaling["original_max_position_embeddings"])
+    original = _original(config)
     factor = scaling.get("factor")
     if factor is None:
         factor = config.max_position_embeddings / original
     if factor <= 1.0:
         return 1.0
     return math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _original(config: ModelConfig) -> int:
+    """longrope's original context: the scaling's, else (as transformers' standardization
+    sets it) the config's positions."""
+    scaling = config.rope_scaling or {}
+    return int(scaling.get("original_max_position_embeddings") or config.max_position_embeddings)
