@@ -9,7 +9,11 @@ Hugging Face parameter names come in; at load time the weights are rearranged fo
 - Q and K rows are permuted inside each head from Hugging Face's half-split RoPE layout
   ``(x_0..x_{D/2-1}, x_{D/2}..x_{D-1})`` to interleaved pairs ``(x_0, x_{D/2}, x_1, ...)``, so
   RoPE is one in-place complex multiply. Q and K get the same permutation, so q.k (and
-  attention) is unchanged; the pool stores keys in this layout.
+  attention) is unchanged; the pool stores keys in this layout. With partial rotary
+  embeddings only the rotary dimensions are paired; the rest stay in place
+  (``rope.rope_pair_order``).
+- A checkpoint's fused ``qkv_proj`` / ``gate_up_proj`` (Phi-3) is split by rows first, so
+  its parts are prepared as separate ones are.
 - Gate and up are fused into one ``[2 * I, hidden]`` matrix, except on oneDNN, whose packed
   GEMMs fuse SiLU into the gate GEMM and the ``* up`` product into the up GEMM (``GateUp``).
 
