@@ -205,6 +205,9 @@ class ModelConfig:
         )
         overrides = fam.hf_overrides(cfg)
         sliding = overrides.get("sliding_window", cfg.get("sliding_window"))
+        max_positions = int(cfg.get("max_position_embeddings", 2048))
+        if sliding and int(sliding) >= max_positions:
+            sliding = None  # a window over every position (Phi-3-128k's 262144) is none
         head_dim = int(cfg.get("head_dim") or hidden // num_heads)
         # transformers' partial_rotary_factor: int(head_dim * factor) dimensions rotate.
         rotary = int(head_dim * float(cfg.get("partial_rotary_factor") or 1.0))
@@ -220,7 +223,7 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(cfg.get("rope_theta", 10000.0)),
             rope_scaling=overrides.get("rope_scaling", cfg.get("rope_scaling")),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", fam.hf_attention_bias)),
             sliding_window=int(sliding) if sliding else None,

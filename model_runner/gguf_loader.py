@@ -316,6 +316,9 @@ def _config_from_metadata(
             eos_ids.append(int(metadata[key]))
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     sliding = metadata.get(f"{arch}.attention.sliding_window")
+    context = int(metadata.get(f"{arch}.context_length", 2048))
+    if sliding and int(sliding) >= context:
+        sliding = None  # a window over every position (Phi-3-128k's 262144) is none
     extra: dict[str, Any] = {"gguf_architecture": arch}
     if "general.file_type" in metadata:
         extra["gguf_file_type"] = int(metadata["general.file_type"])
@@ -331,7 +334,7 @@ def _config_from_metadata(
         rms_norm_eps=_f32(metadata.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=_f32(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=_rope_scaling(metadata, arch),
-        max_position_embeddings=int(metadata.get(f"{arch}.context_length", 2048)),
+        max_position_embeddings=context,
         tie_word_embeddings="output.weight" not in tensor_shapes,
         attention_bias="blk.0.attn_q.bias" in tensor_shapes,
         sliding_window=int(sliding) if sliding else None,

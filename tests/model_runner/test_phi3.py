@@ -180,6 +180,15 @@ def test_tied_embeddings_and_sliding_window(tmp_path: Path) -> None:
     assert got == [hf_greedy(hf, p) for p in PROMPTS]
 
 
+def test_a_window_over_every_position_is_none(tmp_path: Path) -> None:
+    """Phi-3-mini-128k's sliding_window (262144 over 131072 positions) covers every
+    position: no window, from its config.json and from its GGUF."""
+    hf = tiny_hf("phi3", seed=1, sliding_window=512)
+    config, _ = _saved(hf, tmp_path / "phi3-128k")
+    loaded = load_model(write_phi3_gguf(hf, tmp_path / "w.gguf"))
+    assert config.sliding_window is None and loaded.config.sliding_window is None
+
+
 def test_fused_rows_must_fit_the_config() -> None:
     """A qkv_proj with the wrong row count fails naming the fused projection."""
     hf = tiny_hf("phi3", seed=1)
