@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -219,13 +219,19 @@ _GLOBAL = {
 }
 
 
-def write_phi3_gguf(hf: torch.nn.Module, path: Path, qtype: str = "F32") -> Path:
+def write_phi3_gguf(
+    hf: torch.nn.Module,
+    path: Path,
+    qtype: str = "F32",
+    vocab: Callable[[gguf.GGUFWriter], None] | None = None,
+) -> Path:
     """``hf`` as convert_hf_to_gguf.py's ``Phi3MiniModel`` writes it: arch ``phi3``,
     rope.dimension_count = int(partial_rotary_factor * hidden) // heads, the original
     context, the sliding window (0 for none), and for longrope the attention factor
     sqrt(1 + ln(max / original) / ln(original)) plus the ``rope_factors_long`` /
     ``rope_factors_short`` tensors; fused ``attn_qkv`` / ``ffn_up``; 2-D weights in
-    ``qtype`` (``kquants.quantize``), vectors F32."""
+    ``qtype`` (``kquants.quantize``), vectors F32. ``vocab`` writes the tokenizer (default:
+    placeholder tokens ``t0`` ..., one per embedding row)."""
     c = hf.config
     rope = c.rope_parameters
     writer = gguf.GGUFWriter(str(path), arch="phi3")
@@ -252,12 +258,15 @@ def write_phi3_gguf(hf: torch.nn.Module, path: Path, qtype: str = "F32") -> Path
         for kind in ("long", "short"):
             factors = np.asarray(rope[f"{kind}_factor"], dtype=np.float32)
             writer.add_tensor(f"rope_factors_{kind}.weight", factors)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list([f"t{i}" for i in range(c.vocab_size)])
-    writer.add_token_scores([0.0] * c.vocab_size)
-    writer.add_token_types([1] * c.vocab_size)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    if vocab is not None:
+        vocab(writer)
+    else:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+        writer.add_token_scores([0.0] * c.vocab_size)
+        writer.add_token_types([1] * c.vocab_size)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
     for name, tensor in hf.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue  # tied (Phi-4-mini): the checkpoint, and so the file, has no output
