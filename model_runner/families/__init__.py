@@ -43,6 +43,8 @@ _NOT_YET = {
     "gemma2": "Gemma 2's soft-capping and sliding layers",
     "gemma3": "Gemma 3's interleaved sliding and global layers",
     "gemma3_text": "Gemma 3's interleaved sliding and global layers",
+    "phi3small": "Phi-3-small's block-sparse attention and GEGLU",
+    "phimoe": "mixture-of-experts",  # Phi-3.5-MoE (config.json and GGUF alike)
 }
 _MOE = "mixture-of-experts"
 
