@@ -420,3 +420,23 @@ def test_fused_projection_adapter_of_another_shape_is_refused(tmp_path: Path) ->
     runner = make_runner(tiny_hf("phi3"))
     with pytest.raises(AdapterError, match=r"layer 0 gate_up_proj updates 128 rows; .* has 256"):
         runner.lora.load("a", tmp_path / "a")
+
+
+def test_gguf_adapter_of_a_phi3_base(tmp_path: Path) -> None:
+    """A GGUF LoRA of a phi3 base as llama.cpp's convert_lora_to_gguf.py names it
+    (``attn_qkv``, ``ffn_up`` holding gate and up; rows unpermuted) gives PEFT's logits."""
+    from tests.model_runner.lora_oracle import gguf_lora, peft_adapter
+    from tests.model_runner.oracle import assert_close, hf_logits, make_runner
+    from tests.model_runner.test_lora import logits_with
+
+    hf = tiny_hf("phi4-mini")
+    reference = peft_adapter(hf, tmp_path / "a", r=4, alpha=8, targets=PHI3_MODULES)
+    path = gguf_lora(tmp_path / "a", tmp_path / "a.gguf", architecture="phi3", num_heads=4,
+                     num_kv_heads=2)  # fmt: skip
+    runner = make_runner(hf)
+    info = runner.lora.load("g", path)
+    assert info.kind == "gguf" and info.target_modules == (
+        "o_proj", "down_proj", "qkv_proj", "gate_up_proj",
+    )  # fmt: skip
+    ids = random_ids(11, seed=3)
+    assert_close(logits_with(runner, ids, runner.lora.resolve("g")), hf_logits(reference, ids))
