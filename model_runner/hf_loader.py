@@ -48,8 +48,9 @@ def load_hf_config(path: str | Path) -> ModelConfig:
 def normalize_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """Map newer ``config.json`` spellings onto the classic ones ``ModelConfig`` reads.
 
-    transformers >= 5 writes ``rope_parameters`` (theta + scaling in one dict) instead of
-    ``rope_theta`` / ``rope_scaling``.
+    transformers >= 5 writes ``rope_parameters`` (theta, scaling and the partial rotary
+    factor in one dict) instead of ``rope_theta`` / ``rope_scaling`` /
+    ``partial_rotary_factor``.
     """
     params = cfg.get("rope_parameters")
     if not isinstance(params, dict):
@@ -57,9 +58,13 @@ def normalize_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
     out = dict(cfg)
     if "rope_theta" in params and "rope_theta" not in cfg:
         out["rope_theta"] = params["rope_theta"]
+    if "partial_rotary_factor" in params and "partial_rotary_factor" not in cfg:
+        out["partial_rotary_factor"] = params["partial_rotary_factor"]
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default" and not cfg.get("rope_scaling"):
-        out["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+        out["rope_scaling"] = {
+            k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")
+        }
     return out
 
 

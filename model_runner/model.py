@@ -1,4 +1,4 @@
-"""The LLaMA-family model (LLaMA, Mistral, Qwen2, Qwen3: ``model_runner.families``) as a
+"""The LLaMA-family model (LLaMA, Mistral, Qwen2, Qwen3, Phi-3: ``model_runner.families``) as a
 functional forward pass over a paged KV pool.
 
 Its weights come prepared from ``weights.load_weights`` (Q, K and V fused, the softmax scale
@@ -14,7 +14,6 @@ dozen tensor ops and nothing else.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -26,61 +25,11 @@ from model_runner.config import ModelConfig
 from model_runner.families import family
 from model_runner.future import FutureTokens
 from model_runner.kv_pool import KVPool
+from model_runner.rope import rope_inv_freq, rope_magnitude
 from model_runner.weights import LayerWeights, Linears, StateDict, load_weights
 
 if TYPE_CHECKING:
     from model_runner.lora.step import TorchLora
-
-# ---------------------------------------------------------------------------- RoPE
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [D/2] (fp32) with the checkpoint's theta and scaling.
-
-    Supports no scaling, ``"linear"`` and ``"llama3"`` (Hugging Face's formulas); anything
-    else raises, because the model would silently produce wrong text.
-    """
-    dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    )
-    freq_factors = config.extra.get("rope_freqs")
-    if freq_factors is not None:
-        # llama.cpp's GGUF stores Llama-3.x rope scaling as per-frequency divisors
-        # (``rope_freqs.weight``, ggml's freq_factors) instead of a rope_scaling entry.
-        if len(freq_factors) != dim // 2:
-            raise ValueError(
-                f"rope_freqs has {len(freq_factors)} factors, head_dim {dim} needs {dim // 2}"
-            )
-        if config.rope_scaling and config.rope_scaling.get("rope_type") == "llama3":
-            raise ValueError("rope_freqs and rope_scaling llama3 both scale RoPE: keep one")
-        return inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
-    scaling = config.rope_scaling
-    if not scaling:
-        return inv_freq
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])
-    if rope_type == "llama3":
-        factor = float(scaling["factor"])
-        low_freq_factor = float(scaling["low_freq_factor"])
-        high_freq_factor = float(scaling["high_freq_factor"])
-        old_context_len = float(scaling["original_max_position_embeddings"])
-        low_freq_wavelen = old_context_len / low_freq_factor
-        high_freq_wavelen = old_context_len / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context_len / wavelen - low_freq_factor) / (
-            high_freq_factor - low_freq_factor
-        )
-        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
-        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-        return torch.where(is_medium, smoothed, inv_freq_llama)
-    raise ValueError(
-        f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3)"
-    )
 
 
 class LlamaModel:
@@ -131,17 +80,22 @@ class LlamaModel:
         self.weights_format = weights.formats
         self.weight_bytes = weights.num_bytes()
         self.linear_backend = linears.backend(weights.formats)
-        self.inv_freq = rope_inv_freq(config).to(device)
+        self.inv_freq = rope_inv_freq(config, self.max_model_len).to(device)
+        self.rope_mag = rope_magnitude(config).to(device)  # longrope's scale on cos and sin
         angles = torch.outer(torch.arange(self.max_model_len, device=device).float(), self.inv_freq)
         # [max_len, 1, D/2]: complex rotations (fp32 runs) or cos / sin (half precision).
         self.rope_cis: torch.Tensor | None = None
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
         if dtype == torch.float32:
-            self.rope_cis = torch.polar(torch.ones_like(angles), angles).unsqueeze(1)
+            self.rope_cis = self._rotations(angles).unsqueeze(1)
         else:
-            self.rope_cos = angles.cos().to(dtype).unsqueeze(1)
-            self.rope_sin = angles.sin().to(dtype).unsqueeze(1)
+            self.rope_cos = (angles.cos() * self.rope_mag).to(dtype).unsqueeze(1)
+            self.rope_sin = (angles.sin() * self.rope_mag).to(dtype).unsqueeze(1)
+
+    def _rotations(self, angles: torch.Tensor) -> torch.Tensor:
+        """``rope_mag * exp(i * angles)`` (complex64) for ``angles`` [..., D/2]."""
+        return torch.polar(self.rope_mag.expand_as(angles).contiguous(), angles)
 
     # ------------------------------------------------------------------ forward
 
@@ -164,10 +118,10 @@ class LlamaModel:
             # as the table's rows, computed for this step's positions only.
             angles = batch.positions.float().unsqueeze(1) * self.inv_freq
             if self.rope_cis is not None:
-                cis = torch.polar(torch.ones_like(angles), angles).unsqueeze(1)
+                cis = self._rotations(angles).unsqueeze(1)
             else:
-                cos = angles.cos().to(self.dtype).unsqueeze(1)
-                sin = angles.sin().to(self.dtype).unsqueeze(1)
+                cos = (angles.cos() * self.rope_mag).to(self.dtype).unsqueeze(1)
+                sin = (angles.sin() * self.rope_mag).to(self.dtype).unsqueeze(1)
         elif self.rope_cis is not None:
             cis = self.rope_cis.index_select(0, batch.positions)
         else:

@@ -49,6 +49,11 @@ def build_hf_model(
     }
     if not fam.hf_attention_bias:  # a family whose bias is optional (always on for Qwen2)
         kwargs["attention_bias"] = config.attention_bias
+    if config.rotary_dim is not None:
+        kwargs["partial_rotary_factor"] = config.rotary_dim / config.head_dim
+    original = (config.rope_scaling or {}).get("original_max_position_embeddings")
+    if original is not None:  # Phi3Config's own field outranks rope_scaling's
+        kwargs["original_max_position_embeddings"] = original
     if config.sliding_window is not None:
         kwargs["sliding_window"] = config.sliding_window
         kwargs["use_sliding_window"] = True  # Qwen's switch; the others have no such field

@@ -213,7 +213,11 @@ class TorchRunner:
             device=self.device,
             sliding_window=self.sliding_window,
             attention_sinks=self.attention_sinks,
-            rope_inv_freq=rope_inv_freq(c).to(self.device) if self.attention_sinks else None,
+            rope_inv_freq=(
+                rope_inv_freq(c, self.max_model_len).to(self.device)
+                if self.attention_sinks
+                else None
+            ),
         )
 
     def _num_blocks_for_budget(self, budget_bytes: int | None, sizes: tuple[int, ...]) -> int:

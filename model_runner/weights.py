@@ -9,7 +9,11 @@ Hugging Face parameter names come in; at load time the weights are rearranged fo
 - Q and K rows are permuted inside each head from Hugging Face's half-split RoPE layout
   ``(x_0..x_{D/2-1}, x_{D/2}..x_{D-1})`` to interleaved pairs ``(x_0, x_{D/2}, x_1, ...)``, so
   RoPE is one in-place complex multiply. Q and K get the same permutation, so q.k (and
-  attention) is unchanged; the pool stores keys in this layout.
+  attention) is unchanged; the pool stores keys in this layout. With partial rotary
+  embeddings only the rotary dimensions are paired; the rest stay in place
+  (``rope.rope_pair_order``).
+- A checkpoint's fused ``qkv_proj`` / ``gate_up_proj`` (Phi-3) is split by rows first, so
+  its parts are prepared as separate ones are.
 - Gate and up are fused into one ``[2 * I, hidden]`` matrix, except on oneDNN, whose packed
   GEMMs fuse SiLU into the gate GEMM and the ``* up`` product into the up GEMM (``GateUp``).
 
@@ -25,7 +29,7 @@ output and down GEMMs; elsewhere (CUDA, or when the self-check fails) plain ``F.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import overload
 
@@ -36,6 +40,7 @@ from model_runner import onednn
 from model_runner.config import ModelConfig
 from model_runner.families import family
 from model_runner.quant import QEmbedding, QLinear, QuantStack, QuantWeight, cat_rows
+from model_runner.rope import rope_pair_order
 
 Matrix = torch.Tensor | QuantWeight  # as a checkpoint holds it
 Weight = Matrix | QuantStack  # prepared: Q, K and V of several formats stack
@@ -305,53 +310,80 @@ def _layer(config: ModelConfig, w: _Prepared, linears: Linears, i: int) -> Layer
 
     With QK-norm the scale goes into Q's norm weight instead (a norm after the projection
     would undo a scaled Q), and both norm weights take the rows' RoPE pair order (RMSNorm
-    over a head commutes with permuting it)."""
+    over a head commutes with permuting it). A family whose checkpoint fuses QKV or gate-up
+    (Phi-3) has them split here, so each part is prepared as any other family's."""
     p = f"model.layers.{i}.self_attn."
     h, kvh, d = config.num_heads, config.num_kv_heads, config.head_dim
     scale = 1.0 / math.sqrt(d)
-    qk_norm = family(config.architecture).qk_norm
-    wq = _interleave_rows(w.matrix(p + "q_proj.weight"), h, d)
-    wq = wq if qk_norm else _scaled(wq, scale)
-    wk = _interleave_rows(w.matrix(p + "k_proj.weight"), kvh, d)
+    fam = family(config.architecture)
+    order = rope_pair_order(d, config.rope_dim)
+    qkv_rows = (h * d, kvh * d, kvh * d)
+    qkv_name = "qkv" if fam.fused_qkv else None
+    gate_up_name = "gate_up" if fam.fused_gate_up else None
+    wq, wk, wv = _parts(w.matrix, p, ("q", "k", "v"), qkv_name, qkv_rows, ".weight")
+    wq = _interleave_rows(wq, h, order)
+    wq = wq if fam.qk_norm else _scaled(wq, scale)
+    wk = _interleave_rows(wk, kvh, order)
     q_norm = k_norm = None
-    if qk_norm:
-        q_norm = linears.dense(_interleave_rows(w.vector(p + "q_norm.weight"), 1, d) * scale)
-        k_norm = linears.dense(_interleave_rows(w.vector(p + "k_norm.weight"), 1, d))
+    if fam.qk_norm:
+        q_norm = linears.dense(_interleave_rows(w.vector(p + "q_norm.weight"), 1, order) * scale)
+        k_norm = linears.dense(_interleave_rows(w.vector(p + "k_norm.weight"), 1, order))
     bias: torch.Tensor | None = None
     if config.attention_bias:
+        bq, bk, bv = _parts(w.vector, p, ("q", "k", "v"), qkv_name, qkv_rows, ".bias")
         bias = linears.dense(
             torch.cat(
-                [
-                    _interleave_rows(w.vector(p + "q_proj.bias"), h, d) * scale,
-                    _interleave_rows(w.vector(p + "k_proj.bias"), kvh, d),
-                    w.vector(p + "v_proj.bias"),
-                ]
+                [_interleave_rows(bq, h, order) * scale, _interleave_rows(bk, kvh, order), bv]
             )
         )
-    qkv = linears.make_linear(_cat_rows([wq, wk, w.matrix(p + "v_proj.weight")]), bias)
+    qkv = linears.make_linear(_cat_rows([wq, wk, wv]), bias)
     p = f"model.layers.{i}."
+    inter = config.intermediate_size
+    gate, up = _parts(w.matrix, p + "mlp.", ("gate", "up"), gate_up_name, (inter, inter))
     return LayerWeights(
         input_norm=linears.dense(w.vector(p + "input_layernorm.weight")),
         qkv=qkv,
         o=linears.make_linear(w.matrix(p + "self_attn.o_proj.weight")),
         post_norm=linears.dense(w.vector(p + "post_attention_layernorm.weight")),
-        gate_up=linears.make_gate_up(
-            w.matrix(p + "mlp.gate_proj.weight"), w.matrix(p + "mlp.up_proj.weight")
-        ),
+        gate_up=linears.make_gate_up(gate, up),
         down=linears.make_linear(w.matrix(p + "mlp.down_proj.weight")),
         q_norm=q_norm,
         k_norm=k_norm,
     )
 
 
+def _parts(
+    read: Callable[[str], Matrix],
+    prefix: str,
+    names: tuple[str, ...],
+    fused: str | None,
+    rows: tuple[int, ...],
+    suffix: str = ".weight",
+) -> list[Matrix]:
+    """The projections ``names`` (``{prefix}{name}_proj{suffix}``), each its own tensor or,
+    in a checkpoint that fuses them, consecutive ``rows`` of ``{prefix}{fused}_proj{suffix}``."""
+    if fused is None:
+        return [read(f"{prefix}{n}_proj{suffix}") for n in names]
+    whole = read(f"{prefix}{fused}_proj{suffix}")
+    if whole.shape[0] != sum(rows):
+        raise ValueError(
+            f"{prefix}{'/'.join(names)} fused: {whole.shape[0]} rows, the config needs "
+            f"{' + '.join(map(str, rows))}"
+        )
+    starts = [sum(rows[:k]) for k in range(len(rows))]
+    if isinstance(whole, QuantWeight):
+        return [whole.rows(torch.arange(s, s + n)) for s, n in zip(starts, rows, strict=True)]
+    return [whole[s : s + n] for s, n in zip(starts, rows, strict=True)]
+
+
 @overload
-def _interleave_rows(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor: ...
+def _interleave_rows(w: torch.Tensor, num_heads: int, order: torch.Tensor) -> torch.Tensor: ...
 @overload
-def _interleave_rows(w: Matrix, num_heads: int, head_dim: int) -> Matrix: ...
-def _interleave_rows(w: Matrix, num_heads: int, head_dim: int) -> Matrix:
-    """Permute each head's rows from half-split (HF) to interleaved RoPE pair order."""
-    half = head_dim // 2
-    order = torch.stack([torch.arange(half), torch.arange(half, head_dim)], dim=1).flatten()
+def _interleave_rows(w: Matrix, num_heads: int, order: torch.Tensor) -> Matrix: ...
+def _interleave_rows(w: Matrix, num_heads: int, order: torch.Tensor) -> Matrix:
+    """Permute each head's rows from half-split (HF) to RoPE pair order (``order``:
+    ``rope.rope_pair_order``)."""
+    head_dim = order.numel()
     if isinstance(w, QuantWeight):
         heads = torch.arange(num_heads).unsqueeze(1) * head_dim
         return w.rows((heads + order.to(heads.device)).flatten())
@@ -385,14 +417,7 @@ def _describe_formats(state_dict: StateDict) -> str:
 def _required_names(config: ModelConfig) -> list[str]:
     """The Hugging Face parameter names ``config``'s model reads."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
-    extra = family(config.architecture).extra_layer_weights()
+    layer = family(config.architecture).layer_weights(config.attention_bias)
     for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        names += [p + n for n in extra]
-        names += [p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")] + [
-            p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")
-        ]
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        if config.attention_bias:
-            names += [p + f"self_attn.{n}_proj.bias" for n in ("q", "k", "v")]
+        names += [f"model.layers.{i}.{n}" for n in layer]
     return names

@@ -18,12 +18,13 @@ from typing import Any
 
 from model_runner.families.base import Family
 from model_runner.families.llama import LLAMA, MISTRAL
+from model_runner.families.phi3 import PHI3
 from model_runner.families.qwen2 import QWEN2
 from model_runner.families.qwen3 import QWEN3
 
 __all__ = ["FAMILIES", "Family", "family", "for_gguf", "for_hf_config", "supported"]
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3)}
 
 _BY_HF_TYPE = {t: f for f in FAMILIES.values() for t in f.hf_model_types}
 _BY_GGUF_ARCH = {a: f for f in FAMILIES.values() for a in f.gguf_archs}
@@ -42,13 +43,14 @@ _NOT_YET = {
     "gemma2": "Gemma 2's soft-capping and sliding layers",
     "gemma3": "Gemma 3's interleaved sliding and global layers",
     "gemma3_text": "Gemma 3's interleaved sliding and global layers",
-    "phi3": "Phi-3's fused projections and longrope",
+    "phi3small": "Phi-3-small's block-sparse attention and GEGLU",
+    "phimoe": "mixture-of-experts",  # Phi-3.5-MoE (config.json and GGUF alike)
 }
 _MOE = "mixture-of-experts"
 
 
 def supported(gguf: bool = False) -> str:
-    """The families kvserve runs, for messages: ``llama, mistral, qwen2, qwen3 (dense)``, or
+    """The families kvserve runs, for messages: ``llama, mistral, qwen2, qwen3, phi3 (dense)``, or
     as GGUF architectures."""
     if gguf:
         return ", ".join(_BY_GGUF_ARCH) + " GGUFs (dense; Mistral converts to 'llama')"

@@ -34,7 +34,8 @@ import torch
 from model_runner.lora.info import AdapterError
 
 # The projections an adapter may target, by their Hugging Face names.
-MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "qkv_proj", "gate_up_proj")  # fmt: skip  # the last two: Phi-3's fused ones
 _GGUF_MODULES = {
     "attn_q": "q_proj",
     "attn_k": "k_proj",
@@ -263,6 +264,23 @@ def _pair(
 # ---------------------------------------------------------------------- GGUF
 
 
+def _gguf_modules(architecture: object) -> dict[str, str]:
+    """llama.cpp's per-layer tensor names -> the modules they update, for a base of GGUF
+    ``architecture``: its family's own projections first (Phi-3's ``attn_qkv``, and its
+    ``ffn_up`` holding gate and up)."""
+    from model_runner.families import for_gguf
+
+    modules = dict(_GGUF_MODULES)
+    try:
+        fam = for_gguf(str(architecture or ""), {}, ())
+    except ValueError:  # not a family kvserve runs: check_fits names the mismatch
+        return modules
+    for suffix, hf in fam.gguf_layer_tensors.items():
+        if hf.endswith("_proj.weight"):
+            modules[suffix.removesuffix(".weight")] = hf.split(".")[-2]
+    return modules
+
+
 def _read_gguf(path: Path) -> AdapterFile:
     from model_runner.errors import CheckpointError
     from model_runner.gguf_loader import _dequantize, _open, read_metadata
@@ -283,19 +301,20 @@ def _read_gguf(path: Path) -> AdapterFile:
     alpha = metadata.get("adapter.lora.alpha", 0.0)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise _fail(path, f"adapter.lora.alpha must be a number, got {alpha!r}")
+    modules = _gguf_modules(metadata.get("general.architecture"))
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for tensor in reader.tensors:
         m = _GGUF_KEY.match(tensor.name)
-        if m is None or m.group(2) not in _GGUF_MODULES:
+        if m is None or m.group(2) not in modules:
             raise _fail(
                 path, f"tensor {tensor.name!r} is not a LoRA pair of "
-                f"{', '.join(_GGUF_MODULES)} (blk.N.<name>.weight.lora_a / .lora_b)"
+                f"{', '.join(modules)} (blk.N.<name>.weight.lora_a / .lora_b)"
             )  # fmt: skip
         try:
             array = _dequantize(tensor)
         except Exception as exc:  # an unknown type, a short file
             raise _fail(path, f"tensor {tensor.name!r} cannot be read ({exc})") from exc
-        module = _GGUF_MODULES[m.group(2)]
+        module = modules[m.group(2)]
         halves.setdefault((int(m.group(1)), module), {})[m.group(3).upper()] = torch.from_numpy(
             array
         )

@@ -25,6 +25,7 @@ from model_runner.config import ModelConfig
 from model_runner.families import family
 from model_runner.lora.files import AdapterFile, LoraPair
 from model_runner.lora.info import AdapterError
+from model_runner.rope import rope_pair_order
 
 # kvserve's targets, in the order of a layer's projections, and their Hugging Face names.
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -38,6 +39,8 @@ HF_MODULES = {
     "down": "down_proj",
 }
 TARGET_OF = {module: target for target, module in HF_MODULES.items()}
+# A checkpoint's fused projections (Phi-3) -> the targets whose rows they stack, in order.
+FUSED_MODULES = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
 
 
 def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -71,7 +74,7 @@ def check_fits(adapter: AdapterFile, config: ModelConfig, max_rank: int) -> None
             "raise it (it bounds every adapter's memory and step cost) or use a smaller rank"
         )
     shapes = target_shapes(config)
-    for (layer, module), pair in adapter.pairs.items():
+    for (layer, module), pair in unfused_pairs(adapter, config).items():
         if layer >= config.num_layers:
             raise AdapterError(
                 f"adapter {path!r} targets layer {layer}; the base model has "
@@ -87,15 +90,33 @@ def check_fits(adapter: AdapterFile, config: ModelConfig, max_rank: int) -> None
             )
 
 
-def _rope_pair_order(head_dim: int) -> torch.Tensor:
-    half = head_dim // 2
-    return torch.stack([torch.arange(half), torch.arange(half, head_dim)], dim=1).flatten()
-
-
 def _unpermute_gguf(b: torch.Tensor, num_heads: int) -> torch.Tensor:
     """llama.cpp's row order of one head group -> Hugging Face's (gguf_loader.unpermute_qk)."""
     half = b.shape[0] // num_heads // 2
     return b.reshape(num_heads, half, 2, -1).transpose(1, 2).reshape(b.shape)
+
+
+def unfused_pairs(adapter: AdapterFile, config: ModelConfig) -> dict[tuple[int, str], LoraPair]:
+    """``adapter``'s pairs, those of a fused projection (Phi-3's ``qkv_proj``,
+    ``gate_up_proj``) split into one per part: A shared, B's rows cut at ``config``'s sizes
+    (``AdapterError`` when B's rows are not those sizes' sum)."""
+    shapes = target_shapes(config)
+    out: dict[tuple[int, str], LoraPair] = {}
+    for (layer, module), pair in adapter.pairs.items():
+        parts = FUSED_MODULES.get(module)
+        if parts is None:
+            out[(layer, module)] = pair
+            continue
+        rows = [shapes[t][0] for t in parts]
+        if pair.b.shape[0] != sum(rows):
+            raise AdapterError(
+                f"adapter {adapter.path!r}: layer {layer} {module} updates {pair.b.shape[0]} "
+                f"rows; the base model's fused {module} has {sum(rows)}: it was made for "
+                "another model"
+            )
+        for target, b in zip(parts, pair.b.split(rows), strict=True):
+            out[(layer, HF_MODULES[target])] = LoraPair(pair.a, b, pair.scaling)
+    return out
 
 
 def kvserve_rows(
@@ -110,7 +131,7 @@ def kvserve_rows(
     fam = family(config.architecture)
     if qk_layout == "gguf" and fam.gguf_qk_permuted:
         b = _unpermute_gguf(b, heads)
-    b = b.reshape(heads, d, -1)[:, _rope_pair_order(d)].reshape(heads * d, -1)
+    b = b.reshape(heads, d, -1)[:, rope_pair_order(d, config.rope_dim)].reshape(heads * d, -1)
     # Q's rows carry the softmax scale (weights._layer), but not under QK-norm, whose norm
     # weight holds it instead.
     scaled = target == "q" and not fam.qk_norm
@@ -142,7 +163,7 @@ def lay_out(
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
         {} for _ in range(config.num_layers)
     ]
-    for (layer, module), pair in adapter.pairs.items():
+    for (layer, module), pair in unfused_pairs(adapter, config).items():
         target = TARGET_OF[module]
         b = kvserve_rows(target, pair, config, adapter.qk_layout)
         a = pair.a.to(device=device, dtype=dtype).contiguous()

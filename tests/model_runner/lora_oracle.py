@@ -24,6 +24,8 @@ _GGUF_NAMES = {
     "gate_proj": "ffn_gate",
     "up_proj": "ffn_up",
     "down_proj": "ffn_down",
+    "qkv_proj": "attn_qkv",  # Phi-3's fused projections (gguf-py's tensor map)
+    "gate_up_proj": "ffn_up",
 }
 
 

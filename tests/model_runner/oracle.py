@@ -38,7 +38,10 @@ def tiny_hf(kind: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
 
     kind: "llama" (4 heads, MHA), "llama-gqa" (4 heads / 2 KV heads, tied embeddings),
     "qwen2" (GQA + QKV bias), "mistral" (GQA + sliding window of 8 tokens), "qwen3" (GQA,
-    QK-norm, head_dim 32 where hidden / heads is 16).
+    QK-norm, head_dim 32 where hidden / heads is 16), "phi3" (GQA, fused qkv_proj and
+    gate_up_proj), "phi4-mini" (phi3 with Phi-4-mini's RoPE: 3/4 of each head rotated,
+    longrope with random short factors, which the 256 positions never leave, and a cos / sin
+    attention factor of 1.25).
     Weights are drawn wider than Hugging Face's init (std 0.02) so logits are well spread
     and greedy choices are not near-ties.
     """
@@ -47,6 +50,8 @@ def tiny_hf(kind: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -82,6 +87,19 @@ def tiny_hf(kind: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
         common.setdefault("head_dim", 32)
         cfg = Qwen3Config(**common, num_attention_heads=4, num_key_value_heads=2, **overrides)
         model = Qwen3ForCausalLM(cfg)
+    elif kind in ("phi3", "phi4-mini"):
+        if kind == "phi4-mini":
+            g = torch.Generator().manual_seed(seed)
+            factors = (1.0 + 3.0 * torch.rand(2, 6, generator=g)).tolist()
+            overrides.setdefault("partial_rotary_factor", 0.75)
+            overrides.setdefault(
+                "original_max_position_embeddings", common["max_position_embeddings"]
+            )
+            overrides.setdefault("rope_scaling", {"type": "longrope", "short_factor": factors[0],
+                                                  "long_factor": factors[1],
+                                                  "attention_factor": 1.25})  # fmt: skip
+        cfg = Phi3Config(**common, num_attention_heads=4, num_key_value_heads=2, **overrides)
+        model = Phi3ForCausalLM(cfg)
     else:
         raise ValueError(kind)
     with torch.no_grad():

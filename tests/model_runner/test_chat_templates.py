@@ -27,6 +27,8 @@ SPECIALS = {
     "qwen3": (None, "<|im_end|>"),
     "mistral": ("<s>", "</s>"),
     "phi3": ("<s>", "<|endoftext|>"),
+    "phi4": (None, "<|im_end|>"),
+    "phi4_mini": (None, "<|endoftext|>"),
     "gemma3": ("<bos>", "<eos>"),
 }
 USES_TOOLS = ("llama3", "qwen2_5", "qwen3", "mistral")

@@ -63,7 +63,7 @@ def test_mixtral_gguf_is_refused_as_mixture_of_experts(tmp_path: Path) -> None:
         read_header(path)
     message = one_line(str(info.value))
     assert "'llama' GGUF is a mixture-of-experts model" in message
-    assert "does not run mixture-of-experts yet; it runs llama, qwen2, qwen3 GGUFs" in message
+    assert "does not run mixture-of-experts yet; it runs llama, qwen2, qwen3, phi3 GGUFs" in message
 
 
 @pytest.mark.parametrize(
@@ -71,8 +71,8 @@ def test_mixtral_gguf_is_refused_as_mixture_of_experts(tmp_path: Path) -> None:
     [
         ("qwen3moe", "is a mixture-of-experts model"),
         ("gemma3", "is not supported yet (Gemma 3's interleaved sliding and global layers)"),
-        ("phi3", "is not supported yet (Phi-3's fused projections and longrope)"),
-        ("gpt2", "is not supported; kvserve runs llama, qwen2, qwen3 GGUFs"),
+        ("phimoe", "is a mixture-of-experts model"),
+        ("gpt2", "is not supported; kvserve runs llama, qwen2, qwen3, phi3 GGUFs"),
     ],
 )
 def test_other_gguf_architectures_are_refused_in_one_line(
@@ -92,6 +92,7 @@ def test_other_gguf_architectures_are_refused_in_one_line(
         # A llama-typed config with experts is not taken for a dense Llama either.
         ({"model_type": "llama", "num_local_experts": 4}, "is a mixture-of-experts model"),
         ({"model_type": "gemma3_text"}, "is not supported yet (Gemma 3's"),
+        ({"model_type": "phi3small"}, "is not supported yet (Phi-3-small's block-sparse"),
         ({"model_type": "gpt_neox"}, "is not supported; kvserve runs llama, mistral, qwen2"),
     ],
 )

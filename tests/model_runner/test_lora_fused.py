@@ -28,12 +28,15 @@ def isa(request: pytest.FixtureRequest) -> str:
 
 
 def load_adapters(runners: list[object], hf: torch.nn.Module, folder: Path) -> dict[str, LoraRef]:
-    """Three adapters of ``hf`` (ranks 2, 4, 8; the second on q and v only) in every runner."""
+    """Three adapters of ``hf`` (ranks 2, 4, 8; the second on q and v only, Phi-3: on its
+    fused qkv_proj only) in every runner."""
+    phi3 = hf.config.model_type == "phi3"
+    every = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if phi3 else None
     refs = {}
     for name, r, seed, targets in (
-        ("x", 2, 1, None),
-        ("y", 4, 2, ["q_proj", "v_proj"]),
-        ("z", 8, 3, None),
+        ("x", 2, 1, every),
+        ("y", 4, 2, ["qkv_proj"] if phi3 else ["q_proj", "v_proj"]),
+        ("z", 8, 3, every),
     ):
         peft_adapter(hf, folder / name, r=r, seed=seed, targets=targets)
         for runner in runners:
@@ -42,13 +45,14 @@ def load_adapters(runners: list[object], hf: torch.nn.Module, folder: Path) -> d
     return refs
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3", "phi4-mini"])
 def test_fused_lora_equals_the_torch_path(tmp_path: Path, isa: str, kind: str) -> None:
     """A step with three adapters' prefill chunks and the base model's, then decodes: the
     fused kernel's logits equal the torch path's (same quantized GEMMs, fp16 adapters
     against the torch path's fp32 ones) within 5e-2 of max|logit|, as the fused step without
     adapters does; the updates change the logits by far more than that. Qwen3: the
-    adapters' Q and K updates land before the kernel's QK-norm."""
+    adapters' Q and K updates land before the kernel's QK-norm; Phi-4-mini: adapters on its
+    fused projections, Q and K rows in its partial-rotary pair order."""
     fused, hf = quantized_pair(kind, "q4", fused_step=True)
     plain, _ = quantized_pair(kind, "q4", fused_step=False)
     assert fused.paths.fused is not None

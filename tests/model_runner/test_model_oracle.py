@@ -20,7 +20,7 @@ from tests.model_runner.oracle import (
     tiny_hf,
 )
 
-KINDS = ["llama", "llama-gqa", "qwen2", "mistral", "qwen3"]
+KINDS = ["llama", "llama-gqa", "qwen2", "mistral", "qwen3", "phi4-mini"]
 
 
 @pytest.fixture(scope="module", params=KINDS)

@@ -357,7 +357,7 @@ def hf_logits_quantized_acts(hf: torch.nn.Module, ids: list[int], bits: int) -> 
 
 
 @pytest.mark.parametrize("bits, tol", [(16, 2e-3), (8, 5e-2)])
-@pytest.mark.parametrize("kind", ["llama", "llama-gqa", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "llama-gqa", "qwen2", "qwen3", "phi4-mini"])
 @pytest.mark.parametrize("fmt", ["int8", "q4"])
 def test_quantized_model_tracks_its_dequantized_reference(
     kind: str, fmt: str, bits: int, tol: float
@@ -384,7 +384,7 @@ def test_quantized_model_tracks_its_dequantized_reference(
     assert_close(long, ref, tol)
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama-gqa", "qwen2", "mistral", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "llama-gqa", "qwen2", "mistral", "qwen3", "phi4-mini"])
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
 def test_fused_step_equals_the_torch_path(kind: str, kv_dtype: str, isa: str) -> None:
     """Decode steps through the fused kernel (norms, QKV, RoPE, paged KV write, attention,

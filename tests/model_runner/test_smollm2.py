@@ -105,14 +105,18 @@ def run_engine(
     max_num_seqs: int = 8,
     kv_dtype: str | None = None,
     adapters: dict[str, Any] | None = None,
+    max_model_len: int | None = None,
 ) -> tuple[dict[str, list[int]], Scheduler]:
     """Drive Scheduler + KVCacheManager + TorchRunner until every (arrival_step, request)
     finished; returns each request's output tokens and the scheduler. ``adapters``: LoRA
-    adapters (name -> path) loaded into the runner first."""
+    adapters (name -> path) loaded into the runner first; ``max_model_len``: the runner's
+    (default: the config's positions)."""
     from model_runner.runner import TorchRunner
 
     block_size, num_blocks = 16, 96
-    options = RunnerOptions(num_blocks, block_size, dtype=torch.float32, device=DEVICE)
+    options = RunnerOptions(
+        num_blocks, block_size, dtype=torch.float32, device=DEVICE, max_model_len=max_model_len
+    )
     runner = TorchRunner(smol.config, smol.state_dict, replace(options, kv_dtype=kv_dtype))
     for name, path in (adapters or {}).items():
         runner.lora.load(name, path)

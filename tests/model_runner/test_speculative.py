@@ -31,7 +31,7 @@ def verify_seq(ids: list[int], start: int, drafts: list[int], blocks: list[int])
     return s
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama-gqa", "qwen2", "mistral", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "llama-gqa", "qwen2", "mistral", "qwen3", "phi4-mini"])
 def test_verify_positions_equal_a_full_forward(kind: str) -> None:
     """The k + 1 positions of a decode with drafts (a chunk over the cached KV) give
     transformers' logits at those positions, mistral past its window of 8 included."""
@@ -45,7 +45,7 @@ def test_verify_positions_equal_a_full_forward(kind: str) -> None:
     torch.testing.assert_close(got, ref[18:24], rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "mistral", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama-gqa", "mistral", "qwen3", "phi4-mini"])
 def test_fused_verify_rows_equal_the_torch_path(kind: str) -> None:
     """On the fused step kernel a decode with drafts runs as k + 1 rows sharing a block
     table; its logits and KV equal the torch path's chunk, next to a plain decode (layer 0's
@@ -142,7 +142,8 @@ PROMPTS = [
 
 
 @pytest.mark.parametrize(
-    ("kind", "num_blocks"), [("llama-gqa", 18), ("qwen2", 18), ("mistral", 12), ("qwen3", 18)]
+    ("kind", "num_blocks"),
+    [("llama-gqa", 18), ("qwen2", 18), ("mistral", 12), ("qwen3", 18), ("phi4-mini", 18)],
 )
 @pytest.mark.parametrize("temperature", [0.0, 0.3])
 def test_runs_with_drafts_equal_runs_without(

@@ -187,7 +187,7 @@ def _steps(runner: TorchRunner, fusions: bool) -> tuple[list[torch.Tensor], torc
     ("backend", "dtype", "tol"),
     [("torch", "float32", 1e-4), ("triton", "float32", 1e-4), ("torch", "bfloat16", 0.2)],
 )
-@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3", "phi4-mini"])
 def test_the_fused_forward_equals_the_torch_forward(
     backend: str, dtype: str, tol: float, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

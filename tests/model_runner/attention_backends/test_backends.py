@@ -81,7 +81,7 @@ def test_paged_backends_refuse_int8_pools_and_sinks(monkeypatch: pytest.MonkeyPa
         _make("triton")  # a float pool: the device is the one problem left
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3", "phi4-mini"])
 def test_runner_on_triton_matches_the_torch_runner(kind: str) -> None:
     """A GQA model (Qwen3: QK-norm, head_dim 32 over hidden 64) through prefill chunks over
     a prefix, then batched decodes: every position's logits on the Triton backend equal the
