@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from model_runner import kernels, kquants
+from model_runner import kernels
 from model_runner.config import ModelConfig, RunnerOptions
 from model_runner.hf_loader import load_hf_dir
 from model_runner.loader import LoadedModel, load_model
@@ -23,7 +23,13 @@ from model_runner.quant import QuantWeight
 from model_runner.runner import TorchRunner
 from scheduler import Request, SamplingParams
 from tests.model_runner.oracle import random_ids, tiny_hf
-from tests.model_runner.test_qwen3 import free_running, hf_greedy, hf_logits_fn, runner_logits
+from tests.model_runner.test_qwen3 import (
+    free_running,
+    hf_greedy,
+    hf_logits_fn,
+    runner_logits,
+    write_hf_tensors,
+)
 from tests.model_runner.test_smollm2 import run_engine
 
 NEW_TOKENS = 12
@@ -267,24 +273,7 @@ def write_phi3_gguf(
         writer.add_token_types([1] * c.vocab_size)
         writer.add_bos_token_id(1)
         writer.add_eos_token_id(2)
-    for name, tensor in hf.state_dict().items():
-        if name == "lm_head.weight" and c.tie_word_embeddings:
-            continue  # tied (Phi-4-mini): the checkpoint, and so the file, has no output
-        if name.startswith("model.layers."):
-            _, _, i, rest = name.split(".", 3)
-            gguf_name = f"blk.{i}.{_LAYER[rest]}"
-        else:
-            gguf_name = _GLOBAL[name]
-        data = tensor.detach().cpu().float().numpy()
-        if data.ndim == 2 and qtype != "F32":
-            kind = getattr(gguf.GGMLQuantizationType, qtype)
-            writer.add_tensor(gguf_name, kquants.quantize(data, qtype), raw_dtype=kind)
-        else:
-            writer.add_tensor(gguf_name, np.ascontiguousarray(data))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_hf_tensors(writer, hf, _LAYER, _GLOBAL, qtype)  # tied (Phi-4-mini): no output
     return path
 
 

@@ -73,14 +73,30 @@ def write_qwen3_gguf(hf: torch.nn.Module, path: Path, qtype: str = "F32") -> Pat
     writer.add_token_types([1] * c.vocab_size)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    write_hf_tensors(writer, hf, _LAYER, _GLOBAL, qtype)
+    return path
+
+
+def write_hf_tensors(
+    writer: gguf.GGUFWriter,
+    hf: torch.nn.Module,
+    layer: dict[str, str],
+    global_: dict[str, str],
+    qtype: str,
+) -> None:
+    """``hf``'s tensors under their GGUF names (``layer``: after ``model.layers.{i}.`` ->
+    after ``blk.{i}.``; ``global_``: whole names), 2-D weights in ``qtype`` (via
+    ``kquants.quantize``), vectors F32; a tied ``lm_head`` is left out (the checkpoint, and so
+    the file, has no output). Then the file is written and closed."""
+    tied = hf.config.tie_word_embeddings
     for name, tensor in hf.state_dict().items():
-        if name == "lm_head.weight" and c.tie_word_embeddings:
-            continue  # tied (Qwen3-0.6B ... 4B): the checkpoint, and so the file, has no output
+        if name == "lm_head.weight" and tied:
+            continue
         if name.startswith("model.layers."):
             _, _, i, rest = name.split(".", 3)
-            gguf_name = f"blk.{i}.{_LAYER[rest]}"
+            gguf_name = f"blk.{i}.{layer[rest]}"
         else:
-            gguf_name = _GLOBAL[name]
+            gguf_name = global_[name]
         data = tensor.detach().cpu().float().numpy()
         if data.ndim == 2 and qtype != "F32":
             kind = getattr(gguf.GGMLQuantizationType, qtype)
@@ -91,7 +107,6 @@ def write_qwen3_gguf(hf: torch.nn.Module, path: Path, qtype: str = "F32") -> Pat
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 def hf_greedy(hf: torch.nn.Module, prompt: Sequence[int], n: int = NEW_TOKENS) -> list[int]:
