@@ -24,9 +24,9 @@ from model_runner.runner import TorchRunner
 from scheduler import Request, SamplingParams
 from tests.model_runner.oracle import random_ids, tiny_hf
 from tests.model_runner.test_qwen3 import (
+    assert_top5_rule,
     free_running,
     hf_greedy,
-    hf_logits_fn,
     runner_logits,
     write_hf_tensors,
 )
@@ -341,15 +341,7 @@ def test_quantized_gguf_is_logprobs_close_to_transformers(qtype: str, tmp_path: 
     options = RunnerOptions(8, 16, dtype=torch.float32, device="cpu", kv_dtype="float32")
     runner = TorchRunner(loaded.config, loaded.state_dict, options)
     assert runner.paths.fused is not None
-    for prompt in LONG_PROMPTS:
-        ours, our_lp = free_running(runner_logits(runner), prompt, NEW_TOKENS)
-        ref, ref_lp = free_running(hf_logits_fn(twin), prompt, NEW_TOKENS)
-        first = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=True)) if a != b), None)
-        if first is None:
-            continue
-        for mine, lp in ((ours[first], ref_lp[first]), (ref[first], our_lp[first])):
-            top5 = lp.topk(5).indices.tolist()
-            assert mine in top5, f"{prompt} step {first}: {mine} not in the other's top-5 {top5}"
+    assert_top5_rule(runner, twin, LONG_PROMPTS)
 
 
 @pytest.mark.slow

@@ -263,15 +263,7 @@ def test_quantized_gguf_is_logprobs_close_to_transformers(qtype: str, tmp_path: 
     options = RunnerOptions(8, 16, dtype=torch.float32, device="cpu", kv_dtype="float32")
     runner = TorchRunner(loaded.config, loaded.state_dict, options)
     assert runner.paths.fused is not None  # the kernels' whole-step call, QK-norm inside
-    for prompt in PROMPTS:
-        ours, our_lp = free_running(runner_logits(runner), prompt, NEW_TOKENS)
-        ref, ref_lp = free_running(hf_logits_fn(twin), prompt, NEW_TOKENS)
-        first = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=True)) if a != b), None)
-        if first is None:
-            continue
-        for mine, lp in ((ours[first], ref_lp[first]), (ref[first], our_lp[first])):
-            top5 = lp.topk(5).indices.tolist()
-            assert mine in top5, f"{prompt} step {first}: {mine} not in the other's top-5 {top5}"
+    assert_top5_rule(runner, twin, PROMPTS)
 
 
 @pytest.mark.slow
@@ -292,3 +284,17 @@ def test_fused_step_chunked_and_cached_equals_one_shot(qtype: str, tmp_path: Pat
     )
     assert requests[-1].num_cached_tokens >= 32
     assert got == [*want, want[3]]
+
+
+def assert_top5_rule(runner: TorchRunner, twin: Any, prompts: Sequence[Sequence[int]]) -> None:
+    """vLLM's rule on each prompt's free-running greedy tokens: where ``runner``'s and the
+    transformers ``twin``'s first differ, each side's token is in the other's top-5."""
+    for prompt in prompts:
+        ours, our_lp = free_running(runner_logits(runner), prompt, NEW_TOKENS)
+        ref, ref_lp = free_running(hf_logits_fn(twin), prompt, NEW_TOKENS)
+        first = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=True)) if a != b), None)
+        if first is None:
+            continue
+        for mine, lp in ((ours[first], ref_lp[first]), (ref[first], our_lp[first])):
+            top5 = lp.topk(5).indices.tolist()
+            assert mine in top5, f"{prompt} step {first}: {mine} not in the other's top-5 {top5}"
