@@ -90,12 +90,16 @@ class LlamaModel:
         if dtype == torch.float32:
             self.rope_cis = self._rotations(angles).unsqueeze(1)
         else:
-            self.rope_cos = (angles.cos() * self.rope_mag).to(dtype).unsqueeze(1)
-            self.rope_sin = (angles.sin() * self.rope_mag).to(dtype).unsqueeze(1)
+            self.rope_cos, self.rope_sin = self._cos_sin(angles)
 
     def _rotations(self, angles: torch.Tensor) -> torch.Tensor:
         """``rope_mag * exp(i * angles)`` (complex64) for ``angles`` [..., D/2]."""
         return torch.polar(self.rope_mag.expand_as(angles).contiguous(), angles)
+
+    def _cos_sin(self, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rope_mag * (cos, sin)`` of ``angles`` [N, D/2] in the model's dtype, [N, 1, D/2]."""
+        cos, sin = angles.cos() * self.rope_mag, angles.sin() * self.rope_mag
+        return cos.to(self.dtype).unsqueeze(1), sin.to(self.dtype).unsqueeze(1)
 
     # ------------------------------------------------------------------ forward
 
@@ -120,8 +124,7 @@ class LlamaModel:
             if self.rope_cis is not None:
                 cis = self._rotations(angles).unsqueeze(1)
             else:
-                cos = (angles.cos() * self.rope_mag).to(self.dtype).unsqueeze(1)
-                sin = (angles.sin() * self.rope_mag).to(self.dtype).unsqueeze(1)
+                cos, sin = self._cos_sin(angles)
         elif self.rope_cis is not None:
             cis = self.rope_cis.index_select(0, batch.positions)
         else:
