@@ -87,7 +87,7 @@ def prepare(
 ) -> tuple[list[Path], Path | None, str]:
     """The 8 PEFT adapters (cached in ``work``, a folder per base model) and a0 as GGUF
     (None, and why, without a converter)."""
-    from benchmarks.make_random_lora import gguf_config, write_base_config, write_peft
+    from benchmarks.tools.make_random_lora import gguf_config, write_base_config, write_peft
 
     config = gguf_config(model_path)
     work = work / model_path.stem  # adapters of one base model: another's would not fit

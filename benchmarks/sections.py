@@ -269,9 +269,9 @@ def chat128(ctx: Context) -> SectionResult:
     import torch
 
     from benchmarks import bench_llama_cpp, bench_serving, bench_transformers
+    from benchmarks.tools.reference import build_hf_model
     from model_runner.gguf_loader import default_model_path
     from model_runner.loader import load_model
-    from model_runner.reference import build_hf_model
 
     prompts_text = json.loads(chat_path.read_text())["prompts"]
     out_tokens = sizes.chat_output_tokens
