@@ -80,8 +80,8 @@ fuzz: $(addprefix fuzz-,$(FUZZ_TARGETS))
 fuzz-%: fuzz-install
 	$(PY) -m fuzz.run $* --seconds $(FUZZ_SECONDS)
 
-# The CUDA path on a GPU machine without network (benchmarks/gpu_check.py, docs/gpu.md). Here,
-# with PyPI: `make gpu-wheels` puts the wheels that machine lacks into .gpu-wheels/
+# The CUDA path on a GPU machine without network (benchmarks/tools/gpu_check.py, docs/gpu.md).
+# Here, with PyPI: `make gpu-wheels` puts the wheels that machine lacks into .gpu-wheels/
 # (git-ignored: a tool that copies the tree there must carry it). There, from the repository
 # root, with the machine's own python3 (it has torch and triton; no venv, no install step):
 # `make gpu-check` installs them, runs the CUDA tests and bench_gpu in 7 minutes at most, and
@@ -89,13 +89,13 @@ fuzz-%: fuzz-install
 # GPU_OUT; `make gpu-check-quick` gives every headline figure in 3 minutes.
 GPU_OUT ?= $(or $(OUT),gpu-check)
 gpu-wheels: install
-	$(PY) -m benchmarks.gpu_check wheels
+	$(PY) -m benchmarks.tools.gpu_check wheels
 
 gpu-check:
-	$(PYTHON) -m benchmarks.gpu_check run --out-dir $(GPU_OUT) $(GPU_CHECK_ARGS)
+	$(PYTHON) -m benchmarks.tools.gpu_check run --out-dir $(GPU_OUT) $(GPU_CHECK_ARGS)
 
 gpu-check-quick:
-	$(PYTHON) -m benchmarks.gpu_check run --quick --out-dir $(GPU_OUT) $(GPU_CHECK_ARGS)
+	$(PYTHON) -m benchmarks.tools.gpu_check run --quick --out-dir $(GPU_OUT) $(GPU_CHECK_ARGS)
 
 proto: install
 	$(PY) -m server.rpc.gen

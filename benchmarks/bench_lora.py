@@ -1,10 +1,10 @@
-"""LoRA adapters at serving speed: the ``lora`` section of ``make bench``.
+"""LoRA adapters at serving speed: the ``lora`` section of ``make bench`` (``cpu/models.py``).
 
     python -m benchmarks.bench_lora --workload-file path/to/chat128.json     # as make bench
     python -m benchmarks.bench_lora --model embedded --quick --workload-file ...
 
 On ``bench_models``' 1B-shaped random model (``random-1b-q4km``: Llama-3.2-1B's shape, Q4_K_M),
-with random rank-16 adapters on every projection (``make_random_lora``: PEFT files), chat128:
+with random rank-16 adapters on every projection (``tools/make_random_lora``: PEFT files), chat128:
 
 1. **Mixed adapters:** one kvserve server with 8 adapters loaded (``--lora a0=... a7=...``,
    ``--max-loras 8``); 8 users, request i naming adapter i % 8, so a step holds rows of up to
@@ -29,12 +29,9 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from loadtest.launch import cpu_model
-
-if TYPE_CHECKING:
-    from benchmarks.sections import Context, SectionResult
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NUM_ADAPTERS = 8
@@ -87,7 +84,7 @@ def prepare(
 ) -> tuple[list[Path], Path | None, str]:
     """The 8 PEFT adapters (cached in ``work``, a folder per base model) and a0 as GGUF
     (None, and why, without a converter)."""
-    from benchmarks.make_random_lora import gguf_config, write_base_config, write_peft
+    from benchmarks.tools.make_random_lora import gguf_config, write_base_config, write_peft
 
     config = gguf_config(model_path)
     work = work / model_path.stem  # adapters of one base model: another's would not fit
@@ -253,37 +250,6 @@ def format_table(f: LoraFigures) -> str:
     if loads:
         lines.append(f"\nLoad average during the runs: {min(loads):.1f} .. {max(loads):.1f}.")
     return "\n".join(lines)
-
-
-def section(ctx: Context) -> SectionResult:
-    """The ``lora`` section of ``make bench`` (``run_all``): 8 adapters mixed against the base
-    alone on one server, and one adapter against ``llama-server --lora``, chat128, runs
-    interleaved."""
-    from benchmarks import bench_llama_cpp, bench_models
-    from benchmarks.sections import SectionResult
-
-    sizes = ctx.sizes
-    cache_dir = bench_llama_cpp.default_cache_dir(os.environ)
-    quantize = Path("/nonexistent")
-    if ctx.llama_cpp.binary is not None:
-        quantize = bench_llama_cpp.ensure_tools(cache_dir, build=False).get(
-            "llama-quantize", quantize
-        )
-    work = cache_dir.parent.parent / "models"
-    ((path, _),) = bench_models.build_models([sizes.lora_model], work, quantize).values()
-    _say(f"[lora] {sizes.lora_model}: rank {sizes.lora_rank}, levels {sizes.lora_levels}")
-    figures, note = run(
-        path, sizes.lora_model, ctx.workload_file,
-        levels=list(sizes.lora_levels), mixed=sizes.lora_mixed,
-        output_tokens=sizes.lora_output_tokens, threads=ctx.threads, rank=sizes.lora_rank,
-        rounds=sizes.lora_rounds, work=work / "lora", llama_server=ctx.llama_cpp.binary,
-        converter=converter_path(cache_dir),
-    )  # fmt: skip
-    verdicts = figures.verdicts()
-    return SectionResult(
-        extra=asdict(figures) | {"gguf": note, "verdicts": verdicts if ctx.full else None},
-        table=format_table(figures) + f"\n\nThe adapter as GGUF: {note}.",
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,11 +34,11 @@ from dataclasses import replace
 
 import torch
 
+from benchmarks.tools.reference import build_hf_model
 from model_runner.config import ModelConfig, RunnerOptions
 from model_runner.device import resolve_kv_dtype
 from model_runner.kv_pool import KVPool
 from model_runner.paths import EagerPath, ForwardPaths
-from model_runner.reference import build_hf_model
 from model_runner.runner import TorchRunner
 from scheduler.output import ScheduledSeq, SchedulerOutput
 from scheduler.request import SamplingParams

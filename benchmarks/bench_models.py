@@ -85,8 +85,7 @@ def _say(message: str) -> None:
 def build_models(names: list[str], work: Path, quantize: Path) -> dict[str, tuple[Path, str]]:
     """Each model's file and who made it (cached in ``work``), with ``quantize`` (a
     llama-quantize binary) where it exists, else kvserve's own quantizer."""
-    from benchmarks import make_random_gguf
-    from model_runner import kquants
+    from benchmarks.tools import kquants, make_random_gguf
     from model_runner.gguf_loader import default_model_path
 
     work.mkdir(parents=True, exist_ok=True)

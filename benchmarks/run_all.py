@@ -56,50 +56,34 @@ a 2-thread OpenMP team waits on a descheduled thread, and the curve shows the ne
 not the cache.
 
 The ``kvcache`` and ``sinks`` sections print their own tables under the main one. The
-sections themselves are ``benchmarks.sections`` (the KV cache's: ``benchmarks.kv_sections``);
-``SECTIONS`` below lists them in table order.
+sections themselves are in ``benchmarks/cpu/`` (serving, chat128, cache, models), listed in
+table order with the GPU ones in ``benchmarks.harness.registry``; their sizes are
+``benchmarks.harness.sizes`` (``FULL``, ``--quick``: ``QUICK``).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import platform
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks import bench_lora, kv_sections, sections
 from benchmarks.bench_llama_cpp import LlamaCpp, find_llama_cpp, llama_cpp_note
-from benchmarks.sections import Context, SectionResult, say
-from benchmarks.sizes import FULL, QUICK
-from benchmarks.table import Row, format_table
+from benchmarks.harness import registry
+from benchmarks.harness.context import Context, say
+from benchmarks.harness.report import format_table
+from benchmarks.harness.sizes import SIZES
 from loadtest.launch import cpu_model
 from loadtest.workload import CHAT128_PROMPTS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LLAMA_CPP_MODES = ("build", "cached", "off")
-
-# Every section, in table order: its name and how it runs. A new section is one line here.
-SECTIONS: dict[str, Callable[[Context], SectionResult]] = {
-    "chat128": sections.chat128,
-    "policy": sections.policy,
-    "slo": sections.slo,
-    "prefix": sections.prefix,
-    "paged": kv_sections.paged,
-    "spec": sections.spec,
-    "kvcache": kv_sections.kvcache,
-    "sinks": kv_sections.sinks,
-    "kernels": sections.kernels,
-    "models": sections.models,
-    "kvtier": sections.kvtier,
-    "lora": bench_lora.section,
-}
+SECTIONS = registry.names("cpu")  # in table order
 
 
 def parse_levels(text: str) -> tuple[tuple[int, int], ...]:
@@ -175,13 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench-results")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    names = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = set(names) - set(SECTIONS)
-    if unknown:
-        p.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    try:
+        names = registry.parse_names(args.sections, "cpu")
+    except ValueError as e:
+        p.error(str(e))
     if {"chat128", "spec"} & set(names) and not args.workload_file.is_file():
         p.error(f"chat128 prompt file not found: {args.workload_file}")
-    sizes = QUICK if args.quick else FULL
+    size = "quick" if args.quick else "full"
+    sizes = SIZES[size]
     if args.chat_levels:
         try:
             sizes = replace(sizes, chat_levels=parse_levels(args.chat_levels))
@@ -189,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(str(e))
     t0 = time.perf_counter()
     ctx = Context(
+        target="cpu",
+        size=size,
         sizes=sizes,
         threads=args.threads,
         kv_threads=args.kv_threads,
@@ -196,7 +183,6 @@ def main(argv: list[str] | None = None) -> int:
         workload_file=args.workload_file,
         out_dir=args.out_dir,
         stamp=dt.datetime.now().strftime("%Y%m%d-%H%M%S"),
-        quick=args.quick,
         llama_cpp=LlamaCpp(None, "the chat128 section did not run"),
         llama_cpp_mode=args.llama_cpp,
     )
@@ -208,12 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         ctx.llama_cpp = find_llama_cpp(args.llama_cpp, cache_dir, say)
         if ctx.llama_cpp.binary is None:
             say(f"[chat128] llama.cpp not measured: {ctx.llama_cpp.reason}")
-    results = {name: run(ctx) for name, run in SECTIONS.items() if name in names}
-    rows: list[Row] = [row for result in results.values() for row in result.rows]
-    chat = results.get("chat128")
-    peers = chat.extra if chat is not None else {}
-    # Beyond the rows, each section's JSON under its name (chat128's: llama.cpp's reports).
-    extra = {n: r.extra for n, r in results.items() if r.extra is not None and n != "chat128"}
+    report = registry.run(ctx, names)
+    rows = report.rows
+    peers = report.extra("chat128") or {}  # llama.cpp's reports by users
     elapsed = time.perf_counter() - t0
 
     machine = machine_info(args.threads)
@@ -234,15 +217,14 @@ def main(argv: list[str] | None = None) -> int:
         "requests to fit the time budget). Out tok/s = output tokens / wall time of the run; "
         "ITL = inter-token latency; percentiles by linear interpolation (numpy's default)."
     )
-    for result in results.values():
+    for result in report.results.values():
         if result.table:
             print()
             print(result.table)
     print(f"Whole suite: {elapsed / 60:.1f} min.")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / f"bench-{'quick-' if args.quick else ''}{ctx.stamp}.json"
-    doc = {
-        "schema": "kvserve.bench/v1",
+    report.header = {
         "quick": args.quick,
         "machine": machine,
         "sizes": asdict(sizes),
@@ -253,10 +235,8 @@ def main(argv: list[str] | None = None) -> int:
             "reason_not_measured": ctx.llama_cpp.reason or None,
             "reports_by_users": peers,  # a loadtest report, or the reason for that level
         },
-        "rows": [asdict(r) for r in rows],
-        **extra,
     }
-    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    report.write(path, leave_out=("chat128",))  # the header carries chat128's peers
     print(f"JSON: {path}")
     return 0
 

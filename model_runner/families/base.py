@@ -24,7 +24,7 @@ class Family:
 
     name: str  # ModelConfig.architecture
     hf_model_types: tuple[str, ...]  # config.json "model_type" values
-    # transformers' config and model classes (the oracle, ``model_runner.reference``).
+    # transformers' config and model classes (the oracle, ``benchmarks.tools.reference``).
     hf_classes: tuple[str, str] = ("LlamaConfig", "LlamaForCausalLM")
     gguf_archs: tuple[str, ...] = ()  # GGUF "general.architecture" values it loads from
     # The architecture llama.cpp's converter writes for it, when not its own (Mistral: llama).

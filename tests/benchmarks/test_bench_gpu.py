@@ -1,4 +1,4 @@
-"""bench_gpu: its model arithmetic, and the --dry-run that runs every section on CPU."""
+"""bench_gpu: its model arithmetic, and the --dry-run that runs every GPU section on CPU."""
 
 from __future__ import annotations
 
@@ -7,23 +7,18 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from benchmarks.bench_gpu import (
-    DRY,
-    FULL,
-    LLAMA3_8B,
-    QUICK,
-    SECTIONS,
-    Bench,
-    Report,
+from benchmarks.bench_gpu import SECTIONS, main, parse_sections
+from benchmarks.gpu.models import (
     decode_step_bytes,
     kv_bytes_per_token,
     linear_params_per_token,
-    main,
-    parse_sections,
     prefill_flops,
 )
+from benchmarks.harness import registry
+from benchmarks.harness.context import Context
+from benchmarks.harness.report import Report
+from benchmarks.harness.sizes import DRY, FULL, LLAMA3_8B, QUICK
 from model_runner.config import ModelConfig
 from model_runner.hf_loader import normalize_hf_config
 
@@ -94,7 +89,8 @@ def test_dry_run_runs_every_section(tmp_path: Path, capsys: pytest.CaptureFixtur
         assert row["output_tokens"] == row["requests"] * DRY.output_len
         assert row["closed_loop_tok_s"] == loop["kvserve_tok_s"]
         assert row["of_closed_loop"] == pytest.approx(row["tok_s"] / loop["kvserve_tok_s"])
-    assert report["copy_bandwidth_gb_s"] > 0 and report["matmul_peak_tflop_s"] > 0
+    probes = report["probes"]
+    assert probes["copy_bandwidth_gb_s"] > 0 and probes["matmul_peak_tflop_s"] > 0
     printed = capsys.readouterr().out
     marks = ["copy bandwidth", "| decode kernel", "| decode batch", "prefill 2 x 32",
              "| kernel | us / step", "| users | requests | steps", "serve over HTTP"]  # fmt: skip
@@ -125,9 +121,10 @@ def test_sections_pick_some_and_each_is_saved_as_measured(tmp_path: Path) -> Non
     def save(report: Report) -> None:
         seen.append(list(report.sections))
 
-    report = Bench(DRY, torch.device("cpu"), "auto", lambda _: None, save).run(["attention"])
+    ctx = Context("gpu", "dry", DRY, emit=lambda _: None, save=save, device="cpu")
+    report = registry.run(ctx, ["attention"])
     assert seen == [["probes"], ["probes", "attention"]]
-    assert report.decode == [] and report.serving == [] and report.prefill == {}
+    assert report.sections == ["probes", "attention"] and report.extra("decode") is None
     assert main(["--dry-run", "--sections", "probes", "--out", str(out)]) == 0
     assert json.loads(out.read_text())["sections"] == ["probes"]
 

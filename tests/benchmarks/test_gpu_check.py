@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.gpu_check import (
+from benchmarks.tools.gpu_check import (
     BUDGET_S,
     GREEDY_TESTS,
     KERNEL_TESTS,
@@ -208,7 +208,7 @@ def test_a_run_shares_one_triton_cache_and_rewrites_the_summary_after_each_step(
     from the reports they wrote; a step the budget cannot hold is skipped and the run
     fails."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr("benchmarks.gpu_check.MIN_STEP_S", 2)
+    monkeypatch.setattr("benchmarks.tools.gpu_check.MIN_STEP_S", 2)
     out = tmp_path / "out"
     out.mkdir()
     greedy = Step("greedy", (sys.executable, "-c", "print('4 passed in 1.0s')"), 30)
@@ -250,7 +250,7 @@ def test_run_takes_the_quick_budget_with_quick(monkeypatch: pytest.MonkeyPatch) 
         seen.append((budget, quick))
         return 0
 
-    monkeypatch.setattr("benchmarks.gpu_check.run", fake_run)
+    monkeypatch.setattr("benchmarks.tools.gpu_check.run", fake_run)
     assert main(["run", "--quick", "--out-dir", "/tmp/x"]) == 0
     assert main(["run", "--out-dir", "/tmp/x"]) == 0
     assert main(["run", "--quick", "--budget-s", "99", "--out-dir", "/tmp/x"]) == 0

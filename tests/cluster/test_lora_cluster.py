@@ -11,7 +11,7 @@ from typing import Any
 import openai
 import pytest
 
-from benchmarks.make_random_lora import gguf_config, write_peft
+from benchmarks.tools.make_random_lora import gguf_config, write_peft
 from tests.cluster.helpers import LocalCluster, start_local_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]

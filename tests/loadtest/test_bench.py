@@ -12,8 +12,8 @@ import pytest
 from benchmarks.bench_kv_cache import Point, _integrated_s
 from benchmarks.bench_kv_cache import format_table as kv_cache_table
 from benchmarks.bench_paged_kv import make_lengths, run_layout
+from benchmarks.harness.report import Row, format_table
 from benchmarks.run_all import SECTIONS
-from benchmarks.table import Row, format_table
 from loadtest.launch import REPO_ROOT
 from loadtest.workload import CHAT128_PROMPTS
 

@@ -20,9 +20,9 @@ from benchmarks.bench_llama_cpp import (
     llama_cpp_note,
     server_args,
 )
+from benchmarks.cpu.chat128 import _llama_cpp_columns
+from benchmarks.harness.report import Row
 from benchmarks.run_all import parse_levels
-from benchmarks.sections import _llama_cpp_columns
-from benchmarks.table import Row
 
 
 def _peer(tok_s: float, itl_p99_s: float, failed: int = 0) -> dict[str, Any]:

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import make_random_gguf
-from model_runner import kernels, kquants, quant
+from benchmarks.tools import kquants, make_random_gguf
+from model_runner import kernels, quant
 from model_runner.config import RunnerOptions
 from model_runner.gguf_loader import hf_name, load_gguf_checkpoint, unpermute_qk
 

@@ -99,7 +99,7 @@ def test_llama_cpps_converter_output_equals_its_peft_source(tmp_path: Path) -> N
 
     from benchmarks.bench_llama_cpp import default_cache_dir
     from benchmarks.bench_lora import converter_path
-    from benchmarks.make_random_lora import write_base_config
+    from benchmarks.tools.make_random_lora import write_base_config
     from model_runner.lora.layout import lay_out
     from tests.model_runner.oracle import our_config
 

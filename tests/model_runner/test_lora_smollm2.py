@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from benchmarks.bench_answers import PROMPTS, compare, free_running
+from benchmarks.tools.reference import build_hf_model
 from model_runner import kernels
 from model_runner.loader import LoadedModel, load_model
 from model_runner.lora.files import read_adapter
 from model_runner.lora.info import adapter_key
-from model_runner.reference import build_hf_model
 from scheduler import LoraRef, Request, SamplingParams
 from tests.model_runner.lora_oracle import peft_adapter
 from tests.model_runner.test_smollm2 import chat_ids, hf_greedy, run_engine

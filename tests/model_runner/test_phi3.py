@@ -330,7 +330,7 @@ def test_quantized_gguf_is_logprobs_close_to_transformers(qtype: str, tmp_path: 
     split by rows) and run by the kernels' fused step with partial rotary and long factors
     in its RoPE table: vLLM's check_logprobs_close on the 4 long prompts x 12 tokens
     against transformers' Phi3ForCausalLM holding the file's weights."""
-    from model_runner.reference import build_hf_model
+    from benchmarks.tools.reference import build_hf_model
 
     _, path = _quantized_model(tmp_path, qtype)
     loaded = load_model(path, weights="native")

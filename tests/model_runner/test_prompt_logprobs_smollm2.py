@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 
+from benchmarks.tools.reference import build_hf_model
 from cache_manager import KVCacheConfig, KVCacheManager
 from model_runner import kernels
 from model_runner.config import RunnerOptions
 from model_runner.loader import LoadedModel, load_model
-from model_runner.reference import build_hf_model
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.output import TokenLogprobs
 from tests.model_runner.test_smollm2 import chat_ids

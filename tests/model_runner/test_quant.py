@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from model_runner import kernels, kquants, quant
+from benchmarks.tools import kquants
+from model_runner import kernels, quant
 from model_runner.config import RunnerOptions
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernels not built")

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from model_runner import kernels, kquants
+from benchmarks.tools import kquants
+from model_runner import kernels
 from model_runner.config import ModelConfig, RunnerOptions
 from model_runner.hf_loader import load_hf_dir
 from model_runner.loader import LoadedModel, load_model
@@ -252,7 +253,7 @@ def test_quantized_gguf_is_logprobs_close_to_transformers(qtype: str, tmp_path: 
     run by the kernels' fused step: vLLM's check_logprobs_close on 4 prompts x 12 tokens
     against transformers' Qwen3ForCausalLM holding the file's weights (where greedy first
     differs, each side's token is in the other's top-5)."""
-    from model_runner.reference import build_hf_model
+    from benchmarks.tools.reference import build_hf_model
 
     _, path = quantized_qwen3(tmp_path, qtype)
     loaded = load_model(path, weights="native")

@@ -4,7 +4,7 @@ runs a step ahead takes its placeholder tokens where it computes.
 On CPU every op is synchronous, so the check is on the code path: ``NoHostSync`` (a
 ``TorchFunctionMode``) raises on every call that would read a device value back on a GPU
 (``item``, ``tolist``, ``cpu``, ``nonzero``, boolean-mask indexing, ``multinomial``...). On
-CUDA (run by ``benchmarks.gpu_check``) torch's own sync debug mode raises on any
+CUDA (run by ``benchmarks.tools.gpu_check``) torch's own sync debug mode raises on any
 synchronisation while the batch is prepared and sampled.
 """
 

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
+from benchmarks.tools.reference import build_hf_model
 from cache_manager import KVCacheConfig, KVCacheManager
 from model_runner.config import RunnerOptions
 from model_runner.loader import LoadedModel, load_model
-from model_runner.reference import build_hf_model
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
 pytestmark = pytest.mark.slow

@@ -201,7 +201,7 @@ def test_the_q4_k_m_requantization_runs_in_its_own_formats(
     those formats, and its quantized path is logprobs-close to the same file dequantized to
     fp32. (Whether it names Paris is the file's property, not the kernels': requantized from
     Q4_1, its Q5_0 tensors lose "Paris" even in fp32; see the README.)"""
-    from model_runner import kquants
+    from benchmarks.tools import kquants
     from model_runner.gguf_loader import default_model_path
     from model_runner.loader import load_model
     from model_runner.quant import QuantWeight

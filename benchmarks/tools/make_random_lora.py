@@ -1,7 +1,7 @@
 """Random LoRA adapters in PEFT's format for a GGUF's model shape: what the ``lora`` section
 serves (nothing can be downloaded here), and a quick adapter for the cluster tests.
 
-    python -m benchmarks.make_random_lora --model /tmp/llama-1b.gguf --out /tmp/lora-a --rank 16
+    python -m benchmarks.tools.make_random_lora --model /tmp/llama-1b.gguf --out /tmp/a --rank 16
 
 The files are PEFT's (``adapter_config.json`` + ``adapter_model.safetensors``, keys such as
 ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), for the Hugging Face
@@ -104,7 +104,9 @@ def gguf_config(path: str | Path | None) -> ModelConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.make_random_lora", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.tools.make_random_lora", description=__doc__
+    )
     p.add_argument("--model", default=None, help="the base GGUF (default: the embedded model)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--rank", type=int, default=16)

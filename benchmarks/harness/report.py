@@ -1,9 +1,18 @@
-"""The benchmark table: one ``Row`` type, its columns, and the formatting every section
-shares (cells, ratios, and "met" / "MISSED" against a target)."""
+"""What a section hands back and what a run writes: one format for the CPU and GPU sections.
+
+- ``SectionResult``: a section's rows of the main table, its JSON beyond the rows
+  (``extra``), and a table of its own printed under the main one;
+- ``Report``: the run's JSON document (``kvserve.bench/v1``): the run's header, the sections
+  measured in order, every row, and each section's ``extra`` under its name;
+- ``Row`` and its ``COLUMNS``: one line of the main table, and the formatting every section
+  shares (cells, ratios, and "met" / "MISSED" against a target).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from loadtest.table import markdown_table
@@ -144,3 +153,54 @@ def pooled_row(section: str, setting: str, system: str, reports: list[dict[str, 
             },
         },
     )
+
+
+@dataclass(slots=True)
+class SectionResult:
+    """A section's rows of the main table; ``extra``: its JSON beyond the rows; ``table``:
+    a table of its own, printed under the main one."""
+
+    rows: list[Row] = field(default_factory=list)
+    extra: Any = None
+    table: str = ""
+
+
+@dataclass(slots=True)
+class Report:
+    """A run's results as they come in: ``header`` (machine, sizes, peers: each driver's
+    own), the sections measured in order, and each one's result."""
+
+    header: dict[str, Any] = field(default_factory=dict)
+    results: dict[str, SectionResult] = field(default_factory=dict)
+
+    @property
+    def sections(self) -> list[str]:
+        return list(self.results)
+
+    @property
+    def rows(self) -> list[Row]:
+        return [row for result in self.results.values() for row in result.rows]
+
+    def extra(self, name: str) -> Any:
+        """Section ``name``'s JSON beyond the rows (None when it did not run)."""
+        result = self.results.get(name)
+        return None if result is None else result.extra
+
+    def as_json(self, leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
+        """The document: ``schema``, the header, ``sections``, ``rows``, then each section's
+        ``extra`` under its name (those in ``leave_out`` aside: the header carries them)."""
+        extra = {
+            name: r.extra
+            for name, r in self.results.items()
+            if r.extra is not None and name not in leave_out
+        }
+        return {
+            "schema": "kvserve.bench/v1",
+            **self.header,
+            "sections": self.sections,
+            "rows": [asdict(r) for r in self.rows],
+            **extra,
+        }
+
+    def write(self, path: Path, leave_out: tuple[str, ...] = ()) -> None:
+        path.write_text(json.dumps(self.as_json(leave_out), indent=2, default=str) + "\n")

@@ -1,9 +1,9 @@
 """One command for a GPU machine: install what it lacks, run the CUDA tests and ``bench_gpu``,
 write the figures and issue 38's targets as JSON; 7 minutes at most (``--quick``: 3).
 
-    python -m benchmarks.gpu_check wheels                  # here, with PyPI: fills .gpu-wheels/
-    python -m benchmarks.gpu_check run [--quick] [--out-dir DIR]   # there, from the repo root
-    make gpu-wheels / make gpu-check                       # the same two
+    python -m benchmarks.tools.gpu_check wheels             # here, with PyPI: fills .gpu-wheels/
+    python -m benchmarks.tools.gpu_check run [--quick] [--out-dir DIR]  # there, the repo root
+    make gpu-wheels / make gpu-check                        # the same two
 
 The GPU machine this is made for has torch, triton, transformers and pytest but no network
 and none of kvserve's other pure-Python dependencies. ``wheels`` downloads those (the versions
@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WHEEL_DIR = ROOT / ".gpu-wheels"
 # kvserve's dependencies that the GPU image lacks (read off its package list, 2026-11).
 GPU_WHEELS = (

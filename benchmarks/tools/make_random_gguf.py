@@ -1,14 +1,14 @@
 """A LLaMA-shaped GGUF with random weights, for benchmarks of models larger than the one kvserve
 ships (nothing can be downloaded from a model hub here).
 
-    python -m benchmarks.make_random_gguf --out /tmp/llama-1b-f16.gguf          # 1B, F16
-    python -m benchmarks.make_random_gguf --out x.gguf --type Q4_K_M            # our quantizer
+    python -m benchmarks.tools.make_random_gguf --out /tmp/llama-1b-f16.gguf     # 1B, F16
+    python -m benchmarks.tools.make_random_gguf --out x.gguf --type Q4_K_M       # our quantizer
 
 The shape defaults to Llama-3.2-1B's (hidden 2048, 16 layers, 32 heads / 8 KV heads, MLP 8192,
 tied embeddings); the tokenizer and chat template are the embedded SmolLM2's (vocabulary 49,152),
 so the same chat128 prompts run on it. Weights are N(0, 0.02) (norms 1): the text it writes is
 noise, and only its speed means anything. ``--type F16`` (the default) is what
-``llama-quantize`` takes; ``--type Q4_K_M`` quantizes with ``model_runner.kquants`` instead.
+``llama-quantize`` takes; ``--type Q4_K_M`` quantizes with ``benchmarks.tools.kquants`` instead.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from model_runner import kquants
+from benchmarks.tools import kquants
 from model_runner.gguf_loader import default_model_path
 
 SHAPE_1B = {"hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "intermediate": 8192}
@@ -94,7 +94,7 @@ def write(out: Path, shape: dict[str, int], type_name: str = "F16", seed: int = 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.make_random_gguf", description=__doc__.splitlines()[0]
+        prog="python -m benchmarks.tools.make_random_gguf", description=__doc__.splitlines()[0]
     )
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--type", default="F16", choices=["F16", "Q4_K_M", "Q8_0", "Q4_0"])

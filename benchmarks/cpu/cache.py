@@ -1,13 +1,12 @@
 """The KV cache's sections of ``make bench``: paged (paged KV against contiguous
 preallocation, in the same memory), kvcache (decode latency by length, KV cache against
-recompute) and sinks (perplexity under attention sinks + window). ``run_all.SECTIONS`` lists
-them with the others (``benchmarks.sections``).
+recompute) and sinks (perplexity under attention sinks + window).
 """
 
 from __future__ import annotations
 
-from benchmarks.sections import Context, SectionResult, say
-from benchmarks.table import Row, fmt, ratio
+from benchmarks.harness.context import Context, say
+from benchmarks.harness.report import Row, SectionResult, fmt, ratio
 
 
 def paged(ctx: Context) -> SectionResult:

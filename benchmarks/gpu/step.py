@@ -1,4 +1,4 @@
-"""``bench_gpu``'s step measurements: decode steps timed and profiled, and the closed serving
+"""The GPU sections' step measurements: decode steps timed and profiled, and the closed serving
 loop with the GPU's busy time.
 
 - ``measure_decode``: the median wall time of a decode step at one batch size and context.
@@ -15,10 +15,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from benchmarks.harness.sizes import Sizes
 from cache_manager import KVCacheConfig, KVCacheManager
 from model_runner.runner import TorchRunner
 from model_runner.step import StepRows
@@ -27,21 +28,6 @@ from scheduler.output import ScheduledSeq, SchedulerOutput
 from scheduler.request import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-class StepSizes(Protocol):
-    """The sizes these measurements read (``bench_gpu.Sizes`` has them)."""
-
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def decode_context(self) -> int: ...
-    @property
-    def decode_steps(self) -> int: ...
-    @property
-    def max_num_batched_tokens(self) -> int: ...
-    @property
-    def output_len(self) -> int: ...
 
 
 def greedy_seq(rid: str, token_ids: list[int], start: int, block_ids: list[int]) -> ScheduledSeq:
@@ -60,7 +46,7 @@ def _sync(device: torch.device) -> None:
 
 
 def prepare_decode(
-    runner: TorchRunner, sizes: StepSizes, batch: int
+    runner: TorchRunner, sizes: Sizes, batch: int
 ) -> Callable[[int], SchedulerOutput]:
     """Fill ``batch`` requests' contexts to ``decode_context`` keys (prefill steps, not
     timed); the plan of their ``s``-th decode step, for s below ``decode_steps``."""
@@ -87,7 +73,7 @@ def prepare_decode(
     return decode
 
 
-def measure_decode(runner: TorchRunner, sizes: StepSizes, batch: int) -> float:
+def measure_decode(runner: TorchRunner, sizes: Sizes, batch: int) -> float:
     """Median seconds of a decode step of ``batch`` requests at ``decode_context`` keys."""
     decode = prepare_decode(runner, sizes, batch)
     times: list[float] = []
@@ -124,7 +110,7 @@ def _device_self_us(event: Any, cuda: bool) -> float:
 
 
 def profile_decode(
-    runner: TorchRunner, sizes: StepSizes, batch: int, num_steps: int, top: int = 12
+    runner: TorchRunner, sizes: Sizes, batch: int, num_steps: int, top: int = 12
 ) -> StepProfile:
     """torch.profiler over ``num_steps`` decode steps of ``batch`` requests (after one
     unprofiled step): the ``top`` kernels by device time, each with its time per step and
@@ -207,7 +193,7 @@ class ForwardTimer:
 
 
 def serve_closed_loop(
-    runner: TorchRunner, sizes: StepSizes, num_users: int, prompts: Sequence[list[int]]
+    runner: TorchRunner, sizes: Sizes, num_users: int, prompts: Sequence[list[int]]
 ) -> dict[str, float]:
     """``num_users`` users, each sending its next prompt when the last one finished
     (``output_len`` greedy tokens, ``ignore_eos``): output tokens per second over the whole

@@ -1,7 +1,7 @@
-"""``bench_gpu``'s ``server`` section: the path users take, ``kvserve serve`` over HTTP.
+"""The GPU ``server`` section's measurement: the path users take, ``kvserve serve`` over HTTP.
 
-The closed loop (``gpu_step.serve_closed_loop``) runs the scheduler and the runner in one
-process with no server around them. Here the same model (``bench_gpu``'s random weights,
+The closed loop (``gpu.step.serve_closed_loop``) runs the scheduler and the runner in one
+process with no server around them. Here the same model (the GPU sections' random weights,
 written as a Hugging Face directory with a word-level tokenizer of the model's vocabulary,
 ``write_checkpoint``) is served by a ``kvserve serve`` subprocess on loopback and driven by
 the load tester (``loadtest``) through the OpenAI HTTP API (streaming ``/v1/completions``)
@@ -48,7 +48,7 @@ def write_checkpoint(hf: Any, dest: Path) -> Path:
 
 @dataclass(frozen=True, slots=True)
 class ServerLoad:
-    """The traffic and the server's limits, the closed loop's (``bench_gpu.Sizes``)."""
+    """The traffic and the server's limits, the closed loop's (``harness.sizes.Sizes``)."""
 
     users: tuple[int, ...]
     requests_per_user: int

@@ -1,4 +1,4 @@
-"""``bench_gpu``'s attention section: the Triton paged decode kernel alone, no model.
+"""The GPU ``attention`` section's measurement: the Triton paged decode kernel alone, no model.
 
 A decode batch over one layer's pool (random K/V on scattered pages), timed as CUDA-graph
 replays over enough page sets that their KV overflows the L2 cache; GB/s of KV read against
@@ -14,21 +14,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness.sizes import AttentionCases
 from model_runner.config import ModelConfig
-
-
-@dataclass(frozen=True, slots=True)
-class AttentionCases:
-    """What the section times: every (batch, keys) at the kernel's default configuration,
-    then each ``(block_n, num_warps, num_stages)`` of ``configs`` at the ``sweep`` shapes."""
-
-    batches: tuple[int, ...]
-    keys: tuple[int, ...]
-    configs: tuple[tuple[int, int, int], ...]
-    sweep: tuple[tuple[int, int], ...]  # (batch, keys)
-    block_size: int = 16
-    dtype: torch.dtype = torch.bfloat16
-    repeats: int = 5
 
 
 def graph_time_s(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -137,7 +124,8 @@ def measure_attention(
     max_pages = max(b * -(-k // cases.block_size) for b, k in shapes)
     shape = (2 * config.num_kv_heads, max_pages, cases.block_size, config.head_dim)
     torch.manual_seed(0)
-    kv = torch.randn(shape, device=device, dtype=cases.dtype)  # random: never time on zeros
+    dtype = getattr(torch, cases.dtype)
+    kv = torch.randn(shape, device=device, dtype=dtype)  # random: never time on zeros
     default = {"block_n": None, "num_warps": None, "num_stages": None}
     runs = [(b, k, default) for b, k in shapes]
     for b, k in cases.sweep:
