@@ -1,0 +1,248 @@
+"""Mixture of experts: Qwen3-MoE (``Qwen3MoeForCausalLM``) and Mixtral (``MixtralForCausalLM``),
+from their HF directories and from the GGUFs llama.cpp's converter writes (``qwen3moe``; a
+``llama`` file with experts), against transformers; the step's rows grouped by expert."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import pytest
+import torch
+
+from model_runner.config import ModelConfig, RunnerOptions
+from model_runner.gguf_loader import permute_qk
+from model_runner.hf_loader import load_hf_dir
+from model_runner.loader import load_model
+from model_runner.moe import MoeMlp
+from model_runner.runner import TorchRunner
+from tests.model_runner.oracle import our_config, plan, random_ids, seq, tiny_hf
+from tests.model_runner.test_qwen3 import (
+    _GLOBAL,
+    _LAYER,
+    PROMPTS,
+    engine_greedy,
+    hf_greedy,
+    write_hf_tensors,
+)
+
+# HF name (after ``model.layers.{i}.``) -> GGUF name (after ``blk.{i}.``) of an MoE layer, as
+# llama.cpp's tensor map spells them: the router and the stacked experts.
+_MOE_LAYER = {
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.gate_proj": "ffn_gate_exps.weight",
+    "mlp.experts.up_proj": "ffn_up_exps.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+}
+_QWEN3MOE_LAYER = {**_LAYER, **_MOE_LAYER}
+_MIXTRAL_LAYER = {k: v for k, v in _QWEN3MOE_LAYER.items() if not k.endswith("q_norm.weight")
+                  and not k.endswith("k_norm.weight")}  # fmt: skip
+
+
+def converter_tensors(hf: torch.nn.Module, permute: bool) -> dict[str, torch.Tensor]:
+    """``hf``'s tensors as the converter has them before naming them: each layer's experts
+    stacked per projection (``mlp.experts.gate_proj`` [E, inter, hidden], ``up_proj``, and
+    ``down_proj`` [E, hidden, inter]; transformers 5 holds gate and up as one stack) and, for
+    a ``llama`` file (``permute``), Q and K rows permuted as ``LlamaModel.permute`` does."""
+    c = hf.config
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in hf.state_dict().items():
+        t = tensor.detach().cpu()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            head = name.removesuffix("gate_up_proj")
+            out[head + "gate_proj"], out[head + "up_proj"] = t.chunk(2, dim=1)
+            continue
+        if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
+            t = torch.from_numpy(permute_qk(t.numpy(), heads))
+        out[name] = t
+    return out
+
+
+def write_moe_gguf(hf: torch.nn.Module, path: Path, qtype: Any = "F32") -> Path:
+    """``hf`` as convert_hf_to_gguf.py writes it: a Qwen3-MoE as arch ``qwen3moe`` (Qwen3's
+    keys, ``expert_feed_forward_length`` = moe_intermediate_size, Q/K unpermuted), a Mixtral
+    as arch ``llama`` (Q/K permuted, ``feed_forward_length`` = the experts' size); both with
+    ``expert_count`` / ``expert_used_count``, the router F32 and the experts stacked."""
+    c = hf.config
+    qwen = c.model_type == "qwen3_moe"
+    writer = gguf.GGUFWriter(str(path), arch="qwen3moe" if qwen else "llama")
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_expert_count(c.num_local_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    if qwen:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    else:
+        writer.add_vocab_size(c.vocab_size)
+    writer.add_file_type(0 if qtype == "F32" else 7)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    writer.add_token_types([1] * c.vocab_size)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    layer = _QWEN3MOE_LAYER if qwen else _MIXTRAL_LAYER
+    write_hf_tensors(writer, hf, layer, _GLOBAL, qtype, converter_tensors(hf, permute=not qwen))
+    return path
+
+
+KINDS = {
+    "qwen3moe": {},  # 8 experts of 32, top-2, renormalized, every layer sparse
+    "mixtral": {},  # 4 experts of 128, top-2
+    # 4 layers, experts on layer 1 only: decoder_sparse_step 2 makes 1 and 3 sparse,
+    # mlp_only_layers takes 3 back; layers 0, 2 and 3 keep the dense MLP.
+    "qwen3moe-dense-layers": {
+        "num_hidden_layers": 4,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [3],
+    },
+}
+LAYERS = {"qwen3moe": (0, 1), "mixtral": (0, 1), "qwen3moe-dense-layers": (1,)}
+
+
+def _model(kind: str) -> torch.nn.Module:
+    return tiny_hf(kind.removesuffix("-dense-layers"), seed=11, **KINDS[kind])
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def case(request: pytest.FixtureRequest) -> tuple[str, torch.nn.Module, list[list[int]]]:
+    hf = _model(request.param)
+    return request.param, hf, [hf_greedy(hf, p) for p in PROMPTS]
+
+
+def _assert_served(config: ModelConfig, state: dict[str, Any], want: list[list[int]]) -> None:
+    """The engine's greedy ids (prefix caching on, 32-token prefill chunks, the 40-token
+    prompt sent again and served from the cache) equal ``want``."""
+    got, requests = engine_greedy(config, state, repeat_first=True)
+    assert requests[-1].num_cached_tokens >= 32
+    assert got[:4] == want and got[4] == want[3]
+
+
+def test_hf_directory_serves_transformers_greedy(
+    case: tuple[str, torch.nn.Module, list[list[int]]], tmp_path: Path
+) -> None:
+    """From the directory save_pretrained writes (one tensor per expert; Mixtral's under
+    ``block_sparse_moe``): the experts and their layers read from config.json, and 4
+    prompts' greedy ids equal transformers', a cached and chunked prompt's too."""
+    kind, hf, want = case
+    hf.save_pretrained(tmp_path / kind)
+    config, state = load_hf_dir(tmp_path / kind)
+    assert config.experts is not None and config.experts.layers == LAYERS[kind]
+    e = LAYERS[kind][0]
+    assert f"model.layers.{e}.mlp.experts.1.down_proj.weight" in state
+    assert not any("block_sparse_moe" in name for name in state)
+    _assert_served(config, dict(state), want)
+
+
+def test_converter_layout_gguf_serves_transformers_greedy(
+    case: tuple[str, torch.nn.Module, list[list[int]]], tmp_path: Path
+) -> None:
+    """From an F32 GGUF in the converter's layout (router ``ffn_gate_inp``, experts stacked
+    in ``ffn_*_exps``; a dense layer's ``ffn_gate`` / ``ffn_up`` / ``ffn_down``): each
+    expert's matrix is transformers' exactly, and the greedy ids equal transformers'."""
+    kind, hf, want = case
+    loaded = load_model(write_moe_gguf(hf, tmp_path / f"{kind}.gguf"))
+    config = loaded.config
+    assert config.architecture == kind.removesuffix("-dense-layers")
+    assert config.experts is not None and config.experts.layers == LAYERS[kind]
+    e = LAYERS[kind][0]
+    stack = hf.state_dict()[f"model.layers.{e}.mlp.experts.down_proj"].cpu()
+    got = loaded.state_dict[f"model.layers.{e}.mlp.experts.2.down_proj.weight"]
+    torch.testing.assert_close(got, stack[2], rtol=0, atol=0)
+    _assert_served(config, dict(loaded.state_dict), want)
+
+
+def test_unnormalized_router_from_config(tmp_path: Path) -> None:
+    """Qwen3-MoE with ``norm_topk_prob`` false (transformers' default): the chosen experts
+    keep their softmax weights, and the greedy ids equal transformers'; renormalizing them
+    would answer otherwise on these weights."""
+    hf = tiny_hf("qwen3moe", seed=12, norm_topk_prob=False)
+    want = [hf_greedy(hf, p) for p in PROMPTS]
+    config = our_config(hf)
+    assert config.experts is not None and not config.experts.norm_topk_prob
+    state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
+    got, _ = engine_greedy(config, state)
+    assert got == want
+    renormalized = ModelConfig(**{**_fields(config), "experts": _renormalized(config)})
+    assert engine_greedy(renormalized, state)[0] != want
+
+
+def _fields(config: ModelConfig) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in ModelConfig.__dataclass_fields__}
+
+
+def _renormalized(config: ModelConfig) -> Any:
+    from dataclasses import replace
+
+    assert config.experts is not None
+    return replace(config.experts, norm_topk_prob=True)
+
+
+class _Inputs:
+    """A ``MoeMlp`` that records its inputs."""
+
+    def __init__(self, inner: MoeMlp, inputs: list[torch.Tensor]) -> None:
+        self.inner, self.inputs = inner, inputs
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        self.inputs.append(x.clone())
+        return self.inner.add(x, residual)
+
+
+class _Counting:
+    """A layer that records the rows it is called on."""
+
+    def __init__(self, inner: Any, calls: list[int]) -> None:
+        self.inner, self.calls = inner, calls
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(x.shape[0])
+        return self.inner.silu_mul(x)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.inner.tensors())
+
+
+def test_each_chosen_expert_runs_once_per_step_on_all_its_rows() -> None:
+    """One 23-row prefill step: each expert the router chose for some row runs exactly once,
+    on as many rows as chose it, and no other expert runs."""
+    hf = tiny_hf("qwen3moe", seed=13)
+    runner = TorchRunner(
+        our_config(hf),
+        {k: v.detach().cpu() for k, v in hf.state_dict().items()},
+        RunnerOptions(16, 16, dtype=torch.float32, device="cpu", kv_dtype="float32"),
+    )
+    moe = runner.model.layers[0].moe
+    assert isinstance(moe, MoeMlp)
+    calls: list[list[int]] = [[] for _ in moe.gate_up]
+    moe.gate_up = [_Counting(layer, calls[e]) for e, layer in enumerate(moe.gate_up)]
+    inputs: list[torch.Tensor] = []
+    runner.model.layers[0].moe = _Inputs(moe, inputs)  # type: ignore[assignment]
+    ids = random_ids(23, seed=5)
+    runner.step_logits(plan(0, prefill=[seq("a", ids, 0, len(ids), [0, 1])]))
+    (x,) = inputs
+    chosen, _ = moe.route(x)
+    counts = torch.bincount(chosen.flatten(), minlength=len(calls)).tolist()
+    assert calls == [[n] if n else [] for n in counts]
+    assert sum(counts) == 23 * 2 and sum(1 for n in counts if n) >= 2
+
+
+def test_missing_expert_is_named(tmp_path: Path) -> None:
+    """A Mixtral state dict without one expert's down projection fails naming it."""
+    hf = tiny_hf("mixtral", seed=14)
+    hf.save_pretrained(tmp_path / "m")
+    config, state = load_hf_dir(tmp_path / "m")
+    del state["model.layers.1.mlp.experts.3.down_proj.weight"]
+    with pytest.raises(ValueError, match=r"lacks 1 weights .*layers\.1\.mlp\.experts\.3\.down"):
+        TorchRunner(config, state, RunnerOptions(8, 16, dtype=torch.float32, device="cpu"))
