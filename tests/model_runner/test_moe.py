@@ -11,19 +11,25 @@ import gguf
 import pytest
 import torch
 
+from model_runner import kernels
 from model_runner.config import ModelConfig, RunnerOptions
 from model_runner.gguf_loader import permute_qk
 from model_runner.hf_loader import load_hf_dir
 from model_runner.loader import load_model
 from model_runner.moe import MoeMlp
+from model_runner.quant import QLinear, QuantWeight
 from model_runner.runner import TorchRunner
 from tests.model_runner.oracle import our_config, plan, random_ids, seq, tiny_hf
 from tests.model_runner.test_qwen3 import (
     _GLOBAL,
     _LAYER,
+    NEW_TOKENS,
     PROMPTS,
+    assert_top5_rule,
     engine_greedy,
+    free_running,
     hf_greedy,
+    runner_logits,
     write_hf_tensors,
 )
 
@@ -86,7 +92,7 @@ def write_moe_gguf(hf: torch.nn.Module, path: Path, qtype: Any = "F32") -> Path:
         writer.add_expert_feed_forward_length(c.moe_intermediate_size)
     else:
         writer.add_vocab_size(c.vocab_size)
-    writer.add_file_type(0 if qtype == "F32" else 7)
+    writer.add_file_type(_FILE_TYPES[qtype if isinstance(qtype, str) else "Q4_K_M"])
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(c.vocab_size)])
     writer.add_token_types([1] * c.vocab_size)
@@ -95,6 +101,17 @@ def write_moe_gguf(hf: torch.nn.Module, path: Path, qtype: Any = "F32") -> Path:
     layer = _QWEN3MOE_LAYER if qwen else _MIXTRAL_LAYER
     write_hf_tensors(writer, hf, layer, _GLOBAL, qtype, converter_tensors(hf, permute=not qwen))
     return path
+
+
+# llama.cpp's LlamaFileType of each file this test writes.
+_FILE_TYPES = {"F32": 0, "Q8_0": 7, "Q4_K_M": 15}
+
+
+def q4_k_m(gguf_name: str) -> str:
+    """Q4_K_M's mix, as llama.cpp's quantizer makes it for a small model: Q6_K for the LM
+    head, V and the down projections (the experts' too), Q4_K for the other matrices."""
+    six = ("output.weight", "attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")
+    return "Q6_K" if gguf_name.endswith(six) else "Q4_K"
 
 
 KINDS = {
@@ -246,3 +263,67 @@ def test_missing_expert_is_named(tmp_path: Path) -> None:
     del state["model.layers.1.mlp.experts.3.down_proj.weight"]
     with pytest.raises(ValueError, match=r"lacks 1 weights .*layers\.1\.mlp\.experts\.3\.down"):
         TorchRunner(config, state, RunnerOptions(8, 16, dtype=torch.float32, device="cpu"))
+
+
+# ---------------------------------------------------------------- quantized experts
+
+QTYPES: dict[str, Any] = {"Q8_0": "Q8_0", "Q4_K_M": q4_k_m}
+
+
+def quantized_moe(kind: str, qtype: str, tmp_path: Path) -> Path:
+    """A 256-wide ``kind`` (Qwen3-MoE: 4 experts of 256, head_dim 128; Mixtral: 4 experts of
+    256) in a ``qtype`` GGUF in the converter's layout: every expert one quantized matrix of
+    its stack, the router F32."""
+    wide: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 256}
+    if kind == "qwen3moe":
+        wide.update(num_experts=4, moe_intermediate_size=256, intermediate_size=512, head_dim=128)
+    hf = tiny_hf(kind, seed=15, **wide)
+    return write_moe_gguf(hf, tmp_path / f"{kind}-{qtype}.gguf", QTYPES[qtype])
+
+
+def _native_runner(path: Path) -> tuple[Any, TorchRunner]:
+    loaded = load_model(path, weights="native")
+    options = RunnerOptions(8, 16, dtype=torch.float32, device="cpu", kv_dtype="float32")
+    return loaded, TorchRunner(loaded.config, loaded.state_dict, options)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels.available(), reason="kernels not built")
+@pytest.mark.parametrize("kind", ["qwen3moe", "mixtral"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
+def test_quantized_gguf_is_logprobs_close_to_transformers(
+    kind: str, qtype: str, tmp_path: Path
+) -> None:
+    """A Q8_0 / Q4_K_M file's experts held in their formats, each expert's gate-up and down a
+    kernels' ``QLinear``: vLLM's check_logprobs_close on 4 prompts x 12 tokens against
+    transformers holding the file's weights (where greedy first differs, each side's token
+    is in the other's top-5)."""
+    from model_runner.reference import build_hf_model
+
+    path = quantized_moe(kind, qtype, tmp_path)
+    loaded, runner = _native_runner(path)
+    held = loaded.state_dict["model.layers.1.mlp.experts.3.down_proj.weight"]
+    assert isinstance(held, QuantWeight) and held.fmt == ("Q8_0" if qtype == "Q8_0" else "Q6_K")
+    assert not isinstance(loaded.state_dict["model.layers.1.mlp.gate.weight"], QuantWeight)
+    moe = runner.model.layers[1].moe
+    assert moe is not None and all(isinstance(m, QLinear) for m in (*moe.gate_up, *moe.down))
+    assert runner.paths.fused is None  # the whole-step kernel runs dense MLPs only
+    dense = load_model(path, weights="float32")
+    twin = build_hf_model(dense.config, dict(dense.state_dict), with_eos=False)  # type: ignore[arg-type]
+    assert_top5_rule(runner, twin, PROMPTS)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels.available(), reason="kernels not built")
+@pytest.mark.parametrize("kind", ["qwen3moe", "mixtral"])
+def test_quantized_chunked_and_cached_equals_one_shot(kind: str, tmp_path: Path) -> None:
+    """On Q4_K_M experts, the engine's run (32-token prefill chunks, the 40-token prompt sent
+    again and served from the prefix cache) gives the greedy ids of each prompt prefilled
+    whole in a fresh runner, token for token."""
+    loaded, runner = _native_runner(quantized_moe(kind, "Q4_K_M", tmp_path))
+    want = [free_running(runner_logits(runner), p, NEW_TOKENS)[0] for p in PROMPTS]
+    got, requests = engine_greedy(
+        loaded.config, dict(loaded.state_dict), repeat_first=True, kv_dtype="float32"
+    )
+    assert requests[-1].num_cached_tokens >= 32
+    assert got == [*want, want[3]]
