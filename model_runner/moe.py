@@ -33,7 +33,8 @@ _PARTS = ("gate", "up", "down")
 class MoeMlp:
     """``sum over the row's chosen experts e of p_e * down_e(silu(gate_e x) * up_e x)``.
 
-    ``router``: ``[E, hidden]`` in the run's dtype; ``gate_up[e]`` / ``down[e]``: expert
+    ``router``: ``[E, hidden]`` fp32 (the routing is a discrete choice: in half precision a
+    rounding would flip near-tied experts more often); ``gate_up[e]`` / ``down[e]``: expert
     ``e``'s layers (``silu_mul`` and ``__call__`` as the dense MLP's)."""
 
     __slots__ = ("down", "gate_up", "norm_topk_prob", "num_used", "router")
@@ -56,7 +57,7 @@ class MoeMlp:
         """Each row's chosen experts [T, k] (highest probability first) and their weights
         [T, k] (fp32): the softmax over all experts' logits, top-k, renormalized over the
         chosen when ``norm_topk_prob``."""
-        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)
+        probs = torch.softmax(F.linear(x.float(), self.router), dim=-1)
         weights, chosen = torch.topk(probs, self.num_used, dim=-1)
         if self.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)

@@ -365,7 +365,7 @@ def _layer(config: ModelConfig, w: _Prepared, linears: Linears, i: int) -> Layer
     if experts is not None and i in experts.layers:
         matrices = expert_matrices(w.matrix, w.state_dict, p, experts)
         layer.moe = MoeMlp(
-            linears.dense(w.vector(p + "mlp.gate.weight")),
+            w.vector(p + "mlp.gate.weight").contiguous(),  # fp32 (MoeMlp)
             [linears.make_gate_up(gate, up) for gate, up, _ in matrices],
             [linears.make_linear(down) for _, _, down in matrices],
             experts,

@@ -265,6 +265,36 @@ def test_missing_expert_is_named(tmp_path: Path) -> None:
         TorchRunner(config, state, RunnerOptions(8, 16, dtype=torch.float32, device="cpu"))
 
 
+def test_lora_on_a_moe_model_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A PEFT adapter (on Q and V) of Qwen3-MoE is refused at load, in one line naming
+    mixture-of-experts."""
+    from model_runner.lora.info import AdapterError
+    from tests.model_runner.lora_oracle import peft_adapter
+
+    hf = tiny_hf("qwen3moe", seed=16)
+    peft_adapter(hf, tmp_path / "a", targets=["q_proj", "v_proj"])
+    runner = TorchRunner(
+        our_config(hf),
+        {k: v.detach().cpu() for k, v in hf.state_dict().items()},
+        RunnerOptions(8, 16, dtype=torch.float32, device="cpu", kv_dtype="float32"),
+    )
+    with pytest.raises(AdapterError) as info:
+        runner.lora.load("a", tmp_path / "a")
+    message = str(info.value)
+    assert "\n" not in message and "LoRA on a mixture-of-experts model (qwen3moe)" in message
+
+
+def test_moe_layers_off_the_cpu_are_refused_in_one_line() -> None:
+    """The expert grouping reads the routing on the host: an MoE layer on another device
+    (here ``meta``; CUDA alike) is refused naming it, not run."""
+    from model_runner.families import Experts
+
+    experts = Experts(num_experts=2, num_used=1, intermediate_size=4, norm_topk_prob=True,
+                      layers=(0,))  # fmt: skip
+    with pytest.raises(ValueError, match=r"mixture-of-experts layers run on CPU only, not meta"):
+        MoeMlp(torch.zeros(2, 8, device="meta"), [], [], experts)
+
+
 # ---------------------------------------------------------------- quantized experts
 
 QTYPES: dict[str, Any] = {"Q8_0": "Q8_0", "Q4_K_M": q4_k_m}
