@@ -64,6 +64,13 @@ def test_mixtral_gguf_is_read_as_mixtral(tmp_path: Path) -> None:
     assert config.experts.layers == (0,) and config.experts.intermediate_size == 16
 
 
+def test_more_experts_used_than_held_is_one_line(tmp_path: Path) -> None:
+    """A file using 2 experts per token of the 1 it holds fails naming the counts."""
+    with pytest.raises(CheckpointError) as info:
+        read_header(write_header_gguf(tmp_path / "one.gguf", "llama", experts=1))
+    assert "experts used per token must be in 1..1, got 2" in one_line(str(info.value))
+
+
 @pytest.mark.parametrize(
     ("arch", "says"),
     [

@@ -357,3 +357,31 @@ def test_quantized_chunked_and_cached_equals_one_shot(kind: str, tmp_path: Path)
     )
     assert requests[-1].num_cached_tokens >= 32
     assert got == [*want, want[3]]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels.available(), reason="kernels not built")
+@pytest.mark.parametrize("kind", ["qwen3moe", "mixtral"])
+def test_int8_experts_from_hf_directory_are_logprobs_close(kind: str, tmp_path: Path) -> None:
+    """``--weights int8`` (``quant.quantize_matrices``, as the loader applies it) on an HF
+    directory: every expert's matrices int8 per row on the kernels, the router left fp32;
+    vLLM's top-5 rule against transformers holding the int8 weights (dequantized)."""
+    from model_runner.quant import quantize_matrices
+    from model_runner.reference import build_hf_model
+
+    hf = tiny_hf(kind, seed=17)
+    hf.save_pretrained(tmp_path / kind)
+    config, dense = load_hf_dir(tmp_path / kind)
+    state = quantize_matrices(dense)
+    held = state["model.layers.0.mlp.experts.1.up_proj.weight"]
+    assert isinstance(held, QuantWeight) and held.source == "int8"
+    assert not isinstance(state["model.layers.0.mlp.gate.weight"], QuantWeight)
+    options = RunnerOptions(8, 16, dtype=torch.float32, device="cpu", kv_dtype="float32")
+    runner = TorchRunner(config, state, options)
+    moe = runner.model.layers[0].moe
+    assert moe is not None and all(isinstance(m, QLinear) for m in (*moe.gate_up, *moe.down))
+    held_weights = {
+        k: v.dequantize() if isinstance(v, QuantWeight) else v for k, v in state.items()
+    }
+    twin = build_hf_model(config, held_weights, with_eos=False)
+    assert_top5_rule(runner, twin, PROMPTS)
