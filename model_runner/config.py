@@ -1,8 +1,8 @@
 """The runner's configs, plain data and no torch (the CLI reads them without importing it):
 
 - ``ModelConfig``: the shape and hyper-parameters of a model of a family in
-  ``families.FAMILIES`` (Llama, Mistral, Qwen2, Qwen3, Phi-3), from a Hugging Face ``config.json``
-  dict or from GGUF metadata;
+  ``families.FAMILIES`` (Llama, Mistral, Qwen2, Qwen3, Phi-3, Qwen3-MoE, Mixtral), from a
+  Hugging Face ``config.json`` dict or from GGUF metadata;
 - ``RunnerOptions``: how a ``TorchRunner`` runs it (device, dtypes, KV pool, attention
   backend, paths), built once by the server and ``dataclasses.replace``'d by benchmarks;
 - the tables the CLI's choices come from: dtypes, attention backends, weights modes.
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cache_manager.sizing import ModelShape
-from model_runner.families import for_hf_config
+from model_runner.families import Experts, for_hf_config
 
 if TYPE_CHECKING:
     import torch
@@ -152,6 +152,8 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral
     # Dimensions of each head RoPE rotates (the first ones; Phi-4-mini: 3/4), None = all.
     rotary_dim: int | None = None
+    # The mixture-of-experts MLP and the layers that have it (Qwen3-MoE, Mixtral), else None.
+    experts: Experts | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
@@ -171,6 +173,8 @@ class ModelConfig:
         r = self.rotary_dim
         if r is not None and not (0 < r <= self.head_dim and r % 2 == 0):
             raise ValueError(f"rotary_dim must be even and in 1..{self.head_dim}, got {r}")
+        if self.experts is not None and not set(self.experts.layers) <= set(range(self.num_layers)):
+            raise ValueError(f"expert layers {self.experts.layers} past {self.num_layers} layers")
 
     @property
     def rope_dim(self) -> int:
@@ -212,12 +216,14 @@ class ModelConfig:
         head_dim = int(cfg.get("head_dim") or hidden // num_heads)
         # transformers' partial_rotary_factor: int(head_dim * factor) dimensions rotate.
         rotary = int(head_dim * float(cfg.get("partial_rotary_factor") or 1.0))
+        num_layers = int(cfg["num_hidden_layers"])
+        experts = fam.hf_experts(cfg, num_layers) if fam.hf_experts is not None else None
         return cls(
             architecture=fam.name,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
@@ -229,6 +235,7 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", fam.hf_attention_bias)),
             sliding_window=int(sliding) if sliding else None,
             rotary_dim=rotary if rotary != head_dim else None,
+            experts=experts,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,

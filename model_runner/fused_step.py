@@ -99,6 +99,9 @@ class FusedStep:
         quantized, so a CUDA or float runner never touches them."""
         if model.device.type != "cpu" or model.dtype != torch.float32 or model.rope_cis is None:
             return "needs fp32 compute on CPU"
+        if any(layer.moe is not None for layer in model.layers):
+            # The step runs layer by layer instead, each chosen expert on the kernels' QLinear.
+            return "mixture-of-experts layers (the kernels' whole-step call runs dense MLPs)"
         linears = [(l.qkv, l.o, l.gate_up, l.down) for l in model.layers]  # noqa: E741
         if not all(isinstance(lin, QLinear) for group in linears for lin in group):
             return "needs every layer matrix quantized"

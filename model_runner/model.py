@@ -1,5 +1,6 @@
-"""The LLaMA-family model (LLaMA, Mistral, Qwen2, Qwen3, Phi-3: ``model_runner.families``) as a
-functional forward pass over a paged KV pool.
+"""The LLaMA-family model (LLaMA, Mistral, Qwen2, Qwen3, Phi-3, and the mixture-of-experts
+Qwen3-MoE and Mixtral: ``model_runner.families``) as a functional forward pass over a paged KV
+pool.
 
 Its weights come prepared from ``weights.load_weights`` (Q, K and V fused, the softmax scale
 in Q, RoPE pairs interleaved, each matrix a layer chosen by ``Linears.make_linear``), so the
@@ -149,6 +150,10 @@ class LlamaModel:
             if lora is not None:
                 lora.add_(i, (("o", 0),), attn_out, hidden)
             x = F.rms_norm(hidden, normed_shape, layer.post_norm, self.eps)
+            if layer.moe is not None:  # a mixture-of-experts layer (``moe.MoeMlp``)
+                hidden = layer.moe.add(x, hidden)
+                continue
+            assert layer.gate_up is not None and layer.down is not None
             if lora is not None and lora.touches(i, lora.gate_up_spans):
                 act = _mlp_with_lora(layer.gate_up(x), i, x, lora)
             else:
@@ -162,12 +167,14 @@ class LlamaModel:
         """The ``triton_fusions`` module when this step can take it, else None: fusions on
         (``fusions``), float weights in plain ``Linear`` layers (no oneDNN, nothing
         quantized), a float pool, positions inside the RoPE table, a power-of-two head_dim,
-        and Triton importable."""
+        dense MLPs (no ``moe``), and Triton importable."""
         on = self.fusions
         if on is None:
             on = self.device.type == "cuda" and os.environ.get("KVSERVE_FUSIONS") != "0"
         d = self.head_dim
         if not on or self.linear_backend != "torch" or d & (d - 1):
+            return None
+        if any(layer.moe is not None for layer in self.layers):
             return None
         if pool.scales is not None or batch.max_position >= self.max_model_len:
             return None
@@ -202,6 +209,7 @@ class LlamaModel:
             )
             self.attention.attend(i, qkv, batch.metadata, pool, attn_out)
             x = ops.add_rms_norm(layer.o(attn_out), residual, layer.post_norm, self.eps)
+            assert layer.gate_up is not None and layer.down is not None
             down = layer.down(ops.silu_mul(layer.gate_up(x)))
             if i + 1 < len(layers):
                 x = ops.add_rms_norm(down, residual, layers[i + 1].input_norm, self.eps)

@@ -16,6 +16,8 @@ Hugging Face parameter names come in; at load time the weights are rearranged fo
   its parts are prepared as separate ones are.
 - Gate and up are fused into one ``[2 * I, hidden]`` matrix, except on oneDNN, whose packed
   GEMMs fuse SiLU into the gate GEMM and the ``* up`` product into the up GEMM (``GateUp``).
+- A layer of a mixture-of-experts model (``config.experts.layers``) has a ``moe.MoeMlp``
+  instead of the dense MLP: its router and each expert's gate-up and down prepared as above.
 
 A quantized matrix (``QuantWeight``, ``QuantStack``) stays in its own format and runs on
 kvserve's CPU kernels (``QLinear``); a dense one runs as ``Linear``: on CPU pre-packed for
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 from model_runner import onednn
 from model_runner.config import ModelConfig
 from model_runner.families import family
+from model_runner.moe import MoeMlp, expert_matrices, has_fused_experts
 from model_runner.quant import QEmbedding, QLinear, QuantStack, QuantWeight, cat_rows
 from model_runner.rope import rope_pair_order
 
@@ -221,12 +224,22 @@ class LayerWeights:
     qkv: AnyLinear
     o: AnyLinear
     post_norm: torch.Tensor
-    gate_up: AnyLinear | GateUp  # silu(gate) * up
-    down: AnyLinear
+    # The dense MLP: silu(gate) * up, then down; None on a layer with ``moe``.
+    gate_up: AnyLinear | GateUp | None
+    down: AnyLinear | None
     # Per-head RMSNorm weights [D] on Q and K before RoPE (a family with ``qk_norm``), in
     # RoPE pair order, the softmax scale folded into Q's; None for the Llama block.
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    # The mixture-of-experts MLP of a layer in ``config.experts.layers``, else None.
+    moe: MoeMlp | None = None
+
+    def mlps(self) -> list[AnyLinear | GateUp | MoeMlp]:
+        """The MLP's parts: gate-up and down, or the ``MoeMlp``."""
+        if self.moe is not None:
+            return [self.moe]
+        assert self.gate_up is not None and self.down is not None
+        return [self.gate_up, self.down]
 
 
 @dataclass(slots=True)
@@ -247,7 +260,7 @@ class ModelWeights:
         for layer in self.layers:
             tensors += [layer.input_norm, layer.post_norm]
             tensors += [t for t in (layer.q_norm, layer.k_norm) if t is not None]
-            for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            for linear in (layer.qkv, layer.o, *layer.mlps()):
                 tensors += linear.tensors()
         for t in tensors:
             if not t.is_mkldnn:
@@ -259,7 +272,7 @@ class ModelWeights:
 
 def load_weights(config: ModelConfig, state_dict: StateDict, linears: Linears) -> ModelWeights:
     """The model's layers from a Hugging Face-named ``state_dict`` (read, not kept)."""
-    missing = [k for k in _required_names(config) if k not in state_dict]
+    missing = [k for k in _required_names(config, state_dict) if k not in state_dict]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"state dict lacks {len(missing)} weights the config needs: {shown}")
@@ -338,18 +351,31 @@ def _layer(config: ModelConfig, w: _Prepared, linears: Linears, i: int) -> Layer
         )
     qkv = linears.make_linear(_cat_rows([wq, wk, wv]), bias)
     p = f"model.layers.{i}."
-    inter = config.intermediate_size
-    gate, up = _parts(w.matrix, p + "mlp.", ("gate", "up"), gate_up_name, (inter, inter))
-    return LayerWeights(
+    layer = LayerWeights(
         input_norm=linears.dense(w.vector(p + "input_layernorm.weight")),
         qkv=qkv,
         o=linears.make_linear(w.matrix(p + "self_attn.o_proj.weight")),
         post_norm=linears.dense(w.vector(p + "post_attention_layernorm.weight")),
-        gate_up=linears.make_gate_up(gate, up),
-        down=linears.make_linear(w.matrix(p + "mlp.down_proj.weight")),
+        gate_up=None,
+        down=None,
         q_norm=q_norm,
         k_norm=k_norm,
     )
+    experts = config.experts
+    if experts is not None and i in experts.layers:
+        matrices = expert_matrices(w.matrix, w.state_dict, p, experts)
+        layer.moe = MoeMlp(
+            w.vector(p + "mlp.gate.weight").contiguous(),  # fp32 (MoeMlp)
+            [linears.make_gate_up(gate, up) for gate, up, _ in matrices],
+            [linears.make_linear(down) for _, _, down in matrices],
+            experts,
+        )
+        return layer
+    inter = config.intermediate_size
+    gate, up = _parts(w.matrix, p + "mlp.", ("gate", "up"), gate_up_name, (inter, inter))
+    layer.gate_up = linears.make_gate_up(gate, up)
+    layer.down = linears.make_linear(w.matrix(p + "mlp.down_proj.weight"))
+    return layer
 
 
 def _parts(
@@ -414,10 +440,17 @@ def _describe_formats(state_dict: StateDict) -> str:
     return "+".join(sources) if sources else "float"
 
 
-def _required_names(config: ModelConfig) -> list[str]:
-    """The Hugging Face parameter names ``config``'s model reads."""
+def _required_names(config: ModelConfig, state_dict: StateDict) -> list[str]:
+    """The Hugging Face parameter names ``config``'s model reads (a MoE layer's experts one
+    matrix each, or transformers 5's two fused stacks when ``state_dict`` holds those)."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
-    layer = family(config.architecture).layer_weights(config.attention_bias)
+    fam, experts = family(config.architecture), config.experts
     for i in range(config.num_layers):
-        names += [f"model.layers.{i}.{n}" for n in layer]
+        p = f"model.layers.{i}."
+        moe = experts if experts is not None and i in experts.layers else None
+        layer = fam.layer_weights(config.attention_bias, moe)
+        if moe is not None and has_fused_experts(state_dict, p):
+            fused = (f"mlp.experts.{n}_proj" for n in ("gate_up", "down"))
+            layer = (*(n for n in layer if ".experts." not in n), *fused)
+        names += [p + n for n in layer]
     return names

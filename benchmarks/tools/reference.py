@@ -9,6 +9,7 @@ import torch
 
 from model_runner.config import ModelConfig
 from model_runner.families import family
+from model_runner.moe import stacked
 
 
 def build_hf_model(
@@ -57,6 +58,9 @@ def build_hf_model(
     if config.sliding_window is not None:
         kwargs["sliding_window"] = config.sliding_window
         kwargs["use_sliding_window"] = True  # Qwen's switch; the others have no such field
+    if config.experts is not None and fam.hf_expert_kwargs is not None:
+        kwargs.update(fam.hf_expert_kwargs(config.experts, config.num_layers))
+        state_dict = stacked(state_dict, config.experts)  # transformers 5's fused experts
     hf_config = getattr(transformers, config_name)(**kwargs)
     # transformers 5 folds rope_theta / rope_scaling into rope_parameters; check it took them.
     rope = getattr(hf_config, "rope_parameters", None) or {}

@@ -2,9 +2,10 @@
 
 ``FAMILIES`` maps ``ModelConfig.architecture`` to its ``Family`` (``families.base``), one
 module per family. The loaders find a checkpoint's family here (``for_hf_config``,
-``for_gguf``), which refuse, in one line naming what is not supported and what is, a family
-or a feature kvserve does not run (mixture-of-experts first among them); ``ModelConfig``,
-``weights`` and ``model`` read the family's fields through ``family``.
+``for_gguf``: a GGUF architecture may name a dense family and a mixture-of-experts one, as
+``llama`` names Llama and Mixtral, told apart by the file's experts), which refuse, in one
+line naming what is not supported and what is, a family or a feature kvserve does not run;
+``ModelConfig``, ``weights`` and ``model`` read the family's fields through ``family``.
 
 Adding a family: a module beside ``qwen3.py`` with its ``Family``, one row in ``FAMILIES``,
 and its layer part in ``weights`` / ``model`` when it has one the table does not describe
@@ -16,45 +17,51 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from model_runner.families.base import Family
+from model_runner.families.base import Experts, Family
 from model_runner.families.llama import LLAMA, MISTRAL
+from model_runner.families.mixtral import MIXTRAL
 from model_runner.families.phi3 import PHI3
 from model_runner.families.qwen2 import QWEN2
 from model_runner.families.qwen3 import QWEN3
+from model_runner.families.qwen3moe import QWEN3_MOE
 
-__all__ = ["FAMILIES", "Family", "family", "for_gguf", "for_hf_config", "supported"]
+__all__ = ["FAMILIES", "Experts", "Family", "family", "for_gguf", "for_hf_config", "supported"]
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3)}
+FAMILIES: dict[str, Family] = {
+    f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, QWEN3_MOE, MIXTRAL)
+}
 
 _BY_HF_TYPE = {t: f for f in FAMILIES.values() for t in f.hf_model_types}
-_BY_GGUF_ARCH = {a: f for f in FAMILIES.values() for a in f.gguf_archs}
+# (architecture, has experts) -> family: a ``llama`` file with experts is Mixtral's.
+_BY_GGUF_ARCH = {(a, f.moe): f for f in FAMILIES.values() for a in f.gguf_archs}
 
 # Families users bring that kvserve does not run yet, and what sets them apart (the refusal
 # says so, rather than a list of tensors it could not find).
 _NOT_YET = {
-    "qwen3_moe": "mixture-of-experts",
-    "qwen3moe": "mixture-of-experts",
-    "qwen2_moe": "mixture-of-experts",
-    "qwen2moe": "mixture-of-experts",
-    "mixtral": "mixture-of-experts",
-    "deepseek_v2": "mixture-of-experts",
-    "deepseek2": "mixture-of-experts",
+    "qwen2_moe": "Qwen2-MoE's shared expert",
+    "qwen2moe": "Qwen2-MoE's shared expert",
+    "deepseek_v2": "DeepSeek's latent attention and shared experts",
+    "deepseek2": "DeepSeek's latent attention and shared experts",
     "gemma": "Gemma's (1 + w) norms and GeGLU",
     "gemma2": "Gemma 2's soft-capping and sliding layers",
     "gemma3": "Gemma 3's interleaved sliding and global layers",
     "gemma3_text": "Gemma 3's interleaved sliding and global layers",
     "phi3small": "Phi-3-small's block-sparse attention and GEGLU",
-    "phimoe": "mixture-of-experts",  # Phi-3.5-MoE (config.json and GGUF alike)
+    "phimoe": "Phi-3.5-MoE's sparsemixer router",  # config.json and GGUF alike
 }
 _MOE = "mixture-of-experts"
 
 
 def supported(gguf: bool = False) -> str:
-    """The families kvserve runs, for messages: ``llama, mistral, qwen2, qwen3, phi3 (dense)``, or
-    as GGUF architectures."""
+    """The families kvserve runs, for messages: ``llama, mistral, qwen2, qwen3, phi3, qwen3moe,
+    mixtral``, or as GGUF architectures."""
     if gguf:
-        return ", ".join(_BY_GGUF_ARCH) + " GGUFs (dense; Mistral converts to 'llama')"
-    return ", ".join(FAMILIES) + " (dense)"
+        archs = dict.fromkeys(a for a, _ in _BY_GGUF_ARCH)
+        return (
+            ", ".join(archs)
+            + " GGUFs (Mistral converts to 'llama', Mixtral to 'llama' with experts)"
+        )
+    return ", ".join(FAMILIES)
 
 
 def family(architecture: str) -> Family:
@@ -69,9 +76,10 @@ def family(architecture: str) -> Family:
 def _refusal(what: str, kind: str | None, gguf: bool = False) -> str:
     runs = supported(gguf)
     if kind == _MOE:
+        moe = ", ".join(f.name for f in FAMILIES.values() if f.moe)
         return (
-            f"{what} is a mixture-of-experts model: kvserve does not run mixture-of-experts "
-            f"yet; it runs {runs}"
+            f"{what} is a mixture-of-experts model: kvserve runs mixture-of-experts only as "
+            f"{moe}; it runs {runs}"
         )
     if kind is not None:
         return f"{what} is not supported yet ({kind}); kvserve runs {runs}"
@@ -82,11 +90,12 @@ def for_hf_config(cfg: Mapping[str, Any]) -> Family:
     """The family of a config.json dict; ValueError with a one-line refusal otherwise."""
     model_type = str(cfg.get("model_type", "llama"))
     what = f"model_type {model_type!r}"
-    if any(int(cfg.get(key) or 0) > 0 for key in ("num_local_experts", "num_experts")):
-        raise ValueError(_refusal(what, _MOE))
     found = _BY_HF_TYPE.get(model_type)
     if found is None:
         raise ValueError(_refusal(what, _NOT_YET.get(model_type)))
+    experts = any(int(cfg.get(key) or 0) > 0 for key in ("num_local_experts", "num_experts"))
+    if experts and not found.moe:  # a dense family's config with experts is not that family
+        raise ValueError(_refusal(what, _MOE))
     return found
 
 
@@ -94,12 +103,15 @@ def for_gguf(arch: str, metadata: Mapping[str, Any], tensor_names: Collection[st
     """The family of a GGUF file's architecture, metadata and tensor names; ValueError with
     a one-line refusal otherwise (a Mixtral file is a ``llama`` one with experts)."""
     what = f"a {arch!r} GGUF"
-    experts = metadata.get(f"{arch}.expert_count") or 0
-    if (isinstance(experts, int) and experts > 0) or any(
+    count = metadata.get(f"{arch}.expert_count") or 0
+    experts = (isinstance(count, int) and count > 0) or any(
         n.endswith("_exps.weight") for n in tensor_names
-    ):
+    )
+    found = _BY_GGUF_ARCH.get((arch, experts))
+    if found is not None:
+        return found
+    if experts and (arch, False) in _BY_GGUF_ARCH:
         raise ValueError(_refusal(what, _MOE, gguf=True))
-    found = _BY_GGUF_ARCH.get(arch)
-    if found is None:
-        raise ValueError(_refusal(what, _NOT_YET.get(arch), gguf=True))
-    return found
+    if not experts and (arch, True) in _BY_GGUF_ARCH:
+        raise ValueError(f"{what} has no experts ({arch}.expert_count, ffn_*_exps tensors)")
+    raise ValueError(_refusal(what, _NOT_YET.get(arch), gguf=True))

@@ -3,8 +3,14 @@
 A ``Family`` names the architecture (``ModelConfig.architecture``), where its checkpoints
 say so (Hugging Face ``model_type`` values, GGUF ``general.architecture`` values), how
 llama.cpp's converter laid its tensors out, and the few layer parts where it differs from
-the Llama block (QK-norm, QKV bias, fused projections). The loaders, ``ModelConfig``, the
-weights and the model read these fields; none of them compares an architecture name.
+the Llama block (QK-norm, QKV bias, fused projections, a mixture-of-experts MLP). The
+loaders, ``ModelConfig``, the weights and the model read these fields; none of them compares
+an architecture name.
+
+A mixture-of-experts MLP (``Experts``) holds its weights under one spelling whatever the
+checkpoint's: the router ``mlp.gate.weight`` ``[E, hidden]`` and one gated MLP per expert,
+``mlp.experts.{e}.gate_proj.weight`` / ``up_proj`` / ``down_proj`` (Qwen3-MoE's
+config.json names; a family renames its own with ``hf_tensor_renames``).
 """
 
 from __future__ import annotations
@@ -16,6 +22,39 @@ from typing import Any
 
 def _no_hf_overrides(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {}
+
+
+@dataclass(frozen=True, slots=True)
+class Experts:
+    """A mixture-of-experts MLP (``ModelConfig.experts``): ``num_experts`` SiLU-gated MLPs of
+    ``intermediate_size``; each row goes to the ``num_used`` experts its router's softmax
+    (over all experts) ranks highest, weighted by those probabilities, renormalized to sum to
+    1 over the chosen when ``norm_topk_prob`` (Mixtral always; Qwen3-MoE as its config says).
+    ``layers``: the layers whose MLP this is; the others keep the dense MLP of the config's
+    ``intermediate_size`` (Qwen3-MoE's ``decoder_sparse_step`` / ``mlp_only_layers``)."""
+
+    num_experts: int
+    num_used: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    layers: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not 0 < self.num_used <= self.num_experts:
+            raise ValueError(
+                f"experts used per token must be in 1..{self.num_experts}, got {self.num_used}"
+            )
+        if self.intermediate_size < 1:
+            raise ValueError(f"expert intermediate size must be >= 1, got {self.intermediate_size}")
+
+    def layer_names(self) -> tuple[str, ...]:
+        """HF parameter names (after ``model.layers.{i}.``) of one such MLP."""
+        experts = (
+            f"mlp.experts.{e}.{n}_proj.weight"
+            for e in range(self.num_experts)
+            for n in ("gate", "up", "down")
+        )
+        return ("mlp.gate.weight", *experts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,20 +89,39 @@ class Family:
     # block's; ``gguf_absent_tensors``: the Llama block's suffixes this family's files lack.
     gguf_layer_tensors: Mapping[str, str] = field(default_factory=dict)
     gguf_absent_tensors: tuple[str, ...] = ()
+    # Mixture of experts: the ``Experts`` of a config.json dict and its layer count, for a
+    # family whose MLP is one (None: a dense family; a config or GGUF with experts is refused).
+    hf_experts: Callable[[Mapping[str, Any], int], Experts | None] | None = None
+    # Its GGUF files' ``norm_topk_prob`` when ``{arch}.expert_weights_norm`` is absent (as
+    # llama.cpp's graph for the architecture has it).
+    gguf_norm_topk_prob: bool = True
+    # transformers' config arguments for ``Experts`` (the oracle, ``model_runner.reference``).
+    hf_expert_kwargs: Callable[[Experts, int], dict[str, Any]] | None = None
+    # (regex, replacement) on checkpoint tensor names, in order, onto the spellings above
+    # (Mixtral's ``block_sparse_moe.experts.{e}.w1`` -> ``mlp.experts.{e}.gate_proj``).
+    hf_tensor_renames: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def moe(self) -> bool:
+        """Whether this family's MLP is a mixture of experts (on some layers at least)."""
+        return self.hf_experts is not None
 
     @property
     def gguf_arch(self) -> str:
         """The GGUF architecture llama.cpp's converter writes for this family."""
         return self.converts_to or (self.gguf_archs[0] if self.gguf_archs else self.name)
 
-    def layer_weights(self, attention_bias: bool = False) -> tuple[str, ...]:
+    def layer_weights(
+        self, attention_bias: bool = False, experts: Experts | None = None
+    ) -> tuple[str, ...]:
         """HF per-layer parameter names (after ``model.layers.{i}.``) of this family's
-        block, every one required."""
+        block, every one required; ``experts``: of a layer whose MLP is that."""
         attn = ("qkv",) if self.fused_qkv else ("q", "k", "v")
         mlp = ("gate_up",) if self.fused_gate_up else ("gate", "up")
+        dense = tuple(f"mlp.{n}_proj.weight" for n in (*mlp, "down"))
         names = (
             *(f"self_attn.{n}_proj.weight" for n in (*attn, "o")),
-            *(f"mlp.{n}_proj.weight" for n in (*mlp, "down")),
+            *(experts.layer_names() if experts is not None else dense),
             "input_layernorm.weight",
             "post_attention_layernorm.weight",
         )

@@ -63,6 +63,11 @@ def check_fits(adapter: AdapterFile, config: ModelConfig, max_rank: int) -> None
     ``adapter`` fits ``config``'s model and no rank is over ``max_rank``."""
     path = adapter.path
     arch = adapter.architecture
+    if config.experts is not None:
+        raise AdapterError(
+            f"adapter {path!r}: LoRA on a mixture-of-experts model ({config.architecture}) is "
+            "not supported; kvserve runs adapters on dense models only"
+        )
     if arch is not None and arch != family(config.architecture).gguf_arch:
         raise AdapterError(
             f"adapter {path!r} was made for a {arch!r} model; the base model is "

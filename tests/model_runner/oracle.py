@@ -41,7 +41,9 @@ def tiny_hf(kind: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
     QK-norm, head_dim 32 where hidden / heads is 16), "phi3" (GQA, fused qkv_proj and
     gate_up_proj), "phi4-mini" (phi3 with Phi-4-mini's RoPE: 3/4 of each head rotated,
     longrope with random short factors, which the 256 positions never leave, and a cos / sin
-    attention factor of 1.25).
+    attention factor of 1.25), "qwen3moe" (qwen3 with 8 experts of 32, top-2, renormalized;
+    ``mlp_only_layers`` keeps dense MLPs), "mixtral" (mistral without a window, 4 experts of
+    the 128-wide MLP, top-2).
     Weights are drawn wider than Hugging Face's init (std 0.02) so logits are well spread
     and greedy choices are not near-ties.
     """
@@ -50,12 +52,16 @@ def tiny_hf(kind: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
         Phi3Config,
         Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     torch.manual_seed(seed)
@@ -100,6 +106,16 @@ def tiny_hf(kind: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
                                                   "attention_factor": 1.25})  # fmt: skip
         cfg = Phi3Config(**common, num_attention_heads=4, num_key_value_heads=2, **overrides)
         model = Phi3ForCausalLM(cfg)
+    elif kind == "qwen3moe":
+        common.setdefault("head_dim", 32)
+        moe = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+               "norm_topk_prob": True, **overrides}  # fmt: skip
+        cfg = Qwen3MoeConfig(**common, num_attention_heads=4, num_key_value_heads=2, **moe)
+        model = Qwen3MoeForCausalLM(cfg)
+    elif kind == "mixtral":
+        moe = {"num_local_experts": 4, "num_experts_per_tok": 2, **overrides}
+        cfg = MixtralConfig(**common, num_attention_heads=4, num_key_value_heads=2, **moe)
+        model = MixtralForCausalLM(cfg)
     else:
         raise ValueError(kind)
     with torch.no_grad():

@@ -1,5 +1,5 @@
-"""The family table: one-line refusals for what kvserve does not run (mixture-of-experts
-first), and the table as the one place an architecture name is read."""
+"""The family table: one-line refusals for what kvserve does not run, a ``llama`` GGUF with
+experts read as Mixtral, and the table as the one place an architecture name is read."""
 
 from __future__ import annotations
 
@@ -55,24 +55,30 @@ def one_line(message: str) -> str:
     return message
 
 
-def test_mixtral_gguf_is_refused_as_mixture_of_experts(tmp_path: Path) -> None:
-    """A Mixtral GGUF (arch llama + expert_count + ffn_*_exps) says MoE is not supported
-    yet, in one line, instead of listing the ffn_gate tensors it lacks."""
-    path = write_header_gguf(tmp_path / "mixtral.gguf", "llama", experts=4)
+def test_mixtral_gguf_is_read_as_mixtral(tmp_path: Path) -> None:
+    """A Mixtral GGUF (arch llama + expert_count + ffn_*_exps, no ffn_gate) is Mixtral's
+    family with its experts, not a dense Llama lacking tensors."""
+    _, _, config = read_header(write_header_gguf(tmp_path / "mixtral.gguf", "llama", experts=4))
+    assert config.architecture == "mixtral" and config.experts is not None
+    assert (config.experts.num_experts, config.experts.num_used) == (4, 2)
+    assert config.experts.layers == (0,) and config.experts.intermediate_size == 16
+
+
+def test_more_experts_used_than_held_is_one_line(tmp_path: Path) -> None:
+    """A file using 2 experts per token of the 1 it holds fails naming the counts."""
     with pytest.raises(CheckpointError) as info:
-        read_header(path)
-    message = one_line(str(info.value))
-    assert "'llama' GGUF is a mixture-of-experts model" in message
-    assert "does not run mixture-of-experts yet; it runs llama, qwen2, qwen3, phi3 GGUFs" in message
+        read_header(write_header_gguf(tmp_path / "one.gguf", "llama", experts=1))
+    assert "experts used per token must be in 1..1, got 2" in one_line(str(info.value))
 
 
 @pytest.mark.parametrize(
     ("arch", "says"),
     [
-        ("qwen3moe", "is a mixture-of-experts model"),
+        ("qwen2moe", "is not supported yet (Qwen2-MoE's shared expert)"),
+        ("qwen3moe", "has no experts (qwen3moe.expert_count, ffn_*_exps tensors)"),
         ("gemma3", "is not supported yet (Gemma 3's interleaved sliding and global layers)"),
-        ("phimoe", "is a mixture-of-experts model"),
-        ("gpt2", "is not supported; kvserve runs llama, qwen2, qwen3, phi3 GGUFs"),
+        ("phimoe", "is not supported yet (Phi-3.5-MoE's sparsemixer router)"),
+        ("gpt2", "is not supported; kvserve runs llama, qwen2, qwen3, phi3, qwen3moe GGUFs"),
     ],
 )
 def test_other_gguf_architectures_are_refused_in_one_line(
@@ -87,10 +93,13 @@ def test_other_gguf_architectures_are_refused_in_one_line(
 @pytest.mark.parametrize(
     ("config", "says"),
     [
-        ({"model_type": "mixtral", "num_local_experts": 8}, "is a mixture-of-experts model"),
-        ({"model_type": "qwen3_moe", "num_experts": 128}, "is a mixture-of-experts model"),
-        # A llama-typed config with experts is not taken for a dense Llama either.
-        ({"model_type": "llama", "num_local_experts": 4}, "is a mixture-of-experts model"),
+        ({"model_type": "qwen2_moe", "num_experts": 60}, "is not supported yet (Qwen2-MoE's"),
+        # A llama-typed config with experts is not taken for a dense Llama.
+        (
+            {"model_type": "llama", "num_local_experts": 4},
+            "is a mixture-of-experts model: kvserve runs mixture-of-experts only as "
+            "qwen3moe, mixtral",
+        ),
         ({"model_type": "gemma3_text"}, "is not supported yet (Gemma 3's"),
         ({"model_type": "phi3small"}, "is not supported yet (Phi-3-small's block-sparse"),
         ({"model_type": "gpt_neox"}, "is not supported; kvserve runs llama, mistral, qwen2"),
@@ -109,15 +118,17 @@ def test_hf_configs_are_refused_in_one_line(
 
 
 def test_every_family_is_found_by_its_checkpoint_names() -> None:
-    """Each row's HF model_types and GGUF archs lead back to it, and no two rows share one."""
+    """Each row's HF model_types and GGUF archs (with experts for a mixture-of-experts row)
+    lead back to it, and no two rows share one."""
     hf_types = [t for f in families.FAMILIES.values() for t in f.hf_model_types]
-    archs = [a for f in families.FAMILIES.values() for a in f.gguf_archs]
+    archs = [(a, f.moe) for f in families.FAMILIES.values() for a in f.gguf_archs]
     assert len(hf_types) == len(set(hf_types)) and len(archs) == len(set(archs))
     for fam in families.FAMILIES.values():
+        experts = {"num_experts": 4, "num_local_experts": 4} if fam.moe else {}
         for t in fam.hf_model_types:
-            assert families.for_hf_config({"model_type": t}) is fam
+            assert families.for_hf_config({"model_type": t, **experts}) is fam
         for a in fam.gguf_archs:
-            assert families.for_gguf(a, {}, ()) is fam
+            assert families.for_gguf(a, {f"{a}.expert_count": 4} if fam.moe else {}, ()) is fam
 
 
 _NAMES = {n for f in families.FAMILIES.values() for n in (f.name, *f.hf_model_types, *f.gguf_archs)}

@@ -20,7 +20,7 @@ from tests.model_runner.oracle import (
     tiny_hf,
 )
 
-KINDS = ["llama", "llama-gqa", "qwen2", "mistral", "qwen3", "phi4-mini"]
+KINDS = ["llama", "llama-gqa", "qwen2", "mistral", "qwen3", "phi4-mini", "qwen3moe", "mixtral"]
 
 
 @pytest.fixture(scope="module", params=KINDS)

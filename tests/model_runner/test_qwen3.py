@@ -3,7 +3,7 @@ llama.cpp's converter would write, against transformers' ``Qwen3ForCausalLM``.""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,14 +83,17 @@ def write_hf_tensors(
     hf: torch.nn.Module,
     layer: dict[str, str],
     global_: dict[str, str],
-    qtype: str,
+    qtype: str | Callable[[str], str],
+    tensors: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
-    """``hf``'s tensors under their GGUF names (``layer``: after ``model.layers.{i}.`` ->
-    after ``blk.{i}.``; ``global_``: whole names), 2-D weights in ``qtype`` (via
-    ``kquants.quantize``), vectors F32; a tied ``lm_head`` is left out (the checkpoint, and so
-    the file, has no output). Then the file is written and closed."""
+    """``hf``'s tensors (or ``tensors``, HF-named) under their GGUF names (``layer``: after
+    ``model.layers.{i}.`` -> after ``blk.{i}.``; ``global_``: whole names), 2-D weights and
+    3-D expert stacks (one matrix per expert) in ``qtype`` (via ``kquants.quantize``; a
+    function: of the GGUF name), vectors and a MoE router (``ffn_gate_inp``, which the
+    converter keeps F32) F32; a tied ``lm_head`` is left out (the checkpoint, and so the
+    file, has no output). Then the file is written and closed."""
     tied = hf.config.tie_word_embeddings
-    for name, tensor in hf.state_dict().items():
+    for name, tensor in (tensors if tensors is not None else hf.state_dict()).items():
         if name == "lm_head.weight" and tied:
             continue
         if name.startswith("model.layers."):
@@ -99,9 +102,11 @@ def write_hf_tensors(
         else:
             gguf_name = global_[name]
         data = tensor.detach().cpu().float().numpy()
-        if data.ndim == 2 and qtype != "F32":
-            kind = getattr(gguf.GGMLQuantizationType, qtype)
-            writer.add_tensor(gguf_name, kquants.quantize(data, qtype), raw_dtype=kind)
+        kind_name = qtype(gguf_name) if callable(qtype) else qtype
+        if data.ndim in (2, 3) and kind_name != "F32" and "ffn_gate_inp" not in gguf_name:
+            kind = getattr(gguf.GGMLQuantizationType, kind_name)
+            rows = kquants.quantize(data.reshape(-1, data.shape[-1]), kind_name)
+            writer.add_tensor(gguf_name, rows.reshape(*data.shape[:-1], -1), raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name, np.ascontiguousarray(data))
     writer.write_header_to_file()

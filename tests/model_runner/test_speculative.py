@@ -31,7 +31,9 @@ def verify_seq(ids: list[int], start: int, drafts: list[int], blocks: list[int])
     return s
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama-gqa", "qwen2", "mistral", "qwen3", "phi4-mini"])
+@pytest.mark.parametrize(
+    "kind", ["llama", "llama-gqa", "qwen2", "mistral", "qwen3", "phi4-mini", "qwen3moe", "mixtral"]
+)
 def test_verify_positions_equal_a_full_forward(kind: str) -> None:
     """The k + 1 positions of a decode with drafts (a chunk over the cached KV) give
     transformers' logits at those positions, mistral past its window of 8 included."""
@@ -143,7 +145,15 @@ PROMPTS = [
 
 @pytest.mark.parametrize(
     ("kind", "num_blocks"),
-    [("llama-gqa", 18), ("qwen2", 18), ("mistral", 12), ("qwen3", 18), ("phi4-mini", 18)],
+    [
+        ("llama-gqa", 18),
+        ("qwen2", 18),
+        ("mistral", 12),
+        ("qwen3", 18),
+        ("phi4-mini", 18),
+        ("qwen3moe", 18),
+        ("mixtral", 18),
+    ],
 )
 @pytest.mark.parametrize("temperature", [0.0, 0.3])
 def test_runs_with_drafts_equal_runs_without(
