@@ -95,7 +95,7 @@ class Family:
     # Its GGUF files' ``norm_topk_prob`` when ``{arch}.expert_weights_norm`` is absent (as
     # llama.cpp's graph for the architecture has it).
     gguf_norm_topk_prob: bool = True
-    # transformers' config arguments for ``Experts`` (the oracle, ``model_runner.reference``).
+    # transformers' config arguments for ``Experts`` (the oracle, ``benchmarks.tools.reference``).
     hf_expert_kwargs: Callable[[Experts, int], dict[str, Any]] | None = None
     # (regex, replacement) on checkpoint tensor names, in order, onto the spellings above
     # (Mixtral's ``block_sparse_moe.experts.{e}.w1`` -> ``mlp.experts.{e}.gate_proj``).

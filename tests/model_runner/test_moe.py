@@ -328,7 +328,7 @@ def test_quantized_gguf_is_logprobs_close_to_transformers(
     kernels' ``QLinear``: vLLM's check_logprobs_close on 4 prompts x 12 tokens against
     transformers holding the file's weights (where greedy first differs, each side's token
     is in the other's top-5)."""
-    from model_runner.reference import build_hf_model
+    from benchmarks.tools.reference import build_hf_model
 
     path = quantized_moe(kind, qtype, tmp_path)
     loaded, runner = _native_runner(path)
@@ -366,8 +366,8 @@ def test_int8_experts_from_hf_directory_are_logprobs_close(kind: str, tmp_path: 
     """``--weights int8`` (``quant.quantize_matrices``, as the loader applies it) on an HF
     directory: every expert's matrices int8 per row on the kernels, the router left fp32;
     vLLM's top-5 rule against transformers holding the int8 weights (dequantized)."""
+    from benchmarks.tools.reference import build_hf_model
     from model_runner.quant import quantize_matrices
-    from model_runner.reference import build_hf_model
 
     hf = tiny_hf(kind, seed=17)
     hf.save_pretrained(tmp_path / kind)
