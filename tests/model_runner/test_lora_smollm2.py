@@ -99,15 +99,16 @@ def test_q4_weights_hold_vllms_rule_against_the_fp32_reference(
 
 def peft_free_running(model: Any, ids: list[int]) -> tuple[list[int], list[object]]:
     """transformers + PEFT's greedy tokens after ``ids`` and each step's log-probabilities
-    (float64), one full forward per token."""
-    tokens = list(ids)
+    (float64): the prompt's forward, then one token a step on transformers' KV cache."""
     out: list[int] = []
     logprobs: list[object] = []
+    step, cache = torch.tensor([ids]), None
     with torch.no_grad():
         for _ in range(NUM_TOKENS):
-            logits = model(torch.tensor([tokens])).logits[0, -1]
-            lp = torch.log_softmax(logits.double(), dim=-1)
+            result = model(step, cache=cache, use_cache=True)
+            cache = result.cache
+            lp = torch.log_softmax(result.logits[0, -1].double(), dim=-1)
             logprobs.append(lp)
             out.append(int(lp.argmax()))
-            tokens.append(out[-1])
+            step = torch.tensor([[out[-1]]])
     return out, logprobs

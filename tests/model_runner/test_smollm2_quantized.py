@@ -140,29 +140,43 @@ def test_the_quantized_model_still_names_paris(native: LoadedModel) -> None:
 
 
 def free_running(
-    model: LoadedModel, prompt: str, kv_dtype: str = "float32"
-) -> tuple[list[int], list[object]]:
-    """NUM_TOKENS free-running greedy tokens of ``prompt`` and each step's log-probabilities."""
+    model: LoadedModel, prompts: Sequence[str], together: bool
+) -> list[tuple[list[int], list[object]]]:
+    """NUM_TOKENS free-running greedy tokens of each prompt and each step's log-probabilities
+    (fp32 KV): all prompts decoding in one batch, or one at a time (batch 1, the quantized
+    path's int8-activation decode)."""
     import torch
 
     from model_runner.runner import TorchRunner
     from tests.model_runner.oracle import plan, seq
 
-    options = RunnerOptions(16, 16, dtype=torch.float32, device="cpu", kv_dtype=kv_dtype)
-    runner = TorchRunner(model.config, model.state_dict, options)
-    ids = chat_ids(model, prompt)
-    table = list(range(16))
-    logits = runner.step_logits(plan(0, prefill=[seq("a", ids, 0, len(ids), table)]))["a"][-1]
-    tokens: list[int] = []
-    logprobs: list[object] = []
-    for step in range(NUM_TOKENS):
-        lp = torch.log_softmax(logits.double(), dim=-1)
-        logprobs.append(lp)
-        tokens.append(int(lp.argmax()))
-        full = ids + tokens
-        row = seq("a", full, len(full) - 1, len(full), table)
-        logits = runner.step_logits(plan(1 + step, decode=[row]))["a"][-1]
-    return tokens, logprobs
+    block_size = 16
+    ids = [chat_ids(model, p) for p in prompts]
+    need = [-(-(len(x) + NUM_TOKENS) // block_size) for x in ids]
+    groups = [list(range(len(prompts)))] if together else [[i] for i in range(len(prompts))]
+    out: list[tuple[list[int], list[object]]] = [([], []) for _ in prompts]
+    for group in groups:
+        blocks = sum(need[i] for i in group)
+        options = RunnerOptions(blocks, block_size, dtype=torch.float32, device="cpu",
+                                kv_dtype="float32")  # fmt: skip
+        runner = TorchRunner(model.config, model.state_dict, options)
+        tables, first = {}, 0
+        for i in group:
+            tables[i], first = list(range(first, first + need[i])), first + need[i]
+        chunks = [seq(f"p{i}", ids[i], 0, len(ids[i]), tables[i]) for i in group]
+        logits = runner.step_logits(plan(0, prefill=chunks))
+        for step in range(NUM_TOKENS):
+            rows = []
+            for i in group:
+                lp = torch.log_softmax(logits[f"p{i}"][-1].double(), dim=-1)
+                tokens, logprobs = out[i]
+                logprobs.append(lp)
+                tokens.append(int(lp.argmax()))
+                full = ids[i] + tokens
+                rows.append(seq(f"p{i}", full, len(full) - 1, len(full), tables[i]))
+            if step < NUM_TOKENS - 1:
+                logits = runner.step_logits(plan(1 + step, decode=rows))
+    return out
 
 
 def test_greedy_is_logprobs_close_to_the_dequantized_model(
@@ -177,11 +191,14 @@ def test_greedy_is_logprobs_close_to_the_dequantized_model(
 def assert_logprobs_close(
     model_a: LoadedModel, model_b: LoadedModel, prompts: Sequence[str]
 ) -> None:
-    """vLLM's check_logprobs_close: free-running greedy tokens of both models; where they
-    first differ, each side's token is in the other's top-5, within 0.5 nats of its top."""
-    for prompt in prompts:
-        ours, our_lp = free_running(model_a, prompt)
-        ref, ref_lp = free_running(model_b, prompt)
+    """vLLM's check_logprobs_close: free-running greedy tokens of both models (``model_a``
+    one prompt at a time, the path under test; the reference ``model_b`` all prompts in one
+    batch); where they first differ, each side's token is in the other's top-5, within 0.5
+    nats of its top."""
+    references = free_running(model_b, prompts, together=True)
+    for prompt, (ours, our_lp), (ref, ref_lp) in zip(
+        prompts, free_running(model_a, prompts, together=False), references, strict=True
+    ):
         first = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=True)) if a != b), None)
         if first is None:
             continue
