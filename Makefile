@@ -33,9 +33,9 @@ test-deps:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null)
 
 # The suite's files on TEST_WORKERS processes (pytest-xdist; a file's tests stay on one, so
-# its module fixtures start once): much of it waits on servers, subprocesses and Ray.
-# TEST_WORKERS=0 runs it in this process.
-TEST_WORKERS ?= 2
+# its module fixtures start once): much of it waits on servers, subprocesses and Ray, so 3
+# workers keep 2 cores busy. TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 3
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 test: install test-deps

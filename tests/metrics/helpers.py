@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 import shutil
 import socket
@@ -71,11 +72,38 @@ def documented_families(path: Path = DOCS) -> dict[str, FamilySpec]:
     return out
 
 
+RANGE_LOW = 20_000  # above Ray's worker ports (min_worker_port 10002 .. max 19999)
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (what port 0 and outgoing connections
+    get); Linux's default 32768 where /proc does not say."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for programs without port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that was free a moment ago (for programs without port 0).
+
+    Picked at random in 20000 up to the kernel's ephemeral range, not by binding port 0: a
+    port the kernel handed out is the next one it hands to any process binding port 0 or
+    connecting out, and with the suite on several workers another test took one between this
+    call and the program's bind (Ray's proxy: "Failed to bind"). Below 20000 are Ray's worker
+    ports (10002-19999), which Ray binds as its workers start. In the range only another
+    ``free_port`` can pick it, 1 in thousands."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(RANGE_LOW, low) if low > RANGE_LOW + 1000 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use: another
+            return int(s.getsockname()[1])
+    raise RuntimeError(f"no free TCP port on 127.0.0.1 in {RANGE_LOW} up to the ephemeral range")
 
 
 def require_binary(name: str) -> str:

@@ -23,6 +23,7 @@ from server import cli
 from server.client import KVServeClient
 from server.fake_tokenizer import ByteTokenizer
 from server.rpc import generation_pb2 as pb
+from tests.metrics.helpers import free_port
 from tests.server.helpers import collect, engine_id, fake_info
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -91,12 +92,6 @@ def test_serve_prints_startup_and_drains_on_sigterm(tmp_path: Path) -> None:
     assert "SIGTERM: draining" in out and "stopped" in out
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _samples(exposition: str) -> dict[str, float]:
     """Unlabelled samples of a Prometheus exposition: name -> value."""
     return {
@@ -110,7 +105,7 @@ def _samples(exposition: str) -> dict[str, float]:
 def test_generate_command_streams_from_a_served_process(tmp_path: Path) -> None:
     """`kvserve generate` prints the streamed text; --chat sends a chat message; the
     Prometheus endpoint counts the calls."""
-    metrics_port = _free_port()
+    metrics_port = free_port()
     with serve_process(tmp_path, "--metrics-port", str(metrics_port)) as (proc, port):
         url = f"http://127.0.0.1:{metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as response:

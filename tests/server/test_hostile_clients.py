@@ -13,7 +13,6 @@ import os
 import re
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from server.asgi import metrics_app, metrics_limits, start_asgi_server
 from server.http_guard import ConnectionCaps, GuardState, HttpLimits, OutOfDescriptors
 from server.rpc import generation_pb2 as pb
 from server.rpc import generation_pb2_grpc as pb_grpc
+from tests.metrics.helpers import free_port
 from tests.server.helpers import closed_after, hostile_connections, wait_until
 
 TIMEOUT_S = 0.4
@@ -216,17 +216,11 @@ def test_running_out_of_descriptors_is_one_warning_a_count_and_idle_connections_
 FLOOD = 1100
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _serve_fake(
     tmp_path: Path, log: Path, extra: list[str]
 ) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
     """`kvserve serve --runner fake` under a 1,024-descriptor limit, its log to ``log``."""
-    ports = {name: _free_port() for name in ("grpc", "http", "metrics")}
+    ports = {name: free_port() for name in ("grpc", "http", "metrics")}
     code = (
         "import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024)); "
         "from server.cli import main; sys.exit(main(sys.argv[1:]))"
