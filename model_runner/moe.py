@@ -97,7 +97,7 @@ def expert_matrices(read: Callable[[str], Any], state: Mapping[str, Any], prefix
     (``model.layers.{i}.``), read with ``read`` from one matrix per expert, or sliced from
     transformers 5's fused stacks."""
     p = f"{prefix}mlp.experts."
-    if f"{p}gate_up_proj" in state:
+    if has_fused_experts(state, prefix):
         gate_up, down = read(f"{p}gate_up_proj"), read(f"{p}down_proj")
         inter = experts.intermediate_size
         return [(gate_up[e, :inter], gate_up[e, inter:], down[e]) for e in range(len(down))]

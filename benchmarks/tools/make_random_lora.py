@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.tools.reference import hf_config_fields
 from model_runner.config import ModelConfig
 from model_runner.lora.layout import HF_MODULES, target_shapes
 
@@ -79,17 +80,7 @@ def write_base_config(out: Path, config: ModelConfig) -> Path:
     hf = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": config.tie_word_embeddings,
+        **hf_config_fields(config),
         "torch_dtype": "float16",
     }
     (out / "config.json").write_text(json.dumps(hf, indent=1))

@@ -12,6 +12,23 @@ from model_runner.families import family
 from model_runner.moe import stacked
 
 
+def hf_config_fields(config: ModelConfig) -> dict[str, Any]:
+    """The shape fields of ``config`` under their Hugging Face ``config.json`` names."""
+    return {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+    }
+
+
 def build_hf_model(
     config: ModelConfig,
     state_dict: dict[str, torch.Tensor],
@@ -32,18 +49,8 @@ def build_hf_model(
     config_name, model_name = fam.hf_classes
     eos = list(config.eos_token_ids) if with_eos and config.eos_token_ids else None
     kwargs: dict[str, Any] = {
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
+        **hf_config_fields(config),
         "rope_scaling": config.rope_scaling,
-        "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": config.tie_word_embeddings,
         "bos_token_id": config.bos_token_id,
         "eos_token_id": eos,
         "pad_token_id": (config.eos_token_ids or (0,))[0],

@@ -25,6 +25,8 @@ from tests.model_runner.test_qwen3 import (
     _LAYER,
     NEW_TOKENS,
     PROMPTS,
+    add_shape_keys,
+    add_test_vocab,
     assert_top5_rule,
     engine_greedy,
     free_running,
@@ -75,12 +77,7 @@ def write_moe_gguf(hf: torch.nn.Module, path: Path, qtype: Any = "F32") -> Path:
     qwen = c.model_type == "qwen3_moe"
     writer = gguf.GGUFWriter(str(path), arch="qwen3moe" if qwen else "llama")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
+    add_shape_keys(writer, c)
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
@@ -93,11 +90,7 @@ def write_moe_gguf(hf: torch.nn.Module, path: Path, qtype: Any = "F32") -> Path:
     else:
         writer.add_vocab_size(c.vocab_size)
     writer.add_file_type(_FILE_TYPES[qtype if isinstance(qtype, str) else "Q4_K_M"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(c.vocab_size)])
-    writer.add_token_types([1] * c.vocab_size)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add_test_vocab(writer, c.vocab_size)
     layer = _QWEN3MOE_LAYER if qwen else _MIXTRAL_LAYER
     write_hf_tensors(writer, hf, layer, _GLOBAL, qtype, converter_tensors(hf, permute=not qwen))
     return path

@@ -56,12 +56,7 @@ def write_qwen3_gguf(hf: torch.nn.Module, path: Path, qtype: str = "F32") -> Pat
     c = hf.config
     writer = gguf.GGUFWriter(str(path), arch="qwen3")
     writer.add_name("tiny-qwen3")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
+    add_shape_keys(writer, c)
     writer.add_key_length(c.head_dim)
     writer.add_value_length(c.head_dim)
     writer.add_rope_dimension_count(c.head_dim)
@@ -69,13 +64,28 @@ def write_qwen3_gguf(hf: torch.nn.Module, path: Path, qtype: str = "F32") -> Pat
     writer.add_rope_freq_base(float(theta))
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_file_type(0 if qtype == "F32" else 7)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(c.vocab_size)])
-    writer.add_token_types([1] * c.vocab_size)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add_test_vocab(writer, c.vocab_size)
     write_hf_tensors(writer, hf, _LAYER, _GLOBAL, qtype)
     return path
+
+
+def add_shape_keys(writer: gguf.GGUFWriter, c: Any) -> None:
+    """The converter's shape keys of HF config ``c``: layers, context, widths, heads."""
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+
+
+def add_test_vocab(writer: gguf.GGUFWriter, vocab_size: int) -> None:
+    """A BPE vocabulary of ``vocab_size`` placeholder tokens, BOS 1 and EOS 2."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(vocab_size)])
+    writer.add_token_types([1] * vocab_size)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
 
 
 def write_hf_tensors(
