@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import os
 import signal
+import time
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,6 +98,40 @@ def init_ray(**init_kwargs: Any) -> None:
                     os.kill(pid, signal.SIGKILL)
             ray.shutdown()
             logger.warning("Ray's node did not start in time (busy host?); starting it again")
+
+
+# Ray Serve waits a fixed 60 s (HTTP_PROXY_TIMEOUT, no setting) for its proxies to start;
+# with two test suites' Ray clusters on 2 cores (load 9-24) one took longer. The controller
+# is up by then and its proxies keep starting, so `start_serve` waits on for them.
+SERVE_PROXY_WAIT_S = 300.0
+SERVE_PROXY_TIMEOUT = "proxies not available"  # what serve.start raises after its 60 s
+
+
+def start_serve(proxy_wait_s: float = SERVE_PROXY_WAIT_S, **options: Any) -> None:
+    """``serve.start(**options)``; where Ray gives up on its proxies after its own 60 s, wait on
+    until ``serve.status()`` shows every proxy healthy, ``proxy_wait_s`` in all."""
+    from ray import serve
+    from ray.serve.schema import ProxyStatus
+
+    deadline = time.monotonic() + proxy_wait_s
+    try:
+        serve.start(**options)
+        return
+    except TimeoutError as exc:
+        if SERVE_PROXY_TIMEOUT not in str(exc):
+            raise
+        logger.warning("Ray Serve's proxies are slow to start (busy host?); waiting on")
+    while True:
+        proxies = serve.status().proxies
+        if proxies and all(state == ProxyStatus.HEALTHY for state in proxies.values()):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"Ray Serve's proxies were not healthy after {proxy_wait_s:g}s: "
+                + (", ".join(f"{node[:8]} {state.value}" for node, state in proxies.items())
+                   or "none started")
+            )  # fmt: skip
+        time.sleep(0.5)
 
 
 def descendants(pid: int) -> set[int]:

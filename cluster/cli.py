@@ -103,6 +103,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         build_openai_app,
         init_ray,
         replica_logging,
+        start_serve,
     )
     from cluster.drain import start_drain_signal
     from cluster.ray_patches import check_ray_names, started_ray_here
@@ -125,7 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"kvserve cluster serve: {unplaceable}", file=sys.stderr)
         return 1
     http_port = engine.http_port if engine.http_port or not engine.http else _free_port()
-    serve.start(
+    start_serve(
         grpc_options=options,
         http_options=http_options(engine, http_port),
         logging_config=replica_logging(engine.log_level),  # the proxy's too

@@ -100,7 +100,7 @@ def start_local_cluster() -> Iterator[LocalCluster]:
     import ray
     from ray import serve
 
-    from cluster.app import grpc_options, init_ray
+    from cluster.app import grpc_options, init_ray, start_serve
     from cluster.edge import ProxyEdge
 
     os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -111,7 +111,7 @@ def start_local_cluster() -> Iterator[LocalCluster]:
     init_ray(num_cpus=4, include_dashboard=False, log_to_driver=False)
     port, http_port = free_port(), free_port()
     try:
-        serve.start(
+        start_serve(
             grpc_options=grpc_options(port),
             http_options={"host": "127.0.0.1", "port": http_port},
         )

@@ -159,6 +159,44 @@ def test_a_node_that_missed_its_start_window_is_started_again(
         app.init_ray()
 
 
+def test_proxies_slower_than_serves_60_s_are_waited_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve.start gives its proxies a fixed 60 s: past it (a busy host) start_serve waits on
+    until serve.status() shows every proxy healthy; proxies never healthy within its own
+    bound, or any other error, are raised with what they were."""
+    from ray import serve
+    from ray.serve.schema import ProxyStatus
+
+    from cluster import app
+
+    started: list[dict[str, Any]] = []
+
+    def start(**options: Any) -> None:
+        started.append(options)
+        raise TimeoutError("HTTP proxies not available after 60s.")
+
+    states = iter([{}, {"n1": ProxyStatus.STARTING}] + [{"n1": ProxyStatus.HEALTHY}] * 9)
+    looked: list[dict[str, ProxyStatus]] = []
+
+    class Status:
+        @property
+        def proxies(self) -> dict[str, ProxyStatus]:
+            looked.append(next(states))
+            return looked[-1]
+
+    monkeypatch.setattr(serve, "start", start)
+    monkeypatch.setattr(serve, "status", Status)
+    monkeypatch.setattr(app.time, "sleep", lambda _s: None)
+    app.start_serve(grpc_options={"port": 1})
+    assert started == [{"grpc_options": {"port": 1}}]
+    assert looked == [{}, {"n1": ProxyStatus.STARTING}, {"n1": ProxyStatus.HEALTHY}]
+    states = iter(lambda: {"node-abcdefgh-1": ProxyStatus.UNHEALTHY}, None)
+    with pytest.raises(TimeoutError, match="not healthy after 0s: node-abc UNHEALTHY"):
+        app.start_serve(proxy_wait_s=0)
+    monkeypatch.setattr(serve, "start", lambda **_: (_ for _ in ()).throw(TimeoutError("other")))
+    with pytest.raises(TimeoutError, match="other"):
+        app.start_serve()
+
+
 def test_one_test_says_a_replica_died() -> None:
     """Ray's actor errors mean the replica died, to the OpenAI ingress (a retryable
     ReplicaDiedError) and, inside the status a gRPC proxy builds, to the proxy; a replica's
