@@ -28,4 +28,15 @@ def lora_panels() -> list[Panel]:
             "at once; a request of one more waits.",
             [(running, "running {{adapter}}"), (waiting, "waiting {{adapter}}")],
         ),
+        timeseries(
+            "Adapters in memory, loads and evictions / s",
+            "LoRA adapters laid out in memory now, and per second those laid out (first "
+            "loads, reads back from disk) and evicted: evictions well above 0 mean "
+            "--max-cpu-loras is too small for the traffic.",
+            [
+                (f"sum(kvserve_lora_adapters_resident{{{SEL}}})", "resident"),
+                (f"sum({rate('kvserve_lora_adapter_loads_total')})", "loads / s"),
+                (f"sum({rate('kvserve_lora_adapter_evictions_total')})", "evictions / s"),
+            ],
+        ),
     ]

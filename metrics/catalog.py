@@ -37,6 +37,7 @@ from metrics.histogram import (
     TOKEN_COUNT_BUCKETS,
     TTFT_BUCKETS_S,
 )
+from scheduler.lora import BASE_ADAPTER_LABEL
 from scheduler.output import SchedulerStats
 from scheduler.request import AbortReason, FinishReason
 
@@ -57,9 +58,8 @@ CONNECTION_EVENTS = ("header_timeout", "body_timeout", "evicted_idle", "refused"
 TRANSFER_OUTCOMES = ("ok", "prefill_failed", "timeout")
 OTHER = "other"
 MAX_RPC_SERIES = 256
-# The adapter label of requests that run the base model (no adapter may take the name), and
-# the most adapters with series of their own (beyond: "other").
-BASE_ADAPTER = "base"
+# The most adapters with series of their own (beyond: "other"); the base model's requests
+# are BASE_ADAPTER_LABEL's (scheduler.lora).
 MAX_ADAPTER_SERIES = 64
 # Model info labels always present (filled from the KV snapshot when not given).
 INFO_LABELS = ("model", "dtype", "device", "block_size", "num_blocks")
@@ -134,9 +134,9 @@ def _finished(s: SchedulerStats) -> dict[str, int]:
 
 def _by_adapter(counts: dict[str, int] | None) -> dict[str, int]:
     """Requests by adapter label: the base model's ("" in the snapshot) always present."""
-    out = {BASE_ADAPTER: 0}
+    out = {BASE_ADAPTER_LABEL: 0}
     for name, n in (counts or {}).items():
-        key = name or BASE_ADAPTER
+        key = name or BASE_ADAPTER_LABEL
         if key not in out and len(out) > MAX_ADAPTER_SERIES:
             key = OTHER
         out[key] = out.get(key, 0) + n
@@ -464,5 +464,17 @@ EVENT_COUNTERS: Mapping[str, tuple[tuple[str, ...], str]] = {
     "kv_transfer_bytes_total": (
         (),
         "Prefill / decode split: bytes of those blocks.",
+    ),
+}
+# The LoRA registry's (``model_runner.base.AdapterSource.counts``), when the server has one.
+ADAPTER_RESIDENT = ("lora_adapters_resident", "LoRA adapters laid out in memory now.")
+ADAPTER_COUNTERS = {
+    "lora_adapter_loads_total": (
+        "loads_total",
+        "LoRA adapters laid out in memory (first loads, and reads after an eviction).",
+    ),
+    "lora_adapter_evictions_total": (
+        "evictions_total",
+        "LoRA adapters whose weights were dropped to stay within --max-cpu-loras.",
     ),
 }

@@ -22,11 +22,12 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
+    GaugeMetricFamily,
     HistogramMetricFamily,
     InfoMetricFamily,
     Metric,
@@ -35,7 +36,8 @@ from prometheus_client.core import (
 from cache_manager.stats import KVCacheStats
 from metrics.catalog import (
     ABORT_REASONS,
-    BASE_ADAPTER,
+    ADAPTER_COUNTERS,
+    ADAPTER_RESIDENT,
     CONNECTION_EVENTS,
     CONNECTION_SERVERS,
     EVENT_COUNTERS,
@@ -54,6 +56,7 @@ from metrics.catalog import (
 )
 from metrics.histogram import Histogram
 from metrics.records import RequestRecord, StepRecord
+from scheduler.lora import BASE_ADAPTER_LABEL
 from scheduler.output import SchedulerStats
 from scheduler.request import AbortReason, FinishReason
 from scheduler.slo import attained, time_per_output_token
@@ -143,7 +146,7 @@ class PrometheusSink:
         self._sink_errors = 0
         self._constrained = 0
         # By LoRA adapter: finished requests, their prompt and output tokens.
-        self._adapters: dict[str, list[int]] = {BASE_ADAPTER: [0, 0, 0]}
+        self._adapters: dict[str, list[int]] = {BASE_ADAPTER_LABEL: [0, 0, 0]}
         self._constraint_compiles = 0
         self._constraint_cache_hits = 0
         self._failed_steps = 0
@@ -231,7 +234,7 @@ class PrometheusSink:
             if abort_key is not None:
                 self._aborts[abort_key] = self._aborts.get(abort_key, 0) + 1
             self._constrained += bool(r.constrained)
-            adapter = r.adapter or BASE_ADAPTER
+            adapter = r.adapter or BASE_ADAPTER_LABEL
             if adapter not in self._adapters and len(self._adapters) > MAX_ADAPTER_SERIES:
                 adapter = OTHER
             counts = self._adapters.setdefault(adapter, [0, 0, 0])
@@ -342,6 +345,35 @@ class PrometheusSink:
             step.add_metric([kind], buckets, total)
         out.append(step)
         return out
+
+
+class AdapterCounts(Protocol):
+    """What ``AdapterCollector`` reads (``model_runner.lora.info.AdapterCounts``)."""
+
+    @property
+    def resident(self) -> int: ...
+    @property
+    def loads_total(self) -> int: ...
+    @property
+    def evictions_total(self) -> int: ...
+
+
+class AdapterCollector:
+    """The LoRA registry's adapters (``ADAPTER_RESIDENT``, ``ADAPTER_COUNTERS``), read from
+    ``read`` (``AdapterSource.counts``) at each scrape; registered beside the engine's sink."""
+
+    def __init__(self, read: Callable[[], AdapterCounts]) -> None:
+        self._read = read
+
+    def describe(self) -> Iterator[Metric]:
+        return self.collect()
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._read()
+        name, doc = ADAPTER_RESIDENT
+        yield GaugeMetricFamily(PREFIX + name, doc, value=counts.resident)
+        for name, (field, doc) in ADAPTER_COUNTERS.items():
+            yield CounterMetricFamily(PREFIX + name, doc, value=getattr(counts, field))
 
 
 def _label_name(key: str) -> str:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from model_runner.constraints import ConstraintTracker
-    from model_runner.lora.info import AdapterInfo
+    from model_runner.lora.info import AdapterCounts, AdapterInfo
     from scheduler.request import LoraRef
 
 
@@ -100,6 +100,10 @@ class AdapterSource(Protocol):
     def acquire(self, ref: LoraRef) -> None: ...
 
     def release(self, ref: LoraRef) -> None: ...
+
+    def counts(self) -> AdapterCounts:
+        """Resident adapters, lay-outs and evictions so far (the metrics)."""
+        ...
 
 
 class Runner(Protocol):

@@ -15,7 +15,6 @@ dozen tensor ops and nothing else.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 
 from model_runner.attention_backends.base import AttentionBackend, ForwardBatch
 from model_runner.config import ModelConfig
+from model_runner.environment import switch
 from model_runner.families import family
 from model_runner.future import FutureTokens
 from model_runner.kv_pool import KVPool
@@ -33,13 +33,18 @@ if TYPE_CHECKING:
     from model_runner.lora.step import TorchLora
 
 
+def fusions_default(device: torch.device) -> bool:
+    """The layer fusions are on where they were written for: CUDA, unless KVSERVE_FUSIONS=0."""
+    return device.type == "cuda" and switch("fusions") != "0"
+
+
 class LlamaModel:
     """Weights plus the forward pass of one step over a ``KVPool``."""
 
-    # The layer fusions (``triton_fusions``) in ``forward``: None = on CUDA, where they
-    # apply (``_fusion_ops``), unless KVSERVE_FUSIONS=0; True / False forces them on / off
-    # (tests run them in Triton's interpreter on CPU).
-    fusions: bool | None = None
+    # The layer fusions (``triton_fusions``) in ``forward`` where they apply
+    # (``_fusion_ops``): on CUDA unless KVSERVE_FUSIONS=0 (read once, at start); tests set
+    # it to run them in Triton's interpreter on CPU.
+    fusions: bool = False
     # Scheduling one step ahead: negative token ids stand for the previous step's sampled
     # ids, resolved in ``embed_rows`` (set by the runner before any graph is captured).
     future: FutureTokens | None = None
@@ -63,6 +68,7 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.fusions = fusions_default(device)
         self.attention = attention
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.activation_bits = activation_bits
@@ -168,11 +174,8 @@ class LlamaModel:
         (``fusions``), float weights in plain ``Linear`` layers (no oneDNN, nothing
         quantized), a float pool, positions inside the RoPE table, a power-of-two head_dim,
         dense MLPs (no ``moe``), and Triton importable."""
-        on = self.fusions
-        if on is None:
-            on = self.device.type == "cuda" and os.environ.get("KVSERVE_FUSIONS") != "0"
         d = self.head_dim
-        if not on or self.linear_backend != "torch" or d & (d - 1):
+        if not self.fusions or self.linear_backend != "torch" or d & (d - 1):
             return None
         if any(layer.moe is not None for layer in self.layers):
             return None

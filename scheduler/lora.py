@@ -23,6 +23,9 @@ from typing import Protocol, TypeVar
 from scheduler.queue import Waiter, WaitingQueue
 from scheduler.request import Request
 
+# The adapter label of requests that run the base model, in the metrics and the fronts' lists
+# (the scheduler's snapshot counts them under ""); no adapter may take the name.
+BASE_ADAPTER_LABEL = "base"
 # Waiting requests looked at for one admission: far more than one step admits.
 SCAN_LIMIT = 256
 

@@ -243,7 +243,8 @@ def attach_metrics(
         return built.engine.sink, None
     from prometheus_client import CollectorRegistry
 
-    from metrics.prometheus import PrometheusSink
+    from metrics.prometheus import AdapterCollector, PrometheusSink
+    from model_runner.lora.info import AdapterCounts
 
     model = built.model
     registry = CollectorRegistry()
@@ -262,6 +263,12 @@ def attach_metrics(
         },
         stats=built.engine.latest_stats,  # the pool's sizes are known now: exported at once
         slo_targets_s=(cfg.ttft_slo_ms / 1e3, cfg.itl_slo_ms / 1e3),
+    )
+    adapters = built.adapters
+    # Without adapters (no --lora, the fake runner) the series read 0, as the other counters
+    # do before their first event.
+    registry.register(
+        AdapterCollector(adapters.counts if adapters else lambda: AdapterCounts(0, 0, 0))
     )
     built.engine.sink = sink
     return sink, registry

@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import re
 import tomllib
 import types
@@ -37,6 +36,8 @@ from model_runner.config import (
     WEIGHT_MODES,
     RunnerOptions,
 )
+from model_runner.environment import PREFIX as ENV_PREFIX
+from model_runner.environment import SWITCHES, kvserve_variables
 from model_runner.sim import PROFILES as SIM_PROFILES
 from scheduler.config import SchedulerConfig
 from server.auth import Security, TlsFiles, read_api_keys
@@ -47,7 +48,6 @@ from server.validation import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)
 
-ENV_PREFIX = "KVSERVE_"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 RUNNERS = ("torch", "fake")
@@ -500,13 +500,9 @@ def env_var(name: str) -> str:
 
 
 def read_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The ``KVSERVE_*`` variables (prefix stripped, lower case). The only env reader."""
-    env = os.environ if environ is None else environ
-    return {
-        key[len(ENV_PREFIX) :].lower(): value
-        for key, value in env.items()
-        if key.startswith(ENV_PREFIX)
-    }
+    """The ``KVSERVE_*`` variables (prefix stripped, lower case; ``model_runner.environment``
+    reads them)."""
+    return kvserve_variables(environ)
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -578,8 +574,8 @@ def build_config(
                 )
             values[key] = _convert(key, raw, _base_type(known[key]), str(config_path))
     for key, raw in env.items():
-        if key in ("config", "address"):
-            continue
+        if key in ("config", "address") or key in SWITCHES:
+            continue  # read where they apply (the kernels', the model's: environment.SWITCHES)
         if key not in known:
             logger.warning("ignoring unknown environment variable %s", env_var(key))
             continue

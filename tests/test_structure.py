@@ -3,7 +3,9 @@
 - no product file over 650 lines (the generated gRPC stubs aside);
 - no constructor (``__init__``, ``__post_init__``) over 60 lines, docstring included;
 - server/ never asks what type a runner is (``isinstance``) and reads no runner attribute
-  under a ``type: ignore``: what it needs is on ``model_runner.base.Runner``.
+  under a ``type: ignore``: what it needs is on ``model_runner.base.Runner``;
+- the server's packages read the environment in one place (``model_runner.environment``),
+  besides the cluster's Ray plumbing.
 
 (No import circle: tests/test_import_cycles.py.)
 """
@@ -21,6 +23,13 @@ PACKAGES = tuple(
 MAX_FILE_LINES = 650
 MAX_CONSTRUCTOR_LINES = 60
 CONSTRUCTORS = ("__init__", "__post_init__")
+# The packages of the server (loadtest/ and benchmarks/ are clients and tools), and the files
+# that may read the environment there: the one reader, and the cluster's Ray plumbing (Ray
+# hands settings to the processes it starts through the environment).
+SERVER_PACKAGES = ("cache_manager", "cluster", "kv_store", "metrics", "model_runner",
+                   "scheduler", "server")  # fmt: skip
+ENV_READERS = ("model_runner/environment.py", "cluster/app.py", "cluster/cli.py", "cluster/edge.py")
+_ENV_READ = re.compile(r"\bos\.(environ|getenv)\b|\bgetenv\(")
 
 
 def _product_files() -> list[Path]:
@@ -100,6 +109,22 @@ def test_the_server_never_asks_what_a_runner_is() -> None:
         if "rpc" not in p.parts and (q := _runner_type_questions(p.read_text()))
     }
     assert not questions, questions
+
+
+def test_the_environment_is_read_in_one_place() -> None:
+    """STYLE rule 8: ``model_runner.environment`` reads it (the server's settings and the
+    process switches: the kernels', the model's), not each module for itself."""
+    assert set(SERVER_PACKAGES) <= set(PACKAGES)
+    readers = {
+        str(p.relative_to(REPO)): hits
+        for package in SERVER_PACKAGES
+        for p in sorted((REPO / package).rglob("*.py"))
+        if "_build" not in p.parts
+        and (hits := [ln.strip() for ln in p.read_text().splitlines() if _ENV_READ.search(ln)])
+    }
+    assert "model_runner/environment.py" in readers  # the walk sees what it looks for
+    stray = {path: hits for path, hits in readers.items() if path not in ENV_READERS}
+    assert not stray, f"read the environment through model_runner.environment: {stray}"
 
 
 def test_the_checks_see_what_they_look_for() -> None:

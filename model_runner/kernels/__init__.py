@@ -37,6 +37,7 @@ import sys
 import threading
 
 from model_runner import interleave
+from model_runner.environment import switch
 from model_runner.kernels import build
 
 logger = logging.getLogger(__name__)
@@ -225,11 +226,11 @@ def load() -> ctypes.CDLL | None:
         if _loaded:
             return _lib
         _loaded = True
-        mode = os.environ.get("KVSERVE_KERNELS", "auto").lower()
+        mode = switch("kernels", "auto").lower()
         if mode in ("0", "off", "false", "no"):
             _reason = "disabled by KVSERVE_KERNELS"
             return None
-        wanted = os.environ.get("KVSERVE_ISA", "auto").lower()
+        wanted = switch("isa", "auto").lower()
         if mode == "portable":  # the older spelling of KVSERVE_ISA=portable
             wanted = "portable"
         if wanted not in ("auto", *ISAS):

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from model_runner.environment import build_environment
+
 SOURCE = Path(__file__).with_name("kernels.cpp")  # includes the headers beside it
 # -Werror=switch: a switch over formats that misses one does not compile (kernels.cpp's
 # KV_FORMATS generates them; none has a default).
@@ -112,10 +114,10 @@ def build_dirs() -> list[Path]:
     """Where the libraries may live: beside the source (editable installs, ignored by git),
     then the user cache (read-only site-packages); ``KVSERVE_KERNEL_DIR`` names one folder
     instead (a fresh build, or a test's)."""
-    if os.environ.get("KVSERVE_KERNEL_DIR"):
-        return [Path(os.environ["KVSERVE_KERNEL_DIR"])]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvserve" / "kernels"
-    return [SOURCE.parent / "_build", cache]
+    env = build_environment()
+    if env.kernel_dir is not None:
+        return [env.kernel_dir]
+    return [SOURCE.parent / "_build", env.cache_home / "kvserve" / "kernels"]
 
 
 def built(family: str | None) -> Path | None:
@@ -138,7 +140,7 @@ def build(family: str | None, say: Say | None = None, jobs: int | None = None) -
     found = built(family)
     if found is not None:
         return found
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    compiler = build_environment().compiler or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
     name = library_name(family)

@@ -6,8 +6,19 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-BASE_LABEL = "base"  # metrics label the base model's requests (metrics.catalog.BASE_ADAPTER)
+from scheduler.lora import BASE_ADAPTER_LABEL
+
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterCounts:
+    """How adapters come and go (``kvserve_lora_adapters_*``): those laid out in memory now,
+    and since start the lay-outs (first loads and re-reads after an eviction) and evictions."""
+
+    resident: int
+    loads_total: int
+    evictions_total: int
 
 
 class AdapterError(ValueError):
@@ -56,8 +67,8 @@ def check_name(name: str, base_name: str = "") -> None:
             f"adapter name {name!r}: use 1-128 letters, digits and ._:/@+- (starting with a "
             "letter or digit)"
         )
-    if (base_name and name == base_name) or name == BASE_LABEL:
+    if (base_name and name == base_name) or name == BASE_ADAPTER_LABEL:
         raise AdapterError(
-            f"adapter name {name!r} is taken: the base model's name, or {BASE_LABEL!r} (its "
-            "label in the metrics); pick another"
+            f"adapter name {name!r} is taken: the base model's name, or "
+            f"{BASE_ADAPTER_LABEL!r} (its label in the metrics); pick another"
         )

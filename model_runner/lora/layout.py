@@ -157,9 +157,6 @@ class LoraWeights:
     def nbytes(self) -> int:
         return sum(a.nbytes + bt.nbytes for layer in self.layers for a, bt in layer.values())
 
-    def targets(self, layer: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        return self.layers[layer]
-
 
 def lay_out(
     adapter: AdapterFile, config: ModelConfig, dtype: torch.dtype, device: torch.device

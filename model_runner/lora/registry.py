@@ -28,6 +28,7 @@ from model_runner.config import ModelConfig
 from model_runner.lora.files import AdapterFile, read_adapter
 from model_runner.lora.info import (
     AdapterConflictError,
+    AdapterCounts,
     AdapterError,
     AdapterInfo,
     AdapterNotFoundError,
@@ -89,9 +90,10 @@ class LoraRegistry:
                 if not e.removed
             ]  # fmt: skip
 
-    def num_resident(self) -> int:
+    def counts(self) -> AdapterCounts:
         with self._lock:
-            return sum(e.weights is not None for e in self._entries.values())
+            resident = sum(e.weights is not None for e in self._entries.values())
+            return AdapterCounts(resident, self.num_loads_total, self.num_evictions_total)
 
     def __len__(self) -> int:
         return len(self.names())

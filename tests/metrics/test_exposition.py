@@ -9,8 +9,9 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from cache_manager.stats import KVTierStats
-from metrics.prometheus import PrometheusSink
+from metrics.prometheus import AdapterCollector, PrometheusSink
 from metrics.records import StepRecord
+from model_runner.lora.info import AdapterCounts
 from server.asgi import metrics_app, start_asgi_server
 from tests.metrics.helpers import (
     documented_families,
@@ -37,6 +38,7 @@ def busy_sink(registry: CollectorRegistry) -> PrometheusSink:
     sink.on_rejected("overload")
     sink.on_rpc("Generate", "OK")
     sink.on_rpc("Generate", "CANCELLED")
+    registry.register(AdapterCollector(lambda: AdapterCounts(2, 5, 3)))  # a server with LoRA
     return sink
 
 

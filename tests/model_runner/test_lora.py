@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from model_runner.lora.files import read_adapter
-from model_runner.lora.info import AdapterConflictError, AdapterError, AdapterNotFoundError
+from model_runner.lora.info import (
+    AdapterConflictError,
+    AdapterCounts,
+    AdapterError,
+    AdapterNotFoundError,
+)
 from model_runner.runner import TorchRunner
 from scheduler.request import LoraRef
 from tests.model_runner.lora_oracle import gguf_lora, peft_adapter, with_lora
@@ -331,11 +336,13 @@ def test_lru_budget_evicts_unpinned_adapters_and_reads_them_back(tmp_path: Path)
     runner.lora.load("c", tmp_path / "c")
     resident = {i.name: i.resident for i in runner.lora.infos()}
     assert resident == {"a": False, "b": True, "c": True}
+    assert runner.lora.counts() == AdapterCounts(resident=2, loads_total=3, evictions_total=1)
     ref_a = runner.lora.resolve("a")
     assert runner.lora.needs_read(ref_a)
     runner.lora.acquire(ref_a)  # read back; c (unpinned, least recent) goes
     resident = {i.name: i.resident for i in runner.lora.infos()}
     assert resident == {"a": True, "b": True, "c": False}
+    assert runner.lora.counts() == AdapterCounts(resident=2, loads_total=4, evictions_total=2)
     torch.testing.assert_close(logits_with(runner, ids, ref_a), before, rtol=0, atol=0)
     runner.lora.release(ref_a)
     # c's file changes on disk: reading it back is refused.

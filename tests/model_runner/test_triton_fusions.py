@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from model_runner import triton_fusions as tf
 from model_runner.config import RunnerOptions
 from model_runner.kv_pool import KVPool
-from model_runner.model import _rope_real_
+from model_runner.model import _rope_real_, fusions_default
 from model_runner.runner import TorchRunner
 from model_runner.step import StepRows
 from model_runner.weights import onednn_works
@@ -240,11 +240,10 @@ def test_the_fusions_stay_off_where_they_do_not_apply(monkeypatch: pytest.Monkey
     step = StepRows.of(plan(0, prefill=[seq("a", [5, 6], 0, 2, [0])]), runner.limits)
     batch = runner.attention.build(step)
     model, pool = runner.model, runner.pool
-    assert model._fusion_ops(batch, pool) is None  # fusions=None on a CPU model: off
-    monkeypatch.setattr(model, "device", torch.device("cuda"))  # all the check reads
-    assert model._fusion_ops(batch, pool) is tf
+    assert not model.fusions and model._fusion_ops(batch, pool) is None  # a CPU model: off
+    assert fusions_default(torch.device("cuda")) and not fusions_default(torch.device("cpu"))
     monkeypatch.setenv("KVSERVE_FUSIONS", "0")
-    assert model._fusion_ops(batch, pool) is None
+    assert not fusions_default(torch.device("cuda"))
     model.fusions = True
     assert model._fusion_ops(batch, pool) is tf
     batch.max_position = model.max_model_len

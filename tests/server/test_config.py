@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from model_runner.config import RunnerOptions
+from model_runner.environment import SWITCHES
 from model_runner.fake import FakeRunner
 from server.build import build_engine, runner_options
 from server.config import (
@@ -62,6 +63,20 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
     assert cfg.max_num_seqs == 16  # environment
     assert (cfg.policy, cfg.block_size) == ("prefill-first", 32)  # file
     assert cfg.max_num_batched_tokens == 2048  # default
+
+
+def test_process_switches_are_known_and_a_typo_is_named(caplog: pytest.LogCaptureFixture) -> None:
+    """KVSERVE_ISA and the other process switches (model_runner.environment.SWITCHES) are read
+    where they apply, so the settings pass them by without a word; a name that is neither a
+    setting nor a switch is named in a warning."""
+    env = {f"KVSERVE_{name.upper()}": "0" for name in SWITCHES} | {"KVSERVE_MAX_NUM_SEQ": "8"}
+    with caplog.at_level("WARNING", logger="server.config"):
+        cfg = build_config(_flags(), environ=env)
+    assert cfg == build_config(_flags(), environ={})
+    assert [r.getMessage() for r in caplog.records] == [
+        "ignoring unknown environment variable KVSERVE_MAX_NUM_SEQ"
+    ]
+    assert set(SWITCHES) == {"kernels", "isa", "kernel_dir", "fusions"}
 
 
 def test_json_file_booleans_and_optional_values(tmp_path: Path) -> None:
