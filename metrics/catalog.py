@@ -7,6 +7,8 @@ labels, doc and how to read it. The Ray router's own ``kvserve_router_*`` series
   ``KVCacheStats`` field, is derived from it: a new KV statistic is one row here.
 - ``HISTOGRAMS``: the histograms the sink observes (per request, per step).
 - ``EVENT_COUNTERS``: counters of events no snapshot holds (aborts, rejections, calls).
+- ``ADAPTER_RESIDENT`` / ``ADAPTER_COUNTERS``: the LoRA registry's, read at scrape time
+  (``metrics.prometheus.AdapterCollector``).
 
 Names carry the ``kvserve_`` prefix at export; counters end in ``_total``. A rate such as the
 prefix hit rate is computed downstream from two counters, never exported only as a gauge.
