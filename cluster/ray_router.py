@@ -48,6 +48,11 @@ from server.rpc import generation_pb2 as pb
 # Keys of requests chosen but not yet routed / completed, at most this many (a request Ray
 # gave up on between the two leaves its entry behind).
 _MAX_TRACKED = 65_536
+# Ray asks again about a request it could not place (the chosen replica's queue-length probe
+# timed out: a busy host). The request keeps its replica for this many asks while that one is
+# live, so one request is one decision (the router's counts, round robin's turn, the prefix
+# credit); past them it is chosen afresh (a replica that stays full).
+STICKY_ASKS = 8
 
 
 logger = logging.getLogger(__name__)
@@ -151,6 +156,7 @@ class KVServeRequestRouter(RequestRouter):
         self._scope = CacheScope(auth, share_prefix_cache)
         self._ids_of: OrderedDict[str, str] = OrderedDict()  # internal id -> scoped id
         self._holders: dict[str, tuple[str, str]] = {}  # scoped id -> (replica, internal id)
+        self._chosen: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (replica, asks)
         self.metrics: Any = None
         if metrics_port is not None:
             self._start_metrics(metrics_host, metrics_port, metrics_gate, metrics_limits)
@@ -278,20 +284,29 @@ class KVServeRequestRouter(RequestRouter):
             return [[by_id[min(live, key=_load).replica_id]]]
         call = RoutedCall.of(pending_request)
         scoped = self._scoped_id(pending_request, call)
+        internal_id = pending_request.metadata.internal_request_id
         if scoped is not None:
-            internal_id = pending_request.metadata.internal_request_id
             holder = self._holders.get(scoped)
             if call.kind != "abort":
                 self._track(self._ids_of, internal_id, scoped)
             if holder is not None and holder[0] in by_id:
                 # An Abort finds its request; a duplicate id is refused where it runs.
                 return [[by_id[holder[0]]]]
+        again = self._chosen.get(internal_id)
+        if (
+            again is not None
+            and again[1] < STICKY_ASKS
+            and any(r.replica_id == again[0] for r in live)
+        ):
+            self._chosen[internal_id] = (again[0], again[1] + 1)  # asked again: the same one
+            return [[by_id[again[0]]]]
         keys, num_prompt_tokens = self._prompt_keys(pending_request, call)
         if not num_prompt_tokens:
             return [[by_id[min(live, key=_load).replica_id]]]
         decision = self.router.choose(
             live, keys, num_prompt_tokens=num_prompt_tokens, now_s=time.monotonic()
         )
+        self._track(self._chosen, internal_id, (decision.replica_id, 1))
         if keys:
             self._track(self._keys_of, pending_request.metadata.internal_request_id, keys)
         if self.metrics is not None:
@@ -313,6 +328,7 @@ class KVServeRequestRouter(RequestRouter):
         internal_id = pending_request.metadata.internal_request_id
         self._in_flight[rid] += 1
         self._sent[internal_id] = rid
+        self._chosen.pop(internal_id, None)
         scoped = self._ids_of.get(internal_id)
         if scoped is not None:
             self._holders.setdefault(scoped, (rid, internal_id))  # a duplicate keeps the first

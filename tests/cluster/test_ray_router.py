@@ -96,6 +96,31 @@ async def test_reported_keys_are_learned_once() -> None:
     assert router.router.score.index.num_prefix_blocks("b", keys) == len(keys)
 
 
+async def test_a_request_asked_about_again_keeps_its_replica_and_is_one_decision() -> None:
+    """Ray asks again about a request it could not place (a probe timed out on a busy host):
+    it keeps the replica chosen first, while that one is live, for STICKY_ASKS asks, without
+    another decision (round robin's turn stays, the metrics count one); once routed, the next
+    request takes the next turn; past STICKY_ASKS, or with its replica gone, a fresh choice."""
+    from cluster.ray_router import STICKY_ASKS
+
+    router = make_router(router="round-robin")
+    decisions: list[str] = []
+    router.metrics = type("M", (), {"record": lambda _s, d, *_: decisions.append(d.replica_id)})()
+    a, b = replica("a"), replica("b")
+    first = generate("same prompt", 1)
+    assert [await chosen(router, [a, b], first) for _ in range(3)] == ["a"] * 3
+    router.on_request_routed(first, a.replica_id, None)  # type: ignore[arg-type]
+    assert await chosen(router, [a, b], generate("same prompt", 2)) == "b"  # the next turn
+    assert decisions == ["a", "b"]
+    stuck = generate("same prompt", 3)
+    asks = [await chosen(router, [a, b], stuck) for _ in range(STICKY_ASKS + 1)]
+    assert asks == ["a"] * STICKY_ASKS + ["b"]  # then chosen afresh
+    gone = generate("same prompt", 4)
+    assert await chosen(router, [a, b], gone) == "a"
+    assert await chosen(router, [b], gone) == "b"  # its replica left: chosen afresh
+    assert decisions == ["a", "b", "a", "b", "a", "b"]
+
+
 async def test_other_methods_and_bad_requests_go_to_the_least_loaded() -> None:
     """GetModelInfo and an undecodable prompt are not routed by prefix: least loaded wins."""
     router = make_router(router="prefix")
