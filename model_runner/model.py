@@ -45,9 +45,6 @@ class LlamaModel:
     # (``_fusion_ops``): on CUDA unless KVSERVE_FUSIONS=0 (read once, at start); tests set
     # it to run them in Triton's interpreter on CPU.
     fusions: bool = False
-    # Scheduling one step ahead: negative token ids stand for the previous step's sampled
-    # ids, resolved in ``embed_rows`` (set by the runner before any graph is captured).
-    future: FutureTokens | None = None
 
     def __init__(
         self,
@@ -59,9 +56,12 @@ class LlamaModel:
         max_model_len: int | None = None,
         use_onednn: bool | None = None,
         activation_bits: int = 16,
+        *,
+        future: FutureTokens | None = None,
     ) -> None:
         """``state_dict`` has Hugging Face names; it is read, not kept. ``use_onednn`` and
-        ``activation_bits``: see ``weights.Linears``."""
+        ``activation_bits``: see ``weights.Linears``. ``future``: where negative token ids
+        (a step planned ahead: ``model_runner.future``) are resolved in ``embed_rows``."""
         family(config.architecture)  # ValueError naming the families kvserve runs
         if config.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {config.head_dim}")
@@ -70,6 +70,7 @@ class LlamaModel:
         self.device = device
         self.fusions = fusions_default(device)
         self.attention = attention
+        self.future = future
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.activation_bits = activation_bits
         self.num_heads = config.num_heads

@@ -3,14 +3,16 @@
 One step, ``submit(plan) -> handle`` then ``handle.result()`` (``execute`` is both)::
 
     host    _prepare   plan.prefill/decode -> StepRows.of   (each seq checked: a bad one fails
-                       alone; a placeholder token becomes the id of last step's sampled row)
+                       alone; a placeholder token becomes the id of last step's sampled row:
+                       model_runner.future.Placeholders, which owns every placeholder here)
                        -> sampler.prepare                    (parameters, uniforms, penalties)
+                       -> Prepared (its Work: rows, passes, sampling, masks; step_record)
     device  _run       scrub / pool.copy_blocks              (copy-on-write, before any read)
                        -> paths.choose(step)                 (model_runner.paths: the fused CPU
                                                              kernel, a CUDA graph, or eager)
                        -> rows that sample -> final norm + LM head -> sampler.launch
-                       -> sampled ids published (model_runner.future) and copied to the
-                          host on a side stream (CUDA), an event when they are there
+                       -> sampled ids published (Placeholders) and copied to the host on a
+                          side stream (CUDA), an event when they are there -> Launched
     host    _finish    sampler.collect -> drafts accepted, matchers advanced -> ModelOutput
 
 ``_prepare`` reads everything from the plan on the caller's thread; ``_run`` runs there too
@@ -43,12 +45,11 @@ forward pass itself is a runner failure and propagates.
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -57,7 +58,7 @@ from model_runner.base import ModelInfo, PendingStep, StepHandle
 from model_runner.config import ModelConfig, RunnerOptions
 from model_runner.cuda_graphs import GRAPH_BATCH_SIZES, graph_memory_bytes
 from model_runner.device import dtype_name, resolve_dtype, resolve_kv_dtype, select_device
-from model_runner.future import FutureTokens
+from model_runner.future import Placeholders
 from model_runner.kv_pool import KVPool, default_kv_budget_bytes, num_blocks_for_memory
 from model_runner.kv_transfer import PoolBlockIO
 from model_runner.lora.files import AdapterFile
@@ -66,16 +67,17 @@ from model_runner.lora.registry import LoraRegistry
 from model_runner.lora.step import LoraStep, resolve_adapters
 from model_runner.model import LlamaModel, rope_inv_freq
 from model_runner.paths import graph_sizes, make_paths
-from model_runner.prompt_logprobs import PromptScores, score_prompts
+from model_runner.prompt_logprobs import score_prompts
 from model_runner.sampler import (
     DeviceSample,
+    RowByRow,
     Sampler,
-    SampleResult,
     SamplingBatch,
     apply_token_bitmask,
 )
 from model_runner.sampling_ops import to_device
 from model_runner.step import StepLimits, StepRows, num_accepted_drafts, verify_rows
+from model_runner.step_record import Collected, Launched, OnTheWay, Prepared, StepClock, Work
 from model_runner.weights import StateDict
 from scheduler.output import ModelOutput, ScheduledSeq, SchedulerOutput
 
@@ -85,58 +87,6 @@ if TYPE_CHECKING:
 
 # The placeholder buffer holds at least this many rows (sampled seqs of one step).
 _FUTURE_ROWS = 4096
-
-
-@dataclass(slots=True, eq=False)
-class _Step:
-    """One submitted step: filled by ``_prepare`` (host), ``_run`` (device) and read by
-    ``_finish`` (host)."""
-
-    t0: float
-    result: ModelOutput
-    block_copies: list[tuple[int, int]]
-    scrub: list[int] = field(default_factory=list)  # blocks failed requests left non-finite
-    rows: StepRows | None = None  # None: nothing to compute
-    sampled: list[ScheduledSeq] = field(default_factory=list)  # seqs that sample
-    sample_rows: Sequence[ScheduledSeq] = ()  # what the sampler sees (k + 1 per draft seq)
-    placeholders: Mapping[str, int] = field(default_factory=dict)  # request id -> future id
-    publishes: bool = False  # its sampled ids feed the next step's placeholders
-    masks: Future[Masks] | None = None
-    batch: SamplingBatch | None = None  # None: the sampler raised, rows go one by one
-    row_batches: list[SamplingBatch | str] = field(default_factory=list)  # or the error
-    mask_failed: Mapping[str, str] = field(default_factory=dict)
-    clock: _Clock | None = None
-    host: DeviceSample | None = None  # the sample, on the host once ``copied`` fired
-    copied: torch.cuda.Event | None = None
-    collected: SampleResult | None = None  # the one-by-one path's result
-    # The forward passes (one, or prefill then decode unfused), each with its adapters' plan.
-    passes: list[tuple[StepRows, LoraStep | None]] = field(default_factory=list)
-    prompt: PromptScores | None = None  # prompt logprobs of the rows that ask, on the device
-
-
-class _Clock:
-    """Marks along a step: ``perf_counter`` on CPU, CUDA events on the device's stream (read
-    once the step is done, so timing never synchronises)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._cuda = device.type == "cuda"
-        self._marks: list[Any] = []
-        self.mark()
-
-    def mark(self) -> None:
-        if self._cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._marks.append(event)
-        else:
-            self._marks.append(time.perf_counter())
-
-    def intervals(self) -> list[float]:
-        """Seconds between consecutive marks."""
-        marks = self._marks
-        if self._cuda:
-            return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(marks)]
-        return [b - a for a, b in itertools.pairwise(marks)]
 
 
 class TorchRunner:
@@ -166,13 +116,13 @@ class TorchRunner:
         positions = config.max_position_embeddings
         self.max_model_len = max_len = min(o.max_model_len or positions, positions)
         self.attention = make_attention_backend(o.attention_backend, self._attention_spec())
+        max_rows = o.max_decode_rows or GRAPH_BATCH_SIZES[-1]
+        # The placeholder tokens of a step planned ahead (the model's embedding resolves them).
+        self.placeholders = Placeholders(max(max_rows, _FUTURE_ROWS), self.device)
         self.model = LlamaModel(
             config, state_dict, self.dtype, self.device, self.attention, max_len,
-            o.use_onednn, o.activation_bits,
+            o.use_onednn, o.activation_bits, future=self.placeholders.future,
         )  # fmt: skip
-        max_rows = o.max_decode_rows or GRAPH_BATCH_SIZES[-1]
-        # Placeholder tokens of a step planned ahead resolve here (set before graph capture).
-        self.future = self.model.future = FutureTokens(max(max_rows, _FUTURE_ROWS), self.device)
         sizes = graph_sizes(o.cuda_graphs, self.model, max_rows)
         self.num_blocks = o.num_blocks or self._num_blocks_for_budget(o.kv_budget_bytes, sizes)
         self.pool = self._make_pool(bool(sizes))
@@ -192,7 +142,6 @@ class TorchRunner:
         self._mask_thread: ThreadPoolExecutor | None = None
         self._step_thread: ThreadPoolExecutor | None = None  # see use_step_thread
         self._copy_stream: torch.cuda.Stream | None = None  # CUDA: sampled ids to the host
-        self._future_index: dict[str, int] = {}  # last step's sampled rows, for placeholders
         self._pending_scrub: list[int] = []  # blocks to scrub before the next step
         self._info = self._model_info(o.name)
         self.lora = LoraRegistry(
@@ -331,10 +280,10 @@ class TorchRunner:
         A placeholder token is read from the previous step's sampled ids on the device."""
         step = self._prepare(plan)
         if self._step_thread is not None:
-            future = self._step_thread.submit(self._run, step)
-            return PendingStep(lambda: self._finish(future.result()))
-        self._run(step)
-        return PendingStep(lambda: self._finish(step))
+            launched = self._step_thread.submit(self._run, step)
+            return PendingStep(lambda: self._finish(step, launched.result()))
+        done = self._run(step)
+        return PendingStep(lambda: self._finish(step, done))
 
     @torch.inference_mode()
     def step_logits(self, plan: SchedulerOutput) -> dict[str, torch.Tensor]:
@@ -361,50 +310,37 @@ class TorchRunner:
 
     # ------------------------------------------------------------------ host, before
 
-    def _prepare(self, plan: SchedulerOutput) -> _Step:
+    def _prepare(self, plan: SchedulerOutput) -> Prepared:
         """Everything the step needs from the plan, read now on the caller's thread."""
-        step = _Step(time.perf_counter(), ModelOutput(), list(plan.block_copies))
+        t0 = time.perf_counter()
         if self.constraints is not None:
             self.constraints.drop(plan.finished_request_ids)
-        self._check_copies(step.block_copies)
-        step.scrub, self._pending_scrub = self._pending_scrub, []
-        placeholders = self._future_index
-        rows = StepRows.of(plan, self.limits, placeholders)
-        step.result.failed.update(rows.failed)
-        rows, adapters = self._adapters(rows, step.result.failed)
-        self._future_index = {}
+        self._check_copies(plan.block_copies)
+        scrub, self._pending_scrub = self._pending_scrub, []
+        step = Prepared(t0, ModelOutput(), list(plan.block_copies), scrub)
+        failed = step.result.failed
+        rows = StepRows.of(plan, self.limits, self.placeholders)
+        failed.update(rows.failed)
+        rows, adapters = self._adapters(rows, failed)
         if rows.is_empty:
+            self.placeholders.advance(None)
             return step
-        step.rows = rows
-        step.passes = self._passes(rows, adapters)
+        passes = self._passes(rows, adapters)
         sampled = rows.sampled()
-        step.sampled = sampled
-        step.sample_rows = sampled
-        if any(s.num_draft_tokens for s in sampled):
-            step.sample_rows = [
+        sample_rows: Sequence[ScheduledSeq] = sampled
+        drafts = any(s.num_draft_tokens for s in sampled)
+        if drafts:
+            sample_rows = [
                 r for s in sampled for r in (verify_rows(s) if s.num_draft_tokens else (s,))
             ]
-        else:
-            # This step's sampled ids feed the next step's placeholders (row j -> -(j + 1)).
-            step.publishes = True
-            num = min(len(sampled), self.future.capacity)
-            self._future_index = {sampled[j].request_id: FutureTokens.encode(j) for j in range(num)}
-        step.placeholders = placeholders
-        step.masks = self._start_masks(sampled)
-        prepare = self.sampler.prepare
-        vocab_size = self.model.vocab_size
-        try:
-            step.batch = prepare(step.sample_rows, self.device, vocab_size, placeholders)
-        except Exception:
-            # Row by row, so only the culprit fails (an error path).
-            for seq in step.sample_rows:
-                try:
-                    batch = prepare([seq], self.device, vocab_size, placeholders)
-                except Exception as exc:
-                    step.row_batches.append(f"sampling failed: {type(exc).__name__}: {exc}")
-                else:
-                    step.row_batches.append(batch)
-        return step
+        # This step's sampled ids feed the next step's placeholders (one row per seq).
+        publishes = self.placeholders.advance(None if drafts else sampled)
+        masks = self._start_masks(sampled)
+        sampling = self.sampler.prepare_or_isolate(
+            sample_rows, self.device, self.model.vocab_size, self.placeholders.history_id
+        )
+        work = Work(rows, passes, sampled, sample_rows, sampling, publishes, masks)
+        return dataclasses.replace(step, work=work)
 
     def _check_copies(self, block_copies: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write pairs must lie in the pool: a copy outside it is a bug."""
@@ -425,39 +361,47 @@ class TorchRunner:
     # ------------------------------------------------------------------ device
 
     @torch.inference_mode()
-    def _run(self, step: _Step) -> _Step:
+    def _run(self, step: Prepared) -> Launched | None:
         """The device's part, in stream order (or on the step thread): scrubs and copies,
         the forward pass, the masks, the sampling, the sampled ids published for the next
-        step, and their copy to the host started on the side stream."""
+        step, and their copy to the host started on the side stream. None: nothing ran."""
         if step.scrub:
             self.pool.scrub_blocks(step.scrub)
         if step.block_copies:
             self.pool.copy_blocks(step.block_copies)
-        if step.rows is None:
-            return step
-        clock = step.clock = _Clock(self.device)
-        (first, lora), *second = step.passes
-        logits = self._forward_logits(first, lora, step)
+        work = step.work
+        if work is None:
+            return None
+        clock = StepClock(self.device)
+        (first, lora), *second = work.passes
+        hidden = self.paths.forward(first, lora)
+        prompt = score_prompts(first, hidden, self.model.compute_logits)
+        logits = self._sampled_logits(first, hidden)
         if second:
             clock.mark()
-            logits = torch.cat([logits, self._forward_logits(*second[0])])
+            rows, lora = second[0]
+            logits = torch.cat([logits, self._sampled_logits(rows, self.paths.forward(rows, lora))])
         clock.mark()
-        if step.masks is not None:
-            masks = step.masks.result()
-            step.mask_failed = masks.failed
+        mask_failed: Mapping[str, str] = {}
+        if work.masks is not None:
+            masks = work.masks.result()
+            mask_failed = masks.failed
             step.result.constraint_mask_time_s = masks.compute_time_s
             if masks.bitmask is not None:
                 apply_token_bitmask(logits, torch.from_numpy(masks.bitmask))
-        if step.batch is not None:
-            sample = self.sampler.launch(logits, step.batch, self.future.resolve)
-            if step.publishes:
-                self.future.publish(sample.token_ids)
+        sampling, resolve = work.sampling, self.placeholders.resolve
+        if isinstance(sampling, RowByRow):
             clock.mark()
-            step.host, step.copied = self._to_host(sample)
+            sample: OnTheWay | Collected = Collected(
+                self.sampler.sample_row_by_row(logits, sampling, resolve)
+            )
         else:
+            on_device = self.sampler.launch(logits, sampling, resolve)
+            if work.publishes:
+                self.placeholders.publish(on_device.token_ids)
             clock.mark()
-            step.collected = self._sample_one_by_one(logits, step)
-        return step
+            sample = self._to_host(sampling, on_device)
+        return Launched(sample, clock, prompt, mask_failed)
 
     def _adapters(
         self, step: StepRows, failed: dict[str, str]
@@ -486,14 +430,9 @@ class TorchRunner:
         parts = (rows,) if self.fuse_batches or not (rows.prefill and rows.decode) else rows.split()
         return [(p, LoraStep.of(p, adapters) if adapters else None) for p in parts]
 
-    def _forward_logits(
-        self, step: StepRows, lora: LoraStep | None, scores: _Step | None = None
-    ) -> torch.Tensor:
-        """Logits [R, V] of the rows that sample, prefill rows first, in row order; the
-        prompt logprobs of the rows that ask go to ``scores.prompt``."""
-        hidden = self.paths.forward(step, lora)
-        if scores is not None:
-            scores.prompt = score_prompts(step, hidden, self.model.compute_logits)
+    def _sampled_logits(self, step: StepRows, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [R, V] of the rows of ``step`` that sample, prefill rows first, in row
+        order, from its ``hidden`` states."""
         rows = step.sample_rows()
         if not rows:
             return torch.empty(0, self.model.vocab_size, device=self.device)
@@ -501,72 +440,34 @@ class TorchRunner:
             hidden = hidden.index_select(0, to_device(rows, torch.int64, self.device))
         return self.model.compute_logits(hidden)
 
-    def _to_host(self, sample: DeviceSample) -> tuple[DeviceSample, torch.cuda.Event | None]:
-        """Start copying ``sample`` to pinned host memory on the side stream, after the step's
-        work on the main stream; the event says when it is there. On CPU: the sample."""
+    def _to_host(self, batch: SamplingBatch, sample: DeviceSample) -> OnTheWay:
+        """Start copying ``batch``'s ``sample`` to the host on the side stream (CUDA); on
+        CPU it is there."""
         if self.device.type != "cuda":
-            return sample, None
+            return OnTheWay(batch, sample, None)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
-        stream = self._copy_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-
-        def copy(tensor: torch.Tensor) -> torch.Tensor:
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            host.copy_(tensor, non_blocking=True)
-            tensor.record_stream(stream)  # not reused before the copy has read it
-            return host
-
-        with torch.cuda.stream(stream):
-            host = sample.map(copy)
-            copied = torch.cuda.Event()
-            copied.record(stream)
-        return host, copied
-
-    def _sample_one_by_one(self, logits: torch.Tensor, step: _Step) -> SampleResult:
-        """The sampler raised for the batch: sample each row alone, and fail only the rows
-        that raise (an error path: it waits for each row's token)."""
-        result = SampleResult(token_ids=[], logprobs=[])
-        sampler = self.sampler
-        for i, (seq, batch) in enumerate(zip(step.sample_rows, step.row_batches, strict=True)):
-            if isinstance(batch, str):  # its inputs could not be prepared
-                row = SampleResult([0], [None], {seq.request_id: batch})
-            else:
-                try:
-                    sample = sampler.launch(logits[i : i + 1], batch, self.future.resolve)
-                    row = sampler.collect(batch, sample.map(lambda t: t.cpu()))
-                except Exception as exc:
-                    error = f"sampling failed: {type(exc).__name__}: {exc}"
-                    row = SampleResult([0], [None], {seq.request_id: error})
-            result.token_ids.extend(row.token_ids)
-            result.logprobs.extend(row.logprobs)
-            result.failed.update(row.failed)
-        return result
+        return OnTheWay.start(batch, sample, self._copy_stream)
 
     # ------------------------------------------------------------------ host, after
 
-    def _finish(self, step: _Step) -> ModelOutput:
+    def _finish(self, step: Prepared, launched: Launched | None) -> ModelOutput:
         """The step's ``ModelOutput`` once its sample is on the host: one token per seq after
         the drafts it accepted, logprobs, constrained rows' matchers advanced, timings."""
         result = step.result
-        if step.rows is None:
+        work = step.work
+        if work is None or launched is None:
             result.decode_time_s = time.perf_counter() - step.t0
             return result
-        if step.copied is not None:
-            step.copied.synchronize()
-        if step.collected is not None:
-            sampled = step.collected
-        else:
-            assert step.batch is not None and step.host is not None
-            sampled = self.sampler.collect(step.batch, step.host)
-        failed = dict(step.mask_failed)
+        sampled = launched.sample.collect(self.sampler)
+        failed = dict(launched.mask_failed)
         failed.update(sampled.failed)
         result.failed.update(failed)
-        if step.prompt is not None:
-            result.prompt_logprobs.update(step.prompt.to_host(result.failed))
+        if launched.prompt is not None:
+            result.prompt_logprobs.update(launched.prompt.to_host(result.failed))
         token_ids, logprobs = sampled.token_ids, sampled.logprobs
         row = 0
-        for seq in step.sampled:
+        for seq in work.sampled:
             rid = seq.request_id
             num_rows = 1 + seq.num_draft_tokens
             if rid not in failed:
@@ -580,24 +481,21 @@ class TorchRunner:
                     token_logprobs = logprobs[row]
                     if token_logprobs is not None:
                         result.logprobs[rid] = token_logprobs
-                if step.masks is not None:
+                if work.masks is not None:
                     accepted = [*seq.token_ids[1 : 1 + num_accepted], result.sampled_token_ids[rid]]
                     self._advance_constraint(seq, accepted, result)
             row += num_rows
-        self._time(step)
+        self._time(result, work.rows, launched.clock)
         if result.failed:
             # Zero the non-finite KV the failed requests left, before the next step runs
             # (their blocks are freed once this result is applied).
-            self._pending_scrub.extend(self._blocks_of(step.rows, result.failed))
+            self._pending_scrub.extend(self._blocks_of(work.rows, result.failed))
         return result
 
-    def _time(self, step: _Step) -> None:
+    def _time(self, result: ModelOutput, rows: StepRows, clock: StepClock) -> None:
         """Split the step's device time between prefill and decode: by sampled rows' share
         when both ran in one pass, else each pass its own time plus its share of sampling."""
-        assert step.rows is not None and step.clock is not None
-        result = step.result
-        intervals = step.clock.intervals()
-        rows = step.rows
+        intervals = clock.intervals()
         if len(intervals) == 3:  # prefill pass | decode pass | sampling
             prefill, decode = rows.split()
             num_p = len(prefill.sample_rows())

@@ -43,16 +43,20 @@ A row whose logits contain NaN or +inf, or are all -inf, does not kill the batch
 reported in ``SampleResult.failed`` (with the counts, found on the device) and every other row
 samples as usual.
 
-Scheduling one step ahead: a seq whose input token is a placeholder (``has_placeholder``) has
-that token in its penalty history too. ``prepare`` takes its id on the device (the encoded
-placeholder the runner gives, ``placeholders``) and ``launch`` resolves the pairs there
-(``resolve``), so a penalty never waits for the token to reach the host.
+Scheduling one step ahead: a seq whose input token is in flight has that token in its penalty
+history too. ``prepare`` takes the id that stands for it on the device (``history_id``:
+``model_runner.future.Placeholders``) and ``launch`` resolves the pairs there (``resolve``),
+so a penalty never waits for the token to reach the host.
+
+When ``prepare`` raises for a batch, ``prepare_or_isolate`` prepares its rows one by one
+(``RowByRow``), and ``sample_row_by_row`` samples them so that only the rows that raise fail
+(an error path: it waits for each row's token).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -72,10 +76,13 @@ from scheduler.output import ScheduledSeq, TokenLogprobs
 
 __all__ = [
     "DeviceSample",
+    "HistoryId",
     "LogprobsMode",
+    "RowByRow",
     "SampleResult",
     "Sampler",
     "SamplingBatch",
+    "SamplingError",
     "apply_token_bitmask",
     "mix_seed",
     "seeded_uniform",
@@ -83,6 +90,9 @@ __all__ = [
 
 LogprobsMode = Literal["raw", "processed"]
 Resolve = Callable[[torch.Tensor], torch.Tensor]
+# The id standing on the device for a seq's input token in flight (in its penalty history),
+# or None when that token is known: ``Placeholders.history_id``.
+HistoryId = Callable[[ScheduledSeq], int | None]
 
 _MASK64 = (1 << 64) - 1
 
@@ -150,6 +160,26 @@ class SamplingBatch:
         return len(self.seqs)
 
 
+@dataclass(frozen=True, slots=True)
+class SamplingError:
+    """Why one row's sampling failed (``RowByRow``): a ``SampleResult.failed`` entry."""
+
+    request_id: str
+    message: str
+
+    @classmethod
+    def of(cls, seq: ScheduledSeq, exc: Exception) -> SamplingError:
+        return cls(seq.request_id, f"sampling failed: {type(exc).__name__}: {exc}")
+
+
+@dataclass(frozen=True, slots=True)
+class RowByRow:
+    """A batch whose ``prepare`` raised, prepared row by row (``prepare_or_isolate``): row
+    i's own batch, or why its inputs could not be prepared."""
+
+    rows: list[SamplingBatch | SamplingError]
+
+
 @dataclass(slots=True)
 class DeviceSample:
     """What ``launch`` leaves on the device: ``token_ids`` [R] (the next inputs of a step
@@ -207,11 +237,11 @@ class Sampler:
         seqs: Sequence[ScheduledSeq],
         device: torch.device,
         vocab_size: int,
-        placeholders: Mapping[str, int] | None = None,
+        history_id: HistoryId | None = None,
     ) -> SamplingBatch:
         """Read everything the step's sampling needs from ``seqs``, on the host, and move it
-        to ``device`` without a synchronisation. ``placeholders``: request id -> the id that
-        stands for its placeholder token on the device (``launch``'s ``resolve`` maps it)."""
+        to ``device`` without a synchronisation. ``history_id``: the id of a seq's input
+        token in flight, counted in its penalties (``launch``'s ``resolve`` maps it)."""
         batch = SamplingBatch(seqs, device, vocab_size)
         params = [s.sampling for s in seqs]
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -227,7 +257,7 @@ class Sampler:
         )
         if min_tokens_rows:
             batch.min_tokens = _stop_token_pairs(seqs, min_tokens_rows, vocab_size, device)
-        history = _History(seqs, placeholders or {})
+        history = _History(seqs, history_id)
         if rep_rows:
             rows, cols = history.pairs(rep_rows, device, prompt=True)
             penalty = [p.repetition_penalty for p in params]
@@ -249,6 +279,26 @@ class Sampler:
                 batch.logprob_index = to_device(logprob_rows, torch.int64, device)
             batch.max_logprobs = max(params[i].logprobs or 0 for i in logprob_rows)
         return batch
+
+    def prepare_or_isolate(
+        self,
+        seqs: Sequence[ScheduledSeq],
+        device: torch.device,
+        vocab_size: int,
+        history_id: HistoryId | None = None,
+    ) -> SamplingBatch | RowByRow:
+        """``prepare``'s batch, or when it raises each row prepared alone, so that only the
+        culprit fails (an error path; ``sample_row_by_row`` samples them)."""
+        try:
+            return self.prepare(seqs, device, vocab_size, history_id)
+        except Exception:
+            rows: list[SamplingBatch | SamplingError] = []
+            for seq in seqs:
+                try:
+                    rows.append(self.prepare([seq], device, vocab_size, history_id))
+                except Exception as exc:
+                    rows.append(SamplingError.of(seq, exc))
+            return RowByRow(rows)
 
     def _prepare_sampled(self, batch: SamplingBatch, sampled: list[int], vocab_size: int) -> None:
         device = batch.device
@@ -346,6 +396,28 @@ class Sampler:
                 sample.logprobs = chosen_lp
         return sample
 
+    def sample_row_by_row(
+        self, logits: torch.Tensor, batches: RowByRow, resolve: Resolve | None = None
+    ) -> SampleResult:
+        """Sample each row of ``logits`` with its own batch and fail only the rows that
+        raise, or whose inputs could not be prepared (an error path: it waits for each
+        row's token)."""
+        result = SampleResult(token_ids=[], logprobs=[])
+        for i, batch in enumerate(batches.rows):
+            if isinstance(batch, SamplingError):
+                row = SampleResult([0], [None], {batch.request_id: batch.message})
+            else:
+                try:
+                    sample = self.launch(logits[i : i + 1], batch, resolve)
+                    row = self.collect(batch, sample.map(lambda t: t.cpu()))
+                except Exception as exc:
+                    error = SamplingError.of(batch.seqs[0], exc)
+                    row = SampleResult([0], [None], {error.request_id: error.message})
+            result.token_ids.extend(row.token_ids)
+            result.logprobs.extend(row.logprobs)
+            result.failed.update(row.failed)
+        return result
+
     # ------------------------------------------------------------------ host, after
 
     def collect(self, batch: SamplingBatch, host: DeviceSample) -> SampleResult:
@@ -407,11 +479,12 @@ def _stop_token_pairs(
 
 class _History:
     """The tokens each row's penalties count, as (row, token) pairs: O(total tokens), no
-    [R, V] mask. A seq with a placeholder counts it too, by the id that stands for it."""
+    [R, V] mask. A seq whose input token is in flight counts it too, by the id that stands
+    for it (``history_id``)."""
 
-    def __init__(self, seqs: Sequence[ScheduledSeq], placeholders: Mapping[str, int]) -> None:
+    def __init__(self, seqs: Sequence[ScheduledSeq], history_id: HistoryId | None) -> None:
         self.seqs = seqs
-        self.placeholders = placeholders
+        self.history_id = history_id
         self.has_placeholders = False
 
     def pairs(
@@ -425,13 +498,9 @@ class _History:
             tokens = s.all_token_ids if prompt else s.all_token_ids[s.num_prompt_tokens :]
             row_idx.extend([i] * len(tokens))
             cols.extend(tokens)
-            if s.has_placeholder:
-                try:
-                    cols.append(self.placeholders[s.request_id])
-                except KeyError:
-                    raise ValueError(
-                        f"{s.request_id!r} has a placeholder token and no id for it"
-                    ) from None
+            in_flight = None if self.history_id is None else self.history_id(s)
+            if in_flight is not None:
+                cols.append(in_flight)
                 row_idx.append(i)
                 self.has_placeholders = True
         return to_device(row_idx, torch.int64, device), to_device(cols, torch.int64, device)

@@ -13,8 +13,9 @@ Row r computes ``token_ids[r]`` at ``positions[r]``, writes its K/V to ``slot_ma
 attending up to its own position. The rows whose logits are sampled are ``sample_rows()``:
 a sampling chunk's last row, every row of a sampling decode.
 
-A decode planned one step ahead has no token id on the host: its row holds a negative id that
-the model's embedding resolves on the device (``model_runner.future``).
+A decode planned one step ahead has no token id on the host: its row holds the negative id
+``model_runner.future.Placeholders`` gives it, which the model's embedding resolves on the
+device.
 
 Pure Python (no torch): the runner's paths and the attention backends turn it into tensors.
 """
@@ -24,8 +25,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from scheduler.output import PLACEHOLDER_TOKEN_ID, ScheduledSeq, SchedulerOutput
+from scheduler.output import ScheduledSeq, SchedulerOutput
+
+if TYPE_CHECKING:
+    from model_runner.future import Placeholders
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,9 +45,10 @@ class StepLimits:
     # Attention sinks stream past the context: positions are not bounded by max_model_len.
     unbounded_positions: bool = False
 
-    def seq_error(self, seq: ScheduledSeq, is_decode: bool) -> str | None:
+    def seq_error(self, seq: ScheduledSeq, is_decode: bool, input_known: bool = True) -> str | None:
         """Why ``seq`` cannot run (inconsistent entry, positions, token ids or block
-        table), or None."""
+        table), or None. ``input_known`` False: its last token is a placeholder, which
+        ``Placeholders.substitute`` checked."""
         n = len(seq.token_ids)
         num_drafts = seq.num_draft_tokens
         if n == 0 or (is_decode and n != 1 + num_drafts) or (num_drafts and not is_decode):
@@ -50,15 +56,13 @@ class StepLimits:
             return f"{kind} entry with {n} tokens and {num_drafts} drafts"
         if num_drafts and not seq.do_sample:
             return f"decode entry with {num_drafts} drafts that does not sample"
-        if seq.has_placeholder and (not is_decode or n != 1):
-            return "a placeholder token outside a one-token decode"
         if seq.start_pos < 0 or (seq.end_pos > self.max_model_len and not self.unbounded_positions):
             return (
                 f"positions {seq.start_pos}..{seq.end_pos - 1} outside the model's "
                 f"max_model_len {self.max_model_len}"
             )
-        lowest = min(seq.token_ids)
-        if (lowest < 0 and lowest != PLACEHOLDER_TOKEN_ID) or max(seq.token_ids) >= self.vocab_size:
+        known = seq.token_ids if input_known else seq.token_ids[:-1]
+        if known and (min(known) < 0 or max(known) >= self.vocab_size):
             return f"token id outside the vocabulary of {self.vocab_size}"
         bs = self.block_size
         needed = -(-seq.end_pos // bs)
@@ -97,26 +101,22 @@ class StepRows:
         cls,
         plan: SchedulerOutput,
         limits: StepLimits,
-        placeholders: Mapping[str, int] | None = None,
+        placeholders: Placeholders | None = None,
     ) -> StepRows:
         """The rows of ``plan``'s seqs that fit ``limits`` (the rest in ``failed``). Decodes
         with drafts come first, then by context, longest first (the torch backend groups
-        decodes of similar length, so less padding). A seq with a placeholder token takes
-        the id ``placeholders`` gives its request (``model_runner.future``) as its row's
-        token id, and fails when it has none."""
+        decodes of similar length, so less padding). A seq with a placeholder token runs as
+        ``placeholders`` substitutes it (and without them fails)."""
         failed: dict[str, str] = {}
         checked: list[list[ScheduledSeq]] = [[], []]
         for is_decode, seqs in ((False, plan.prefill), (True, plan.decode)):
             for seq in seqs:
-                error = limits.seq_error(seq, is_decode)
-                if error is None and seq.has_placeholder:
-                    future_id = (placeholders or {}).get(seq.request_id)
-                    if future_id is None:
-                        error = "a placeholder token, but the step before sampled none for it"
-                    else:
-                        seq = dataclasses.replace(seq, token_ids=[future_id])
+                runs, error = seq, None
+                if placeholders is not None:
+                    runs, error = placeholders.substitute(seq, is_decode)
+                error = error or limits.seq_error(seq, is_decode, input_known=runs is seq)
                 if error is None:
-                    checked[is_decode].append(seq)
+                    checked[is_decode].append(runs)
                 else:
                     failed[seq.request_id] = error
         prefill, decode = checked

@@ -12,11 +12,13 @@ compute (``num_inflight_tokens``) and the tokens they sample and nobody knows ye
     | computed (applied) | in flight: N's chunk | N+1 |
                                         ^ N samples this one: N+1's input is a placeholder
 
-The next seq starts after the tokens in flight, its slots are allocated past them, and a token
-in flight counts as an output token (``max_tokens``, min_tokens, a seeded draw's index). Only
-applied tokens get prefix-cache keys (``update`` keys blocks up to ``num_computed_tokens``),
-so no key covers a placeholder. A preemption or a KV drop makes what is in flight stale
-(``drop_pending``): ``update`` drops a seq that is not the oldest pending one. At most one
+The entry answers where its request stands (the scheduler does no in-flight arithmetic of its
+own): the next seq starts after the tokens in flight (``next_pos``), its slots are allocated
+past them (``slots_for``), and a token in flight counts as an output token (``max_tokens``:
+``num_tokens_ahead``; min_tokens, a seeded draw's index: ``make_seq``). Only applied tokens
+get prefix-cache keys (``update`` keys blocks up to ``num_computed_tokens``), so no key covers
+a placeholder. A preemption or a KV drop makes what is in flight stale (``drop_pending``):
+``update`` drops a seq that is not the oldest pending one (``take_applied``). At most one
 sampled token is in flight when a step is planned: the engine applies N before planning N+2.
 """
 
@@ -97,12 +99,26 @@ class Entry:
     def request_id(self) -> str:
         return self.request.request_id
 
+    # -- where the request stands, one step ahead (the module docstring) -------------------
+
     def plan(self, seq: ScheduledSeq) -> None:
         """``seq`` was planned for this request: its tokens are in flight until ``update``
-        applies it (``ResultApplier.apply``), unless ``drop_pending`` made it stale."""
+        applies it (``take_applied``), unless ``drop_pending`` made it stale."""
         self.pending.append(seq)
         self.num_inflight_tokens += len(seq.token_ids)
         self.num_placeholders += seq.do_sample
+
+    def take_applied(self, seq: ScheduledSeq) -> bool:
+        """``seq``'s result is being applied: it is in flight no more. False (nothing
+        changed) when it is stale: not the oldest pending seq, as after a preemption or a KV
+        drop (its result is then dropped). On the per-token path: a few attribute updates."""
+        pending = self.pending
+        if not pending or pending[0] is not seq:
+            return False
+        del pending[0]
+        self.num_inflight_tokens -= len(seq.token_ids)
+        self.num_placeholders -= seq.do_sample
+        return True
 
     def drop_pending(self) -> None:
         """The request restarts from its computed tokens (preempted, KV dropped): whatever
@@ -110,6 +126,34 @@ class Entry:
         self.pending.clear()
         self.num_inflight_tokens = 0
         self.num_placeholders = 0
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a planned seq of it is not applied yet."""
+        return bool(self.pending)
+
+    @property
+    def samples_in_flight(self) -> bool:
+        """Whether a seq in flight samples: its next input token is not known yet (the
+        next seq's is a placeholder), and it decodes next whatever its status says."""
+        return self.num_placeholders > 0
+
+    @property
+    def next_pos(self) -> int:
+        """The position its next seq starts at: past the computed tokens and those in
+        flight."""
+        return self.request.num_computed_tokens + self.num_inflight_tokens
+
+    @property
+    def num_tokens_ahead(self) -> int:
+        """Its tokens once the seqs in flight are applied: the known ones and those they
+        sample."""
+        return self.request.num_tokens + self.num_placeholders
+
+    def slots_for(self, num_new: int) -> int:
+        """The slots past its computed tokens that ``num_new`` more tokens need: those in
+        flight hold theirs (``KVCacheManager.allocate_slots``' count)."""
+        return self.num_inflight_tokens + num_new
 
     @property
     def arrival(self) -> tuple[int, int]:
@@ -186,7 +230,7 @@ def make_seq(
                                                   ^ the placeholder: sampled in flight
     """
     req = entry.request
-    start = req.num_computed_tokens + entry.num_inflight_tokens
+    start = entry.next_pos
     end = start + num_new
     all_token_ids = req.all_token_ids
     num_known = len(all_token_ids)
@@ -313,7 +357,18 @@ class StepPlan:
         if seq is not None:
             seq.block_ids = block_ids
 
-    def build(self, finished_request_ids: list[str], null_block_id: int | None) -> SchedulerOutput:
+    def build(
+        self,
+        finished_request_ids: list[str],
+        null_block_id: int | None,
+        running: dict[str, Entry],
+    ) -> SchedulerOutput:
+        """The step's plan; from now on each of its seqs is in flight for its request's
+        entry in ``running`` (``Entry.plan``) until ``update`` applies it."""
+        for seq in self.prefill.values():
+            running[seq.request_id].plan(seq)
+        for seq in self.decode.values():
+            running[seq.request_id].plan(seq)
         copies = [c for seq_copies in self.copies.values() for c in seq_copies]
         return SchedulerOutput(
             step_id=self.step_id,

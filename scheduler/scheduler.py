@@ -275,13 +275,8 @@ class Scheduler:
             # Samples forked at admission (n > 1 with nothing left to prefill) turned
             # DECODING after the decodes were taken: run them now, not after an idle wait.
             self._take_decodes(step)
-        plan = step.build(self._finished_ids, self.kv.null_block_id)
+        plan = step.build(self._finished_ids, self.kv.null_block_id, self._running)
         self._finished_ids = []
-        running = self._running
-        for seq in plan.prefill:
-            running[seq.request_id].plan(seq)
-        for seq in plan.decode:
-            running[seq.request_id].plan(seq)
         counters = self._counters
         counters.num_prefill_tokens = plan.num_prefill_tokens
         counters.num_prefill_reqs = len(plan.prefill)
@@ -309,7 +304,7 @@ class Scheduler:
     def _has_decoding(self) -> bool:
         """Whether a running request decodes next (or its sampling chunk is in flight)."""
         return any(
-            e.request.status is _DECODING or e.num_placeholders for e in self._running.values()
+            e.request.status is _DECODING or e.samples_in_flight for e in self._running.values()
         )
 
     def _take_decodes(self, step: StepPlan) -> int:
@@ -324,7 +319,7 @@ class Scheduler:
         remaining = budget.remaining  # a local on the hot path; synced around the slow one
         for entry in list(self._running.values()):
             req = entry.request
-            ahead = entry.num_placeholders  # its input token is sampled in flight
+            ahead = entry.samples_in_flight  # its input token is sampled in flight
             if req.status is not decoding and not ahead:  # prefilling, or preempted meanwhile
                 continue
             if parked and req.request_id in parked:
@@ -332,7 +327,7 @@ class Scheduler:
             if remaining == 0:
                 break
             if ahead:
-                if req.num_tokens + ahead >= entry.max_num_tokens:
+                if entry.num_tokens_ahead >= entry.max_num_tokens:
                     continue  # the token in flight is its last: never planned past max_tokens
             elif self._drafter is not None:
                 budget.remaining = remaining
@@ -340,7 +335,7 @@ class Scheduler:
                 remaining = budget.remaining
                 continue
             remaining -= 1
-            allocation = allocate_slots(req, entry.num_inflight_tokens + 1)
+            allocation = allocate_slots(req, entry.slots_for(1))
             if allocation is None or allocation.block_copies:  # preempt, or copy on write
                 budget.remaining = remaining
                 self._schedule_running(step, entry, 1, decode=True, allocation=allocation)
@@ -388,7 +383,7 @@ class Scheduler:
             req = entry.request
             if req.status is not _PREFILLING or req.request_id in step.prefill:
                 continue
-            if req.request_id in self._parked or entry.num_placeholders:
+            if req.request_id in self._parked or entry.samples_in_flight:
                 continue  # parked, or its last chunk samples in flight (a decode next)
             if self._slo.ttft_lost(req):
                 lost.append(entry)
@@ -434,7 +429,7 @@ class Scheduler:
     def _take_chunk(self, step: StepPlan, entry: Entry, *, first: bool) -> int | None:
         """A running prefill's next chunk, as long as the step's limit allows (at least a
         block when ``first``); 1 if scheduled, 0 if not, None when the budget is spent."""
-        start = entry.request.num_computed_tokens + entry.num_inflight_tokens
+        start = entry.next_pos
         num_new = min(entry.prefill_target - start, self._max_chunk)
         if num_new <= 0:
             return 0  # every chunk up to its target is in flight (planned ahead)
@@ -493,10 +488,10 @@ class Scheduler:
         again and again); it waits for the step to be applied.
         ``allocation``: the result of a first ``allocate_slots`` the caller already made."""
         req = entry.request
-        num_slots = entry.num_inflight_tokens + num_new  # past the computed tokens
+        num_slots = entry.slots_for(num_new)  # past the computed tokens
         if allocation is None:
             allocation = self.kv.allocate_slots(req, num_slots)
-        if allocation is None and entry.pending:
+        if allocation is None and entry.in_flight:
             step.budget.give_back(num_new)
             return False
         if allocation is None:

@@ -87,14 +87,8 @@ class ResultApplier:
                 entry = running[rid]
             except KeyError:  # ended (aborted, failed) after it was planned
                 continue
-            # No longer pending (inline on the hot path); a seq planned before a preemption
-            # or a KV drop reset its request is stale, and its result dropped.
-            pending = entry.pending
-            if not pending or pending[0] is not seq:
-                continue
-            del pending[0]
-            entry.num_inflight_tokens -= len(seq.token_ids)
-            entry.num_placeholders -= seq.do_sample
+            if not entry.take_applied(seq):
+                continue  # planned before a preemption or a KV drop reset it: stale
             req = entry.request
             if seq.num_draft_tokens:
                 append(self._apply_verified(entry, seq, result))

@@ -5,7 +5,11 @@
 - server/ never asks what type a runner is (``isinstance``) and reads no runner attribute
   under a ``type: ignore``: what it needs is on ``model_runner.base.Runner``;
 - the server's packages read the environment in one place (``model_runner.environment``),
-  besides the cluster's Ray plumbing.
+  besides the cluster's Ray plumbing;
+- one step ahead has one owner per side: in model_runner/ at most two files read the
+  placeholder token (``model_runner.future`` and the fake runner), no runner sets a field of
+  its model from outside, and in scheduler/ only ``scheduler.entry`` counts what is in
+  flight (``num_inflight_tokens`` / ``num_placeholders``).
 
 (No import circle: tests/test_import_cycles.py.)
 """
@@ -80,6 +84,40 @@ def _runner_type_questions(source: str) -> list[str]:
     return found
 
 
+# What reads the placeholder token: the scheduler's id, its test, and its encoded form.
+PLACEHOLDER_NAMES = frozenset({"PLACEHOLDER_TOKEN_ID", "has_placeholder", "encode"})
+MAX_PLACEHOLDER_FILES = 2
+IN_FLIGHT_COUNTS = frozenset({"num_inflight_tokens", "num_placeholders"})
+
+
+def _names_read(source: str, names: frozenset[str]) -> list[int]:
+    """Lines where ``source``'s code (not its docstrings) names one of ``names``: a name,
+    an attribute, or an imported name (``encode`` only as ``FutureTokens.encode``)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name) and node.id in names:
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Attribute) and node.attr in names:
+            owner = ast.unparse(node.value)
+            if node.attr != "encode" or owner == "FutureTokens":
+                lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and any(a.name in names for a in node.names):
+            lines.append(node.lineno)
+    return lines
+
+
+def _fields_set_on_a_model(source: str) -> list[str]:
+    """Assignments to an attribute of something's ``model`` (``self.model.x = ...``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        for target in targets:
+            owner = target.value if isinstance(target, ast.Attribute) else None
+            if isinstance(owner, ast.Attribute) and owner.attr == "model":
+                found.append(ast.unparse(target))
+    return found
+
+
 def test_no_product_file_is_over_the_limit() -> None:
     files = _product_files()
     long = {
@@ -127,6 +165,38 @@ def test_the_environment_is_read_in_one_place() -> None:
     assert not stray, f"read the environment through model_runner.environment: {stray}"
 
 
+def test_the_placeholder_token_has_one_owner_in_the_runners() -> None:
+    """At most two files of model_runner/ read the placeholder token (``future`` owns it;
+    the fake runner reads its own), and none sets a field of a model from outside (the
+    future tokens are a constructor argument)."""
+    runner_files = sorted((REPO / "model_runner").rglob("*.py"))
+    readers = {
+        str(p.relative_to(REPO)): lines
+        for p in runner_files
+        if (lines := _names_read(p.read_text(), PLACEHOLDER_NAMES))
+    }
+    assert "model_runner/future.py" in readers  # the walk sees the owner
+    assert len(readers) <= MAX_PLACEHOLDER_FILES, readers
+    set_outside = {
+        str(p.relative_to(REPO)): found
+        for p in runner_files
+        if (found := _fields_set_on_a_model(p.read_text()))
+    }
+    assert not set_outside, set_outside
+
+
+def test_only_the_entry_counts_what_is_in_flight() -> None:
+    """scheduler/ does its in-flight arithmetic in ``scheduler.entry`` alone: the scheduler
+    and the result applier ask the entry (``next_pos``, ``slots_for``, ``take_applied``)."""
+    counters = {
+        str(p.relative_to(REPO)): lines
+        for p in sorted((REPO / "scheduler").rglob("*.py"))
+        if p.name != "entry.py" and (lines := _names_read(p.read_text(), IN_FLIGHT_COUNTS))
+    }
+    assert _names_read((REPO / "scheduler" / "entry.py").read_text(), IN_FLIGHT_COUNTS)
+    assert not counters, counters
+
+
 def test_the_checks_see_what_they_look_for() -> None:
     """The walks find the shapes they forbid (the server's old lines among them)."""
     ahead = "ok = isinstance(runner, AheadRunner) and runner.can_run_ahead\n"
@@ -140,3 +210,14 @@ def test_the_checks_see_what_they_look_for() -> None:
     source = f"class C:\n    def __init__(self) -> None:\n{body}\n"
     assert _long_constructors(source, MAX_CONSTRUCTOR_LINES) == [("C.__init__", 62)]
     assert _long_constructors(source, 62) == []
+    old_step = (
+        '"""PLACEHOLDER_TOKEN_ID in a docstring is no read."""\n'
+        "from scheduler.output import PLACEHOLDER_TOKEN_ID\n"
+        "if seq.has_placeholder:\n"
+        "    ids = [FutureTokens.encode(j), codec.encode(j)]\n"
+    )
+    assert _names_read(old_step, PLACEHOLDER_NAMES) == [2, 3, 4]
+    assert _names_read("entry.num_inflight_tokens -= 1\n", IN_FLIGHT_COUNTS) == [1]
+    old_runner = "self.future = self.model.future = FutureTokens(n, device)\n"
+    assert _fields_set_on_a_model(old_runner) == ["self.model.future"]
+    assert not _fields_set_on_a_model("self.model = LlamaModel(future=f)\nmodel.x = 1\n")

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from model_runner.future import Placeholders
 from model_runner.sampler import Sampler
 from model_runner.sampling_ops import top_p_keep
 from scheduler.output import PLACEHOLDER_TOKEN_ID, ScheduledSeq
@@ -510,8 +511,9 @@ def test_unseeded_rows_are_random() -> None:
 
 def test_placeholder_token_counts_in_the_penalties() -> None:
     """A seq whose last token is a placeholder (scheduled one step ahead) is penalised for
-    that token, resolved on the device: the same logprobs as the seq whose history holds the
-    token itself."""
+    that token, resolved on the device through the runner's ``Placeholders`` (the request
+    was row 2 of the step before, which sampled 4 there): the same logprobs as the seq whose
+    history holds the token itself."""
     logits = torch.tensor([[2.0, 1.9, -1.0, 0.5, 0.25]])
     params = SamplingParams(
         temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.4, logprobs=5
@@ -520,14 +522,16 @@ def test_placeholder_token_counts_in_the_penalties() -> None:
     ahead = make_seq("r", params, prompt=[0, 2], output=[1])
     ahead.token_ids = [PLACEHOLDER_TOKEN_ID]
     ahead.num_output_tokens = 2
+    placeholders = Placeholders(4, logits.device)
+    placeholders.advance([make_seq("x"), make_seq("y"), make_seq("r")])
+    placeholders.publish(torch.tensor([9, 9, 4]))
+    ahead, error = placeholders.substitute(ahead, is_decode=True)
+    assert error is None and ahead.token_ids == [-3]
     sampler = Sampler(logprobs_mode="processed")
     want = sampler.sample(logits, [known])
-    batch = sampler.prepare([ahead], logits.device, 5, placeholders={"r": -3})
-    future = torch.tensor([9, 9, 4])  # placeholder -3 stands for index 2
-
-    def resolve(ids: torch.Tensor) -> torch.Tensor:
-        return torch.where(ids < 0, future[(-ids - 1).clamp(min=0)], ids)
-
-    got = sampler.collect(batch, sampler.launch(logits, batch, resolve).map(lambda t: t))
+    batch = sampler.prepare([ahead], logits.device, 5, placeholders.history_id)
+    got = sampler.collect(
+        batch, sampler.launch(logits, batch, placeholders.resolve).map(lambda t: t)
+    )
     assert got.token_ids == want.token_ids
     assert got.logprobs == want.logprobs

@@ -18,6 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from model_runner.config import RunnerOptions
+from model_runner.future import FutureTokens, Placeholders
 from model_runner.sampler import Sampler
 from scheduler.output import PLACEHOLDER_TOKEN_ID, ScheduledSeq
 from scheduler.request import SamplingParams
@@ -85,7 +86,8 @@ class NoHostSync(TorchFunctionMode):
 
 def every_stage() -> tuple[torch.Tensor, list[ScheduledSeq]]:
     """A batch that runs every stage: greedy and sampled rows, seeded and not, top-k, top-p,
-    min-p, all three penalties, min_tokens, logprobs, a NaN row, and a placeholder."""
+    min-p, all three penalties, min_tokens, logprobs, a NaN row, and a placeholder (as the
+    runner substitutes it: row 1 of the step in flight, ``_resolve``'s index 1)."""
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(8, 300, generator=gen)
     logits[5, 7] = float("nan")
@@ -103,7 +105,7 @@ def every_stage() -> tuple[torch.Tensor, list[ScheduledSeq]]:
         make_seq(f"r{i}", p, prompt=[1, 2, 3], output=[4, 5][: i % 3], eos_token_ids=(2,))
         for i, p in enumerate(params)
     ]
-    seqs[7].token_ids = [PLACEHOLDER_TOKEN_ID]
+    seqs[7].token_ids = [FutureTokens.encode(1)]
     seqs[7].num_output_tokens += 1
     return logits, seqs
 
@@ -128,7 +130,9 @@ def test_launch_makes_no_host_sync() -> None:
     result then equals the one-call ``sample`` of the same batch."""
     logits, seqs = every_stage()
     sampler = Sampler(seed=0)
-    batch = sampler.prepare(seqs, logits.device, logits.shape[1], placeholders={"r7": -2})
+    batch = sampler.prepare(
+        seqs, logits.device, logits.shape[1], history_id=Placeholders.history_id
+    )
     resolve = _resolve(torch.tensor([0, 11]))
     with NoHostSync():
         sample = sampler.launch(logits, batch, resolve)
@@ -174,13 +178,15 @@ def test_cuda_sampling_makes_no_synchronisation() -> None:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        batch = sampler.prepare(seqs, device, logits.shape[1], placeholders={"r7": -2})
+        batch = sampler.prepare(seqs, device, logits.shape[1], history_id=Placeholders.history_id)
         sample = sampler.launch(on_gpu, batch, _resolve(future))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     got = sampler.collect(batch, sample.map(lambda t: t.cpu()))
     cpu = Sampler(seed=0)
-    cpu_batch = cpu.prepare(seqs, logits.device, logits.shape[1], placeholders={"r7": -2})
+    cpu_batch = cpu.prepare(
+        seqs, logits.device, logits.shape[1], history_id=Placeholders.history_id
+    )
     want = cpu.collect(cpu_batch, cpu.launch(logits, cpu_batch, _resolve(torch.tensor([0, 11]))))
     assert got.failed.keys() == want.failed.keys()
     for i in (0, 4):  # the greedy rows
