@@ -54,9 +54,13 @@ def normalize_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
     transformers >= 5 writes ``rope_parameters`` (theta, scaling and the partial rotary
     factor in one dict) instead of ``rope_theta`` / ``rope_scaling`` /
-    ``partial_rotary_factor``.
+    ``partial_rotary_factor``; a model whose layer types rotate differently (Gemma 3) has
+    one such dict per type, and the full-attention layers' is the classic fields' (the
+    family reads the others' itself).
     """
     params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
     if not isinstance(params, dict):
         return cfg
     out = dict(cfg)

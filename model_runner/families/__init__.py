@@ -18,6 +18,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from model_runner.families.base import Experts, Family
+from model_runner.families.gemma3 import GEMMA3
 from model_runner.families.llama import LLAMA, MISTRAL
 from model_runner.families.mixtral import MIXTRAL
 from model_runner.families.phi3 import PHI3
@@ -28,7 +29,7 @@ from model_runner.families.qwen3moe import QWEN3_MOE
 __all__ = ["FAMILIES", "Experts", "Family", "family", "for_gguf", "for_hf_config", "supported"]
 
 FAMILIES: dict[str, Family] = {
-    f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, QWEN3_MOE, MIXTRAL)
+    f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, QWEN3_MOE, MIXTRAL, GEMMA3)
 }
 
 _BY_HF_TYPE = {t: f for f in FAMILIES.values() for t in f.hf_model_types}
@@ -44,8 +45,9 @@ _NOT_YET = {
     "deepseek2": "DeepSeek's latent attention and shared experts",
     "gemma": "Gemma's (1 + w) norms and GeGLU",
     "gemma2": "Gemma 2's soft-capping and sliding layers",
-    "gemma3": "Gemma 3's interleaved sliding and global layers",
-    "gemma3_text": "Gemma 3's interleaved sliding and global layers",
+    # config.json only (the GGUF architecture gemma3 is the text model, and runs)
+    "gemma3": "Gemma 3's image-text checkpoint: serve its text model, a gemma3_text "
+    "directory or the gemma3 GGUF of llama.cpp's converter",
     "phi3small": "Phi-3-small's block-sparse attention and GEGLU",
     "phimoe": "Phi-3.5-MoE's sparsemixer router",  # config.json and GGUF alike
 }
@@ -54,7 +56,7 @@ _MOE = "mixture-of-experts"
 
 def supported(gguf: bool = False) -> str:
     """The families kvserve runs, for messages: ``llama, mistral, qwen2, qwen3, phi3, qwen3moe,
-    mixtral``, or as GGUF architectures."""
+    mixtral, gemma3``, or as GGUF architectures."""
     if gguf:
         archs = dict.fromkeys(a for a, _ in _BY_GGUF_ARCH)
         return (
