@@ -96,9 +96,9 @@ class LlamaModel:
             raise ValueError(f"MLP activation {fam.mlp_activation!r}: kvserve runs silu, gelu_tanh")
         self.mlp_act = _ACTIVATIONS[fam.mlp_activation]
         # Gemma's embedding scale sqrt(hidden), rounded to the run's dtype as transformers does.
-        self.embed_scale = (
-            torch.tensor(config.hidden_size**0.5).to(dtype) if fam.scaled_embedding else None
-        )
+        self.embed_scale: torch.Tensor | None = None
+        if fam.scaled_embedding:
+            self.embed_scale = torch.tensor(config.hidden_size**0.5, device=device).to(dtype)
         self.rope = RopeTable(config, self.max_model_len, dtype, device)
         # The windowed layers' own table (Gemma 3's local base), else every layer shares one.
         self.local_rope: RopeTable | None = None

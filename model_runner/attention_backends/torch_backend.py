@@ -149,7 +149,9 @@ class TorchAttention(AttentionBackend[GatherMetadata]):
         sinks every seq is a chunk), one set per window the layers attend within. Table
         positions at the null block are never gathered."""
         spec = self.spec
-        windows = list(dict.fromkeys([spec.sliding_window, *self._layer_windows()]))
+        # The top-level set: every layer's window, or (per-layer windows) sliding_window's.
+        shared = spec.sliding_window if spec.layered else spec.window(0)
+        windows = list(dict.fromkeys([shared, *self._layer_windows()]))
         plans = [self._plan(step, w) for w in windows]
         extra = [i for p in plans for i in p.extra]
         ids_t, pos_t, slot_t, extra_t = row_tensors(step, spec.device, extra)

@@ -119,6 +119,12 @@ class Family:
     # (regex, replacement) on checkpoint tensor names, in order, onto the spellings above
     # (Mixtral's ``block_sparse_moe.experts.{e}.w1`` -> ``mlp.experts.{e}.gate_proj``).
     hf_tensor_renames: tuple[tuple[str, str], ...] = ()
+    # config.json model_types of image-text checkpoints whose text model is this family
+    # (Gemma 3's ``gemma3``): their ``text_config`` is read as the config, the weights under
+    # ``language_model`` as the model's (``hf_tensor_renames``), and the checkpoint tensors
+    # ``hf_skipped_tensors`` matches (regexes on the names: the vision tower) are not loaded.
+    hf_image_text_types: tuple[str, ...] = ()
+    hf_skipped_tensors: tuple[str, ...] = ()
     # ``ModelConfig`` fields from a GGUF's metadata and the fields the loader read from it
     # that this family derives its own way: what llama.cpp hard-codes for it (Gemma 3's
     # layer pattern, local RoPE base and softmax scale, which its converter does not write).

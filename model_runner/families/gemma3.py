@@ -15,6 +15,10 @@ text model of the 4B / 12B / 27B). Its block differs from Llama's by:
   rotate by ``rope_theta`` with ``rope_scaling`` (linear 8 on 4B and up);
 - tied embeddings; no soft-capping (Gemma 2's ``final_logit_softcapping`` is read anyway).
 
+An image-text checkpoint (``Gemma3ForConditionalGeneration``, config ``gemma3``) serves its
+text model: ``text_config`` (Gemma3TextConfig's defaults where it is silent, as the 4B-27B's
+are) and the ``language_model`` weights; the vision tower is not loaded.
+
 llama.cpp's converter (``Gemma3Model``) writes the ``gemma3`` architecture: ``gemma3.*`` keys
 (``attention.key_length`` = head_dim, ``rope.freq_base`` = the global layers' theta, their
 linear scaling, ``attention.sliding_window``), Q/K unpermuted, the norms ``attn_norm``,
@@ -139,4 +143,12 @@ GEMMA3 = Family(
     mlp_activation="gelu_tanh",
     scaled_embedding=True,
     gguf_stop_tokens=("<end_of_turn>",),
+    # Gemma3ForConditionalGeneration: language_model.model.* (as saved; prefixed ``model.``
+    # by the loader) or model.language_model.* (transformers' in-memory names).
+    hf_image_text_types=("gemma3",),
+    hf_tensor_renames=(
+        (r"^model\.language_model\.lm_head\.", "lm_head."),
+        (r"^model\.language_model\.(model\.)?", "model."),
+    ),
+    hf_skipped_tensors=(r"^(model\.)?(vision_tower|multi_modal_projector)\.",),
 )

@@ -103,11 +103,7 @@ def test_other_gguf_architectures_are_refused_in_one_line(
             "is a mixture-of-experts model: kvserve runs mixture-of-experts only as "
             "qwen3moe, mixtral",
         ),
-        (
-            {"model_type": "gemma3"},
-            "is not supported yet (Gemma 3's image-text checkpoint: "
-            "serve its text model, a gemma3_text directory or the gemma3 GGUF",
-        ),
+        ({"model_type": "gemma2"}, "is not supported yet (Gemma 2's soft-capping"),
         ({"model_type": "phi3small"}, "is not supported yet (Phi-3-small's block-sparse"),
         ({"model_type": "gpt_neox"}, "is not supported; kvserve runs llama, mistral, qwen2"),
     ],

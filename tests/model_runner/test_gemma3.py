@@ -152,6 +152,61 @@ def test_hf_directory_serves_transformers_greedy(
     assert got == want
 
 
+def test_image_text_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
+    """A Gemma3ForConditionalGeneration directory (config gemma3, weights under
+    language_model, a SigLIP tower): its text model is read (the tower is not), and text
+    prompts' greedy ids equal transformers' image-text model's on text alone."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    text = tiny_gemma3(seed=24).config
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    torch.manual_seed(24)
+    full = Gemma3ForConditionalGeneration(
+        Gemma3Config(
+            text_config=text.to_dict(),
+            vision_config=vision,
+            mm_tokens_per_image=4,
+            boi_token_index=125,
+            eoi_token_index=126,
+            image_token_index=127,
+        )
+    ).eval()
+    with torch.no_grad():
+        for name, p in full.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)
+            else:
+                p.normal_(0.0, 0.15)
+    full.save_pretrained(tmp_path / "it")
+    config, state = load_hf_dir(tmp_path / "it")
+    assert config.architecture == "gemma3" and config.layer_windows[GLOBAL_LAYERS[0]] is None
+    assert not [k for k in state if "vision" in k or "projector" in k]
+    assert "model.layers.0.self_attn.q_norm.weight" in state
+    got, _ = engine_greedy(config, dict(state), kv_dtype="float32")
+    assert got == [hf_greedy(full, p) for p in PROMPTS]
+
+
+def test_a_sparse_image_text_config_takes_gemma3s_defaults() -> None:
+    """Gemma 3 4B's config.json (older transformers saved only the text fields that differ
+    from Gemma3TextConfig's defaults, the EOS ids at the top): head_dim, vocabulary,
+    softmax scale, theta, tying and the pattern are the defaults."""
+    from model_runner.hf_loader import normalize_hf_config
+
+    text = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+            "num_attention_heads": 8, "num_hidden_layers": 34, "num_key_value_heads": 4,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024}  # fmt: skip
+    cfg = {"model_type": "gemma3", "eos_token_id": [1, 106], "text_config": text}
+    config = ModelConfig.from_hf_config(normalize_hf_config(cfg))
+    assert (config.head_dim, config.vocab_size, config.query_pre_attn_scalar) == (256, 262208, 256)
+    assert (config.rope_theta, config.local_rope_theta, config.tie_word_embeddings) == (
+        1e6, 10000.0, True
+    )  # fmt: skip
+    assert config.eos_token_ids == (1, 106) and config.bos_token_id == 2
+    assert [i for i, w in enumerate(config.layer_windows) if w is None] == [5, 11, 17, 23, 29]
+
+
 def test_older_config_spellings(hf: torch.nn.Module) -> None:
     """The hub's config.json of transformers 4.5x: sliding_window_pattern, rope_theta,
     rope_local_base_freq and rope_scaling instead of layer_types and rope_parameters."""
