@@ -108,6 +108,8 @@ def write_gemma3_gguf(
         writer.add_rope_scaling_factor(float(full["factor"]))
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_sliding_window(c.sliding_window)
+    if c.final_logit_softcapping:
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
     name = qtype if isinstance(qtype, str) else "Q4_K_M"
     writer.add_file_type(_FILE_TYPES[name])
     (vocab or (lambda w: add_test_vocab(w, c.vocab_size)))(writer)
@@ -117,8 +119,10 @@ def write_gemma3_gguf(
 
 @pytest.fixture(scope="module")
 def hf() -> torch.nn.Module:
-    """query_pre_attn_scalar 24, not head_dim: only a config.json says so."""
-    return tiny_gemma3(seed=21)
+    """query_pre_attn_scalar 24, not head_dim: only a config.json says so. (Seed 22: its
+    greedy ids change both when the global layer slides and when the sliding ones do not;
+    seed 21's do not when the global layer slides.)"""
+    return tiny_gemma3(seed=22)
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +133,7 @@ def want(hf: torch.nn.Module) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def hf_gguf() -> torch.nn.Module:
     """query_pre_attn_scalar = head_dim (Gemma 3 1B-12B's): what the GGUF implies."""
-    return tiny_gemma3(seed=22, query_pre_attn_scalar=32)
+    return tiny_gemma3(seed=21, query_pre_attn_scalar=32)
 
 
 def test_hf_directory_serves_transformers_greedy(
@@ -220,15 +224,25 @@ def test_older_config_spellings(hf: torch.nn.Module) -> None:
 
 
 def test_windows_matter(hf: torch.nn.Module, want: list[list[int]]) -> None:
-    """The same weights with every layer global, or with the global layer sliding too, give
-    other greedy ids: the per-layer window masking is what matches transformers."""
+    """Each layer's own window is what matches transformers: on the same weights and RoPE,
+    a window of 8 on every layer (``--sliding-window 8``, the model-wide mask) or on none
+    (the sliding layers' windows past every position) gives other greedy ids."""
     config = ModelConfig.from_hf_config(_normalized(hf), name="tiny")
     state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
-    n = config.num_layers
-    for windows in ((None,) * n, (WINDOW,) * n):
-        wrong = dataclasses.replace(config, layer_windows=windows)
-        got, _ = engine_greedy(wrong, dict(state), kv_dtype="float32")
-        assert got != want, windows
+    options = RunnerOptions(8, 16, dtype=torch.float32, device="cpu", kv_dtype="float32")
+    unmasked = dataclasses.replace(
+        config, layer_windows=tuple(None if w is None else 10**6 for w in config.layer_windows)
+    )
+    runs = {}
+    for name, c, o in (
+        ("own", config, options),
+        ("model-wide", config, dataclasses.replace(options, sliding_window=WINDOW)),
+        ("none", unmasked, options),
+    ):
+        runner = TorchRunner(c, state, o)
+        runs[name] = [free_running(runner_logits(runner), p, NEW_TOKENS)[0] for p in PROMPTS]
+    assert runs["own"] == want
+    assert runs["model-wide"] != want and runs["none"] != want
 
 
 def _normalized(hf: torch.nn.Module) -> dict[str, Any]:
@@ -291,6 +305,24 @@ def test_prefix_cache_hit_answers_the_same(hf: torch.nn.Module, want: list[list[
     got, requests = engine_greedy(config, state, repeat_first=True, kv_dtype="float32")
     assert requests[-1].num_cached_tokens >= 32
     assert got[:4] == want and got[4] == want[3]
+
+
+def test_final_logit_softcapping(tmp_path: Path) -> None:
+    """Gemma 2's ``final_logit_softcapping`` (none in Gemma 3's released configs) on a Gemma
+    3 model, from config.json and from the GGUF key the converter writes: logits equal
+    transformers' (every one within the cap)."""
+    from tests.model_runner.oracle import assert_close, hf_logits, make_runner, plan, seq
+
+    capped = tiny_hf("gemma3", seed=25, final_logit_softcapping=3.0, query_pre_attn_scalar=32)
+    ids = PROMPTS[3]
+    ref = hf_logits(capped, ids)
+    assert ref.abs().max() < 3.0
+    runner = make_runner(capped)
+    assert runner.config.final_logit_softcapping == 3.0
+    table = list(range(1, 12))
+    assert_close(runner.step_logits(plan(0, prefill=[seq("a", ids, 0, 40, table)]))["a"], ref)
+    loaded = load_model(write_gemma3_gguf(capped, tmp_path / "capped.gguf"))
+    assert loaded.config.final_logit_softcapping == 3.0
 
 
 def test_fused_step_is_refused_by_name(hf: torch.nn.Module) -> None:
