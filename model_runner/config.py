@@ -1,7 +1,7 @@
 """The runner's configs, plain data and no torch (the CLI reads them without importing it):
 
 - ``ModelConfig``: the shape and hyper-parameters of a model of a family in
-  ``families.FAMILIES`` (Llama, Mistral, Qwen2, Qwen3, Phi-3, Qwen3-MoE, Mixtral), from a
+  ``families.FAMILIES`` (Llama, Mistral, Qwen2, Qwen3, Phi-3, Qwen3-MoE, Mixtral, Gemma 3), from a
   Hugging Face ``config.json`` dict or from GGUF metadata;
 - ``RunnerOptions``: how a ``TorchRunner`` runs it (device, dtypes, KV pool, attention
   backend, paths), built once by the server and ``dataclasses.replace``'d by benchmarks;
@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -154,6 +155,18 @@ class ModelConfig:
     rotary_dim: int | None = None
     # The mixture-of-experts MLP and the layers that have it (Qwen3-MoE, Mixtral), else None.
     experts: Experts | None = None
+    # Each layer's attention window in tokens, None = every position (Gemma 3: its sliding
+    # layers' window, None on the global ones); empty = every layer has ``sliding_window``.
+    # ``sliding_window`` stays the window of EVERY layer, the one the cache manager releases
+    # blocks outside of: a model with a global layer has none and keeps every block.
+    layer_windows: tuple[int | None, ...] = ()
+    # RoPE base of the layers with a window in ``layer_windows``, unscaled (Gemma 3's
+    # ``rope_local_base_freq``); None = every layer rotates by rope_theta / rope_scaling.
+    local_rope_theta: float | None = None
+    # Softmax scale ``query_pre_attn_scalar ** -0.5`` (Gemma); None = ``head_dim ** -0.5``.
+    query_pre_attn_scalar: float | None = None
+    # Logits become ``cap * tanh(logits / cap)`` (Gemma 2); None = as they are.
+    final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
@@ -175,6 +188,39 @@ class ModelConfig:
             raise ValueError(f"rotary_dim must be even and in 1..{self.head_dim}, got {r}")
         if self.experts is not None and not set(self.experts.layers) <= set(range(self.num_layers)):
             raise ValueError(f"expert layers {self.experts.layers} past {self.num_layers} layers")
+        self._check_layer_windows()
+        for key in ("query_pre_attn_scalar", "final_logit_softcapping", "local_rope_theta"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise ValueError(f"{key} must be > 0, got {value}")
+
+    def _check_layer_windows(self) -> None:
+        windows = self.layer_windows
+        if not windows:
+            return
+        if len(windows) != self.num_layers:
+            raise ValueError(f"{len(windows)} layer windows for {self.num_layers} layers")
+        if any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"layer windows must be >= 1 tokens, got {windows}")
+        if self.sliding_window is not None and set(windows) != {self.sliding_window}:
+            raise ValueError(
+                f"sliding_window {self.sliding_window} is every layer's window, but the "
+                f"layers have {sorted(set(windows), key=str)}"
+            )
+
+    @property
+    def softmax_scale(self) -> float:
+        """The attention's softmax scale (folded into Q at load)."""
+        scalar = float(self.query_pre_attn_scalar or self.head_dim)
+        return 1.0 / math.sqrt(scalar)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window layer ``layer`` attends within (tokens; None = every position)."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether layer ``layer`` rotates by ``local_rope_theta`` (a windowed layer)."""
+        return self.local_rope_theta is not None and self.layer_window(layer) is not None
 
     @property
     def rope_dim(self) -> int:
@@ -198,6 +244,7 @@ class ModelConfig:
         """From a Hugging Face ``config.json`` dict of a family in ``families.FAMILIES``;
         ValueError with a one-line refusal for any other (mixture-of-experts, say)."""
         fam = for_hf_config(cfg)
+        cfg = {**fam.hf_defaults, **cfg}
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
@@ -213,6 +260,13 @@ class ModelConfig:
         max_positions = int(cfg.get("max_position_embeddings", 2048))
         if sliding and int(sliding) >= max_positions:
             sliding = None  # a window over every position (Phi-3-128k's 262144) is none
+        extra_fields = {k: overrides[k] for k in _FAMILY_FIELDS if k in overrides}
+        if cfg.get("attn_logit_softcapping"):
+            raise ValueError(
+                f"attention logit soft-capping (attn_logit_softcapping="
+                f"{cfg['attn_logit_softcapping']}) is not supported"
+            )
+        cap = cfg.get("final_logit_softcapping")
         head_dim = int(cfg.get("head_dim") or hidden // num_heads)
         # transformers' partial_rotary_factor: int(head_dim * factor) dimensions rotate.
         rotary = int(head_dim * float(cfg.get("partial_rotary_factor") or 1.0))
@@ -238,5 +292,12 @@ class ModelConfig:
             experts=experts,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            final_logit_softcapping=float(cap) if cap else None,
             name=name,
+            **extra_fields,
         )
+
+
+# ``ModelConfig`` fields only a family's ``hf_overrides`` sets (their config.json spellings
+# are the family's own: Gemma 3's ``layer_types``, ``rope_local_base_freq``, ...).
+_FAMILY_FIELDS = ("layer_windows", "local_rope_theta", "query_pre_attn_scalar")

@@ -102,6 +102,12 @@ class FusedStep:
         if any(layer.moe is not None for layer in model.layers):
             # The step runs layer by layer instead, each chosen expert on the kernels' QLinear.
             return "mixture-of-experts layers (the kernels' whole-step call runs dense MLPs)"
+        if not model.llama_block:
+            # As MoE: the step runs layer by layer in PyTorch, each matrix a QLinear.
+            return (
+                f"{model.config.architecture}'s block (norms after attention and MLP, GeGLU, "
+                "per-layer windows and RoPE; the kernels' whole-step call runs Llama's)"
+            )
         linears = [(l.qkv, l.o, l.gate_up, l.down) for l in model.layers]  # noqa: E741
         if not all(isinstance(lin, QLinear) for group in linears for lin in group):
             return "needs every layer matrix quantized"

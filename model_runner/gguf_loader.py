@@ -12,8 +12,9 @@ rotates halves ``(i, i + d/2)``. ``unpermute_qk`` undoes that (the same reversal
 GGUF integration applies), so an HF-layout model gives HF logits. ``qwen2``, ``qwen3`` and
 ``phi3`` GGUFs are written unpermuted (llama.cpp runs them with the NeoX rotation) and load as
 they are; the family table (``model_runner.families``) says which is which, which
-architectures load, and a family's own tensor names (Phi-3's fused ``attn_qkv`` and
-gate + up ``ffn_up``).
+architectures load, a family's own tensor names (Phi-3's fused ``attn_qkv`` and gate + up
+``ffn_up``), the config fields llama.cpp derives for it (``Family.gguf_overrides``: Gemma 3's
+layer pattern) and the offset its converter added to the norms (``Family.norm_offset``).
 
 A mixture-of-experts file (``{arch}.expert_count`` > 0: Qwen3-MoE's ``qwen3moe``, Mixtral's
 ``llama``) holds each layer's router as ``ffn_gate_inp`` and its experts stacked in 3-D
@@ -342,7 +343,8 @@ def _config_from_metadata(
     ffn = int(_require(metadata, f"{arch}.feed_forward_length", path))
     if "general.file_type" in metadata:
         extra["gguf_file_type"] = int(metadata["general.file_type"])
-    return ModelConfig(
+    cap = metadata.get(f"{arch}.final_logit_softcapping")
+    fields: dict[str, Any] = dict(
         architecture=fam.name,
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -360,11 +362,14 @@ def _config_from_metadata(
         sliding_window=int(sliding) if sliding else None,
         rotary_dim=rope_dims if rope_dims != head_dim else None,
         experts=_experts(metadata, tensor_shapes, fam, num_layers, ffn, path) if fam.moe else None,
+        final_logit_softcapping=_f32(cap) if cap else None,
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=tuple(eos_ids),
         name=name,
         extra=extra,
-    )
+    )  # fmt: skip
+    fields.update(fam.gguf_overrides(metadata, fields))  # what llama.cpp hard-codes
+    return ModelConfig(**fields)
 
 
 def _experts(
@@ -534,6 +539,8 @@ def load_gguf_checkpoint(
             heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
             array = np.ascontiguousarray(unpermute_qk(array, heads))
         weight = torch.from_numpy(array)
+        if fam.norm_offset and name.endswith("norm.weight"):
+            weight -= fam.norm_offset  # the converter added it (Family.norm_offset)
         if keep_quantized and _is_matrix(name) and tensor.tensor_type.name not in _FLOAT_TYPES:
             # A type without kernels of its own (IQ*, Q2_K, Q3_K): int8 per row, and the
             # banner's format list names what it was.

@@ -5,7 +5,8 @@ Nothing is downloaded: the directory must already exist. Sharded checkpoints are
 Parameter names come back as Hugging Face's (``model.layers.{i}.self_attn.q_proj.weight``,
 ...), the interface every kvserve loader shares; ``lm_head.weight`` is absent when tied. A
 family that spells its tensors its own way has them renamed (``Family.hf_tensor_renames``:
-Mixtral's ``block_sparse_moe`` experts onto ``mlp.experts.{e}.gate_proj`` ...).
+Mixtral's ``block_sparse_moe`` experts onto ``mlp.experts.{e}.gate_proj`` ..., an image-text
+checkpoint's ``language_model`` weights onto the text model's, its vision tower skipped).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from model_runner.config import ModelConfig
 from model_runner.errors import CheckpointError
-from model_runner.families import family
+from model_runner.families import family, text_config
 
 _HOW_TO_GET = (
     "a Hugging Face model directory holds config.json, *.safetensors and tokenizer.json; "
@@ -54,9 +55,17 @@ def normalize_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
     transformers >= 5 writes ``rope_parameters`` (theta, scaling and the partial rotary
     factor in one dict) instead of ``rope_theta`` / ``rope_scaling`` /
-    ``partial_rotary_factor``.
+    ``partial_rotary_factor``; a model whose layer types rotate differently (Gemma 3) has
+    one such dict per type, and the full-attention layers' is the classic fields' (the
+    family reads the others' itself). An image-text checkpoint of a family's text model
+    (``families.text_config``) is read as that text model's config.
     """
+    text = text_config(cfg)
+    if text is not None:  # an image-text checkpoint: its text model
+        cfg = text
     params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
     if not isinstance(params, dict):
         return cfg
     out = dict(cfg)
@@ -82,7 +91,9 @@ def load_hf_dir(
 
     root = Path(path)
     config = load_hf_config(root)
-    renames = [(re.compile(a), b) for a, b in family(config.architecture).hf_tensor_renames]
+    fam = family(config.architecture)
+    renames = [(re.compile(a), b) for a, b in fam.hf_tensor_renames]
+    skipped = [re.compile(p) for p in fam.hf_skipped_tensors]
     files = _weight_files(root)
     state: dict[str, torch.Tensor] = {}
     for file in files:
@@ -92,7 +103,7 @@ def load_hf_dir(
             raise CheckpointError(f"cannot read weights file {file}: {exc}") from exc
         for name, tensor in tensors.items():
             key = _canonical_name(name)
-            if key is None:
+            if key is None or any(p.match(key) for p in skipped):
                 continue
             for pattern, replacement in renames:
                 key = pattern.sub(replacement, key)

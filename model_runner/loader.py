@@ -19,6 +19,7 @@ import torch
 from model_runner.config import ModelConfig
 from model_runner.device import resolve_dtype
 from model_runner.errors import CheckpointError, CheckpointNotFoundError
+from model_runner.families import family
 from model_runner.gguf_loader import (
     HOW_TO_GET_DEFAULT,
     default_model_path,
@@ -85,7 +86,9 @@ def load_model(
         tokenizer = Tokenizer.from_gguf_metadata(checkpoint.metadata, name=name)
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"GGUF file {str(source)!r}: cannot build its tokenizer: {e}") from e
-    config = _with_tokenizer_eos(checkpoint.config, tokenizer)
+    config = _with_tokenizer_eos(
+        checkpoint.config, tokenizer, _family_stops(checkpoint.config, tokenizer)
+    )
     weights_dict = state_dict if state_dict is not None else checkpoint.state_dict
     return_freed_memory()
     return LoadedModel(config, weights_dict, tokenizer, name, str(source), mode)
@@ -137,12 +140,23 @@ def _load_hf_dir(root: Path, dtype: torch.dtype, mode: str) -> LoadedModel:
     return LoadedModel(config, state_dict, tokenizer, config.name or root.name, str(root), mode)
 
 
-def _with_tokenizer_eos(config: ModelConfig, tokenizer: Tokenizer) -> ModelConfig:
-    """The config's EOS ids, plus any the tokenizer knows (generation_config, eot)."""
-    merged = tuple(dict.fromkeys(config.eos_token_ids + tokenizer.eos_token_ids))
+def _with_tokenizer_eos(
+    config: ModelConfig, tokenizer: Tokenizer, stops: tuple[int, ...] = ()
+) -> ModelConfig:
+    """The config's EOS ids, plus any the tokenizer knows (generation_config, eot) and
+    ``stops``."""
+    merged = tuple(dict.fromkeys(config.eos_token_ids + tokenizer.eos_token_ids + stops))
     if merged == config.eos_token_ids:
         return config
     return dataclasses.replace(config, eos_token_ids=merged)
+
+
+def _family_stops(config: ModelConfig, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The ids of the family's end-of-turn tokens in a GGUF's vocabulary, which llama.cpp
+    stops on by their text where the converter named none (``Family.gguf_stop_tokens``:
+    Gemma's ``<end_of_turn>``)."""
+    found = (tokenizer.token_to_id(t) for t in family(config.architecture).gguf_stop_tokens)
+    return tuple(i for i in found if i is not None)
 
 
 def _has_gguf_magic(path: Path) -> bool:

@@ -15,6 +15,7 @@ dozen tensor ops and nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,8 +27,10 @@ from model_runner.environment import switch
 from model_runner.families import family
 from model_runner.future import FutureTokens
 from model_runner.kv_pool import KVPool
-from model_runner.rope import rope_inv_freq, rope_magnitude
-from model_runner.weights import LayerWeights, Linears, StateDict, load_weights
+from model_runner.rope import RopeTable, rope_inv_freq
+from model_runner.weights import AnyLinear, LayerWeights, Linears, StateDict, load_weights
+
+__all__ = ["LlamaModel", "rope_inv_freq"]
 
 if TYPE_CHECKING:
     from model_runner.lora.step import TorchLora
@@ -88,26 +91,56 @@ class LlamaModel:
         self.weights_format = weights.formats
         self.weight_bytes = weights.num_bytes()
         self.linear_backend = linears.backend(weights.formats)
-        self.inv_freq = rope_inv_freq(config, self.max_model_len).to(device)
-        self.rope_mag = rope_magnitude(config).to(device)  # longrope's scale on cos and sin
-        angles = torch.outer(torch.arange(self.max_model_len, device=device).float(), self.inv_freq)
-        # [max_len, 1, D/2]: complex rotations (fp32 runs) or cos / sin (half precision).
-        self.rope_cis: torch.Tensor | None = None
-        self.rope_cos: torch.Tensor | None = None
-        self.rope_sin: torch.Tensor | None = None
-        if dtype == torch.float32:
-            self.rope_cis = self._rotations(angles).unsqueeze(1)
-        else:
-            self.rope_cos, self.rope_sin = self._cos_sin(angles)
+        self._set_block_parts(config, dtype, device)
 
-    def _rotations(self, angles: torch.Tensor) -> torch.Tensor:
-        """``rope_mag * exp(i * angles)`` (complex64) for ``angles`` [..., D/2]."""
-        return torch.polar(self.rope_mag.expand_as(angles).contiguous(), angles)
+    def _set_block_parts(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """The family's parts of the block beyond the weights: the MLP's activation, the
+        embedding's scale, the RoPE table(s), and whether it is the Llama block."""
+        fam = family(config.architecture)
+        if fam.mlp_activation not in _ACTIVATIONS:
+            raise ValueError(f"MLP activation {fam.mlp_activation!r}: kvserve runs silu, gelu_tanh")
+        self.mlp_act = _ACTIVATIONS[fam.mlp_activation]
+        # Gemma's embedding scale sqrt(hidden), rounded to the run's dtype as transformers does.
+        self.embed_scale: torch.Tensor | None = None
+        if fam.scaled_embedding:
+            self.embed_scale = torch.tensor(config.hidden_size**0.5, device=device).to(dtype)
+        self.rope = RopeTable(config, self.max_model_len, dtype, device)
+        # The windowed layers' own table (Gemma 3's local base), else every layer shares one.
+        self.local_rope: RopeTable | None = None
+        if config.local_rope_theta is not None:
+            local = dataclasses.replace(
+                config, rope_theta=config.local_rope_theta, rope_scaling=None, extra={}
+            )
+            self.local_rope = RopeTable(local, self.max_model_len, dtype, device)
+        self.layer_local_rope = tuple(config.local_rope(i) for i in range(config.num_layers))
+        # The Llama block as the fused paths (Triton fusions, the kernels' whole step) run it.
+        self.llama_block = not (
+            fam.sandwich_norms
+            or fam.norm_offset
+            or fam.mlp_activation != "silu"
+            or config.layer_windows
+            or self.local_rope is not None
+        )
 
-    def _cos_sin(self, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rope_mag * (cos, sin)`` of ``angles`` [N, D/2] in the model's dtype, [N, 1, D/2]."""
-        cos, sin = angles.cos() * self.rope_mag, angles.sin() * self.rope_mag
-        return cos.to(self.dtype).unsqueeze(1), sin.to(self.dtype).unsqueeze(1)
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """The (global layers') RoPE inverse frequencies [D/2]."""
+        return self.rope.inv_freq
+
+    @property
+    def rope_cis(self) -> torch.Tensor | None:
+        """The (global layers') complex rotations [max_len, 1, D/2] of an fp32 run."""
+        return self.rope.cis
+
+    @property
+    def rope_cos(self) -> torch.Tensor | None:
+        return self.rope.cos
+
+    @property
+    def rope_sin(self) -> torch.Tensor | None:
+        return self.rope.sin
 
     # ------------------------------------------------------------------ forward
 
@@ -125,58 +158,77 @@ class LlamaModel:
         num_tokens = batch.num_tokens
         hidden = self.embed_rows(batch.input_ids)
         attn_out = torch.empty(num_tokens, h_heads * d, dtype=self.dtype, device=self.device)
-        if batch.max_position >= self.max_model_len:
-            # Past the table (attention sinks stream past the context): the same product
-            # as the table's rows, computed for this step's positions only.
-            angles = batch.positions.float().unsqueeze(1) * self.inv_freq
-            if self.rope_cis is not None:
-                cis = self._rotations(angles).unsqueeze(1)
-            else:
-                cos, sin = self._cos_sin(angles)
-        elif self.rope_cis is not None:
-            cis = self.rope_cis.index_select(0, batch.positions)
-        else:
-            assert self.rope_cos is not None and self.rope_sin is not None
-            cos = self.rope_cos.index_select(0, batch.positions)
-            sin = self.rope_sin.index_select(0, batch.positions)
-        normed_shape = (self.hidden_size,)
+        rotations = self.rope.rows(batch.positions, batch.max_position)
+        local = None
+        if self.local_rope is not None:
+            local = self.local_rope.rows(batch.positions, batch.max_position)
         for i, layer in enumerate(self.layers):
-            x = F.rms_norm(hidden, normed_shape, layer.input_norm, self.eps)
+            x = self._rms_norm(hidden, layer.input_norm)
             qkv = layer.qkv(x)
             if lora is not None:
                 lora.add_(i, lora.qkv_spans, x, qkv)
             qkv = qkv.view(num_tokens, n_rot + kvh, d)
             _qk_norm_(layer, qkv, h_heads, kvh, self.eps)
-            rot = qkv[:, :n_rot].unflatten(-1, (d // 2, 2))
-            if self.rope_cis is not None:
-                torch.view_as_complex(rot).mul_(cis)
-            else:
-                _rope_real_(rot, cos, sin)
+            rows = local if local is not None and self.layer_local_rope[i] else rotations
+            rows.rotate_(qkv[:, :n_rot].unflatten(-1, (d // 2, 2)))
             self.attention.forward(i, qkv, batch, pool, attn_out)
-            hidden = layer.o.add(attn_out, hidden)
-            if lora is not None:
-                lora.add_(i, (("o", 0),), attn_out, hidden)
-            x = F.rms_norm(hidden, normed_shape, layer.post_norm, self.eps)
+            hidden = self._residual(layer.o, attn_out, hidden, layer.attn_out_norm, lora, i, "o")
+            x = self._rms_norm(hidden, layer.post_norm)
             if layer.moe is not None:  # a mixture-of-experts layer (``moe.MoeMlp``)
                 hidden = layer.moe.add(x, hidden)
                 continue
             assert layer.gate_up is not None and layer.down is not None
             if lora is not None and lora.touches(i, lora.gate_up_spans):
-                act = _mlp_with_lora(layer.gate_up(x), i, x, lora)
-            else:
+                act = _mlp_with_lora(layer.gate_up(x), i, x, lora, self.mlp_act)
+            elif self.mlp_act is F.silu:
                 act = layer.gate_up.silu_mul(x)
-            hidden = layer.down.add(act, hidden)
-            if lora is not None:
-                lora.add_(i, (("down", 0),), act, hidden)
+            else:
+                act = _gated(layer.gate_up(x), self.mlp_act)
+            hidden = self._residual(layer.down, act, hidden, layer.mlp_out_norm, lora, i, "down")
         return hidden
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of ``x`` [T, hidden] times ``weight``; a weight held in fp32 (Gemma's
+        norms) computes in fp32 and rounds once to ``x``'s dtype."""
+        if weight.dtype == x.dtype:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).to(x.dtype)
+
+    def _residual(
+        self,
+        linear: AnyLinear,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        out_norm: torch.Tensor | None,
+        lora: TorchLora | None,
+        i: int,
+        target: str,
+    ) -> torch.Tensor:
+        """``residual + linear(x)`` with layer ``i``'s adapter update of ``target`` added to
+        ``linear(x)``; with ``out_norm`` (sandwich norms) that sum is normed before the add."""
+        if out_norm is None:
+            out = linear.add(x, residual)
+            if lora is not None:
+                lora.add_(i, ((target, 0),), x, out)
+            return out
+        y = linear(x)
+        if lora is not None:
+            lora.add_(i, ((target, 0),), x, y)
+        return residual + self._rms_norm(y, out_norm)
 
     def _fusion_ops(self, batch: ForwardBatch[Any], pool: KVPool) -> Any:
         """The ``triton_fusions`` module when this step can take it, else None: fusions on
         (``fusions``), float weights in plain ``Linear`` layers (no oneDNN, nothing
         quantized), a float pool, positions inside the RoPE table, a power-of-two head_dim,
-        dense MLPs (no ``moe``), and Triton importable."""
+        the Llama block (``llama_block``) with dense MLPs (no ``moe``), and Triton
+        importable."""
         d = self.head_dim
-        if not self.fusions or self.linear_backend != "torch" or d & (d - 1):
+        if (
+            not self.fusions
+            or self.linear_backend != "torch"
+            or d & (d - 1)
+            or not self.llama_block
+        ):
             return None
         if any(layer.moe is not None for layer in self.layers):
             return None
@@ -226,39 +278,52 @@ class LlamaModel:
         placeholder ids are resolved first, on the device (``future``)."""
         if self.future is not None:
             token_ids = self.future.resolve(token_ids)
-        return self.embed(token_ids)
+        rows = self.embed(token_ids)
+        if self.embed_scale is not None:
+            rows = rows * self.embed_scale.to(rows.dtype)
+        return rows
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head on the given rows [R, hidden] -> fp32 logits [R, V]."""
-        x = F.rms_norm(hidden, (self.hidden_size,), self.norm, self.eps)
-        return self.lm_head(x).float()
+        """Final norm + LM head on the given rows [R, hidden] -> fp32 logits [R, V], soft-
+        capped when the config says (``final_logit_softcapping``)."""
+        logits = self.lm_head(self._rms_norm(hidden, self.norm)).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap).mul_(cap)
+        return logits
 
 
-def _mlp_with_lora(gate_up: torch.Tensor, i: int, x: torch.Tensor, lora: TorchLora) -> torch.Tensor:
-    """``silu(gate) * up`` from the gate and up projections ``gate_up`` [T, 2 * inter] with
-    the adapters' updates of gate and up added before the SiLU (the fused epilogues cannot
-    take them)."""
-    lora.add_(i, lora.gate_up_spans, x, gate_up)
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# ``Family.mlp_activation`` -> the gate's activation.
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": _gelu_tanh}
+
+
+def _gated(gate_up: torch.Tensor, act: Any) -> torch.Tensor:
+    """``act(gate) * up`` from the gate and up projections ``gate_up`` [T, 2 * inter]."""
     inter = gate_up.shape[-1] // 2
-    return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+    return act(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+
+
+def _mlp_with_lora(
+    gate_up: torch.Tensor, i: int, x: torch.Tensor, lora: TorchLora, act: Any
+) -> torch.Tensor:
+    """``act(gate) * up`` from the gate and up projections ``gate_up`` [T, 2 * inter] with
+    the adapters' updates of gate and up added before the activation (the fused epilogues
+    cannot take them)."""
+    lora.add_(i, lora.gate_up_spans, x, gate_up)
+    return _gated(gate_up, act)
 
 
 def _qk_norm_(layer: LayerWeights, qkv: torch.Tensor, h: int, kvh: int, eps: float) -> None:
     """Per-head RMSNorm of Q and K in place in ``qkv`` [T, H + 2 * kvh, D], before RoPE, for a
-    layer with QK-norm weights (Qwen3); nothing for the Llama block."""
+    layer with QK-norm weights (Qwen3, Gemma 3); nothing for the Llama block."""
     if layer.q_norm is None or layer.k_norm is None:
         return
     d = qkv.shape[-1]
     q, k = qkv[:, :h], qkv[:, h : h + kvh]
-    q.copy_(F.rms_norm(q, (d,), layer.q_norm, eps))
-    k.copy_(F.rms_norm(k, (d,), layer.k_norm, eps))
-
-
-def _rope_real_(rot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """In-place RoPE on interleaved pairs ``rot`` [T, n, D/2, 2] (half-precision path)."""
-    x0 = rot[..., 0]
-    x1 = rot[..., 1]
-    r0 = x0 * cos - x1 * sin
-    r1 = x0 * sin + x1 * cos
-    x0.copy_(r0)
-    x1.copy_(r1)
+    fp32 = layer.q_norm.dtype != qkv.dtype  # Gemma's norms compute in fp32
+    q.copy_(F.rms_norm(q.float() if fp32 else q, (d,), layer.q_norm, eps))
+    k.copy_(F.rms_norm(k.float() if fp32 else k, (d,), layer.k_norm, eps))

@@ -13,11 +13,14 @@ variants are all in the table:
   3/4 of each head): the pairs past the rotary ones get angle 0 and magnitude 1, the identity.
 
 A head's rows are held in pair order (``rope_pair_order``), so a pair is two adjacent values.
+``RopeTable`` holds one table's rotations of every position (a model whose layers rotate
+differently, Gemma 3's local and global layers, holds two).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -148,3 +151,72 @@ def _original(config: ModelConfig) -> int:
     sets it) the config's positions."""
     scaling = config.rope_scaling or {}
     return int(scaling.get("original_max_position_embeddings") or config.max_position_embeddings)
+
+
+class RopeTable:
+    """One RoPE table of every position below ``max_len``: complex rotations
+    ``mag * exp(i * angle)`` [max_len, 1, D/2] on fp32 runs (``cis``), cos / sin in the run's
+    dtype [max_len, 1, D/2] on half-precision ones."""
+
+    def __init__(
+        self, config: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.max_len = max_len
+        self.dtype = dtype
+        self.inv_freq = rope_inv_freq(config, max_len).to(device)
+        self.mag = rope_magnitude(config).to(device)  # longrope's scale on cos and sin
+        angles = torch.outer(torch.arange(max_len, device=device).float(), self.inv_freq)
+        self.cis: torch.Tensor | None = None
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+        if dtype == torch.float32:
+            self.cis = self._rotations(angles).unsqueeze(1)
+        else:
+            self.cos, self.sin = self._cos_sin(angles)
+
+    def _rotations(self, angles: torch.Tensor) -> torch.Tensor:
+        """``mag * exp(i * angles)`` (complex64) for ``angles`` [..., D/2]."""
+        return torch.polar(self.mag.expand_as(angles).contiguous(), angles)
+
+    def _cos_sin(self, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``mag * (cos, sin)`` of ``angles`` [N, D/2] in the table's dtype, [N, 1, D/2]."""
+        cos, sin = angles.cos() * self.mag, angles.sin() * self.mag
+        return cos.to(self.dtype).unsqueeze(1), sin.to(self.dtype).unsqueeze(1)
+
+    def rows(self, positions: torch.Tensor, max_position: int) -> RopeRows:
+        """The rotations of ``positions`` [T] (largest ``max_position``); past the table
+        (attention sinks stream past the context) the same product, computed for these
+        positions only."""
+        if max_position >= self.max_len:
+            angles = positions.float().unsqueeze(1) * self.inv_freq
+            if self.cis is not None:
+                return RopeRows(cis=self._rotations(angles).unsqueeze(1))
+            cos, sin = self._cos_sin(angles)
+            return RopeRows(cos=cos, sin=sin)
+        if self.cis is not None:
+            return RopeRows(cis=self.cis.index_select(0, positions))
+        assert self.cos is not None and self.sin is not None
+        return RopeRows(
+            cos=self.cos.index_select(0, positions), sin=self.sin.index_select(0, positions)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RopeRows:
+    """One step's rotations, a row per token: complex ``cis`` or ``cos`` / ``sin``."""
+
+    cis: torch.Tensor | None = None
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+    def rotate_(self, rot: torch.Tensor) -> None:
+        """RoPE in place on interleaved pairs ``rot`` [T, n, D/2, 2]."""
+        if self.cis is not None:
+            torch.view_as_complex(rot).mul_(self.cis)
+            return
+        assert self.cos is not None and self.sin is not None
+        x0, x1 = rot[..., 0], rot[..., 1]
+        r0 = x0 * self.cos - x1 * self.sin
+        r1 = x0 * self.sin + x1 * self.cos
+        x0.copy_(r0)
+        x1.copy_(r1)

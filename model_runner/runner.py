@@ -162,6 +162,7 @@ class TorchRunner:
             device=self.device,
             sliding_window=self.sliding_window,
             attention_sinks=self.attention_sinks,
+            layer_windows=c.layer_windows,
             rope_inv_freq=(
                 rope_inv_freq(c, self.max_model_len).to(self.device)
                 if self.attention_sinks

@@ -5,7 +5,8 @@ Hugging Face parameter names come in; at load time the weights are rearranged fo
 
 - Q, K, V projections are fused into one ``[(H + 2 * kvh) * D, hidden]`` matrix (one GEMM),
   with the Qwen2 QKV bias fused alike.
-- The softmax scale ``1/sqrt(D)`` is folded into the Q rows (attention runs with scale 1).
+- The softmax scale (``1/sqrt(D)``, Gemma's ``query_pre_attn_scalar ** -0.5``) is folded
+  into the Q rows (attention runs with scale 1).
 - Q and K rows are permuted inside each head from Hugging Face's half-split RoPE layout
   ``(x_0..x_{D/2-1}, x_{D/2}..x_{D-1})`` to interleaved pairs ``(x_0, x_{D/2}, x_1, ...)``, so
   RoPE is one in-place complex multiply. Q and K get the same permutation, so q.k (and
@@ -18,6 +19,8 @@ Hugging Face parameter names come in; at load time the weights are rearranged fo
   GEMMs fuse SiLU into the gate GEMM and the ``* up`` product into the up GEMM (``GateUp``).
 - A layer of a mixture-of-experts model (``config.experts.layers``) has a ``moe.MoeMlp``
   instead of the dense MLP: its router and each expert's gate-up and down prepared as above.
+- A norm weight is what the norm multiplies by: a family's ``norm_offset`` is added (Gemma's
+  ``1 + w``), and such norms stay fp32 (Gemma computes them so).
 
 A quantized matrix (``QuantWeight``, ``QuantStack``) stays in its own format and runs on
 kvserve's CPU kernels (``QLinear``); a dense one runs as ``Linear``: on CPU pre-packed for
@@ -30,7 +33,6 @@ output and down GEMMs; elsewhere (CUDA, or when the self-check fails) plain ``F.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import overload
@@ -198,9 +200,10 @@ class Linears:
             return QLinear(weight, bias, self.activation_bits)
         return Linear(self.dense(weight), bias, self.use_onednn)
 
-    def make_gate_up(self, gate: Matrix, up: Matrix) -> AnyLinear | GateUp:
-        """``silu(gate) * up`` (``silu_mul``): one fused matrix, or oneDNN's two GEMMs."""
-        if self.use_onednn and not isinstance(gate, QuantWeight):
+    def make_gate_up(self, gate: Matrix, up: Matrix, silu: bool = True) -> AnyLinear | GateUp:
+        """``silu(gate) * up`` (``silu_mul``): one fused matrix, or oneDNN's two GEMMs (which
+        fuse the SiLU; another activation takes the fused matrix)."""
+        if self.use_onednn and silu and not isinstance(gate, QuantWeight):
             return GateUp(self.make_linear(gate), self.make_linear(up))
         return self.make_linear(_cat_rows([gate, up]))
 
@@ -233,6 +236,15 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
     # The mixture-of-experts MLP of a layer in ``config.experts.layers``, else None.
     moe: MoeMlp | None = None
+    # Norms of the attention's and the MLP's outputs before their residual adds (a family
+    # with ``sandwich_norms``: Gemma's post_attention / post_feedforward_layernorm), else None.
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+
+    def norms(self) -> list[torch.Tensor]:
+        """Every norm weight the layer holds."""
+        held = (self.q_norm, self.k_norm, self.attn_out_norm, self.mlp_out_norm)
+        return [self.input_norm, self.post_norm, *(t for t in held if t is not None)]
 
     def mlps(self) -> list[AnyLinear | GateUp | MoeMlp]:
         """The MLP's parts: gate-up and down, or the ``MoeMlp``."""
@@ -258,8 +270,7 @@ class ModelWeights:
         seen: dict[int, int] = {}
         tensors = [self.norm, *self.embed.tensors(), *self.lm_head.tensors()]
         for layer in self.layers:
-            tensors += [layer.input_norm, layer.post_norm]
-            tensors += [t for t in (layer.q_norm, layer.k_norm) if t is not None]
+            tensors += layer.norms()
             for linear in (layer.qkv, layer.o, *layer.mlps()):
                 tensors += linear.tensors()
         for t in tensors:
@@ -292,7 +303,7 @@ def load_weights(config: ModelConfig, state_dict: StateDict, linears: Linears) -
     return ModelWeights(
         layers=[_layer(config, prepared, linears, i) for i in range(config.num_layers)],
         embed=linears.make_embedding(embed),
-        norm=linears.dense(prepared.vector("model.norm.weight")),
+        norm=_norm(config, linears, prepared.vector("model.norm.weight")),
         lm_head=linears.make_linear(prepared.matrix(head)),
         vocab_size=embed.shape[0],
         formats=_describe_formats(state_dict),
@@ -319,48 +330,32 @@ class _Prepared:
 
 
 def _layer(config: ModelConfig, w: _Prepared, linears: Linears, i: int) -> LayerWeights:
-    """Layer ``i``: fused QKV (Q scaled, Q and K in RoPE pair order), O, gate-up, down.
+    """Layer ``i``: its attention (``_attention``), O, norms, gate-up and down (or experts).
 
-    With QK-norm the scale goes into Q's norm weight instead (a norm after the projection
-    would undo a scaled Q), and both norm weights take the rows' RoPE pair order (RMSNorm
-    over a head commutes with permuting it). A family whose checkpoint fuses QKV or gate-up
-    (Phi-3) has them split here, so each part is prepared as any other family's."""
-    p = f"model.layers.{i}.self_attn."
-    h, kvh, d = config.num_heads, config.num_kv_heads, config.head_dim
-    scale = 1.0 / math.sqrt(d)
+    Llama's ``post_attention_layernorm`` is the MLP's input norm; under sandwich norms
+    (Gemma) it norms the attention's output, ``pre_feedforward_layernorm`` is the MLP's input
+    norm and ``post_feedforward_layernorm`` norms the MLP's output. A family whose
+    checkpoint fuses gate-up (Phi-3) has it split here, so its parts are prepared as any
+    other family's."""
     fam = family(config.architecture)
-    order = rope_pair_order(d, config.rope_dim)
-    qkv_rows = (h * d, kvh * d, kvh * d)
-    qkv_name = "qkv" if fam.fused_qkv else None
-    gate_up_name = "gate_up" if fam.fused_gate_up else None
-    wq, wk, wv = _parts(w.matrix, p, ("q", "k", "v"), qkv_name, qkv_rows, ".weight")
-    wq = _interleave_rows(wq, h, order)
-    wq = wq if fam.qk_norm else _scaled(wq, scale)
-    wk = _interleave_rows(wk, kvh, order)
-    q_norm = k_norm = None
-    if fam.qk_norm:
-        q_norm = linears.dense(_interleave_rows(w.vector(p + "q_norm.weight"), 1, order) * scale)
-        k_norm = linears.dense(_interleave_rows(w.vector(p + "k_norm.weight"), 1, order))
-    bias: torch.Tensor | None = None
-    if config.attention_bias:
-        bq, bk, bv = _parts(w.vector, p, ("q", "k", "v"), qkv_name, qkv_rows, ".bias")
-        bias = linears.dense(
-            torch.cat(
-                [_interleave_rows(bq, h, order) * scale, _interleave_rows(bk, kvh, order), bv]
-            )
-        )
-    qkv = linears.make_linear(_cat_rows([wq, wk, wv]), bias)
     p = f"model.layers.{i}."
+
+    def norm(kind: str) -> torch.Tensor:
+        return _norm(config, linears, w.vector(f"{p}{kind}_layernorm.weight"))
+
+    qkv, q_norm, k_norm = _attention(config, w, linears, i)
     layer = LayerWeights(
-        input_norm=linears.dense(w.vector(p + "input_layernorm.weight")),
+        input_norm=norm("input"),
         qkv=qkv,
         o=linears.make_linear(w.matrix(p + "self_attn.o_proj.weight")),
-        post_norm=linears.dense(w.vector(p + "post_attention_layernorm.weight")),
+        post_norm=norm("pre_feedforward" if fam.sandwich_norms else "post_attention"),
         gate_up=None,
         down=None,
         q_norm=q_norm,
         k_norm=k_norm,
     )
+    if fam.sandwich_norms:
+        layer.attn_out_norm, layer.mlp_out_norm = norm("post_attention"), norm("post_feedforward")
     experts = config.experts
     if experts is not None and i in experts.layers:
         matrices = expert_matrices(w.matrix, w.state_dict, p, experts)
@@ -372,10 +367,58 @@ def _layer(config: ModelConfig, w: _Prepared, linears: Linears, i: int) -> Layer
         )
         return layer
     inter = config.intermediate_size
+    gate_up_name = "gate_up" if fam.fused_gate_up else None
     gate, up = _parts(w.matrix, p + "mlp.", ("gate", "up"), gate_up_name, (inter, inter))
-    layer.gate_up = linears.make_gate_up(gate, up)
+    layer.gate_up = linears.make_gate_up(gate, up, silu=fam.mlp_activation == "silu")
     layer.down = linears.make_linear(w.matrix(p + "mlp.down_proj.weight"))
     return layer
+
+
+def _attention(
+    config: ModelConfig, w: _Prepared, linears: Linears, i: int
+) -> tuple[AnyLinear, torch.Tensor | None, torch.Tensor | None]:
+    """Layer ``i``'s fused QKV (Q scaled, Q and K in RoPE pair order) and its QK-norm weights.
+
+    With QK-norm the scale goes into Q's norm weight instead (a norm after the projection
+    would undo a scaled Q), and both norm weights take the rows' RoPE pair order (RMSNorm
+    over a head commutes with permuting it). A checkpoint's fused QKV (Phi-3) is split
+    first."""
+    p = f"model.layers.{i}.self_attn."
+    h, kvh, d = config.num_heads, config.num_kv_heads, config.head_dim
+    scale = config.softmax_scale
+    fam = family(config.architecture)
+    order = rope_pair_order(d, config.rope_dim)
+    qkv_rows = (h * d, kvh * d, kvh * d)
+    qkv_name = "qkv" if fam.fused_qkv else None
+    wq, wk, wv = _parts(w.matrix, p, ("q", "k", "v"), qkv_name, qkv_rows, ".weight")
+    wq = _interleave_rows(wq, h, order)
+    wq = wq if fam.qk_norm else _scaled(wq, scale)
+    wk = _interleave_rows(wk, kvh, order)
+    q_norm = k_norm = None
+    if fam.qk_norm:
+        q, k = (_interleave_rows(w.vector(f"{p}{n}_norm.weight"), 1, order) for n in "qk")
+        q_norm, k_norm = _norm(config, linears, q, scale), _norm(config, linears, k)
+    bias: torch.Tensor | None = None
+    if config.attention_bias:
+        bq, bk, bv = _parts(w.vector, p, ("q", "k", "v"), qkv_name, qkv_rows, ".bias")
+        bias = linears.dense(
+            torch.cat(
+                [_interleave_rows(bq, h, order) * scale, _interleave_rows(bk, kvh, order), bv]
+            )
+        )
+    return linears.make_linear(_cat_rows([wq, wk, wv]), bias), q_norm, k_norm
+
+
+def _norm(
+    config: ModelConfig, linears: Linears, weight: torch.Tensor, scale: float = 1.0
+) -> torch.Tensor:
+    """An RMSNorm's fp32 ``weight`` as the norm multiplies by it, times ``scale``: with the
+    family's offset added (Gemma's ``1 + w``) and kept in fp32, as such a family computes
+    its norms; else in the run's dtype."""
+    offset = family(config.architecture).norm_offset
+    if not offset:
+        return linears.dense(weight * scale)
+    return ((weight + offset) * scale).contiguous()
 
 
 def _parts(

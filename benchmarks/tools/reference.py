@@ -62,15 +62,25 @@ def build_hf_model(
     original = (config.rope_scaling or {}).get("original_max_position_embeddings")
     if original is not None:  # Phi3Config's own field outranks rope_scaling's
         kwargs["original_max_position_embeddings"] = original
-    if config.sliding_window is not None:
+    if config.layer_windows:
+        kwargs.update(_layer_kwargs(config))
+    elif config.sliding_window is not None:
         kwargs["sliding_window"] = config.sliding_window
         kwargs["use_sliding_window"] = True  # Qwen's switch; the others have no such field
+    scalar = config.query_pre_attn_scalar
+    if scalar is not None:  # an int to transformers
+        if not scalar.is_integer():
+            raise ValueError(f"transformers takes an integer query_pre_attn_scalar, not {scalar}")
+        kwargs["query_pre_attn_scalar"] = int(scalar)
+    if config.final_logit_softcapping is not None:
+        kwargs["final_logit_softcapping"] = config.final_logit_softcapping
     if config.experts is not None and fam.hf_expert_kwargs is not None:
         kwargs.update(fam.hf_expert_kwargs(config.experts, config.num_layers))
         state_dict = stacked(state_dict, config.experts)  # transformers 5's fused experts
     hf_config = getattr(transformers, config_name)(**kwargs)
     # transformers 5 folds rope_theta / rope_scaling into rope_parameters; check it took them.
     rope = getattr(hf_config, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # one dict per layer type (Gemma 3)
     theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
     if theta != config.rope_theta:
         raise RuntimeError(
@@ -90,3 +100,20 @@ def build_hf_model(
     if not with_eos:
         model.generation_config.eos_token_id = None
     return model.to(dtype).eval()
+
+
+def _layer_kwargs(config: ModelConfig) -> dict[str, Any]:
+    """transformers' spelling of per-layer windows (Gemma 3's ``layer_types``: a layer with
+    a window slides, at ``rope_local_base_freq``; the others are global)."""
+    windows = {w for w in config.layer_windows if w is not None}
+    if len(windows) > 1:
+        raise ValueError(f"transformers has one sliding window, the config {sorted(windows)}")
+    kwargs: dict[str, Any] = {
+        "layer_types": [
+            "sliding_attention" if w is not None else "full_attention" for w in config.layer_windows
+        ],
+        "sliding_window": windows.pop() if windows else None,
+    }
+    if config.local_rope_theta is not None:
+        kwargs["rope_local_base_freq"] = config.local_rope_theta
+    return kwargs

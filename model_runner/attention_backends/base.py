@@ -53,6 +53,9 @@ class AttentionSpec:
     attention_sinks: int = 0  # first tokens always visible (needs a window)
     # RoPE inverse frequencies [D/2], on ``device``: the torch backend re-rotates sink scores.
     rope_inv_freq: torch.Tensor | None = field(default=None, compare=False)
+    # Each layer's own window when the layers differ (Gemma 3; ``ModelConfig.layer_windows``),
+    # within ``sliding_window`` when that is set too; empty = every layer's is that one.
+    layer_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         if self.attention_sinks < 0 or (
@@ -62,6 +65,20 @@ class AttentionSpec:
                 f"attention_sinks={self.attention_sinks} needs a sliding window and the RoPE "
                 "frequencies, and must be >= 0"
             )
+        if self.attention_sinks and self.layered:
+            raise ValueError("attention sinks on a model with per-layer windows are not supported")
+
+    def window(self, layer: int) -> int | None:
+        """The window layer ``layer`` attends within (tokens; None = every position)."""
+        own = self.layer_windows[layer] if self.layer_windows else None
+        if own is None or self.sliding_window is None:
+            return own if own is not None else self.sliding_window
+        return min(own, self.sliding_window)
+
+    @property
+    def layered(self) -> bool:
+        """Whether the layers attend within different windows."""
+        return len({self.window(i) for i in range(len(self.layer_windows))}) > 1
 
 
 @dataclass(slots=True)

@@ -68,6 +68,15 @@ class FlashInferAttention(PagedAttentionBackend):
             return "needs flashinfer-python installed"
         return None
 
+    @classmethod
+    def unsupported(cls, spec: AttentionSpec) -> str | None:
+        if spec.layered:  # one window_left per plan, and one plan per step
+            return (
+                "the flashinfer backend plans one window per step, not per-layer windows "
+                "(use --attention-backend triton or torch)"
+            )
+        return super().unsupported(spec)
+
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
         import flashinfer  # flashinfer-python, CUDA only

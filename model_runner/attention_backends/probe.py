@@ -1,10 +1,11 @@
 """``auto`` on CUDA: the fastest attention backend that measures right, chosen at start-up.
 
-Each installed candidate runs one layer of a synthetic step at the model's ``AttentionSpec``
-(prefill chunks over cached prefixes and a batch of decodes, random pool and queries); its
-output is held against the torch reference's (``max |ours - torch|`` within the KV dtype's
-tolerance), then timed (median of a few eager calls after a warm-up, which also compiles).
-``choose_backend`` (pure) takes the fastest candidate that matched; torch when none did.
+Each installed candidate runs one layer (one per window, with per-layer windows) of a
+synthetic step at the model's ``AttentionSpec`` (prefill chunks over cached prefixes and a
+batch of decodes, random pool and queries); its output is held against the torch
+reference's (``max |ours - torch|`` within the KV dtype's tolerance), then timed (median of
+a few eager calls after a warm-up, which also compiles). ``choose_backend`` (pure) takes the
+fastest candidate that matched; torch when none did.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from model_runner.attention_backends.base import AttentionBackend
+from model_runner.attention_backends.base import AttentionBackend, AttentionSpec
 from model_runner.kv_pool import KVPool
 from model_runner.step import StepRows
 from scheduler.output import ScheduledSeq
@@ -84,6 +85,15 @@ def probe_step(shape: ProbeShape, block_size: int) -> tuple[StepRows, int]:
     return StepRows.from_seqs(chunks, decodes, block_size), next_block
 
 
+def probe_layers(spec: AttentionSpec) -> list[int]:
+    """The layers the probe runs: the first of each window the layers attend within (layer
+    0 alone when every layer has the same)."""
+    first: dict[int | None, int] = {}
+    for i in range(max(1, len(spec.layer_windows))):
+        first.setdefault(spec.window(i), i)
+    return sorted(first.values())
+
+
 def measure_backends(
     candidates: Sequence[AttentionBackend[Any]],
     reference: AttentionBackend[Any],
@@ -98,18 +108,22 @@ def measure_backends(
     num_rows = step.num_rows
     qkv = torch.randn(num_rows, spec.num_heads + 2 * spec.num_kv_heads, spec.head_dim, generator=g)
     qkv = (qkv * 0.5).to(spec.device, spec.dtype)
+    layers = probe_layers(spec)
     pool = KVPool(
-        1, spec.num_kv_heads, spec.head_dim, num_blocks, spec.block_size, spec.kv_dtype, spec.device
-    )
+        layers[-1] + 1, spec.num_kv_heads, spec.head_dim, num_blocks, spec.block_size,
+        spec.kv_dtype, spec.device,
+    )  # fmt: skip
     pool.data.copy_(torch.randn(pool.data.shape, generator=g).to(spec.kv_dtype))
     device = spec.device
 
     def layer(backend: AttentionBackend[Any]) -> tuple[torch.Tensor, float]:
         batch = backend.build(step)
-        out = torch.empty(num_rows, spec.num_heads * spec.head_dim, dtype=spec.dtype, device=device)
+        width = spec.num_heads * spec.head_dim
+        outs = {i: torch.empty(num_rows, width, dtype=spec.dtype, device=device) for i in layers}
 
         def call() -> None:
-            backend.forward(0, qkv, batch, pool, out)
+            for i in layers:
+                backend.forward(i, qkv, batch, pool, outs[i])
 
         call()  # warm-up: compiles
         times = []
@@ -121,6 +135,7 @@ def measure_backends(
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
+        out = torch.cat([outs[i] for i in layers], dim=1)
         return out.float(), sorted(times)[len(times) // 2]
 
     ref, _ = layer(reference)

@@ -23,7 +23,9 @@ whole batch gather (and the workspace hold) B copies of its length.
 With a sliding window W a query at position p sees keys k with ``p - W < k <= p`` (Hugging
 Face's Mistral convention); gathers start at the first block that holds a visible key, so
 blocks the cache manager released out of the window are never read. Positions the adaptive
-KV strategy released (they point at the null block) are skipped the same way.
+KV strategy released (they point at the null block) are skipped the same way. Layers with
+windows of their own (Gemma 3's sliding and global layers) get the gathers and masks of
+their window, built once per window and step.
 
 Attention sinks S (StreamingLLM) add the keys ``k < S``: the gather is the sink blocks, then
 the window's blocks (``| sinks | window |``). StreamingLLM gives positions *within the cache*:
@@ -106,10 +108,33 @@ class DecodeBatch:
 @dataclass(slots=True)
 class GatherMetadata:
     """The torch backend's per-step data: the chunks (prefill and draft verification), then
-    the one-row decodes in groups of similar context length."""
+    the one-row decodes in groups of similar context length. With per-layer windows
+    (``AttentionSpec.layer_windows``) ``per_layer`` holds each layer's own (one per window,
+    shared by its layers); this one is then the ``sliding_window``'s."""
 
     prefills: list[PrefillChunk]
     decodes: list[DecodeBatch]
+    per_layer: tuple[GatherMetadata, ...] = ()
+
+
+@dataclass(slots=True)
+class _Plan:
+    """One window's gathers of a step, on the host: what ``build`` copies to the device in
+    one go (``gathers``, then ``dec_key_starts``) and how the tensors are cut from it."""
+
+    window: int | None
+    gathers: list[int]  # chunk gathers then the padded decode gathers
+    # (start, end, key_start, gather start, gather end, sink blocks gathered apart,
+    # first window block) per chunk
+    chunk_info: list[tuple[int, int, int, int, int, int, int]]
+    groups: list[tuple[int, int, int]]  # decode groups: (first seq, end seq, max blocks)
+    dec_gather_starts: list[int]
+    dec_key_starts: list[int]
+    num_chunk_rows: int
+
+    @property
+    def extra(self) -> list[int]:
+        return self.gathers + self.dec_key_starts
 
 
 class TorchAttention(AttentionBackend[GatherMetadata]):
@@ -121,19 +146,41 @@ class TorchAttention(AttentionBackend[GatherMetadata]):
 
     def build(self, step: StepRows) -> ForwardBatch[GatherMetadata]:
         """Index tensors for ``step``: its chunks, then its one-row decodes (with attention
-        sinks every seq is a chunk). Table positions at the null block are never gathered."""
+        sinks every seq is a chunk), one set per window the layers attend within. Table
+        positions at the null block are never gathered."""
         spec = self.spec
-        block_size, window, sinks = spec.block_size, spec.sliding_window, spec.attention_sinks
-        device = spec.device
+        # The top-level set: every layer's window, or (per-layer windows) sliding_window's.
+        shared = spec.sliding_window if spec.layered else spec.window(0)
+        windows = list(dict.fromkeys([shared, *self._layer_windows()]))
+        plans = [self._plan(step, w) for w in windows]
+        extra = [i for p in plans for i in p.extra]
+        ids_t, pos_t, slot_t, extra_t = row_tensors(step, spec.device, extra)
+        metas: list[GatherMetadata] = []
+        offset = 0
+        for p in plans:
+            metas.append(self._metadata(p, extra_t[offset : offset + len(p.extra)], pos_t))
+            offset += len(p.extra)
+        meta = metas[0]
+        if spec.layered:
+            meta.per_layer = tuple(metas[windows.index(w)] for w in self._layer_windows())
+        return ForwardBatch(step.num_rows, ids_t, pos_t, slot_t, step.max_position, meta)
+
+    def _layer_windows(self) -> list[int | None]:
+        """Each layer's window when they differ, else none."""
+        spec = self.spec
+        return [spec.window(i) for i in range(len(spec.layer_windows))] if spec.layered else []
+
+    def _plan(self, step: StepRows, window: int | None) -> _Plan:
+        """The host side of ``step``'s gathers for layers attending within ``window``."""
+        spec = self.spec
+        block_size, sinks = spec.block_size, spec.attention_sinks
         num_sink_blocks = -(-sinks // block_size)
         chunk_seqs, decode = step.chunks, step.plain_decodes
         if sinks:
             assert window is not None and spec.rope_inv_freq is not None
             chunk_seqs, decode = step.seqs, ()
         null_block_id = step.null_block_id
-        gathers: list[int] = []  # chunk gathers then the padded decode gather
-        # (start, end, key_start, gather start, gather end, sink blocks gathered apart,
-        # first window block)
+        gathers: list[int] = []
         chunk_info: list[tuple[int, int, int, int, int, int, int]] = []
         num_chunk_rows = 0
         for seq in chunk_seqs:
@@ -155,7 +202,7 @@ class TorchAttention(AttentionBackend[GatherMetadata]):
         # Decode groups: consecutive seqs whose contexts (in blocks) are within 2x of the
         # group's longest, so padding wastes at most half of a group's gather. Decodes come
         # longest first (``StepRows.of``), which makes the groups contiguous runs.
-        groups: list[tuple[int, int, int]] = []  # (first seq, end seq, max blocks)
+        groups: list[tuple[int, int, int]] = []
         dec_rows: list[list[int]] = []
         dec_key_starts: list[int] = []
         for i, seq in enumerate(decode):
@@ -178,13 +225,20 @@ class TorchAttention(AttentionBackend[GatherMetadata]):
                 # Pad with the row's own last block (masked out): never another request's
                 # data, so non-finite KV elsewhere cannot leak into this row through 0 * NaN.
                 gathers.extend([r[-1]] * (g_max - len(r)))
+        return _Plan(
+            window, gathers, chunk_info, groups, dec_gather_starts, dec_key_starts, num_chunk_rows
+        )
 
-        ids_t, pos_t, slot_t, extra_t = row_tensors(step, device, gathers + dec_key_starts)
-        gather_t = extra_t[: len(gathers)]
-        key_start_t = extra_t[len(gathers) :]
+    def _metadata(self, p: _Plan, extra_t: torch.Tensor, pos_t: torch.Tensor) -> GatherMetadata:
+        """``p``'s chunks and decode groups on the device (``extra_t``: its ``extra``)."""
+        spec = self.spec
+        block_size, window, sinks = spec.block_size, p.window, spec.attention_sinks
+        device = spec.device
+        gather_t = extra_t[: len(p.gathers)]
+        key_start_t = extra_t[len(p.gathers) :]
         chunks: list[PrefillChunk] = []
         row = 0
-        for start, end, key_start, g0, g1, num_apart, first in chunk_info:
+        for start, end, key_start, g0, g1, num_apart, first in p.chunk_info:
             n = end - start
             if start == 0 and (window is None or n <= window):
                 chunks.append(PrefillChunk(row, row + n, n, None, None))
@@ -219,9 +273,9 @@ class TorchAttention(AttentionBackend[GatherMetadata]):
             row += n
 
         decodes: list[DecodeBatch] = []
-        for (g0, g1, g_max), gather_start in zip(groups, dec_gather_starts, strict=True):
+        for (g0, g1, g_max), gather_start in zip(p.groups, p.dec_gather_starts, strict=True):
             context_len = g_max * block_size
-            rows = slice(num_chunk_rows + g0, num_chunk_rows + g1)
+            rows = slice(p.num_chunk_rows + g0, p.num_chunk_rows + g1)
             k_pos = key_start_t[g0:g1].unsqueeze(1) + torch.arange(context_len, device=device)
             q_pos = pos_t[rows].unsqueeze(1)
             visible = k_pos <= q_pos
@@ -231,21 +285,22 @@ class TorchAttention(AttentionBackend[GatherMetadata]):
             mask.masked_fill_(~visible, float("-inf"))
             decodes.append(
                 DecodeBatch(
-                    row_start=num_chunk_rows + g0,
+                    row_start=p.num_chunk_rows + g0,
                     num_seqs=g1 - g0,
                     context_len=context_len,
                     block_index=gather_t[gather_start : gather_start + (g1 - g0) * g_max],
                     mask=mask.unsqueeze(1),
                 )
             )
-        meta = GatherMetadata(chunks, decodes)
-        return ForwardBatch(step.num_rows, ids_t, pos_t, slot_t, step.max_position, meta)
+        return GatherMetadata(chunks, decodes)
 
     def attend(
         self, layer: int, qkv: torch.Tensor, meta: GatherMetadata, pool: KVPool, out: torch.Tensor
     ) -> None:
         """Each chunk through SDPA over its own or its gathered keys, each decode group
-        through two batched matmuls over its padded gather."""
+        through two batched matmuls over its padded gather (the layer's own window's)."""
+        if meta.per_layer:
+            meta = meta.per_layer[layer]
         num_heads, num_kv_heads = self.spec.num_heads, self.spec.num_kv_heads
         head_dim = qkv.shape[-1]
         for chunk in meta.prefills:

@@ -47,7 +47,9 @@ class TritonAttention(PagedAttentionBackend):
     def attend(
         self, layer: int, qkv: torch.Tensor, meta: PagedMetadata, pool: KVPool, out: torch.Tensor
     ) -> None:
-        num_heads, window = self.spec.num_heads, self.spec.sliding_window
+        # The page tables start at sliding_window's first block; a layer's own window is
+        # masked within them (the kernel works in positions relative to the table).
+        num_heads, window = self.spec.num_heads, self.spec.window(layer)
         kv = pool.data[layer]
         q = qkv[:, :num_heads]
         o = out.view(out.shape[0], num_heads, self.spec.head_dim)

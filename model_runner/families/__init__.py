@@ -18,6 +18,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from model_runner.families.base import Experts, Family
+from model_runner.families.gemma3 import GEMMA3
 from model_runner.families.llama import LLAMA, MISTRAL
 from model_runner.families.mixtral import MIXTRAL
 from model_runner.families.phi3 import PHI3
@@ -25,13 +26,23 @@ from model_runner.families.qwen2 import QWEN2
 from model_runner.families.qwen3 import QWEN3
 from model_runner.families.qwen3moe import QWEN3_MOE
 
-__all__ = ["FAMILIES", "Experts", "Family", "family", "for_gguf", "for_hf_config", "supported"]
+__all__ = [
+    "FAMILIES",
+    "Experts",
+    "Family",
+    "family",
+    "for_gguf",
+    "for_hf_config",
+    "supported",
+    "text_config",
+]
 
 FAMILIES: dict[str, Family] = {
-    f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, QWEN3_MOE, MIXTRAL)
+    f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, QWEN3_MOE, MIXTRAL, GEMMA3)
 }
 
 _BY_HF_TYPE = {t: f for f in FAMILIES.values() for t in f.hf_model_types}
+_BY_IMAGE_TEXT_TYPE = {t: f for f in FAMILIES.values() for t in f.hf_image_text_types}
 # (architecture, has experts) -> family: a ``llama`` file with experts is Mixtral's.
 _BY_GGUF_ARCH = {(a, f.moe): f for f in FAMILIES.values() for a in f.gguf_archs}
 
@@ -44,8 +55,6 @@ _NOT_YET = {
     "deepseek2": "DeepSeek's latent attention and shared experts",
     "gemma": "Gemma's (1 + w) norms and GeGLU",
     "gemma2": "Gemma 2's soft-capping and sliding layers",
-    "gemma3": "Gemma 3's interleaved sliding and global layers",
-    "gemma3_text": "Gemma 3's interleaved sliding and global layers",
     "phi3small": "Phi-3-small's block-sparse attention and GEGLU",
     "phimoe": "Phi-3.5-MoE's sparsemixer router",  # config.json and GGUF alike
 }
@@ -54,7 +63,7 @@ _MOE = "mixture-of-experts"
 
 def supported(gguf: bool = False) -> str:
     """The families kvserve runs, for messages: ``llama, mistral, qwen2, qwen3, phi3, qwen3moe,
-    mixtral``, or as GGUF architectures."""
+    mixtral, gemma3``, or as GGUF architectures."""
     if gguf:
         archs = dict.fromkeys(a for a, _ in _BY_GGUF_ARCH)
         return (
@@ -97,6 +106,19 @@ def for_hf_config(cfg: Mapping[str, Any]) -> Family:
     if experts and not found.moe:  # a dense family's config with experts is not that family
         raise ValueError(_refusal(what, _MOE))
     return found
+
+
+def text_config(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The text model's config.json dict of an image-text checkpoint whose text model is a
+    family's (``Family.hf_image_text_types``): its ``text_config``, with the top-level token
+    ids and tying where it has none; None for any other config."""
+    if str(cfg.get("model_type")) not in _BY_IMAGE_TEXT_TYPE:
+        return None
+    text = cfg.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ValueError(f"model_type {cfg['model_type']!r} config has no text_config")
+    inherited = ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")
+    return {**{k: cfg[k] for k in inherited if k in cfg}, **text}
 
 
 def for_gguf(arch: str, metadata: Mapping[str, Any], tensor_names: Collection[str]) -> Family:

@@ -3,7 +3,8 @@
 A ``Family`` names the architecture (``ModelConfig.architecture``), where its checkpoints
 say so (Hugging Face ``model_type`` values, GGUF ``general.architecture`` values), how
 llama.cpp's converter laid its tensors out, and the few layer parts where it differs from
-the Llama block (QK-norm, QKV bias, fused projections, a mixture-of-experts MLP). The
+the Llama block (QK-norm, QKV bias, fused projections, a mixture-of-experts MLP, Gemma's
+offset norms around attention and MLP, GeGLU and scaled embedding). The
 loaders, ``ModelConfig``, the weights and the model read these fields; none of them compares
 an architecture name.
 
@@ -22,6 +23,21 @@ from typing import Any
 
 def _no_hf_overrides(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {}
+
+
+def _no_gguf_overrides(metadata: Mapping[str, Any], fields: Mapping[str, Any]) -> dict[str, Any]:
+    return {}
+
+
+def window_fields(windows: list[int | None], max_positions: int) -> dict[str, Any]:
+    """``ModelConfig``'s ``sliding_window`` and ``layer_windows`` for per-layer windows: a
+    window every layer has (and not over every position) is also the model's
+    ``sliding_window``, whose blocks the cache manager may release; with one global layer
+    there is none."""
+    shared = windows[0] if len(set(windows)) == 1 else None
+    if shared is not None and shared >= max_positions:
+        shared = None  # a window over every position is none (Phi-3-128k's 262144)
+    return {"sliding_window": shared, "layer_windows": tuple(windows)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +95,9 @@ class Family:
     # ``ModelConfig`` fields from config.json that this family spells its own way (e.g.
     # Qwen2's sliding window, off unless ``use_sliding_window``).
     hf_overrides: Callable[[Mapping[str, Any]], dict[str, Any]] = _no_hf_overrides
+    # config.json fields this family's transformers config defaults, for files that leave
+    # them out (older transformers saved only the fields that differ from the defaults).
+    hf_defaults: Mapping[str, Any] = field(default_factory=dict)
     # Q, K and V in one checkpoint matrix, rows in that order (Phi-3): HF
     # ``self_attn.qkv_proj.weight``; ``weights`` splits it at load.
     fused_qkv: bool = False
@@ -100,6 +119,34 @@ class Family:
     # (regex, replacement) on checkpoint tensor names, in order, onto the spellings above
     # (Mixtral's ``block_sparse_moe.experts.{e}.w1`` -> ``mlp.experts.{e}.gate_proj``).
     hf_tensor_renames: tuple[tuple[str, str], ...] = ()
+    # config.json model_types of image-text checkpoints whose text model is this family
+    # (Gemma 3's ``gemma3``): their ``text_config`` is read as the config, the weights under
+    # ``language_model`` as the model's (``hf_tensor_renames``), and the checkpoint tensors
+    # ``hf_skipped_tensors`` matches (regexes on the names: the vision tower) are not loaded.
+    hf_image_text_types: tuple[str, ...] = ()
+    hf_skipped_tensors: tuple[str, ...] = ()
+    # ``ModelConfig`` fields from a GGUF's metadata and the fields the loader read from it
+    # that this family derives its own way: what llama.cpp hard-codes for it (Gemma 3's
+    # layer pattern, local RoPE base and softmax scale, which its converter does not write).
+    gguf_overrides: Callable[[Mapping[str, Any], Mapping[str, Any]], dict[str, Any]] = (
+        _no_gguf_overrides
+    )
+    # RMSNorm multiplies by ``norm_offset + w`` (Gemma: ``1 + w``, computed in fp32); the
+    # checkpoints store ``w``. llama.cpp's converter adds the offset to every
+    # ``*norm.weight`` (ggml multiplies by the weight), and the GGUF loader takes it off
+    # again, so a state dict always holds the checkpoint's ``w``.
+    norm_offset: float = 0.0
+    # Norms on the attention and MLP outputs before each residual add (Gemma 2 / 3): the
+    # layer holds ``post_attention_layernorm`` (after attention), ``pre_feedforward_layernorm``
+    # (the MLP's input norm) and ``post_feedforward_layernorm`` (after the MLP).
+    sandwich_norms: bool = False
+    # The gated MLP's activation on the gate: ``silu`` or ``gelu_tanh`` (GeGLU, Gemma).
+    mlp_activation: str = "silu"
+    # The token embedding is multiplied by ``sqrt(hidden_size)`` in its dtype (Gemma).
+    scaled_embedding: bool = False
+    # Token texts that end a turn, read as stop ids from a GGUF's vocabulary as llama.cpp's
+    # marks them (Gemma's ``<end_of_turn>``, which the converter does not name eot).
+    gguf_stop_tokens: tuple[str, ...] = ()
 
     @property
     def moe(self) -> bool:
@@ -125,6 +172,8 @@ class Family:
             "input_layernorm.weight",
             "post_attention_layernorm.weight",
         )
+        if self.sandwich_norms:
+            names += ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
         if attention_bias:
             names += tuple(f"self_attn.{n}_proj.bias" for n in attn)
         if self.qk_norm:

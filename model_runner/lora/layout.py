@@ -3,7 +3,7 @@ its weights (``LoraWeights``).
 
 kvserve's model (``model_runner.model``) does not hold Hugging Face's Q and K rows: each
 head's rows go from the half-split RoPE order ``(x_0 .. x_{D/2-1}, x_{D/2} .. x_{D-1})`` to
-interleaved pairs ``(x_0, x_{D/2}, x_1, ...)``, and Q carries the softmax scale ``1/sqrt(D)``.
+interleaved pairs ``(x_0, x_{D/2}, x_1, ...)``, and Q carries the softmax scale (``1/sqrt(D)``).
 An update ``B @ A`` of Q or K must land in the same rows, so B's rows get the same
 permutation (and Q's B the same scale); A, which reads the input, is untouched. A GGUF
 adapter's Q and K rows come permuted as llama.cpp permutes its base (``files``): they are
@@ -15,7 +15,6 @@ contiguous along the long dimension, as the grouped products read them).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,10 +136,10 @@ def kvserve_rows(
     if qk_layout == "gguf" and fam.gguf_qk_permuted:
         b = _unpermute_gguf(b, heads)
     b = b.reshape(heads, d, -1)[:, rope_pair_order(d, config.rope_dim)].reshape(heads * d, -1)
-    # Q's rows carry the softmax scale (weights._layer), but not under QK-norm, whose norm
+    # Q's rows carry the softmax scale (weights._attention), but not under QK-norm, whose norm
     # weight holds it instead.
     scaled = target == "q" and not fam.qk_norm
-    return b * (1.0 / math.sqrt(d)) if scaled else b
+    return b * config.softmax_scale if scaled else b
 
 
 @dataclass(slots=True)

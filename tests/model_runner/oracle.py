@@ -43,11 +43,15 @@ def tiny_hf(kind: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
     longrope with random short factors, which the 256 positions never leave, and a cos / sin
     attention factor of 1.25), "qwen3moe" (qwen3 with 8 experts of 32, top-2, renormalized;
     ``mlp_only_layers`` keeps dense MLPs), "mixtral" (mistral without a window, 4 experts of
-    the 128-wide MLP, top-2).
+    the 128-wide MLP, top-2), "gemma3" (GQA, head_dim 32, softmax scale 24 ** -0.5, a sliding
+    layer of window 8 at base 10000 then a global one with linear RoPE scaling 4, norms of
+    ``1 + w`` around 1).
     Weights are drawn wider than Hugging Face's init (std 0.02) so logits are well spread
     and greedy choices are not near-ties.
     """
     from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
@@ -116,12 +120,23 @@ def tiny_hf(kind: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
         moe = {"num_local_experts": 4, "num_experts_per_tok": 2, **overrides}
         cfg = MixtralConfig(**common, num_attention_heads=4, num_key_value_heads=2, **moe)
         model = MixtralForCausalLM(cfg)
+    elif kind == "gemma3":
+        common.setdefault("head_dim", 32)
+        gemma = {"query_pre_attn_scalar": 24, "sliding_window": 8,
+                 "layer_types": ["sliding_attention", "full_attention"],
+                 "rope_scaling": {"rope_type": "linear", "factor": 4.0}, **overrides}  # fmt: skip
+        if gemma["layer_types"] is not None:  # None: transformers' pattern (every 6th global)
+            gemma["layer_types"] = gemma["layer_types"][: common["num_hidden_layers"]]
+        cfg = Gemma3TextConfig(**common, num_attention_heads=4, num_key_value_heads=2, **gemma)
+        model = Gemma3ForCausalLM(cfg)
     else:
         raise ValueError(kind)
+    # Gemma's norms multiply by 1 + w: weights around 0 give multipliers around 1.
+    low = -0.5 if kind == "gemma3" else 0.5
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
+                p.uniform_(low, low + 1.0)
             else:
                 p.normal_(0.0, 0.15)
     return model.to(DEVICE).eval()

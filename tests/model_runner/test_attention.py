@@ -83,3 +83,48 @@ def test_sliding_window_starts_gathers_inside_the_window() -> None:
     (dec,) = batch.metadata.decodes
     assert dec.block_index.tolist() == [6, 7, 8]
     assert dec.mask.squeeze(1).tolist() == [[NEG, NEG] + [0.0] * 8 + [NEG, NEG]]
+
+
+def test_per_layer_windows_attend_as_uniform_windows() -> None:
+    """Layers of their own windows (Gemma 3: 6, 6, None): each layer's output equals the
+    backend's with that window on every layer, for a fresh chunk past the window, a chunk
+    over a cached prefix and decodes; a window every layer shares (6, 6, 6) is every
+    layer's, not none; gathers of a windowed layer start at its window's block."""
+    from model_runner.kv_pool import KVPool
+
+    prefill = [seq("a", list(range(20)), 0, 14, [1, 2, 3, 4, 5]),
+               seq("b", list(range(20)), 9, 17, [6, 7, 8, 9, 10])]  # fmt: skip
+    decode = [seq("c", list(range(30)), 29, 30, [11, 12, 13, 14, 15, 16, 17, 18])]
+    step = StepRows.from_seqs(prefill, decode, 4)
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(step.num_rows, 6, 8, generator=g).to(DEVICE)
+    pool = KVPool(3, 2, 8, 20, 4, torch.float32, DEVICE)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=g))
+
+    def outputs(windows: tuple[int | None, ...], sliding: int | None = None) -> list[torch.Tensor]:
+        spec = AttentionSpec(2, 2, 8, 4, torch.float32, torch.float32, DEVICE, sliding,
+                             layer_windows=windows)  # fmt: skip
+        backend = TorchAttention(spec)
+        batch = backend.build(step)
+        outs = []
+        for layer in range(3):
+            out = torch.empty(step.num_rows, 16, device=DEVICE)
+            backend.forward(layer, qkv.clone(), batch, pool, out)
+            outs.append(out)
+        return outs
+
+    layered = outputs((6, 6, None))
+    windowed, full = outputs((), 6), outputs(())
+    for layer, ref in ((0, windowed), (1, windowed), (2, full)):
+        torch.testing.assert_close(layered[layer], ref[layer], rtol=0, atol=0)
+    assert not torch.equal(windowed[2], full[2])
+    shared = outputs((6, 6, 6))
+    for layer in range(3):
+        torch.testing.assert_close(shared[layer], windowed[layer], rtol=0, atol=0)
+    batch = build(prefill, decode, 4)
+    spec = AttentionSpec(2, 2, 8, 4, torch.float32, torch.float32, DEVICE,
+                         layer_windows=(6, None))  # fmt: skip
+    meta = TorchAttention(spec).build(step).metadata
+    assert [m.decodes[0].block_index.tolist() for m in meta.per_layer] == [
+        [17, 18], batch.metadata.decodes[0].block_index.tolist()
+    ]  # fmt: skip

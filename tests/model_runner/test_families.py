@@ -76,9 +76,12 @@ def test_more_experts_used_than_held_is_one_line(tmp_path: Path) -> None:
     [
         ("qwen2moe", "is not supported yet (Qwen2-MoE's shared expert)"),
         ("qwen3moe", "has no experts (qwen3moe.expert_count, ffn_*_exps tensors)"),
-        ("gemma3", "is not supported yet (Gemma 3's interleaved sliding and global layers)"),
+        ("gemma2", "is not supported yet (Gemma 2's soft-capping and sliding layers)"),
         ("phimoe", "is not supported yet (Phi-3.5-MoE's sparsemixer router)"),
-        ("gpt2", "is not supported; kvserve runs llama, qwen2, qwen3, phi3, qwen3moe GGUFs"),
+        (
+            "gpt2",
+            "is not supported; kvserve runs llama, qwen2, qwen3, phi3, qwen3moe, gemma3 GGUFs",
+        ),
     ],
 )
 def test_other_gguf_architectures_are_refused_in_one_line(
@@ -100,7 +103,7 @@ def test_other_gguf_architectures_are_refused_in_one_line(
             "is a mixture-of-experts model: kvserve runs mixture-of-experts only as "
             "qwen3moe, mixtral",
         ),
-        ({"model_type": "gemma3_text"}, "is not supported yet (Gemma 3's"),
+        ({"model_type": "gemma2"}, "is not supported yet (Gemma 2's soft-capping"),
         ({"model_type": "phi3small"}, "is not supported yet (Phi-3-small's block-sparse"),
         ({"model_type": "gpt_neox"}, "is not supported; kvserve runs llama, mistral, qwen2"),
     ],

@@ -37,11 +37,12 @@ def logits_with(runner: TorchRunner, ids: list[int], ref: LoraRef | None) -> tor
     return runner.step_logits(plan(0, prefill=[chunk]))["a"]
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama-gqa", "qwen2", "mistral", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "llama-gqa", "qwen2", "mistral", "qwen3", "gemma3"])
 def test_peft_adapter_gives_transformers_peft_logits(kind: str, tmp_path: Path) -> None:
     """A random PEFT adapter on every projection (B not zero), loaded from PEFT's own files:
     every position's logits equal transformers + PEFT's within 1e-4, and differ from the base
-    model's by far more (the update is applied, Q and K rows mapped to our RoPE layout)."""
+    model's by far more (the update is applied, Q and K rows mapped to our RoPE layout; on
+    Gemma 3, o's and down's before their output norms, gate's before the GELU)."""
     hf = tiny_hf(kind)
     reference = peft_adapter(hf, tmp_path / "a", r=4, alpha=8)
     runner = make_runner(hf)

@@ -20,7 +20,9 @@ from tests.model_runner.oracle import (
     tiny_hf,
 )
 
-KINDS = ["llama", "llama-gqa", "qwen2", "mistral", "qwen3", "phi4-mini", "qwen3moe", "mixtral"]
+KINDS = [
+    "llama", "llama-gqa", "qwen2", "mistral", "qwen3", "phi4-mini", "qwen3moe", "mixtral", "gemma3",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=KINDS)

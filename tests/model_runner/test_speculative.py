@@ -32,11 +32,14 @@ def verify_seq(ids: list[int], start: int, drafts: list[int], blocks: list[int])
 
 
 @pytest.mark.parametrize(
-    "kind", ["llama", "llama-gqa", "qwen2", "mistral", "qwen3", "phi4-mini", "qwen3moe", "mixtral"]
-)
+    "kind",
+    ["llama", "llama-gqa", "qwen2", "mistral", "qwen3", "phi4-mini", "qwen3moe", "mixtral",
+     "gemma3"],
+)  # fmt: skip
 def test_verify_positions_equal_a_full_forward(kind: str) -> None:
     """The k + 1 positions of a decode with drafts (a chunk over the cached KV) give
-    transformers' logits at those positions, mistral past its window of 8 included."""
+    transformers' logits at those positions, mistral and gemma3's sliding layer past their
+    window of 8 included."""
     hf = tiny_hf(kind)
     runner = make_runner(hf, num_blocks=16, block_size=BLOCK_SIZE)
     ids = random_ids(24, seed=3)
@@ -153,6 +156,7 @@ PROMPTS = [
         ("phi4-mini", 18),
         ("qwen3moe", 18),
         ("mixtral", 18),
+        ("gemma3", 18),
     ],
 )
 @pytest.mark.parametrize("temperature", [0.0, 0.3])
@@ -163,7 +167,8 @@ def test_runs_with_drafts_equal_runs_without(
     it off, on a pool small enough to preempt, with prefix hits; drafts were accepted and
     rejected (rolled back) along the way. The request aborted midway has the same tokens
     as far as both runs got."""
-    hf = tiny_hf(kind, seed=11)
+    # Gemma 3's model of seed 11 repeats itself greedily: every draft is accepted.
+    hf = tiny_hf(kind, seed=12 if kind == "gemma3" else 11)
     # Seed 8: the seeded runs of all three models accept some drafts (mistral's accept none
     # with seeds 5..7; the draws are a pure function of the seed and the output index).
     sampling = SamplingParams(temperature=temperature, seed=8, max_tokens=24, ignore_eos=True)

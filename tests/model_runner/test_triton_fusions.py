@@ -14,7 +14,8 @@ pytest.importorskip("triton")
 from model_runner import triton_fusions as tf
 from model_runner.config import RunnerOptions
 from model_runner.kv_pool import KVPool
-from model_runner.model import _rope_real_, fusions_default
+from model_runner.model import fusions_default
+from model_runner.rope import RopeRows
 from model_runner.runner import TorchRunner
 from model_runner.step import StepRows
 from model_runner.weights import onednn_works
@@ -74,10 +75,10 @@ def test_silu_mul_equals_silu_of_the_gate_times_up(dtype: torch.dtype) -> None:
 def _rope_reference(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, n_rot: int
 ) -> None:
-    """``model.py``'s half-precision RoPE in place (the interleaved pairs)."""
+    """The model's half-precision RoPE in place (``rope.RopeRows``, the interleaved pairs)."""
     d = qkv.shape[-1]
     rot = qkv[:, :n_rot].unflatten(-1, (d // 2, 2))
-    _rope_real_(rot, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+    RopeRows(cos=cos[positions].unsqueeze(1), sin=sin[positions].unsqueeze(1)).rotate_(rot)
 
 
 @pytest.mark.parametrize("pool_dtype", [None, torch.float32])
@@ -86,7 +87,7 @@ def _rope_reference(
 def test_rope_kv_write_rotates_q_and_k_and_writes_the_pool(
     dtype: torch.dtype, pool_dtype: torch.dtype | None, heads: tuple[int, int]
 ) -> None:
-    """Q and K rotated in place as ``model._rope_real_`` does, V untouched; rotated K and V
+    """Q and K rotated in place as ``rope.RopeRows`` does, V untouched; rotated K and V
     of each row land in its slot of a ``KVPool`` layer exactly as ``KVPool.write`` puts
     them (other slots and layers untouched), in the pool's dtype (the compute dtype, or
     fp32). 6 query heads pad to 8 (masked)."""

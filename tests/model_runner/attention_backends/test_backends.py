@@ -81,11 +81,32 @@ def test_paged_backends_refuse_int8_pools_and_sinks(monkeypatch: pytest.MonkeyPa
         _make("triton")  # a float pool: the device is the one problem left
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3", "phi4-mini"])
+def test_per_layer_windows() -> None:
+    """Gemma 3's layers (a sliding one of 8 tokens, a global one): each layer's window, a
+    model-wide one bounding both; FlashInfer (one window a plan) refuses them in one line,
+    and the probe runs one layer of each window."""
+    from model_runner.attention_backends.probe import probe_layers
+
+    spec = AttentionSpec(4, 2, 16, 4, torch.float32, torch.float32, CPU,
+                         layer_windows=(8, 8, None, 8))  # fmt: skip
+    assert [spec.window(i) for i in range(4)] == [8, 8, None, 8] and spec.layered
+    assert probe_layers(spec) == [0, 2]
+    bounded = AttentionSpec(4, 2, 16, 4, torch.float32, torch.float32, CPU, 6,
+                            layer_windows=(8, None))  # fmt: skip
+    assert [bounded.window(i) for i in range(2)] == [6, 6] and not bounded.layered
+    with pytest.raises(ValueError, match="flashinfer backend plans one window per step"):
+        make_attention_backend("flashinfer", spec)
+    with pytest.raises(ValueError, match="attention sinks on a model with per-layer windows"):
+        AttentionSpec(4, 2, 16, 4, torch.float32, torch.float32, CPU, 16, 4, torch.ones(8),
+                      layer_windows=(8, None))  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3", "phi4-mini", "gemma3"])
 def test_runner_on_triton_matches_the_torch_runner(kind: str) -> None:
-    """A GQA model (Qwen3: QK-norm, head_dim 32 over hidden 64) through prefill chunks over
-    a prefix, then batched decodes: every position's logits on the Triton backend equal the
-    torch backend's (fp32, 1e-4), and the runner reports its backend."""
+    """A GQA model (Qwen3: QK-norm, head_dim 32 over hidden 64; Gemma 3: a sliding layer of
+    8 tokens and a global one) through prefill chunks over a prefix, then batched decodes:
+    every position's logits on the Triton backend equal the torch backend's (fp32, 1e-4),
+    and the runner reports its backend."""
     pytest.importorskip("triton")
     hf = tiny_hf(kind)
     ids_a, ids_b = random_ids(11, 1), random_ids(6, 2)
