@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from model_runner.config import ModelConfig, RunnerOptions
 from model_runner.constraints import ConstraintTracker
 from model_runner.hf_loader import normalize_hf_config
+from model_runner.loader import load_model
 from model_runner.runner import TorchRunner
 from model_runner.sampler import Sampler
 from scheduler.output import ScheduledSeq, SchedulerOutput
@@ -162,6 +164,14 @@ def make_runner(
     state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
     opts = RunnerOptions(num_blocks, block_size, dtype=torch.float32, device=DEVICE, **options)
     return TorchRunner(our_config(hf), state, opts, sampler=sampler, constraints=constraints)
+
+
+def native_gguf_runner(path: str | Path) -> tuple[Any, TorchRunner]:
+    """A GGUF file held in its formats (``weights="native"``: each quantized matrix a
+    kernels' ``QLinear``) and an fp32 runner of 8 blocks of 16 on it, fp32 KV."""
+    loaded = load_model(path, weights="native")
+    options = RunnerOptions(8, 16, dtype=torch.float32, device="cpu", kv_dtype="float32")
+    return loaded, TorchRunner(loaded.config, loaded.state_dict, options)
 
 
 def hf_logits(hf: torch.nn.Module, token_ids: Sequence[int]) -> torch.Tensor:

@@ -21,7 +21,7 @@ from model_runner.hf_loader import load_hf_dir
 from model_runner.loader import load_model
 from model_runner.quant import QLinear, QuantWeight
 from model_runner.runner import TorchRunner
-from tests.model_runner.oracle import tiny_hf
+from tests.model_runner.oracle import native_gguf_runner, tiny_hf
 from tests.model_runner.test_chat_templates import TEMPLATES
 from tests.model_runner.test_moe import q4_k_m
 from tests.model_runner.test_qwen3 import (
@@ -410,12 +410,6 @@ def quantized_gemma3(tmp_path: Path, qtype: str) -> Path:
     return write_gemma3_gguf(hf, tmp_path / f"{qtype}.gguf", QTYPES[qtype])
 
 
-def _native_runner(path: Path) -> tuple[Any, TorchRunner]:
-    loaded = load_model(path, weights="native")
-    options = RunnerOptions(8, 16, dtype=torch.float32, device="cpu", kv_dtype="float32")
-    return loaded, TorchRunner(loaded.config, loaded.state_dict, options)
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not kernels.available(), reason="kernels not built")
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
@@ -427,7 +421,7 @@ def test_quantized_gguf_is_logprobs_close_to_transformers(qtype: str, tmp_path: 
     from benchmarks.tools.reference import build_hf_model
 
     path = quantized_gemma3(tmp_path, qtype)
-    loaded, runner = _native_runner(path)
+    loaded, runner = native_gguf_runner(path)
     held = loaded.state_dict["model.layers.5.mlp.down_proj.weight"]
     assert isinstance(held, QuantWeight) and held.fmt == ("Q8_0" if qtype == "Q8_0" else "Q6_K")
     layer = runner.model.layers[5]
@@ -444,7 +438,7 @@ def test_quantized_chunked_and_cached_equals_one_shot(tmp_path: Path) -> None:
     """On Q4_K_M weights, the engine's run (32-token prefill chunks, the 40-token prompt sent
     again and served from the prefix cache) gives the greedy ids of each prompt prefilled
     whole in a fresh runner, token for token."""
-    loaded, runner = _native_runner(quantized_gemma3(tmp_path, "Q4_K_M"))
+    loaded, runner = native_gguf_runner(quantized_gemma3(tmp_path, "Q4_K_M"))
     want = [free_running(runner_logits(runner), p, NEW_TOKENS)[0] for p in PROMPTS]
     got, requests = engine_greedy(
         loaded.config, dict(loaded.state_dict), repeat_first=True, kv_dtype="float32"

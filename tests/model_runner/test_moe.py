@@ -19,7 +19,14 @@ from model_runner.loader import load_model
 from model_runner.moe import MoeMlp
 from model_runner.quant import QLinear, QuantWeight
 from model_runner.runner import TorchRunner
-from tests.model_runner.oracle import our_config, plan, random_ids, seq, tiny_hf
+from tests.model_runner.oracle import (
+    native_gguf_runner,
+    our_config,
+    plan,
+    random_ids,
+    seq,
+    tiny_hf,
+)
 from tests.model_runner.test_qwen3 import (
     _GLOBAL,
     _LAYER,
@@ -304,12 +311,6 @@ def quantized_moe(kind: str, qtype: str, tmp_path: Path) -> Path:
     return write_moe_gguf(hf, tmp_path / f"{kind}-{qtype}.gguf", QTYPES[qtype])
 
 
-def _native_runner(path: Path) -> tuple[Any, TorchRunner]:
-    loaded = load_model(path, weights="native")
-    options = RunnerOptions(8, 16, dtype=torch.float32, device="cpu", kv_dtype="float32")
-    return loaded, TorchRunner(loaded.config, loaded.state_dict, options)
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not kernels.available(), reason="kernels not built")
 @pytest.mark.parametrize("kind", ["qwen3moe", "mixtral"])
@@ -324,7 +325,7 @@ def test_quantized_gguf_is_logprobs_close_to_transformers(
     from benchmarks.tools.reference import build_hf_model
 
     path = quantized_moe(kind, qtype, tmp_path)
-    loaded, runner = _native_runner(path)
+    loaded, runner = native_gguf_runner(path)
     held = loaded.state_dict["model.layers.1.mlp.experts.3.down_proj.weight"]
     assert isinstance(held, QuantWeight) and held.fmt == ("Q8_0" if qtype == "Q8_0" else "Q6_K")
     assert not isinstance(loaded.state_dict["model.layers.1.mlp.gate.weight"], QuantWeight)
@@ -343,7 +344,7 @@ def test_quantized_chunked_and_cached_equals_one_shot(kind: str, tmp_path: Path)
     """On Q4_K_M experts, the engine's run (32-token prefill chunks, the 40-token prompt sent
     again and served from the prefix cache) gives the greedy ids of each prompt prefilled
     whole in a fresh runner, token for token."""
-    loaded, runner = _native_runner(quantized_moe(kind, "Q4_K_M", tmp_path))
+    loaded, runner = native_gguf_runner(quantized_moe(kind, "Q4_K_M", tmp_path))
     want = [free_running(runner_logits(runner), p, NEW_TOKENS)[0] for p in PROMPTS]
     got, requests = engine_greedy(
         loaded.config, dict(loaded.state_dict), repeat_first=True, kv_dtype="float32"
