@@ -440,7 +440,12 @@ def load_gguf(
     Raises ``CheckpointNotFoundError`` / ``CheckpointError`` naming the file and the problem.
     """
     checkpoint = load_gguf_checkpoint(path, dtype)
-    return checkpoint.config, checkpoint.state_dict
+    state_dict: dict[str, torch.Tensor] = {}
+    for name, tensor in checkpoint.state_dict.items():
+        # Without keep_quantized every tensor comes back dequantized.
+        assert isinstance(tensor, torch.Tensor), name
+        state_dict[name] = tensor
+    return checkpoint.config, state_dict
 
 
 @dataclasses.dataclass(slots=True)

@@ -66,7 +66,8 @@ def _nibble_words(bits: np.ndarray) -> np.ndarray:
     """``bits [G, nb, W, 8]`` (one 4-bit value per word and row) -> uint32 words ``[G, nb, W]``
     with row r's value at bits 4r .. 4r + 3."""
     shifts = (4 * np.arange(ROWS, dtype=np.uint32)).reshape(1, 1, 1, ROWS)
-    return (bits.astype(np.uint32) << shifts).sum(axis=3, dtype=np.uint32)
+    words: np.ndarray = (bits.astype(np.uint32) << shifts).sum(axis=3, dtype=np.uint32)
+    return words
 
 
 def _word_nibbles(words: np.ndarray) -> np.ndarray:
@@ -87,7 +88,7 @@ def _q5_0_unmask(masks: np.ndarray) -> np.ndarray:
     g, nb, _ = masks.shape
     nib = _word_nibbles(masks.copy().view("<u4"))  # [G, nb, 8 words, 8 rows]
     i = np.arange(8, dtype=np.uint32).reshape(1, 1, 8, 1)
-    word = (nib.astype(np.uint32) << (4 * i)).sum(axis=2, dtype=np.uint32)  # [G, nb, 8]
+    word: np.ndarray = (nib.astype(np.uint32) << (4 * i)).sum(axis=2, dtype=np.uint32)  # [G, nb, 8]
     return word.transpose(0, 2, 1).copy().view(np.uint8).reshape(g, ROWS, nb, 4)
 
 
@@ -143,7 +144,7 @@ def to_records(raw: np.ndarray, fmt: str, n: int, k: int) -> np.ndarray:
     block, size = GEOMETRY[fmt]
     nb = k // block
     groups = -(-n // ROWS)
-    x = np.zeros((groups * ROWS, nb, size), dtype=np.uint8)
+    x: np.ndarray = np.zeros((groups * ROWS, nb, size), dtype=np.uint8)
     x[:n] = np.ascontiguousarray(raw).reshape(n, nb, size)
     x = x.reshape(groups, ROWS, nb, size)
 

@@ -102,7 +102,7 @@ def expert_matrices(read: Callable[[str], Any], state: Mapping[str, Any], prefix
         inter = experts.intermediate_size
         return [(gate_up[e, :inter], gate_up[e, inter:], down[e]) for e in range(len(down))]
     return [
-        tuple(read(f"{p}{e}.{part}_proj.weight") for part in _PARTS)  # type: ignore[misc]
+        tuple(read(f"{p}{e}.{part}_proj.weight") for part in _PARTS)
         for e in range(experts.num_experts)
     ]
 

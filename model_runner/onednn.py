@@ -18,7 +18,7 @@ import torch.nn.functional as F
 def available() -> bool:
     ops = getattr(torch.ops, "mkldnn", None)
     return bool(
-        torch.backends.mkldnn.is_available()
+        torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
         and ops is not None
         and hasattr(ops, "_reorder_linear_weight")
         and hasattr(ops, "_linear_pointwise")

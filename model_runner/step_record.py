@@ -83,7 +83,7 @@ class OnTheWay:
 
         with torch.cuda.stream(stream):
             host = sample.map(copy)
-            copied = torch.cuda.Event()
+            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
             copied.record(stream)
         return cls(batch, host, copied)
 
@@ -115,7 +115,7 @@ class StepClock:
 
     def mark(self) -> None:
         if self._cuda:
-            event = torch.cuda.Event(enable_timing=True)
+            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             event.record()
             self._marks.append(event)
         else:

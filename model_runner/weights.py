@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import overload
+from typing import TypeVar, overload
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,8 @@ from model_runner.rope import rope_pair_order
 Matrix = torch.Tensor | QuantWeight  # as a checkpoint holds it
 Weight = Matrix | QuantStack  # prepared: Q, K and V of several formats stack
 StateDict = Mapping[str, Matrix]
+# What ``_parts`` reads and returns: vectors (plain tensors) or matrices as held.
+_Read = TypeVar("_Read", torch.Tensor, Matrix)
 
 
 class Linear:
@@ -422,13 +424,13 @@ def _norm(
 
 
 def _parts(
-    read: Callable[[str], Matrix],
+    read: Callable[[str], _Read],
     prefix: str,
     names: tuple[str, ...],
     fused: str | None,
     rows: tuple[int, ...],
     suffix: str = ".weight",
-) -> list[Matrix]:
+) -> list[_Read]:
     """The projections ``names`` (``{prefix}{name}_proj{suffix}``), each its own tensor or,
     in a checkpoint that fuses them, consecutive ``rows`` of ``{prefix}{fused}_proj{suffix}``."""
     if fused is None:

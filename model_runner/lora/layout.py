@@ -16,7 +16,7 @@ contiguous along the long dimension, as the grouped products read them).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +25,11 @@ from model_runner.families import family
 from model_runner.lora.files import AdapterFile, LoraPair
 from model_runner.lora.info import AdapterError
 from model_runner.rope import rope_pair_order
+
+if TYPE_CHECKING:
+    import ctypes
+
+    from model_runner.kernels import LoraPair as NativePair
 
 # kvserve's targets, in the order of a layer's projections, and their Hugging Face names.
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -118,7 +123,7 @@ def unfused_pairs(adapter: AdapterFile, config: ModelConfig) -> dict[tuple[int, 
                 f"rows; the base model's fused {module} has {sum(rows)}: it was made for "
                 "another model"
             )
-        for target, b in zip(parts, pair.b.split(rows), strict=True):
+        for target, b in zip(parts, torch.split(pair.b, rows), strict=True):
             out[(layer, HF_MODULES[target])] = LoraPair(pair.a, b, pair.scaling)
     return out
 
@@ -150,7 +155,8 @@ class LoraWeights:
     rank: int
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
     dtype: torch.dtype
-    native: Any = field(default=None, repr=False)  # the kernels' pair table (lora.native)
+    # The kernels' pair table (``lora.native.pair_table``), made on first use on that path.
+    native: ctypes.Array[NativePair] | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:

@@ -20,7 +20,7 @@ def pair_table(weights: LoraWeights) -> ctypes.Array[kernels.LoraPair]:
     """``weights``' pairs as the kernels read them (made once; the tensors stay owned by
     ``weights``, which holds the table)."""
     if weights.native is not None:
-        return weights.native  # type: ignore[no-any-return]
+        return weights.native
     if weights.dtype != torch.float16:
         raise ValueError(f"the kernels take fp16 adapters, not {weights.dtype}")
     table = (kernels.LoraPair * (len(weights.layers) * len(TARGETS)))()
