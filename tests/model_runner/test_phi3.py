@@ -24,6 +24,7 @@ from model_runner.runner import TorchRunner
 from scheduler import Request, SamplingParams
 from tests.model_runner.oracle import random_ids, tiny_hf
 from tests.model_runner.test_qwen3 import (
+    add_shape_keys,
     assert_top5_rule,
     free_running,
     hf_greedy,
@@ -244,13 +245,8 @@ def write_phi3_gguf(
     writer.add_name("tiny-phi3")
     max_pos = c.max_position_embeddings
     original = rope.get("original_max_position_embeddings", c.original_max_position_embeddings)
-    writer.add_context_length(max_pos)
+    add_shape_keys(writer, c)
     writer.add_rope_scaling_orig_ctx_len(original)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     rot_pct = rope.get("partial_rotary_factor", 1.0)
     writer.add_rope_dimension_count(int(rot_pct * c.hidden_size) // c.num_attention_heads)

@@ -130,6 +130,7 @@ async def test_cancel_then_immediate_retry_with_the_same_id_keeps_the_engine_ali
                 messages = await collect(retry)
             except grpc.aio.AioRpcError as exc:  # the cancel had not reached the engine yet
                 assert exc.code() is grpc.StatusCode.ALREADY_EXISTS, exc
+                await _wait_blocks_free(h)  # the cancelled stream gone: the id is free again
                 continue
             assert messages[-1].finished and messages[-1].usage.completion_tokens == 4
         assert h.engine.is_alive
