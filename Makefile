@@ -56,7 +56,8 @@ lint: install
 	$(VENV)/bin/mypy --strict scheduler cache_manager kv_store model_runner/base.py \
 	  model_runner/step.py model_runner/config.py model_runner/future.py model_runner/lora/info.py \
 	  model_runner/weights.py model_runner/environment.py model_runner/step_record.py \
-	  model_runner/lora/step.py model_runner/lora/layout.py
+	  model_runner/lora/plan.py model_runner/lora/targets.py model_runner/lora/updates.py \
+	  model_runner/lora/backend.py model_runner/lora/layout.py
 
 # The first run builds llama.cpp's server (the chat128 peer) into ~/.cache/kvserve; later runs
 # reuse it. BENCH_QUICK=1: a smoke run of every section with tiny counts (wiring, not figures).

@@ -178,7 +178,7 @@ def with_kv_dtype(runner: TorchRunner, kv_dtype: str) -> TorchRunner:
         runner.device,
         runner.dtype,
     )
-    other.paths = ForwardPaths(EagerPath(runner.model, other.pool))
+    other.paths = ForwardPaths(EagerPath(runner.model, other.pool, runner.paths.eager.lora))
     return other
 
 

@@ -20,16 +20,15 @@ path; both paths write the same pool).
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
 
 import torch
 
 from model_runner import kernels
 from model_runner.kv_pool import KVPool
 from model_runner.lora.native import NativeLora
-from model_runner.lora.step import LoraStep
 from model_runner.model import LlamaModel
 from model_runner.quant import QLinear, describe
+from model_runner.step import StepRows
 
 _KV_DTYPES = {
     torch.float32: kernels.KV_F32,
@@ -121,16 +120,16 @@ class FusedStep:
             return f"KV pool dtype {pool.dtype} (fp32, fp16 or int8 only)"
         return None
 
-    def forward(self, token_ids: Sequence[int], positions: Sequence[int],
-                block_tables: Sequence[Sequence[int]],
-                lora: LoraStep | None = None) -> torch.Tensor:  # fmt: skip
-        """Hidden states [rows, hidden] after the last layer for the tokens ``token_ids`` at
-        ``positions``, each row with its request's block table; writes every layer's K/V of
-        those tokens into the pool. ``lora``: the rows' adapters (``kernels/lora.h``)."""
-        batch = len(token_ids)
-        ids = torch.tensor(token_ids, dtype=torch.int64)
+    def forward(self, rows: StepRows) -> torch.Tensor:
+        """Hidden states [rows, hidden] after the last layer for the tokens of ``rows`` at
+        their positions, each row with its request's block table; writes every layer's K/V
+        of those tokens into the pool, with the rows' adapters (``rows.lora``:
+        ``kernels/lora.h``)."""
+        batch = rows.num_rows
+        ids = torch.tensor(rows.token_ids, dtype=torch.int64)
         hidden = self.model.embed_rows(ids).contiguous()
-        pos = torch.tensor(positions, dtype=torch.int64)
+        pos = torch.tensor(rows.positions, dtype=torch.int64)
+        block_tables = rows.block_tables()
         width = max(len(t) for t in block_tables)
         padded = [[*blocks, *[0] * (width - len(blocks))] for blocks in block_tables]
         table = torch.tensor(padded, dtype=torch.int32)
@@ -141,7 +140,7 @@ class FusedStep:
         step.batch = batch
         step.max_blocks = width
         step.nthreads = torch.get_num_threads()
-        native = NativeLora(lora) if lora is not None else None
+        native = NativeLora(rows.lora) if rows.lora is not None else None
         step.lora = native.pointer if native is not None else None
         try:
             self.lib.kv_step_layers(self.layers, len(self.model.layers), ctypes.byref(step))

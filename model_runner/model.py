@@ -33,7 +33,7 @@ from model_runner.weights import AnyLinear, LayerWeights, Linears, StateDict, lo
 __all__ = ["LlamaModel", "rope_inv_freq"]
 
 if TYPE_CHECKING:
-    from model_runner.lora.step import TorchLora
+    from model_runner.lora.updates import StepAdapters
 
 
 def fusions_default(device: torch.device) -> bool:
@@ -144,15 +144,14 @@ class LlamaModel:
 
     # ------------------------------------------------------------------ forward
 
-    def forward(
-        self, batch: ForwardBatch[Any], pool: KVPool, lora: TorchLora | None = None
-    ) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch[Any], pool: KVPool) -> torch.Tensor:
         """Hidden states [T, hidden] after the last layer (before the final norm) of every
-        token in ``batch``; writes every layer's K/V of those tokens into ``pool``.
-        ``lora``: the step's adapter updates, added after each projection they touch."""
-        ops = self._fusion_ops(batch, pool) if lora is None else None
+        token in ``batch``; writes every layer's K/V of those tokens into ``pool``. The
+        step's adapter updates (``batch.adapters``) are added after each projection."""
+        ops = self._fusion_ops(batch, pool)
         if ops is not None:
             return self._forward_fused(ops, batch, pool)
+        adapters = batch.adapters
         h_heads, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         n_rot = h_heads + kvh
         num_tokens = batch.num_tokens
@@ -165,26 +164,30 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(hidden, layer.input_norm)
             qkv = layer.qkv(x)
-            if lora is not None:
-                lora.add_(i, lora.qkv_spans, x, qkv)
+            adapters.add_(i, "qkv", x, qkv)
             qkv = qkv.view(num_tokens, n_rot + kvh, d)
             _qk_norm_(layer, qkv, h_heads, kvh, self.eps)
             rows = local if local is not None and self.layer_local_rope[i] else rotations
             rows.rotate_(qkv[:, :n_rot].unflatten(-1, (d // 2, 2)))
             self.attention.forward(i, qkv, batch, pool, attn_out)
-            hidden = self._residual(layer.o, attn_out, hidden, layer.attn_out_norm, lora, i, "o")
+            hidden = self._residual(
+                layer.o, attn_out, hidden, layer.attn_out_norm, adapters, i, "o"
+            )
             x = self._rms_norm(hidden, layer.post_norm)
             if layer.moe is not None:  # a mixture-of-experts layer (``moe.MoeMlp``)
                 hidden = layer.moe.add(x, hidden)
                 continue
             assert layer.gate_up is not None and layer.down is not None
-            if lora is not None and lora.touches(i, lora.gate_up_spans):
-                act = _mlp_with_lora(layer.gate_up(x), i, x, lora, self.mlp_act)
-            elif self.mlp_act is F.silu:
+            # The fused SiLU epilogue cannot take an update of gate or up, which goes in first.
+            if self.mlp_act is F.silu and not adapters.touches(i, "gate_up"):
                 act = layer.gate_up.silu_mul(x)
             else:
-                act = _gated(layer.gate_up(x), self.mlp_act)
-            hidden = self._residual(layer.down, act, hidden, layer.mlp_out_norm, lora, i, "down")
+                gate_up = layer.gate_up(x)
+                adapters.add_(i, "gate_up", x, gate_up)
+                act = _gated(gate_up, self.mlp_act)
+            hidden = self._residual(
+                layer.down, act, hidden, layer.mlp_out_norm, adapters, i, "down"
+            )
         return hidden
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -200,20 +203,18 @@ class LlamaModel:
         x: torch.Tensor,
         residual: torch.Tensor,
         out_norm: torch.Tensor | None,
-        lora: TorchLora | None,
+        adapters: StepAdapters,
         i: int,
-        target: str,
+        projection: str,
     ) -> torch.Tensor:
-        """``residual + linear(x)`` with layer ``i``'s adapter update of ``target`` added to
-        ``linear(x)``; with ``out_norm`` (sandwich norms) that sum is normed before the add."""
+        """``residual + linear(x)`` with layer ``i``'s adapter update of ``projection`` added
+        to ``linear(x)``; with ``out_norm`` (sandwich norms) that sum is normed before the add."""
         if out_norm is None:
             out = linear.add(x, residual)
-            if lora is not None:
-                lora.add_(i, ((target, 0),), x, out)
+            adapters.add_(i, projection, x, out)
             return out
         y = linear(x)
-        if lora is not None:
-            lora.add_(i, ((target, 0),), x, y)
+        adapters.add_(i, projection, x, y)
         return residual + self._rms_norm(y, out_norm)
 
     def _fusion_ops(self, batch: ForwardBatch[Any], pool: KVPool) -> Any:
@@ -244,7 +245,8 @@ class LlamaModel:
         """``forward`` with the layer fusions: the residual stream is updated in place by
         ``add_rms_norm`` (which also gives the next norm's input), RoPE and the KV write are
         one kernel, ``silu(gate) * up`` another. The same arithmetic as the torch path,
-        rounded once per fused op."""
+        rounded once per fused op; the adapter updates go in after each projection, as
+        there."""
         h_heads, d = self.num_heads, self.head_dim
         num_tokens = batch.num_tokens
         residual = self.embed_rows(batch.input_ids)
@@ -255,18 +257,26 @@ class LlamaModel:
             assert self.rope_cos is not None and self.rope_sin is not None
             cos, sin = self.rope_cos.squeeze(1), self.rope_sin.squeeze(1)
         attn_out = torch.empty(num_tokens, h_heads * d, dtype=self.dtype, device=self.device)
-        layers = self.layers
+        layers, adapters = self.layers, batch.adapters
         x = ops.add_rms_norm(None, residual, layers[0].input_norm, self.eps)
         for i, layer in enumerate(layers):
-            qkv = layer.qkv(x).view(num_tokens, -1, d)
+            qkv = layer.qkv(x)
+            adapters.add_(i, "qkv", x, qkv)
+            qkv = qkv.view(num_tokens, -1, d)
             _qk_norm_(layer, qkv, h_heads, self.num_kv_heads, self.eps)
             ops.rope_kv_write(
                 qkv, cos, sin, batch.positions, batch.slot_mapping, pool.data[i], h_heads
             )
             self.attention.attend(i, qkv, batch.metadata, pool, attn_out)
-            x = ops.add_rms_norm(layer.o(attn_out), residual, layer.post_norm, self.eps)
+            o = layer.o(attn_out)
+            adapters.add_(i, "o", attn_out, o)
+            x = ops.add_rms_norm(o, residual, layer.post_norm, self.eps)
             assert layer.gate_up is not None and layer.down is not None
-            down = layer.down(ops.silu_mul(layer.gate_up(x)))
+            gate_up = layer.gate_up(x)
+            adapters.add_(i, "gate_up", x, gate_up)
+            act = ops.silu_mul(gate_up)
+            down = layer.down(act)
+            adapters.add_(i, "down", act, down)
             if i + 1 < len(layers):
                 x = ops.add_rms_norm(down, residual, layers[i + 1].input_norm, self.eps)
             else:
@@ -305,16 +315,6 @@ def _gated(gate_up: torch.Tensor, act: Any) -> torch.Tensor:
     """``act(gate) * up`` from the gate and up projections ``gate_up`` [T, 2 * inter]."""
     inter = gate_up.shape[-1] // 2
     return act(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-
-
-def _mlp_with_lora(
-    gate_up: torch.Tensor, i: int, x: torch.Tensor, lora: TorchLora, act: Any
-) -> torch.Tensor:
-    """``act(gate) * up`` from the gate and up projections ``gate_up`` [T, 2 * inter] with
-    the adapters' updates of gate and up added before the activation (the fused epilogues
-    cannot take them)."""
-    lora.add_(i, lora.gate_up_spans, x, gate_up)
-    return _gated(gate_up, act)
 
 
 def _qk_norm_(layer: LayerWeights, qkv: torch.Tensor, h: int, kvh: int, eps: float) -> None:

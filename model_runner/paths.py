@@ -19,15 +19,17 @@ another order, and an int8 activation near a rounding boundary could then flip a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from model_runner.block_table import first_key_block
+from model_runner.config import ModelConfig
 from model_runner.cuda_graphs import DecodeGraphs, capture_sizes, graph_bucket
 from model_runner.fused_step import FusedStep
 from model_runner.kv_pool import KVPool
-from model_runner.lora.step import LoraStep, TorchLora
+from model_runner.lora.backend import TorchBackend
+from model_runner.lora.updates import LoraBackend
 from model_runner.model import LlamaModel
 from model_runner.step import StepRows
 
@@ -39,43 +41,32 @@ class ForwardPath(Protocol):
         """Whether this path can run ``step``."""
         ...
 
-    def forward(self, step: StepRows, lora: LoraStep | None = None) -> torch.Tensor:
+    def forward(self, step: StepRows) -> torch.Tensor:
         """Hidden states [rows, hidden] of every row of ``step`` (before the final norm);
-        writes every layer's K/V of those rows into the pool. ``lora``: the rows'
-        adapters (``fits`` said this path takes them)."""
+        writes every layer's K/V of those rows into the pool, with the rows' adapters
+        (``step.lora``; ``fits`` said this path takes them)."""
         ...
 
 
 class EagerPath:
-    """The model's forward pass over the attention backend's batch: fits every step."""
+    """The model's forward pass over the attention backend's batch: fits every step. Its
+    adapters' updates come from ``lora`` (``lora_backend``, chosen when the
+    runner starts)."""
 
     name = "eager"
 
-    def __init__(self, model: LlamaModel, pool: KVPool) -> None:
+    def __init__(self, model: LlamaModel, pool: KVPool, lora: LoraBackend) -> None:
         self.model = model
         self.pool = pool
-        self._stacks: Any = None  # CUDA: the last step's stacked adapter weights
-        # Adapters through the segmented Triton kernels (None: on CUDA; the tests also run
-        # them in Triton's interpreter on CPU), else the torch path's grouped matmuls.
-        self.triton_lora: bool | None = None
+        self.lora = lora
 
     def fits(self, step: StepRows) -> bool:
         return True
 
-    def forward(self, step: StepRows, lora: LoraStep | None = None) -> torch.Tensor:
-        model = self.model
-        adapters: TorchLora | None = None
-        triton = self.triton_lora
-        if triton is None:
-            triton = model.device.type == "cuda"
-        if lora is not None and triton:
-            from model_runner.lora.cuda import StackCache, TritonLora  # needs triton
-
-            self._stacks = self._stacks or StackCache()
-            adapters = TritonLora(lora, step, model.config, model.device, self._stacks)
-        elif lora is not None:
-            adapters = TorchLora(lora, model.config, model.device)
-        return model.forward(model.attention.build(step), self.pool, adapters)
+    def forward(self, step: StepRows) -> torch.Tensor:
+        batch = self.model.attention.build(step)
+        batch.adapters = self.lora.updates(step)
+        return self.model.forward(batch, self.pool)
 
 
 class FusedPath:
@@ -92,8 +83,8 @@ class FusedPath:
     def fits(self, step: StepRows) -> bool:
         return step.num_rows <= self.max_rows and not skips_released(step, self.sliding_window)
 
-    def forward(self, step: StepRows, lora: LoraStep | None = None) -> torch.Tensor:
-        return self.kernel.forward(step.token_ids, step.positions, step.block_tables(), lora)
+    def forward(self, step: StepRows) -> torch.Tensor:
+        return self.kernel.forward(step)
 
 
 class GraphPath:
@@ -108,8 +99,8 @@ class GraphPath:
         # No graphs were captured with adapters: a step with adapter rows runs eager.
         return not step.has_adapters and graph_bucket(step, self.graphs.sizes) is not None
 
-    def forward(self, step: StepRows, lora: LoraStep | None = None) -> torch.Tensor:
-        assert lora is None, "a step with adapters never takes the graphs"
+    def forward(self, step: StepRows) -> torch.Tensor:
+        assert step.lora is None, "a step with adapters never takes the graphs"
         return self.graphs.run(step)
 
 
@@ -129,8 +120,8 @@ class ForwardPaths:
             return self.graphs
         return self.eager
 
-    def forward(self, step: StepRows, lora: LoraStep | None = None) -> torch.Tensor:
-        return self.choose(step).forward(step, lora)
+    def forward(self, step: StepRows) -> torch.Tensor:
+        return self.choose(step).forward(step)
 
 
 def graph_sizes(
@@ -156,10 +147,13 @@ def make_paths(
     graph_sizes: tuple[int, ...],
     max_model_len: int,
     scratch_slot: int,
+    lora: LoraBackend | None = None,
 ) -> ForwardPaths:
     """The runner's paths. ``fused_step``: None = when supported, True raises where it is
     not. ``graph_sizes`` (from ``graph_sizes``) are captured here, after the pool exists;
-    ``scratch_slot`` is a slot the cache manager never lends (padding rows write there)."""
+    ``scratch_slot`` is a slot the cache manager never lends (padding rows write there).
+    ``lora``: the eager path's adapter backend (default: ``lora_backend``'s for the
+    model's device)."""
     spec = model.attention.spec
     if not model.attention.yields_to_fused:
         unsupported: str | None = f"the {model.attention.name} attention backend runs every step"
@@ -169,7 +163,7 @@ def make_paths(
         unsupported = FusedStep.unsupported(model, pool)
     if fused_step and unsupported is not None:
         raise ValueError(f"fused_step=True but {unsupported}")
-    paths = ForwardPaths(EagerPath(model, pool))
+    paths = ForwardPaths(EagerPath(model, pool, lora or lora_backend(model.config, model.device)))
     if fused_step is not False and unsupported is None:
         kernel = FusedStep(model, pool, spec.sliding_window)
         paths.fused = FusedPath(kernel, spec.sliding_window, fused_max_rows)
@@ -199,3 +193,19 @@ def skips_released(step: StepRows, sliding_window: int | None) -> bool:
         if live > first_key_block(s.block_ids, pos, bs, sliding_window, 0, None):
             return True
     return False
+
+
+# The LoRA backends ``lora_backend`` chooses from ("auto": triton on CUDA, torch elsewhere).
+LORA_KINDS = ("auto", "torch", "triton")
+
+
+def lora_backend(config: ModelConfig, device: torch.device, kind: str = "auto") -> LoraBackend:
+    """The eager path's backend: ``kind`` one of ``LORA_KINDS`` ("auto": the Triton kernels on
+    CUDA, torch elsewhere; "triton" elsewhere runs them in Triton's interpreter)."""
+    if kind not in LORA_KINDS:
+        raise ValueError(f"LoRA kernels {kind!r}: use {', '.join(LORA_KINDS)}")
+    if kind == "triton" or (kind == "auto" and device.type == "cuda"):
+        from model_runner.lora.cuda import TritonBackend  # needs triton
+
+        return TritonBackend(config, device)
+    return TorchBackend(config, device)

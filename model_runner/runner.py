@@ -64,7 +64,6 @@ from model_runner.kv_transfer import PoolBlockIO
 from model_runner.lora.files import AdapterFile
 from model_runner.lora.layout import LoraWeights, lay_out
 from model_runner.lora.registry import LoraRegistry
-from model_runner.lora.step import LoraStep, resolve_adapters
 from model_runner.model import LlamaModel, rope_inv_freq
 from model_runner.paths import graph_sizes, make_paths
 from model_runner.prompt_logprobs import score_prompts
@@ -293,14 +292,12 @@ class TorchRunner:
         self._check_copies(plan.block_copies)
         if plan.block_copies:
             self.pool.copy_blocks(plan.block_copies)
-        step = StepRows.of(plan, self.limits)
-        failed = dict(step.failed)
-        step, adapters = self._adapters(step, failed)
-        if failed:
-            raise ValueError(f"invalid plan: {failed}")
+        step = StepRows.of(plan, self.limits, adapters=self.lora.weights)
+        if step.failed:
+            raise ValueError(f"invalid plan: {dict(step.failed)}")
         if step.is_empty:
             return {}
-        hidden = self.paths.forward(step, LoraStep.of(step, adapters) if adapters else None)
+        hidden = self.paths.forward(step)
         logits = self.model.compute_logits(hidden)
         out: dict[str, torch.Tensor] = {}
         row = 0
@@ -320,13 +317,12 @@ class TorchRunner:
         scrub, self._pending_scrub = self._pending_scrub, []
         step = Prepared(t0, ModelOutput(), list(plan.block_copies), scrub)
         failed = step.result.failed
-        rows = StepRows.of(plan, self.limits, self.placeholders)
+        rows = StepRows.of(plan, self.limits, self.placeholders, self.lora.weights)
         failed.update(rows.failed)
-        rows, adapters = self._adapters(rows, failed)
         if rows.is_empty:
             self.placeholders.advance(None)
             return step
-        passes = self._passes(rows, adapters)
+        passes = self._passes(rows)
         sampled = rows.sampled()
         sample_rows: Sequence[ScheduledSeq] = sampled
         drafts = any(s.num_draft_tokens for s in sampled)
@@ -374,14 +370,14 @@ class TorchRunner:
         if work is None:
             return None
         clock = StepClock(self.device)
-        (first, lora), *second = work.passes
-        hidden = self.paths.forward(first, lora)
+        first, *second = work.passes
+        hidden = self.paths.forward(first)
         prompt = score_prompts(first, hidden, self.model.compute_logits)
         logits = self._sampled_logits(first, hidden)
         if second:
             clock.mark()
-            rows, lora = second[0]
-            logits = torch.cat([logits, self._sampled_logits(rows, self.paths.forward(rows, lora))])
+            rows = second[0]
+            logits = torch.cat([logits, self._sampled_logits(rows, self.paths.forward(rows))])
         clock.mark()
         mask_failed: Mapping[str, str] = {}
         if work.masks is not None:
@@ -404,32 +400,12 @@ class TorchRunner:
             sample = self._to_host(sampling, on_device)
         return Launched(sample, clock, prompt, mask_failed)
 
-    def _adapters(
-        self, step: StepRows, failed: dict[str, str]
-    ) -> tuple[StepRows, dict[str, LoraWeights]]:
-        """The weights of the step's adapters by name; seqs whose adapter is not resident
-        go to ``failed`` and out of the step (the rest of it runs)."""
-        if not step.has_adapters:
-            return step, {}
-        adapters, missing = resolve_adapters(step.seqs, self.lora.weights)
-        if missing:
-            failed.update(missing)
-            step = StepRows.from_seqs(
-                [s for s in step.prefill if s.request_id not in missing],
-                [s for s in step.decode if s.request_id not in missing],
-                step.block_size,
-                step.null_block_id,
-                step.failed,
-            )
-        return step, adapters
-
-    def _passes(
-        self, rows: StepRows, adapters: dict[str, LoraWeights]
-    ) -> list[tuple[StepRows, LoraStep | None]]:
+    def _passes(self, rows: StepRows) -> list[StepRows]:
         """The step's forward passes: one, or with ``fuse_batches=False`` the prefill rows
-        then the decode rows; each with its adapters planned here, on the host."""
-        parts = (rows,) if self.fuse_batches or not (rows.prefill and rows.decode) else rows.split()
-        return [(p, LoraStep.of(p, adapters) if adapters else None) for p in parts]
+        then the decode rows (each with its rows' adapters)."""
+        if self.fuse_batches or not (rows.prefill and rows.decode):
+            return [rows]
+        return list(rows.split())
 
     def _sampled_logits(self, step: StepRows, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [R, V] of the rows of ``step`` that sample, prefill rows first, in row

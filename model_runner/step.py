@@ -23,14 +23,20 @@ Pure Python (no torch): the runner's paths and the attention backends turn it in
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from model_runner.lora.plan import LoraStep, not_loaded
 from scheduler.output import ScheduledSeq, SchedulerOutput
+from scheduler.request import LoraRef
 
 if TYPE_CHECKING:
     from model_runner.future import Placeholders
+    from model_runner.lora.layout import LoraWeights
+
+# The runner's adapters by reference: their weights, or None when not resident.
+AdapterLookup = Callable[[LoraRef], "LoraWeights | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +101,8 @@ class StepRows:
     slot_mapping: list[int]
     # Seqs of the plan refused by ``StepLimits.seq_error`` (request id -> why); not rows.
     failed: Mapping[str, str] = field(default_factory=dict)
+    # The rows' adapters (``lora.plan``); None when every row runs the base model.
+    lora: LoraStep | None = None
 
     @classmethod
     def of(
@@ -102,12 +110,15 @@ class StepRows:
         plan: SchedulerOutput,
         limits: StepLimits,
         placeholders: Placeholders | None = None,
+        adapters: AdapterLookup | None = None,
     ) -> StepRows:
         """The rows of ``plan``'s seqs that fit ``limits`` (the rest in ``failed``). Decodes
         with drafts come first, then by context, longest first (the torch backend groups
         decodes of similar length, so less padding). A seq with a placeholder token runs as
-        ``placeholders`` substitutes it (and without them fails)."""
+        ``placeholders`` substitutes it (and without them fails); a seq with an adapter runs
+        with the weights ``adapters`` gives (one not resident fails alone)."""
         failed: dict[str, str] = {}
+        weights: dict[str, LoraWeights] = {}
         checked: list[list[ScheduledSeq]] = [[], []]
         for is_decode, seqs in ((False, plan.prefill), (True, plan.decode)):
             for seq in seqs:
@@ -115,13 +126,21 @@ class StepRows:
                 if placeholders is not None:
                     runs, error = placeholders.substitute(seq, is_decode)
                 error = error or limits.seq_error(seq, is_decode, input_known=runs is seq)
+                ref = seq.lora
+                if error is None and ref is not None and ref.name not in weights:
+                    found = adapters(ref) if adapters is not None else None
+                    if found is None:
+                        error = not_loaded(ref.name)
+                    else:
+                        weights[ref.name] = found
                 if error is None:
                     checked[is_decode].append(runs)
                 else:
                     failed[seq.request_id] = error
         prefill, decode = checked
         decode.sort(key=lambda s: (not s.num_draft_tokens, -s.start_pos))
-        return cls.from_seqs(prefill, decode, limits.block_size, plan.null_block_id, failed)
+        null = plan.null_block_id
+        return cls.from_seqs(prefill, decode, limits.block_size, null, failed, weights)
 
     @classmethod
     def from_seqs(
@@ -131,9 +150,11 @@ class StepRows:
         block_size: int,
         null_block_id: int | None = None,
         failed: Mapping[str, str] | None = None,
+        weights: Mapping[str, LoraWeights] | None = None,
     ) -> StepRows:
         """The rows of seqs already checked, in the order given; decodes with drafts must
-        come first among ``decode``."""
+        come first among ``decode``. ``weights``: the seqs' adapters by name (every one they
+        name)."""
         num_verify = 0
         while num_verify < len(decode) and decode[num_verify].num_draft_tokens:
             num_verify += 1
@@ -156,6 +177,7 @@ class StepRows:
             positions,
             slots,
             dict(failed or {}),
+            LoraStep.of(prefill, decode, weights) if weights else None,
         )
 
     @property
@@ -220,9 +242,10 @@ class StepRows:
     def split(self) -> tuple[StepRows, StepRows]:
         """The prefill rows and the decode rows as two steps (``fuse_batches=False``)."""
         bs, null = self.block_size, self.null_block_id
+        weights = self.lora.weights if self.lora is not None else None
         return (
-            StepRows.from_seqs(self.prefill, (), bs, null),
-            StepRows.from_seqs((), self.decode, bs, null),
+            StepRows.from_seqs(self.prefill, (), bs, null, weights=weights),
+            StepRows.from_seqs((), self.decode, bs, null, weights=weights),
         )
 
     def one_row_decodes(self) -> list[ScheduledSeq]:

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from model_runner.lora.step import LoraStep
 from model_runner.prompt_logprobs import PromptScores
 from model_runner.sampler import DeviceSample, RowByRow, Sampler, SampleResult, SamplingBatch
 from model_runner.step import StepRows
@@ -38,7 +37,7 @@ class Work:
 
     rows: StepRows
     # The forward passes (one, or prefill then decode unfused), each with its adapters' plan.
-    passes: list[tuple[StepRows, LoraStep | None]]
+    passes: list[StepRows]
     sampled: list[ScheduledSeq]  # the seqs that sample
     sample_rows: Sequence[ScheduledSeq]  # what the sampler sees (k + 1 per draft seq)
     sampling: SamplingBatch | RowByRow  # RowByRow: the batch's prepare raised

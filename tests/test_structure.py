@@ -9,7 +9,10 @@
 - one step ahead has one owner per side: in model_runner/ at most two files read the
   placeholder token (``model_runner.future`` and the fake runner), no runner sets a field of
   its model from outside, and in scheduler/ only ``scheduler.entry`` counts what is in
-  flight (``num_inflight_tokens`` / ``num_placeholders``).
+  flight (``num_inflight_tokens`` / ``num_placeholders``);
+- LoRA's targets are written once (``model_runner.lora.targets``; the kernels' copy is checked
+  at load), the forward of every path takes no adapter argument, and the model asks nothing
+  about adapters beyond what each step's updates answer.
 
 (No import circle: tests/test_import_cycles.py.)
 """
@@ -197,6 +200,103 @@ def test_only_the_entry_counts_what_is_in_flight() -> None:
     assert not counters, counters
 
 
+# Where LoRA's targets could be written again: the LoRA package, the model and its paths,
+# the runner, and the benchmark's adapter maker. Only ``lora/targets.py`` names them.
+LORA_FACT_FILES = ("model_runner/lora", "model_runner/model.py", "model_runner/paths.py",
+                   "model_runner/fused_step.py", "model_runner/runner.py",
+                   "benchmarks/tools/make_random_lora.py")  # fmt: skip
+_TARGET_FACT = re.compile(
+    r'"(?:(?:q|k|v|o|gate|up|down|qkv|gate_up)_proj|attn_(?:q|k|v|output)|ffn_(?:gate|up|down))"'
+    r'|\("q", "k"|"gate", "up"\)'
+)
+# The forwards of the paths, the model and the kernels' step, and what they may take.
+FORWARD_FILES = ("model_runner/model.py", "model_runner/paths.py", "model_runner/fused_step.py")
+FORWARD_ARGS = frozenset({"self", "step", "rows", "batch", "pool"})
+
+
+def _target_facts(source: str) -> list[str]:
+    return [m.group(0) for m in _TARGET_FACT.finditer(source)]
+
+
+def _forward_args(source: str) -> dict[str, list[str]]:
+    """Each ``forward``'s arguments, by its class."""
+    found = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "forward":
+                    args = item.args
+                    names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
+                    found[node.name] = names
+    return found
+
+
+def _adapter_presence_tests(source: str) -> list[str]:
+    """``if``s that ask whether a step has adapters (``lora`` or ``adapters`` tested for
+    truth or against None, alone or in ``and`` / ``or`` / ``not``)."""
+
+    def names_adapters(node: ast.expr) -> bool:
+        name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
+        return name in ("lora", "adapters")
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.If | ast.IfExp):
+            continue
+        parts = [node.test]
+        while parts:
+            part = parts.pop()
+            if isinstance(part, ast.BoolOp):
+                parts.extend(part.values)
+            elif isinstance(part, ast.UnaryOp) and isinstance(part.op, ast.Not):
+                parts.append(part.operand)
+            elif names_adapters(part.left if isinstance(part, ast.Compare) else part):
+                found.append(ast.unparse(node.test))
+                break
+    return found
+
+
+def test_the_lora_targets_are_written_once() -> None:
+    """``model_runner.lora.targets`` is the one table of what an adapter updates (its
+    modules' names, each projection's targets); the kernels hold no hand-written spans, only
+    the table in lora.h that the load-time check compares (``kv_lora_target``)."""
+    files = [
+        f
+        for name in LORA_FACT_FILES
+        for f in ((REPO / name).rglob("*.py") if (REPO / name).is_dir() else [REPO / name])
+    ]
+    facts = {
+        str(p.relative_to(REPO)): found
+        for p in files
+        if p.name != "targets.py" and (found := _target_facts(p.read_text()))
+    }
+    assert _target_facts((REPO / "model_runner/lora/targets.py").read_text())
+    assert not facts, f"name LoRA's targets through model_runner.lora.targets: {facts}"
+    kernels = REPO / "model_runner/kernels"
+    sources = {p.name: p.read_text() for p in (*kernels.glob("*.h"), *kernels.glob("*.cpp"))}
+    tables = [name for name, text in sources.items() if "LORA_TARGETS[LORA_NUM_TARGETS] =" in text]
+    assert tables == ["lora.h"]
+    spans = {name: re.findall(r"\bLT_\w+|LoraSpan\{", text) for name, text in sources.items()}
+    assert {name: hits for name, hits in spans.items() if hits} == {"lora.h": ["LoraSpan{"]}
+
+
+def test_no_forward_takes_an_adapter_argument() -> None:
+    """The model, every path and the kernels' step run a step's adapters from the step
+    (``StepRows.lora``, ``ForwardBatch.adapters``): no ``forward`` takes them, and the
+    model never asks whether a step has any."""
+    forwards = {
+        f"{name}.{cls}": args
+        for name in FORWARD_FILES
+        for cls, args in _forward_args((REPO / name).read_text()).items()
+    }
+    assert {"model.py.LlamaModel", "paths.py.EagerPath", "fused_step.py.FusedStep"} <= {
+        k.removeprefix("model_runner/") for k in forwards
+    }
+    extra = {k: a for k, a in forwards.items() if set(a) - FORWARD_ARGS}
+    assert not extra, extra
+    assert not _adapter_presence_tests((REPO / "model_runner/model.py").read_text())
+
+
 def test_the_checks_see_what_they_look_for() -> None:
     """The walks find the shapes they forbid (the server's old lines among them)."""
     ahead = "ok = isinstance(runner, AheadRunner) and runner.can_run_ahead\n"
@@ -221,3 +321,27 @@ def test_the_checks_see_what_they_look_for() -> None:
     old_runner = "self.future = self.model.future = FutureTokens(n, device)\n"
     assert _fields_set_on_a_model(old_runner) == ["self.model.future"]
     assert not _fields_set_on_a_model("self.model = LlamaModel(future=f)\nmodel.x = 1\n")
+    old_layout = 'TARGETS = ("q", "k", "v", "o", "gate", "up", "down")\nHF = {"q": "q_proj"}\n'
+    assert _target_facts(old_layout) == ['("q", "k"', '"q_proj"']
+    assert _target_facts('FUSED = {"gate_up_proj": 1, "attn_output": 2}') == [
+        '"gate_up_proj"',
+        '"attn_output"',
+    ]
+    old_model = (
+        "class LlamaModel:\n"
+        "    def forward(self, batch, pool, lora=None):\n"
+        "        ops = self._fusion_ops(batch, pool) if lora is None else None\n"
+        "        if lora is not None and lora.touches(i, spans):\n"
+        "            pass\n"
+        "        if adapters:\n"
+        "            pass\n"
+    )
+    assert _forward_args(old_model) == {"LlamaModel": ["self", "batch", "pool", "lora"]}
+    assert sorted(_adapter_presence_tests(old_model)) == [
+        "adapters",
+        "lora is None",
+        "lora is not None and lora.touches(i, spans)",
+    ]
+    assert not _adapter_presence_tests(
+        "if self.act is silu and not adapters.touches(i, p):\n    pass\n"
+    )

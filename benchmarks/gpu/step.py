@@ -167,17 +167,17 @@ class ForwardTimer:
         self.host_s = 0.0
         self.steps = 0
 
-    def forward(self, step: StepRows, lora: Any = None) -> torch.Tensor:
+    def forward(self, step: StepRows) -> torch.Tensor:
         self.steps += 1
         if self.device.type != "cuda":
             t0 = time.perf_counter()
-            out = self.inner.forward(step, lora)
+            out = self.inner.forward(step)
             self.host_s += time.perf_counter() - t0
             return out  # type: ignore[no-any-return]
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        out = self.inner.forward(step, lora)
+        out = self.inner.forward(step)
         end.record()
         self.events.append((start, end))
         return out  # type: ignore[no-any-return]

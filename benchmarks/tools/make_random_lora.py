@@ -20,14 +20,14 @@ import torch
 
 from benchmarks.tools.reference import hf_config_fields
 from model_runner.config import ModelConfig
-from model_runner.lora.layout import HF_MODULES, target_shapes
+from model_runner.lora.targets import BY_NAME, TARGET_OF, target_shapes
 
-ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ALL_MODULES = tuple(TARGET_OF)
 
 
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """(out, in) of each projection, Hugging Face's names."""
-    return {HF_MODULES[t]: shape for t, shape in target_shapes(config).items()}
+    return {BY_NAME[t].hf_module: shape for t, shape in target_shapes(config).items()}
 
 
 def write_peft(

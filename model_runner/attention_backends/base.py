@@ -31,6 +31,7 @@ from typing import ClassVar, Generic, TypeVar
 import torch
 
 from model_runner.kv_pool import KVPool
+from model_runner.lora.updates import NO_ADAPTERS, StepAdapters
 from model_runner.step import StepRows
 
 FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
@@ -91,6 +92,8 @@ class ForwardBatch(Generic[M]):
     slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset
     max_position: int  # the largest position in ``positions``
     metadata: M  # the backend's per-step data
+    # The step's adapter updates (the eager path's LoRA backend sets them: ``lora.backend``).
+    adapters: StepAdapters = NO_ADAPTERS
 
 
 @dataclass(frozen=True, slots=True)

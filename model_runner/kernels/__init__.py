@@ -20,8 +20,9 @@ compiler ``load()`` returns None, ``unavailable_reason()`` says why, and the mod
 weights.
 
 At load the library's own tables are checked against the Python side: its struct sizes
-against the ctypes mirrors below, and its format table (names, values per record, record
-bytes: ``kv_format_info``) against ``interleave.GEOMETRY``.
+against the ctypes mirrors below, its format table (names, values per record, record
+bytes: ``kv_format_info``) against ``interleave.GEOMETRY``, and its LoRA target table (name,
+projection, output width: ``kv_lora_target``) against ``lora.targets.TARGETS``.
 
 Calls take raw pointers from contiguous tensors; the caller (``model_runner.quant``) checks
 shapes, so this module only converts arguments.
@@ -39,6 +40,7 @@ import threading
 from model_runner import interleave
 from model_runner.environment import switch
 from model_runner.kernels import build
+from model_runner.lora import targets
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +115,7 @@ class LoraPair(ctypes.Structure):
 
 class LoraRows(ctypes.Structure):
     """A step's adapters: each row's slot (-1: the base) and scale, and per slot its
-    ``[num_layers * 7]`` pairs (``model_runner.lora.native``)."""
+    ``[num_layers * len(lora.targets.TARGETS)]`` pairs (``model_runner.lora.native``)."""
 
     _fields_ = [
         ("row_slot", _P),
@@ -180,6 +182,20 @@ def format_table(family: ctypes.CDLL) -> dict[str, tuple[int, int, int]]:
     ) is not None:
         table[name.decode()] = (len(table), block.value, record.value)
     return table
+
+
+def lora_target_table(family: ctypes.CDLL) -> list[tuple[str, int, int]]:
+    """A family library's LoRA targets (``kernels/lora.h``): per index, ``(name, projection,
+    output width)``."""
+    family.kv_lora_target.argtypes = [_I, ctypes.POINTER(_I), ctypes.POINTER(_I)]
+    family.kv_lora_target.restype = ctypes.c_char_p
+    rows: list[tuple[str, int, int]] = []
+    projection, width = _I(), _I()
+    while (
+        name := family.kv_lora_target(len(rows), ctypes.byref(projection), ctypes.byref(width))
+    ) is not None:
+        rows.append((name.decode(), projection.value, width.value))
+    return rows
 
 
 def _format_mismatch(table: dict[str, tuple[int, int, int]]) -> str | None:
@@ -268,6 +284,7 @@ def _family(lib: ctypes.CDLL, name: str) -> None:
     mismatch = _struct_mismatch(family)
     table = format_table(family)
     mismatch = mismatch or _format_mismatch(table)
+    mismatch = mismatch or targets.check_kernel_table(lora_target_table(family))
     if mismatch is not None:
         raise RuntimeError(f"{name} kernels: {mismatch}")
     family.kv_family.restype = _P

@@ -368,10 +368,15 @@ void step_layer(const StepArgs& st, const StepLayer& L, int layer, const StepBuf
   }
   qgemm_team(L.qkv, sb.x, B, Hd, sb.qkv, nq, L.qkv_bias, nullptr, 0, EPI_NONE, st.residual, ab, tid, nth);
   const int I = st.intermediate;
-  const LoraSpan qkv_spans[3] = {{LT_Q, 0, H * D}, {LT_K, H * D, KVH * D}, {LT_V, (H + KVH) * D, KVH * D}};
-  const LoraSpan o_span{LT_O, 0, Hd}, down_span{LT_DOWN, 0, Hd};
-  const LoraSpan gate_up_spans[2] = {{LT_GATE, 0, I}, {LT_UP, I, I}};
-  if (st.lora) lora_apply(st, layer, qkv_spans, 3, sb.x, Hd, sb.qkv, nq, sb.lora_t, tid, nth);
+  LoraSpan qkv_spans[3], o_spans[3], gate_up_spans[3], down_spans[3];
+  int n_qkv = 0, n_o = 0, n_gate_up = 0, n_down = 0;
+  if (st.lora) {  // the target table's spans (lora.h), checked against Python's at load
+    n_qkv = lora_spans(st, LP_QKV, qkv_spans);
+    n_o = lora_spans(st, LP_O, o_spans);
+    n_gate_up = lora_spans(st, LP_GATE_UP, gate_up_spans);
+    n_down = lora_spans(st, LP_DOWN, down_spans);
+    lora_apply(st, layer, qkv_spans, n_qkv, sb.x, Hd, sb.qkv, nq, sb.lora_t, tid, nth);
+  }
   for (int b = tid; b < B; b += nth) {
     const int64_t pos = st.positions[b];
     const float* cs = st.rope + pos * D;  // [D / 2] pairs of (cos, sin)
@@ -402,16 +407,16 @@ void step_layer(const StepArgs& st, const StepLayer& L, int layer, const StepBuf
     }
   }
   qgemm_team(L.o, sb.attn, B, H * D, st.hidden, Hd, nullptr, st.hidden, Hd, EPI_ADD, st.residual, ab, tid, nth);
-  if (st.lora) lora_apply(st, layer, &o_span, 1, sb.attn, H * D, st.hidden, Hd, sb.lora_t, tid, nth);
+  if (st.lora) lora_apply(st, layer, o_spans, n_o, sb.attn, H * D, st.hidden, Hd, sb.lora_t, tid, nth);
   for (int b = tid; b < B; b += nth) rms_norm(st.hidden + (int64_t)b * Hd, L.post_norm, st.eps, 1, Hd, sb.x + (int64_t)b * Hd);
   if (nth > 1) {
 #pragma omp barrier
   }
-  if (lora_touches(st, layer, gate_up_spans, 2)) {
+  if (lora_touches(st, layer, gate_up_spans, n_gate_up)) {
     // The update goes in before the SiLU: gate and up whole, then silu(gate) * up per row
     // (the fused epilogue's arithmetic, so the base rows' numbers do not change).
     qgemm_team(L.gate_up, sb.x, B, Hd, sb.gate_up, 2 * I, nullptr, nullptr, 0, EPI_NONE, st.residual, ab, tid, nth);
-    lora_apply(st, layer, gate_up_spans, 2, sb.x, Hd, sb.gate_up, 2 * I, sb.lora_t, tid, nth);
+    lora_apply(st, layer, gate_up_spans, n_gate_up, sb.x, Hd, sb.gate_up, 2 * I, sb.lora_t, tid, nth);
     for (int b = tid; b < B; b += nth) {
       const float* gu = sb.gate_up + (int64_t)b * 2 * I;
       float* a = sb.act + (int64_t)b * I;
@@ -424,7 +429,7 @@ void step_layer(const StepArgs& st, const StepLayer& L, int layer, const StepBuf
     qgemm_team(L.gate_up, sb.x, B, Hd, sb.act, I, nullptr, nullptr, 0, EPI_SILU_MUL, st.residual, ab, tid, nth);
   }
   qgemm_team(L.down, sb.act, B, I, st.hidden, Hd, nullptr, st.hidden, Hd, EPI_ADD, st.residual, ab, tid, nth);
-  if (st.lora) lora_apply(st, layer, &down_span, 1, sb.act, I, st.hidden, Hd, sb.lora_t, tid, nth);
+  if (st.lora) lora_apply(st, layer, down_spans, n_down, sb.act, I, st.hidden, Hd, sb.lora_t, tid, nth);
 }
 
 // Every layer in one OpenMP team: a barrier between ops instead of a team started per op
@@ -473,6 +478,16 @@ const char* kv_format_info(int fmt, int* block, int* record) {
   *block = fi.block;
   *record = fi.record;
   return kv::FORMAT_NAMES[fmt];
+}
+
+// LoRA target t's name, projection and output width (lora.h LORA_TARGETS): the table Python
+// checks against model_runner/lora/targets.py TARGETS. NULL past the last target.
+const char* kv_lora_target(int t, int* projection, int* width) {
+  if (t < 0 || t >= kv::KV_VARIANT::LORA_NUM_TARGETS) return nullptr;
+  const kv::KV_VARIANT::LoraTargetInfo& info = kv::KV_VARIANT::LORA_TARGETS[t];
+  *projection = info.projection;
+  *width = info.width;
+  return info.name;
 }
 
 }  // extern "C"

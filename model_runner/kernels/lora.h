@@ -14,14 +14,41 @@
 // give the same bits; columns are split into fixed 64-wide chunks, so a column is always
 // computed by the same code (the 8-wide body or the scalar tail).
 
-constexpr int LORA_NUM_TARGETS = 7;  // q, k, v, o, gate, up, down (lora/layout.py TARGETS)
-enum LoraTarget { LT_Q = 0, LT_K = 1, LT_V = 2, LT_O = 3, LT_GATE = 4, LT_UP = 5, LT_DOWN = 6 };
+// The targets an adapter may update, by index (an adapter's pair table holds one pair per
+// layer and target): each one's name, the fused projection whose output columns it is a span
+// of, and its output width. model_runner/lora/targets.py TARGETS is the same table; Python
+// compares the two when the kernels load (kv_lora_target).
+enum LoraProjection { LP_QKV = 0, LP_O = 1, LP_GATE_UP = 2, LP_DOWN = 3 };
+enum LoraWidth { LW_HEADS = 0, LW_KV_HEADS = 1, LW_HIDDEN = 2, LW_INTERMEDIATE = 3 };
+struct LoraTargetInfo {
+  const char* name;
+  int projection, width;
+};
+constexpr int LORA_NUM_TARGETS = 7;
+constexpr LoraTargetInfo LORA_TARGETS[LORA_NUM_TARGETS] = {
+    {"q", LP_QKV, LW_HEADS},         {"k", LP_QKV, LW_KV_HEADS},        {"v", LP_QKV, LW_KV_HEADS},
+    {"o", LP_O, LW_HIDDEN},          {"gate", LP_GATE_UP, LW_INTERMEDIATE}, {"up", LP_GATE_UP, LW_INTERMEDIATE},
+    {"down", LP_DOWN, LW_HIDDEN}};
 constexpr int LORA_TILE = 4;   // rows of one adapter whose dot products share each load of A
 constexpr int LORA_COLS = 64;  // output columns of one expand task
 
 struct LoraSpan {
   int target, col0, n;  // a target's columns [col0, col0 + n) of the output
 };
+
+// The spans of `projection`'s targets in the table's order (at most 3), from the step's
+// shape; returns how many.
+inline int lora_spans(const StepArgs& st, int projection, LoraSpan* out) {
+  const int widths[] = {st.num_heads * st.head_dim, st.num_kv_heads * st.head_dim, st.hidden_size, st.intermediate};
+  int n = 0, col0 = 0;
+  for (int t = 0; t < LORA_NUM_TARGETS; ++t) {
+    if (LORA_TARGETS[t].projection != projection) continue;
+    const int w = widths[LORA_TARGETS[t].width];
+    out[n++] = LoraSpan{t, col0, w};
+    col0 += w;
+  }
+  return n;
+}
 
 // out[r] = sum_k a[k] * x[r][k] for R rows: per row two 8-lane accumulators (blocks of 8 at
 // even and odd offsets), the scalar tail, then the lanes in a fixed tree; the same for every R.

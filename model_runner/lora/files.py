@@ -32,19 +32,8 @@ from typing import Any, Literal
 import torch
 
 from model_runner.lora.info import AdapterError
+from model_runner.lora.targets import GGUF_MODULES, MODULES
 
-# The projections an adapter may target, by their Hugging Face names.
-MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-           "qkv_proj", "gate_up_proj")  # fmt: skip  # the last two: Phi-3's fused ones
-_GGUF_MODULES = {
-    "attn_q": "q_proj",
-    "attn_k": "k_proj",
-    "attn_v": "v_proj",
-    "attn_output": "o_proj",
-    "ffn_gate": "gate_proj",
-    "ffn_up": "up_proj",
-    "ffn_down": "down_proj",
-}
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
 _PEFT_KEY = re.compile(
@@ -270,7 +259,7 @@ def _gguf_modules(architecture: object) -> dict[str, str]:
     ``ffn_up`` holding gate and up)."""
     from model_runner.families import for_gguf
 
-    modules = dict(_GGUF_MODULES)
+    modules = dict(GGUF_MODULES)
     try:
         fam = for_gguf(str(architecture or ""), {}, ())
     except ValueError:  # not a family kvserve runs: check_fits names the mismatch

@@ -24,42 +24,13 @@ from model_runner.config import ModelConfig
 from model_runner.families import family
 from model_runner.lora.files import AdapterFile, LoraPair
 from model_runner.lora.info import AdapterError
+from model_runner.lora.targets import BY_NAME, FUSED_MODULES, TARGET_OF, target_shapes, targets_of
 from model_runner.rope import rope_pair_order
 
 if TYPE_CHECKING:
     import ctypes
 
     from model_runner.kernels import LoraPair as NativePair
-
-# kvserve's targets, in the order of a layer's projections, and their Hugging Face names.
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-HF_MODULES = {
-    "q": "q_proj",
-    "k": "k_proj",
-    "v": "v_proj",
-    "o": "o_proj",
-    "gate": "gate_proj",
-    "up": "up_proj",
-    "down": "down_proj",
-}
-TARGET_OF = {module: target for target, module in HF_MODULES.items()}
-# A checkpoint's fused projections (Phi-3) -> the targets whose rows they stack, in order.
-FUSED_MODULES = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
-
-
-def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """``(out_features, in_features)`` of each target in ``config``'s model."""
-    h, kvh, d = config.num_heads, config.num_kv_heads, config.head_dim
-    hidden, inter = config.hidden_size, config.intermediate_size
-    return {
-        "q": (h * d, hidden),
-        "k": (kvh * d, hidden),
-        "v": (kvh * d, hidden),
-        "o": (hidden, h * d),
-        "gate": (inter, hidden),
-        "up": (inter, hidden),
-        "down": (hidden, inter),
-    }
 
 
 def check_fits(adapter: AdapterFile, config: ModelConfig, max_rank: int) -> None:
@@ -112,10 +83,11 @@ def unfused_pairs(adapter: AdapterFile, config: ModelConfig) -> dict[tuple[int, 
     shapes = target_shapes(config)
     out: dict[tuple[int, str], LoraPair] = {}
     for (layer, module), pair in adapter.pairs.items():
-        parts = FUSED_MODULES.get(module)
-        if parts is None:
+        projection = FUSED_MODULES.get(module)
+        if projection is None:
             out[(layer, module)] = pair
             continue
+        parts = [t.name for t in targets_of(projection)]
         rows = [shapes[t][0] for t in parts]
         if pair.b.shape[0] != sum(rows):
             raise AdapterError(
@@ -124,7 +96,7 @@ def unfused_pairs(adapter: AdapterFile, config: ModelConfig) -> dict[tuple[int, 
                 "another model"
             )
         for target, b in zip(parts, torch.split(pair.b, rows), strict=True):
-            out[(layer, HF_MODULES[target])] = LoraPair(pair.a, b, pair.scaling)
+            out[(layer, BY_NAME[target].hf_module)] = LoraPair(pair.a, b, pair.scaling)
     return out
 
 
@@ -133,9 +105,10 @@ def kvserve_rows(
 ) -> torch.Tensor:
     """``scaling * B`` (fp32, ``[out, r]``) with its rows in kvserve's order for ``target``."""
     b = pair.b * pair.scaling
-    if target not in ("q", "k"):
+    info = BY_NAME[target]
+    if not info.rotary:
         return b
-    heads = config.num_heads if target == "q" else config.num_kv_heads
+    heads = config.num_heads if info.out_width == "heads" else config.num_kv_heads
     d = config.head_dim
     fam = family(config.architecture)
     if qk_layout == "gguf" and fam.gguf_qk_permuted:

@@ -1,7 +1,7 @@
 """A step's adapters for the fused CPU kernels (``kernels/lora.h``): the ctypes view.
 
 Each adapter's pairs are described once, when it is first used on this path (``pair_table``:
-``[num_layers * 7]`` ``LoraPair``, pointers into its fp16 tensors, cached on its
+``[num_layers * len(TARGETS)]`` ``LoraPair``, pointers into its fp16 tensors, cached on its
 ``LoraWeights``); a step then passes each row's slot and scale and one pointer per slot.
 """
 
@@ -12,8 +12,9 @@ import ctypes
 import torch
 
 from model_runner import kernels
-from model_runner.lora.layout import TARGETS, LoraWeights
-from model_runner.lora.step import LoraStep
+from model_runner.lora.layout import LoraWeights
+from model_runner.lora.plan import LoraStep
+from model_runner.lora.targets import TARGETS
 
 
 def pair_table(weights: LoraWeights) -> ctypes.Array[kernels.LoraPair]:
@@ -25,8 +26,8 @@ def pair_table(weights: LoraWeights) -> ctypes.Array[kernels.LoraPair]:
         raise ValueError(f"the kernels take fp16 adapters, not {weights.dtype}")
     table = (kernels.LoraPair * (len(weights.layers) * len(TARGETS)))()
     for layer, pairs in enumerate(weights.layers):
-        for t, target in enumerate(TARGETS):
-            pair = pairs.get(target)
+        for t, target in enumerate(TARGETS):  # the kernels' order (checked at load)
+            pair = pairs.get(target.name)
             if pair is None:
                 continue
             a, bt = pair

@@ -170,3 +170,32 @@ def test_a_table_that_differs_from_interleave_is_refused() -> None:
     assert "Q5_K" in (kernels._format_mismatch(table) or "")
     del table["Q5_K"]
     assert "Q5_K" in (kernels._format_mismatch(table) or "")
+
+
+# ---------------------------------------------------------------------- the LoRA target table
+
+
+@needs_kernels
+def test_the_librarys_lora_targets_equal_the_python_table() -> None:
+    """The kernels' LoRA targets (lora.h: name, projection, output width, by index) are
+    ``lora.targets.TARGETS`` (the order an adapter's pair table is written in), and the
+    spans the kernels derive from them are the Python side's."""
+    from model_runner.lora import targets
+
+    rows = kernels.lora_target_table(kernels._families[kernels.isa()])
+    assert [name for name, _, _ in rows] == [t.name for t in targets.TARGETS]
+    assert rows == targets.kernel_rows()
+    assert targets.check_kernel_table(rows) is None
+
+
+def test_a_lora_target_table_that_differs_is_refused() -> None:
+    """The load-time check names the difference: a target moved to another projection, a
+    width changed, or one missing."""
+    from model_runner.lora import targets
+
+    rows = targets.kernel_rows()
+    moved = [*rows[:4], ("gate", 3, rows[4][2]), *rows[5:]]
+    assert "gate" in (targets.check_kernel_table(moved) or "")
+    wider = [(n, p, 0 if n == "down" else w) for n, p, w in rows]
+    assert "down" in (targets.check_kernel_table(wider) or "")
+    assert targets.check_kernel_table(rows[:-1]) is not None

@@ -126,10 +126,10 @@ def test_a_rows_result_does_not_depend_on_its_neighbours() -> None:
 
 
 def test_triton_lora_equals_the_torch_path_on_a_step(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """TritonLora (the CUDA path's step object) adds the same updates as TorchLora for a step
-    of prefill chunks and decodes of three adapters and the base model, on every target."""
-    from model_runner.lora.cuda import TritonLora
-    from model_runner.lora.step import LoraStep, TorchLora
+    """The Triton backend (the CUDA path's) adds the same updates as the torch backend for a
+    step of prefill chunks and decodes of three adapters and the base model, on every
+    projection (``lora.targets``' spans)."""
+    from model_runner.paths import lora_backend
     from model_runner.step import StepRows
     from tests.model_runner.lora_oracle import peft_adapter, with_lora
     from tests.model_runner.oracle import make_runner, random_ids, seq, tiny_hf
@@ -146,25 +146,28 @@ def test_triton_lora_equals_the_torch_path_on_a_step(tmp_path) -> None:  # type:
                with_lora(seq("p2", ids, 0, 9, [8, 9, 10]), ref["z"])]  # fmt: skip
     decode = [with_lora(seq(f"d{i}", ids, 20, 21, list(range(11, 17))), ref[n])
               for i, n in enumerate("yxy")]  # fmt: skip
-    step = StepRows.from_seqs(prefill, decode, 4)
     weights = {n: runner.lora.weights(ref[n]) for n in "xyz"}
-    lora = LoraStep.of(step, weights)  # type: ignore[arg-type]
-    assert lora is not None
+    step = StepRows.from_seqs(prefill, decode, 4, weights=weights)  # type: ignore[arg-type]
+    assert step.lora is not None and step.lora.names == ("x", "y", "z")
     config = runner.config
     cpu = torch.device("cpu")
+    torch_updates = lora_backend(config, cpu, "torch").updates(step)
+    triton_updates = lora_backend(config, cpu, "triton").updates(step)
     g = torch.Generator().manual_seed(2)
     for layer in range(config.num_layers):
-        for spans, in_features, out_width in (
-            ((("q", 0), ("k", 64), ("v", 96)), 64, 128),
-            ((("o", 0),), 64, 64),
-            ((("gate", 0), ("up", 128)), 64, 256),
-            ((("down", 0),), 128, 64),
+        for projection, in_features, out_width in (
+            ("qkv", 64, 128),  # q 64 columns, k and v 32 each (4 heads, 2 KV heads, D 16)
+            ("o", 64, 64),
+            ("gate_up", 64, 256),
+            ("down", 128, 64),
         ):
+            assert torch_updates.touches(layer, projection)
             x = torch.randn(step.num_rows, in_features, generator=g)
             y = torch.randn(step.num_rows, out_width, generator=g)
             want, got = y.clone(), y.clone()
-            TorchLora(lora, config, cpu).add_(layer, spans, x, want)
-            TritonLora(lora, step, config, cpu).add_(layer, spans, x, got)
+            torch_updates.add_(layer, projection, x, want)
+            triton_updates.add_(layer, projection, x, got)
+            assert not torch.equal(want, y)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -237,6 +240,7 @@ def test_a_lora_step_reads_nothing_back_from_the_device(tmp_path) -> None:  # ty
     """A runner's LoRA steps through the Triton kernels (as on CUDA; here in the interpreter)
     make no call that reads a device value back (0 per step: the launch grids come from the
     host plan), and give the torch path's greedy tokens, step after step."""
+    from model_runner.paths import lora_backend
     from tests.model_runner.lora_oracle import peft_adapter
     from tests.model_runner.oracle import make_runner, tiny_hf
 
@@ -247,7 +251,7 @@ def test_a_lora_step_reads_nothing_back_from_the_device(tmp_path) -> None:  # ty
         for name, r in (("x", 4), ("y", 8)):
             peft_adapter(hf, tmp_path / name, r=r, seed=r)
             runner.lora.load(name, tmp_path / name)
-        runner.paths.eager.triton_lora = kernels == "triton"
+        runner.paths.eager.lora = lora_backend(runner.config, runner.device, kernels)
         got[kernels] = _lora_steps(runner, {n: runner.lora.resolve(n) for n in "xy"})
     for kernels, steps in got.items():
         assert [reads for _, reads, _ in steps] == [[], [], []], kernels
@@ -262,8 +266,7 @@ def test_cuda_lora_step_makes_no_synchronisation(tmp_path) -> None:  # type: ign
     """On CUDA, preparing a LoRA step's tables (pinned, non-blocking copies) and running its
     kernels over every layer and target makes no synchronisation (torch's sync debug mode
     raises on one, an unpinned copy included)."""
-    from model_runner.lora.cuda import TritonLora
-    from model_runner.lora.step import LoraStep
+    from model_runner.paths import lora_backend
     from model_runner.step import StepRows
     from tests.model_runner.lora_oracle import peft_adapter, with_lora
     from tests.model_runner.oracle import make_runner, random_ids, seq, tiny_hf
@@ -278,20 +281,20 @@ def test_cuda_lora_step_makes_no_synchronisation(tmp_path) -> None:  # type: ign
         [with_lora(seq("p", ids, 0, 19, [1, 2, 3, 4, 5]), ref)],
         [with_lora(seq("d", ids, 20, 21, [6, 7, 8, 9, 10, 11]), ref)],
         4,
+        weights={"x": runner.lora.weights(ref)},  # type: ignore[dict-item]
     )
-    lora = LoraStep.of(step, {"x": runner.lora.weights(ref)})
-    assert lora is not None
     device = torch.device("cuda")
     x = torch.randn(step.num_rows, 64, device=device)
     y = torch.zeros(step.num_rows, 128, device=device)
-    spans = (("q", 0), ("k", 64), ("v", 96))
-    TritonLora(lora, step, runner.config, device).add_(0, spans, x, y)  # compiles the kernels
+    backend = lora_backend(runner.config, device)
+    assert backend.name == "triton"
+    backend.updates(step).add_(0, "qkv", x, y)  # compiles the kernels
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        adapters = TritonLora(lora, step, runner.config, device)
+        adapters = backend.updates(step)
         for layer in range(runner.config.num_layers):
-            adapters.add_(layer, spans, x, y)
+            adapters.add_(layer, "qkv", x, y)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert bool(y.abs().sum() > 0)

@@ -34,7 +34,7 @@ def _decodes(n: int) -> StepRows:
 def test_graphs_take_decode_steps_a_bucket_holds() -> None:
     """With graphs of (1, 2, 4) and no fused path: a decode with 2 drafts (3 rows) replays a
     graph; a prefill step and 5 decodes run eagerly."""
-    paths = ForwardPaths(EagerPath(STANDIN, STANDIN), graphs=GraphPath(STANDIN))
+    paths = ForwardPaths(EagerPath(STANDIN, STANDIN, STANDIN), graphs=GraphPath(STANDIN))
     drafts = StepRows.from_seqs([], [_draft("v", 4, 2, [4, 5])], 4)
     prefill = StepRows.from_seqs([seq("p", IDS, 0, 3, [6])], [], 4)
     assert paths.choose(drafts).name == "graphs"
@@ -46,7 +46,7 @@ def test_the_fused_path_comes_first_up_to_its_row_bound() -> None:
     """FusedPath(max_rows=4) before graphs of (1, 2, 4): 4 decode rows take the fused path,
     a 4-row prefill chunk too; 5 rows fall through to the eager path (no bucket holds them)."""
     fused = FusedPath(STANDIN, None, max_rows=4)
-    paths = ForwardPaths(EagerPath(STANDIN, STANDIN), fused, GraphPath(STANDIN))
+    paths = ForwardPaths(EagerPath(STANDIN, STANDIN, STANDIN), fused, GraphPath(STANDIN))
     assert paths.choose(_decodes(4)).name == "fused"
     assert paths.choose(StepRows.from_seqs([seq("p", IDS, 0, 4, [6])], [], 4)).name == "fused"
     assert paths.choose(_decodes(5)).name == "eager"
@@ -105,7 +105,9 @@ def test_the_lm_head_sees_only_the_rows_that_sample_on_the_graph_path() -> None:
     graphed = runners[1]
     model = graphed.model
     graphs = ReplayStandIn(model, graphed.pool, (1, 2, 4), scratch_slot=7 * 4)
-    graphed.paths = ForwardPaths(EagerPath(model, graphed.pool), graphs=GraphPath(graphs))  # type: ignore[arg-type]
+    graphed.paths = ForwardPaths(
+        EagerPath(model, graphed.pool, graphed.paths.eager.lora), graphs=GraphPath(graphs)
+    )  # type: ignore[arg-type]
     head_rows: list[int] = []
     compute_logits = model.compute_logits
 

@@ -4,6 +4,7 @@ Triton's interpreter on CPU (compiled where there is a GPU), and compiled for sm
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,9 @@ from model_runner.rope import RopeRows
 from model_runner.runner import TorchRunner
 from model_runner.step import StepRows
 from model_runner.weights import onednn_works
+from scheduler.output import ScheduledSeq
+from scheduler.request import LoraRef
+from tests.model_runner.lora_oracle import peft_adapter, with_lora
 from tests.model_runner.oracle import our_config, plan, random_ids, seq, tiny_hf
 from tests.model_runner.sm90 import compiled_counts
 
@@ -168,17 +172,24 @@ def test_fusions_compile_to_16_byte_accesses_without_spills_for_sm90() -> None:
     assert counts["rope_kv_write"]["ld.global.b64"] == 2, counts  # the position and the slot
 
 
-def _steps(runner: TorchRunner, fusions: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _steps(
+    runner: TorchRunner, fusions: bool, lora: LoraRef | None = None
+) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Logits of a prefill step (two chunks, one over a cached prefix) then two decode
-    steps, and the pool after them, with the model's fusions on or off."""
+    steps, and the pool after them, with the model's fusions on or off; request "a" runs
+    with adapter ``lora``."""
     runner.model.fusions = fusions
     runner.pool.data.zero_()
     a, b = random_ids(12, seed=7), random_ids(11, seed=8)
     ta, tb = [0, 1, 5], [2, 3, 4]
+
+    def on_a(start: int, end: int, table: list[int]) -> ScheduledSeq:
+        return with_lora(seq("a", a, start, end, table), lora)
+
     steps = [
-        plan(0, prefill=[seq("a", a, 0, 8, ta[:2]), seq("b", b, 0, 9, tb)]),
-        plan(1, prefill=[seq("a", a, 8, 11, ta)], decode=[seq("b", b, 9, 10, tb)]),
-        plan(2, decode=[seq("a", a, 11, 12, ta), seq("b", b, 10, 11, tb)]),
+        plan(0, prefill=[on_a(0, 8, ta[:2]), seq("b", b, 0, 9, tb)]),
+        plan(1, prefill=[on_a(8, 11, ta)], decode=[seq("b", b, 9, 10, tb)]),
+        plan(2, decode=[on_a(11, 12, ta), seq("b", b, 10, 11, tb)]),
     ]
     logits = [torch.cat(list(runner.step_logits(p).values())) for p in steps]
     return logits, runner.pool.data.clone()
@@ -225,6 +236,30 @@ def test_the_fused_forward_equals_the_torch_forward(
         assert [x.argmax(-1).tolist() for x in logits] == [
             x.argmax(-1).tolist() for x in ref_logits
         ]
+
+
+def test_the_fused_forward_adds_a_steps_adapters_as_the_torch_forward(tmp_path: Path) -> None:
+    """The step's adapter updates (``ForwardBatch.adapters``) go in after each projection
+    on the fused forward as on the torch forward: the same logits and pool for a step of an
+    adapter's rows beside base rows, and the adapter's rows unlike the base model's."""
+    hf = tiny_hf("llama-gqa")
+    state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
+    options = RunnerOptions(
+        num_blocks=8, block_size=4, dtype="float32", device=DEVICE, use_onednn=False,
+        cuda_graphs=False,
+    )  # fmt: skip
+    runner = TorchRunner(our_config(hf), state, options)
+    peft_adapter(hf, tmp_path / "x", r=4, seed=3)
+    runner.lora.load("x", tmp_path / "x")
+    ref = runner.lora.resolve("x")
+    base, _ = _steps(runner, fusions=False)
+    want, want_pool = _steps(runner, fusions=False, lora=ref)
+    got, pool = _steps(runner, fusions=True, lora=ref)
+    for ours, theirs in zip(got, want, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    torch.testing.assert_close(pool, want_pool, atol=1e-4, rtol=0)
+    assert (want[0][:8] - base[0][:8]).abs().max() > 1e-2  # "a"'s rows: the adapter's
+    torch.testing.assert_close(want[0][8:], base[0][8:], atol=1e-5, rtol=0)  # "b": the base
 
 
 def test_the_fusions_stay_off_where_they_do_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
