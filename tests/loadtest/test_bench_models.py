@@ -46,6 +46,12 @@ def test_run_all_quick_model_sections_print_their_tables_and_write_json(tmp_path
         assert set(t["kv16_us"]) == set(t["kv8_us"]) == {"1", "8"}
         assert all(us > 0 for us in [*t["kv16_us"].values(), *t["kv8_us"].values()])
     assert "Quantized matmul against ggml (kernels)" in done.stdout
+    # the real shapes' row (quick: one shape), rotated over copies, beside the read probe
+    (shape,) = kern["shapes"]["rows"][:1]
+    assert (shape["matrix"], shape["m"], shape["k"], shape["threads"]) == ("o", 2048, 2048, 1)
+    assert shape["copies"] * shape["weight_bytes"] >= kern["shapes"]["rotation_bytes"]
+    assert shape["kernel_gb_s"] > 0 and shape["read_gb_s"] > 0
+    assert "M = 1 at the real models' shapes" in done.stdout
     (model,) = doc["models"]
     assert model["model"] == "embedded" and model["read_gbs"] > 0
     assert model["kv_prefill_tok_s"] > 0 and model["kv_decode_tok_s"] > 0
