@@ -240,7 +240,7 @@ async def test_forward_error_in_a_torch_runner_on_cpu_fails_the_step_then_serves
         crash = RuntimeError(f"injected {where} failure")
         owner = runner.paths if where == "forward" else runner.sampler
         name = "forward" if where == "forward" else "launch"
-        # forward(paths, step, lora): both decoding; launch(sampler, logits, ...): two rows.
+        # forward(paths, step): both decoding; launch(sampler, logits, ...): two rows.
         both_in = (
             (lambda _o, step, *_: len(step.decode) == 2 and not step.prefill)
             if where == "forward"
@@ -294,15 +294,15 @@ async def test_forward_error_that_leaves_nan_in_the_kv_poisons_no_later_request(
     runner.use_step_thread(ahead)
     forward, calls = ForwardPaths.forward, []
 
-    def poisoning(self: ForwardPaths, step: Any, lora: Any = None) -> Any:
+    def poisoning(self: ForwardPaths, step: Any) -> Any:
         if self is not runner.paths:  # another test's runner, still stepping
-            return forward(self, step, lora)
+            return forward(self, step)
         calls.append(step)
         if len(calls) == (1 if ahead else 3):  # the first chunk / the second decode
             blocks = sorted({b for s in step.seqs for b in s.block_ids})
             runner.pool.data[:, :, blocks] = float("nan")
             raise RuntimeError("injected: NaN in the KV, then a failure")
-        return forward(self, step, lora)
+        return forward(self, step)
 
     monkeypatch.setattr(ForwardPaths, "forward", poisoning)
     served = serve(
