@@ -16,8 +16,8 @@ router the gRPC calls, each OpenAI ingress's router its HTTP calls.
 
 Load is counted here, per replica: requests sent and not yet completed. Each replica's
 report (``KVServeReplica.record_routing_stats``) adds the block keys it admitted, so the
-index also learns what other proxies sent, and marks a draining replica, which gets no new
-requests.
+index also learns what other proxies sent; sizes its index to its KV pool (older keys were
+evicted there); and marks a draining replica, which gets no new requests.
 
 The cost router (``--router cost``) also needs prices and the shared tier's contents. Each
 replica reports its step-cost model's coefficients and what a tier-2 restore cost it; the
@@ -259,6 +259,9 @@ class KVServeRequestRouter(RequestRouter):
         fresh = False
         for r in replicas:
             rid = r.replica_id.unique_id
+            kv_blocks = r.routing_stats.get("kv_blocks")
+            if isinstance(kv_blocks, int) and kv_blocks > 0:
+                router.resize(rid, kv_blocks)
             reported = r.routing_stats.get("keys")
             if reported and self._learned.get(rid) is not reported:
                 router.learn(rid, reported)

@@ -279,6 +279,7 @@ class KVServeReplica:
             # A dead engine answers UNAVAILABLE until Ray replaces the replica: route around it.
             "draining": self.draining or not engine.is_alive,
             "block_size": self.model.block_size,
+            "kv_blocks": self.model.num_blocks,  # the router's index of it holds as many keys
             "keys": self.arrivals.snapshot(),
             "metrics_url": self.metrics_url,
             "cost_model_s": None if model is None else list(model.coefficients_s),

@@ -37,7 +37,7 @@ request's time to first token the same way). The lowest estimate wins; the load 
 
 Every router offers the same hooks (SGLang's ``LoadBalancingPolicy``), whose defaults do
 nothing, so a caller never asks which router it holds: ``choose``, and ``on_finished``,
-``learn``, ``retain``, ``forget``, ``reprice`` for what the replicas report.
+``learn``, ``retain``, ``resize``, ``forget``, ``reprice`` for what the replicas report.
 """
 
 from __future__ import annotations
@@ -120,6 +120,17 @@ class KeyLRU:
         for key in keys:
             held[key] = None
             held.move_to_end(key)
+        self._trim()
+
+    def resize(self, capacity_blocks: int) -> None:
+        """Hold at most ``capacity_blocks`` from now on (the oldest go first)."""
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+        self.capacity_blocks = capacity_blocks
+        self._trim()
+
+    def _trim(self) -> None:
+        held = self._keys
         while len(held) > self.capacity_blocks:
             held.popitem(last=False)
 
@@ -134,8 +145,11 @@ class KeyLRU:
 class PrefixIndex:
     """Per replica, a bounded LRU of the block keys it received recently.
 
-    ``capacity_blocks`` should be about a replica's KV pool: older keys have likely been
-    evicted there. Not thread-safe; one router owns one index.
+    A replica's LRU holds about its KV pool: older keys have likely been evicted there.
+    ``capacity_blocks`` is the size until the replica reports its own (``resize``): a
+    replica of 40 blocks that was sent every prefix holds the latest 40 blocks' worth, so
+    the older prefixes go to another replica instead of thrashing it. Not thread-safe; one
+    router owns one index.
     """
 
     def __init__(self, capacity_blocks: int) -> None:
@@ -143,6 +157,7 @@ class PrefixIndex:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
         self._keys: dict[str, KeyLRU] = {}
+        self._sizes: dict[str, int] = {}  # replica id -> its reported KV pool, in blocks
 
     def num_keys(self, replica_id: str) -> int:
         held = self._keys.get(replica_id)
@@ -157,12 +172,21 @@ class PrefixIndex:
         """Record that ``replica_id`` now holds ``keys`` (most recent last)."""
         held = self._keys.get(replica_id)
         if held is None:
-            held = self._keys[replica_id] = KeyLRU(self.capacity_blocks)
+            size = self._sizes.get(replica_id, self.capacity_blocks)
+            held = self._keys[replica_id] = KeyLRU(size)
         held.add(keys)
+
+    def resize(self, replica_id: str, capacity_blocks: int) -> None:
+        """``replica_id``'s KV pool holds ``capacity_blocks``: its LRU holds as many."""
+        self._sizes[replica_id] = capacity_blocks
+        held = self._keys.get(replica_id)
+        if held is not None and held.capacity_blocks != capacity_blocks:
+            held.resize(capacity_blocks)
 
     def drop(self, replica_id: str) -> None:
         """Forget a replica (a restarted one starts with an empty cache)."""
         self._keys.pop(replica_id, None)
+        self._sizes.pop(replica_id, None)
 
     def replica_ids(self) -> list[str]:
         """The replicas it holds keys of."""
@@ -221,6 +245,11 @@ class Router(ABC):
 
     def retain(self, replica_ids: Iterable[str]) -> None:
         """Only ``replica_ids`` are live: forget the others."""
+        return None
+
+    def resize(self, replica_id: str, capacity_blocks: int) -> None:
+        """``replica_id`` reported a KV pool of ``capacity_blocks`` (its prefix cache holds
+        at most as many)."""
         return None
 
     def forget(self, replica_id: str) -> None:
@@ -547,6 +576,9 @@ class GuardedRouter(Router):
 
     def forget(self, replica_id: str) -> None:
         self.score.forget(replica_id)
+
+    def resize(self, replica_id: str, capacity_blocks: int) -> None:
+        self.score.index.resize(replica_id, capacity_blocks)
 
     def reprice(self, reports: Sequence[Mapping[str, Any]]) -> None:
         self.score.reprice(reports)

@@ -96,6 +96,21 @@ async def test_reported_keys_are_learned_once() -> None:
     assert router.router.score.index.num_prefix_blocks("b", keys) == len(keys)
 
 
+async def test_reports_size_each_replicas_index_to_its_pool() -> None:
+    """A report's ``kv_blocks`` bounds what the router believes that replica holds."""
+    router = make_router(router="prefix")
+    a, b = replica("a", kv_blocks=3), replica("b")
+    prompt = "a prompt of many four-byte blocks, more than three"
+    assert await chosen(router, [a, b], generate(prompt, 1)) == "a"
+    assert isinstance(router.router, GuardedRouter)
+    index = router.router.score.index
+    assert index.num_keys("a") == 3
+    assert index.num_prefix_blocks("a", routing_keys(ByteTokenizer().encode(prompt), 4, None)) == 0
+    a.routing_stats["kv_blocks"] = 1
+    await chosen(router, [a, b], generate("another prompt entirely", 2))
+    assert index.num_keys("a") == 1
+
+
 async def test_a_request_asked_about_again_keeps_its_replica_and_is_one_decision() -> None:
     """Ray asks again about a request it could not place (a probe timed out on a busy host):
     it keeps the replica chosen first, while that one is live, for STICKY_ASKS asks, without

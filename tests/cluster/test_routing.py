@@ -112,6 +112,33 @@ def test_prefix_index_is_a_bounded_lru_per_replica() -> None:
     assert index.num_keys("b") == 0
 
 
+def test_a_replica_sized_to_its_pool_sends_the_prefixes_it_evicted_elsewhere() -> None:
+    """A replica that reported a pool of 6 blocks and was sent three 3-block prefixes holds
+    the latest two: the oldest goes to the other replica (a miss there as on "a", whose LRU
+    dropped it), instead of following keys "a" evicted long ago and thrashing it."""
+    router = GuardedRouter(PrefixScore(PrefixIndex(capacity_blocks=4096)))
+    tenants = [[10 * t + 1, 10 * t + 2, 10 * t + 3] for t in range(3)]
+    router.resize("a", 6)
+    for keys in tenants:  # "b" not listed yet (Ray's replica set lagged): all go to "a"
+        assert router.choose(loads(("a", 0)), keys).replica_id == "a"
+    index = router.score.index
+    assert [index.num_prefix_blocks("a", k) for k in tenants] == [0, 3, 3]
+    both = loads(("a", 0), ("b", 0))
+    assert router.choose(both, tenants[0]) == Decision("b", "prefix_miss", 0)
+    assert router.choose(both, tenants[2]) == Decision("a", "prefix_hit", 3)
+    # A smaller report trims at once; a replica first sized, then sent keys, gets its size.
+    router.resize("a", 2)
+    assert index.num_keys("a") == 2
+    router.resize("c", 1)
+    router.learn("c", [7, 8])
+    assert index.num_keys("c") == 1 and index.num_prefix_blocks("c", [8]) == 1
+    router.forget("c")
+    router.learn("c", [7, 8])  # a restarted replica: the default size until it reports
+    assert index.num_keys("c") == 2
+    with pytest.raises(ValueError, match="capacity_blocks must be >= 1"):
+        router.resize("a", 0)
+
+
 def test_make_router_names_the_choices() -> None:
     """An unknown --router value says which ones exist."""
     prefix, cost = make_router("prefix"), make_router("cost")
@@ -130,6 +157,7 @@ def test_load_only_routers_ignore_every_report() -> None:
         router.learn("a", [1, 2])
         router.learn(None, [1, 2])
         router.retain(["a"])
+        router.resize("a", 1)
         router.reprice([{"cost_model_s": [0.01, 1e-3, 0, 0, 0, 0]}])
         router.on_finished("a", [1, 2])
         router.forget("a")
