@@ -52,6 +52,21 @@ inline const uint8_t* group_records(const QW& w, int64_t g, int& fmt, int& nrec)
 
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
+// Asks for the first PREFETCH_AHEAD bytes of row groups g .. g + ng - 1 (each its own record
+// stream). A tile's records prefetch PREFETCH_AHEAD ahead of themselves, so the stream a tile
+// starts would come from DRAM on demand, a latency every few lines: on short rows (K = 2048,
+// 9 KB of Q4_K a group, a pair's second group and gate_up's up half each start cold) that
+// stall is a fixed cost per 16 rows that long rows hide. The GEMM calls this one stream
+// ahead of the tile it runs, so the heads arrive while that tile computes.
+inline void prefetch_head(const QW& w, int g, int ng) {
+  for (int i = 0; i < ng; ++i) {
+    int fmt, nrec;
+    const uint8_t* rec = group_records(w, g + i, fmt, nrec);
+    const int64_t bytes = (int64_t)nrec * format_info(fmt).record;
+    for (int64_t o = 0; o < bytes && o < PREFETCH_AHEAD; o += 64) __builtin_prefetch(rec + o, 0, 3);
+  }
+}
+
 // From this many activation rows, row blocks of 2 groups in zmm (where the variant has them):
 // from 1, as the M = 1 stream reads faster with 16 rows a broadcast too (measured).
 constexpr int PAIR_MIN_M = 1;
@@ -146,6 +161,7 @@ void qgemm_team(const QW& w, const float* x, int M, int ldx, float* out, int ldo
   // Past UNPACK_MIN_M rows a chunk of a row pair is decoded once for all column tiles.
   Unpacked* ub = HAS_UNPACKED && M >= UNPACK_MIN_M ? unbuf.get<Unpacked>((size_t)UNPACK_SETS * ((kc + 31) / 32)) : nullptr;
   const int b0 = (int)((int64_t)blocks * tid / nth), b1 = (int)((int64_t)blocks * (tid + 1) / nth);
+  if (b0 < b1 && kc == K) prefetch_head(w, b0 * per, imin(per, groups - b0 * per));
   for (int blk = b0; blk < b1; ++blk) {
     const int g = blk * per, ng = imin(per, groups - g), ldc = ng * ROWS;
     const int rows = imin(ldc, nout - ROWS * g);
@@ -156,6 +172,13 @@ void qgemm_team(const QW& w, const float* x, int M, int ldx, float* out, int ldo
       for (int half = 0; half < (yu ? 2 : 1); ++half) {
         const int gg = half ? g + up : g;
         float* y = half ? yu : yg;
+        if (kc == K) {  // one pass over each stream: the next one's head (up half, next block)
+          if (yu && half == 0) {
+            prefetch_head(w, g + up, ng);
+          } else if (blk + 1 < b1) {
+            prefetch_head(w, g + per, imin(per, groups - g - per));
+          }
+        }
         if (ub && ng == 2 && unpack_chunk(w, gg, k0, k1, ub)) {
           const Acts ak = from_column(acts, k0);
           int fmt, all;
