@@ -69,6 +69,7 @@ class ShapeRow:
     us: float
     kernel_gb_s: float
     read_gb_s: float
+    load_avg: float  # the 1-minute load average when the row was taken
 
     @property
     def fraction(self) -> float:
@@ -111,7 +112,10 @@ def run(
     rows: list[ShapeRow] = []
     for shape in shapes:
         rows += _measure(shape, total, threads, passes, buf, say)
+    from loadtest.launch import cpu_model
+
     return {
+        "cpu": cpu_model(),
         "llc_bytes": llc_bytes(),
         "rotation_bytes": total,
         "rows": [asdict(r) | {"fraction": r.fraction} for r in rows],
@@ -165,7 +169,7 @@ def _measure(
             read_s = min(read_s, _best_pass_s(read, 1))
         rows.append(ShapeRow(model, matrix, fmt, m, k, th, nbytes, copies,
                              kernel_s / copies * 1e6, span / kernel_s / 1e9,
-                             read_bytes / read_s / 1e9))  # fmt: skip
+                             read_bytes / read_s / 1e9, round(os.getloadavg()[0], 2)))  # fmt: skip
     return rows
 
 
@@ -177,17 +181,19 @@ def format_table(report: dict[str, object]) -> str:
         f"over copies adding up to {report['rotation_bytes'] / 2**20:.0f} MiB (LLC "  # type: ignore[operator]
         f"{report['llc_bytes'] / 2**20:.0f} MiB), against kv_stream_read over as many bytes "  # type: ignore[operator]
         "at the same threads, interleaved, best of each; ggml: no figure at these shapes "
-        "(test-backend-ops runs its own):",
+        f"(test-backend-ops runs its own); CPU: {report.get('cpu', 'unknown')}; load: the "
+        "1-minute load average as each row was taken (the run's own threads count):",
         "",
         "| model | matrix | type | m x k | MB | threads | us | kvserve GB/s | read GB/s "
-        "| fraction |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| fraction | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:  # type: ignore[attr-defined]
         lines.append(
             f"| {r['model']} | {r['matrix']} | {r['fmt']} | {r['m']} x {r['k']} | "
             f"{r['weight_bytes'] / 1e6:.1f} | {r['threads']} | {r['us']:.0f} | "
-            f"{r['kernel_gb_s']:.1f} | {r['read_gb_s']:.1f} | {r['fraction']:.0%} |"
+            f"{r['kernel_gb_s']:.1f} | {r['read_gb_s']:.1f} | {r['fraction']:.0%} | "
+            f"{r['load_avg']:.2f} |"
         )
     return "\n".join(lines)
 

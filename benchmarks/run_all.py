@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             sizes = replace(sizes, chat_levels=parse_levels(args.chat_levels))
         except ValueError as e:
             p.error(str(e))
-    t0 = time.perf_counter()
+    t0, load_start = time.perf_counter(), os.getloadavg()
     ctx = Context(
         target="cpu",
         size=size,
@@ -200,12 +200,17 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - t0
 
     machine = machine_info(args.threads)
+    # A figure taken while something else ran is void: the 1-minute load when the run began
+    # (nothing of the run's yet) and when it ended (the run's own threads count there).
+    machine["load_avg_start"] = round(load_start[0], 2)
+    machine["load_avg_end"] = round(os.getloadavg()[0], 2)
     quick_note = " (--quick smoke run: tiny counts, not figures)" if args.quick else ""
     title = (
         f"kvserve benchmarks{quick_note}"
         " - SmolLM2-135M-Instruct Q4_1 GGUF (kvserve: its own Q4_1/Q8_0 weights, fp16 KV;"
         f" transformers: dequantized to fp32), {machine['cpu']}, "
-        f"{machine['logical_cpus']} logical CPUs, {args.threads} torch threads"
+        f"{machine['logical_cpus']} logical CPUs, {args.threads} torch threads, load average "
+        f"{machine['load_avg_start']:.2f} at the start, {machine['load_avg_end']:.2f} at the end"
     )
     print(title)
     print()

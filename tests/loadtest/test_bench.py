@@ -80,6 +80,10 @@ def run_quick(sections: str, out_dir: Path) -> tuple[subprocess.CompletedProcess
     (path,) = out_dir.glob("bench-quick-*.json")
     doc = json.loads(path.read_text())
     assert doc["schema"] == "kvserve.bench/v1" and doc["quick"] is True
+    # the CPU and the load average beside the figures (a figure taken under load is void)
+    machine = doc["machine"]
+    assert machine["cpu"] and machine["load_avg_start"] >= 0 and machine["load_avg_end"] >= 0
+    assert f", load average {machine['load_avg_start']:.2f} at the start" in done.stdout
     return done, doc
 
 

@@ -51,6 +51,7 @@ def test_run_all_quick_model_sections_print_their_tables_and_write_json(tmp_path
     assert (shape["matrix"], shape["m"], shape["k"], shape["threads"]) == ("o", 2048, 2048, 1)
     assert shape["copies"] * shape["weight_bytes"] >= kern["shapes"]["rotation_bytes"]
     assert shape["kernel_gb_s"] > 0 and shape["read_gb_s"] > 0
+    assert shape["load_avg"] >= 0 and kern["shapes"]["cpu"]  # beside every figure
     assert "M = 1 at the real models' shapes" in done.stdout
     (model,) = doc["models"]
     assert model["model"] == "embedded" and model["read_gbs"] > 0
