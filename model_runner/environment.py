@@ -26,6 +26,8 @@ PREFIX = "KVSERVE_"
 SWITCHES = {
     "kernels": "the quantized CPU kernels: auto (default), portable, or 0 / off (fp32 weights)",
     "isa": "the kernels' ISA family: auto (the best the CPU has) or one of kernels.ISAS",
+    "kernel_tuning": "the kernels' speed knobs: auto (the table by CPU, default), default, or "
+    "name=value pairs (model_runner/kernels/cpu_tuning.py)",
     "kernel_dir": "one folder for the kernels' libraries (default: beside the source, then "
     "$XDG_CACHE_HOME/kvserve/kernels)",
     "fusions": "0 turns off the Triton layer fusions on CUDA",

@@ -40,6 +40,7 @@ import threading
 from model_runner import interleave
 from model_runner.environment import switch
 from model_runner.kernels import build
+from model_runner.kernels import cpu_tuning as tuning_table
 from model_runner.lora import targets
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ _reason: str | None = None
 _loaded = False
 _isa = "portable"
 _families: dict[str, ctypes.CDLL] = {}  # the family libraries registered with the dispatcher
+_tuning: dict[str, int] = dict(tuning_table.DEFAULTS)  # applied to each family as it registers
+_tuning_source = "the defaults"
 _format_codes: dict[str, int] = {}  # the library's format table: name -> its code
 
 _P = ctypes.c_void_p
@@ -253,6 +256,15 @@ def load() -> ctypes.CDLL | None:
             _reason = f"KVSERVE_ISA={wanted!r}: use auto, {', '.join(reversed(ISAS))}"
             logger.warning("quantized CPU kernels unusable (%s): fp32 weights instead", _reason)
             return None
+        global _tuning, _tuning_source
+        try:
+            _tuning, _tuning_source = tuning_table.parse(
+                switch("kernel_tuning", "auto"), tuning_table.read_cpu()
+            )
+        except ValueError as e:
+            _reason = str(e)
+            logger.warning("quantized CPU kernels unusable (%s): fp32 weights instead", _reason)
+            return None
         try:
             import torch  # noqa: F401  (torch's OpenMP runtime first: ours binds to it)
 
@@ -288,6 +300,10 @@ def _family(lib: ctypes.CDLL, name: str) -> None:
     if mismatch is not None:
         raise RuntimeError(f"{name} kernels: {mismatch}")
     family.kv_family.restype = _P
+    family.kv_family_tune.argtypes = [_I, _I]
+    family.kv_family_tune.restype = _I
+    for knob, value in _tuning.items():  # the machine's values (tuning.py), every family
+        family.kv_family_tune(tuning_table.KEYS[knob], value)
     if lib.kv_register_family(build.FAMILIES[name].code, family.kv_family()) != 0:
         raise RuntimeError(f"the dispatcher refused the {name} kernels")
     _families[name] = family  # kept loaded: the dispatcher holds its entry points
@@ -361,6 +377,34 @@ def isa() -> str:
     one while a test runs it)."""
     load()
     return _isa
+
+
+def _family_lib() -> ctypes.CDLL:
+    if load() is None:
+        raise RuntimeError(f"kernels unavailable: {unavailable_reason()}")
+    return _families[_isa]
+
+
+def tuning() -> dict[str, int]:
+    """The family in use's tuning knobs (``cpu_tuning.KEYS``; none changes a result) and values."""
+    lib = _family_lib()
+    return {name: lib.kv_family_tune(key, -1) for name, key in tuning_table.KEYS.items()}
+
+
+def tuning_source() -> str:
+    """Where the knobs at load came from (the CPU table's row, the defaults, the variable)."""
+    load()
+    return _tuning_source
+
+
+def tune(**knobs: int) -> dict[str, int]:
+    """Set the family in use's tuning knobs (``cpu_tuning.KEYS``); returns all of them. A bad
+    name or value raises ValueError and changes nothing."""
+    lib = _family_lib()
+    checked = {name: tuning_table.check(name, value) for name, value in knobs.items()}
+    for name, value in checked.items():
+        lib.kv_family_tune(tuning_table.KEYS[name], value)
+    return tuning()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -191,6 +191,10 @@ inline int imin(int a, int b) { return a < b ? a : b; }
 
 #include "qmatmul.h"
 
+#ifndef KV_SPLIT_FORMAT
+Tuning g_tuning;  // the family's one copy (a split family's format objects link to it)
+#endif
+
 #ifndef KV_SPLIT_FORMAT  // the core object of a split family (see the top)
 #include "lora.h"        // the fused step's adapters: the core's alone
 
@@ -467,6 +471,23 @@ extern "C" {
 const KvFamily* kv_family(void) {
   static const KvFamily family{kv::KV_VARIANT::qgemm, kv::KV_VARIANT::dequant, kv::KV_VARIANT::step_layers};
   return &family;
+}
+
+// This family's tuning knob `key` (qvec.h, Tuning: 0 pair_min_m and 1 pair_long_k, >= 1; 2
+// prefetch_ahead and 3 prefetch_head, bytes, a multiple of 64 in [0, 8192]) set to `value`
+// where value >= 0; returns the knob's value, or -1 for an unknown key or a value out of
+// range (then nothing changes). Results never depend on them. Set between calls, not during.
+int kv_family_tune(int key, int value) {
+  kv::KV_VARIANT::Tuning& t = kv::KV_VARIANT::g_tuning;
+  int* const knobs[] = {&t.pair_min_m, &t.pair_long_k, &t.prefetch_ahead, &t.prefetch_head};
+  if (key < 0 || key >= 4) return -1;
+  int* knob = knobs[key];
+  if (value >= 0) {
+    const bool ok = key < 2 ? value >= 1 : value <= 8192 && value % 64 == 0;
+    if (!ok) return -1;
+    *knob = value;
+  }
+  return *knob;
 }
 
 // Format fmt's name, and its values per record and row and bytes per record (block, record):

@@ -63,13 +63,10 @@ inline void prefetch_head(const QW& w, int g, int ng) {
     int fmt, nrec;
     const uint8_t* rec = group_records(w, g + i, fmt, nrec);
     const int64_t bytes = (int64_t)nrec * format_info(fmt).record;
-    for (int64_t o = 0; o < bytes && o < PREFETCH_AHEAD; o += 64) __builtin_prefetch(rec + o, 0, 3);
+    for (int64_t o = 0; o < bytes && o < g_tuning.prefetch_head; o += 64) __builtin_prefetch(rec + o, 0, 3);
   }
 }
 
-// From this many activation rows, row blocks of 2 groups in zmm (where the variant has them):
-// from 1, as the M = 1 stream reads faster with 16 rows a broadcast too (measured).
-constexpr int PAIR_MIN_M = 1;
 
 // The activations of columns [k0, ...) only: the same rows, their blocks from k0 / 32 on.
 inline Acts from_column(const Acts& a, int k0) {
@@ -150,8 +147,11 @@ void qgemm_team(const QW& w, const float* x, int M, int ldx, float* out, int ldo
   const Acts acts{q, u, s, s16, K32, KB, lda, residual != 0};
   const int nout = epilogue == EPI_SILU_MUL ? w.n / 2 : w.n;
   const int groups = (nout + ROWS - 1) / ROWS, up = nout / ROWS;
-  // Row blocks of 2 groups (zmm, where the variant has it) from PAIR_MIN_M activation rows.
-  const int per = M >= PAIR_MIN_M ? 2 : 1, blocks = (groups + per - 1) / per, rb = per * ROWS;
+  // Row blocks of 2 groups (zmm, where the variant has it) from g_tuning.pair_min_m activation
+  // rows, or from 1 on rows of pair_long_k or more (qvec.h, Tuning): by default from 1, as on
+  // the Xeon model 167 the M = 1 stream reads faster with 16 rows a broadcast too (measured).
+  const bool pairs = M >= g_tuning.pair_min_m || K >= g_tuning.pair_long_k;
+  const int per = pairs ? 2 : 1, blocks = (groups + per - 1) / per, rb = per * ROWS;
   // Columns a tile takes: 8, or 4 with the residual (8 would spill its twice as many sums).
   const int cols = residual ? 4 : 8;
   const int kc = M >= CHUNK_MIN_M && K > K_CHUNK ? K_CHUNK : K;

@@ -34,9 +34,23 @@ constexpr int maddubs_group(int qmax) { return qmax <= 31 ? 4 : qmax <= 63 ? 2 :
 // o 239 -> 213 us, Q6_K head rows 1426 -> 1152 us; 4096 and 8192 worse still), measured.
 constexpr int PREFETCH_AHEAD = 512;
 
+// A family's tuning (kv_family_tune; kernels/__init__.py's tune and its table by CPU): when
+// row groups go in pairs (from pair_min_m activation rows, or from one where the rows are
+// pair_long_k values or longer) and how many bytes the software prefetches ask ahead (each
+// record's, and the next stream's head). None of them changes a result (a row's arithmetic is
+// the same either way), only the speed, which differs by machine (docs/kernels.md, "Tuning").
+struct Tuning {
+  int pair_min_m = 1;
+  int pair_long_k = 1 << 30;
+  int prefetch_ahead = PREFETCH_AHEAD;
+  int prefetch_head = PREFETCH_AHEAD;
+};
+extern Tuning g_tuning;
+
 #if defined(KV_USE_AVX512) || defined(KV_USE_AVX2)
 KV_INLINE void prefetch_ahead(const uint8_t* rec, int bytes) {
-  for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + PREFETCH_AHEAD + o), _MM_HINT_T0);
+  const uint8_t* ahead = rec + g_tuning.prefetch_ahead;
+  for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
 }
 
 struct Y8 {
@@ -67,8 +81,21 @@ struct Y8 {
 #else
   static constexpr int group(int qmax) { return maddubs_group(qmax); }
 #endif
+#if defined(KV_USE_AVX512)
+  // acc + w . (the 4 bytes at p, in every lane): vpdpbusd with the broadcast folded into its
+  // memory operand (one fused load-op; GCC 12 emits a vpbroadcastd of its own before each).
+  static KV_INLINE I dot4b(I acc, I w, const int8_t* p) {
+    asm("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+    return acc;
+  }
+#endif
   template <bool SIGNED, int G>
   static KV_INLINE I dots(I acc, const I* w, const int8_t* a) {
+#if defined(KV_USE_AVX512)
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) acc = dot4b(acc, w[g], a + 4 * g);
+    return acc;
+#endif
     if constexpr (SIGNED || G == 1) {
 #pragma GCC unroll 4
       for (int g = 0; g < G; ++g) acc = dot4<SIGNED>(acc, w[g], bcast4(a + 4 * g));
@@ -111,8 +138,11 @@ struct Z16 {
   static constexpr int group(int) { return 1; }
   template <bool SIGNED, int G>
   static KV_INLINE I dots(I acc, const I* w, const int8_t* a) {
+    static_assert(!SIGNED, "vpdpbusd takes unsigned weights");
 #pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) acc = dot4<SIGNED>(acc, w[g], bcast4(a + 4 * g));
+    for (int g = 0; g < G; ++g) {  // the broadcast folded into the memory operand (see Y8)
+      asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w[g]), "m"(*reinterpret_cast<const int32_t*>(a + 4 * g)));
+    }
     return acc;
   }
   static KV_INLINE I shl8(I v) { return _mm512_slli_epi32(v, 8); }
