@@ -9,7 +9,10 @@ The models, built here (nothing is downloaded from a model hub):
   same llama.cpp build as ``llama-server``; kvserve's own ``kquants.requantize_gguf`` where no
   build is at hand, and the table says which);
 - ``random-1b-q4km``: a Llama-3.2-1B-shaped model with random weights (``make_random_gguf``:
-  F16, then ``llama-quantize`` to Q4_K_M). Its text is noise; only its speed means anything.
+  F16, then ``llama-quantize`` to Q4_K_M). Its text is noise; only its speed means anything;
+- ``random-3b-q4km``: the same at Llama-3.2-3B's shape (hidden 3072, 28 layers, 24 / 8 heads of
+  128, MLP 8192), chat128 at one user only (``ONE_USER_ONLY``: 32 users would take most of an
+  hour on 2 cores).
 
 Per model, all in this process's run so the figures compare (the machine's speed swings
 between hours):
@@ -17,6 +20,8 @@ between hours):
 - kvserve's own prefill (512 tokens) and batch-1 decode rates through its runner, beside
   ``llama-bench``'s pp512 / tg128 at the same thread count; batch-1 decode as a percentage of
   the bandwidth: (resident weight bytes + KV bytes read) x tok/s / GB/s;
+- the same batch-1 decode on one thread (from a 128-token context) beside ``llama-bench``'s
+  tg64 on one thread, and the one-thread bandwidth probe;
 - chat128 (64 prompts of 128 tokens, 128 greedy tokens out) at each level of users against
   ``llama-server`` on the same file, the same requests and the same load generator;
 - the serving process's RSS at the end of each run (the largest) beside the file's size.
@@ -36,7 +41,8 @@ from typing import Any
 
 from loadtest.workload import CHAT128_PROMPTS
 
-MODELS = ("embedded", "embedded-q4km", "random-1b-q4km")
+MODELS = ("embedded", "embedded-q4km", "random-1b-q4km", "random-3b-q4km")
+ONE_USER_ONLY = ("random-3b-q4km",)  # chat128 at one user: the larger levels take too long
 
 
 @dataclass
@@ -50,6 +56,10 @@ class ModelRow:
     kv_decode_tok_s: float = 0.0
     decode_bandwidth_pct: float = 0.0
     llama_bench: dict[str, float] | str = ""
+    # one thread: kvserve's batch-1 decode, llama-bench's tg64, the bandwidth probe
+    read_gbs_1t: float = 0.0
+    kv_decode_tok_s_1t: float = 0.0
+    llama_bench_1t: dict[str, float] | str = ""
     chat128: dict[str, dict[str, Any]] = field(default_factory=dict)
     serving_rss_bytes: int = 0
 
@@ -100,9 +110,11 @@ def build_models(names: list[str], work: Path, quantize: Path) -> dict[str, tupl
         if name == "embedded-q4km":
             src = default_model_path()
         else:
-            src = work / "random-1b-f16.gguf"
+            size = name.split("-")[1]  # random-1b-q4km -> 1b
+            shape = make_random_gguf.SHAPES[size]
+            src = work / f"random-{size}-f16.gguf"
             if not src.is_file() and have_quantize:
-                make_random_gguf.write(src, make_random_gguf.SHAPE_1B, "F16")
+                make_random_gguf.write(src, shape, "F16")
         if have_quantize:
             by = "llama-quantize --allow-requantize Q4_K_M"
             if not target.is_file():
@@ -114,7 +126,7 @@ def build_models(names: list[str], work: Path, quantize: Path) -> dict[str, tupl
                 if name == "embedded-q4km":
                     kquants.requantize_gguf(str(src), str(target), "Q4_K_M")
                 else:
-                    make_random_gguf.write(target, make_random_gguf.SHAPE_1B, "Q4_K_M")
+                    make_random_gguf.write(target, shape, "Q4_K_M")
         out[name] = (target, by)
     return out
 
@@ -163,19 +175,21 @@ def runner_rates(path: Path, threads: int, prompt_len: int = 512) -> tuple[float
             kv_per_token * (prompt_len + 6))  # fmt: skip
 
 
-def llama_bench(binary: Path, path: Path, threads: int) -> dict[str, float] | str:
-    """llama-bench's pp512 and tg128 tokens/s on ``path``, or why not."""
+def llama_bench(
+    binary: Path, path: Path, threads: int, prompt: int = 512, gen: int = 128, reps: int = 5
+) -> dict[str, float] | str:
+    """llama-bench's pp<prompt> and tg<gen> tokens/s on ``path`` (``prompt`` 0: tg only), or
+    why not."""
     if not binary.is_file():
         return "not measured: no llama-bench build"
-    done = subprocess.run(
-        [str(binary), "-m", str(path), "-p", "512", "-n", "128", "-t", str(threads), "-o", "json"],
-        capture_output=True, text=True, check=False, timeout=1800,
-    )  # fmt: skip
+    cmd = [str(binary), "-m", str(path), "-p", str(prompt), "-n", str(gen), "-t", str(threads),
+           "-r", str(reps), "-o", "json"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=1800)
     if done.returncode != 0:
         return f"not measured: llama-bench exited {done.returncode}"
     rates: dict[str, float] = {}
     for entry in json.loads(done.stdout):
-        key = "pp512" if entry.get("n_prompt") else "tg128"
+        key = f"pp{prompt}" if entry.get("n_prompt") else f"tg{gen}"
         rates[key] = float(entry["avg_ts"])
     return rates
 
@@ -253,6 +267,22 @@ def format_table(rows: list[ModelRow]) -> str:
             f"{r.kv_decode_tok_s:.1f} | {r.decode_bandwidth_pct:.0f} % | {lb.get('tg128', '-')} | "
             f"{r.serving_rss_bytes / 1e6:.0f} |"
         )
+    one = [r for r in rows if r.kv_decode_tok_s_1t]
+    if one:
+        lines += [
+            "",
+            "| model | threads | read GB/s | kvserve decode b1 tok/s | % of bandwidth "
+            "| llama-bench tg64 | ratio |",
+            "|---|---|---|---|---|---|---|",
+        ]
+    for r in one:
+        tg = r.llama_bench_1t.get("tg64") if isinstance(r.llama_bench_1t, dict) else None
+        pct = 100 * r.resident_weight_bytes * r.kv_decode_tok_s_1t / (r.read_gbs_1t * 1e9)
+        lines.append(
+            f"| {r.model} | 1 | {r.read_gbs_1t:.1f} | {r.kv_decode_tok_s_1t:.1f} | {pct:.0f} % | "
+            f"{tg if tg else r.llama_bench_1t} | "
+            f"{f'{r.kv_decode_tok_s_1t / tg:.2f}x' if tg else '-'} |"
+        )
     lines += [
         "",
         "| model | users | kvserve tok/s | llama.cpp tok/s | ratio | kvserve ITL p99 ms "
@@ -306,9 +336,14 @@ def run(
         row.resident_weight_bytes = weights
         row.decode_bandwidth_pct = 100 * (weights + kv_read) * decode / (row.read_gbs * 1e9)
         row.llama_bench = llama_bench(tools["llama-bench"], path, threads)
-        if levels:
+        if name.startswith("random-"):  # one thread too, where the weights stream from DRAM
+            row.read_gbs_1t = read_bandwidth_gbs(1)
+            row.kv_decode_tok_s_1t = runner_rates(path, 1, prompt_len=128)[1]
+            row.llama_bench_1t = llama_bench(tools["llama-bench"], path, 1, 0, 64, 3)
+        model_levels = [lv for lv in levels if lv[0] == 1] if name in ONE_USER_ONLY else levels
+        if model_levels:
             row.chat128, row.serving_rss_bytes = chat128(
-                path, levels, threads, out_tokens, chat_path, tools["llama-server"]
+                path, model_levels, threads, out_tokens, chat_path, tools["llama-server"]
             )
         rows.append(row)
         print(format_table(rows[-1:]), flush=True)

@@ -116,6 +116,8 @@ def run(
 
     return {
         "cpu": cpu_model(),
+        "tuning": kernels.tuning(),
+        "tuning_source": kernels.tuning_source(),
         "llc_bytes": llc_bytes(),
         "rotation_bytes": total,
         "rows": [asdict(r) | {"fraction": r.fraction} for r in rows],
@@ -181,7 +183,8 @@ def format_table(report: dict[str, object]) -> str:
         f"over copies adding up to {report['rotation_bytes'] / 2**20:.0f} MiB (LLC "  # type: ignore[operator]
         f"{report['llc_bytes'] / 2**20:.0f} MiB), against kv_stream_read over as many bytes "  # type: ignore[operator]
         "at the same threads, interleaved, best of each; ggml: no figure at these shapes "
-        f"(test-backend-ops runs its own); CPU: {report.get('cpu', 'unknown')}; load: the "
+        f"(test-backend-ops runs its own); CPU: {report.get('cpu', 'unknown')}; kernel tuning: "
+        f"{report.get('tuning')} ({report.get('tuning_source')}); load: the "
         "1-minute load average as each row was taken (the run's own threads count):",
         "",
         "| model | matrix | type | m x k | MB | threads | us | kvserve GB/s | read GB/s "

@@ -22,21 +22,25 @@ def kernels(ctx: Context) -> SectionResult:
     """kvserve's quantized matmul against ggml's test-backend-ops, op by op, and M = 1 against
     the read bandwidth (bench_kernels; --quick: two types, two shapes, kvserve only when
     llama.cpp is off)."""
-    from benchmarks import bench_kernels, bench_shapes
+    from benchmarks import bench_kernels, bench_shapes, bench_tuning
 
     ggml = "off" if ctx.llama_cpp_mode == "off" else "cached"
     if ctx.quick:
         report = bench_kernels.run(("q4_0", "q4_K"), (1, 8), 0.05, ggml, False, 1, say)
         shapes = bench_shapes.run(bench_shapes.QUICK_SHAPES, passes=1, quick=True, say=say)
+        tuning = bench_tuning.run(bench_tuning.QUICK_SHAPES, (1,), (1,), 1, quick=True, say=say)
     else:
         report = bench_kernels.run(ggml=ggml, say=say)
         shapes = bench_shapes.run(say=say)
+        tuning = bench_tuning.run(say=say)
     return SectionResult(
-        extra=report | {"shapes": shapes},
+        extra=report | {"shapes": shapes, "tuning": tuning},
         table="Quantized matmul against ggml (kernels), in this run:\n\n"
         + bench_kernels.format_tables(report)
         + "\n\n"
-        + bench_shapes.format_table(shapes),
+        + bench_shapes.format_table(shapes)
+        + "\n\n"
+        + bench_tuning.format_table(tuning),
     )
 
 

@@ -23,6 +23,8 @@ from benchmarks.tools import kquants
 from model_runner.gguf_loader import default_model_path
 
 SHAPE_1B = {"hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "intermediate": 8192}
+SHAPE_3B = {"hidden": 3072, "layers": 28, "heads": 24, "kv_heads": 8, "intermediate": 8192}
+SHAPES = {"1b": SHAPE_1B, "3b": SHAPE_3B}  # bench_models' random-<size>-q4km files
 # Keys of the embedded file that describe its shape: replaced, not copied.
 _SHAPE_KEYS = (
     "context_length",

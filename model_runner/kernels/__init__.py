@@ -300,8 +300,8 @@ def _family(lib: ctypes.CDLL, name: str) -> None:
     if mismatch is not None:
         raise RuntimeError(f"{name} kernels: {mismatch}")
     family.kv_family.restype = _P
-    family.kv_family_tune.argtypes = [_I, _I]
-    family.kv_family_tune.restype = _I
+    family.kv_family_tune.argtypes = [_I, _I64]
+    family.kv_family_tune.restype = _I64
     for knob, value in _tuning.items():  # the machine's values (tuning.py), every family
         family.kv_family_tune(tuning_table.KEYS[knob], value)
     if lib.kv_register_family(build.FAMILIES[name].code, family.kv_family()) != 0:

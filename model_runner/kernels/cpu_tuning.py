@@ -1,27 +1,27 @@
 """The kernels' tuning knobs and their values by CPU (``kernels.cpp`` ``kv_family_tune``).
 
-A family library has four knobs (``qvec.h``, ``Tuning``); none of them changes a result (a
+A family library has three knobs (``qvec.h``, ``Tuning``); none of them changes a result (a
 row's arithmetic is the same either way, tests/model_runner/test_kernel_tuning.py holds it bit
 for bit), only the speed:
 
-    pair_min_m      from this many activation rows, row groups go in pairs (two 8-row records
-                    joined into zmm: 16 rows a broadcast)
-    pair_long_k     ... and from one row where the weight's rows are this long or longer
+    pair_min_mk     row groups go in pairs (two 8-row records joined into zmm: 16 rows a
+                    broadcast) where activation rows x row length reaches this
     prefetch_ahead  the bytes each record's software prefetch asks ahead of it
     prefetch_head   the bytes of the next record stream's head asked before it starts
 
 Which values are fastest depends on the machine, not on the ISA name: on the Xeon model 167
 the pairs win from one row and a 512-byte prefetch beats none and 2048; on the EPYC family 25
-model 17 (Zen 4: its zmm is double-pumped) the pairs lose at one or two rows on rows up to 4096
-values long (1.5-2.5x slower from DRAM, as two record streams restart every 18 KB where one
-group after another is one stream), win from four rows, and every software prefetch loses to
-the hardware's (docs/benchmarks.md, "Kernel tuning by CPU"). So ``CPU_TABLE`` holds the
-measured machines' values, chosen at load from ``/proc/cpuinfo``, and everything else keeps
-the defaults; ``KVSERVE_KERNEL_TUNING`` overrides them:
+model 17 (Zen 4: its zmm is double-pumped) the pairs lose where M x K is under 6144 (one row of
+up to 4096 values, two of 2048: 1.2-2.5x slower from DRAM, as a pair's two record streams
+restart every two row groups where one group after another is one sequential stream), win
+above it, and the software prefetches lose to the hardware's (docs/benchmarks.md, "Kernel
+tuning by CPU"). So ``CPU_TABLE`` holds the measured machines' values, chosen at load from
+``/proc/cpuinfo``, and everything else keeps the defaults; ``KVSERVE_KERNEL_TUNING``
+overrides them:
 
     KVSERVE_KERNEL_TUNING=auto                       the table (the default)
     KVSERVE_KERNEL_TUNING=default                    the built-in defaults, whatever the CPU
-    KVSERVE_KERNEL_TUNING=pair_min_m=3,prefetch_ahead=0   these over the table's choice
+    KVSERVE_KERNEL_TUNING=pair_min_mk=1,prefetch_ahead=512   these over the table's choice
 
 ``python -m benchmarks.bench_tuning`` measures the candidates on the machine at hand.
 """
@@ -31,8 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-KEYS = {"pair_min_m": 0, "pair_long_k": 1, "prefetch_ahead": 2, "prefetch_head": 3}
-DEFAULTS = {"pair_min_m": 1, "pair_long_k": 1 << 30, "prefetch_ahead": 512, "prefetch_head": 512}
+KEYS = {"pair_min_mk": 0, "prefetch_ahead": 1, "prefetch_head": 2}
+DEFAULTS = {"pair_min_mk": 1, "prefetch_ahead": 512, "prefetch_head": 512}
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +63,7 @@ class Row:
 CPU_TABLE = (
     Row(
         "AuthenticAMD", 25, None,
-        {"pair_min_m": 3, "pair_long_k": 6144, "prefetch_ahead": 0, "prefetch_head": 0},
+        {"pair_min_mk": 6144, "prefetch_ahead": 0, "prefetch_head": 0},
         "AMD EPYC family 25 model 17 (Zen 4), 2 vCPUs, 2026-12-04",
     ),
 )  # fmt: skip
@@ -73,7 +73,7 @@ def check(name: str, value: object) -> int:
     """``value`` as knob ``name`` takes it; ValueError saying what it takes otherwise."""
     if name not in KEYS:
         raise ValueError(f"unknown kernel tuning knob {name!r}: use {', '.join(KEYS)}")
-    pair = name.startswith("pair_")
+    pair = name == "pair_min_mk"
     ok = isinstance(value, int) and not isinstance(value, bool)
     ok = ok and (value >= 1 if pair else 0 <= value <= 8192 and value % 64 == 0)  # type: ignore[operator]
     if not ok:

@@ -473,21 +473,20 @@ const KvFamily* kv_family(void) {
   return &family;
 }
 
-// This family's tuning knob `key` (qvec.h, Tuning: 0 pair_min_m and 1 pair_long_k, >= 1; 2
-// prefetch_ahead and 3 prefetch_head, bytes, a multiple of 64 in [0, 8192]) set to `value`
-// where value >= 0; returns the knob's value, or -1 for an unknown key or a value out of
-// range (then nothing changes). Results never depend on them. Set between calls, not during.
-int kv_family_tune(int key, int value) {
+// This family's tuning knob `key` (qvec.h, Tuning: 0 pair_min_mk, >= 1; 1 prefetch_ahead and
+// 2 prefetch_head, bytes, a multiple of 64 in [0, 8192]) set to `value` where value >= 0;
+// returns the knob's value, or -1 for an unknown key or a value out of range (then nothing
+// changes). Results never depend on them. Set between calls, not during one.
+int64_t kv_family_tune(int key, int64_t value) {
   kv::KV_VARIANT::Tuning& t = kv::KV_VARIANT::g_tuning;
-  int* const knobs[] = {&t.pair_min_m, &t.pair_long_k, &t.prefetch_ahead, &t.prefetch_head};
-  if (key < 0 || key >= 4) return -1;
-  int* knob = knobs[key];
+  if (key < 0 || key > 2) return -1;
   if (value >= 0) {
-    const bool ok = key < 2 ? value >= 1 : value <= 8192 && value % 64 == 0;
-    if (!ok) return -1;
-    *knob = value;
+    if (key == 0 ? value < 1 : value > 8192 || value % 64 != 0) return -1;
+    if (key == 0) t.pair_min_mk = value;
+    if (key == 1) t.prefetch_ahead = (int)value;
+    if (key == 2) t.prefetch_head = (int)value;
   }
-  return *knob;
+  return key == 0 ? t.pair_min_mk : key == 1 ? t.prefetch_ahead : t.prefetch_head;
 }
 
 // Format fmt's name, and its values per record and row and bytes per record (block, record):

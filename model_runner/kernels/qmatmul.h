@@ -147,10 +147,10 @@ void qgemm_team(const QW& w, const float* x, int M, int ldx, float* out, int ldo
   const Acts acts{q, u, s, s16, K32, KB, lda, residual != 0};
   const int nout = epilogue == EPI_SILU_MUL ? w.n / 2 : w.n;
   const int groups = (nout + ROWS - 1) / ROWS, up = nout / ROWS;
-  // Row blocks of 2 groups (zmm, where the variant has it) from g_tuning.pair_min_m activation
-  // rows, or from 1 on rows of pair_long_k or more (qvec.h, Tuning): by default from 1, as on
-  // the Xeon model 167 the M = 1 stream reads faster with 16 rows a broadcast too (measured).
-  const bool pairs = M >= g_tuning.pair_min_m || K >= g_tuning.pair_long_k;
+  // Row blocks of 2 groups (zmm, where the variant has it) where M x K reaches
+  // g_tuning.pair_min_mk (qvec.h, Tuning): by default always, as on the Xeon model 167 the
+  // M = 1 stream reads faster with 16 rows a broadcast too (measured).
+  const bool pairs = (int64_t)M * K >= g_tuning.pair_min_mk;
   const int per = pairs ? 2 : 1, blocks = (groups + per - 1) / per, rb = per * ROWS;
   // Columns a tile takes: 8, or 4 with the residual (8 would spill its twice as many sums).
   const int cols = residual ? 4 : 8;

@@ -34,14 +34,13 @@ constexpr int maddubs_group(int qmax) { return qmax <= 31 ? 4 : qmax <= 63 ? 2 :
 // o 239 -> 213 us, Q6_K head rows 1426 -> 1152 us; 4096 and 8192 worse still), measured.
 constexpr int PREFETCH_AHEAD = 512;
 
-// A family's tuning (kv_family_tune; kernels/__init__.py's tune and its table by CPU): when
-// row groups go in pairs (from pair_min_m activation rows, or from one where the rows are
-// pair_long_k values or longer) and how many bytes the software prefetches ask ahead (each
-// record's, and the next stream's head). None of them changes a result (a row's arithmetic is
-// the same either way), only the speed, which differs by machine (docs/kernels.md, "Tuning").
+// A family's tuning (kv_family_tune; kernels/__init__.py's tune, cpu_tuning.py's table by
+// CPU): when row groups go in pairs (where activation rows x row length >= pair_min_mk) and
+// how many bytes the software prefetches ask ahead (each record's, and the next stream's
+// head). None of them changes a result (a row's arithmetic is the same either way), only the
+// speed, which differs by machine (docs/kernels.md, "Tuning").
 struct Tuning {
-  int pair_min_m = 1;
-  int pair_long_k = 1 << 30;
+  int64_t pair_min_mk = 1;
   int prefetch_ahead = PREFETCH_AHEAD;
   int prefetch_head = PREFETCH_AHEAD;
 };

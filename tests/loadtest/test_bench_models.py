@@ -53,6 +53,16 @@ def test_run_all_quick_model_sections_print_their_tables_and_write_json(tmp_path
     assert shape["kernel_gb_s"] > 0 and shape["read_gb_s"] > 0
     assert shape["load_avg"] >= 0 and kern["shapes"]["cpu"]  # beside every figure
     assert "M = 1 at the real models' shapes" in done.stdout
+    assert kern["shapes"]["tuning"] and kern["shapes"]["tuning_source"]  # the knobs it ran
+    # the tuning candidates (quick: one shape, M = 1, one thread), each timed, the fastest named
+    tuning = kern["tuning"]
+    assert set(tuning["candidates"]) == {
+        "defaults", "table", "one group, no prefetch", "pairs, no prefetch"
+    }  # fmt: skip
+    (trow,) = tuning["rows"]
+    assert (trow["matrix"], trow["threads"], trow["rows"]) == ("o", 1, 1)
+    assert set(trow["us"]) == set(tuning["candidates"]) and all(v > 0 for v in trow["us"].values())
+    assert "Kernel tuning on this machine" in done.stdout
     (model,) = doc["models"]
     assert model["model"] == "embedded" and model["read_gbs"] > 0
     assert model["kv_prefill_tok_s"] > 0 and model["kv_decode_tok_s"] > 0

@@ -17,13 +17,13 @@ from tests.model_runner.test_quant import make_weight
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernels not built")
 
-# Settings that take every path: pairs from one row, from many, from long rows only; no
+# Settings that take every path: pairs always, never, from M = 3 (768 x 3) and from M = 4; no
 # prefetch, far prefetch.
 SETTINGS = (
     dict(tuning.DEFAULTS),
-    {"pair_min_m": 1 << 20, "pair_long_k": 1 << 30, "prefetch_ahead": 0, "prefetch_head": 0},
-    {"pair_min_m": 3, "pair_long_k": 512, "prefetch_ahead": 2048, "prefetch_head": 64},
-    {"pair_min_m": 3, "pair_long_k": 6144, "prefetch_ahead": 0, "prefetch_head": 0},
+    {"pair_min_mk": 1 << 40, "prefetch_ahead": 0, "prefetch_head": 0},
+    {"pair_min_mk": 2304, "prefetch_ahead": 2048, "prefetch_head": 64},
+    {"pair_min_mk": 2305, "prefetch_ahead": 0, "prefetch_head": 0},
 )
 
 ZEN4 = """processor\t: 0
@@ -77,20 +77,20 @@ def test_every_setting_gives_the_same_bits(family: str, fmt: str, restore_tuning
 def test_tune_checks_every_knob_before_setting_any(restore_tuning: None) -> None:
     before = kernels.tuning()
     with pytest.raises(ValueError, match="prefetch_ahead is a multiple of 64"):
-        kernels.tune(pair_min_m=7, prefetch_ahead=100)
+        kernels.tune(pair_min_mk=7, prefetch_ahead=100)
     with pytest.raises(ValueError, match="unknown kernel tuning knob 'pairs'"):
         kernels.tune(pairs=1)
-    with pytest.raises(ValueError, match="pair_min_m is an int >= 1"):
-        kernels.tune(pair_min_m=0)
+    with pytest.raises(ValueError, match="pair_min_mk is an int >= 1"):
+        kernels.tune(pair_min_mk=0)
     assert kernels.tuning() == before
-    assert kernels.tune(pair_min_m=7)["pair_min_m"] == 7
+    assert kernels.tune(pair_min_mk=1 << 40)["pair_min_mk"] == 1 << 40  # int64 through ctypes
 
 
 def test_the_table_picks_by_cpu() -> None:
     zen4 = tuning.read_cpu(ZEN4)
     assert zen4 == tuning.Cpu("AuthenticAMD", 25, 17)  # the first processor's fields only
     knobs, source = tuning.for_cpu(zen4)
-    assert knobs == {"pair_min_m": 3, "pair_long_k": 6144, "prefetch_ahead": 0, "prefetch_head": 0}
+    assert knobs == {"pair_min_mk": 6144, "prefetch_ahead": 0, "prefetch_head": 0}
     assert "family 25 model 17" in source
     assert tuning.for_cpu(tuning.read_cpu(XEON)) == (tuning.DEFAULTS, "the defaults (no row for this CPU)")
     assert tuning.read_cpu("Processor\t: ARMv8\n") is None
@@ -101,9 +101,9 @@ def test_the_variable_overrides_or_says_what_it_takes() -> None:
     zen4 = tuning.read_cpu(ZEN4)
     assert tuning.parse("auto", zen4) == tuning.for_cpu(zen4)
     assert tuning.parse("default", zen4)[0] == tuning.DEFAULTS
-    knobs, source = tuning.parse("pair_min_m=1, prefetch_head=1024", zen4)
-    assert knobs == {"pair_min_m": 1, "pair_long_k": 6144, "prefetch_ahead": 0, "prefetch_head": 1024}
-    assert source == "KVSERVE_KERNEL_TUNING=pair_min_m=1, prefetch_head=1024"
+    knobs, source = tuning.parse("pair_min_mk=1, prefetch_head=1024", zen4)
+    assert knobs == {"pair_min_mk": 1, "prefetch_ahead": 0, "prefetch_head": 1024}
+    assert source == "KVSERVE_KERNEL_TUNING=pair_min_mk=1, prefetch_head=1024"
     with pytest.raises(ValueError, match="use auto, default, or name=value pairs"):
         tuning.parse("pairs", zen4)
     with pytest.raises(ValueError, match="prefetch_ahead is a multiple of 64"):

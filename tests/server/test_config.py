@@ -76,7 +76,7 @@ def test_process_switches_are_known_and_a_typo_is_named(caplog: pytest.LogCaptur
     assert [r.getMessage() for r in caplog.records] == [
         "ignoring unknown environment variable KVSERVE_MAX_NUM_SEQ"
     ]
-    assert set(SWITCHES) == {"kernels", "isa", "kernel_dir", "fusions"}
+    assert set(SWITCHES) == {"kernels", "isa", "kernel_tuning", "kernel_dir", "fusions"}
 
 
 def test_json_file_booleans_and_optional_values(tmp_path: Path) -> None:
