@@ -83,6 +83,20 @@ def rotation_bytes(quick: bool = False) -> int:
     return min(MAX_BYTES, max(MIN_BYTES, LLC_MULTIPLE * llc_bytes()))
 
 
+def rotated_linears(fmt: str, m: int, k: int, total: int) -> tuple[int, list[object]]:
+    """(bytes of one copy, a ``QLinear`` per copy): one random ``fmt`` weight and clones of its
+    records, as many as add up to ``total`` bytes (at least 2), so that calling them in turn
+    reads every weight from DRAM."""
+    from model_runner.quant import QLinear, QuantWeight
+
+    first = random_weight(fmt, m, k, seed=m + k)
+    nbytes = first.nbytes  # type: ignore[attr-defined]
+    records = first.records  # type: ignore[attr-defined]
+    copies = max(2, -(-total // nbytes))
+    weights = [first] + [QuantWeight(fmt, records.clone(), m, k, fmt) for _ in range(copies - 1)]
+    return nbytes, [QLinear(w, None) for w in weights]
+
+
 def _best_pass_s(fn: object, passes: int) -> float:
     """The fastest of ``passes`` calls of ``fn`` (after one warm-up), in seconds."""
     fn()  # type: ignore[operator]
@@ -137,18 +151,13 @@ def _measure(
     import torch
 
     from model_runner import kernels
-    from model_runner.quant import QLinear, QuantWeight
 
     lib = kernels.load()
     assert lib is not None
     model, matrix, fmt, m, k = shape
-    first = random_weight(fmt, m, k, seed=m + k)
-    nbytes = first.nbytes  # type: ignore[attr-defined]
-    copies = max(2, -(-total // nbytes))
+    nbytes, lins = rotated_linears(fmt, m, k, total)
+    copies = len(lins)
     say(f"[kernels] {model} {matrix} {fmt} {m} x {k}: {copies} x {nbytes / 1e6:.1f} MB")  # type: ignore[operator]
-    records = first.records  # type: ignore[attr-defined]
-    weights = [first] + [QuantWeight(fmt, records.clone(), m, k, fmt) for _ in range(copies - 1)]
-    lins = [QLinear(w, None) for w in weights]
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(k))
     span = nbytes * copies
     read_bytes = min(buf.nbytes, span // 64 * 64)

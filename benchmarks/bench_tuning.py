@@ -23,8 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.bench_kernels import random_weight
-from benchmarks.bench_shapes import rotation_bytes
+from benchmarks.bench_shapes import rotated_linears, rotation_bytes
 
 # (model, matrix, format, rows, columns): one of each row length, short to long.
 SHAPES = (
@@ -47,7 +46,8 @@ def candidates() -> dict[str, dict[str, int]]:
     return {
         "defaults": base,
         "table": table,
-        "one group, no prefetch": base | {"pair_min_mk": 1 << 40, "prefetch_ahead": 0, "prefetch_head": 0},
+        "one group, no prefetch": base
+        | {"pair_min_mk": 1 << 40, "prefetch_ahead": 0, "prefetch_head": 0},
         "pairs, no prefetch": base | {"prefetch_ahead": 0, "prefetch_head": 0},
     }
 
@@ -65,7 +65,6 @@ def run(
 
     from loadtest.launch import cpu_model
     from model_runner import kernels
-    from model_runner.quant import QLinear, QuantWeight
 
     if kernels.load() is None:
         return {"error": f"kernels unavailable ({kernels.unavailable_reason()})", "rows": []}
@@ -76,12 +75,9 @@ def run(
     out: list[dict[str, object]] = []
     try:
         for model, matrix, fmt, m, k in shapes:
-            first = random_weight(fmt, m, k, seed=m + k)
-            copies = max(2, -(-total // first.nbytes))  # type: ignore[attr-defined]
+            _, lins = rotated_linears(fmt, m, k, total)
+            copies = len(lins)
             say(f"[tuning] {model} {matrix} {fmt} {m} x {k}: {copies} copies")  # type: ignore[operator]
-            records = first.records  # type: ignore[attr-defined]
-            weights = [first] + [QuantWeight(fmt, records.clone(), m, k, fmt) for _ in range(copies - 1)]
-            lins = [QLinear(w, None) for w in weights]
             for th in threads:
                 torch.set_num_threads(th)
                 for n in rows:

@@ -92,7 +92,10 @@ def test_the_table_picks_by_cpu() -> None:
     knobs, source = tuning.for_cpu(zen4)
     assert knobs == {"pair_min_mk": 6144, "prefetch_ahead": 0, "prefetch_head": 0}
     assert "family 25 model 17" in source
-    assert tuning.for_cpu(tuning.read_cpu(XEON)) == (tuning.DEFAULTS, "the defaults (no row for this CPU)")
+    assert tuning.for_cpu(tuning.read_cpu(XEON)) == (
+        tuning.DEFAULTS,
+        "the defaults (no row for this CPU)",
+    )
     assert tuning.read_cpu("Processor\t: ARMv8\n") is None
     assert tuning.for_cpu(None)[0] == tuning.DEFAULTS
 
