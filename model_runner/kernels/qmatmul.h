@@ -67,7 +67,6 @@ inline void prefetch_head(const QW& w, int g, int ng) {
   }
 }
 
-
 // The activations of columns [k0, ...) only: the same rows, their blocks from k0 / 32 on.
 inline Acts from_column(const Acts& a, int k0) {
   const int kb = k0 / 32;

@@ -36,9 +36,10 @@ constexpr int PREFETCH_AHEAD = 512;
 
 // A family's tuning (kv_family_tune; kernels/__init__.py's tune, cpu_tuning.py's table by
 // CPU): when row groups go in pairs (where activation rows x row length >= pair_min_mk) and
-// how many bytes the software prefetches ask ahead (each record's, and the next stream's
-// head). None of them changes a result (a row's arithmetic is the same either way), only the
-// speed, which differs by machine (docs/kernels.md, "Tuning").
+// how many bytes the software prefetches ask ahead (each record's: at 0 a record asks for its
+// own lines, no lookahead; and the next stream's head: 0 asks for none). None of them changes
+// a result (a row's arithmetic is the same either way), only the speed, which differs by
+// machine (docs/kernels.md, "Tuning").
 struct Tuning {
   int64_t pair_min_mk = 1;
   int prefetch_ahead = PREFETCH_AHEAD;
@@ -91,10 +92,11 @@ struct Y8 {
   template <bool SIGNED, int G>
   static KV_INLINE I dots(I acc, const I* w, const int8_t* a) {
 #if defined(KV_USE_AVX512)
+    static_assert(!SIGNED, "vpdpbusd takes unsigned weights");
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) acc = dot4b(acc, w[g], a + 4 * g);
     return acc;
-#endif
+#else
     if constexpr (SIGNED || G == 1) {
 #pragma GCC unroll 4
       for (int g = 0; g < G; ++g) acc = dot4<SIGNED>(acc, w[g], bcast4(a + 4 * g));
@@ -105,6 +107,7 @@ struct Y8 {
       for (int g = 1; g < G; ++g) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[g], bcast4(a + 4 * g)));
       return _mm256_add_epi32(acc, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
     }
+#endif
   }
   static KV_INLINE I shl8(I v) { return _mm256_slli_epi32(v, 8); }
   static KV_INLINE I add(I a, I b) { return _mm256_add_epi32(a, b); }
