@@ -257,7 +257,11 @@ def test_the_fused_forward_adds_a_steps_adapters_as_the_torch_forward(tmp_path: 
     got, pool = _steps(runner, fusions=True, lora=ref)
     for ours, theirs in zip(got, want, strict=True):
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
-    torch.testing.assert_close(pool, want_pool, atol=1e-4, rtol=0)
+    # The pool holds the default KV dtype (fp16 on CPU): the two forwards' fp32 K and V differ
+    # in their last bits, so a value on a rounding boundary may land one fp16 step (2^-10 of
+    # it) apart (the EPYC family 25 model 17: one of 4096, 2.4e-4 at 0.46).
+    assert pool.dtype == torch.float16
+    torch.testing.assert_close(pool.float(), want_pool.float(), atol=1e-4, rtol=2**-10)
     assert (want[0][:8] - base[0][:8]).abs().max() > 1e-2  # "a"'s rows: the adapter's
     torch.testing.assert_close(want[0][8:], base[0][8:], atol=1e-5, rtol=0)  # "b": the base
 
