@@ -240,7 +240,7 @@ def load() -> ctypes.CDLL | None:
     """The kernels, built if needed; None (once logged) when they cannot be had.
 
     ``KVSERVE_KERNELS=0`` disables them; ``KVSERVE_ISA`` picks the ISA family (see above)."""
-    global _lib, _reason, _loaded
+    global _lib, _reason, _loaded, _tuning, _tuning_source
     with _lock:
         if _loaded:
             return _lib
@@ -256,7 +256,6 @@ def load() -> ctypes.CDLL | None:
             _reason = f"KVSERVE_ISA={wanted!r}: use auto, {', '.join(reversed(ISAS))}"
             logger.warning("quantized CPU kernels unusable (%s): fp32 weights instead", _reason)
             return None
-        global _tuning, _tuning_source
         try:
             _tuning, _tuning_source = tuning_table.parse(
                 switch("kernel_tuning", "auto"), tuning_table.read_cpu()
@@ -302,7 +301,7 @@ def _family(lib: ctypes.CDLL, name: str) -> None:
     family.kv_family.restype = _P
     family.kv_family_tune.argtypes = [_I, _I64]
     family.kv_family_tune.restype = _I64
-    for knob, value in _tuning.items():  # the machine's values (tuning.py), every family
+    for knob, value in _tuning.items():  # the machine's values (cpu_tuning.py), every family
         family.kv_family_tune(tuning_table.KEYS[knob], value)
     if lib.kv_register_family(build.FAMILIES[name].code, family.kv_family()) != 0:
         raise RuntimeError(f"the dispatcher refused the {name} kernels")
