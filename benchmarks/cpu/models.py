@@ -1,7 +1,7 @@
 """The sections of ``make bench`` on real model files, each against llama.cpp in the same run:
 
 - ``kernels``: kvserve's quantized matmul against ggml's ``test-backend-ops``, op by op;
-- ``models``: real GGUF files (the embedded Q4_1, its Q4_K_M, a random 1B Q4_K_M);
+- ``models``: real GGUF files (the embedded Q4_1, its Q4_K_M, random 1B and 3B Q4_K_M);
 - ``kvtier``: KV tier 2 as users run it, returning turns' TTFT;
 - ``lora``: 8 adapters mixed against the base alone, and one adapter against llama-server.
 """
@@ -45,8 +45,9 @@ def kernels(ctx: Context) -> SectionResult:
 
 
 def models(ctx: Context) -> SectionResult:
-    """Real GGUF files against llama.cpp (bench_models): the embedded Q4_1, its Q4_K_M, a
-    random 1B Q4_K_M; bandwidth probe, llama-bench, chat128 by users, RSS."""
+    """Real GGUF files against llama.cpp (bench_models): the embedded Q4_1, its Q4_K_M,
+    random 1B and 3B Q4_K_M; bandwidth probe, llama-bench (2 threads, and 1 for the random
+    ones), chat128 by users (the 3B at one user), RSS."""
     from benchmarks import bench_llama_cpp, bench_models
 
     sizes = ctx.sizes
