@@ -11,8 +11,14 @@ The models, built here (nothing is downloaded from a model hub):
 - ``random-1b-q4km``: a Llama-3.2-1B-shaped model with random weights (``make_random_gguf``:
   F16, then ``llama-quantize`` to Q4_K_M). Its text is noise; only its speed means anything;
 - ``random-3b-q4km``: the same at Llama-3.2-3B's shape (hidden 3072, 28 layers, 24 / 8 heads of
-  128, MLP 8192), chat128 at one user only (``ONE_USER_ONLY``: 32 users would take most of an
-  hour on 2 cores).
+  128, MLP 8192), chat128 at one user only (``MAX_USERS``: 32 users would take most of an
+  hour on 2 cores);
+- ``random-qwen3-1.7b-q4km``: Qwen3-1.7B's shape (arch ``qwen3``: QK-norm, 28 layers, 16 / 8
+  heads of 128, MLP 6144, tied), chat128 at 1 and 8 users;
+- ``random-qwen3moe-30b-a3b-8l-q4km``: Qwen3-30B-A3B's layers (arch ``qwen3moe``: 32 / 4 heads
+  of 128, 128 experts of 768, top 8) scaled from 48 layers to 8 to fit memory, chat128 at 1
+  and 8 users. Its decode's bandwidth counts the bytes a token reads: every weight but the
+  experts, and ``experts_used / experts`` of those (the router spreads a token's picks).
 
 Per model, all in this process's run so the figures compare (the machine's speed swings
 between hours):
@@ -41,8 +47,20 @@ from typing import Any
 
 from loadtest.workload import CHAT128_PROMPTS
 
-MODELS = ("embedded", "embedded-q4km", "random-1b-q4km", "random-3b-q4km")
-ONE_USER_ONLY = ("random-3b-q4km",)  # chat128 at one user: the larger levels take too long
+MODELS = (
+    "embedded",
+    "embedded-q4km",
+    "random-1b-q4km",
+    "random-3b-q4km",
+    "random-qwen3-1.7b-q4km",
+    "random-qwen3moe-30b-a3b-8l-q4km",
+)
+# chat128's users levels up to these only: the larger levels take too long on 2 cores.
+MAX_USERS = {
+    "random-3b-q4km": 1,
+    "random-qwen3-1.7b-q4km": 8,
+    "random-qwen3moe-30b-a3b-8l-q4km": 8,
+}
 
 
 @dataclass
@@ -52,6 +70,7 @@ class ModelRow:
     built_by: str
     read_gbs: float = 0.0
     resident_weight_bytes: int = 0
+    read_weight_bytes: int = 0  # those a decode step reads (an MoE's chosen experts only)
     kv_prefill_tok_s: float = 0.0
     kv_decode_tok_s: float = 0.0
     decode_bandwidth_pct: float = 0.0
@@ -110,7 +129,7 @@ def build_models(names: list[str], work: Path, quantize: Path) -> dict[str, tupl
         if name == "embedded-q4km":
             src = default_model_path()
         else:
-            size = name.split("-")[1]  # random-1b-q4km -> 1b
+            size = name.removeprefix("random-").removesuffix("-q4km")  # random-1b-q4km -> 1b
             shape = make_random_gguf.SHAPES[size]
             src = work / f"random-{size}-f16.gguf"
             if not src.is_file() and have_quantize:
@@ -173,6 +192,21 @@ def runner_rates(path: Path, threads: int, prompt_len: int = 512) -> tuple[float
     kv_per_token = runner.pool.num_bytes // (runner.pool.num_blocks * block)
     return (prompt_len / best_prefill, 1.0 / best_decode, runner.model.weight_bytes,
             kv_per_token * (prompt_len + 6))  # fmt: skip
+
+
+def unread_expert_bytes(path: Path) -> int:
+    """The bytes of ``path``'s expert stacks a token does not read: all but ``experts_used /
+    experts`` of them (0 for a dense file)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = str(reader.fields["general.architecture"].contents())
+    num = reader.fields.get(f"{arch}.expert_count")
+    if num is None:
+        return 0
+    used = int(reader.fields[f"{arch}.expert_used_count"].contents())
+    stacks = sum(int(t.n_bytes) for t in reader.tensors if t.name.endswith("_exps.weight"))
+    return stacks - stacks * used // int(num.contents())
 
 
 def llama_bench(
@@ -254,16 +288,17 @@ def _rss(pid: int) -> int:
 
 def format_table(rows: list[ModelRow]) -> str:
     lines = [
-        "| model | file MB | resident MB | read GB/s | kvserve prefill 512 tok/s "
-        "| llama-bench pp512 | kvserve decode b1 tok/s | % of bandwidth | llama-bench tg128 "
-        "| serving RSS MB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | file MB | resident MB | MB read a token | read GB/s "
+        "| kvserve prefill 512 tok/s | llama-bench pp512 | kvserve decode b1 tok/s "
+        "| % of bandwidth | llama-bench tg128 | serving RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lb = r.llama_bench if isinstance(r.llama_bench, dict) else {}
         lines.append(
             f"| {r.model} | {r.file_bytes / 1e6:.0f} | {r.resident_weight_bytes / 1e6:.0f} | "
-            f"{r.read_gbs:.1f} | {r.kv_prefill_tok_s:.1f} | {lb.get('pp512', '-')} | "
+            f"{r.read_weight_bytes / 1e6:.0f} | {r.read_gbs:.1f} | {r.kv_prefill_tok_s:.1f} | "
+            f"{lb.get('pp512', '-')} | "
             f"{r.kv_decode_tok_s:.1f} | {r.decode_bandwidth_pct:.0f} % | {lb.get('tg128', '-')} | "
             f"{r.serving_rss_bytes / 1e6:.0f} |"
         )
@@ -277,7 +312,7 @@ def format_table(rows: list[ModelRow]) -> str:
         ]
     for r in one:
         tg = r.llama_bench_1t.get("tg64") if isinstance(r.llama_bench_1t, dict) else None
-        pct = 100 * r.resident_weight_bytes * r.kv_decode_tok_s_1t / (r.read_gbs_1t * 1e9)
+        pct = 100 * r.read_weight_bytes * r.kv_decode_tok_s_1t / (r.read_gbs_1t * 1e9)
         lines.append(
             f"| {r.model} | 1 | {r.read_gbs_1t:.1f} | {r.kv_decode_tok_s_1t:.1f} | {pct:.0f} % | "
             f"{tg if tg else r.llama_bench_1t} | "
@@ -334,13 +369,16 @@ def run(
         prefill, decode, weights, kv_read = runner_rates(path, threads)
         row.kv_prefill_tok_s, row.kv_decode_tok_s = prefill, decode
         row.resident_weight_bytes = weights
-        row.decode_bandwidth_pct = 100 * (weights + kv_read) * decode / (row.read_gbs * 1e9)
+        row.read_weight_bytes = weights - unread_expert_bytes(path)
+        row.decode_bandwidth_pct = (
+            100 * (row.read_weight_bytes + kv_read) * decode / (row.read_gbs * 1e9)
+        )
         row.llama_bench = llama_bench(tools["llama-bench"], path, threads)
         if name.startswith("random-"):  # one thread too, where the weights stream from DRAM
             row.read_gbs_1t = read_bandwidth_gbs(1)
             row.kv_decode_tok_s_1t = runner_rates(path, 1, prompt_len=128)[1]
             row.llama_bench_1t = llama_bench(tools["llama-bench"], path, 1, 0, 64, 3)
-        model_levels = [lv for lv in levels if lv[0] == 1] if name in ONE_USER_ONLY else levels
+        model_levels = [lv for lv in levels if lv[0] <= MAX_USERS.get(name, lv[0])]
         if model_levels:
             row.chat128, row.serving_rss_bytes = chat128(
                 path, model_levels, threads, out_tokens, chat_path, tools["llama-server"]

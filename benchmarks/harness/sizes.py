@@ -95,7 +95,14 @@ class Sizes:
     sinks_tokens: int = 4096  # tokens of the text scored
     sinks_cache: int = 256  # visible keys per query (sinks + window, or window alone)
     # models: which GGUF files (bench_models.MODELS), chat128 levels and output tokens.
-    models: tuple[str, ...] = ("embedded", "embedded-q4km", "random-1b-q4km", "random-3b-q4km")
+    models: tuple[str, ...] = (
+        "embedded",
+        "embedded-q4km",
+        "random-1b-q4km",
+        "random-3b-q4km",
+        "random-qwen3-1.7b-q4km",
+        "random-qwen3moe-30b-a3b-8l-q4km",
+    )
     models_levels: tuple[tuple[int, int], ...] = ((1, 4), (8, 16), (32, 64))
     models_output_tokens: int = 128
     # kvtier: which models, and the multi-turn workload's size (bench_kv_tier_served).

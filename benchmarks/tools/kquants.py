@@ -174,13 +174,14 @@ def _more_bits(layer: int, num_layers: int) -> bool:
 
 def scheme_type(name: str, scheme: str, num_layers: int, row_length: int, has_output: bool) -> str:
     """The type ``name`` gets under ``scheme`` (Q4_K_M: llama.cpp's rules, simplified to the
-    LLaMA tensors): the output Q6_K, attn_v and ffn_down Q6_K in the ``_more_bits`` layers,
-    every other matrix Q4_K; a row length that is not whole 256-blocks falls back."""
+    LLaMA tensors and the expert stacks): the output Q6_K, attn_v and ffn_down (the experts'
+    stack too) Q6_K in the ``_more_bits`` layers, every other matrix Q4_K; a row length that is
+    not whole 256-blocks falls back."""
     if scheme != "Q4_K_M":
         return scheme
     if name == "output.weight" or (name == "token_embd.weight" and not has_output):
         chosen = "Q6_K"
-    elif name.endswith(("attn_v.weight", "ffn_down.weight")):
+    elif name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")):
         layer = int(name.split(".")[1])
         chosen = "Q6_K" if _more_bits(layer, num_layers) else "Q4_K"
     else:

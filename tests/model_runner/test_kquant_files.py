@@ -100,3 +100,54 @@ def test_requantized_embedded_file_keeps_kquants_where_rows_allow(tmp_path: Path
     assert chosen["token_embd.weight"] == "Q8_0"  # tied output: Q6_K, 320 wide -> Q8_0
     assert chosen["blk.0.ffn_down.weight"] == "Q4_K" and chosen["blk.1.ffn_down.weight"] == "Q6_K"
     assert chosen["blk.0.attn_norm.weight"] == "F32"
+
+
+TINY_QWEN3 = {**TINY, "head_dim": 96, "qk_norm": 1}  # head_dim of its own: 4 x 96 != 256
+TINY_QWEN3_MOE = {**TINY_QWEN3, "experts": 8, "experts_used": 2, "expert_intermediate": 256,
+                  "output": 1}  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", [TINY_QWEN3, TINY_QWEN3_MOE], ids=["qwen3", "qwen3moe"])
+def test_random_qwen3_files_load_as_their_family_and_answer_as_their_dequantized_weights(
+    tmp_path: Path, shape: dict[str, int]
+) -> None:
+    """make_random_gguf's Qwen3 shapes (bench_models' random-qwen3-* files) in the converter's
+    layout: the dense one as arch qwen3 (QK-norm, head_dim 96 of its own), the MoE one as
+    qwen3moe (8 experts, top 2, its own output matrix, experts' down stacks Q6_K in the
+    more-bits layer); each loads as its family, and its Q4_K_M answers within int8-activation
+    error of the same file dequantized to fp32. bench_models counts only the chosen experts'
+    share of the stacks as read."""
+    from benchmarks import bench_models
+    from model_runner.loader import load_model
+    from model_runner.runner import TorchRunner
+    from tests.model_runner.oracle import plan, random_ids, seq
+
+    path = make_random_gguf.write(tmp_path / "q.gguf", shape, "Q4_K_M")
+    reader = gguf.GGUFReader(path)
+    arch = str(reader.fields["general.architecture"].contents())
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.attn_q_norm.weight"] == "F32"
+    native = load_model(str(path), weights="native")
+    dense = load_model(str(path), weights="float32")
+    assert native.config.head_dim == 96
+    assert "model.layers.0.self_attn.q_norm.weight" in native.state_dict
+    stacks = sum(t.n_bytes for t in reader.tensors if t.name.endswith("_exps.weight"))
+    if shape.get("experts"):
+        assert arch == "qwen3moe" and native.config.experts is not None
+        assert native.config.experts.num_experts == 8 and native.config.experts.num_used == 2
+        assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == "Q4_K"
+        assert types["blk.1.ffn_down_exps.weight"] == "Q6_K"
+        assert types["blk.0.ffn_gate_inp.weight"] == "F32"
+        assert bench_models.unread_expert_bytes(path) == stacks - stacks * 2 // 8 > 0
+    else:
+        assert arch == "qwen3" and native.config.experts is None
+        assert stacks == 0 and bench_models.unread_expert_bytes(path) == 0
+    outs = []
+    for model in (native, dense):
+        options = RunnerOptions(16, 16, dtype=torch.float32, device="cpu")
+        runner = TorchRunner(model.config, model.state_dict, options)
+        ids = random_ids(20, seed=3, vocab=1000)
+        outs.append(runner.step_logits(plan(0, prefill=[seq("a", ids, 0, 20, [0, 1])]))["a"])
+    assert torch.isfinite(outs[0]).all()
+    scale = outs[1].abs().max().item()
+    assert (outs[0] - outs[1]).abs().max().item() <= 5e-2 * scale
