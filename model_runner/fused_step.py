@@ -11,10 +11,12 @@ runs the embedding lookup, one call, and the LM head.
 A step is one flattened token batch: a prefill chunk is consecutive rows that share a block
 table, a decode one row, a speculative verification k + 1 rows (``TorchRunner`` flattens
 them). Every row's K/V is written before any row attends, and each row attends up to its
-own position, so chunks are causal. Used for every step when every matrix is quantized
-(``QLinear``), compute is fp32 on CPU, and the pool is fp32, fp16 or int8;
-``FusedStep.unsupported`` names the reason otherwise (the runner then takes the PyTorch
-path; both paths write the same pool).
+own position, so chunks are causal. A mixture-of-experts layer (Qwen3-MoE, Mixtral) runs
+there too: its router, each row's choice and the experts grouped by the step's rows, as
+``moe.MoeMlp`` does (``kernels.cpp``'s ``moe_mlp``). Used for every step when every matrix is
+quantized (``QLinear``, each expert's too), compute is fp32 on CPU, and the pool is fp32, fp16
+or int8; ``FusedStep.unsupported`` names the reason otherwise (the runner then takes the
+PyTorch path; both paths write the same pool).
 """
 
 from __future__ import annotations
@@ -53,9 +55,9 @@ class FusedStep:
         self.rope = torch.view_as_real(model.rope_cis.squeeze(1)).contiguous()
         scales = pool.scales
         layers = (kernels.StepLayer * len(model.layers))()
+        self._experts: list[ctypes.Array[kernels.QW]] = []  # the layers' expert tables, kept
         for i, layer in enumerate(model.layers):
             assert isinstance(layer.qkv, QLinear) and isinstance(layer.o, QLinear)
-            assert isinstance(layer.gate_up, QLinear) and isinstance(layer.down, QLinear)
             bias, q_norm, k_norm = layer.qkv.bias, layer.q_norm, layer.k_norm
             layers[i] = kernels.StepLayer(
                 layer.input_norm.data_ptr(),
@@ -65,13 +67,27 @@ class FusedStep:
                 k_norm.data_ptr() if k_norm is not None else None,
                 describe(layer.qkv.weight),
                 describe(layer.o.weight),
-                describe(layer.gate_up.weight),
-                describe(layer.down.weight),
+                kernels.QW(),
+                kernels.QW(),
                 pool.data[i].data_ptr(),
                 scales[i].data_ptr() if scales is not None else None,
             )
+            if layer.moe is None:
+                assert isinstance(layer.gate_up, QLinear) and isinstance(layer.down, QLinear)
+                layers[i].gate_up = describe(layer.gate_up.weight)
+                layers[i].down = describe(layer.down.weight)
+                continue
+            gate_up, down = (
+                (kernels.QW * len(mats))(*(describe(m.weight) for m in mats))
+                for mats in (layer.moe.gate_up, layer.moe.down)
+            )
+            self._experts += [gate_up, down]
+            layers[i].router = layer.moe.router.data_ptr()
+            layers[i].expert_gate_up = ctypes.cast(gate_up, ctypes.POINTER(kernels.QW))
+            layers[i].expert_down = ctypes.cast(down, ctypes.POINTER(kernels.QW))
         self.layers = layers
         config = model.config
+        experts = config.experts
         self.step = kernels.StepArgs()
         for name, value in (
             ("hidden_size", config.hidden_size),
@@ -83,6 +99,10 @@ class FusedStep:
             ("num_blocks", pool.num_blocks),
             ("block_size", pool.block_size),
             ("window", sliding_window or 0),
+            ("num_experts", experts.num_experts if experts else 0),
+            ("num_used", experts.num_used if experts else 0),
+            ("expert_intermediate", experts.intermediate_size if experts else 0),
+            ("norm_topk", int(experts.norm_topk_prob) if experts else 0),
         ):
             setattr(self.step, name, value)
         self.step.eps = model.eps
@@ -98,18 +118,21 @@ class FusedStep:
         quantized, so a CUDA or float runner never touches them."""
         if model.device.type != "cpu" or model.dtype != torch.float32 or model.rope_cis is None:
             return "needs fp32 compute on CPU"
-        if any(layer.moe is not None for layer in model.layers):
-            # The step runs layer by layer instead, each chosen expert on the kernels' QLinear.
-            return "mixture-of-experts layers (the kernels' whole-step call runs dense MLPs)"
         if not model.llama_block:
             # As MoE: the step runs layer by layer in PyTorch, each matrix a QLinear.
             return (
                 f"{model.config.architecture}'s block (norms after attention and MLP, GeGLU, "
                 "per-layer windows and RoPE; the kernels' whole-step call runs Llama's)"
             )
-        linears = [(l.qkv, l.o, l.gate_up, l.down) for l in model.layers]  # noqa: E741
+        linears = [
+            (l.qkv, l.o, *((l.gate_up, l.down) if l.moe is None else (*l.moe.gate_up, *l.moe.down)))
+            for l in model.layers  # noqa: E741
+        ]
         if not all(isinstance(lin, QLinear) for group in linears for lin in group):
-            return "needs every layer matrix quantized"
+            return "needs every layer matrix quantized (each expert's too)"
+        routers = [l.moe.router for l in model.layers if l.moe is not None]  # noqa: E741
+        if not all(r.dtype == torch.float32 and r.is_contiguous() for r in routers):
+            return "needs each router fp32 and contiguous"
         if not kernels.available():
             return f"kernels unavailable ({kernels.unavailable_reason()})"
         if model.config.head_dim > 512:

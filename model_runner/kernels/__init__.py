@@ -106,6 +106,9 @@ class StepLayer(ctypes.Structure):
         ("down", QW),
         ("kv", _P),
         ("kv_scales", _P),
+        ("router", _P),  # a mixture-of-experts layer's (fp32 [E, hidden]), else NULL
+        ("expert_gate_up", ctypes.POINTER(QW)),  # [E] each expert's, else NULL
+        ("expert_down", ctypes.POINTER(QW)),
     ]
 
 
@@ -158,6 +161,10 @@ class StepArgs(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("residual", _I32),
         ("lora", ctypes.POINTER(LoraRows)),
+        ("num_experts", _I32),
+        ("num_used", _I32),
+        ("expert_intermediate", _I32),
+        ("norm_topk", _I32),
     ]
 
 

@@ -90,6 +90,12 @@ struct StepLayer {
   QW qkv, o, gate_up, down;
   void* kv;
   float* kv_scales;  // int8 pools, else NULL
+  // A mixture-of-experts MLP in place of gate_up / down (moe_mlp), else NULL: the router
+  // [num_experts, hidden] fp32 and each expert's gate-up [2 * I_e, hidden] and down
+  // [hidden, I_e] (num_experts of each; I_e = StepArgs.expert_intermediate).
+  const float* router;
+  const QW* expert_gate_up;
+  const QW* expert_down;
 };
 
 // LoRA (lora.h): one adapter's pair for one target of one layer, fp16: a [rank, k] and
@@ -120,6 +126,9 @@ struct StepArgs {
   float eps;
   int32_t residual;  // activations with a residual byte (qmatmul.h's Acts), else int8
   const LoraRows* lora;  // the rows' adapters, or NULL (lora.h)
+  // The mixture-of-experts layers' shape (StepLayer.router): experts, chosen per row, each
+  // expert's MLP width, and whether the chosen weights are renormalized to sum to 1.
+  int32_t num_experts, num_used, expert_intermediate, norm_topk;
 };
 
 // What a family library gives the dispatcher (kv_family; the dispatcher's kv_register_family).
@@ -210,6 +219,7 @@ Tuning g_tuning;  // the family's one copy (a split family's format objects link
 //     -> attention of each row over its request's positions <= its own (causal inside a
 //        chunk, because all rows are written before any row attends)
 //     -> h += attn Wo -> x = rms_norm(h) -> a = silu(x Wg) * (x Wu) -> h += a Wd
+//        (or, on a mixture-of-experts layer, h += the chosen experts' weighted MLPs: moe_mlp)
 //
 // The pool is model_runner.kv_pool's: per layer [2 * kvh, num_blocks, block_size, head_dim]
 // (K heads, then V heads), stored as fp32, fp16 or int8 (with one fp32 scale per head and
@@ -358,7 +368,142 @@ struct StepBufs {
   ActBufs* acts;
   float* gate_up;  // [B, 2 * intermediate] with LoRA on gate or up, else NULL
   float* lora_t;   // [B, 3 * max_rank] with LoRA, else NULL (lora.h)
+  struct MoeBufs* moe;  // with mixture-of-experts layers, else NULL
 };
+
+// ------------------------------------------------------------------ mixture of experts
+//
+// A layer's experts as model_runner/moe.py runs them, in one pass of the team: the router's
+// logits (fp32), per row the softmax, the num_used highest (ties: the lower expert) and their
+// weights (renormalized with norm_topk), then the (row, expert) pairs grouped by expert, and
+// each chosen expert's gate-up (SiLU-gated) and down once over all its rows, so its weights
+// are read once a step and an expert no row chose is not touched. The weighted outputs are
+// summed into each row in ascending expert order (moe.py's index_add_ order, each product
+// rounded before its add), then added to the residual.
+
+struct MoeBufs {
+  float* logits;    // [B, E]: the router's, then the softmax
+  int32_t* chosen;  // [B, k]
+  float* weights;   // [B, k]
+  int32_t* start;   // [E + 1]: expert e's pairs are [start[e], start[e + 1])
+  int32_t* rows;    // [B * k]: the pairs' rows, by expert, rows ascending
+  float* scale;     // [B * k]: their weights
+  float* xg;        // [B, hidden]: an expert's rows gathered
+  float* y;         // [B, hidden]: its output
+  float* acc;       // [B, hidden]: the weighted sum
+};
+
+// The router's dot product: 16 partial sums, so it vectorizes without reassociating a chain.
+inline float dot16(const float* a, const float* b, int n) {
+  float s[16] = {0.f};
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int l = 0; l < 16; ++l) s[l] += a[i + l] * b[i + l];
+  }
+  float t = 0.f;
+  for (; i < n; ++i) t += a[i] * b[i];
+  for (int l = 0; l < 16; ++l) t += s[l];
+  return t;
+}
+
+// Row b's experts and weights from its logits (softmax in place; moe.py's MoeMlp.route).
+void route_row(const StepArgs& st, MoeBufs& m, int b) {
+  const int E = st.num_experts, K = st.num_used;
+  float* p = m.logits + (int64_t)b * E;
+  float mx = p[0];
+  for (int e = 1; e < E; ++e) mx = p[e] > mx ? p[e] : mx;
+  float sum = 0.f;
+  for (int e = 0; e < E; ++e) {
+    p[e] = std::exp(p[e] - mx);
+    sum += p[e];
+  }
+  for (int e = 0; e < E; ++e) p[e] /= sum;
+  int32_t* chosen = m.chosen + (int64_t)b * K;
+  float* w = m.weights + (int64_t)b * K;
+  float total = 0.f;
+  for (int j = 0; j < K; ++j) {  // k passes: k is small (8 of 128)
+    int best = -1;
+    for (int e = 0; e < E; ++e) {
+      bool taken = false;
+      for (int i = 0; i < j; ++i) taken |= chosen[i] == e;
+      if (!taken && (best < 0 || p[e] > p[best])) best = e;
+    }
+    chosen[j] = best;
+    w[j] = p[best];
+    total += w[j];
+  }
+  if (st.norm_topk) {
+    for (int j = 0; j < K; ++j) w[j] /= total;
+  }
+}
+
+void moe_mlp(const StepArgs& st, const StepLayer& L, const StepBufs& sb, int tid, int nth) {
+  const int B = st.batch, Hd = st.hidden_size, E = st.num_experts, K = st.num_used;
+  const int I = st.expert_intermediate;
+  MoeBufs& m = *sb.moe;
+  for (int e = E * tid / nth; e < E * (tid + 1) / nth; ++e) {
+    const float* r = L.router + (int64_t)e * Hd;
+    for (int b = 0; b < B; ++b) m.logits[(int64_t)b * E + e] = dot16(r, sb.x + (int64_t)b * Hd, Hd);
+  }
+  if (nth > 1) {
+#pragma omp barrier
+  }
+  for (int b = tid; b < B; b += nth) route_row(st, m, b);
+  if (nth > 1) {
+#pragma omp barrier
+  }
+  if (tid == 0) {  // the pairs by expert, stable in the row: a counting sort
+    for (int e = 0; e <= E; ++e) m.start[e] = 0;
+    for (int i = 0; i < B * K; ++i) ++m.start[m.chosen[i] + 1];
+    for (int e = 0; e < E; ++e) m.start[e + 1] += m.start[e];
+    int32_t* next = m.start;  // filled in place, then shifted back
+    for (int i = 0; i < B * K; ++i) {
+      const int at = next[m.chosen[i]]++;
+      m.rows[at] = i / K;
+      m.scale[at] = m.weights[i];
+    }
+    for (int e = E; e > 0; --e) m.start[e] = m.start[e - 1];
+    m.start[0] = 0;
+  }
+  // Each thread sums its own columns of every row: no barrier between the experts' sums.
+  const int c0 = Hd * tid / nth, c1 = Hd * (tid + 1) / nth;
+  for (int b = 0; b < B; ++b) memset(m.acc + (int64_t)b * Hd + c0, 0, sizeof(float) * (c1 - c0));
+  if (nth > 1) {
+#pragma omp barrier
+  }
+  ActBufs& ab = *sb.acts;
+  for (int e = 0; e < E; ++e) {
+    const int first = m.start[e], n = m.start[e + 1] - first;
+    if (n == 0) continue;
+    const float* xin = sb.x + (int64_t)m.rows[first] * Hd;
+    if (n > 1) {  // the rows gathered (one row is read in place)
+      for (int i = tid; i < n; i += nth) memcpy(m.xg + (int64_t)i * Hd, sb.x + (int64_t)m.rows[first + i] * Hd, sizeof(float) * Hd);
+      xin = m.xg;
+      if (nth > 1) {
+#pragma omp barrier
+      }
+    }
+    qgemm_team(L.expert_gate_up[e], xin, n, Hd, sb.act, I, nullptr, nullptr, 0, EPI_SILU_MUL, st.residual, ab, tid, nth);
+    qgemm_team(L.expert_down[e], sb.act, n, I, m.y, Hd, nullptr, nullptr, 0, EPI_NONE, st.residual, ab, tid, nth);
+    for (int i = 0; i < n; ++i) {
+      float* acc = m.acc + (int64_t)m.rows[first + i] * Hd;
+      const float* y = m.y + (int64_t)i * Hd;
+      const float w = m.scale[first + i];
+      for (int c = c0; c < c1; ++c) {
+        const float t = y[c] * w;
+        acc[c] += t;
+      }
+    }
+  }
+  for (int b = 0; b < B; ++b) {
+    float* h = st.hidden + (int64_t)b * Hd;
+    const float* acc = m.acc + (int64_t)b * Hd;
+    for (int c = c0; c < c1; ++c) h[c] = h[c] + acc[c];
+  }
+  if (nth > 1) {
+#pragma omp barrier
+  }
+}
 
 // One layer, run by every thread of the step's team (tid of nth): the row-wise ops split by
 // rows, the matmuls by row blocks, attention by (row, KV head) tasks, a barrier between ops.
@@ -416,6 +561,10 @@ void step_layer(const StepArgs& st, const StepLayer& L, int layer, const StepBuf
   if (nth > 1) {
 #pragma omp barrier
   }
+  if (L.router) {  // no adapters on experts: LoRA on a mixture-of-experts model is refused at load
+    moe_mlp(st, L, sb, tid, nth);
+    return;
+  }
   if (lora_touches(st, layer, gate_up_spans, n_gate_up)) {
     // The update goes in before the SiLU: gate and up whole, then silu(gate) * up per row
     // (the fused epilogue's arithmetic, so the base rows' numbers do not change).
@@ -442,15 +591,25 @@ void step_layers(const StepLayer* layers, int num_layers, const StepArgs* step) 
   const StepArgs& st = *step;
   const int B = st.batch;
   static thread_local Buf xb, qb, ab, mb, gb, tb;
+  static thread_local Buf moe_logits, moe_chosen, moe_weights, moe_start, moe_rows, moe_scale, moe_xg, moe_y, moe_acc;
   static thread_local ActBufs acts;
-  const int kmax = st.intermediate > st.hidden_size ? st.intermediate : st.hidden_size;
+  static thread_local MoeBufs moe;
+  const int inter = st.num_experts && st.expert_intermediate > st.intermediate ? st.expert_intermediate : st.intermediate;
+  const int kmax = inter > st.hidden_size ? inter : st.hidden_size;
   acts.reserve(B, kmax > st.num_heads * st.head_dim ? kmax : st.num_heads * st.head_dim);
+  if (st.num_experts) {
+    const size_t E = st.num_experts, pairs = (size_t)B * st.num_used, rows = (size_t)B * st.hidden_size;
+    moe = MoeBufs{moe_logits.get<float>(B * E),          moe_chosen.get<int32_t>(pairs), moe_weights.get<float>(pairs),
+                  moe_start.get<int32_t>(E + 1),         moe_rows.get<int32_t>(pairs),   moe_scale.get<float>(pairs),
+                  moe_xg.get<float>(rows),               moe_y.get<float>(rows),         moe_acc.get<float>(rows)};
+  }
   const StepBufs sb{xb.get<float>((size_t)B * st.hidden_size),
                     qb.get<float>((size_t)B * (st.num_heads + 2 * st.num_kv_heads) * st.head_dim),
-                    ab.get<float>((size_t)B * st.num_heads * st.head_dim), mb.get<float>((size_t)B * st.intermediate),
+                    ab.get<float>((size_t)B * st.num_heads * st.head_dim), mb.get<float>((size_t)B * inter),
                     &acts,
                     st.lora ? gb.get<float>((size_t)B * 2 * st.intermediate) : nullptr,
-                    st.lora ? tb.get<float>((size_t)B * 3 * (st.lora->max_rank > 0 ? st.lora->max_rank : 1)) : nullptr};
+                    st.lora ? tb.get<float>((size_t)B * 3 * (st.lora->max_rank > 0 ? st.lora->max_rank : 1)) : nullptr,
+                    st.num_experts ? &moe : nullptr};
   const int nt = st.nthreads > 1 ? st.nthreads : 1;
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {

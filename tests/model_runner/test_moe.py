@@ -305,9 +305,9 @@ def quantized_moe(kind: str, qtype: str, tmp_path: Path) -> Path:
     256) in a ``qtype`` GGUF in the converter's layout: every expert one quantized matrix of
     its stack, the router F32."""
     wide: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 256}
-    if kind == "qwen3moe":
+    if kind.startswith("qwen3moe"):
         wide.update(num_experts=4, moe_intermediate_size=256, intermediate_size=512, head_dim=128)
-    hf = tiny_hf(kind, seed=15, **wide)
+    hf = tiny_hf(kind.removesuffix("-dense-layers"), seed=15, **KINDS[kind], **wide)
     return write_moe_gguf(hf, tmp_path / f"{kind}-{qtype}.gguf", QTYPES[qtype])
 
 
@@ -331,7 +331,7 @@ def test_quantized_gguf_is_logprobs_close_to_transformers(
     assert not isinstance(loaded.state_dict["model.layers.1.mlp.gate.weight"], QuantWeight)
     moe = runner.model.layers[1].moe
     assert moe is not None and all(isinstance(m, QLinear) for m in (*moe.gate_up, *moe.down))
-    assert runner.paths.fused is None  # the whole-step kernel runs dense MLPs only
+    assert runner.paths.fused is not None  # the whole-step kernel runs its experts
     dense = load_model(path, weights="float32")
     twin = build_hf_model(dense.config, dict(dense.state_dict), with_eos=False)  # type: ignore[arg-type]
     assert_top5_rule(runner, twin, PROMPTS)
@@ -379,3 +379,64 @@ def test_int8_experts_from_hf_directory_are_logprobs_close(kind: str, tmp_path: 
     }
     twin = build_hf_model(config, held_weights, with_eos=False)
     assert_top5_rule(runner, twin, PROMPTS)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="kernels not built")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("isa", list(reversed(kernels.ISAS)))
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_fused_step_runs_the_experts_as_the_torch_path(
+    kind: str, isa: str, threads: int, tmp_path: Path
+) -> None:
+    """A Q4_K_M file's experts in the kernels' whole-step call (``moe_mlp``: the router, each
+    row's top-k, the rows grouped by expert, each chosen expert once over its rows) give the
+    torch path's logits (``MoeMlp`` layer by layer on the same ``QLinear`` experts): a step of
+    three prefill chunks, then four decode steps of three rows that share experts, each one
+    kernel call; Qwen3-MoE's dense layers in the same call. The paths differ in the router's
+    and attention's fp32 summation order only: within 5e-2 of max|logit| (an int8 activation
+    boundary, as test_quant's fused test), and the same greedy token every step; on each ISA
+    family this CPU runs, with the team of one thread and of two (the experts' sums split by
+    columns)."""
+
+    if isa not in kernels.supported_isas():
+        pytest.skip(f"this CPU cannot run the {isa} kernels")
+    before, before_threads = kernels.isa(), torch.get_num_threads()
+    kernels.use_isa(isa)
+    torch.set_num_threads(threads)
+    try:
+        _fused_equals_torch(kind, tmp_path)
+    finally:
+        kernels.use_isa(before)
+        torch.set_num_threads(before_threads)
+
+
+def _fused_equals_torch(kind: str, tmp_path: Path) -> None:
+    from tests.model_runner.test_quant import assert_close
+
+    path = quantized_moe(kind, "Q4_K_M", tmp_path)
+    loaded = load_model(path, weights="native")
+    runners = {
+        fused: TorchRunner(loaded.config, loaded.state_dict,
+                           RunnerOptions(16, 16, dtype=torch.float32, device="cpu",
+                                         kv_dtype="float32", fused_step=fused))
+        for fused in (True, False)
+    }  # fmt: skip
+    assert runners[True].paths.fused is not None and runners[False].paths.fused is None
+    lib = runners[True].paths.fused.kernel.lib  # type: ignore[attr-defined]
+    original, calls = lib.kv_step_layers, []
+    lib.kv_step_layers = lambda *args: (calls.append(1), original(*args))[1]
+    prompts = {f"r{i}": random_ids(n, seed=20 + i) for i, n in enumerate((5, 19, 33))}
+    tables = {"r0": [0, 1], "r1": [2, 3, 4], "r2": [5, 6, 7, 8]}
+    steps = [plan(0, prefill=[seq(r, ids, 0, len(ids), tables[r]) for r, ids in prompts.items()])]
+    try:
+        for step in range(5):
+            got, want = (runners[fused].step_logits(steps[-1]) for fused in (True, False))
+            for r in prompts:
+                assert_close(got[r], want[r], 5e-2)
+                assert int(got[r][-1].argmax()) == int(want[r][-1].argmax())
+                prompts[r] = [*prompts[r], int(want[r][-1].argmax())]
+            rows = [seq(r, ids, len(ids) - 1, len(ids), tables[r]) for r, ids in prompts.items()]
+            steps.append(plan(1 + step, decode=rows))
+    finally:
+        lib.kv_step_layers = original
+    assert len(calls) == 5, "each step is one kernel call"
