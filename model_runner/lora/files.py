@@ -41,6 +41,14 @@ _PEFT_KEY = re.compile(
     r"(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
 )
 _GGUF_KEY = re.compile(r"^blk\.(\d+)\.(\w+)\.weight\.lora_([ab])$")
+# A mixture-of-experts layer's experts or router (PEFT's names; a GGUF's ffn_*_exps, ffn_gate_inp).
+_EXPERT_KEY = re.compile(
+    r"\.(?:mlp\.(?:experts|gate|shared_expert\w*)|block_sparse_moe)\.|^blk\.\d+\.ffn_(?:\w+_exps|gate_inp)\."
+)
+_EXPERTS_REFUSED = (
+    "LoRA on a mixture-of-experts layer's experts or router is not supported; adapters on "
+    "the attention (q_proj, k_proj, v_proj, o_proj) and on dense MLP layers run"
+)
 _DIGEST_CHUNK = 1 << 22
 
 
@@ -158,6 +166,8 @@ def _read_peft(folder: Path) -> AdapterFile:
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _PEFT_KEY.match(key)
+        if _EXPERT_KEY.search(key):
+            raise _fail(folder, f"tensor {key!r}: {_EXPERTS_REFUSED}")
         if m is None or m.group(2) not in MODULES:
             raise _fail(folder, f"tensor {key!r} is not a LoRA pair of {', '.join(MODULES)}")
         halves.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = tensor
@@ -294,6 +304,8 @@ def _read_gguf(path: Path) -> AdapterFile:
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for tensor in reader.tensors:
         m = _GGUF_KEY.match(tensor.name)
+        if _EXPERT_KEY.search(tensor.name):
+            raise _fail(path, f"tensor {tensor.name!r}: {_EXPERTS_REFUSED}")
         if m is None or m.group(2) not in modules:
             raise _fail(
                 path, f"tensor {tensor.name!r} is not a LoRA pair of "

@@ -38,11 +38,17 @@ def check_fits(adapter: AdapterFile, config: ModelConfig, max_rank: int) -> None
     ``adapter`` fits ``config``'s model and no rank is over ``max_rank``."""
     path = adapter.path
     arch = adapter.architecture
-    if config.experts is not None:
-        raise AdapterError(
-            f"adapter {path!r}: LoRA on a mixture-of-experts model ({config.architecture}) is "
-            "not supported; kvserve runs adapters on dense models only"
-        )
+    moe_layers = set(config.experts.layers) if config.experts is not None else set()
+    for layer, module in adapter.pairs:
+        target = BY_NAME[TARGET_OF[module]] if module in TARGET_OF else None
+        projection = target.projection if target else FUSED_MODULES.get(module)
+        if layer in moe_layers and projection in ("gate_up", "down"):
+            raise AdapterError(
+                f"adapter {path!r} updates layer {layer}'s {module}, but that layer of the "
+                f"{config.architecture} base is a mixture of experts: LoRA on experts is not "
+                "supported; adapters on the attention (q_proj, k_proj, v_proj, o_proj) and on "
+                "dense MLP layers run"
+            )
     if arch is not None and arch != family(config.architecture).gguf_arch:
         raise AdapterError(
             f"adapter {path!r} was made for a {arch!r} model; the base model is "

@@ -265,23 +265,58 @@ def test_missing_expert_is_named(tmp_path: Path) -> None:
         TorchRunner(config, state, RunnerOptions(8, 16, dtype=torch.float32, device="cpu"))
 
 
-def test_lora_on_a_moe_model_is_refused_in_one_line(tmp_path: Path) -> None:
-    """A PEFT adapter (on Q and V) of Qwen3-MoE is refused at load, in one line naming
-    mixture-of-experts."""
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_peft_adapter_on_a_moe_models_attention_gives_transformers_peft_logits(
+    kind: str, tmp_path: Path
+) -> None:
+    """A random PEFT adapter on Q, K, V and O of every layer (Qwen3-MoE's dense layers too):
+    every position's logits equal transformers + PEFT's within 1e-4, and differ from the
+    base's by far more. (PEFT on transformers 5 turns an MLP target of such a model into its
+    experts' stacks, ``target_parameters``: refused, below.)"""
+    from tests.model_runner.lora_oracle import peft_adapter
+    from tests.model_runner.oracle import assert_close, hf_logits, make_runner
+    from tests.model_runner.test_lora import logits_with
+
+    hf = _model(kind)
+    reference = peft_adapter(hf, tmp_path / "a", targets=ATTENTION)
+    runner = make_runner(hf)
+    info = runner.lora.load("a", tmp_path / "a")
+    assert len(info.target_modules) == 4
+    ids = random_ids(13, seed=1)
+    ours = logits_with(runner, ids, runner.lora.resolve("a"))
+    assert_close(ours, hf_logits(reference, ids))
+    base = logits_with(runner, ids, None)
+    assert (ours - base).abs().max() > 0.1
+
+
+def test_lora_on_experts_or_the_router_is_refused_in_one_line(tmp_path: Path) -> None:
+    """An adapter on Qwen3-MoE's router (PEFT's ``mlp.gate``) is refused at load in one line
+    naming experts; so is an MLP pair (``gate_proj``, from a dense twin) on a layer that is a
+    mixture of experts."""
     from model_runner.lora.info import AdapterError
     from tests.model_runner.lora_oracle import peft_adapter
 
     hf = tiny_hf("qwen3moe", seed=16)
-    peft_adapter(hf, tmp_path / "a", targets=["q_proj", "v_proj"])
+    peft_adapter(hf, tmp_path / "router", targets=["q_proj", "gate"])
+    twin = tiny_hf("qwen3", seed=16)
+    peft_adapter(twin, tmp_path / "dense", targets=["q_proj", "gate_proj"])
     runner = TorchRunner(
         our_config(hf),
         {k: v.detach().cpu() for k, v in hf.state_dict().items()},
         RunnerOptions(8, 16, dtype=torch.float32, device="cpu", kv_dtype="float32"),
     )
-    with pytest.raises(AdapterError) as info:
-        runner.lora.load("a", tmp_path / "a")
-    message = str(info.value)
-    assert "\n" not in message and "LoRA on a mixture-of-experts model (qwen3moe)" in message
+    for name, says in (
+        ("router", "LoRA on a mixture-of-experts layer's experts or router is not supported"),
+        ("dense", "updates layer 0's gate_proj, but that layer of the qwen3moe base is a "
+                  "mixture of experts"),
+    ):  # fmt: skip
+        with pytest.raises(AdapterError) as info:
+            runner.lora.load(name, tmp_path / name)
+        message = str(info.value)
+        assert "\n" not in message and says in message and "q_proj, k_proj" in message
 
 
 def test_moe_layers_off_the_cpu_are_refused_in_one_line() -> None:
@@ -300,15 +335,19 @@ def test_moe_layers_off_the_cpu_are_refused_in_one_line() -> None:
 QTYPES: dict[str, Any] = {"Q8_0": "Q8_0", "Q4_K_M": q4_k_m}
 
 
-def quantized_moe(kind: str, qtype: str, tmp_path: Path) -> Path:
+def wide_moe(kind: str) -> torch.nn.Module:
     """A 256-wide ``kind`` (Qwen3-MoE: 4 experts of 256, head_dim 128; Mixtral: 4 experts of
-    256) in a ``qtype`` GGUF in the converter's layout: every expert one quantized matrix of
-    its stack, the router F32."""
+    256), for the quantized files."""
     wide: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 256}
     if kind.startswith("qwen3moe"):
         wide.update(num_experts=4, moe_intermediate_size=256, intermediate_size=512, head_dim=128)
-    hf = tiny_hf(kind.removesuffix("-dense-layers"), seed=15, **KINDS[kind], **wide)
-    return write_moe_gguf(hf, tmp_path / f"{kind}-{qtype}.gguf", QTYPES[qtype])
+    return tiny_hf(kind.removesuffix("-dense-layers"), seed=15, **KINDS[kind], **wide)
+
+
+def quantized_moe(kind: str, qtype: str, tmp_path: Path) -> Path:
+    """``wide_moe(kind)`` in a ``qtype`` GGUF in the converter's layout: every expert one
+    quantized matrix of its stack, the router F32."""
+    return write_moe_gguf(wide_moe(kind), tmp_path / f"{kind}-{qtype}.gguf", QTYPES[qtype])
 
 
 @pytest.mark.slow
@@ -440,3 +479,54 @@ def _fused_equals_torch(kind: str, tmp_path: Path) -> None:
     finally:
         lib.kv_step_layers = original
     assert len(calls) == 5, "each step is one kernel call"
+
+
+@pytest.mark.skipif(not kernels.available(), reason="kernels not built")
+@pytest.mark.parametrize("kind", ["qwen3moe", "mixtral"])
+def test_fused_step_with_adapters_on_a_moe_models_attention_equals_the_torch_path(
+    kind: str, tmp_path: Path
+) -> None:
+    """A Q4_K_M MoE file with a PEFT adapter on Q, K, V and O: a step of an adapter's prefill
+    chunk beside the base model's, then decodes, through the fused kernel (the adapter's
+    updates before the experts) and the torch path with the same fp16 adapter values (the
+    kernels hold adapters in fp16; that rounding alone flips a near-tied expert of this tiny
+    Mixtral against fp32 ones): logits within 5e-2 of max|logit| (as the fused step without
+    adapters), the update far larger than that."""
+    from tests.model_runner.lora_oracle import peft_adapter, with_lora
+    from tests.model_runner.test_quant import assert_close
+
+    class Fp16Adapters(TorchRunner):  # the torch path holding adapters as the kernels do
+        @property
+        def lora_dtype(self) -> torch.dtype:
+            return torch.float16
+
+    path = quantized_moe(kind, "Q4_K_M", tmp_path)
+    loaded = load_model(path, weights="native")
+    runners = [
+        kind_of(loaded.config, loaded.state_dict,
+                RunnerOptions(16, 16, dtype=torch.float32, device="cpu",
+                              kv_dtype="float32", fused_step=fused))
+        for kind_of, fused in ((TorchRunner, True), (Fp16Adapters, False))
+    ]  # fmt: skip
+    assert runners[0].paths.fused is not None and runners[1].paths.fused is None
+    peft_adapter(wide_moe(kind), tmp_path / "a", targets=ATTENTION)
+    for runner in runners:
+        runner.lora.load("a", tmp_path / "a")
+    ref = runners[0].lora.resolve("a")
+    prompts = {"a": random_ids(9, seed=31), "base": random_ids(14, seed=32)}
+    tables = {"a": [0, 1], "base": [2, 3]}
+    refs = {"a": ref, "base": None}
+    step = plan(0, prefill=[with_lora(seq(n, ids, 0, len(ids), tables[n]), refs[n])
+                            for n, ids in prompts.items()])  # fmt: skip
+    for i in range(3):
+        got, want = (runner.step_logits(step) for runner in runners)
+        for n in prompts:
+            assert_close(got[n], want[n], 5e-2)
+            prompts[n] = [*prompts[n], int(want[n][-1].argmax())]
+        step = plan(1 + i, decode=[with_lora(seq(n, ids, len(ids) - 1, len(ids), tables[n]),
+                                             refs[n]) for n, ids in prompts.items()])  # fmt: skip
+    ids = prompts["a"]
+    bare = plan(9, prefill=[seq("b", ids, 0, len(ids), [4, 5])])
+    lora = plan(9, prefill=[with_lora(seq("c", ids, 0, len(ids), [6, 7]), ref)])
+    base, updated = runners[0].step_logits(bare)["b"], runners[0].step_logits(lora)["c"]
+    assert (updated - base).abs().max() > 0.1 * updated.abs().max()
