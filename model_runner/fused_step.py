@@ -13,7 +13,10 @@ table, a decode one row, a speculative verification k + 1 rows (``TorchRunner`` 
 them). Every row's K/V is written before any row attends, and each row attends up to its
 own position, so chunks are causal. A mixture-of-experts layer (Qwen3-MoE, Mixtral) runs
 there too: its router, each row's choice and the experts grouped by the step's rows, as
-``moe.MoeMlp`` does (``kernels.cpp``'s ``moe_mlp``). Used for every step when every matrix is
+``moe.MoeMlp`` does (``kernels.cpp``'s ``moe_mlp``); so does Gemma 3's block: the sandwich
+norms after attention and the MLP, GeGLU (the gate-up epilogue's tanh GELU), each layer's
+window and the sliding layers' own RoPE table (``StepLayer.window`` / ``rope``). Used for every
+step when every matrix is
 quantized (``QLinear``, each expert's too), compute is fp32 on CPU, and the pool is fp32, fp16
 or int8; ``FusedStep.unsupported`` names the reason otherwise (the runner then takes the
 PyTorch path; both paths write the same pool).
@@ -22,10 +25,12 @@ PyTorch path; both paths write the same pool).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import torch
 
 from model_runner import kernels
+from model_runner.families import family
 from model_runner.kv_pool import KVPool
 from model_runner.lora.native import NativeLora
 from model_runner.model import LlamaModel
@@ -43,7 +48,8 @@ class FusedStep:
     """Binds a ``LlamaModel`` and its ``KVPool`` to ``kv_step_layers`` (pointers taken once:
     both own their tensors for the runner's lifetime)."""
 
-    def __init__(self, model: LlamaModel, pool: KVPool, sliding_window: int | None) -> None:
+    def __init__(self, model: LlamaModel, pool: KVPool, windows: Sequence[int | None]) -> None:
+        """``windows``: each layer's (``AttentionSpec.window``; None = every position)."""
         reason = self.unsupported(model, pool)
         if reason is not None:
             raise ValueError(f"fused step unavailable: {reason}")
@@ -53,6 +59,11 @@ class FusedStep:
         assert model.rope_cis is not None
         # [max_len, D/2] complex64 -> [max_len, D/2, 2] (cos, sin), viewed without a copy.
         self.rope = torch.view_as_real(model.rope_cis.squeeze(1)).contiguous()
+        local = model.local_rope  # Gemma 3's sliding layers' own table
+        self.local = None
+        if local is not None:
+            assert local.cis is not None
+            self.local = torch.view_as_real(local.cis.squeeze(1)).contiguous()
         scales = pool.scales
         layers = (kernels.StepLayer * len(model.layers))()
         self._experts: list[ctypes.Array[kernels.QW]] = []  # the layers' expert tables, kept
@@ -72,6 +83,12 @@ class FusedStep:
                 pool.data[i].data_ptr(),
                 scales[i].data_ptr() if scales is not None else None,
             )
+            for name in ("attn_out_norm", "mlp_out_norm"):  # Gemma's sandwich norms
+                norm = getattr(layer, name)
+                setattr(layers[i], name, norm.data_ptr() if norm is not None else None)
+            if self.local is not None and model.layer_local_rope[i]:
+                layers[i].rope = self.local.data_ptr()
+            layers[i].window = windows[i] or 0
             if layer.moe is None:
                 assert isinstance(layer.gate_up, QLinear) and isinstance(layer.down, QLinear)
                 layers[i].gate_up = describe(layer.gate_up.weight)
@@ -98,11 +115,11 @@ class FusedStep:
             ("kv_dtype", _KV_DTYPES[pool.dtype]),
             ("num_blocks", pool.num_blocks),
             ("block_size", pool.block_size),
-            ("window", sliding_window or 0),
             ("num_experts", experts.num_experts if experts else 0),
             ("num_used", experts.num_used if experts else 0),
             ("expert_intermediate", experts.intermediate_size if experts else 0),
             ("norm_topk", int(experts.norm_topk_prob) if experts else 0),
+            ("gelu", int(family(config.architecture).mlp_activation == "gelu_tanh")),
         ):
             setattr(self.step, name, value)
         self.step.eps = model.eps
@@ -118,12 +135,8 @@ class FusedStep:
         quantized, so a CUDA or float runner never touches them."""
         if model.device.type != "cpu" or model.dtype != torch.float32 or model.rope_cis is None:
             return "needs fp32 compute on CPU"
-        if not model.llama_block:
-            # As MoE: the step runs layer by layer in PyTorch, each matrix a QLinear.
-            return (
-                f"{model.config.architecture}'s block (norms after attention and MLP, GeGLU, "
-                "per-layer windows and RoPE; the kernels' whole-step call runs Llama's)"
-            )
+        if model.local_rope is not None and model.local_rope.cis is None:
+            return "needs the sliding layers' RoPE table in fp32"
         linears = [
             (l.qkv, l.o, *((l.gate_up, l.down) if l.moe is None else (*l.moe.gate_up, *l.moe.down)))
             for l in model.layers  # noqa: E741

@@ -165,7 +165,7 @@ def make_paths(
         raise ValueError(f"fused_step=True but {unsupported}")
     paths = ForwardPaths(EagerPath(model, pool, lora or lora_backend(model.config, model.device)))
     if fused_step is not False and unsupported is None:
-        kernel = FusedStep(model, pool, spec.sliding_window)
+        kernel = FusedStep(model, pool, [spec.window(i) for i in range(len(model.layers))])
         paths.fused = FusedPath(kernel, spec.sliding_window, fused_max_rows)
     if graph_sizes:
         graphs = DecodeGraphs(

@@ -50,6 +50,7 @@ EMULATED = tuple(name for name in build.FAMILIES if name not in ISAS)  # the tes
 EPI_NONE = 0
 EPI_ADD = 1
 EPI_SILU_MUL = 2
+EPI_GELU_MUL = 3
 MAX_PARTS = 4
 
 _lock = threading.RLock()
@@ -109,6 +110,11 @@ class StepLayer(ctypes.Structure):
         ("router", _P),  # a mixture-of-experts layer's (fp32 [E, hidden]), else NULL
         ("expert_gate_up", ctypes.POINTER(QW)),  # [E] each expert's, else NULL
         ("expert_down", ctypes.POINTER(QW)),
+        ("attn_out_norm", _P),  # Gemma's sandwich norms, else NULL
+        ("mlp_out_norm", _P),
+        ("rope", _P),  # the layer's own RoPE table, else NULL (StepArgs.rope)
+        ("window", _I32),  # 0: every position
+        ("pad", _I32),
     ]
 
 
@@ -154,7 +160,6 @@ class StepArgs(ctypes.Structure):
                 "num_blocks",
                 "block_size",
                 "max_blocks",
-                "window",
                 "nthreads",
             )
         ],
@@ -165,6 +170,7 @@ class StepArgs(ctypes.Structure):
         ("num_used", _I32),
         ("expert_intermediate", _I32),
         ("norm_topk", _I32),
+        ("gelu", _I32),
     ]
 
 

@@ -56,7 +56,7 @@ constexpr int NUM_FORMATS = 0 KV_FORMATS(KV_COUNT);
 #define KV_NAME(name, D) #name,
 constexpr const char* FORMAT_NAMES[NUM_FORMATS] = {KV_FORMATS(KV_NAME)};
 #undef KV_NAME
-enum Epilogue { EPI_NONE = 0, EPI_ADD = 1, EPI_SILU_MUL = 2 };
+enum Epilogue { EPI_NONE = 0, EPI_ADD = 1, EPI_SILU_MUL = 2, EPI_GELU_MUL = 3 };
 enum KVDtype { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2 };
 // The families the dispatcher takes, by code (kernels/build.py's FAMILIES): the three ISA
 // families, then from NUM_ISAS on the emulated ones the tests register (room for MAX_FAMILIES).
@@ -96,6 +96,13 @@ struct StepLayer {
   const float* router;
   const QW* expert_gate_up;
   const QW* expert_down;
+  // Gemma's sandwich norms: RMSNorm weights [hidden] of the attention's and the MLP's outputs
+  // before their residual adds, else NULL.
+  const float* attn_out_norm;
+  const float* mlp_out_norm;
+  const float* rope;  // this layer's RoPE table (Gemma 3's sliding layers), NULL: StepArgs.rope
+  int32_t window;     // positions a query sees, itself included (0: all)
+  int32_t pad;
 };
 
 // LoRA (lora.h): one adapter's pair for one target of one layer, fp16: a [rank, k] and
@@ -122,13 +129,14 @@ struct StepArgs {
   const int32_t* block_tables;  // [B, max_blocks]: each row's request's blocks
   const float* rope;            // [max_len, head_dim / 2, 2]: cos, sin
   int32_t batch, hidden_size, num_heads, num_kv_heads, head_dim, intermediate;
-  int32_t kv_dtype, num_blocks, block_size, max_blocks, window, nthreads;
+  int32_t kv_dtype, num_blocks, block_size, max_blocks, nthreads;
   float eps;
   int32_t residual;  // activations with a residual byte (qmatmul.h's Acts), else int8
   const LoraRows* lora;  // the rows' adapters, or NULL (lora.h)
   // The mixture-of-experts layers' shape (StepLayer.router): experts, chosen per row, each
   // expert's MLP width, and whether the chosen weights are renormalized to sum to 1.
   int32_t num_experts, num_used, expert_intermediate, norm_topk;
+  int32_t gelu;  // the gated MLP's activation: GELU (tanh) for Gemma, else SiLU
 };
 
 // What a family library gives the dispatcher (kv_family; the dispatcher's kv_register_family).
@@ -327,7 +335,7 @@ void attend_group(const StepArgs& st, const StepLayer& L, int b, int g, const fl
                   float* out, float* kbuf) {
   const int D = st.head_dim, bs = st.block_size, G = st.num_heads / st.num_kv_heads;
   const int64_t pos = st.positions[b];
-  const int64_t t0 = st.window > 0 && pos - st.window + 1 > 0 ? pos - st.window + 1 : 0;
+  const int64_t t0 = L.window > 0 && pos - L.window + 1 > 0 ? pos - L.window + 1 : 0;
   const int32_t* table = st.block_tables + (int64_t)b * st.max_blocks;
   float mx[MAX_GROUP], sum[MAX_GROUP], p[MAX_GROUP];
   for (int j = 0; j < G; ++j) {
@@ -369,7 +377,22 @@ struct StepBufs {
   float* gate_up;  // [B, 2 * intermediate] with LoRA on gate or up, else NULL
   float* lora_t;   // [B, 3 * max_rank] with LoRA, else NULL (lora.h)
   struct MoeBufs* moe;  // with mixture-of-experts layers, else NULL
+  float* y;             // [B, hidden]: a projection's output before its sandwich norm
 };
+
+// Sandwich norms (Gemma): h[b] += rms_norm(y[b]) * w, by rows; the norm rounds before the add,
+// as the torch path's ``residual + rms_norm(y)``. The matmul that wrote y ended in a barrier,
+// and the next op (the following norm) splits by the same rows: no barrier after.
+void add_normed(const StepArgs& st, const float* w, const StepBufs& sb, int tid, int nth) {
+  const int Hd = st.hidden_size;
+  static thread_local Buf nb;
+  float* normed = nb.get<float>(Hd);
+  for (int b = tid; b < st.batch; b += nth) {
+    float* h = st.hidden + (int64_t)b * Hd;
+    rms_norm(sb.y + (int64_t)b * Hd, w, st.eps, 1, Hd, normed);
+    for (int c = 0; c < Hd; ++c) h[c] = h[c] + normed[c];
+  }
+}
 
 // ------------------------------------------------------------------ mixture of experts
 //
@@ -528,7 +551,7 @@ void step_layer(const StepArgs& st, const StepLayer& L, int layer, const StepBuf
   }
   for (int b = tid; b < B; b += nth) {
     const int64_t pos = st.positions[b];
-    const float* cs = st.rope + pos * D;  // [D / 2] pairs of (cos, sin)
+    const float* cs = (L.rope ? L.rope : st.rope) + pos * D;  // [D / 2] pairs of (cos, sin)
     float* row = sb.qkv + (int64_t)b * nq;
     if (L.q_norm) {  // in place: rms_norm reads a row's sum of squares before it writes
       for (int h = 0; h < H; ++h) rms_norm(row + h * D, L.q_norm, st.eps, 1, D, row + h * D);
@@ -555,8 +578,14 @@ void step_layer(const StepArgs& st, const StepLayer& L, int layer, const StepBuf
                    kbuf);
     }
   }
-  qgemm_team(L.o, sb.attn, B, H * D, st.hidden, Hd, nullptr, st.hidden, Hd, EPI_ADD, st.residual, ab, tid, nth);
-  if (st.lora) lora_apply(st, layer, o_spans, n_o, sb.attn, H * D, st.hidden, Hd, sb.lora_t, tid, nth);
+  if (L.attn_out_norm) {  // h += rms_norm(attn Wo (+ the adapters' update))
+    qgemm_team(L.o, sb.attn, B, H * D, sb.y, Hd, nullptr, nullptr, 0, EPI_NONE, st.residual, ab, tid, nth);
+    if (st.lora) lora_apply(st, layer, o_spans, n_o, sb.attn, H * D, sb.y, Hd, sb.lora_t, tid, nth);
+    add_normed(st, L.attn_out_norm, sb, tid, nth);
+  } else {
+    qgemm_team(L.o, sb.attn, B, H * D, st.hidden, Hd, nullptr, st.hidden, Hd, EPI_ADD, st.residual, ab, tid, nth);
+    if (st.lora) lora_apply(st, layer, o_spans, n_o, sb.attn, H * D, st.hidden, Hd, sb.lora_t, tid, nth);
+  }
   for (int b = tid; b < B; b += nth) rms_norm(st.hidden + (int64_t)b * Hd, L.post_norm, st.eps, 1, Hd, sb.x + (int64_t)b * Hd);
   if (nth > 1) {
 #pragma omp barrier
@@ -573,13 +602,20 @@ void step_layer(const StepArgs& st, const StepLayer& L, int layer, const StepBuf
     for (int b = tid; b < B; b += nth) {
       const float* gu = sb.gate_up + (int64_t)b * 2 * I;
       float* a = sb.act + (int64_t)b * I;
-      for (int j = 0; j < I; ++j) a[j] = silu(gu[j]) * gu[I + j];
+      for (int j = 0; j < I; ++j) a[j] = (st.gelu ? gelu_tanh(gu[j]) : silu(gu[j])) * gu[I + j];
     }
     if (nth > 1) {
 #pragma omp barrier
     }
   } else {
-    qgemm_team(L.gate_up, sb.x, B, Hd, sb.act, I, nullptr, nullptr, 0, EPI_SILU_MUL, st.residual, ab, tid, nth);
+    qgemm_team(L.gate_up, sb.x, B, Hd, sb.act, I, nullptr, nullptr, 0, st.gelu ? EPI_GELU_MUL : EPI_SILU_MUL,
+               st.residual, ab, tid, nth);
+  }
+  if (L.mlp_out_norm) {  // h += rms_norm(a Wd (+ the adapters' update))
+    qgemm_team(L.down, sb.act, B, I, sb.y, Hd, nullptr, nullptr, 0, EPI_NONE, st.residual, ab, tid, nth);
+    if (st.lora) lora_apply(st, layer, down_spans, n_down, sb.act, I, sb.y, Hd, sb.lora_t, tid, nth);
+    add_normed(st, L.mlp_out_norm, sb, tid, nth);
+    return;
   }
   qgemm_team(L.down, sb.act, B, I, st.hidden, Hd, nullptr, st.hidden, Hd, EPI_ADD, st.residual, ab, tid, nth);
   if (st.lora) lora_apply(st, layer, down_spans, n_down, sb.act, I, st.hidden, Hd, sb.lora_t, tid, nth);
@@ -590,7 +626,7 @@ void step_layer(const StepArgs& st, const StepLayer& L, int layer, const StepBuf
 void step_layers(const StepLayer* layers, int num_layers, const StepArgs* step) {
   const StepArgs& st = *step;
   const int B = st.batch;
-  static thread_local Buf xb, qb, ab, mb, gb, tb;
+  static thread_local Buf xb, qb, ab, mb, gb, tb, yb;
   static thread_local Buf moe_logits, moe_chosen, moe_weights, moe_start, moe_rows, moe_scale, moe_xg, moe_y, moe_acc;
   static thread_local ActBufs acts;
   static thread_local MoeBufs moe;
@@ -609,7 +645,8 @@ void step_layers(const StepLayer* layers, int num_layers, const StepArgs* step) 
                     &acts,
                     st.lora ? gb.get<float>((size_t)B * 2 * st.intermediate) : nullptr,
                     st.lora ? tb.get<float>((size_t)B * 3 * (st.lora->max_rank > 0 ? st.lora->max_rank : 1)) : nullptr,
-                    st.num_experts ? &moe : nullptr};
+                    st.num_experts ? &moe : nullptr,
+                    yb.get<float>((size_t)B * st.hidden_size)};
   const int nt = st.nthreads > 1 ? st.nthreads : 1;
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
@@ -753,6 +790,7 @@ int64_t kv_weight_rows(const QW* w) { return check_sizes(*w) == w->n ? w->n : -1
 //   EPI_ADD:      out = res + x W^T + bias                (res may alias out)
 //   EPI_SILU_MUL: W holds 2 * Nout rows, gate then up:
 //                 out[:, n] = silu(x Wg[n]^T + bg) * (x Wu[n]^T + bu), n < Nout = N / 2
+//   EPI_GELU_MUL: the same with GELU (tanh approximation) for silu (Gemma's GeGLU)
 void kv_qgemm(const QW* w, const float* x, int M, int ldx, float* out, int ldo, const float* bias, const float* res,
               int ldr, int epilogue, int residual, int nthreads) {
   g_table->qgemm(*w, x, M, ldx, out, ldo, bias, res, ldr, epilogue, residual, nthreads);

@@ -51,6 +51,11 @@ inline const uint8_t* group_records(const QW& w, int64_t g, int& fmt, int& nrec)
 }
 
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+// torch's gelu(approximate="tanh"): 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+inline float gelu_tanh(float v) {
+  const float inner = 0.7978845608028654f * (v + 0.044715f * v * v * v);
+  return 0.5f * v * (1.f + std::tanh(inner));
+}
 
 // Asks for the first PREFETCH_AHEAD bytes of row groups g .. g + ng - 1 (each its own record
 // stream). A tile's records prefetch PREFETCH_AHEAD ahead of themselves, so the stream a tile
@@ -144,7 +149,8 @@ void qgemm_team(const QW& w, const float* x, int M, int ldx, float* out, int ldo
 #pragma omp barrier
   }
   const Acts acts{q, u, s, s16, K32, KB, lda, residual != 0};
-  const int nout = epilogue == EPI_SILU_MUL ? w.n / 2 : w.n;
+  const bool gated = epilogue == EPI_SILU_MUL || epilogue == EPI_GELU_MUL;  // gate rows, then up rows
+  const int nout = gated ? w.n / 2 : w.n;
   const int groups = (nout + ROWS - 1) / ROWS, up = nout / ROWS;
   // Row blocks of 2 groups (zmm, where the variant has it) where M x K reaches
   // g_tuning.pair_min_mk (qvec.h, Tuning): by default always, as on the Xeon model 167 the
@@ -156,7 +162,7 @@ void qgemm_team(const QW& w, const float* x, int M, int ldx, float* out, int ldo
   const int kc = M >= CHUNK_MIN_M && K > K_CHUNK ? K_CHUNK : K;
   static thread_local Buf gbuf, ubuf2, unbuf;
   float* yg = gbuf.get<float>((size_t)M * rb);  // [M][rb]: the running sums, column-major
-  float* yu = epilogue == EPI_SILU_MUL ? ubuf2.get<float>((size_t)M * rb) : nullptr;
+  float* yu = gated ? ubuf2.get<float>((size_t)M * rb) : nullptr;
   // Past UNPACK_MIN_M rows a chunk of a row pair is decoded once for all column tiles.
   Unpacked* ub = HAS_UNPACKED && M >= UNPACK_MIN_M ? unbuf.get<Unpacked>((size_t)UNPACK_SETS * ((kc + 31) / 32)) : nullptr;
   const int b0 = (int)((int64_t)blocks * tid / nth), b1 = (int)((int64_t)blocks * (tid + 1) / nth);
@@ -200,8 +206,9 @@ void qgemm_team(const QW& w, const float* x, int M, int ldx, float* out, int ldo
       for (int r = 0; r < rows; ++r) {
         const int n = ROWS * g + r;
         const float v = yc[r] + (bias ? bias[n] : 0.f);
-        if (epilogue == EPI_SILU_MUL) {
-          o[r] = silu(v) * (yu[(int64_t)c * ldc + r] + (bias ? bias[n + nout] : 0.f));
+        if (gated) {
+          const float g = epilogue == EPI_SILU_MUL ? silu(v) : gelu_tanh(v);
+          o[r] = g * (yu[(int64_t)c * ldc + r] + (bias ? bias[n + nout] : 0.f));
         } else if (epilogue == EPI_ADD) {
           o[r] = res[(int64_t)c * ldr + n] + v;
         } else {

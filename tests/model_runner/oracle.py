@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -225,3 +226,66 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
     assert ours.shape == ref.shape, (ours.shape, ref.shape)
     err = (ours.to(ref.device) - ref).abs().max().item()
     assert err <= ATOL, f"max |ours - transformers| = {err:.3e} > {ATOL}"
+
+
+def assert_fused_step_equals_torch(
+    path: str | Path, prompt_lens: Sequence[int] = (5, 19, 33)
+) -> TorchRunner:
+    """The file's model (held in its formats) through the kernels' whole-step call and
+    through the torch path, fp32 KV: a step of one prefill chunk per prompt, then four
+    decode steps of every prompt's row, each step one kernel call; logits within 5e-2 of
+    max|logit| (the paths differ in fp32 summation orders only, which can move an int8
+    activation across a rounding boundary) and the same greedy token every step. Returns
+    the fused runner."""
+    from tests.model_runner.test_quant import assert_close
+
+    loaded = load_model(str(path), weights="native")
+    runners = {
+        fused: TorchRunner(loaded.config, loaded.state_dict,
+                           RunnerOptions(16, 16, dtype=torch.float32, device="cpu",
+                                         kv_dtype="float32", fused_step=fused))
+        for fused in (True, False)
+    }  # fmt: skip
+    assert runners[True].paths.fused is not None and runners[False].paths.fused is None
+    lib = runners[True].paths.fused.kernel.lib  # type: ignore[attr-defined]
+    original, calls = lib.kv_step_layers, []
+    lib.kv_step_layers = lambda *args: (calls.append(1), original(*args))[1]
+    prompts = {f"r{i}": random_ids(n, seed=20 + i) for i, n in enumerate(prompt_lens)}
+    tables, first = {}, 0
+    for r, ids in prompts.items():  # room for the prompt and the 5 tokens after it
+        count = -(-(len(ids) + 5) // 16)
+        tables[r], first = list(range(first, first + count)), first + count
+    steps = [plan(0, prefill=[seq(r, ids, 0, len(ids), tables[r]) for r, ids in prompts.items()])]
+    try:
+        for step in range(5):
+            got, want = (runners[fused].step_logits(steps[-1]) for fused in (True, False))
+            for r in prompts:
+                assert_close(got[r], want[r], 5e-2)
+                assert int(got[r][-1].argmax()) == int(want[r][-1].argmax())
+                prompts[r] = [*prompts[r], int(want[r][-1].argmax())]
+            rows = [seq(r, ids, len(ids) - 1, len(ids), tables[r]) for r, ids in prompts.items()]
+            steps.append(plan(1 + step, decode=rows))
+    finally:
+        lib.kv_step_layers = original
+    assert len(calls) == 5, "each step is one kernel call"
+    return runners[True]
+
+
+@contextlib.contextmanager
+def isa_and_threads(isa: str, threads: int) -> Iterator[None]:
+    """The kernels' ISA family ``isa`` (the test skips where this CPU lacks it) and torch's
+    ``threads`` inside the block; both restored after."""
+    import pytest
+
+    from model_runner import kernels
+
+    if isa not in kernels.supported_isas():
+        pytest.skip(f"this CPU cannot run the {isa} kernels")
+    before, before_threads = kernels.isa(), torch.get_num_threads()
+    kernels.use_isa(isa)
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        kernels.use_isa(before)
+        torch.set_num_threads(before_threads)

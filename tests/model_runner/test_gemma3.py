@@ -325,13 +325,13 @@ def test_final_logit_softcapping(tmp_path: Path) -> None:
     assert loaded.config.final_logit_softcapping == 3.0
 
 
-def test_fused_step_is_refused_by_name(hf: torch.nn.Module) -> None:
-    """The kernels' whole-step call runs Llama's block: asked for, it is refused naming
-    Gemma 3's; by default the runner steps layer by layer."""
+def test_fused_step_needs_quantized_matrices(hf: torch.nn.Module) -> None:
+    """Float weights: asked for, the kernels' whole-step call is refused naming why; by
+    default the runner steps layer by layer (the quantized files run it: below)."""
     config = ModelConfig.from_hf_config(_normalized(hf), name="tiny")
     state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
     options = RunnerOptions(8, 16, dtype=torch.float32, device="cpu", fused_step=True)
-    with pytest.raises(ValueError, match=r"fused_step=True but .*gemma3's block"):
+    with pytest.raises(ValueError, match=r"fused_step=True but needs every layer matrix quantized"):
         TorchRunner(config, state, options)
     runner = TorchRunner(config, state, dataclasses.replace(options, fused_step=None))
     assert runner.paths.fused is None
@@ -414,8 +414,8 @@ def quantized_gemma3(tmp_path: Path, qtype: str) -> Path:
 @pytest.mark.skipif(not kernels.available(), reason="kernels not built")
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
 def test_quantized_gguf_is_logprobs_close_to_transformers(qtype: str, tmp_path: Path) -> None:
-    """A Q8_0 / Q4_K_M file held in its formats, each matrix a kernels' ``QLinear`` stepped
-    layer by layer (the whole-step call runs Llama's block): vLLM's check_logprobs_close on
+    """A Q8_0 / Q4_K_M file held in its formats, each matrix a kernels' ``QLinear``, every
+    step one call of the kernels' whole step: vLLM's check_logprobs_close on
     4 prompts x 12 tokens against transformers holding the file's weights (where greedy
     first differs, each side's token is in the other's top-5)."""
     from benchmarks.tools.reference import build_hf_model
@@ -426,7 +426,7 @@ def test_quantized_gguf_is_logprobs_close_to_transformers(qtype: str, tmp_path: 
     assert isinstance(held, QuantWeight) and held.fmt == ("Q8_0" if qtype == "Q8_0" else "Q6_K")
     layer = runner.model.layers[5]
     assert all(isinstance(m, QLinear) for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
-    assert runner.paths.fused is None
+    assert runner.paths.fused is not None  # the kernels' whole-step call
     dense = load_model(path, weights="float32")
     twin = build_hf_model(dense.config, dict(dense.state_dict), with_eos=False)  # type: ignore[arg-type]
     assert_top5_rule(runner, twin, PROMPTS)
@@ -445,3 +445,30 @@ def test_quantized_chunked_and_cached_equals_one_shot(tmp_path: Path) -> None:
     )
     assert requests[-1].num_cached_tokens >= 32
     assert got == [*want, want[3]]
+
+
+@pytest.mark.skipif(not kernels.available(), reason="kernels not built")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("isa", list(reversed(kernels.ISAS)))
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K_M"])
+def test_fused_step_runs_gemma3s_block_as_the_torch_path(
+    qtype: str, isa: str, threads: int, tmp_path: Path
+) -> None:
+    """The kernels' whole-step call on Gemma 3's block (the (1 + w) norms as held, the
+    sandwich norms after attention and the MLP, GeGLU with tanh GELU in the gate-up
+    epilogue, QK-norm with the softmax scale in Q's, the sliding layers within their window
+    of 8 on their own RoPE base, the global layer over every position) gives the torch
+    path's logits and greedy tokens: prompts of 5, 19 and 33 tokens (past the window), then
+    decodes; on each ISA family this CPU runs, with one thread and two."""
+    from tests.model_runner.oracle import assert_fused_step_equals_torch, isa_and_threads
+
+    path = quantized_gemma3(tmp_path, qtype)
+    config = load_model(path, weights="native").config
+    assert config.layer_windows[0] == 8 and config.layer_windows[5] is None
+    with isa_and_threads(isa, threads):
+        runner = assert_fused_step_equals_torch(path)
+    kernel = runner.paths.fused.kernel  # type: ignore[union-attr]
+    assert kernel.step.gelu == 1  # the tiny model's gates are too small to tell GELU by logits
+    assert [layer.window for layer in kernel.layers] == [8, 8, 8, 8, 8, 0]
+    assert [bool(layer.rope) for layer in kernel.layers] == [True] * 5 + [False]
+    assert all(layer.attn_out_norm and layer.mlp_out_norm for layer in kernel.layers)

@@ -437,48 +437,10 @@ def test_fused_step_runs_the_experts_as_the_torch_path(
     family this CPU runs, with the team of one thread and of two (the experts' sums split by
     columns)."""
 
-    if isa not in kernels.supported_isas():
-        pytest.skip(f"this CPU cannot run the {isa} kernels")
-    before, before_threads = kernels.isa(), torch.get_num_threads()
-    kernels.use_isa(isa)
-    torch.set_num_threads(threads)
-    try:
-        _fused_equals_torch(kind, tmp_path)
-    finally:
-        kernels.use_isa(before)
-        torch.set_num_threads(before_threads)
+    from tests.model_runner.oracle import assert_fused_step_equals_torch, isa_and_threads
 
-
-def _fused_equals_torch(kind: str, tmp_path: Path) -> None:
-    from tests.model_runner.test_quant import assert_close
-
-    path = quantized_moe(kind, "Q4_K_M", tmp_path)
-    loaded = load_model(path, weights="native")
-    runners = {
-        fused: TorchRunner(loaded.config, loaded.state_dict,
-                           RunnerOptions(16, 16, dtype=torch.float32, device="cpu",
-                                         kv_dtype="float32", fused_step=fused))
-        for fused in (True, False)
-    }  # fmt: skip
-    assert runners[True].paths.fused is not None and runners[False].paths.fused is None
-    lib = runners[True].paths.fused.kernel.lib  # type: ignore[attr-defined]
-    original, calls = lib.kv_step_layers, []
-    lib.kv_step_layers = lambda *args: (calls.append(1), original(*args))[1]
-    prompts = {f"r{i}": random_ids(n, seed=20 + i) for i, n in enumerate((5, 19, 33))}
-    tables = {"r0": [0, 1], "r1": [2, 3, 4], "r2": [5, 6, 7, 8]}
-    steps = [plan(0, prefill=[seq(r, ids, 0, len(ids), tables[r]) for r, ids in prompts.items()])]
-    try:
-        for step in range(5):
-            got, want = (runners[fused].step_logits(steps[-1]) for fused in (True, False))
-            for r in prompts:
-                assert_close(got[r], want[r], 5e-2)
-                assert int(got[r][-1].argmax()) == int(want[r][-1].argmax())
-                prompts[r] = [*prompts[r], int(want[r][-1].argmax())]
-            rows = [seq(r, ids, len(ids) - 1, len(ids), tables[r]) for r, ids in prompts.items()]
-            steps.append(plan(1 + step, decode=rows))
-    finally:
-        lib.kv_step_layers = original
-    assert len(calls) == 5, "each step is one kernel call"
+    with isa_and_threads(isa, threads):
+        assert_fused_step_equals_torch(quantized_moe(kind, "Q4_K_M", tmp_path))
 
 
 @pytest.mark.skipif(not kernels.available(), reason="kernels not built")

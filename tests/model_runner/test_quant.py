@@ -185,8 +185,9 @@ def test_every_isa_family_gives_the_same_numbers() -> None:
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("m", [1, 5, 40, 70])
 def test_fused_epilogues(fmt: str, m: int, isa: str) -> None:
-    """add (residual + xW^T + b) and silu_mul (silu(x Wg^T) * x Wu^T) equal the unfused ops on
-    the same kernel results."""
+    """add (residual + xW^T + b), silu_mul (silu(x Wg^T) * x Wu^T) and the GELU one (Gemma's
+    GeGLU, the fused step's: tanh GELU of the gate) equal the unfused ops on the same kernel
+    results."""
     n, k = 64, 256
     w = make_weight(fmt, n, k)
     bias = torch.randn(n)
@@ -200,6 +201,10 @@ def test_fused_epilogues(fmt: str, m: int, isa: str) -> None:
     fused = lin.silu_mul(x)
     expected = torch.nn.functional.silu(plain[:, : n // 2]) * plain[:, n // 2 :]
     torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-5)
+    gelu = lin._gemm(x, torch.empty(m, n // 2), kernels.EPI_GELU_MUL)
+    gate = torch.nn.functional.gelu(plain[:, : n // 2], approximate="tanh")
+    torch.testing.assert_close(gelu, gate * plain[:, n // 2 :], rtol=1e-5, atol=1e-5)
+    assert (gelu - fused).abs().max() > 0.1, "the two activations differ at these values"
 
 
 @pytest.mark.parametrize("fmt", quant.FORMATS)
