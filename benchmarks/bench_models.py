@@ -18,7 +18,10 @@ The models, built here (nothing is downloaded from a model hub):
 - ``random-qwen3moe-30b-a3b-8l-q4km``: Qwen3-30B-A3B's layers (arch ``qwen3moe``: 32 / 4 heads
   of 128, 128 experts of 768, top 8) scaled from 48 layers to 8 to fit memory, chat128 at 1
   and 8 users. Its decode's bandwidth counts the bytes a token reads: every weight but the
-  experts, and ``experts_used / experts`` of those (the router spreads a token's picks).
+  experts, and ``experts_used / experts`` of those (the router spreads a token's picks);
+- ``random-gemma3-1b-q4km``: Gemma 3 1B's shape (arch ``gemma3``: 26 layers, 4 / 1 heads of
+  256, MLP 6912, 5 sliding layers of 512 to 1 global, the sandwich norms, tied), chat128 at 1
+  and 8 users.
 
 Per model, all in this process's run so the figures compare (the machine's speed swings
 between hours):
@@ -54,12 +57,14 @@ MODELS = (
     "random-3b-q4km",
     "random-qwen3-1.7b-q4km",
     "random-qwen3moe-30b-a3b-8l-q4km",
+    "random-gemma3-1b-q4km",
 )
 # chat128's users levels up to these only: the larger levels take too long on 2 cores.
 MAX_USERS = {
     "random-3b-q4km": 1,
     "random-qwen3-1.7b-q4km": 8,
     "random-qwen3moe-30b-a3b-8l-q4km": 8,
+    "random-gemma3-1b-q4km": 8,
 }
 
 

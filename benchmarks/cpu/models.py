@@ -2,7 +2,7 @@
 
 - ``kernels``: kvserve's quantized matmul against ggml's ``test-backend-ops``, op by op;
 - ``models``: real GGUF files (the embedded Q4_1, its Q4_K_M, random Q4_K_M 1B, 3B, Qwen3-1.7B
-  and a Qwen3-30B-A3B-shaped MoE);
+  a Qwen3-30B-A3B-shaped MoE and Gemma 3 1B);
 - ``kvtier``: KV tier 2 as users run it, returning turns' TTFT;
 - ``lora``: 8 adapters mixed against the base alone, and one adapter against llama-server.
 """
@@ -47,8 +47,9 @@ def kernels(ctx: Context) -> SectionResult:
 
 def models(ctx: Context) -> SectionResult:
     """Real GGUF files against llama.cpp (bench_models): the embedded Q4_1, its Q4_K_M,
-    random Q4_K_M 1B, 3B, Qwen3-1.7B and Qwen3-30B-A3B-shaped MoE; bandwidth probe, llama-bench
-    (2 threads, and 1 for the random ones), chat128 by users (bench_models.MAX_USERS), RSS."""
+    random Q4_K_M 1B, 3B, Qwen3-1.7B, Qwen3-30B-A3B-shaped MoE and Gemma 3 1B; bandwidth
+    probe, llama-bench (2 threads, and 1 for the random ones), chat128 by users
+    (bench_models.MAX_USERS), RSS."""
     from benchmarks import bench_llama_cpp, bench_models
 
     sizes = ctx.sizes

@@ -102,6 +102,7 @@ class Sizes:
         "random-3b-q4km",
         "random-qwen3-1.7b-q4km",
         "random-qwen3moe-30b-a3b-8l-q4km",
+        "random-gemma3-1b-q4km",
     )
     models_levels: tuple[tuple[int, int], ...] = ((1, 4), (8, 16), (32, 64))
     models_output_tokens: int = 128

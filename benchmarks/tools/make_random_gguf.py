@@ -7,13 +7,14 @@ than the one kvserve ships (nothing can be downloaded from a model hub here).
 
 The shape defaults to Llama-3.2-1B's (hidden 2048, 16 layers, 32 heads / 8 KV heads, MLP 8192,
 tied embeddings); ``SHAPES`` holds the others: Llama-3.2-3B's, Qwen3-1.7B's (arch ``qwen3``:
-QK-norm, head_dim 128 of its own, MLP 6144, tied) and Qwen3-30B-A3B's layer scaled from 48
+QK-norm, head_dim 128 of its own, MLP 6144, tied), Qwen3-30B-A3B's layer scaled from 48
 layers to 8 (arch ``qwen3moe``: 128 experts of 768, top 8, renormalized, every layer sparse, an
-``output`` matrix of its own). The tokenizer and chat template are the embedded SmolLM2's
-(vocabulary 49,152), so the same chat128 prompts run on each. Weights are N(0, 0.02) (norms 1):
-the text it writes is noise, and only its speed means anything. ``--type F16`` (the default) is
-what ``llama-quantize`` takes; ``--type Q4_K_M`` quantizes with ``benchmarks.tools.kquants``
-instead.
+``output`` matrix of its own) and Gemma 3 1B's (arch ``gemma3``: 26 layers, 4 / 1 heads of 256,
+MLP 6912, sliding window 512, the sandwich norms). The tokenizer and chat template are the
+embedded SmolLM2's (vocabulary 49,152), so the same chat128 prompts run on each. Weights are
+N(0, 0.02) (norms 1): the text it writes is noise, and only its speed means anything. ``--type
+F16`` (the default) is what ``llama-quantize`` takes; ``--type Q4_K_M`` quantizes with
+``benchmarks.tools.kquants`` instead.
 """
 
 from __future__ import annotations
@@ -35,9 +36,12 @@ SHAPE_QWEN3_1_7B = {"hidden": 2048, "layers": 28, "heads": 16, "kv_heads": 8, "h
 SHAPE_QWEN3_30B_A3B_8L = {"hidden": 2048, "layers": 8, "heads": 32, "kv_heads": 4,
                           "head_dim": 128, "intermediate": 6144, "qk_norm": 1, "experts": 128,
                           "experts_used": 8, "expert_intermediate": 768, "output": 1}  # fmt: skip
+# Gemma 3 1B's (arch gemma3: QK-norm, sandwich norms, GeGLU, 5 sliding layers of 512 to 1).
+SHAPE_GEMMA3_1B = {"hidden": 1152, "layers": 26, "heads": 4, "kv_heads": 1, "head_dim": 256,
+                   "intermediate": 6912, "qk_norm": 1, "sliding_window": 512}  # fmt: skip
 # bench_models' random-<name>-q4km files
 SHAPES = {"1b": SHAPE_1B, "3b": SHAPE_3B, "qwen3-1.7b": SHAPE_QWEN3_1_7B,
-          "qwen3moe-30b-a3b-8l": SHAPE_QWEN3_30B_A3B_8L}  # fmt: skip
+          "qwen3moe-30b-a3b-8l": SHAPE_QWEN3_30B_A3B_8L, "gemma3-1b": SHAPE_GEMMA3_1B}  # fmt: skip
 # Keys of the embedded file that describe its shape: replaced, not copied.
 _SHAPE_KEYS = (
     "context_length",
@@ -51,8 +55,10 @@ _SHAPE_KEYS = (
 
 
 def arch_of(shape: dict[str, int]) -> str:
-    """The GGUF architecture a shape is written as: ``qwen3moe`` with experts, ``qwen3`` with
-    QK-norm, else ``llama``."""
+    """The GGUF architecture a shape is written as: ``gemma3`` with a sliding window,
+    ``qwen3moe`` with experts, ``qwen3`` with QK-norm, else ``llama``."""
+    if shape.get("sliding_window"):
+        return "gemma3"
     if shape.get("experts"):
         return "qwen3moe"
     return "qwen3" if shape.get("qk_norm") else "llama"
@@ -89,6 +95,8 @@ def write(out: Path, shape: dict[str, int], type_name: str = "F16", seed: int = 
     if head_dim != hidden // heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if shape.get("sliding_window"):  # llama.cpp's gemma3: every 6th layer global, base 10000
+        writer.add_sliding_window(shape["sliding_window"])
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(shape["experts_used"])
@@ -130,11 +138,15 @@ def write(out: Path, shape: dict[str, int], type_name: str = "F16", seed: int = 
             raw = kquants.quantize(values.reshape(-1, cols), kind)
             raw = raw.reshape(*dims[:-1], raw.shape[-1])
             writer.add_tensor(name, raw, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+    # Norm weights 1 (Gemma's files hold 1 + w: there w = 0, the same scale).
     ones = np.ones(hidden, dtype=np.float32)
     writer.add_tensor("output_norm.weight", ones)
     for i in range(layers):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", ones)
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
+        if arch == "gemma3":  # the sandwich norms on the attention's and the MLP's outputs
+            writer.add_tensor(f"blk.{i}.post_attention_norm.weight", ones)
+            writer.add_tensor(f"blk.{i}.post_ffw_norm.weight", ones)
         if shape.get("qk_norm"):
             writer.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(head_dim, np.float32))
             writer.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(head_dim, np.float32))

@@ -105,18 +105,22 @@ def test_requantized_embedded_file_keeps_kquants_where_rows_allow(tmp_path: Path
 TINY_QWEN3 = {**TINY, "head_dim": 96, "qk_norm": 1}  # head_dim of its own: 4 x 96 != 256
 TINY_QWEN3_MOE = {**TINY_QWEN3, "experts": 8, "experts_used": 2, "expert_intermediate": 256,
                   "output": 1}  # fmt: skip
+TINY_GEMMA3 = {**TINY_QWEN3, "sliding_window": 8}
 
 
-@pytest.mark.parametrize("shape", [TINY_QWEN3, TINY_QWEN3_MOE], ids=["qwen3", "qwen3moe"])
-def test_random_qwen3_files_load_as_their_family_and_answer_as_their_dequantized_weights(
+@pytest.mark.parametrize(
+    "shape", [TINY_QWEN3, TINY_QWEN3_MOE, TINY_GEMMA3], ids=["qwen3", "qwen3moe", "gemma3"]
+)
+def test_random_files_load_as_their_family_and_answer_as_their_dequantized_weights(
     tmp_path: Path, shape: dict[str, int]
 ) -> None:
-    """make_random_gguf's Qwen3 shapes (bench_models' random-qwen3-* files) in the converter's
-    layout: the dense one as arch qwen3 (QK-norm, head_dim 96 of its own), the MoE one as
-    qwen3moe (8 experts, top 2, its own output matrix, experts' down stacks Q6_K in the
-    more-bits layer); each loads as its family, and its Q4_K_M answers within int8-activation
-    error of the same file dequantized to fp32. bench_models counts only the chosen experts'
-    share of the stacks as read."""
+    """make_random_gguf's Qwen3 and Gemma 3 shapes (bench_models' random-qwen3-* and
+    random-gemma3-* files) in the converter's layout: the dense one as arch qwen3 (QK-norm,
+    head_dim 96 of its own), the MoE one as qwen3moe (8 experts, top 2, its own output
+    matrix, experts' down stacks Q6_K in the more-bits layer), Gemma 3 as gemma3 (its
+    sandwich norms, a window of 8); each loads as its family, and its Q4_K_M answers within
+    int8-activation error of the same file dequantized to fp32. bench_models counts only the
+    chosen experts' share of the stacks as read."""
     from benchmarks import bench_models
     from model_runner.loader import load_model
     from model_runner.runner import TorchRunner
@@ -139,6 +143,10 @@ def test_random_qwen3_files_load_as_their_family_and_answer_as_their_dequantized
         assert types["blk.1.ffn_down_exps.weight"] == "Q6_K"
         assert types["blk.0.ffn_gate_inp.weight"] == "F32"
         assert bench_models.unread_expert_bytes(path) == stacks - stacks * 2 // 8 > 0
+    elif shape.get("sliding_window"):
+        assert arch == "gemma3" and native.config.sliding_window == 8
+        assert types["blk.1.post_ffw_norm.weight"] == "F32"
+        assert "model.layers.1.post_feedforward_layernorm.weight" in native.state_dict
     else:
         assert arch == "qwen3" and native.config.experts is None
         assert stacks == 0 and bench_models.unread_expert_bytes(path) == 0
