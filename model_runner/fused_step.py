@@ -15,11 +15,12 @@ own position, so chunks are causal. A mixture-of-experts layer (Qwen3-MoE, Mixtr
 there too: its router, each row's choice and the experts grouped by the step's rows, as
 ``moe.MoeMlp`` does (``kernels.cpp``'s ``moe_mlp``); so does Gemma 3's block: the sandwich
 norms after attention and the MLP, GeGLU (the gate-up epilogue's tanh GELU), each layer's
-window and the sliding layers' own RoPE table (``StepLayer.window`` / ``rope``). Used for every
-step when every matrix is
-quantized (``QLinear``, each expert's too), compute is fp32 on CPU, and the pool is fp32, fp16
-or int8; ``FusedStep.unsupported`` names the reason otherwise (the runner then takes the
-PyTorch path; both paths write the same pool).
+window and the sliding layers' own RoPE table (``StepLayer.window`` / ``rope``).
+
+Used for every step of up to ``RunnerOptions.fused_max_rows`` rows when every matrix is
+quantized (``QLinear``, each expert's too), compute is fp32 on CPU, and the pool is fp32,
+fp16 or int8; ``FusedStep.unsupported`` names the reason otherwise (the runner then takes
+the PyTorch path; both paths write the same pool).
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from benchmarks.bench_models import MODELS
+
 # The GPU sections' model: Llama-3-8B-SHAPED with random weights (transformers' config keys).
 LLAMA3_8B: dict[str, Any] = {
     "vocab_size": 128256,
@@ -95,15 +97,7 @@ class Sizes:
     sinks_tokens: int = 4096  # tokens of the text scored
     sinks_cache: int = 256  # visible keys per query (sinks + window, or window alone)
     # models: which GGUF files (bench_models.MODELS), chat128 levels and output tokens.
-    models: tuple[str, ...] = (
-        "embedded",
-        "embedded-q4km",
-        "random-1b-q4km",
-        "random-3b-q4km",
-        "random-qwen3-1.7b-q4km",
-        "random-qwen3moe-30b-a3b-8l-q4km",
-        "random-gemma3-1b-q4km",
-    )
+    models: tuple[str, ...] = MODELS
     models_levels: tuple[tuple[int, int], ...] = ((1, 4), (8, 16), (32, 64))
     models_output_tokens: int = 128
     # kvtier: which models, and the multi-turn workload's size (bench_kv_tier_served).

@@ -5,6 +5,7 @@ own decoder; and a Q4_K_M requantization of a file, by llama.cpp's per-tensor ru
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -57,14 +58,29 @@ def test_loaded_weights_dequantize_like_the_gguf_package(
     assert checked == 1 + 7 * TINY["layers"]
 
 
+def assert_tracks_dequantized(native: Any, dense: Any) -> None:
+    """A 20-token prefill's logits of the file held in its formats are finite and within
+    int8-activation error (5e-2 of max|logit|) of the same file dequantized to fp32."""
+    from model_runner.runner import TorchRunner
+    from tests.model_runner.oracle import plan, random_ids, seq
+
+    outs = []
+    for model in (native, dense):
+        options = RunnerOptions(16, 16, dtype=torch.float32, device="cpu")
+        runner = TorchRunner(model.config, model.state_dict, options)
+        ids = random_ids(20, seed=3, vocab=1000)
+        outs.append(runner.step_logits(plan(0, prefill=[seq("a", ids, 0, 20, [0, 1])]))["a"])
+    assert torch.isfinite(outs[0]).all()
+    scale = outs[1].abs().max().item()
+    assert (outs[0] - outs[1]).abs().max().item() <= 5e-2 * scale
+
+
 def test_q4_k_m_file_holds_llama_cpps_mix_and_runs(files: dict[str, Path]) -> None:
     """The Q4_K_M file has llama.cpp's mix (Q6_K for the tied output and the first/last
     layers' attn_v and ffn_down, Q4_K elsewhere); loaded natively it holds each in its own
     format (a QKV stack of Q4_K and Q6_K), about its size on disk, and gives finite logits
     equal to the dequantized-fp32 model's within int8-activation error."""
     from model_runner.loader import load_model
-    from model_runner.runner import TorchRunner
-    from tests.model_runner.oracle import plan, random_ids, seq
 
     reader = gguf.GGUFReader(files["Q4_K_M"])
     types = {t.name: t.tensor_type.name for t in reader.tensors}
@@ -77,15 +93,7 @@ def test_q4_k_m_file_holds_llama_cpps_mix_and_runs(files: dict[str, Path]) -> No
     held = sum(w.nbytes for w in native.state_dict.values() if isinstance(w, quant.QuantWeight))
     on_disk = sum(t.n_bytes for t in reader.tensors if t.tensor_type.name.startswith("Q"))
     assert on_disk <= held <= 1.1 * on_disk
-    outs = []
-    for model in (native, dense):
-        options = RunnerOptions(16, 16, dtype=torch.float32, device="cpu")
-        runner = TorchRunner(model.config, model.state_dict, options)
-        ids = random_ids(20, seed=3, vocab=1000)
-        outs.append(runner.step_logits(plan(0, prefill=[seq("a", ids, 0, 20, [0, 1])]))["a"])
-    assert torch.isfinite(outs[0]).all()
-    scale = outs[1].abs().max().item()
-    assert (outs[0] - outs[1]).abs().max().item() <= 5e-2 * scale
+    assert_tracks_dequantized(native, dense)
 
 
 def test_requantized_embedded_file_keeps_kquants_where_rows_allow(tmp_path: Path) -> None:
@@ -123,8 +131,6 @@ def test_random_files_load_as_their_family_and_answer_as_their_dequantized_weigh
     chosen experts' share of the stacks as read."""
     from benchmarks import bench_models
     from model_runner.loader import load_model
-    from model_runner.runner import TorchRunner
-    from tests.model_runner.oracle import plan, random_ids, seq
 
     path = make_random_gguf.write(tmp_path / "q.gguf", shape, "Q4_K_M")
     reader = gguf.GGUFReader(path)
@@ -150,12 +156,4 @@ def test_random_files_load_as_their_family_and_answer_as_their_dequantized_weigh
     else:
         assert arch == "qwen3" and native.config.experts is None
         assert stacks == 0 and bench_models.unread_expert_bytes(path) == 0
-    outs = []
-    for model in (native, dense):
-        options = RunnerOptions(16, 16, dtype=torch.float32, device="cpu")
-        runner = TorchRunner(model.config, model.state_dict, options)
-        ids = random_ids(20, seed=3, vocab=1000)
-        outs.append(runner.step_logits(plan(0, prefill=[seq("a", ids, 0, 20, [0, 1])]))["a"])
-    assert torch.isfinite(outs[0]).all()
-    scale = outs[1].abs().max().item()
-    assert (outs[0] - outs[1]).abs().max().item() <= 5e-2 * scale
+    assert_tracks_dequantized(native, dense)
