@@ -67,13 +67,6 @@ WEIGHT_MODES: tuple[str, ...] = ("auto", "float32", "native", "int8")
 ACTIVATION_BITS = (16, 8)
 
 
-# The largest step the kernels' whole-step call takes by default. Measured on a Zen 4, 2
-# threads, a prefill chunk from position 0 fused against layer by layer (tok/s ratio): the 1B
-# Llama 1.08x at 8 rows, 0.99x at 128, 0.88x at 512; Gemma 3 1B 1.10x / 0.95x / 0.95x; the
-# Qwen3-30B-A3B-shaped MoE 1.30x / 1.02x / 0.90x. A decode row fused is 1.3-1.8x.
-FUSED_MAX_ROWS = 128
-
-
 @dataclass(frozen=True, slots=True)
 class RunnerOptions:
     """How a ``TorchRunner`` runs its model; fixed for the runner's life, validated here.
@@ -93,9 +86,7 @@ class RunnerOptions:
     self-check); ``activation_bits`` (``ACTIVATION_BITS``). ``fuse_batches`` runs prefill and
     decode rows in one forward pass. The paths a step may take (``model_runner.paths``):
     ``fused_step`` runs steps of up to ``fused_max_rows`` rows in one CPU kernel call (None =
-    when supported; a larger step, a long prefill chunk, takes the layer-by-layer path, whose
-    batched attention beats the kernel's row-by-row one there: ``FUSED_MAX_ROWS``);
-    ``cuda_graphs`` replays decode steps from CUDA graphs captured up to
+    when supported); ``cuda_graphs`` replays decode steps from CUDA graphs captured up to
     ``max_decode_rows`` rows (``max_num_seqs``, times 1 + k with speculation; None: the
     largest graph size), None = on CUDA with a backend that has graphs. ``name``: the
     model's name in ``ModelInfo`` (default: the config's). ``max_lora_rank`` and
@@ -116,7 +107,7 @@ class RunnerOptions:
     activation_bits: int = 16
     fuse_batches: bool = True
     fused_step: bool | None = None
-    fused_max_rows: int = FUSED_MAX_ROWS
+    fused_max_rows: int = 1 << 30
     cuda_graphs: bool | None = None
     max_decode_rows: int | None = None
     name: str | None = None
