@@ -65,9 +65,16 @@ class FusedStep:
         if local is not None:
             assert local.cis is not None
             self.local = torch.view_as_real(local.cis.squeeze(1)).contiguous()
+        self._experts: list[ctypes.Array[kernels.QW]] = []  # the layers' expert tables, kept
+        self.layers = self._bind_layers(windows)
+        self.step = self._step_args()
+
+    def _bind_layers(self, windows: Sequence[int | None]) -> ctypes.Array[kernels.StepLayer]:
+        """Each layer's ``StepLayer``: its norms, matrices, KV pages, window, RoPE table and,
+        for a mixture-of-experts layer, the router and the experts' tables."""
+        model, pool = self.model, self.pool
         scales = pool.scales
         layers = (kernels.StepLayer * len(model.layers))()
-        self._experts: list[ctypes.Array[kernels.QW]] = []  # the layers' expert tables, kept
         for i, layer in enumerate(model.layers):
             assert isinstance(layer.qkv, QLinear) and isinstance(layer.o, QLinear)
             bias, q_norm, k_norm = layer.qkv.bias, layer.q_norm, layer.k_norm
@@ -103,10 +110,14 @@ class FusedStep:
             layers[i].router = layer.moe.router.data_ptr()
             layers[i].expert_gate_up = ctypes.cast(gate_up, ctypes.POINTER(kernels.QW))
             layers[i].expert_down = ctypes.cast(down, ctypes.POINTER(kernels.QW))
-        self.layers = layers
+        return layers
+
+    def _step_args(self) -> kernels.StepArgs:
+        """The step's constants: the model's shape, the pool's layout and the RoPE table."""
+        model, pool = self.model, self.pool
         config = model.config
         experts = config.experts
-        self.step = kernels.StepArgs()
+        step = kernels.StepArgs()
         for name, value in (
             ("hidden_size", config.hidden_size),
             ("num_heads", config.num_heads),
@@ -122,10 +133,11 @@ class FusedStep:
             ("norm_topk", int(experts.norm_topk_prob) if experts else 0),
             ("gelu", int(family(config.architecture).mlp_activation == "gelu_tanh")),
         ):
-            setattr(self.step, name, value)
-        self.step.eps = model.eps
-        self.step.residual = int(model.activation_bits == 16)
-        self.step.rope = self.rope.data_ptr()
+            setattr(step, name, value)
+        step.eps = model.eps
+        step.residual = int(model.activation_bits == 16)
+        step.rope = self.rope.data_ptr()
+        return step
 
     @staticmethod
     def unsupported(model: LlamaModel, pool: KVPool) -> str | None:
