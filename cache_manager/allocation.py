@@ -5,7 +5,7 @@ one request's block table (``RequestBlocks``, the manager's own state)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from cache_manager.block import KVBlock
 from cache_manager.tier import TierBlock
@@ -83,3 +83,17 @@ class RequestBlocks:
     # ``num_released`` positions after the sink blocks, ``[num_sink_blocks, + num_released)``.
     num_released: int = 0
     num_slots: int = 0  # slots written or being written: num_computed + new of the last step
+
+
+class Growth(NamedTuple):
+    """``KVCacheManager._measure``'s reading of one allocation, before it happens."""
+
+    state: RequestBlocks | None
+    start: int  # first slot written (the computed tokens, or the hit's)
+    end: int  # one past the last slot written this step
+    first: int  # the existing table positions the range writes: [first, last)
+    last: int
+    num_written: int  # blocks holding the slots up to end
+    num_fresh: int  # blocks appended
+    num_cow: int  # shared blocks copied on write
+    num_take: int  # free-list blocks taken in all

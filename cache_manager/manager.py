@@ -26,6 +26,7 @@ from cache_manager.allocation import (
     NOTHING_NEW,
     Allocation,
     CacheSequence,
+    Growth,
     PrefixHit,
     RequestBlocks,
 )
@@ -107,6 +108,11 @@ class KVCacheManager:
         return (usable - self._pool.num_free) / usable
 
     @property
+    def releases_out_of_window(self) -> bool:
+        """Whether ``release_out_of_window`` may release blocks (a window, here or hybrid's)."""
+        return self.sliding_window is not None
+
+    @property
     def streams_past_context(self) -> bool:
         """Whether a request may run past the model's context: with attention sinks, its
         cache holds the sinks and the window, with positions within the cache."""
@@ -136,6 +142,15 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block table (KeyError if it holds no table)."""
         return list(self._requests[request_id].block_ids)
+
+    @property
+    def has_window_tables(self) -> bool:
+        """Whether the sliding layers hold tables of their own (``cache_manager.hybrid``)."""
+        return False
+
+    def window_block_ids(self, request_id: str) -> list[int] | None:
+        """The sliding layers' own table when they hold one (``cache_manager.hybrid``)."""
+        return None
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -262,18 +277,22 @@ class KVCacheManager:
             raise ValueError(f"need token counts >= 0, got {num_total_tokens}, {num_new_tokens}")
         return self._grow(seq, num_new_tokens, num_total_tokens, hit)
 
-    def _grow(
+    def num_blocks_to_take(
+        self,
+        seq: CacheSequence,
+        num_new_tokens: int,
+        num_total_tokens: int = 0,
+        hit: PrefixHit | None = None,
+    ) -> int:
+        """Free-list blocks ``reserve_slots(seq, num_total_tokens, hit, num_new_tokens)``
+        (or ``allocate_slots`` with ``num_total_tokens`` 0) would take now; changes nothing.
+        A caller growing several managers together checks each before growing any."""
+        return self._measure(seq, num_new_tokens, num_total_tokens, hit).num_take
+
+    def _measure(
         self, seq: CacheSequence, num_new: int, num_total: int, hit: PrefixHit | None
-    ) -> Allocation | None:
-        """The one allocation core behind ``allocate_slots`` and ``reserve_slots``::
-
-            | hit blocks | computed | new: written this step | reserved, not yet written |
-                         ^ start    ^                        ^ end      num_total ^
-
-        The table grows to ``max(end, num_total)`` slots; the blocks holding slots
-        ``start ..`` of that range are made private (copy on write); the slots up to ``end``
-        are counted as written. Checks room for everything first, so None changes nothing.
-        """
+    ) -> Growth:
+        """What ``_grow`` would do, before it does anything (a bad hit raises here)."""
         request_id = seq.request_id
         state = self._requests.get(request_id)
         if hit is not None:
@@ -308,6 +327,25 @@ class KVCacheManager:
         num_take = num_fresh + num_cow
         if hit is not None:  # hit blocks on the free list leave it; restores take fresh ones
             num_take += sum(1 for b in blocks if b.ref_count == 0) + len(hit.restore)
+        return Growth(state, start, end, first, last, num_written, num_fresh, num_cow, num_take)
+
+    def _grow(
+        self, seq: CacheSequence, num_new: int, num_total: int, hit: PrefixHit | None
+    ) -> Allocation | None:
+        """The one allocation core behind ``allocate_slots`` and ``reserve_slots``::
+
+            | hit blocks | computed | new: written this step | reserved, not yet written |
+                         ^ start    ^                        ^ end      num_total ^
+
+        The table grows to ``max(end, num_total)`` slots; the blocks holding slots
+        ``start ..`` of that range are made private (copy on write); the slots up to ``end``
+        are counted as written. Checks room for everything first, so None changes nothing.
+        """
+        state, start, end, first, last, num_written, num_fresh, num_cow, num_take = self._measure(
+            seq, num_new, num_total, hit
+        )
+        request_id = seq.request_id
+        bs = self.block_size
         # The usual decode step takes no block: skip the free-list arithmetic then.
         if num_take and num_take > self._pool.num_free:
             return None

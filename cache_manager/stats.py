@@ -75,6 +75,11 @@ class KVCacheStats:
     kv_strategy: str = "always"
     strategy_dropped_tokens_total: int = 0
     strategy_windowed_tokens_total: int = 0
+    # The sliding layers' own blocks (Gemma 3; ``cache_manager.hybrid``), 0 without them:
+    # their pool, the blocks its tables reference, and the blocks released out of the window.
+    sliding_blocks_total: int = 0
+    sliding_blocks_used: int = 0
+    sliding_blocks_released_total: int = 0
     # Tier 2 (``cache_manager.tier``): prefix-hit blocks restored from it, and their tokens
     # (also counted in ``prefix_hits_tokens_total``; tier 1 = all hits - tier 2), and keyed
     # blocks spilled to it when evicted. ``tier2`` is the store's side, filled in by the

@@ -264,6 +264,15 @@ SNAPSHOT_METRICS: tuple[SnapshotMetric, ...] = (
     _kv("kv_cache_strategy_windowed_tokens_total", COUNTER,
         "Old KV token slots the adaptive strategy released from the longest requests under "
         "memory pressure.", "strategy_windowed_tokens_total"),
+    _kv("kv_cache_sliding_blocks", GAUGE,
+        "Blocks of the sliding-window layers' own pool (Gemma 3; 0 without one).",
+        "sliding_blocks_total"),
+    _kv("kv_cache_sliding_blocks_used", GAUGE,
+        "Blocks of the sliding layers' pool referenced by some request's table.",
+        "sliding_blocks_used"),
+    _kv("kv_cache_sliding_blocks_released_total", COUNTER,
+        "Blocks the sliding layers' tables released once they fell out of the window.",
+        "sliding_blocks_released_total"),
     # --- the KV tiers: 1 is the pool's prefix cache, 2 the store (``server.kv_tier``). Hits
     # are counters by tier, so a hit rate by tier is computed from them. ---
     SnapshotMetric("kv_tier_hits_blocks_total", COUNTER, "Prefix-hit blocks by tier.",

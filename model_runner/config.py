@@ -91,7 +91,10 @@ class RunnerOptions:
     largest graph size), None = on CUDA with a backend that has graphs. ``name``: the
     model's name in ``ModelInfo`` (default: the config's). ``max_lora_rank`` and
     ``max_cpu_loras``: the LoRA adapters the runner accepts, and how many it keeps laid out
-    while unused (``lora.registry``)."""
+    while unused (``lora.registry``). ``sliding_layer_blocks``: a model whose layers attend
+    within different windows (Gemma 3) keeps its sliding layers' KV in a pool of that many
+    blocks of its own, read through each seq's ``window_block_ids``
+    (``cache_manager.hybrid``); 0: one pool and one table for every layer."""
 
     num_blocks: int | None = None
     block_size: int = 16
@@ -113,6 +116,7 @@ class RunnerOptions:
     name: str | None = None
     max_lora_rank: int = 64
     max_cpu_loras: int = 8
+    sliding_layer_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -125,6 +129,11 @@ class RunnerOptions:
                 raise ValueError(f"{key} must be >= 1, got {value}")
         if self.attention_sinks < 0:
             raise ValueError(f"attention_sinks must be >= 0, got {self.attention_sinks}")
+        if self.sliding_layer_blocks and (self.sliding_window or self.attention_sinks):
+            raise ValueError(
+                "sliding_layer_blocks: the sliding layers' own pool takes no window over "
+                "every layer (sliding_window) nor attention sinks"
+            )
         if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
             raise ValueError(
                 f"unknown attention backend {self.attention_backend!r}: use one of "

@@ -73,7 +73,7 @@ class FusedStep:
         """Each layer's ``StepLayer``: its norms, matrices, KV pages, window, RoPE table and,
         for a mixture-of-experts layer, the router and the experts' tables."""
         model, pool = self.model, self.pool
-        scales = pool.scales
+        scales = pool.layer_scales or None
         layers = (kernels.StepLayer * len(model.layers))()
         for i, layer in enumerate(model.layers):
             assert isinstance(layer.qkv, QLinear) and isinstance(layer.o, QLinear)
@@ -88,7 +88,7 @@ class FusedStep:
                 describe(layer.o.weight),
                 kernels.QW(),
                 kernels.QW(),
-                pool.data[i].data_ptr(),
+                pool.layer_data[i].data_ptr(),
                 scales[i].data_ptr() if scales is not None else None,
             )
             for name in ("attn_out_norm", "mlp_out_norm"):  # Gemma's sandwich norms
@@ -97,6 +97,7 @@ class FusedStep:
             if self.local is not None and model.layer_local_rope[i]:
                 layers[i].rope = self.local.data_ptr()
             layers[i].window = windows[i] or 0
+            layers[i].own_table = int(i in pool.window_layers)
             if layer.moe is None:
                 assert isinstance(layer.gate_up, QLinear) and isinstance(layer.down, QLinear)
                 layers[i].gate_up = describe(layer.gate_up.weight)
@@ -134,10 +135,19 @@ class FusedStep:
             ("gelu", int(family(config.architecture).mlp_activation == "gelu_tanh")),
         ):
             setattr(step, name, value)
+        step.window_num_blocks = pool.num_window_blocks
         step.eps = model.eps
         step.residual = int(model.activation_bits == 16)
         step.rope = self.rope.data_ptr()
         return step
+
+    def _window_table(self, rows: StepRows) -> torch.Tensor:
+        """The rows' tables in the sliding layers' pool, in its own ids ([rows, width])."""
+        off = self.pool.num_blocks
+        tables = rows.window_block_tables()
+        width = max(len(t) for t in tables)
+        padded = [[b - off for b in t] + [0] * (width - len(t)) for t in tables]
+        return torch.tensor(padded, dtype=torch.int32)
 
     @staticmethod
     def unsupported(model: LlamaModel, pool: KVPool) -> str | None:
@@ -188,6 +198,10 @@ class FusedStep:
         step.block_tables = table.data_ptr()
         step.batch = batch
         step.max_blocks = width
+        if rows.window_slot_mapping is not None:  # the sliding layers' own tables
+            window = self._window_table(rows)
+            step.window_tables = window.data_ptr()
+            step.window_max_blocks = window.shape[1]
         step.nthreads = torch.get_num_threads()
         native = NativeLora(rows.lora) if rows.lora is not None else None
         step.lora = native.pointer if native is not None else None

@@ -61,6 +61,12 @@ class KVPool:
 
     ``dtype`` is how the pool stores KV; ``compute_dtype`` (default: ``dtype``, or float32
     for int8) is what ``gather`` hands to attention. ``write`` takes the compute dtype.
+
+    ``window_layers`` (Gemma 3's sliding layers, ``cache_manager.hybrid``) live in a pool of
+    their own, ``num_window_blocks`` blocks whose ids follow the others': block id
+    ``num_blocks + j`` is that pool's block j. ``data`` / ``scales`` then hold the other
+    layers only; ``layer_data[i]`` / ``layer_scales[i]`` is layer i's wherever it lives, and
+    ``write``, ``gather``, ``copy_blocks`` and ``scrub_blocks`` take the step's ids.
     """
 
     def __init__(
@@ -73,7 +79,11 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         compute_dtype: torch.dtype | None = None,
+        window_layers: Sequence[int] = (),
+        num_window_blocks: int = 0,
     ) -> None:
+        if bool(window_layers) != (num_window_blocks > 0):
+            raise ValueError("KVPool: window_layers and num_window_blocks come together")
         for name, value in (
             ("num_layers", num_layers),
             ("num_kv_heads", num_kv_heads),
@@ -93,26 +103,56 @@ class KVPool:
         self.compute_dtype = compute_dtype or (torch.float32 if dtype == torch.int8 else dtype)
         self.device = torch.device(device)
         rows = 2 * num_kv_heads
-        self.data = _zeros((num_layers, rows, num_blocks, block_size, head_dim), dtype, self.device)
-        # Per-layer views, built once: [2*kvh, num_blocks, block_size * head_dim] for gathers
-        # and [2*kvh, num_blocks * block_size, head_dim] for slot writes.
-        self._blocks = [self.data[i].view(rows, num_blocks, -1) for i in range(num_layers)]
-        self._slots = [
-            self.data[i].view(rows, num_blocks * block_size, head_dim) for i in range(num_layers)
-        ]
-        # int8: one fp32 scale per (layer, head, slot), the slot's absmax / 127.
-        self.scales: torch.Tensor | None = None
-        self._scale_blocks: list[torch.Tensor] = []
-        self._scale_slots: list[torch.Tensor] = []
-        if dtype == torch.int8:
-            self.scales = _zeros(
-                (num_layers, rows, num_blocks, block_size), KV_SCALE_DTYPE, self.device
-            )
-            self._scale_blocks = list(self.scales.unbind(0))
-            self._scale_slots = [s.view(rows, -1) for s in self._scale_blocks]
+        self.window_layers = tuple(sorted(set(window_layers)))
+        self.num_window_blocks = num_window_blocks
+        self._allocate(num_layers, rows, dtype)
         self._workspace = torch.empty(0, dtype=dtype, device=self.device)
         self._scale_workspace = torch.empty(0, dtype=KV_SCALE_DTYPE, device=self.device)
         self._read_workspace = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+
+    def _allocate(self, num_layers: int, rows: int, dtype: torch.dtype) -> None:
+        """The zeroed tensors (``data`` and, with sliding layers of their own, ``window_data``;
+        an int8 pool's scales beside) and each layer's views into them."""
+        num_blocks, block_size, head_dim = self.num_blocks, self.block_size, self.head_dim
+        num_window_blocks = self.num_window_blocks
+        windowed = set(self.window_layers)
+        # Each layer's pool (0: this one's, 1: the sliding layers') and index in it.
+        where = [(int(i in windowed), 0) for i in range(num_layers)]
+        counts = [0, 0]
+        for i, (side, _) in enumerate(where):
+            where[i] = (side, counts[side])
+            counts[side] += 1
+        blocks_of = (num_blocks, num_window_blocks)
+        self.data = _zeros((counts[0], rows, num_blocks, block_size, head_dim), dtype, self.device)
+        self.window_data: torch.Tensor | None = None
+        if windowed:
+            shape = (counts[1], rows, num_window_blocks, block_size, head_dim)
+            self.window_data = _zeros(shape, dtype, self.device)
+        datas = [self.data, self.window_data]
+        self.layer_data: list[torch.Tensor] = [datas[s][j] for s, j in where]  # type: ignore[index]
+        # Per-layer views, built once: [2*kvh, blocks, block_size * head_dim] for gathers
+        # and [2*kvh, blocks * block_size, head_dim] for slot writes.
+        self._blocks = [
+            d.view(rows, blocks_of[s], -1) for d, (s, _) in zip(self.layer_data, where, strict=True)
+        ]
+        self._slots = [b.view(rows, -1, head_dim) for b in self._blocks]
+        # The step's ids of a sliding layer's blocks start past this pool's.
+        self._offsets = [num_blocks * s for s, _ in where]
+        # int8: one fp32 scale per (layer, head, slot), the slot's absmax / 127.
+        self.scales: torch.Tensor | None = None
+        self.window_scales: torch.Tensor | None = None
+        self.layer_scales: list[torch.Tensor] = []
+        self._scale_slots: list[torch.Tensor] = []
+        if dtype == torch.int8:
+            self.scales = _zeros(
+                (counts[0], rows, num_blocks, block_size), KV_SCALE_DTYPE, self.device
+            )
+            if windowed:
+                shape = (counts[1], rows, num_window_blocks, block_size)
+                self.window_scales = _zeros(shape, KV_SCALE_DTYPE, self.device)
+            scales = [self.scales, self.window_scales]
+            self.layer_scales = [scales[s][j] for s, j in where]  # type: ignore[index]
+            self._scale_slots = [s.view(rows, -1) for s in self.layer_scales]
 
     @classmethod
     def from_config(
@@ -123,6 +163,8 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         compute_dtype: torch.dtype | None = None,
+        window_layers: Sequence[int] = (),
+        num_window_blocks: int = 0,
     ) -> KVPool:
         return cls(
             config.num_layers,
@@ -133,20 +175,29 @@ class KVPool:
             dtype,
             device,
             compute_dtype,
+            window_layers,
+            num_window_blocks,
         )
 
     # ------------------------------------------------------------------ sizes
 
     @property
     def num_bytes(self) -> int:
-        """Bytes of the pool: KV, plus the scales of an int8 pool."""
-        scales = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
-        return self.data.numel() * self.data.element_size() + scales
+        """Bytes of the pool: KV, plus the scales of an int8 pool (the sliding layers' too)."""
+        parts = (self.data, self.scales, self.window_data, self.window_scales)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers, K and V (equals ``sizing.block_bytes``)."""
-        return self.num_bytes // self.num_blocks
+        """Bytes of one block across the layers of ``data``, K and V (equals
+        ``sizing.block_bytes`` without sliding layers of their own)."""
+        parts = (self.data, self.scales)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None) // self.num_blocks
+
+    def _split(self, block_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        """``block_ids`` as this pool's and the sliding layers' pool's own ids."""
+        n = self.num_blocks
+        return [b for b in block_ids if b < n], [b - n for b in block_ids if b >= n]
 
     # ------------------------------------------------------------------ access
 
@@ -155,6 +206,9 @@ class KVPool:
         then V heads), token t goes to flat slot ``slot_mapping[t]``
         (= ``block_id * block_size + offset``). Converts to the pool's dtype; int8 quantizes
         each (token, head) vector symmetrically by its own absmax."""
+        offset = self._offsets[layer]
+        if offset:
+            slot_mapping = slot_mapping - offset * self.block_size
         if self.scales is not None:
             # 8 ops for all heads and tokens; amax is clamped so an all-zero vector stays 0.
             amax = torch.linalg.vector_norm(kv, float("inf"), dim=-1, keepdim=True)
@@ -178,6 +232,8 @@ class KVPool:
         gathered blocks in one op for all heads.
         """
         rows = 2 * self.num_kv_heads
+        if self._offsets[layer]:
+            block_index = block_index - self._offsets[layer]
         n = block_index.shape[0]
         per_block = self.block_size * self.head_dim
         needed = rows * n * per_block
@@ -198,7 +254,7 @@ class KVPool:
                 rows * n_slots, dtype=KV_SCALE_DTYPE, device=self.device
             )
         scale = self._scale_workspace[: rows * n_slots].view(rows, n, self.block_size)
-        torch.index_select(self._scale_blocks[layer], 1, block_index, out=scale)
+        torch.index_select(self.layer_scales[layer], 1, block_index, out=scale)
         return torch.mul(raw.view_as(out), scale.view(rows, n_slots, 1), out=out)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
@@ -209,11 +265,17 @@ class KVPool:
         """
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.device)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.device)
-        self.data[:, :, dst] = self.data[:, :, src]
-        if self.scales is not None:
-            self.scales[:, :, dst] = self.scales[:, :, src]
+        n = self.num_blocks
+        sides = ((self.data, self.scales, 0), (self.window_data, self.window_scales, n))
+        for data, scales, offset in sides:
+            pairs = [(s - offset, d - offset) for s, d in copies if (s >= n) == bool(offset)]
+            if not pairs or data is None:
+                continue
+            src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)
+            dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=self.device)
+            data[:, :, dst] = data[:, :, src]
+            if scales is not None:
+                scales[:, :, dst] = scales[:, :, src]
 
     def scrub_blocks(self, block_ids: Sequence[int]) -> list[int]:
         """Zero every listed block that holds a NaN or an infinity; returns their ids.
@@ -223,17 +285,29 @@ class KVPool:
         not leave them behind for whoever gets its blocks next. (An int8 pool's values are
         always finite; a non-finite key or value leaves a non-finite scale.)
         """
-        if not block_ids:
-            return []
-        index = torch.tensor(sorted(set(block_ids)), dtype=torch.int64, device=self.device)
-        values = self.data if self.scales is None else self.scales
-        finite = torch.isfinite(values.index_select(2, index)).transpose(0, 2)
-        bad = index[~finite.reshape(index.shape[0], -1).all(dim=1)]
-        if bad.numel():
-            self.data[:, :, bad] = 0
-            if self.scales is not None:
-                self.scales[:, :, bad] = 0
-        return [int(b) for b in bad.tolist()]
+        ours, theirs = self._split(block_ids)
+        found = _scrub(self.data, self.scales, ours, self.device)
+        if self.window_data is not None:
+            window = _scrub(self.window_data, self.window_scales, theirs, self.device)
+            found += [b + self.num_blocks for b in window]
+        return found
+
+
+def _scrub(
+    data: torch.Tensor, scales: torch.Tensor | None, block_ids: Sequence[int], device: torch.device
+) -> list[int]:
+    """``KVPool.scrub_blocks`` on one pool's tensors and own ids."""
+    if not block_ids:
+        return []
+    index = torch.tensor(sorted(set(block_ids)), dtype=torch.int64, device=device)
+    values = data if scales is None else scales
+    finite = torch.isfinite(values.index_select(2, index)).transpose(0, 2)
+    bad = index[~finite.reshape(index.shape[0], -1).all(dim=1)]
+    if bad.numel():
+        data[:, :, bad] = 0
+        if scales is not None:
+            scales[:, :, bad] = 0
+    return [int(b) for b in bad.tolist()]
 
 
 def num_blocks_for_memory(

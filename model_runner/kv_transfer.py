@@ -18,6 +18,11 @@ class PoolBlockIO:
     """Reads and writes whole blocks of a ``KVPool`` as bytes."""
 
     def __init__(self, pool: KVPool) -> None:
+        if pool.window_data is not None:
+            raise ValueError(
+                "moving blocks between pools and stores does not run with the sliding layers' "
+                "own blocks (Gemma 3): serve with --sliding-layer-blocks off"
+            )
         self.pool = pool
         data = pool.data
         self._data_bytes = data[:, :, 0].numel() * data.element_size()

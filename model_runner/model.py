@@ -235,6 +235,8 @@ class LlamaModel:
             return None
         if pool.scales is not None or batch.max_position >= self.max_model_len:
             return None
+        if batch.window_slot_mapping is not None:  # one slot mapping for every layer there
+            return None
         try:
             from model_runner import triton_fusions
         except ImportError:

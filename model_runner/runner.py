@@ -59,7 +59,12 @@ from model_runner.config import ModelConfig, RunnerOptions
 from model_runner.cuda_graphs import GRAPH_BATCH_SIZES, graph_memory_bytes
 from model_runner.device import dtype_name, resolve_dtype, resolve_kv_dtype, select_device
 from model_runner.future import Placeholders
-from model_runner.kv_pool import KVPool, default_kv_budget_bytes, num_blocks_for_memory
+from model_runner.kv_pool import (
+    KVPool,
+    default_kv_budget_bytes,
+    kv_block_bytes,
+    num_blocks_for_memory,
+)
 from model_runner.kv_transfer import PoolBlockIO
 from model_runner.lora.files import AdapterFile
 from model_runner.lora.layout import LoraWeights, lay_out
@@ -112,6 +117,8 @@ class TorchRunner:
         self.sliding_window = o.sliding_window or config.sliding_window
         self.attention_sinks = o.attention_sinks
         self.block_size = o.block_size
+        self.num_window_blocks = o.sliding_layer_blocks
+        self.window_layers = _window_layers(config, o.sliding_layer_blocks)
         positions = config.max_position_embeddings
         self.max_model_len = max_len = min(o.max_model_len or positions, positions)
         self.attention = make_attention_backend(o.attention_backend, self._attention_spec())
@@ -162,6 +169,7 @@ class TorchRunner:
             sliding_window=self.sliding_window,
             attention_sinks=self.attention_sinks,
             layer_windows=c.layer_windows,
+            window_tables=bool(self.window_layers),
             rope_inv_freq=(
                 rope_inv_freq(c, self.max_model_len).to(self.device)
                 if self.attention_sinks
@@ -178,21 +186,36 @@ class TorchRunner:
         budget = budget_bytes or default_kv_budget_bytes(
             self.device, activation_reserve_bytes=reserve
         )
-        return num_blocks_for_memory(self.config, self.block_size, self.kv_dtype, budget)
+        if not self.window_layers:
+            return num_blocks_for_memory(self.config, self.block_size, self.kv_dtype, budget)
+        # The sliding layers' pool first; the other layers' blocks in what is left.
+        c, num_window = self.config, len(self.window_layers)
+        per_layer = kv_block_bytes(c, self.block_size, self.kv_dtype) // c.num_layers
+        rest = budget - self.num_window_blocks * num_window * per_layer
+        num_blocks = rest // (per_layer * (c.num_layers - num_window))
+        if num_blocks < 1:
+            raise ValueError(
+                f"a KV budget of {budget} bytes holds the sliding layers' "
+                f"{self.num_window_blocks} blocks but no block of the other layers"
+            )
+        return int(num_blocks)
 
     def _make_pool(self, graphs: bool) -> KVPool:
         """The KV pool: ``num_blocks``, and with CUDA graphs one block more, which the cache
         manager never lends: the graphs' padding rows write there."""
         return KVPool.from_config(
             self.config, self.num_blocks + int(graphs), self.block_size, self.kv_dtype,
-            self.device, self.dtype,
+            self.device, self.dtype, self.window_layers, self.num_window_blocks,
         )  # fmt: skip
 
     def _step_limits(self) -> StepLimits:
         """What a step's rows are checked against (``model_runner.step``)."""
+        windows = [w for w in self.config.layer_windows if w is not None]
         return StepLimits(
             self.block_size, self.num_blocks, self.max_model_len, self.model.vocab_size,
             self.sliding_window, unbounded_positions=self.attention_sinks > 0,
+            num_window_blocks=self.num_window_blocks,
+            layer_window=max(windows) if self.window_layers else None,
         )  # fmt: skip
 
     def _model_info(self, name: str | None) -> ModelInfo:
@@ -214,6 +237,10 @@ class TorchRunner:
             extra={
                 "architecture": config.architecture,
                 "num_blocks": str(self.num_blocks),
+                "sliding_layer_blocks": str(self.num_window_blocks),
+                "sliding_layers": str(len(self.window_layers)),
+                "sliding_layer_window": str(self.limits.layer_window or 0),
+                "num_layers": str(config.num_layers),
                 "block_size": str(self.block_size),
                 "kv_pool_bytes": str(self.pool.num_bytes),
                 "fused_step": str(self.paths.fused is not None).lower(),
@@ -266,7 +293,8 @@ class TorchRunner:
         """Zero those of ``block_ids`` (in the pool) that hold a non-finite key or value at
         the start of the next step, before it reads the KV (after a step that raised: the
         engine frees its requests' blocks, which a NaN it wrote would poison)."""
-        self._pending_scrub.extend(b for b in block_ids if 0 <= b < self.num_blocks)
+        n = self.num_blocks + self.num_window_blocks
+        self._pending_scrub.extend(b for b in block_ids if 0 <= b < n)
 
     def execute(self, plan: SchedulerOutput) -> ModelOutput:
         """Compute ``plan``: KV of every scheduled token into the pool, one sampled token
@@ -341,9 +369,10 @@ class TorchRunner:
 
     def _check_copies(self, block_copies: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write pairs must lie in the pool: a copy outside it is a bug."""
-        bad = [c for c in block_copies if not all(0 <= b < self.num_blocks for b in c)]
+        n = self.num_blocks + self.num_window_blocks
+        bad = [c for c in block_copies if not all(0 <= b < n for b in c)]
         if bad:
-            raise ValueError(f"block copies {bad} outside the pool of {self.num_blocks}")
+            raise ValueError(f"block copies {bad} outside the pool of {n}")
 
     def _start_masks(self, seqs: Sequence[ScheduledSeq]) -> Future[Masks] | None:
         """Start computing the constrained rows' masks on the mask thread (llguidance
@@ -499,9 +528,27 @@ class TorchRunner:
 
     def _blocks_of(self, rows: StepRows, failed: Mapping[str, str]) -> list[int]:
         """The blocks the failed seqs of ``rows`` wrote (to scrub of non-finite KV)."""
-        return [
-            b
-            for s in rows.seqs
-            if s.request_id in failed
-            for b in s.block_ids[: -(-s.end_pos // self.block_size)]
-        ]
+        blocks: list[int] = []
+        for s in rows.seqs:
+            if s.request_id in failed:
+                n = -(-s.end_pos // self.block_size)
+                blocks += s.block_ids[:n]
+                blocks += (s.window_block_ids or [])[:n]
+        return blocks
+
+
+def _window_layers(config: ModelConfig, num_window_blocks: int) -> tuple[int, ...]:
+    """The layers whose KV lives in the sliding layers' own pool of ``num_window_blocks``
+    (``RunnerOptions.sliding_layer_blocks``): those with a window, on a model that also has
+    global layers; () for none."""
+    if not num_window_blocks:
+        return ()
+    windows = config.layer_windows
+    sliding = tuple(i for i, w in enumerate(windows) if w is not None)
+    if not sliding or len(sliding) == len(windows) or len(set(windows) - {None}) > 1:
+        raise ValueError(
+            "sliding_layer_blocks needs a model whose layers are sliding (one window) and "
+            f"global, as Gemma 3's; {config.architecture}'s layer windows are "
+            f"{sorted(set(windows), key=str)}"
+        )
+    return sliding

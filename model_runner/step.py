@@ -50,6 +50,10 @@ class StepLimits:
     sliding_window: int | None = None
     # Attention sinks stream past the context: positions are not bounded by max_model_len.
     unbounded_positions: bool = False
+    # The sliding layers' own pool (``KVPool.num_window_blocks``; its ids follow the
+    # others') and their window: 0 / None without one.
+    num_window_blocks: int = 0
+    layer_window: int | None = None
 
     def seq_error(self, seq: ScheduledSeq, is_decode: bool, input_known: bool = True) -> str | None:
         """Why ``seq`` cannot run (inconsistent entry, positions, token ids or block
@@ -83,6 +87,21 @@ class StepLimits:
         used = seq.block_ids[first:needed]
         if min(used) < 0 or max(used) >= self.num_blocks:
             return f"block id outside the pool of {self.num_blocks} blocks in {list(used)}"
+        if self.num_window_blocks:
+            return self._window_table_error(seq, needed)
+        return None
+
+    def _window_table_error(self, seq: ScheduledSeq, needed: int) -> str | None:
+        """Why ``seq``'s table in the sliding layers' pool cannot serve it, or None."""
+        table = seq.window_block_ids
+        if table is None or len(table) < needed:
+            return f"no table of {needed} blocks for the sliding layers' pool"
+        assert self.layer_window is not None
+        first = max(0, seq.start_pos - self.layer_window + 1) // self.block_size
+        used = table[first:needed]
+        low, high = self.num_blocks, self.num_blocks + self.num_window_blocks
+        if min(used) < low or max(used) >= high:
+            return f"sliding-layer block id outside {low}..{high - 1} in {list(used)}"
         return None
 
 
@@ -103,6 +122,9 @@ class StepRows:
     failed: Mapping[str, str] = field(default_factory=dict)
     # The rows' adapters (``lora.plan``); None when every row runs the base model.
     lora: LoraStep | None = None
+    # The rows' slots in the sliding layers' own tables (``ScheduledSeq.window_block_ids``);
+    # None when the seqs carry none.
+    window_slot_mapping: list[int] | None = None
 
     @classmethod
     def of(
@@ -163,10 +185,19 @@ class StepRows:
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        for seq in (*prefill, *decode):
+        seqs = (*prefill, *decode)
+        for seq in seqs:
             token_ids.extend(seq.token_ids)
             positions.extend(range(seq.start_pos, seq.end_pos))
             extend_slots(slots, seq.block_ids, seq.start_pos, seq.end_pos, block_size)
+        window_slots: list[int] | None = None
+        if seqs and seqs[0].window_block_ids is not None:
+            window_slots = []
+            for seq in seqs:
+                assert seq.window_block_ids is not None, "every seq or none has window tables"
+                extend_slots(
+                    window_slots, seq.window_block_ids, seq.start_pos, seq.end_pos, block_size
+                )
         return cls(
             tuple(prefill),
             tuple(decode),
@@ -178,6 +209,7 @@ class StepRows:
             slots,
             dict(failed or {}),
             LoraStep.of(prefill, decode, weights) if weights else None,
+            window_slots,
         )
 
     @property
@@ -219,6 +251,10 @@ class StepRows:
     def block_tables(self) -> list[Sequence[int]]:
         """Each row's block table (its request's, shared by the request's rows)."""
         return [s.block_ids for s in self.seqs for _ in s.token_ids]
+
+    def window_block_tables(self) -> list[Sequence[int]]:
+        """Each row's table in the sliding layers' own pool (``window_slot_mapping``)."""
+        return [s.window_block_ids or () for s in self.seqs for _ in s.token_ids]
 
     def sampled(self) -> list[ScheduledSeq]:
         """The seqs that sample, prefill first, in row order."""

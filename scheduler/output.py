@@ -71,6 +71,10 @@ class ScheduledSeq:
     num_draft_tokens: int = 0  # speculative drafts at the end of token_ids (decode only)
     lora: LoraRef | None = None  # the request's adapter (None: the base model)
     num_prompt_logprobs: int = 0  # rows scored for prompt logprobs, from the first (above)
+    # The sliding layers' own table when they hold one (Gemma 3, ``cache_manager.hybrid``):
+    # ids past the global layers' pool; released positions hold the null block. The
+    # global layers (and every layer otherwise) read ``block_ids``.
+    window_block_ids: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -136,8 +140,9 @@ class SchedulerOutput:
 
     def block_ids_of(self, request_ids: Collection[str]) -> set[int]:
         """Every block in the tables of this step's seqs of ``request_ids``."""
-        seqs = (*self.prefill, *self.decode)
-        return {b for s in seqs if s.request_id in request_ids for b in s.block_ids}
+        seqs = [s for s in (*self.prefill, *self.decode) if s.request_id in request_ids]
+        ids = {b for s in seqs for b in s.block_ids}
+        return ids.union(*(s.window_block_ids for s in seqs if s.window_block_ids))
 
 
 @dataclass(frozen=True, slots=True)

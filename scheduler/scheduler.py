@@ -90,7 +90,8 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self._block_size = kv.block_size
-        self._sliding_window = kv.sliding_window
+        self._releases = kv.releases_out_of_window
+        self._window_tables = kv.has_window_tables
         self._reserve = config.memory_mode == "reserve"
         self._max_chunk = config.max_chunk_tokens
         self._num_usable_blocks = kv.num_usable_blocks
@@ -276,6 +277,9 @@ class Scheduler:
             # DECODING after the decodes were taken: run them now, not after an idle wait.
             self._take_decodes(step)
         plan = step.build(self._finished_ids, self.kv.null_block_id, self._running)
+        if self._window_tables:
+            for seq in (*plan.prefill, *plan.decode):  # their tables as this plan left them
+                seq.window_block_ids = self.kv.window_block_ids(seq.request_id)
         self._finished_ids = []
         counters = self._counters
         counters.num_prefill_tokens = plan.num_prefill_tokens
@@ -534,7 +538,7 @@ class Scheduler:
             req.num_cached_tokens = num_hit
         req.num_computed_tokens = num_hit
         req.status = _PREFILLING
-        if self._sliding_window is not None:
+        if self._releases:
             self.kv.release_out_of_window(req)  # hit blocks the first chunk cannot see
         self._running[req.request_id] = entry
         if entry.group is not None:

@@ -51,7 +51,7 @@ class ResultApplier:
         self._running = running
         self.kv = kv
         self._block_size = kv.block_size
-        self._sliding_window = kv.sliding_window
+        self._releases = kv.releases_out_of_window
         self._counters = counters
         self._finish = finish
         self._fork_children = fork_children
@@ -72,7 +72,7 @@ class ResultApplier:
         running = self._running
         block_size = self._block_size
         kv = self.kv
-        window = self._sliding_window is not None
+        window = self._releases
         drop = not kv.strategy.always_retains  # the strategy may drop KV after a token
         sampled = result.sampled_token_ids
         failed = result.failed
@@ -188,7 +188,7 @@ class ResultApplier:
         their prefix-cache key, and blocks the sliding window left behind are released."""
         if req.num_computed_tokens // self._block_size > start_pos // self._block_size:
             self.kv.cache_full_blocks(req)
-        if self._sliding_window is not None:
+        if self._releases:
             self.kv.release_out_of_window(req)
 
 

@@ -11,11 +11,12 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cache_manager import KVCacheManager, block_bytes
+from cache_manager import KVCacheConfig, KVCacheManager, block_bytes
+from cache_manager.hybrid import HybridKVCacheManager, window_blocks_for
 from cache_manager.sizing import num_blocks_for_budget
 from metrics.records import MetricsSink, NullSink
 from model_runner.base import Runner
-from model_runner.config import RunnerOptions
+from model_runner.config import ModelConfig, RunnerOptions
 from model_runner.constraints import ConstraintCompiler, ConstraintTracker
 from model_runner.fake import FakeRunner, make_fake_info
 from model_runner.sim import roofline_cost_model
@@ -86,8 +87,11 @@ def _fake_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]:
     return runner, tokenizer, num_blocks, "fake"
 
 
-def runner_options(cfg: ServerConfig, name: str | None = None) -> RunnerOptions:
-    """The torch runner's options, from the server's flags (built once, at start-up)."""
+def runner_options(
+    cfg: ServerConfig, name: str | None = None, model: ModelConfig | None = None
+) -> RunnerOptions:
+    """The torch runner's options, from the server's flags (built once, at start-up), for
+    ``model`` when it is known (it decides ``sliding_layer_blocks``)."""
     return RunnerOptions(
         num_blocks=cfg.num_blocks,
         block_size=cfg.block_size,
@@ -104,7 +108,42 @@ def runner_options(cfg: ServerConfig, name: str | None = None) -> RunnerOptions:
         name=name,
         max_lora_rank=cfg.max_lora_rank,
         max_cpu_loras=cfg.cpu_lora_budget,
+        sliding_layer_blocks=sliding_layer_blocks(cfg, model) if model is not None else 0,
     )
+
+
+def sliding_layer_blocks(cfg: ServerConfig, model: ModelConfig) -> int:
+    """The sliding layers' own pool for ``model`` under ``cfg`` (``cache_manager.hybrid``):
+    blocks for ``max_num_seqs`` requests each holding its window, or 0 when its layers all
+    attend alike or something it does not run with is on (logged)."""
+    windows = {w for w in model.layer_windows if w is not None}
+    if cfg.sliding_layer_blocks == "off" or len(windows) != 1 or None not in model.layer_windows:
+        return 0
+    from model_runner.device import select_device
+
+    on_cuda = select_device(cfg.device).type == "cuda"
+    off = [
+        what
+        for what, on in (
+            ("the disk KV tier", cfg.kv_disk_dir is not None),
+            ("attention sinks", cfg.attention_sinks > 0),
+            ("--sliding-window", cfg.sliding_window is not None),
+            ("the adaptive KV strategy", cfg.kv_strategy == "adaptive"),
+            (
+                f"the {cfg.attention_backend} attention backend",
+                cfg.attention_backend not in ("auto", "torch")
+                or (cfg.attention_backend == "auto" and on_cuda),
+            ),
+        )
+        if on
+    ]
+    if off:
+        logger.info("sliding layers' own blocks off: %s", ", ".join(off))
+        return 0
+    max_len = min(model.max_position_embeddings, cfg.max_model_len or model.max_position_embeddings)
+    (window,) = windows
+    chunk = cfg.scheduler_config(max_len).max_chunk_tokens
+    return window_blocks_for(cfg.max_num_seqs, max_len, window, cfg.block_size, chunk)
 
 
 def _torch_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]:
@@ -118,7 +157,7 @@ def _torch_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]
     runner = TorchRunner(
         loaded.config,
         loaded.state_dict,
-        runner_options(cfg, loaded.name),
+        runner_options(cfg, loaded.name, loaded.config),
         constraints=constraint_tracker(loaded.tokenizer, loaded.config.vocab_size),
     )
     if runner.device.type == "cpu" and cfg.overlap is True:
@@ -126,6 +165,27 @@ def _torch_runner(cfg: ServerConfig) -> tuple[Runner, ServerTokenizer, int, str]
     del loaded.state_dict  # the runner holds its own copy of the weights
     return_freed_memory()  # the fused projections' parts, freed into malloc's arenas
     return runner, loaded.tokenizer, runner.num_blocks, str(loaded.source_path)
+
+
+def _cache_manager(
+    cfg: ServerConfig, config: KVCacheConfig, extra: dict[str, str], max_model_len: int
+) -> KVCacheManager:
+    """One table a request, or the global and the sliding layers' tables when the runner
+    keeps the sliding layers' KV apart (``ModelInfo.extra``'s ``sliding_layer_*``)."""
+    num_window = int(extra.get("sliding_layer_blocks", "0"))
+    if not num_window:
+        return KVCacheManager(config)
+    num_layers, num_sliding = int(extra["num_layers"]), int(extra["sliding_layers"])
+    per_layer = config.block_bytes // num_layers
+    window = dataclasses.replace(
+        config,
+        num_blocks=num_window,
+        sliding_window=int(extra["sliding_layer_window"]),
+        block_bytes=per_layer * num_sliding,
+    )
+    config = dataclasses.replace(config, block_bytes=per_layer * (num_layers - num_sliding))
+    chunk = cfg.scheduler_config(max_model_len).max_chunk_tokens
+    return HybridKVCacheManager(config, window, chunk)
 
 
 def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEngine:
@@ -148,11 +208,15 @@ def build_engine(cfg: ServerConfig, sink: MetricsSink | None = None) -> BuiltEng
     per_block = block_bytes(info.shape, cfg.block_size)
     check_sinks_fit(cfg.attention_sinks, info.sliding_window, max_model_len)
     cache_config = cfg.cache_config(num_blocks, info.sliding_window, per_block)
-    kv = KVCacheManager(cache_config)
+
+    def make_kv(config: KVCacheConfig) -> KVCacheManager:
+        return _cache_manager(cfg, config, info.extra, max_model_len)
+
+    kv = make_kv(cache_config)
     cost_model = None
     if cfg.policy == "slo":
         if cfg.cost_model_prior == "calibrate":
-            cost_model = calibrate(runner, cache_config, max_model_len)
+            cost_model = calibrate(runner, cache_config, max_model_len, make_kv=make_kv)
         else:
             cost_model = roofline_cost_model(cfg.cost_model_prior)
     scheduler = Scheduler(cfg.scheduler_config(max_model_len), kv, cost_model)

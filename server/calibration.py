@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from cache_manager import KVCacheConfig, KVCacheManager
@@ -43,11 +43,17 @@ SPEC_DRAFTS = 3
 
 
 def calibrate(
-    runner: Runner, cache: KVCacheConfig, max_model_len: int, *, seed: int = 0
+    runner: Runner,
+    cache: KVCacheConfig,
+    max_model_len: int,
+    *,
+    seed: int = 0,
+    make_kv: Callable[[KVCacheConfig], KVCacheManager] = KVCacheManager,
 ) -> StepCostModel:
     """Fit a step-cost model to scripted steps on ``runner`` (see the module docstring)."""
     started = time.perf_counter()
-    samples = run_rounds(runner, cache, max_model_len, ROUNDS, seed=seed)[1:]  # cold first
+    rounds = run_rounds(runner, cache, max_model_len, ROUNDS, seed=seed, make_kv=make_kv)
+    samples = rounds[1:]  # the first is cold
     model = StepCostModel.fit(samples)
     logger.info(
         "step-cost model calibrated on %d steps in %.1f s: %s",
@@ -66,18 +72,20 @@ def run_rounds(
     *,
     seed: int = 0,
     speculative: bool = False,
+    make_kv: Callable[[KVCacheConfig], KVCacheManager] = KVCacheManager,
 ) -> list[tuple[StepShape, float]]:
     """Run each round (random prompts, greedy, to its end) on a throwaway scheduler and
     cache manager over ``runner``'s pool; every non-empty step's (shape, execute seconds).
     ``speculative``: n-gram drafts on, and each prompt a random 8-token phrase repeated, so
-    the drafter finds matches and decodes carry verification rows."""
+    the drafter finds matches and decodes carry verification rows. ``make_kv``: the cache
+    manager the server runs (the sliding layers' own tables, ``cache_manager.hybrid``)."""
     rng = random.Random(seed)
     vocab = runner.info.vocab_size
     drafts = SPEC_DRAFTS if speculative else 0
     samples: list[tuple[StepShape, float]] = []
     for round_id, (num_reqs, prompt_len, chunk, num_out) in enumerate(rounds):
         prompt_len = min(prompt_len, max_model_len - num_out)
-        kv = KVCacheManager(replace(cache, enable_prefix_caching=False))
+        kv = make_kv(replace(cache, enable_prefix_caching=False))
         sched = Scheduler(
             SchedulerConfig(
                 max_num_seqs=num_reqs,

@@ -290,6 +290,15 @@ class ServerConfig:
         "4GiB", "tier 2: bound of the store's entries (LRU by last use beyond it)", group="kv cache"
     )
     kv_disk_store: str = _f("lmdb", "tier 2 storage engine", choices=STORE_KINDS, group="kv cache")
+    sliding_layer_blocks: str = _f(
+        "auto",
+        "a model of sliding-window and global layers (Gemma 3): auto keeps the sliding layers' "
+        "KV in blocks of their own, freed once out of the window (with the torch attention "
+        "backend, without the disk tier, sinks or --sliding-window; else off); off: one block "
+        "table for every layer",
+        choices=("auto", "off"),
+        group="kv cache",
+    )
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):

@@ -57,6 +57,9 @@ class AttentionSpec:
     # Each layer's own window when the layers differ (Gemma 3; ``ModelConfig.layer_windows``),
     # within ``sliding_window`` when that is set too; empty = every layer's is that one.
     layer_windows: tuple[int | None, ...] = ()
+    # The sliding layers (a window in ``layer_windows``) keep their KV in a pool of their
+    # own, read through ``ScheduledSeq.window_block_ids`` (``cache_manager.hybrid``).
+    window_tables: bool = False
 
     def __post_init__(self) -> None:
         if self.attention_sinks < 0 or (
@@ -76,6 +79,10 @@ class AttentionSpec:
             return own if own is not None else self.sliding_window
         return min(own, self.sliding_window)
 
+    def own_table(self, layer: int) -> bool:
+        """Whether ``layer`` reads and writes the sliding layers' own tables."""
+        return self.window_tables and self.layer_windows[layer] is not None
+
     @property
     def layered(self) -> bool:
         """Whether the layers attend within different windows."""
@@ -94,6 +101,8 @@ class ForwardBatch(Generic[M]):
     metadata: M  # the backend's per-step data
     # The step's adapter updates (the eager path's LoRA backend sets them: ``lora.backend``).
     adapters: StepAdapters = NO_ADAPTERS
+    # The rows' slots in the sliding layers' own tables (``AttentionSpec.window_tables``).
+    window_slot_mapping: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +147,7 @@ class AttentionBackend(ABC, Generic[M]):
     graphs: ClassVar[bool] = False  # decode steps may be captured as CUDA graphs
     kv_dtypes: ClassVar[frozenset[torch.dtype] | None] = None  # pool dtypes read; None: any
     sinks: ClassVar[bool] = False  # attention sinks
+    window_tables: ClassVar[bool] = False  # the sliding layers' own tables (AttentionSpec)
     # Steps the fused CPU kernel fits run there instead (its attention is this one's).
     yields_to_fused: ClassVar[bool] = False
 
@@ -166,6 +176,11 @@ class AttentionBackend(ABC, Generic[M]):
             return f"the {cls.name} backend reads float KV pools, not {spec.kv_dtype}"
         if spec.attention_sinks and not cls.sinks:
             return f"the {cls.name} backend has no attention sinks (use --attention-backend torch)"
+        if spec.window_tables and not cls.window_tables:
+            return (
+                f"the {cls.name} backend reads one block table for every layer "
+                "(use --attention-backend torch, or --sliding-layer-blocks off)"
+            )
         return None
 
     @abstractmethod
@@ -179,7 +194,10 @@ class AttentionBackend(ABC, Generic[M]):
         ``out`` [T, H * head_dim]. ``qkv`` is [T, H + 2 kvh, D] with RoPE applied to Q and
         K, Q pre-scaled (attention runs with scale 1). Every row's key is stored before any
         row attends, so each reads its own from wherever it reads keys."""
-        pool.write(layer, qkv[:, self.spec.num_heads :], batch.slot_mapping)
+        slots = batch.slot_mapping
+        if batch.window_slot_mapping is not None and self.spec.own_table(layer):
+            slots = batch.window_slot_mapping
+        pool.write(layer, qkv[:, self.spec.num_heads :], slots)
         self.attend(layer, qkv, batch.metadata, pool, out)
 
     @abstractmethod

@@ -57,6 +57,7 @@ from model_runner.attention_backends.base import AttentionBackend, ForwardBatch,
 from model_runner.block_table import first_key_block
 from model_runner.kv_pool import KVPool
 from model_runner.step import StepRows
+from scheduler.output import ScheduledSeq
 
 
 def _sdpa_supports_gqa() -> bool:
@@ -141,6 +142,7 @@ class TorchAttention(AttentionBackend[GatherMetadata]):
     """Gathers blocks into padded tensors, then SDPA (chunks) or batched matmuls (decodes)."""
 
     name = "torch"
+    window_tables = True
     sinks = True
     yields_to_fused = True
 
@@ -154,7 +156,8 @@ class TorchAttention(AttentionBackend[GatherMetadata]):
         windows = list(dict.fromkeys([shared, *self._layer_windows()]))
         plans = [self._plan(step, w) for w in windows]
         extra = [i for p in plans for i in p.extra]
-        ids_t, pos_t, slot_t, extra_t = row_tensors(step, spec.device, extra)
+        window_slots = step.window_slot_mapping if spec.window_tables else None
+        ids_t, pos_t, slot_t, extra_t = row_tensors(step, spec.device, extra + (window_slots or []))
         metas: list[GatherMetadata] = []
         offset = 0
         for p in plans:
@@ -163,7 +166,10 @@ class TorchAttention(AttentionBackend[GatherMetadata]):
         meta = metas[0]
         if spec.layered:
             meta.per_layer = tuple(metas[windows.index(w)] for w in self._layer_windows())
-        return ForwardBatch(step.num_rows, ids_t, pos_t, slot_t, step.max_position, meta)
+        batch = ForwardBatch(step.num_rows, ids_t, pos_t, slot_t, step.max_position, meta)
+        if window_slots is not None:
+            batch.window_slot_mapping = extra_t[offset:]
+        return batch
 
     def _layer_windows(self) -> list[int | None]:
         """Each layer's window when they differ, else none."""
@@ -180,22 +186,25 @@ class TorchAttention(AttentionBackend[GatherMetadata]):
             assert window is not None and spec.rope_inv_freq is not None
             chunk_seqs, decode = step.seqs, ()
         null_block_id = step.null_block_id
+        # A sliding layers' window reads their own tables when they have them.
+        own = spec.window_tables and window is not None
         gathers: list[int] = []
         chunk_info: list[tuple[int, int, int, int, int, int, int]] = []
         num_chunk_rows = 0
         for seq in chunk_seqs:
             start, end = seq.start_pos, seq.end_pos
             num_chunk_rows += end - start
+            table = _table(seq, own)
             first = first_key_block(
-                seq.block_ids, start, block_size, window, num_sink_blocks, null_block_id
+                table, start, block_size, window, num_sink_blocks, null_block_id
             )
             if sinks and first <= num_sink_blocks:
                 first = 0  # no gap yet: the sinks and the window are one run from 0
             num_apart = num_sink_blocks if first else 0
             gather_start = len(gathers)
             if start > 0:
-                gathers.extend(seq.block_ids[:num_apart])
-                gathers.extend(seq.block_ids[first : -(-end // block_size)])
+                gathers.extend(table[:num_apart])
+                gathers.extend(table[first : -(-end // block_size)])
             key_start = 0 if sinks else first * block_size
             chunk_info.append((start, end, key_start, gather_start, len(gathers), num_apart, first))
 
@@ -207,8 +216,9 @@ class TorchAttention(AttentionBackend[GatherMetadata]):
         dec_key_starts: list[int] = []
         for i, seq in enumerate(decode):
             pos = seq.start_pos
-            first = first_key_block(seq.block_ids, pos, block_size, window, 0, null_block_id)
-            row_blocks = seq.block_ids[first : pos // block_size + 1]
+            table = _table(seq, own)
+            first = first_key_block(table, pos, block_size, window, 0, null_block_id)
+            row_blocks = table[first : pos // block_size + 1]
             dec_rows.append(row_blocks)
             dec_key_starts.append(first * block_size)
             n = len(row_blocks)
@@ -331,6 +341,14 @@ class TorchAttention(AttentionBackend[GatherMetadata]):
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
             o = torch.matmul(probs, kv[num_kv_heads:])  # [kvh, B, g, D]
             out[d0 : d0 + b].view(b, num_kv_heads, group, head_dim).copy_(o.transpose(0, 1))
+
+
+def _table(seq: ScheduledSeq, own: bool) -> list[int]:
+    """The table ``seq``'s keys are read through: the sliding layers' own when ``own``."""
+    if not own:
+        return seq.block_ids
+    assert seq.window_block_ids is not None, f"{seq.request_id}: no sliding-layer table"
+    return seq.window_block_ids
 
 
 def _sink_attention(

@@ -114,7 +114,7 @@ class StepLayer(ctypes.Structure):
         ("mlp_out_norm", _P),
         ("rope", _P),  # the layer's own RoPE table, else NULL (StepArgs.rope)
         ("window", _I32),  # 0: every position
-        ("pad", _I32),
+        ("own_table", _I32),  # 1: KV in the sliding layers' pool (StepArgs.window_tables)
     ]
 
 
@@ -171,6 +171,9 @@ class StepArgs(ctypes.Structure):
         ("expert_intermediate", _I32),
         ("norm_topk", _I32),
         ("gelu", _I32),
+        ("window_tables", _P),  # the sliding layers' own tables (cache_manager.hybrid)
+        ("window_max_blocks", _I32),
+        ("window_num_blocks", _I32),
     ]
 
 

@@ -102,7 +102,7 @@ struct StepLayer {
   const float* mlp_out_norm;
   const float* rope;  // this layer's RoPE table (Gemma 3's sliding layers), NULL: StepArgs.rope
   int32_t window;     // positions a query sees, itself included (0: all)
-  int32_t pad;
+  int32_t own_table;  // 1: the layer's KV is in the sliding layers' pool (StepArgs.window_*)
 };
 
 // LoRA (lora.h): one adapter's pair for one target of one layer, fp16: a [rank, k] and
@@ -137,6 +137,10 @@ struct StepArgs {
   // expert's MLP width, and whether the chosen weights are renormalized to sum to 1.
   int32_t num_experts, num_used, expert_intermediate, norm_topk;
   int32_t gelu;  // the gated MLP's activation: GELU (tanh) for Gemma, else SiLU
+  // The sliding layers' own pool (cache_manager.hybrid), for layers with own_table: each
+  // row's table [B, window_max_blocks] in that pool's ids, and its blocks; else unused.
+  const int32_t* window_tables;
+  int32_t window_max_blocks, window_num_blocks;
 };
 
 // What a family library gives the dispatcher (kv_family; the dispatcher's kv_register_family).
@@ -651,7 +655,11 @@ void step_layers(const StepLayer* layers, int num_layers, const StepArgs* step) 
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-    for (int i = 0; i < num_layers; ++i) step_layer(st, layers[i], i, sb, tid, nth);
+    StepArgs own = st;  // the sliding layers' tables and pool, for layers with own_table
+    own.block_tables = st.window_tables;
+    own.max_blocks = st.window_max_blocks;
+    own.num_blocks = st.window_num_blocks;
+    for (int i = 0; i < num_layers; ++i) step_layer(layers[i].own_table ? own : st, layers[i], i, sb, tid, nth);
   }
 }
 

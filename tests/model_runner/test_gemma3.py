@@ -7,13 +7,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import gguf
 import numpy as np
 import pytest
 import torch
 
+from cache_manager import KVCacheConfig
+from cache_manager.hybrid import HybridKVCacheManager
 from model_runner import kernels
 from model_runner.config import ModelConfig, RunnerOptions
 from model_runner.gguf_loader import read_header
@@ -21,6 +23,7 @@ from model_runner.hf_loader import load_hf_dir
 from model_runner.loader import load_model
 from model_runner.quant import QLinear, QuantWeight
 from model_runner.runner import TorchRunner
+from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from tests.model_runner.oracle import native_gguf_runner, tiny_hf
 from tests.model_runner.test_chat_templates import TEMPLATES
 from tests.model_runner.test_moe import q4_k_m
@@ -472,3 +475,148 @@ def test_fused_step_runs_gemma3s_block_as_the_torch_path(
     assert [layer.window for layer in kernel.layers] == [8, 8, 8, 8, 8, 0]
     assert [bool(layer.rope) for layer in kernel.layers] == [True] * 5 + [False]
     assert all(layer.attn_out_norm and layer.mlp_out_norm for layer in kernel.layers)
+
+
+def hybrid_engine(
+    config: ModelConfig,
+    state: dict[str, Any],
+    *,
+    window_blocks: int,
+    num_blocks: int = 64,
+    repeat_first: bool = True,
+    weights_dtype: str = "float32",
+) -> HybridRun:
+    """PROMPTS' greedy tokens (PROMPTS[3] again after the others when ``repeat_first``)
+    through Scheduler + HybridKVCacheManager + TorchRunner with the sliding layers' own
+    pool of ``window_blocks`` blocks of 4 tokens (global pool: ``num_blocks``), fp32 KV,
+    prefill chunks of 32."""
+    bs = 4
+    options = RunnerOptions(
+        num_blocks, bs, dtype=torch.float32, device="cpu", kv_dtype="float32",
+        sliding_layer_blocks=window_blocks,
+    )  # fmt: skip
+    runner = TorchRunner(config, state, options)
+    assert runner.pool.window_layers == (0, 1, 2, 3, 4)
+    full = KVCacheConfig(num_blocks=num_blocks, block_size=bs)
+    window = KVCacheConfig(num_blocks=window_blocks, block_size=bs, sliding_window=WINDOW)
+    kv = HybridKVCacheManager(full, window, max_chunk_tokens=32)
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=48, max_model_len=128,
+            long_prefill_token_threshold=32,
+        ),
+        kv,
+    )  # fmt: skip
+    sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    prompts = [*PROMPTS, PROMPTS[3]] if repeat_first else PROMPTS
+    requests = [Request(f"q{i}", list(p), sampling=sampling) for i, p in enumerate(prompts)]
+    outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    most_held = 0
+    used: tuple[set[int], set[int]] = (set(), set())
+    for step in range(500):
+        if step == 0:
+            for r in requests[: len(PROMPTS)]:
+                scheduler.add_request(r)
+        if step == 40 and repeat_first:
+            scheduler.add_request(requests[-1])
+        if step > 40 and not scheduler.has_unfinished_requests():
+            break
+        plan = scheduler.schedule()
+        for seq in (*plan.prefill, *plan.decode):
+            live = [b for b in seq.window_block_ids or [] if b != num_blocks]  # not the null
+            most_held = max(most_held, len(live))
+            used[0].update(seq.block_ids)
+            used[1].update(b - num_blocks for b in live)
+        result = runner.execute(plan)
+        assert not result.failed, result.failed
+        for out in scheduler.update(plan, result):
+            outputs[out.request_id].extend(out.new_token_ids)
+        kv.check_invariants()
+    assert not scheduler.has_unfinished_requests()
+    got = [outputs[r.request_id] for r in requests]
+    preempted = scheduler.make_stats().num_preemptions_total
+    return HybridRun(got, requests, kv, runner, most_held, used, preempted)
+
+
+class HybridRun(NamedTuple):
+    outputs: list[list[int]]
+    requests: list[Request]
+    kv: HybridKVCacheManager
+    runner: TorchRunner
+    most_held: int  # the most sliding-layer blocks a request held at once (not the null)
+    used: tuple[set[int], set[int]]  # block ids the tables held: global, sliding (its own)
+    num_preemptions: int
+
+
+def assert_kv_only_in_used_blocks(run: HybridRun) -> None:
+    """Each pool holds KV in the blocks its tables handed out and nowhere else: the sliding
+    layers wrote theirs through their own tables, the global layers through theirs."""
+    pool = run.runner.pool
+    assert pool.window_data is not None
+    for data, used in ((pool.data, run.used[0]), (pool.window_data, run.used[1])):
+        written = data.abs().flatten(3).amax(dim=(0, 1, 3)) > 0
+        assert set(written.nonzero().flatten().tolist()) == used
+
+
+def _released_blocks(prompts: list[list[int]], block_size: int = 4) -> int:
+    """Blocks a request's sliding layers release by its end: those wholly before the window
+    of the last query (position len(prompt) + NEW_TOKENS - 2, the last token sampled needs
+    no KV)."""
+    last = [len(p) + NEW_TOKENS - 2 for p in prompts]
+    return sum(max(0, q - WINDOW + 1) // block_size for q in last)
+
+
+def test_sliding_layers_free_their_blocks_past_the_window(
+    hf: torch.nn.Module, want: list[list[int]]
+) -> None:
+    """Gemma 3 with the sliding layers' KV in blocks of their own (``cache_manager.hybrid``):
+    the 4 prompts (up to 40 tokens, past the window of 8; chunks of 32) and the 40-token one
+    again, served from the prefix cache, give transformers' greedy ids; each sliding block
+    is released once no query can see it (counted: every block wholly before the last
+    query's window), a request never holds more than its window, a chunk and a partial
+    block there, and at the end both pools are whole again."""
+    config = ModelConfig.from_hf_config(_normalized(hf), name="tiny")
+    state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
+    run = hybrid_engine(config, state, window_blocks=64)
+    got, requests, kv = run.outputs, run.requests, run.kv
+    assert got[:4] == want and got[4] == want[3]
+    assert_kv_only_in_used_blocks(run)
+    assert requests[-1].num_cached_tokens >= 32
+    stats = kv.make_stats()
+    # The repeated prompt's hit blocks the window left behind are released at admission.
+    assert stats.sliding_blocks_released_total == _released_blocks([*PROMPTS, PROMPTS[3]])
+    assert run.most_held <= -(-(WINDOW + 32) // 4) + 1
+    assert (stats.sliding_blocks_used, stats.num_blocks_used) == (0, 0)
+    assert kv.window.num_free_blocks == kv.window.num_usable_blocks
+
+
+def test_sliding_layers_own_blocks_under_preemption(
+    hf: torch.nn.Module, want: list[list[int]]
+) -> None:
+    """A global pool too small for the 4 requests at once (14 blocks of 4: the 40-token
+    prompt and its answer take 13) preempts and recomputes; a sliding pool of 3 requests'
+    windows makes the 4th wait there too: the greedy ids stay transformers'."""
+    config = ModelConfig.from_hf_config(_normalized(hf), name="tiny")
+    state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
+    run = hybrid_engine(config, state, window_blocks=3 * 11 + 1, num_blocks=14, repeat_first=False)
+    assert run.outputs == want
+    assert run.kv.make_stats().num_blocks_used == 0
+    assert run.num_preemptions > 0
+
+
+@pytest.mark.skipif(not kernels.available(), reason="kernels not built")
+def test_sliding_layers_own_blocks_through_the_kernels(tmp_path: Path) -> None:
+    """On Q4_K_M weights through the kernels' whole-step call (each sliding layer reading
+    its own table in its own pool): the greedy ids of each prompt prefilled whole in a
+    runner with one table for every layer, token for token, prefix hit included."""
+    loaded, runner = native_gguf_runner(quantized_gemma3(tmp_path, "Q4_K_M"))
+    assert runner.paths.fused is not None
+    want = [free_running(runner_logits(runner), p, NEW_TOKENS)[0] for p in PROMPTS]
+    # A sliding pool smaller than the global one: the global ids run past its end.
+    run = hybrid_engine(loaded.config, dict(loaded.state_dict), window_blocks=3 * 11 + 1)
+    assert run.outputs == [*want, want[3]]
+    assert run.requests[-1].num_cached_tokens >= 32
+    assert_kv_only_in_used_blocks(run)
+    assert run.kv.make_stats().sliding_blocks_released_total == _released_blocks(
+        [*PROMPTS, PROMPTS[3]]
+    )

@@ -120,3 +120,25 @@ def test_a_cpu_pool_becomes_resident_only_where_written() -> None:
         pool.write(layer, torch.ones(1, 4, 64, dtype=torch.float16), torch.tensor([5 * 16]))
     assert rss_mib() - before < 16
     assert pool.data[:, :, 5, 0].eq(1).all() and pool.data.sum().item() == 30 * 4 * 64
+
+
+def test_sliding_layers_in_a_pool_of_their_own() -> None:
+    """Layers 0 and 2 of 3 in a pool of 3 blocks whose ids follow the 4 of the others: a
+    write, a gather, a copy and a scrub by the step's ids each land in the layer's pool."""
+    pool = KVPool(3, 1, 2, 4, 2, torch.float32, window_layers=(0, 2), num_window_blocks=3)
+    assert pool.data.shape[:3] == (1, 2, 4) and pool.window_data is not None
+    assert pool.window_data.shape[:3] == (2, 2, 3)
+    kv = torch.arange(8.0).view(2, 2, 2)  # 2 tokens, K and V of one head, head_dim 2
+    slots = torch.tensor([5 * 2, 5 * 2 + 1])  # block 5 = the sliding pool's block 1
+    pool.write(0, kv, slots)
+    assert torch.equal(pool.window_data[0, :, 1], kv.transpose(0, 1))
+    assert torch.equal(pool.gather(0, torch.tensor([5])), kv.transpose(0, 1))
+    pool.write(1, kv, torch.tensor([2, 3]))  # the global layer: its own block 1
+    assert torch.equal(pool.data[0, :, 1], kv.transpose(0, 1))
+    pool.copy_blocks([(5, 6), (1, 3)])
+    assert torch.equal(pool.window_data[0, :, 2], kv.transpose(0, 1))
+    assert torch.equal(pool.data[0, :, 3], kv.transpose(0, 1))
+    pool.window_data[1, 0, 2, 0, 0] = float("nan")
+    assert pool.scrub_blocks([1, 5, 6]) == [6]
+    assert not pool.window_data[:, :, 2].any() and pool.window_data[0, :, 1].any()
+    assert pool.num_bytes == (4 * 1 + 3 * 2) * 2 * 2 * 2 * 4
