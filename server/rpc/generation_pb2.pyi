@@ -275,7 +275,7 @@ class GetKVCacheStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KVCacheStats(_message.Message):
-    __slots__ = ("total_sequences", "total_memory_bytes", "average_sequence_length", "cache_hit_rate", "cache_efficiency", "block_size", "num_blocks_total", "num_blocks_used", "num_blocks_cached_free", "num_blocks_free", "total_tokens", "used_memory_bytes", "usage", "prefix_queries_tokens_total", "prefix_hits_tokens_total", "evictions_total", "cow_copies_total", "preemptions_total", "num_blocks_reserved", "block_bytes", "kv_strategy", "strategy_dropped_tokens_total", "strategy_windowed_tokens_total", "tier2_hit_blocks_total", "tier2_hit_tokens_total", "tier2_spill_blocks_total", "tier2")
+    __slots__ = ("total_sequences", "total_memory_bytes", "average_sequence_length", "cache_hit_rate", "cache_efficiency", "block_size", "num_blocks_total", "num_blocks_used", "num_blocks_cached_free", "num_blocks_free", "total_tokens", "used_memory_bytes", "usage", "prefix_queries_tokens_total", "prefix_hits_tokens_total", "evictions_total", "cow_copies_total", "preemptions_total", "num_blocks_reserved", "block_bytes", "kv_strategy", "strategy_dropped_tokens_total", "strategy_windowed_tokens_total", "tier2_hit_blocks_total", "tier2_hit_tokens_total", "tier2_spill_blocks_total", "tier2", "sliding_blocks_total", "sliding_blocks_used", "sliding_blocks_released_total")
     TOTAL_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     AVERAGE_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +303,9 @@ class KVCacheStats(_message.Message):
     TIER2_HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     TIER2_SPILL_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     TIER2_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_BLOCKS_RELEASED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     total_sequences: int
     total_memory_bytes: int
     average_sequence_length: float
@@ -330,7 +333,10 @@ class KVCacheStats(_message.Message):
     tier2_hit_tokens_total: int
     tier2_spill_blocks_total: int
     tier2: KVTierStats
-    def __init__(self, total_sequences: _Optional[int] = ..., total_memory_bytes: _Optional[int] = ..., average_sequence_length: _Optional[float] = ..., cache_hit_rate: _Optional[float] = ..., cache_efficiency: _Optional[float] = ..., block_size: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_cached_free: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., total_tokens: _Optional[int] = ..., used_memory_bytes: _Optional[int] = ..., usage: _Optional[float] = ..., prefix_queries_tokens_total: _Optional[int] = ..., prefix_hits_tokens_total: _Optional[int] = ..., evictions_total: _Optional[int] = ..., cow_copies_total: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., num_blocks_reserved: _Optional[int] = ..., block_bytes: _Optional[int] = ..., kv_strategy: _Optional[str] = ..., strategy_dropped_tokens_total: _Optional[int] = ..., strategy_windowed_tokens_total: _Optional[int] = ..., tier2_hit_blocks_total: _Optional[int] = ..., tier2_hit_tokens_total: _Optional[int] = ..., tier2_spill_blocks_total: _Optional[int] = ..., tier2: _Optional[_Union[KVTierStats, _Mapping]] = ...) -> None: ...
+    sliding_blocks_total: int
+    sliding_blocks_used: int
+    sliding_blocks_released_total: int
+    def __init__(self, total_sequences: _Optional[int] = ..., total_memory_bytes: _Optional[int] = ..., average_sequence_length: _Optional[float] = ..., cache_hit_rate: _Optional[float] = ..., cache_efficiency: _Optional[float] = ..., block_size: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., num_blocks_cached_free: _Optional[int] = ..., num_blocks_free: _Optional[int] = ..., total_tokens: _Optional[int] = ..., used_memory_bytes: _Optional[int] = ..., usage: _Optional[float] = ..., prefix_queries_tokens_total: _Optional[int] = ..., prefix_hits_tokens_total: _Optional[int] = ..., evictions_total: _Optional[int] = ..., cow_copies_total: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., num_blocks_reserved: _Optional[int] = ..., block_bytes: _Optional[int] = ..., kv_strategy: _Optional[str] = ..., strategy_dropped_tokens_total: _Optional[int] = ..., strategy_windowed_tokens_total: _Optional[int] = ..., tier2_hit_blocks_total: _Optional[int] = ..., tier2_hit_tokens_total: _Optional[int] = ..., tier2_spill_blocks_total: _Optional[int] = ..., tier2: _Optional[_Union[KVTierStats, _Mapping]] = ..., sliding_blocks_total: _Optional[int] = ..., sliding_blocks_used: _Optional[int] = ..., sliding_blocks_released_total: _Optional[int] = ...) -> None: ...
 
 class KVTierStats(_message.Message):
     __slots__ = ("backend", "capacity_bytes", "num_blocks", "num_bytes", "spill_blocks_total", "spill_bytes_total", "spill_seconds_total", "restore_blocks_total", "restore_bytes_total", "restore_seconds_total", "lookups_blocks_total", "errors_total")

@@ -77,3 +77,32 @@ def test_the_slo_policy_calibrates_on_both_pools(gemma: ModelConfig) -> None:
     )
     assert isinstance(built.scheduler.kv, HybridKVCacheManager)
     assert built.engine.cost_model is not None
+
+
+async def test_get_kv_cache_stats_reports_the_sliding_pool_over_grpc(gemma: ModelConfig) -> None:
+    """A request generating well past the window over gRPC: GetKVCacheStats carries the
+    sliding pool's size and the blocks it released (the proto has the fields the stats have),
+    and at the end nothing of either pool is held."""
+    from server.client import KVServeClient
+    from server.lifecycle import KVServeServer
+
+    built = build_engine(_server())
+    server = KVServeServer(built.engine, built.tokenizer, built.model)
+    port = await server.start("127.0.0.1", 0)
+    client = KVServeClient(f"127.0.0.1:{port}")
+    try:
+        await client.wait_ready()
+        num_tokens = 0
+        async for msg in client.generate([5, 6, 7], max_tokens=3 * WINDOW, ignore_eos=True):
+            num_tokens += len(msg.token_ids)
+        stats = await client.kv_cache_stats()
+    finally:
+        await client.close()
+        await server.shutdown(grace_s=0.5)
+    assert num_tokens == 3 * WINDOW
+    num_window = window_blocks_for(4, 128, WINDOW, 4, 32)
+    assert stats.sliding_blocks_total == num_window - 1
+    # A 3-token prompt, 3 * WINDOW = 24 generated: the last step attends from position 25
+    # back to 18 (blocks 4-6), so blocks 0-3 (positions 0-15) were released.
+    assert stats.sliding_blocks_released_total == 4
+    assert (stats.sliding_blocks_used, stats.num_blocks_used) == (0, 0)
