@@ -492,3 +492,39 @@ def test_fused_step_with_adapters_on_a_moe_models_attention_equals_the_torch_pat
     lora = plan(9, prefill=[with_lora(seq("c", ids, 0, len(ids), [6, 7]), ref)])
     base, updated = runners[0].step_logits(bare)["b"], runners[0].step_logits(lora)["c"]
     assert (updated - base).abs().max() > 0.1 * updated.abs().max()
+
+
+@pytest.mark.skipif(not kernels.available(), reason="kernels not built")
+@pytest.mark.parametrize("prompt_lens", [(5, 19, 33), (70, 9)])
+@pytest.mark.parametrize("kind", ["qwen3moe", "mixtral"])
+def test_fused_experts_give_the_same_bits_on_one_thread_and_two(
+    kind: str, prompt_lens: tuple[int, ...], tmp_path: Path
+) -> None:
+    """The kernels' MoE layer at two threads splits each chosen expert's matrices between
+    the threads and sums the experts' outputs by columns, in ascending expert order: every
+    logit is the same bits as at one thread (a row's numbers never depend on the team): a
+    prefill step of 57 rows (114 row-expert pairs) or of 79 (158), then three decode steps."""
+    from tests.model_runner.oracle import isa_and_threads
+
+    loaded = load_model(quantized_moe(kind, "Q4_K_M", tmp_path), weights="native")
+    prompts = {f"r{i}": random_ids(n, seed=30 + i) for i, n in enumerate(prompt_lens)}
+    tables = {r: list(range(8 * i, 8 * i + 8)) for i, r in enumerate(prompts)}
+    logits: dict[int, list[dict[str, torch.Tensor]]] = {}
+    for threads in (1, 2):
+        options = RunnerOptions(8 * len(prompts), 16, dtype=torch.float32, device="cpu",
+                                kv_dtype="float32", fused_step=True)  # fmt: skip
+        runner = TorchRunner(loaded.config, loaded.state_dict, options)
+        assert runner.paths.fused is not None
+        ids = {r: list(p) for r, p in prompts.items()}
+        step = plan(0, prefill=[seq(r, p, 0, len(p), tables[r]) for r, p in ids.items()])
+        logits[threads] = []
+        with isa_and_threads(kernels.isa(), threads):
+            for i in range(4):
+                logits[threads].append(runner.step_logits(step))
+                for r in ids:
+                    ids[r].append(int(logits[threads][-1][r][-1].argmax()))
+                rows = [seq(r, p, len(p) - 1, len(p), tables[r]) for r, p in ids.items()]
+                step = plan(1 + i, decode=rows)
+    for one, two in zip(logits[1], logits[2], strict=True):
+        for r in prompts:
+            assert torch.equal(one[r], two[r]), r
