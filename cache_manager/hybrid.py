@@ -64,7 +64,9 @@ class HybridKVCacheManager(KVCacheManager):
         )
         self.block_offset = config.num_blocks
         self.max_chunk_tokens = max_chunk_tokens
-        self._window_hits: dict[str, PrefixHit] = {}
+        # The last lookup's sliding-group hit, by request: the scheduler allocates right
+        # after it looks up, and one slot cannot grow with lookups never allocated.
+        self._window_hit: tuple[str, PrefixHit] | None = None
         self._num_sliding_released = 0
 
     # ------------------------------------------------------------------ queries
@@ -108,7 +110,7 @@ class HybridKVCacheManager(KVCacheManager):
         window_hit = win.get_computed_blocks(seq, hit.num_tokens)
         if window_hit.num_tokens < hit.num_tokens:
             hit = super().get_computed_blocks(seq, window_hit.num_tokens)
-        self._window_hits[seq.request_id] = window_hit
+        self._window_hit = (seq.request_id, window_hit)
         return hit
 
     def cache_full_blocks(self, seq: CacheSequence) -> None:
@@ -128,8 +130,12 @@ class HybridKVCacheManager(KVCacheManager):
         """Both groups grow, or neither: room is measured in each first."""
         window_hit = None
         if hit is not None:
-            window_hit = self._window_hits.get(seq.request_id)
-            if window_hit is None or window_hit.num_tokens != hit.num_tokens:
+            rid, window_hit = self._window_hit or ("", None)
+            if (
+                rid != seq.request_id
+                or window_hit is None
+                or window_hit.num_tokens != hit.num_tokens
+            ):
                 raise ValueError(
                     f"request {seq.request_id!r}: a prefix hit not from this manager's "
                     "get_computed_blocks (or looked up again since)"
@@ -144,7 +150,7 @@ class HybridKVCacheManager(KVCacheManager):
         window_allocation = win.reserve_slots(seq, num_total, window_hit, num_new)
         assert window_allocation is not None, "the sliding group had room a moment ago"
         if hit is not None:
-            del self._window_hits[seq.request_id]
+            self._window_hit = None
         if not window_allocation.block_copies:
             return allocation
         off = self.block_offset
@@ -160,7 +166,8 @@ class HybridKVCacheManager(KVCacheManager):
     def free(self, request_id: str) -> None:
         super().free(request_id)
         self.window.free(request_id)
-        self._window_hits.pop(request_id, None)
+        if self._window_hit is not None and self._window_hit[0] == request_id:
+            self._window_hit = None
 
     def rollback_slots(self, seq: CacheSequence) -> int:
         return super().rollback_slots(seq) + self.window.rollback_slots(seq)

@@ -140,3 +140,26 @@ def test_the_sliding_pool_holds_every_running_request_s_window() -> None:
     assert window_blocks_for(8, 32768, 512, 16, 256) == 8 * 49 + 1
     # a context shorter than that: the whole context.
     assert window_blocks_for(4, 100, 512, 16, 256) == 4 * 7 + 1
+
+
+def test_lookups_never_allocated_hold_nothing_and_a_stale_hit_is_refused() -> None:
+    """The scheduler allocates right after it looks up; a request looked up and then left
+    waiting (no room, then aborted) holds nothing here, however many there are, and only the
+    last lookup's hit can be allocated."""
+    kv = make_hybrid()
+    a = make_seq("a", range(10))
+    prefill(kv, a)
+    for i in range(1000):  # looked up, never admitted
+        kv.get_computed_blocks(make_seq(f"w{i}", [*range(10), 50]))
+    assert kv._window_hit is not None and kv._window_hit[0] == "w999"
+    b, c = make_seq("b", [*range(10), 99]), make_seq("c", [*range(10), 98])
+    hit_b = kv.get_computed_blocks(b)
+    kv.get_computed_blocks(c)
+    free = (kv.num_free_blocks, kv.window.num_free_blocks)
+    with pytest.raises(ValueError, match="request 'b': a prefix hit not from"):
+        kv.allocate_slots(b, 3, hit_b)
+    assert (kv.num_free_blocks, kv.window.num_free_blocks) == free
+    hit_b = kv.get_computed_blocks(b)
+    assert kv.allocate_slots(b, 3, hit_b) is not None
+    assert kv._window_hit is None
+    kv.check_invariants()
