@@ -6,8 +6,8 @@ for bit), only the speed:
 
     pair_min_mk     row groups go in pairs (two 8-row records joined into zmm: 16 rows a
                     broadcast) where activation rows x row length reaches this
-    prefetch_ahead  the bytes each record's software prefetch asks ahead of it (0: its own
-                    lines, no lookahead)
+    prefetch_ahead  the bytes each record's software prefetch asks ahead of it (0: none,
+                    the record's own loads ask for its lines)
     prefetch_head   the bytes of the next record stream's head asked before it starts
 
 Which values are fastest depends on the machine, not on the ISA name: on the Xeon model 167

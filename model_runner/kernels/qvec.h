@@ -36,10 +36,9 @@ constexpr int PREFETCH_AHEAD = 512;
 
 // A family's tuning (kv_family_tune; kernels/__init__.py's tune, cpu_tuning.py's table by
 // CPU): when row groups go in pairs (where activation rows x row length >= pair_min_mk) and
-// how many bytes the software prefetches ask ahead (each record's: at 0 a record asks for its
-// own lines, no lookahead; and the next stream's head: 0 asks for none). None of them changes
-// a result (a row's arithmetic is the same either way), only the speed, which differs by
-// machine (docs/kernels.md, "Tuning").
+// how many bytes the software prefetches ask ahead (each record's and the next stream's head;
+// 0 asks for none). None of them changes a result (a row's arithmetic is the same either
+// way), only the speed, which differs by machine (docs/kernels.md, "Tuning").
 struct Tuning {
   int64_t pair_min_mk = 1;
   int prefetch_ahead = PREFETCH_AHEAD;
@@ -49,6 +48,7 @@ extern Tuning g_tuning;
 
 #if defined(KV_USE_AVX512) || defined(KV_USE_AVX2)
 KV_INLINE void prefetch_ahead(const uint8_t* rec, int bytes) {
+  if (g_tuning.prefetch_ahead == 0) return;  // the loads that follow ask for these lines
   const uint8_t* ahead = rec + g_tuning.prefetch_ahead;
   for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
 }
