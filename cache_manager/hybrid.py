@@ -130,16 +130,13 @@ class HybridKVCacheManager(KVCacheManager):
         """Both groups grow, or neither: room is measured in each first."""
         window_hit = None
         if hit is not None:
-            rid, window_hit = self._window_hit or ("", None)
-            if (
-                rid != seq.request_id
-                or window_hit is None
-                or window_hit.num_tokens != hit.num_tokens
-            ):
+            last = self._window_hit
+            if last is None or last[0] != seq.request_id or last[1].num_tokens != hit.num_tokens:
                 raise ValueError(
                     f"request {seq.request_id!r}: a prefix hit not from this manager's "
                     "get_computed_blocks (or looked up again since)"
                 )
+            window_hit = last[1]
         win = self.window
         need = win.num_blocks_to_take(seq, num_new, num_total, window_hit)
         if need and need > win.num_free_blocks:

@@ -12,8 +12,10 @@ from cache_manager import KVCacheManager
 from cache_manager.hybrid import HybridKVCacheManager, window_blocks_for
 from model_runner.config import ModelConfig
 from server.build import build_engine
+from server.client import KVServeClient
 from server.config import ServerConfig
 from server.fake_tokenizer import ByteTokenizer
+from server.lifecycle import KVServeServer
 from tests.model_runner.test_gemma3 import NUM_LAYERS, WINDOW, _normalized, tiny_gemma3
 
 
@@ -83,9 +85,6 @@ async def test_get_kv_cache_stats_reports_the_sliding_pool_over_grpc(gemma: Mode
     """A request generating well past the window over gRPC: GetKVCacheStats carries the
     sliding pool's size and the blocks it released (the proto has the fields the stats have),
     and at the end nothing of either pool is held."""
-    from server.client import KVServeClient
-    from server.lifecycle import KVServeServer
-
     built = build_engine(_server())
     server = KVServeServer(built.engine, built.tokenizer, built.model)
     port = await server.start("127.0.0.1", 0)
