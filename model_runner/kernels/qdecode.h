@@ -43,17 +43,18 @@ inline uint32_t rd32(const uint8_t* p) {
 // x[M, ldx] (K valid columns) quantized per 32-block, d = amax / 127, in one of two precisions:
 //   int8      a = round(x / d): q[i] holds a (K32 bytes a row), unit d
 //   residual  a1 = round(x / d), a2 = round(256 (x - d a1) / d) clamped to +-127 (ggml's q8_0
-//             plus a second byte for what it rounded away): q[i] holds a1 then a2 (2 K32
-//             bytes a row) and the pair stands for the integer A = 256 a1 + a2, unit d / 256
+//             plus a second byte for what it rounded away): each 32-block's 64 bytes hold
+//             its a1 then its a2 (one cache line: the two planes are one stream, not two
+//             K32 apart) and the pair stands for the integer A = 256 a1 + a2, unit d / 256
 //             (~15 bits: the dot products run twice as many vpdpbusd)
 // u[i, b] is the unit, s[i, b] = unit * sum(A) over block b, s16[i, 2b + h] over its 16-half
-// h. K32 = 32 KB >= K (zero padded); lda = bytes from one row's q to the next.
+// h. K32 = 32 KB >= K (zero padded); lda = bytes from one row's q to the next (K32, or 2 K32).
 struct Acts {
   const int8_t* q;
   const float* u;
   const float* s;
   const float* s16;
-  int K32, KB, lda;
+  int plane, bs, KB, lda;  // a2 at q + plane in a block of bs bytes (residual: 32, 64; int8: 0, 32)
   bool residual;
 };
 
@@ -62,12 +63,12 @@ struct Acts {
 #ifndef KV_SPLIT_FORMAT  // the core object of a split family (kernels.cpp)
 void quantize_row(const float* __restrict x, int K, bool residual, int8_t* __restrict q, float* __restrict u,
                   float* __restrict s, float* __restrict s16) {
-  const int KB = (K + 31) / 32, K32 = 32 * KB;
+  const int KB = (K + 31) / 32;
   for (int b = 0; b < KB; ++b) {
     const int k0 = 32 * b, cnt = K - k0 < 32 ? K - k0 : 32;
     const float* xb = x + k0;
-    int8_t* q1 = q + k0;
-    int8_t* q2 = q + K32 + k0;
+    int8_t* q1 = q + (residual ? 64 : 32) * b;  // a block's a1 and a2 side by side: one line
+    int8_t* q2 = q1 + 32;
     int sum[2] = {0, 0};
     float db;
 #if defined(KV_USE_AVX512) || defined(KV_USE_AVX2)

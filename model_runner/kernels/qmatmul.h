@@ -95,7 +95,7 @@ inline void prefetch_head(const QW& w, int g, int ng) {
 // The activations of columns [k0, ...) only: the same rows, their blocks from k0 / 32 on.
 inline Acts from_column(const Acts& a, int k0) {
   const int kb = k0 / 32;
-  return Acts{a.q + 32 * kb, a.u + kb, a.s + kb, a.s16 + 2 * kb, a.K32, a.KB, a.lda, a.residual};
+  return Acts{a.q + a.bs * kb, a.u + kb, a.s + kb, a.s16 + 2 * kb, a.plane, a.bs, a.KB, a.lda, a.residual};
 }
 
 // acc[ldc c + r] += rows 8 g .. 8 (g + ng) - 1 (ng = 1 or 2, ldc = 8 ng) times activation rows
@@ -168,7 +168,7 @@ void qgemm_team(const QW& w, const float* x, int M, int ldx, float* out, int ldo
   if (nth > 1) {
 #pragma omp barrier
   }
-  const Acts acts{q, u, s, s16, K32, KB, lda, residual != 0};
+  const Acts acts{q, u, s, s16, residual ? 32 : 0, residual ? 64 : 32, KB, lda, residual != 0};
   const bool gated = epilogue == EPI_SILU_MUL || epilogue == EPI_GELU_MUL;  // gate rows, then up rows
   const int nout = gated ? w.n / 2 : w.n;
   const int groups = (nout + ROWS - 1) / ROWS, up = nout / ROWS;

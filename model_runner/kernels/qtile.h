@@ -88,8 +88,8 @@ KV_INLINE void block_fma(const Block<W>& k, const int8_t* ap, const Acts& a, con
   typedef typename W::F F;
   if constexpr (HALVES) {
     typename W::I i0[NC], i1[NC];
-    col_dots<W, SIGNED, G, RES, NC, 0, 4>(k.w, ap, a.lda, a.K32, i0);
-    col_dots<W, SIGNED, G, RES, NC, 4, 4>(k.w, ap, a.lda, a.K32, i1);
+    col_dots<W, SIGNED, G, RES, NC, 0, 4>(k.w, ap, a.lda, RES ? 32 : 0, i0);
+    col_dots<W, SIGNED, G, RES, NC, 4, 4>(k.w, ap, a.lda, RES ? 32 : 0, i1);
     const float* as = a.s16 + (int64_t)c0 * 2 * a.KB + 2 * kb;
 #pragma GCC unroll 8
     for (int c = 0; c < NC; ++c) {
@@ -101,7 +101,7 @@ KV_INLINE void block_fma(const Block<W>& k, const int8_t* ap, const Acts& a, con
     }
   } else {
     typename W::I isum[NC];
-    col_dots<W, SIGNED, G, RES, NC, 0, 8>(k.w, ap, a.lda, a.K32, isum);
+    col_dots<W, SIGNED, G, RES, NC, 0, 8>(k.w, ap, a.lda, RES ? 32 : 0, isum);
     const float* as = a.s + (int64_t)c0 * a.KB + kb;
 #pragma GCC unroll 8
     for (int c = 0; c < NC; ++c) {
@@ -226,7 +226,7 @@ void tile(const Src& src, int nrec, const Acts& a, int c0, float* acc_io, int ld
       Block<W> scratch;
       const Block<W>& k = Src::block(opened, sub, scratch);
       const int kb = b * Src::SUBS + sub;
-      block_fma<W, Src::HALVES, Src::SIGNED, W::group(Src::QMAX), RES, NC>(k, aq + 32 * kb, a, au, c0, kb, acc);
+      block_fma<W, Src::HALVES, Src::SIGNED, W::group(Src::QMAX), RES, NC>(k, aq + (RES ? 64 : 32) * kb, a, au, c0, kb, acc);
     }
   }
 #pragma GCC unroll 8
@@ -312,10 +312,10 @@ void FormatTiles<D>::group(const uint8_t* rec, int nrec, const Acts& a, int c0, 
           float S[2], O[2];
           D::row(rec + (int64_t)b * D::RECORD, r, sub, q, S, O);
           const int kb = b * D::SUBS + sub;
-          const int8_t* ap = a.q + row * a.lda + 32 * kb;
+          const int8_t* ap = a.q + row * a.lda + a.bs * kb;
           const float da = a.u[row * a.KB + kb];
           int32_t A[32];  // the activation integers
-          for (int e = 0; e < 32; ++e) A[e] = a.residual ? 256 * ap[e] + ap[a.K32 + e] : ap[e];
+          for (int e = 0; e < 32; ++e) A[e] = a.residual ? 256 * ap[e] + ap[a.plane + e] : ap[e];
           if (D::HALVES) {
             int32_t i0 = 0, i1 = 0;
             for (int e = 0; e < 16; ++e) i0 += (int32_t)q[e] * A[e];
