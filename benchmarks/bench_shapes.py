@@ -15,7 +15,9 @@ contiguous slice, as the kernels read), the two interleaved (best of each: the m
 shared).
 
 ggml has no figure at these shapes: test-backend-ops runs only its own perf shapes. Its
-whole-model peer is llama-bench's tg in the ``models`` section.
+whole-model peer is llama-bench's tg in the ``models`` section. ``--whole-rows`` adds, beside
+each row, the same records held as whole rows (the layout before panels: interleave.py),
+interleaved in the same passes.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class ShapeRow:
     kernel_gb_s: float
     read_gb_s: float
     load_avg: float  # the 1-minute load average when the row was taken
+    layout: str = "panels"  # as the model loads it, or "whole rows" (--whole-rows)
 
     @property
     def fraction(self) -> float:
@@ -83,17 +86,19 @@ def rotation_bytes(quick: bool = False) -> int:
     return min(MAX_BYTES, max(MIN_BYTES, LLC_MULTIPLE * llc_bytes()))
 
 
-def rotated_linears(fmt: str, m: int, k: int, total: int) -> tuple[int, list[object]]:
+def rotated_linears(
+    fmt: str, m: int, k: int, total: int, whole_rows: bool = False
+) -> tuple[int, list[object]]:
     """(bytes of one copy, a ``QLinear`` per copy): one random ``fmt`` weight and clones of its
     records, as many as add up to ``total`` bytes (at least 2), so that calling them in turn
-    reads every weight from DRAM."""
+    reads every weight from DRAM; ``whole_rows``: held as whole rows, not in panels."""
     from model_runner.quant import QLinear, QuantWeight
 
     first = random_weight(fmt, m, k, seed=m + k)
     nbytes = first.nbytes  # type: ignore[attr-defined]
-    records = first.records  # type: ignore[attr-defined]
+    records = first.grouped() if whole_rows else first.records  # type: ignore[attr-defined]
     copies = max(2, -(-total // nbytes))
-    weights = [first] + [QuantWeight(fmt, records.clone(), m, k, fmt) for _ in range(copies - 1)]
+    weights = [QuantWeight(fmt, records.clone(), m, k, fmt) for _ in range(copies)]
     return nbytes, [QLinear(w, None) for w in weights]
 
 
@@ -114,6 +119,7 @@ def run(
     passes: int = 3,
     quick: bool = False,
     say: object = print,
+    whole_rows: bool = False,
 ) -> dict[str, object]:
     """Every shape at each thread count; a JSON-able dict."""
     from model_runner import kernels
@@ -125,7 +131,7 @@ def run(
     buf = np.ones(total // 64 * 64 // 8, dtype=np.uint64)
     rows: list[ShapeRow] = []
     for shape in shapes:
-        rows += _measure(shape, total, threads, passes, buf, say)
+        rows += _measure(shape, total, threads, passes, buf, say, whole_rows)
     from loadtest.launch import cpu_model
 
     return {
@@ -145,9 +151,10 @@ def _measure(
     passes: int,
     buf: np.ndarray,
     say: object,
+    whole_rows: bool = False,
 ) -> list[ShapeRow]:
-    """One shape's rows: its copies built, then at each thread count the rotation and the
-    read probe interleaved ``passes`` times."""
+    """One shape's rows: its copies built, then at each thread count the rotation (and the
+    whole-rows one) and the read probe interleaved ``passes`` times."""
     import torch
 
     from model_runner import kernels
@@ -156,6 +163,9 @@ def _measure(
     assert lib is not None
     model, matrix, fmt, m, k = shape
     nbytes, lins = rotated_linears(fmt, m, k, total)
+    layouts = {"panels": lins} | (
+        {"whole rows": rotated_linears(fmt, m, k, total, True)[1]} if whole_rows else {}
+    )
     copies = len(lins)
     say(f"[kernels] {model} {matrix} {fmt} {m} x {k}: {copies} x {nbytes / 1e6:.1f} MB")  # type: ignore[operator]
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(k))
@@ -163,9 +173,12 @@ def _measure(
     read_bytes = min(buf.nbytes, span // 64 * 64)
     ptr = buf.ctypes.data_as(ctypes.c_void_p)
 
-    def rotate() -> None:
-        for lin in lins:
-            lin(x)
+    def rotation(lins: list[object]) -> object:
+        def rotate() -> None:
+            for lin in lins:
+                lin(x)  # type: ignore[operator]
+
+        return rotate
 
     rows = []
     for th in threads:
@@ -174,13 +187,17 @@ def _measure(
         def read(th: int = th) -> None:
             lib.kv_stream_read(ptr, read_bytes, th)
 
-        kernel_s = read_s = math.inf
+        kernel_s = dict.fromkeys(layouts, math.inf)
+        read_s = math.inf
         for _ in range(passes):  # interleaved: one pass of each, best of each
-            kernel_s = min(kernel_s, _best_pass_s(rotate, 1))
+            for name, held in layouts.items():
+                kernel_s[name] = min(kernel_s[name], _best_pass_s(rotation(held), 1))
             read_s = min(read_s, _best_pass_s(read, 1))
-        rows.append(ShapeRow(model, matrix, fmt, m, k, th, nbytes, copies,
-                             kernel_s / copies * 1e6, span / kernel_s / 1e9,
-                             read_bytes / read_s / 1e9, round(os.getloadavg()[0], 2)))  # fmt: skip
+        for name, best in kernel_s.items():
+            rows.append(ShapeRow(model, matrix, fmt, m, k, th, nbytes, copies,
+                                 best / copies * 1e6, span / best / 1e9,
+                                 read_bytes / read_s / 1e9, round(os.getloadavg()[0], 2),
+                                 name))  # fmt: skip
     return rows
 
 
@@ -196,14 +213,15 @@ def format_table(report: dict[str, object]) -> str:
         f"{report.get('tuning')} ({report.get('tuning_source')}); load: the "
         "1-minute load average as each row was taken (the run's own threads count):",
         "",
-        "| model | matrix | type | m x k | MB | threads | us | kvserve GB/s | read GB/s "
-        "| fraction | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | matrix | type | m x k | MB | layout | threads | us | kvserve GB/s "
+        "| read GB/s | fraction | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:  # type: ignore[attr-defined]
         lines.append(
             f"| {r['model']} | {r['matrix']} | {r['fmt']} | {r['m']} x {r['k']} | "
-            f"{r['weight_bytes'] / 1e6:.1f} | {r['threads']} | {r['us']:.0f} | "
+            f"{r['weight_bytes'] / 1e6:.1f} | {r.get('layout', 'panels')} | {r['threads']} | "
+            f"{r['us']:.0f} | "
             f"{r['kernel_gb_s']:.1f} | {r['read_gb_s']:.1f} | {r['fraction']:.0%} | "
             f"{r['load_avg']:.2f} |"
         )
@@ -218,13 +236,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", default="1,2")
     p.add_argument("--passes", type=int, default=3, help="interleaved passes (best of each)")
     p.add_argument("--quick", action="store_true", help="one small shape, 32 MiB (wiring)")
+    p.add_argument("--whole-rows", action="store_true",
+                   help="each shape also as whole rows (before panels), interleaved")  # fmt: skip
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     shapes = QUICK_SHAPES if args.quick else SHAPES
     if args.only:
         shapes = tuple(s for s in shapes if s[0] in args.only.split(","))
     report = run(shapes, tuple(int(t) for t in args.threads.split(",")), args.passes,
-                 args.quick, say=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
+                 args.quick, say=lambda m: print(m, file=sys.stderr, flush=True),
+                 whole_rows=args.whole_rows)  # fmt: skip
     print(format_table(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

@@ -8,6 +8,14 @@ row, so one broadcast of 4 activation bytes feeds all 8 rows in one ``vpdpbusd``
 has exactly the 8 rows' GGUF bytes, moved (and, for Q8_0, XOR 0x80 so the quants are
 unsigned); ``to_blocks`` gives the file's bytes back.
 
+Rows longer than 1024 values are held in panels (``panel_cols``: 2048 columns, or 1024 for
+rows of up to 2048; the last panel shorter where they do not divide): the records of panel
+0 of every group, then panel 1's, and so on (``quant.in_panels``). At a few activation rows
+the kernels pass over one panel of all their groups before the next: one stream still, and
+the panel's activations (2-4 KB at 16 bits) stay in L1 from group to group, where an
+8192-long row's 16 KB were evicted by the 36 KB of weights each group streams in between
+(docs/kernels.md, "Panels").
+
 Records (``d``, ``m``, ``dmin``: fp16 x 8 rows; "8 x 4B" = rows r = 0..7, 4 bytes each)::
 
     Q4_0  d | qs: 4 loads of 8 x 4B (bytes 4i..4i+3 of each row's 16)          144 B
@@ -35,6 +43,7 @@ from __future__ import annotations
 import numpy as np
 
 ROWS = 8  # rows per record
+PANEL_COLS = 2048  # columns a panel holds (half that for rows of up to PANEL_COLS)
 
 # Per GGUF type: (values per block, bytes per block and row).
 GEOMETRY: dict[str, tuple[int, int]] = {
@@ -47,6 +56,20 @@ GEOMETRY: dict[str, tuple[int, int]] = {
     "Q5_K": (256, 176),
     "Q6_K": (256, 210),
 }
+
+
+def panel_cols(k: int) -> int:
+    """Columns a panel of rows of ``k`` values holds, or 0: the rows are whole. Measured at
+    M = 1 on a Zen 4 (docs/kernels.md): 2048 is best for long rows; rows of 2048 gain from
+    two panels of 1024 (the Q6_K head most), and rows of up to 1024 gain nothing."""
+    if k <= PANEL_COLS // 2:
+        return 0
+    return PANEL_COLS if k > PANEL_COLS else PANEL_COLS // 2
+
+
+def panel_blocks(fmt: str, k: int) -> int:
+    """Blocks a panel of ``fmt`` rows of ``k`` values holds, or 0: the rows are whole."""
+    return panel_cols(k) // GEOMETRY[fmt][0]
 
 
 def record_bytes(fmt: str) -> int:

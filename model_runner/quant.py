@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -62,7 +63,9 @@ MATRIX_SUFFIXES = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
 class QuantWeight:
     """A quantized ``[out_features, in_features]`` weight in one of ``FORMATS``, held as
     ``interleave``'s 8-row records (``[ceil(out / 8), blocks, record bytes]``, uint8): the
-    GGUF blocks' own bytes, moved so the kernels decode 8 rows in one pass."""
+    GGUF blocks' own bytes, moved so the kernels decode 8 rows in one pass. Rows longer than
+    ``interleave.PANEL_COLS`` hold them flat (1-D), panel after panel (``in_panels``, as
+    ``from_blocks`` makes them; ``grouped`` gives the 3-D records)."""
 
     fmt: str
     records: torch.Tensor
@@ -78,8 +81,10 @@ class QuantWeight:
             raise ValueError(
                 f"{self.fmt} rows of {self.in_features} values are not whole 256-blocks"
             )
-        want = (-(-self.out_features // interleave.ROWS), self.num_blocks,
-                interleave.record_bytes(self.fmt))  # fmt: skip
+        want: tuple[int, ...] = (-(-self.out_features // interleave.ROWS), self.num_blocks,
+                                 interleave.record_bytes(self.fmt))  # fmt: skip
+        if self.records.dim() == 1 and interleave.panel_blocks(self.fmt, self.in_features):
+            want = (math.prod(want),)
         if tuple(self.records.shape) != want or self.records.dtype != torch.uint8:
             raise ValueError(
                 f"{self.fmt} weight of {self.out_features}x{self.in_features}: records "
@@ -95,11 +100,30 @@ class QuantWeight:
         n, k = shape
         spec = FORMATS[fmt]
         records = interleave.to_records(raw, fmt, n, -(-k // spec.block) * spec.block)
-        return cls(fmt, torch.from_numpy(records), n, k, source or fmt)
+        per = interleave.panel_blocks(fmt, k)
+        return cls(fmt, in_panels(torch.from_numpy(records), per), n, k, source or fmt)
 
     def blocks(self) -> np.ndarray:
         """The GGUF block bytes (``[out, blocks * block_bytes]``): the file's bytes."""
-        return interleave.to_blocks(self.records.numpy(), self.fmt, self.out_features)
+        return interleave.to_blocks(self.grouped().numpy(), self.fmt, self.out_features)
+
+    @property
+    def panel(self) -> int:
+        """Blocks a panel holds, or 0: the records are whole rows, group after group."""
+        return interleave.panel_blocks(self.fmt, self.in_features) if self.records.dim() == 1 else 0
+
+    def grouped(self) -> torch.Tensor:
+        """The records ``[groups, blocks, record bytes]`` (a copy where they are in panels)."""
+        if not self.panel:
+            return self.records
+        groups = -(-self.out_features // interleave.ROWS)
+        size = interleave.record_bytes(self.fmt)
+        runs, at = [], 0
+        for lo in range(0, self.num_blocks, self.panel):
+            n = groups * min(self.panel, self.num_blocks - lo) * size
+            runs.append(self.records[at : at + n].view(groups, -1, size))
+            at += n
+        return torch.cat(runs, dim=1)
 
     @property
     def num_blocks(self) -> int:
@@ -219,13 +243,27 @@ def _cat_same(weights: list[QuantWeight]) -> QuantWeight:
     sources = "+".join(dict.fromkeys(w.source for w in weights))
     rows = sum(w.out_features for w in weights)
     if all(w.out_features % interleave.ROWS == 0 for w in weights[:-1]):
-        records = torch.cat([w.records for w in weights])  # whole groups: records concatenate
-        return QuantWeight(weights[0].fmt, records, rows, weights[0].in_features, sources)
+        records = torch.cat([w.grouped() for w in weights])  # whole groups: records concatenate
+        per = interleave.panel_blocks(weights[0].fmt, weights[0].in_features)
+        return QuantWeight(
+            weights[0].fmt, in_panels(records, per), rows, weights[0].in_features, sources
+        )
     raw = np.concatenate([w.blocks() for w in weights])
     return QuantWeight.from_blocks(raw, weights[0].fmt, (rows, weights[0].in_features), sources)
 
 
 # ---------------------------------------------------------------------- making weights
+
+
+def in_panels(records: torch.Tensor, per: int) -> torch.Tensor:
+    """Records ``[groups, blocks, bytes]`` flat, panel after panel of ``per`` blocks (the
+    last one shorter where they do not divide), each panel's groups in turn; ``per`` 0: as
+    they are."""
+    if not per:
+        return records
+    return torch.cat(
+        [records[:, lo : lo + per].reshape(-1) for lo in range(0, records.shape[1], per)]
+    )
 
 
 def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantWeight:
@@ -332,7 +370,7 @@ def describe(weight: QuantMatrix) -> kernels.QW:
     qw = kernels.QW(len(parts), weight.out_features, weight.in_features, 0)
     for i, p in enumerate(parts):
         qw.parts[i] = kernels.QPart(
-            kernels.format_code(p.fmt), p.out_features, p.records.data_ptr()
+            kernels.format_code(p.fmt), p.out_features, p.records.data_ptr(), p.panel
         )
     return qw
 

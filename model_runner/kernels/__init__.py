@@ -74,9 +74,10 @@ KV_I8 = 2
 
 
 class QPart(ctypes.Structure):
-    """Rows of a weight in one format (``model_runner.quant.QuantWeight``'s records)."""
+    """Rows of a weight in one format (``model_runner.quant.QuantWeight``'s records);
+    ``panel``: records a panel where the rows are held in panels, else 0."""
 
-    _fields_ = [("fmt", _I32), ("rows", _I32), ("rec", _P)]
+    _fields_ = [("fmt", _I32), ("rows", _I32), ("rec", _P), ("panel", _I32), ("pad", _I32)]
 
 
 class QW(ctypes.Structure):

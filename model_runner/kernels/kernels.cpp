@@ -67,10 +67,12 @@ constexpr int MAX_PARTS = 4;
 extern "C" {
 
 // Rows [row0, row0 + rows) of a weight in one format: ceil(rows / 8) row groups of
-// k / block records each (interleave.py), group after group.
+// k / block records each (interleave.py), group after group, or panel after panel (qmatmul.h,
+// group_records).
 struct QPart {
   int32_t fmt, rows;
   const uint8_t* rec;
+  int32_t panel, pad;  // records a panel (interleave.PANEL_COLS columns), or 0: rows whole
 };
 
 // A weight of n rows of k values: parts stacked by rows (Q, K and V of a fused projection may
@@ -209,6 +211,7 @@ struct Buf {
 };
 
 inline int imin(int a, int b) { return a < b ? a : b; }
+inline int imax(int a, int b) { return a > b ? a : b; }
 
 #include "qmatmul.h"
 

@@ -39,15 +39,35 @@
 #ifndef KV_SPLIT_FORMAT  // the core object of a split family (kernels.cpp)
 // ------------------------------------------------------------------ the GEMM
 
-// Where row group g (rows 8g .. 8g + 7) of w lives: its part's records.
-inline const uint8_t* group_records(const QW& w, int64_t g, int& fmt, int& nrec) {
+// Where row group g (rows 8g .. 8g + 7) of w lives: its part's records, `nrec` a row. A part
+// holds them group after group, or where its rows are longer than a panel (QPart.panel
+// records, interleave.PANEL_COLS columns; the last panel shorter where they do not divide)
+// panel after panel, each panel's groups in turn: a pass over one panel's groups is one
+// stream whose activations stay in L1.
+struct GroupRecs {
+  const uint8_t* base;  // the part's records
+  int64_t g, groups;    // the group in its part, the part's groups
+  int fmt, nrec, panel, record;  // panel: records a panel (nrec where the part has none)
+  // Record b; records b .. up to the end of b's panel follow it.
+  KV_INLINE const uint8_t* at(int b) const {
+    const int c = b / panel, len = imin(panel, nrec - c * panel);  // panel c's records a row
+    return base + record * ((int64_t)c * panel * groups + g * len + b % panel);
+  }
+};
+
+inline GroupRecs group_records(const QW& w, int64_t g) {
   int i = 0;
   while (i + 1 < w.nparts && g >= w.parts[i].rows / ROWS) g -= w.parts[i++].rows / ROWS;
   const QPart& p = w.parts[i];
   const FormatInfo fi = format_info(p.fmt);
-  fmt = p.fmt;
-  nrec = (w.k + fi.block - 1) / fi.block;  // only int8 rows (Q8_0) end in a partial block
-  return p.rec + g * nrec * fi.record;
+  const int nrec = (w.k + fi.block - 1) / fi.block;  // only int8 rows (Q8_0) end in a partial block
+  return GroupRecs{p.rec, g, (p.rows + ROWS - 1) / ROWS, p.fmt, nrec, p.panel > 0 ? p.panel : nrec, fi.record};
+}
+
+// The columns a panel of w holds (K where it has none): every part's are the same.
+inline int panel_cols(const QW& w) {
+  const QPart& p = w.parts[0];
+  return p.panel > 0 ? imin(w.k, p.panel * format_info(p.fmt).block) : w.k;
 }
 
 // e^x for the gated epilogues: Cephes' expf (x = n ln 2 + r, |r| <= ln 2 / 2, a degree-5
@@ -85,9 +105,9 @@ KV_INLINE float gelu_tanh(float v) {
 // ahead of the tile it runs, so the heads arrive while that tile computes.
 inline void prefetch_head(const QW& w, int g, int ng) {
   for (int i = 0; i < ng; ++i) {
-    int fmt, nrec;
-    const uint8_t* rec = group_records(w, g + i, fmt, nrec);
-    const int64_t bytes = (int64_t)nrec * format_info(fmt).record;
+    const GroupRecs gr = group_records(w, g + i);
+    const uint8_t* rec = gr.at(0);
+    const int64_t bytes = (int64_t)imin(gr.panel, gr.nrec) * gr.record;
     for (int64_t o = 0; o < bytes && o < g_tuning.prefetch_head; o += 64) __builtin_prefetch(rec + o, 0, 3);
   }
 }
@@ -99,25 +119,24 @@ inline Acts from_column(const Acts& a, int k0) {
 }
 
 // acc[ldc c + r] += rows 8 g .. 8 (g + ng) - 1 (ng = 1 or 2, ldc = 8 ng) times activation rows
-// c0 .. c0 + nc - 1, over the weight columns [k0, k1) (k0 a multiple of 256, or 0).
+// c0 .. c0 + nc - 1, over the weight columns [k0, k1) (k0 a multiple of 256, or 0; within
+// one panel).
 void run_rows(const QW& w, int g, int ng, const Acts& a, int k0, int k1, int c0, int nc, float* acc) {
   const Acts ak = from_column(a, k0);
-  int fmt, all;
-  const uint8_t* rec = group_records(w, g, fmt, all);
-  const FormatInfo fi = format_info(fmt);
+  const GroupRecs g0 = group_records(w, g);
+  const FormatInfo fi = format_info(g0.fmt);
   const int nrec = (k1 - k0 + fi.block - 1) / fi.block;
-  rec += (int64_t)(k0 / fi.block) * fi.record;
+  const uint8_t* rec = g0.at(k0 / fi.block);
   if (ng == 2) {
-    int fmt1;
-    const uint8_t* rec1 = group_records(w, g + 1, fmt1, all);
-    const FormatInfo f1 = format_info(fmt1);
-    rec1 += (int64_t)(k0 / f1.block) * f1.record;
-    if (fmt1 == fmt && pair_tile(fmt, rec, rec1, nrec, ak, c0, nc, acc)) return;
-    group_tile(fmt, rec, nrec, ak, c0, nc, acc, 16);
-    group_tile(fmt1, rec1, (k1 - k0 + f1.block - 1) / f1.block, ak, c0, nc, acc + ROWS, 16);
+    const GroupRecs g1 = group_records(w, g + 1);
+    const FormatInfo f1 = format_info(g1.fmt);
+    const uint8_t* rec1 = g1.at(k0 / f1.block);
+    if (g1.fmt == g0.fmt && pair_tile(g0.fmt, rec, rec1, nrec, ak, c0, nc, acc)) return;
+    group_tile(g0.fmt, rec, nrec, ak, c0, nc, acc, 16);
+    group_tile(g1.fmt, rec1, (k1 - k0 + f1.block - 1) / f1.block, ak, c0, nc, acc + ROWS, 16);
     return;
   }
-  group_tile(fmt, rec, nrec, ak, c0, nc, acc, 8);
+  group_tile(g0.fmt, rec, nrec, ak, c0, nc, acc, 8);
 }
 
 // Past this many activation rows the K range goes in chunks of K_CHUNK columns: the chunk's
@@ -128,13 +147,10 @@ constexpr int CHUNK_MIN_M = 32, K_CHUNK = 512, UNPACK_MIN_M = 32;
 // Decodes rows 8 gg .. 8 gg + 15 (one format) over columns [k0, k1) into ub; false when the
 // pair spans two formats (a QuantStack's parts) or the family has no 16-row path.
 bool unpack_chunk(const QW& w, int gg, int k0, int k1, Unpacked* ub) {
-  int fmt, fmt1, all;
-  const uint8_t* r0 = group_records(w, gg, fmt, all);
-  const uint8_t* r1 = group_records(w, gg + 1, fmt1, all);
-  if (fmt != fmt1) return false;
-  const FormatInfo fi = format_info(fmt);
-  const int64_t skip = (int64_t)(k0 / fi.block) * fi.record;
-  return unpack_pair(fmt, r0 + skip, r1 + skip, (k1 - k0 + fi.block - 1) / fi.block, ub);
+  const GroupRecs r0 = group_records(w, gg), r1 = group_records(w, gg + 1);
+  if (r0.fmt != r1.fmt) return false;
+  const FormatInfo fi = format_info(r0.fmt);
+  return unpack_pair(r0.fmt, r0.at(k0 / fi.block), r1.at(k0 / fi.block), (k1 - k0 + fi.block - 1) / fi.block, ub);
 }
 
 // The activation buffers of one matmul, shared by the team that runs it (sized by `reserve`
@@ -172,54 +188,60 @@ void qgemm_team(const QW& w, const float* x, int M, int ldx, float* out, int ldo
   const bool gated = epilogue == EPI_SILU_MUL || epilogue == EPI_GELU_MUL;  // gate rows, then up rows
   const int nout = gated ? w.n / 2 : w.n;
   const int groups = (nout + ROWS - 1) / ROWS, up = nout / ROWS;
-  // Row blocks of 2 groups (zmm, where the variant has it) where M x K reaches
+  // Row blocks of 2 groups (zmm, where the variant has it) where M x K (K: a panel's) reaches
   // g_tuning.pair_min_mk (qvec.h, Tuning): by default always, as on the Xeon model 167 the
   // M = 1 stream reads faster with 16 rows a broadcast too (measured).
-  const bool pairs = (int64_t)M * K >= g_tuning.pair_min_mk;
+  const bool pairs = (int64_t)M * panel_cols(w) >= g_tuning.pair_min_mk;
   const int per = pairs ? 2 : 1, blocks = (groups + per - 1) / per, rb = per * ROWS;
   // Columns a tile takes: 8, or 4 with the residual (8 would spill its twice as many sums).
   const int cols = residual ? 4 : 8;
-  const int kc = M >= CHUNK_MIN_M && K > K_CHUNK ? K_CHUNK : K;
+  // K in chunks: K_CHUNK columns past CHUNK_MIN_M rows, and never across a panel (a chunk
+  // ends at the panel's end: next_k).
+  const int pcols = panel_cols(w), kc = imin(M >= CHUNK_MIN_M && K > K_CHUNK ? K_CHUNK : K, pcols);
+  auto next_k = [&](int k0) { return imin(imin(K, k0 + kc), (k0 / pcols + 1) * pcols); };
+  // Few rows over a paneled weight: panel after panel, each over all of this thread's row
+  // blocks (one stream, the panel's activations in L1), the blocks' sums held across panels.
+  const bool panel_order = kc < K && M < CHUNK_MIN_M;
+  const int b0 = (int)((int64_t)blocks * tid / nth), b1 = (int)((int64_t)blocks * (tid + 1) / nth);
+  const size_t per_blk = (size_t)M * rb, held = panel_order ? (size_t)imax(b1 - b0, 1) : 1;
   static thread_local Buf gbuf, ubuf2, unbuf;
-  float* yg = gbuf.get<float>((size_t)M * rb);  // [M][rb]: the running sums, column-major
-  float* yu = gated ? ubuf2.get<float>((size_t)M * rb) : nullptr;
+  float* ygs = gbuf.get<float>(per_blk * held);  // [M][rb] a block: the running sums, column-major
+  float* yus = gated ? ubuf2.get<float>(per_blk * held) : nullptr;
   // Past UNPACK_MIN_M rows a chunk of a row pair is decoded once for all column tiles.
   Unpacked* ub = HAS_UNPACKED && M >= UNPACK_MIN_M ? unbuf.get<Unpacked>((size_t)UNPACK_SETS * ((kc + 31) / 32)) : nullptr;
-  const int b0 = (int)((int64_t)blocks * tid / nth), b1 = (int)((int64_t)blocks * (tid + 1) / nth);
   if (b0 < b1 && kc == K) prefetch_head(w, b0 * per, imin(per, groups - b0 * per));
-  for (int blk = b0; blk < b1; ++blk) {
+  // Block blk's sums over the columns [k0, k1), added into yg (and yu).
+  auto pass = [&](int blk, int k0, int k1, float* yg, float* yu) {
     const int g = blk * per, ng = imin(per, groups - g), ldc = ng * ROWS;
-    const int rows = imin(ldc, nout - ROWS * g);
-    memset(yg, 0, sizeof(float) * (size_t)M * ldc);
-    if (yu) memset(yu, 0, sizeof(float) * (size_t)M * ldc);
-    for (int k0 = 0; k0 < K; k0 += kc) {
-      const int k1 = imin(K, k0 + kc);
-      for (int half = 0; half < (yu ? 2 : 1); ++half) {
-        const int gg = half ? g + up : g;
-        float* y = half ? yu : yg;
-        if (kc == K) {  // one pass over each stream: the next one's head (up half, next block)
-          if (yu && half == 0) {
-            prefetch_head(w, g + up, ng);
-          } else if (blk + 1 < b1) {
-            prefetch_head(w, g + per, imin(per, groups - g - per));
-          }
-        }
-        if (ub && ng == 2 && unpack_chunk(w, gg, k0, k1, ub)) {
-          const Acts ak = from_column(acts, k0);
-          int fmt, all;
-          group_records(w, gg, fmt, all);
-          // 8 columns at a time (the tiles take 4 where more would spill), both 8-row sets
-          // of a family without pairs while the columns' activations are in L1.
-          for (int c0 = 0; c0 < M; c0 += 8) {
-            unpacked_tiles(fmt, ub, (k1 - k0 + 31) / 32, ak, c0, imin(8, M - c0), y + (int64_t)c0 * ldc);
-          }
-          continue;
-        }
-        for (int c0 = 0; c0 < M; c0 += cols) {
-          run_rows(w, gg, ng, acts, k0, k1, c0, imin(cols, M - c0), y + (int64_t)c0 * ldc);
+    for (int half = 0; half < (yu ? 2 : 1); ++half) {
+      const int gg = half ? g + up : g;
+      float* y = half ? yu : yg;
+      if (kc == K) {  // one pass over each stream: the next one's head (up half, next block)
+        if (yu && half == 0) {
+          prefetch_head(w, g + up, ng);
+        } else if (blk + 1 < b1) {
+          prefetch_head(w, g + per, imin(per, groups - g - per));
         }
       }
+      if (ub && ng == 2 && unpack_chunk(w, gg, k0, k1, ub)) {
+        const Acts ak = from_column(acts, k0);
+        const int fmt = group_records(w, gg).fmt;
+        // 8 columns at a time (the tiles take 4 where more would spill), both 8-row sets
+        // of a family without pairs while the columns' activations are in L1.
+        for (int c0 = 0; c0 < M; c0 += 8) {
+          unpacked_tiles(fmt, ub, (k1 - k0 + 31) / 32, ak, c0, imin(8, M - c0), y + (int64_t)c0 * ldc);
+        }
+        continue;
+      }
+      for (int c0 = 0; c0 < M; c0 += cols) {
+        run_rows(w, gg, ng, acts, k0, k1, c0, imin(cols, M - c0), y + (int64_t)c0 * ldc);
+      }
     }
+  };
+  // Block blk's outputs from its sums.
+  auto finish = [&](int blk, const float* yg, const float* yu) {
+    const int g = blk * per, ldc = imin(per, groups - g) * ROWS;
+    const int rows = imin(ldc, nout - ROWS * g);
     for (int c = 0; c < M; ++c) {
       float* o = out + (int64_t)c * ldo + ROWS * g;
       const float* yc = yg + (int64_t)c * ldc;
@@ -243,6 +265,27 @@ void qgemm_team(const QW& w, const float* x, int M, int ldx, float* out, int ldo
       } else {
         for (int r = 0; r < rows; ++r) o[r] = yc[r] + (b ? b[r] : 0.f);
       }
+    }
+  };
+  if (panel_order) {
+    memset(ygs, 0, sizeof(float) * per_blk * held);
+    if (yus) memset(yus, 0, sizeof(float) * per_blk * held);
+    for (int k0 = 0; k0 < K; k0 = next_k(k0)) {
+      for (int blk = b0; blk < b1; ++blk) {
+        const size_t at = per_blk * (blk - b0);
+        pass(blk, k0, next_k(k0), ygs + at, yus ? yus + at : nullptr);
+      }
+    }
+    for (int blk = b0; blk < b1; ++blk) {
+      const size_t at = per_blk * (blk - b0);
+      finish(blk, ygs + at, yus ? yus + at : nullptr);
+    }
+  } else {
+    for (int blk = b0; blk < b1; ++blk) {
+      memset(ygs, 0, sizeof(float) * per_blk);
+      if (yus) memset(yus, 0, sizeof(float) * per_blk);
+      for (int k0 = 0; k0 < K; k0 = next_k(k0)) pass(blk, k0, next_k(k0), ygs, yus);
+      finish(blk, ygs, yus);
     }
   }
   if (nth > 1) {
@@ -275,16 +318,15 @@ void dequant(const QW& w, const int64_t* ids, int64_t row0, int nrows, float* ou
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
   for (int i = 0; i < nrows; ++i) {
     const int64_t row = ids ? ids[i] : row0 + i;
-    int fmt, nrec;
-    const uint8_t* rec = group_records(w, row / ROWS, fmt, nrec);
+    const GroupRecs gr = group_records(w, row / ROWS);
     float* dst = out + (int64_t)i * ldo;
-    with_decoder(fmt, [&](auto d) {
+    with_decoder(gr.fmt, [&](auto d) {
       typedef typename decltype(d)::type D;
-      for (int b = 0; b < nrec; ++b) {
+      for (int b = 0; b < gr.nrec; ++b) {
         for (int sub = 0; sub < D::SUBS; ++sub) {
           uint8_t q[32];
           float S[2], O[2];
-          D::row(rec + (int64_t)b * D::RECORD, (int)(row % ROWS), sub, q, S, O);
+          D::row(gr.at(b), (int)(row % ROWS), sub, q, S, O);
           const int k0 = b * D::BLOCK + 32 * sub;
           for (int e = 0; e < 32 && k0 + e < K; ++e) dst[k0 + e] = S[e / 16] * (float)q[e] + O[e / 16];
         }

@@ -322,12 +322,15 @@ def test_weights_mode_resolution() -> None:
 # ---------------------------------------------------------------------- the model on them
 
 
-def quantized_pair(kind: str, fmt: str, **kwargs: object) -> tuple[object, torch.nn.Module]:
-    """Our runner on quantized matrices, and transformers on exactly their dequantized values."""
+def quantized_pair(
+    kind: str, fmt: str, hf_overrides: dict[str, object] | None = None, **kwargs: object
+) -> tuple[object, torch.nn.Module]:
+    """Our runner on quantized matrices, and transformers on exactly their dequantized values
+    (``hf_overrides``: the tiny config's, as ``tiny_hf`` takes them)."""
     from model_runner.runner import TorchRunner
     from tests.model_runner.oracle import our_config, tiny_hf
 
-    hf = tiny_hf(kind)
+    hf = tiny_hf(kind, **(hf_overrides or {}))
     state = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
     make = quant.quantize_int8 if fmt == "int8" else quant.quantize_q4
     weights: dict[str, torch.Tensor | quant.QuantWeight] = {}
