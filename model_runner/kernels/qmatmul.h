@@ -143,6 +143,8 @@ void run_rows(const QW& w, int g, int ng, const Acts& a, int k0, int k1, int c0,
 // activations of every row stay in L2 while each row block's weights pass over them (from L1),
 // instead of every row block streaming all M rows' activations from L3.
 constexpr int CHUNK_MIN_M = 32, K_CHUNK = 512, UNPACK_MIN_M = 32;
+// The bytes of running sums the panel order holds at once (qgemm_team).
+constexpr size_t PANEL_SUMS = 64 << 10;
 
 // Decodes rows 8 gg .. 8 gg + 15 (one format) over columns [k0, k1) into ub; false when the
 // pair spans two formats (a QuantStack's parts) or the family has no 16-row path.
@@ -193,17 +195,21 @@ void qgemm_team(const QW& w, const float* x, int M, int ldx, float* out, int ldo
   // M = 1 stream reads faster with 16 rows a broadcast too (measured).
   const bool pairs = (int64_t)M * panel_cols(w) >= g_tuning.pair_min_mk;
   const int per = pairs ? 2 : 1, blocks = (groups + per - 1) / per, rb = per * ROWS;
-  // Columns a tile takes: 8, or 4 with the residual (8 would spill its twice as many sums).
-  const int cols = residual ? 4 : 8;
+  // Columns a call takes: 8 (the residual's tiles take 4 where 8 would spill: run_tiles).
+  const int cols = 8;
   // K in chunks: K_CHUNK columns past CHUNK_MIN_M rows, and never across a panel (a chunk
   // ends at the panel's end: next_k).
   const int pcols = panel_cols(w), kc = imin(M >= CHUNK_MIN_M && K > K_CHUNK ? K_CHUNK : K, pcols);
   auto next_k = [&](int k0) { return imin(imin(K, k0 + kc), (k0 / pcols + 1) * pcols); };
-  // Few rows over a paneled weight: panel after panel, each over all of this thread's row
-  // blocks (one stream, the panel's activations in L1), the blocks' sums held across panels.
+  // Few rows over a paneled weight: panel after panel, each over a window of this thread's
+  // row blocks (one stream, the panel's activations in L1), the blocks' sums held across
+  // panels.
   const bool panel_order = kc < K && M < CHUNK_MIN_M;
   const int b0 = (int)((int64_t)blocks * tid / nth), b1 = (int)((int64_t)blocks * (tid + 1) / nth);
-  const size_t per_blk = (size_t)M * rb, held = panel_order ? (size_t)imax(b1 - b0, 1) : 1;
+  // The blocks whose sums the panel order holds at once: PANEL_SUMS bytes (the 1B's head at
+  // M = 8 held 4 MB of them, read and written back from L3 every panel).
+  const size_t per_blk = (size_t)M * rb;
+  const size_t held = panel_order ? (size_t)imax(1, imin(b1 - b0, (int)(PANEL_SUMS / (per_blk * sizeof(float) * (gated ? 2 : 1))))) : 1;
   static thread_local Buf gbuf, ubuf2, unbuf;
   float* ygs = gbuf.get<float>(per_blk * held);  // [M][rb] a block: the running sums, column-major
   float* yus = gated ? ubuf2.get<float>(per_blk * held) : nullptr;
@@ -267,18 +273,21 @@ void qgemm_team(const QW& w, const float* x, int M, int ldx, float* out, int ldo
       }
     }
   };
-  if (panel_order) {
-    memset(ygs, 0, sizeof(float) * per_blk * held);
-    if (yus) memset(yus, 0, sizeof(float) * per_blk * held);
-    for (int k0 = 0; k0 < K; k0 = next_k(k0)) {
-      for (int blk = b0; blk < b1; ++blk) {
-        const size_t at = per_blk * (blk - b0);
-        pass(blk, k0, next_k(k0), ygs + at, yus ? yus + at : nullptr);
+  if (panel_order) {  // windows of blocks whose sums stay in L2, each panel by panel
+    for (int w0 = b0; w0 < b1; w0 += (int)held) {
+      const int w1 = imin(b1, w0 + (int)held);
+      memset(ygs, 0, sizeof(float) * per_blk * (w1 - w0));
+      if (yus) memset(yus, 0, sizeof(float) * per_blk * (w1 - w0));
+      for (int k0 = 0; k0 < K; k0 = next_k(k0)) {
+        for (int blk = w0; blk < w1; ++blk) {
+          const size_t at = per_blk * (blk - w0);
+          pass(blk, k0, next_k(k0), ygs + at, yus ? yus + at : nullptr);
+        }
       }
-    }
-    for (int blk = b0; blk < b1; ++blk) {
-      const size_t at = per_blk * (blk - b0);
-      finish(blk, ygs + at, yus ? yus + at : nullptr);
+      for (int blk = w0; blk < w1; ++blk) {
+        const size_t at = per_blk * (blk - w0);
+        finish(blk, ygs + at, yus ? yus + at : nullptr);
+      }
     }
   } else {
     for (int blk = b0; blk < b1; ++blk) {
