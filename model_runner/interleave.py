@@ -14,7 +14,7 @@ rows of up to 2048; the last panel shorter where they do not divide): the record
 the kernels pass over one panel of all their groups before the next: one stream still, and
 the panel's activations (2-4 KB at 16 bits) stay in L1 from group to group, where an
 8192-long row's 16 KB were evicted by the 36 KB of weights each group streams in between
-(docs/kernels.md, "Panels").
+(docs/kernels.md, "What the code does").
 
 Records (``d``, ``m``, ``dmin``: fp16 x 8 rows; "8 x 4B" = rows r = 0..7, 4 bytes each)::
 
