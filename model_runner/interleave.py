@@ -60,8 +60,9 @@ GEOMETRY: dict[str, tuple[int, int]] = {
 
 def panel_cols(k: int) -> int:
     """Columns a panel of rows of ``k`` values holds, or 0: the rows are whole. Measured at
-    M = 1 on a Zen 4 (docs/kernels.md): 2048 is best for long rows; rows of 2048 gain from
-    two panels of 1024 (the Q6_K head most), and rows of up to 1024 gain nothing."""
+    M = 1 on a Zen 4 (docs/benchmarks.md, "Panels"): 2048 is best for long rows; rows of 2048
+    gain from two panels of 1024 through the whole model (the Q6_K head most; o and gate_up
+    alone read slower), and rows of up to 1024 gain nothing."""
     if k <= PANEL_COLS // 2:
         return 0
     return PANEL_COLS if k > PANEL_COLS else PANEL_COLS // 2

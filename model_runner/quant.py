@@ -63,9 +63,10 @@ MATRIX_SUFFIXES = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
 class QuantWeight:
     """A quantized ``[out_features, in_features]`` weight in one of ``FORMATS``, held as
     ``interleave``'s 8-row records (``[ceil(out / 8), blocks, record bytes]``, uint8): the
-    GGUF blocks' own bytes, moved so the kernels decode 8 rows in one pass. Rows longer than
-    ``interleave.PANEL_COLS`` hold them flat (1-D), panel after panel (``in_panels``, as
-    ``from_blocks`` makes them; ``grouped`` gives the 3-D records)."""
+    GGUF blocks' own bytes, moved so the kernels decode 8 rows in one pass. Rows that
+    ``interleave.panel_cols`` puts in panels (longer than 1024) hold them flat (1-D), panel
+    after panel (``in_panels``, as ``from_blocks`` makes them; ``grouped`` gives the 3-D
+    records); 3-D records of such rows run as whole rows."""
 
     fmt: str
     records: torch.Tensor

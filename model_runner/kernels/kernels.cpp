@@ -72,7 +72,7 @@ extern "C" {
 struct QPart {
   int32_t fmt, rows;
   const uint8_t* rec;
-  int32_t panel, pad;  // records a panel (interleave.PANEL_COLS columns), or 0: rows whole
+  int32_t panel, pad;  // records a panel (interleave.panel_cols columns), or 0: rows whole
 };
 
 // A weight of n rows of k values: parts stacked by rows (Q, K and V of a fused projection may

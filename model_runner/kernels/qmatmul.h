@@ -41,7 +41,7 @@
 
 // Where row group g (rows 8g .. 8g + 7) of w lives: its part's records, `nrec` a row. A part
 // holds them group after group, or where its rows are longer than a panel (QPart.panel
-// records, interleave.PANEL_COLS columns; the last panel shorter where they do not divide)
+// records, interleave.panel_cols columns; the last panel shorter where they do not divide)
 // panel after panel, each panel's groups in turn: a pass over one panel's groups is one
 // stream whose activations stay in L1.
 struct GroupRecs {
@@ -208,8 +208,8 @@ void qgemm_team(const QW& w, const float* x, int M, int ldx, float* out, int ldo
   const int b0 = (int)((int64_t)blocks * tid / nth), b1 = (int)((int64_t)blocks * (tid + 1) / nth);
   // The blocks whose sums the panel order holds at once: PANEL_SUMS bytes (the 1B's head at
   // M = 8 held 4 MB of them, read and written back from L3 every panel).
-  const size_t per_blk = (size_t)M * rb;
-  const size_t held = panel_order ? (size_t)imax(1, imin(b1 - b0, (int)(PANEL_SUMS / (per_blk * sizeof(float) * (gated ? 2 : 1))))) : 1;
+  const size_t per_blk = (size_t)M * rb, sums_blk = per_blk * sizeof(float) * (gated ? 2 : 1);
+  const size_t held = panel_order ? (size_t)imax(1, imin(b1 - b0, (int)(PANEL_SUMS / sums_blk))) : 1;
   static thread_local Buf gbuf, ubuf2, unbuf;
   float* ygs = gbuf.get<float>(per_blk * held);  // [M][rb] a block: the running sums, column-major
   float* yus = gated ? ubuf2.get<float>(per_blk * held) : nullptr;
