@@ -5,7 +5,8 @@ row's arithmetic is the same either way, tests/model_runner/test_kernel_tuning.p
 for bit), only the speed:
 
     pair_min_mk     row groups go in pairs (two 8-row records joined into zmm: 16 rows a
-                    broadcast) where activation rows x row length reaches this
+                    broadcast) where activation rows x row length (a panel's, for rows held
+                    in panels: interleave.panel_cols) reaches this
     prefetch_ahead  the bytes each record's software prefetch asks ahead of it (0: none,
                     the record's own loads ask for its lines)
     prefetch_head   the bytes of the next record stream's head asked before it starts

@@ -35,7 +35,8 @@ constexpr int maddubs_group(int qmax) { return qmax <= 31 ? 4 : qmax <= 63 ? 2 :
 constexpr int PREFETCH_AHEAD = 512;
 
 // A family's tuning (kv_family_tune; kernels/__init__.py's tune, cpu_tuning.py's table by
-// CPU): when row groups go in pairs (where activation rows x row length >= pair_min_mk) and
+// CPU): when row groups go in pairs (where activation rows x row length, a panel's where rows
+// are in panels, >= pair_min_mk) and
 // how many bytes the software prefetches ask ahead (each record's and the next stream's head;
 // 0 asks for none). None of them changes a result (a row's arithmetic is the same either
 // way), only the speed, which differs by machine (docs/kernels.md, "Tuning").
