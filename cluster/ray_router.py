@@ -14,10 +14,11 @@ would, and a second request with an id in flight goes there too, where the engin
 the duplicate (ALREADY_EXISTS, HTTP 409). Each router knows what it sent: the gRPC proxy's
 router the gRPC calls, each OpenAI ingress's router its HTTP calls.
 
-Load is counted here, per replica: requests sent and not yet completed. Each replica's
-report (``KVServeReplica.record_routing_stats``) adds the block keys it admitted, so the
-index also learns what other proxies sent; sizes its index to its KV pool (older keys were
-evicted there); and marks a draining replica, which gets no new requests.
+Load is counted here, per replica: requests chosen or sent and not yet completed (a choice
+counts before Ray reports it routed; one never sent stops counting after ``HOLD_S``). Each
+replica's report (``KVServeReplica.record_routing_stats``) adds the block keys it admitted,
+so the index also learns what other proxies sent; sizes its index to its KV pool (older keys
+were evicted there); and marks a draining replica, which gets no new requests.
 
 The cost router (``--router cost``) also needs prices and the shared tier's contents. Each
 replica reports its step-cost model's coefficients and what a tier-2 restore cost it; the
@@ -53,6 +54,11 @@ _MAX_TRACKED = 65_536
 # live, so one request is one decision (the router's counts, round robin's turn, the prefix
 # credit); past them it is chosen afresh (a replica that stays full).
 STICKY_ASKS = 8
+# A request chosen for a replica counts as that replica's load from the choice on, not only
+# once Ray reports it routed (after the replica's accept came back: meanwhile the replica may
+# already run it, and a burst chosen in between would all see the same counts). A choice
+# never routed (its caller gave up before Ray sent it) stops counting after this long.
+HOLD_S = 10.0
 
 
 logger = logging.getLogger(__name__)
@@ -156,7 +162,9 @@ class KVServeRequestRouter(RequestRouter):
         self._scope = CacheScope(auth, share_prefix_cache)
         self._ids_of: OrderedDict[str, str] = OrderedDict()  # internal id -> scoped id
         self._holders: dict[str, tuple[str, str]] = {}  # scoped id -> (replica, internal id)
-        self._chosen: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (replica, asks)
+        # internal id -> (replica, asks, when first chosen): chosen and not yet routed
+        self._chosen: OrderedDict[str, tuple[str, int, float]] = OrderedDict()
+        self._held: Counter[str] = Counter()  # replica id -> its requests in _chosen
         self.metrics: Any = None
         if metrics_port is not None:
             self._start_metrics(metrics_host, metrics_port, metrics_gate, metrics_limits)
@@ -276,8 +284,10 @@ class KVServeRequestRouter(RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        now = time.monotonic()
+        self._expire_choices(now)
         live = [
-            ReplicaLoad(rid, self._in_flight[rid]) for rid, r in by_id.items()
+            ReplicaLoad(rid, self._in_flight[rid] + self._held[rid]) for rid, r in by_id.items()
             if not r.routing_stats.get("draining", False)
         ]  # fmt: skip
         if not live:
@@ -301,20 +311,41 @@ class KVServeRequestRouter(RequestRouter):
             and again[1] < STICKY_ASKS
             and any(r.replica_id == again[0] for r in live)
         ):
-            self._chosen[internal_id] = (again[0], again[1] + 1)  # asked again: the same one
+            self._chosen[internal_id] = (again[0], again[1] + 1, again[2])  # the same one
             return [[by_id[again[0]]]]
         keys, num_prompt_tokens = self._prompt_keys(pending_request, call)
         if not num_prompt_tokens:
             return [[by_id[min(live, key=_load).replica_id]]]
-        decision = self.router.choose(
-            live, keys, num_prompt_tokens=num_prompt_tokens, now_s=time.monotonic()
-        )
-        self._track(self._chosen, internal_id, (decision.replica_id, 1))
+        decision = self.router.choose(live, keys, num_prompt_tokens=num_prompt_tokens, now_s=now)
+        self._hold(internal_id, decision.replica_id, now)
         if keys:
             self._track(self._keys_of, pending_request.metadata.internal_request_id, keys)
         if self.metrics is not None:
             self.metrics.record(decision, self.block_size, num_prompt_tokens)
         return [[by_id[decision.replica_id]]]
+
+    def _hold(self, internal_id: str, replica_id: str, now: float) -> None:
+        """``internal_id`` was chosen for ``replica_id`` (afresh: a choice it had is dropped)."""
+        self._unhold(internal_id)
+        self._chosen[internal_id] = (replica_id, 1, now)
+        self._held[replica_id] += 1
+        while len(self._chosen) > _MAX_TRACKED:
+            self._unhold(next(iter(self._chosen)))
+
+    def _unhold(self, internal_id: str) -> None:
+        choice = self._chosen.pop(internal_id, None)
+        if choice is not None:
+            self._held[choice[0]] -= 1
+            if self._held[choice[0]] <= 0:
+                del self._held[choice[0]]
+
+    def _expire_choices(self, now: float) -> None:
+        """Choices older than ``HOLD_S`` and never routed no longer count (oldest first)."""
+        while self._chosen:
+            internal_id, (_, _, chosen_s) = next(iter(self._chosen.items()))
+            if now - chosen_s <= HOLD_S:
+                return
+            self._unhold(internal_id)
 
     @staticmethod
     def _track(table: OrderedDict[str, Any], internal_id: str, value: Any) -> None:
@@ -331,7 +362,7 @@ class KVServeRequestRouter(RequestRouter):
         internal_id = pending_request.metadata.internal_request_id
         self._in_flight[rid] += 1
         self._sent[internal_id] = rid
-        self._chosen.pop(internal_id, None)
+        self._unhold(internal_id)
         scoped = self._ids_of.get(internal_id)
         if scoped is not None:
             self._holders.setdefault(scoped, (rid, internal_id))  # a duplicate keeps the first
@@ -339,8 +370,9 @@ class KVServeRequestRouter(RequestRouter):
                 del self._holders[next(iter(self._holders))]
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        rid = self._sent.pop(internal_request_id, replica_id.unique_id)
-        if self._in_flight[rid] > 0:
+        sent = self._sent.pop(internal_request_id, None)
+        rid = sent or replica_id.unique_id
+        if sent is not None and self._in_flight[rid] > 0:  # not a refused try's end
             self._in_flight[rid] -= 1
         keys = self._keys_of.pop(internal_request_id, None)
         if keys:

@@ -139,7 +139,7 @@ async def test_one_keys_flood_is_refused_while_another_key_is_admitted(
     and answered; driven by the replicas' own counts, not by time."""
     metrics_port = cluster.deploy_openai(
         "oa-flood",
-        engine=engine(max_num_seqs=1, max_waiting_requests_per_tenant=2, fake_step_sleep_s=0.01),
+        engine=engine(max_num_seqs=1, max_waiting_requests_per_tenant=2, fake_step_sleep_s=0.05),
         num_replicas=2,
     )
     urls = replica_targets(metrics_port, 2)

@@ -141,10 +141,40 @@ async def test_other_methods_and_bad_requests_go_to_the_least_loaded() -> None:
     router = make_router(router="prefix")
     a, b = replica("a"), replica("b")
     router.on_request_routed(generate("", 9), a.replica_id, None)  # type: ignore[arg-type]
-    assert await chosen(router, [a, b], generate("x", 1, method="GetModelInfo")) == "b"
+    info = generate("x", 1, method="GetModelInfo")
+    assert await chosen(router, [a, b], info) == "b"
+    router.on_request_routed(info, b.replica_id, None)  # type: ignore[arg-type]
+    router.on_request_completed(b.replica_id, "i1")  # type: ignore[arg-type]
     broken = PendingRequest(args=[b"not a pickle"], kwargs={}, metadata=RequestMetadata("r", "i"))
     broken.metadata.call_method = "Generate"
     assert await chosen(router, [a, b], broken) == "b"
+
+
+async def test_a_chosen_request_counts_as_load_until_it_is_routed_or_its_hold_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ray reports a request routed only once the replica's accept comes back, and the replica
+    may run it before: requests chosen meanwhile see it as load (a burst alternates, not all
+    to one replica). Its routing moves it to the in-flight count once (not twice); a choice
+    never routed stops counting after HOLD_S; a refused try's end takes nothing off the
+    replica's count."""
+    import cluster.ray_router as ray_router
+
+    clock = [1000.0]
+    monkeypatch.setattr(ray_router.time, "monotonic", lambda: clock[0])
+    router = make_router(router="prefix")
+    a, b = replica("a"), replica("b")
+    prompts = [generate(f"{n} of a burst", n) for n in range(6)]  # no shared prefix
+    assert [await chosen(router, [a, b], pr) for pr in prompts] == ["a", "b"] * 3
+    router.on_request_routed(prompts[0], a.replica_id, None)  # type: ignore[arg-type]
+    router.on_request_routed(prompts[1], b.replica_id, None)  # type: ignore[arg-type]
+    assert dict(router._in_flight) == {"a": 1, "b": 1} and dict(router._held) == {"a": 2, "b": 2}
+    router.on_request_completed(a.replica_id, "i4")  # type: ignore[arg-type]  # refused: not sent
+    assert router._in_flight["a"] == 1 and router._held["a"] == 2
+    assert await chosen(router, [a, b], generate("one more", 6)) == "a"  # 3 and 3: ties to a
+    clock[0] += ray_router.HOLD_S + 1  # the five never routed no longer count: 1 and 1
+    late = await chosen(router, [a, b], generate("and another", 7))
+    assert dict(router._held) == {late: 1} and dict(router._in_flight) == {"a": 1, "b": 1}
 
 
 async def test_cost_routing_learns_prices_and_the_shared_tier() -> None:
@@ -234,6 +264,8 @@ async def test_abort_and_a_duplicate_id_go_where_the_request_runs() -> None:
     router.on_request_completed(a.replica_id, "i5")  # type: ignore[arg-type]  # refused
     bobs = call("Generate", pb.GenerateRequest(text="x", request_id="x"), "bob", 6)
     assert await chosen(router, [a, b], bobs) == "b"
+    router.on_request_routed(bobs, b.replica_id, None)  # type: ignore[arg-type]
+    router.on_request_completed(b.replica_id, "i6")  # type: ignore[arg-type]
     abort = call("Abort", pb.AbortRequest(request_id="x"), "alice", 7)
     assert await chosen(router, [a, b], abort) == "a"  # the duplicate's end kept the first
     router.on_request_completed(a.replica_id, "i1")  # type: ignore[arg-type]
