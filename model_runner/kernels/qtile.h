@@ -6,11 +6,17 @@
 
 #if KV_TILES
 
-// The independent sums col_dots keeps per column and plane: 4 for a lone column once had the
-// dot products' latency in mind, but the out-of-order window spans sub-blocks (each its own
-// sums), and each extra chain costs a zeroing move and an add per 32-block (on the Zen 4,
-// 1 chain a plane made the 1B's o at M = 1 4 % faster, measured with the broadcast below).
-constexpr int chains(int nc, int planes) { return nc >= 2 || planes == 2 ? 1 : 2; }
+// The independent sums col_dots keeps per column and plane (n: the weight vectors a call
+// sums). Several columns are independent chains already: one each. A lone column: 2, but
+// with both planes (the 16-bit residual) only where a call sums 8 vectors, not Q6_K's halves
+// of 4, and on vpdpbusd (maddubs families: 1). On the Zen 4, M = 1 from L3 at 1 thread, 2
+// chains a plane (was 1) took the 1B's Q4_K o / gate_up / down from 21.9 / 24.0 / 26.9 to
+// 25.4 / 26.5 / 29.0 GB/s (best of 3, each process alternated; Q4_0, Q4_1, Q5_0, Q5_K 2-10 %
+// faster), 4 gained no more, Q6_K's halves were the same or slower, and so were the avx2
+// family's maddubs tiles (run on the same Zen 4).
+constexpr int chains(int nc, int planes, int n, bool vnni) {
+  return nc >= 2 ? 1 : planes == 2 && (n <= 4 || !vnni) ? 1 : 2;
+}
 
 // A 32-block of W::LANES weight rows, decoded: w[i] lane r = quants 4i .. 4i + 3 of row r, and
 // per lane the scale and offset (S1, O1: the second 16-half's, with HALVES; else unused).
@@ -32,7 +38,7 @@ KV_INLINE void col_dots(const typename W::I* w, const int8_t* ap, int64_t lda, i
   typedef typename W::I I;
   static_assert(N % G == 0, "a step takes G whole weight vectors");
   constexpr int P = RES && NC < 4 ? 2 : 1;
-  constexpr int CH0 = chains(NC, P), CH = CH0 < N / G ? CH0 : N / G;
+  constexpr int CH0 = chains(NC, P, N, W::group(15) == 1), CH = CH0 < N / G ? CH0 : N / G;
   // Few columns: the planes a1 and a2 sum apart (no chain runs through both); more columns
   // have parallelism enough, and registers for one accumulator each: a1, shift, then a2.
   I part[P][NC * CH];
