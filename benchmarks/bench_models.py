@@ -25,7 +25,8 @@ The models, built here (nothing is downloaded from a model hub):
 
 Per model, all in this process's run so the figures compare (the machine's speed swings
 between hours):
-- a read-bandwidth probe just before the model's rows (a 1 GiB fp32 ``torch.sum``, best of 5);
+- a read-bandwidth probe before and after the model's runner and llama-bench rows, the larger
+  kept (a 1 GiB fp32 ``torch.sum``, best of 5; the memory of a VM swings within minutes);
 - kvserve's own prefill (512 tokens) and batch-1 decode rates through its runner, beside
   ``llama-bench``'s pp512 / tg128 at the same thread count; batch-1 decode as a percentage of
   the bandwidth: (resident weight bytes + KV bytes read) x tok/s / GB/s;
@@ -358,7 +359,7 @@ def run(
     llama_cpp: str = "build",
 ) -> list[ModelRow]:
     """Every model's row, measured one model after the other (each with its own bandwidth
-    probe just before); chat128 at ``levels`` (none: the runner rows only). ``llama_cpp``:
+    probes around them); chat128 at ``levels`` (none: the runner rows only). ``llama_cpp``:
     ``build`` the missing llama.cpp tools first, use only ``cached`` ones, or leave llama.cpp
     ``off`` (kvserve's own quantizer then makes the Q4_K_M files)."""
     if llama_cpp == "off":
@@ -370,19 +371,24 @@ def run(
     rows: list[ModelRow] = []
     for name, (path, by) in build_models(names, work, tools["llama-quantize"]).items():
         row = ModelRow(name, path.stat().st_size, by)
+        # The probe before and after both sides, the larger kept: this kind of VM's memory
+        # swings within minutes (a 2-thread read of 31 then 61 GB/s), and a fraction over a
+        # low probe reads above 100 %.
         row.read_gbs = read_bandwidth_gbs(threads)
         prefill, decode, weights, kv_read = runner_rates(path, threads)
         row.kv_prefill_tok_s, row.kv_decode_tok_s = prefill, decode
         row.resident_weight_bytes = weights
         row.read_weight_bytes = weights - unread_expert_bytes(path)
+        row.llama_bench = llama_bench(tools["llama-bench"], path, threads)
+        row.read_gbs = max(row.read_gbs, read_bandwidth_gbs(threads))
         row.decode_bandwidth_pct = (
             100 * (row.read_weight_bytes + kv_read) * decode / (row.read_gbs * 1e9)
         )
-        row.llama_bench = llama_bench(tools["llama-bench"], path, threads)
         if name.startswith("random-"):  # one thread too, where the weights stream from DRAM
             row.read_gbs_1t = read_bandwidth_gbs(1)
             row.kv_decode_tok_s_1t = runner_rates(path, 1, prompt_len=128)[1]
             row.llama_bench_1t = llama_bench(tools["llama-bench"], path, 1, 0, 64, 3)
+            row.read_gbs_1t = max(row.read_gbs_1t, read_bandwidth_gbs(1))
         model_levels = [lv for lv in levels if lv[0] <= MAX_USERS.get(name, lv[0])]
         if model_levels:
             row.chat128, row.serving_rss_bytes = chat128(
