@@ -193,13 +193,14 @@ void qgemm_team(const QW& w, const float* x, int M, int ldx, float* out, int ldo
   // Row blocks of 2 groups (zmm, where the variant has it) where M x K (K: a panel's) reaches
   // g_tuning.pair_min_mk (qvec.h, Tuning): by default always, as on the Xeon model 167 the
   // M = 1 stream reads faster with 16 rows a broadcast too (measured).
-  const bool pairs = (int64_t)M * panel_cols(w) >= g_tuning.pair_min_mk;
+  const int pcols = panel_cols(w);
+  const bool pairs = (int64_t)M * pcols >= g_tuning.pair_min_mk;
   const int per = pairs ? 2 : 1, blocks = (groups + per - 1) / per, rb = per * ROWS;
   // Columns a call takes: 8 (the residual's tiles take 4 where 8 would spill: run_tiles).
   const int cols = 8;
   // K in chunks: K_CHUNK columns past CHUNK_MIN_M rows, and never across a panel (a chunk
   // ends at the panel's end: next_k).
-  const int pcols = panel_cols(w), kc = imin(M >= CHUNK_MIN_M && K > K_CHUNK ? K_CHUNK : K, pcols);
+  const int kc = imin(M >= CHUNK_MIN_M && K > K_CHUNK ? K_CHUNK : K, pcols);
   auto next_k = [&](int k0) { return imin(imin(K, k0 + kc), (k0 / pcols + 1) * pcols); };
   // Few rows over a paneled weight: panel after panel, each over a window of this thread's
   // row blocks (one stream, the panel's activations in L1), the blocks' sums held across

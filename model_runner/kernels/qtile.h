@@ -38,6 +38,7 @@ KV_INLINE void col_dots(const typename W::I* w, const int8_t* ap, int64_t lda, i
   typedef typename W::I I;
   static_assert(N % G == 0, "a step takes G whole weight vectors");
   constexpr int P = RES && NC < 4 ? 2 : 1;
+  // vnni: a family whose dots take one weight vector a step even for 4-bit quants (vpdpbusd)
   constexpr int CH0 = chains(NC, P, N, W::group(15) == 1), CH = CH0 < N / G ? CH0 : N / G;
   // Few columns: the planes a1 and a2 sum apart (no chain runs through both); more columns
   // have parallelism enough, and registers for one accumulator each: a1, shift, then a2.

@@ -73,9 +73,9 @@ def test_records_lie_panel_after_panel(fmt: str, n: int, k: int) -> None:
 @pytest.mark.parametrize("bits", quant.ACTIVATION_BITS)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_panels_give_the_numbers_of_whole_rows(fmt: str, bits: int, isa: str, threads: int) -> None:
-    """Bit for bit the whole-rows numbers, for every row count: K = 2560 (a 2048 panel and a
-    512 one: K chunks of 512 end at the panel's end) and 1280 (1024 + 256); int8 also 1100
-    (a last panel of 3 blocks, the last one partial)."""
+    """Bit for bit the whole-rows numbers, for every row count: K = 1280 (1024 + 256); the
+    K-quants also 2560 (a 2048 panel and a 512 one: K chunks of 512 end at the panel's end),
+    int8 also 1100 (a last panel of 3 blocks, the last one partial)."""
     ks = [2560, 1280] if fmt in ("Q4_K", "Q5_K", "Q6_K") else [1280, 1100]
     for k in ks:
         if fmt != "int8" and k % quant.FORMATS[fmt].block:
