@@ -74,6 +74,7 @@ class ModelRow:
     model: str
     file_bytes: int
     built_by: str
+    activation_bits: int = 16  # kvserve's (the table names 8-bit rows "kv8")
     read_gbs: float = 0.0
     resident_weight_bytes: int = 0
     read_weight_bytes: int = 0  # those a decode step reads (an MoE's chosen experts only)
@@ -87,6 +88,10 @@ class ModelRow:
     llama_bench_1t: dict[str, float] | str = ""
     chat128: dict[str, dict[str, Any]] = field(default_factory=dict)
     serving_rss_bytes: int = 0
+
+    @property
+    def label(self) -> str:
+        return self.model if self.activation_bits == 16 else f"{self.model} (kv8)"
 
 
 def read_bandwidth_gbs(threads: int, gib: float = 1.0) -> float:
@@ -156,7 +161,9 @@ def build_models(names: list[str], work: Path, quantize: Path) -> dict[str, tupl
     return out
 
 
-def runner_rates(path: Path, threads: int, prompt_len: int = 512) -> tuple[float, float, int, int]:
+def runner_rates(
+    path: Path, threads: int, prompt_len: int = 512, activation_bits: int = 16
+) -> tuple[float, float, int, int]:
     """(prefill tok/s of one ``prompt_len`` prompt, batch-1 decode tok/s at that context,
     resident weight bytes, KV bytes read per decode step) through kvserve's runner."""
     import torch
@@ -171,7 +178,9 @@ def runner_rates(path: Path, threads: int, prompt_len: int = 512) -> tuple[float
     model = load_model(str(path), weights="auto")
     block = 16
     blocks = -(-(prompt_len + 64) // block)
-    options = RunnerOptions(blocks + 1, block, dtype=torch.float32, device="cpu")
+    options = RunnerOptions(
+        blocks + 1, block, dtype=torch.float32, device="cpu", activation_bits=activation_bits
+    )
     runner = TorchRunner(model.config, model.state_dict, options)
     greedy = SamplingParams(temperature=0.0)
     ids = torch.randint(
@@ -241,6 +250,7 @@ def chat128(
     out_tokens: int,
     chat_path: Path,
     server_bin: Path,
+    activation_bits: int = 16,
 ) -> tuple[dict[str, dict[str, Any]], int]:
     """chat128 per users level: kvserve's and llama.cpp's report summaries, and kvserve's
     peak RSS (the largest over the levels)."""
@@ -257,7 +267,8 @@ def chat128(
             "duration_s": 1800.0,
             "progress": False,
         }
-        args = ["--runner", "torch", "--model", str(path), "--threads", str(threads)]
+        args = ["--runner", "torch", "--model", str(path), "--threads", str(threads),
+                "--activation-bits", str(activation_bits)]  # fmt: skip
         with ServerProcess(args) as server:
             report = bench_serving.warm_and_run(server, workload, desc=f"kvserve {users}", **load)
             peak_rss = max(peak_rss, _rss(server.proc.pid if server.proc else 0))
@@ -302,7 +313,7 @@ def format_table(rows: list[ModelRow]) -> str:
     for r in rows:
         lb = r.llama_bench if isinstance(r.llama_bench, dict) else {}
         lines.append(
-            f"| {r.model} | {r.file_bytes / 1e6:.0f} | {r.resident_weight_bytes / 1e6:.0f} | "
+            f"| {r.label} | {r.file_bytes / 1e6:.0f} | {r.resident_weight_bytes / 1e6:.0f} | "
             f"{r.read_weight_bytes / 1e6:.0f} | {r.read_gbs:.1f} | {r.kv_prefill_tok_s:.1f} | "
             f"{lb.get('pp512', '-')} | "
             f"{r.kv_decode_tok_s:.1f} | {r.decode_bandwidth_pct:.0f} % | {lb.get('tg128', '-')} | "
@@ -320,7 +331,7 @@ def format_table(rows: list[ModelRow]) -> str:
         tg = r.llama_bench_1t.get("tg64") if isinstance(r.llama_bench_1t, dict) else None
         pct = 100 * r.read_weight_bytes * r.kv_decode_tok_s_1t / (r.read_gbs_1t * 1e9)
         lines.append(
-            f"| {r.model} | 1 | {r.read_gbs_1t:.1f} | {r.kv_decode_tok_s_1t:.1f} | {pct:.0f} % | "
+            f"| {r.label} | 1 | {r.read_gbs_1t:.1f} | {r.kv_decode_tok_s_1t:.1f} | {pct:.0f} % | "
             f"{tg if tg else r.llama_bench_1t} | "
             f"{f'{r.kv_decode_tok_s_1t / tg:.2f}x' if tg else '-'} |"
         )
@@ -341,7 +352,7 @@ def format_table(rows: list[ModelRow]) -> str:
                 else (lc if isinstance(lc, str) else "-")
             )
             lines.append(
-                f"| {r.model} | {users} | {kv_tps or '-'} | {lc_tps or '-'} | {ratio} | "
+                f"| {r.label} | {users} | {kv_tps or '-'} | {lc_tps or '-'} | {ratio} | "
                 f"{kv.get('itl_p99_ms') if isinstance(kv, dict) else '-'} | "
                 f"{lc.get('itl_p99_ms') if isinstance(lc, dict) else '-'} |"
             )
@@ -357,11 +368,13 @@ def run(
     work: Path,
     cache_dir: Path,
     llama_cpp: str = "build",
+    activation_bits: int = 16,
 ) -> list[ModelRow]:
     """Every model's row, measured one model after the other (each with its own bandwidth
     probes around them); chat128 at ``levels`` (none: the runner rows only). ``llama_cpp``:
     ``build`` the missing llama.cpp tools first, use only ``cached`` ones, or leave llama.cpp
-    ``off`` (kvserve's own quantizer then makes the Q4_K_M files)."""
+    ``off`` (kvserve's own quantizer then makes the Q4_K_M files). ``activation_bits``:
+    kvserve's (``--activation-bits``: 16, the default, or 8, ggml's int8)."""
     if llama_cpp == "off":
         tools = {
             n: Path("/nonexistent") / n for n in ("llama-quantize", "llama-bench", "llama-server")
@@ -370,12 +383,13 @@ def run(
         tools = _tools(cache_dir, build=llama_cpp == "build")
     rows: list[ModelRow] = []
     for name, (path, by) in build_models(names, work, tools["llama-quantize"]).items():
-        row = ModelRow(name, path.stat().st_size, by)
+        row = ModelRow(name, path.stat().st_size, by, activation_bits=activation_bits)
         # The probe before and after both sides, the larger kept: this kind of VM's memory
         # swings within minutes (a 2-thread read of 31 then 61 GB/s), and a fraction over a
         # low probe reads above 100 %.
         row.read_gbs = read_bandwidth_gbs(threads)
-        prefill, decode, weights, kv_read = runner_rates(path, threads)
+        rates = runner_rates(path, threads, activation_bits=activation_bits)
+        prefill, decode, weights, kv_read = rates
         row.kv_prefill_tok_s, row.kv_decode_tok_s = prefill, decode
         row.resident_weight_bytes = weights
         row.read_weight_bytes = weights - unread_expert_bytes(path)
@@ -386,13 +400,16 @@ def run(
         )
         if name.startswith("random-"):  # one thread too, where the weights stream from DRAM
             row.read_gbs_1t = read_bandwidth_gbs(1)
-            row.kv_decode_tok_s_1t = runner_rates(path, 1, prompt_len=128)[1]
+            row.kv_decode_tok_s_1t = runner_rates(
+                path, 1, prompt_len=128, activation_bits=activation_bits
+            )[1]
             row.llama_bench_1t = llama_bench(tools["llama-bench"], path, 1, 0, 64, 3)
             row.read_gbs_1t = max(row.read_gbs_1t, read_bandwidth_gbs(1))
         model_levels = [lv for lv in levels if lv[0] <= MAX_USERS.get(name, lv[0])]
         if model_levels:
+            server = tools["llama-server"]
             row.chat128, row.serving_rss_bytes = chat128(
-                path, model_levels, threads, out_tokens, chat_path, tools["llama-server"]
+                path, model_levels, threads, out_tokens, chat_path, server, activation_bits
             )
         rows.append(row)
         print(format_table(rows[-1:]), flush=True)
@@ -414,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-serving", action="store_true", help="only the runner / llama-bench rows")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here too")
     p.add_argument("--llama-cpp", choices=["build", "cached", "off"], default="build")
+    p.add_argument("--activation-bits", type=int, choices=[16, 8], default=16,
+                   help="kvserve's activation precision (8: ggml's int8)")  # fmt: skip
     args = p.parse_args(argv)
     cache_dir = bench_llama_cpp.default_cache_dir(os.environ)
     work = args.work_dir or cache_dir.parent.parent / "models"
@@ -421,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         (int(u), int(n)) for u, n in (lv.split(":") for lv in args.levels.split(","))
     ]  # fmt: skip
     rows = run(args.models.split(","), levels, args.threads, args.out_tokens,
-               args.workload_file, work, cache_dir, args.llama_cpp)  # fmt: skip
+               args.workload_file, work, cache_dir, args.llama_cpp,
+               args.activation_bits)  # fmt: skip
     print("\n" + format_table(rows))
     if args.out:
         args.out.write_text(json.dumps([asdict(r) for r in rows], indent=2))

@@ -85,3 +85,20 @@ def test_run_all_quick_model_sections_print_their_tables_and_write_json(tmp_path
     # The window holds at most 124 + a 64-token chunk + a block; sinks add their block.
     assert sinks["window 128 alone"]["peak_kv_slots"] <= 128 + 64 + 16
     assert sinks["sinks 4 + window 124"]["peak_kv_slots"] <= 16 + 124 + 64 + 16
+
+
+def test_a_kv8_row_is_named_so_in_every_table() -> None:
+    """`--activation-bits 8` rows say so beside the model's name (the runner, one-thread and
+    chat128 tables); the default's rows keep the bare name."""
+    from benchmarks import bench_models
+
+    rows = [
+        bench_models.ModelRow("random-1b-q4km", 1, "llama-quantize", activation_bits=bits)
+        for bits in (16, 8)
+    ]
+    for row in rows:
+        row.read_gbs_1t, row.kv_decode_tok_s_1t = 30.0, 20.0
+        row.chat128 = {"8": {"kvserve": "x", "llama.cpp": "y"}}
+    table = bench_models.format_table(rows)
+    assert table.count("| random-1b-q4km (kv8) |") == 3
+    assert table.count("| random-1b-q4km |") == 3
