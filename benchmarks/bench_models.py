@@ -1,7 +1,8 @@
 """Real GGUF files at the machine's limit: kvserve against llama.cpp on several models, in one run.
 
     python -m benchmarks.bench_models                        # every model, 1 / 8 / 32 users
-    python -m benchmarks.bench_models --models embedded --levels 1:4,8:16 --quick
+    python -m benchmarks.bench_models --models embedded --levels 1:4,8:16
+    python -m benchmarks.bench_models --models random-1b-q4km --activation-bits 8  # ggml's int8
 
 The models, built here (nothing is downloaded from a model hub):
 - ``embedded``: the SmolLM2-135M Q4_1 file kvserve ships;
@@ -388,8 +389,9 @@ def run(
         # swings within minutes (a 2-thread read of 31 then 61 GB/s), and a fraction over a
         # low probe reads above 100 %.
         row.read_gbs = read_bandwidth_gbs(threads)
-        rates = runner_rates(path, threads, activation_bits=activation_bits)
-        prefill, decode, weights, kv_read = rates
+        prefill, decode, weights, kv_read = runner_rates(
+            path, threads, activation_bits=activation_bits
+        )
         row.kv_prefill_tok_s, row.kv_decode_tok_s = prefill, decode
         row.resident_weight_bytes = weights
         row.read_weight_bytes = weights - unread_expert_bytes(path)
