@@ -29,10 +29,12 @@ between hours):
 - a read-bandwidth probe before and after the model's runner and llama-bench rows, the larger
   kept (a 1 GiB fp32 ``torch.sum``, best of 5; the memory of a VM swings within minutes);
 - kvserve's own prefill (512 tokens) and batch-1 decode rates through its runner, beside
-  ``llama-bench``'s pp512 / tg128 at the same thread count; batch-1 decode as a percentage of
-  the bandwidth: (resident weight bytes + KV bytes read) x tok/s / GB/s;
+  ``llama-bench``'s pp512 / tg128 at the same thread count, its tg128 at the context kvserve
+  decodes at (``-d 512``: both sides' steps then read the same 512 positions of KV; tg128 from
+  an empty context would read a sixth as many); batch-1 decode as a percentage of the
+  bandwidth: (resident weight bytes + KV bytes read) x tok/s / GB/s;
 - the same batch-1 decode on one thread (from a 128-token context) beside ``llama-bench``'s
-  tg64 on one thread, and the one-thread bandwidth probe;
+  tg64 on one thread at that depth (``-d 128``), and the one-thread bandwidth probe;
 - chat128 (64 prompts of 128 tokens, 128 greedy tokens out) at each level of users against
   ``llama-server`` on the same file, the same requests and the same load generator;
 - the serving process's RSS at the end of each run (the largest) beside the file's size.
@@ -68,6 +70,12 @@ MAX_USERS = {
     "random-qwen3moe-30b-a3b-8l-q4km": 8,
     "random-gemma3-1b-q4km": 8,
 }
+
+
+# The context kvserve's batch-1 decode steps start from (its runner_rates prompt), and the
+# depth llama-bench's tg runs at to match: the same KV read a step on both sides.
+DECODE_FROM = 512
+DECODE_FROM_1T = 128
 
 
 @dataclass
@@ -163,7 +171,7 @@ def build_models(names: list[str], work: Path, quantize: Path) -> dict[str, tupl
 
 
 def runner_rates(
-    path: Path, threads: int, prompt_len: int = 512, activation_bits: int = 16
+    path: Path, threads: int, prompt_len: int = DECODE_FROM, activation_bits: int = 16
 ) -> tuple[float, float, int, int]:
     """(prefill tok/s of one ``prompt_len`` prompt, batch-1 decode tok/s at that context,
     resident weight bytes, KV bytes read per decode step) through kvserve's runner."""
@@ -226,14 +234,21 @@ def unread_expert_bytes(path: Path) -> int:
 
 
 def llama_bench(
-    binary: Path, path: Path, threads: int, prompt: int = 512, gen: int = 128, reps: int = 5
+    binary: Path,
+    path: Path,
+    threads: int,
+    prompt: int = 512,
+    gen: int = 128,
+    reps: int = 5,
+    depth: int = 0,
 ) -> dict[str, float] | str:
-    """llama-bench's pp<prompt> and tg<gen> tokens/s on ``path`` (``prompt`` 0: tg only), or
-    why not."""
+    """llama-bench's pp<prompt> and tg<gen> tokens/s on ``path`` (``prompt`` 0: tg only;
+    ``gen`` 0: pp only), each test after ``depth`` tokens already in the KV cache, or why
+    not."""
     if not binary.is_file():
         return "not measured: no llama-bench build"
-    cmd = [str(binary), "-m", str(path), "-p", str(prompt), "-n", str(gen), "-t", str(threads),
-           "-r", str(reps), "-o", "json"]  # fmt: skip
+    cmd = [str(binary), "-m", str(path), "-p", str(prompt), "-n", str(gen), "-d", str(depth),
+           "-t", str(threads), "-r", str(reps), "-o", "json"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=1800)
     if done.returncode != 0:
         return f"not measured: llama-bench exited {done.returncode}"
@@ -242,6 +257,14 @@ def llama_bench(
         key = f"pp{prompt}" if entry.get("n_prompt") else f"tg{gen}"
         rates[key] = float(entry["avg_ts"])
     return rates
+
+
+def _both(first: dict[str, float] | str, second: dict[str, float] | str) -> dict[str, float] | str:
+    """Two llama-bench runs' rates in one dict, or the reason the first one that has none
+    has none."""
+    if isinstance(first, str):
+        return first
+    return second if isinstance(second, str) else {**first, **second}
 
 
 def chat128(
@@ -308,7 +331,7 @@ def format_table(rows: list[ModelRow]) -> str:
     lines = [
         "| model | file MB | resident MB | MB read a token | read GB/s "
         "| kvserve prefill 512 tok/s | llama-bench pp512 | kvserve decode b1 tok/s "
-        "| % of bandwidth | llama-bench tg128 | serving RSS MB |",
+        f"| % of bandwidth | llama-bench tg128 @ d{DECODE_FROM} | serving RSS MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -325,7 +348,7 @@ def format_table(rows: list[ModelRow]) -> str:
         lines += [
             "",
             "| model | threads | read GB/s | kvserve decode b1 tok/s | % of bandwidth "
-            "| llama-bench tg64 | ratio |",
+            f"| llama-bench tg64 @ d{DECODE_FROM_1T} | ratio |",
             "|---|---|---|---|---|---|---|",
         ]
     for r in one:
@@ -395,7 +418,10 @@ def run(
         row.kv_prefill_tok_s, row.kv_decode_tok_s = prefill, decode
         row.resident_weight_bytes = weights
         row.read_weight_bytes = weights - unread_expert_bytes(path)
-        row.llama_bench = llama_bench(tools["llama-bench"], path, threads)
+        row.llama_bench = _both(
+            llama_bench(tools["llama-bench"], path, threads, DECODE_FROM, 0),
+            llama_bench(tools["llama-bench"], path, threads, 0, 128, depth=DECODE_FROM),
+        )
         row.read_gbs = max(row.read_gbs, read_bandwidth_gbs(threads))
         row.decode_bandwidth_pct = (
             100 * (row.read_weight_bytes + kv_read) * decode / (row.read_gbs * 1e9)
@@ -403,9 +429,11 @@ def run(
         if name.startswith("random-"):  # one thread too, where the weights stream from DRAM
             row.read_gbs_1t = read_bandwidth_gbs(1)
             row.kv_decode_tok_s_1t = runner_rates(
-                path, 1, prompt_len=128, activation_bits=activation_bits
+                path, 1, prompt_len=DECODE_FROM_1T, activation_bits=activation_bits
             )[1]
-            row.llama_bench_1t = llama_bench(tools["llama-bench"], path, 1, 0, 64, 3)
+            row.llama_bench_1t = llama_bench(
+                tools["llama-bench"], path, 1, 0, 64, 3, depth=DECODE_FROM_1T
+            )
             row.read_gbs_1t = max(row.read_gbs_1t, read_bandwidth_gbs(1))
         model_levels = [lv for lv in levels if lv[0] <= MAX_USERS.get(name, lv[0])]
         if model_levels:

@@ -102,3 +102,34 @@ def test_a_kv8_row_is_named_so_in_every_table() -> None:
     table = bench_models.format_table(rows)
     assert table.count("| random-1b-q4km (kv8) |") == 3
     assert table.count("| random-1b-q4km |") == 3
+
+
+def test_llama_benchs_decode_runs_at_the_context_kvserves_decodes_from(tmp_path: Path) -> None:
+    """kvserve's batch-1 decode steps read a 512-token KV (128 on one thread), so llama-bench's
+    tg runs at that depth (`-d`): the pp and tg rates come from two runs, merged, and a run
+    that fails gives its reason."""
+    import stat
+
+    from benchmarks import bench_models
+
+    log = tmp_path / "args"
+    fake = tmp_path / "llama-bench"
+    fake.write_text(
+        "#!/usr/bin/env python3\n"
+        "import json, sys\n"
+        f"open({str(log)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
+        "a = sys.argv; p = int(a[a.index('-p') + 1]); n = int(a[a.index('-n') + 1])\n"
+        "d = int(a[a.index('-d') + 1])\n"
+        "out = [{'n_prompt': p, 'n_gen': 0, 'avg_ts': 100.0}] if p else []\n"
+        "out += [{'n_prompt': 0, 'n_gen': n, 'avg_ts': 40.0 - d / 128}] if n else []\n"
+        "print(json.dumps(out))\n"
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    model = tmp_path / "m.gguf"
+    pp = bench_models.llama_bench(fake, model, 2, bench_models.DECODE_FROM, 0)
+    tg = bench_models.llama_bench(fake, model, 2, 0, 128, depth=bench_models.DECODE_FROM)
+    assert bench_models._both(pp, tg) == {"pp512": 100.0, "tg128": 36.0}
+    runs = log.read_text().splitlines()
+    assert "-p 512 -n 0 -d 0" in runs[0] and "-p 0 -n 128 -d 512" in runs[1]
+    assert bench_models._both("not measured: x", tg) == "not measured: x"
+    assert bench_models._both(pp, "not measured: y") == "not measured: y"
