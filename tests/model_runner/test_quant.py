@@ -14,6 +14,8 @@ activations: |err| <= 2e-2 * max|y| on random data for int8, 2e-4 with the resid
 
 from __future__ import annotations
 
+from typing import Any
+
 import gguf
 import numpy as np
 import pytest
@@ -393,6 +395,27 @@ def test_quantized_model_tracks_its_dequantized_reference(
     assert_close(long, ref, tol)
 
 
+def decode_both(
+    fused: Any, plain: Any, prompts: dict[str, list[int]], tables: dict[str, list[int]], steps: int
+) -> None:
+    """Prefill every prompt but its last token on both runners, then ``steps`` greedy decode
+    steps of all of them together: the fused step's logits within 5e-2 of max|logit| of the
+    torch path's (the two paths' attention sums in different fp32 orders, which can move an
+    int8 activation across a rounding boundary)."""
+    from tests.model_runner.oracle import plan, seq
+
+    for runner in (fused, plain):
+        chunks = [seq(r, ids, 0, len(ids) - 1, tables[r]) for r, ids in prompts.items()]
+        runner.step_logits(plan(0, prefill=chunks))
+    for step in range(steps):
+        rows = [seq(r, ids, len(ids) - 1, len(ids), tables[r]) for r, ids in prompts.items()]
+        got = fused.step_logits(plan(1 + step, decode=rows))
+        want = plain.step_logits(plan(1 + step, decode=rows))
+        for r in prompts:
+            assert_close(got[r], want[r], 5e-2)
+            prompts[r] = [*prompts[r], int(want[r][-1].argmax())]
+
+
 @pytest.mark.parametrize("kind", ["llama", "llama-gqa", "qwen2", "mistral", "qwen3", "phi4-mini"])
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
 def test_fused_step_equals_the_torch_path(kind: str, kv_dtype: str, isa: str) -> None:
@@ -402,7 +425,7 @@ def test_fused_step_equals_the_torch_path(kind: str, kv_dtype: str, isa: str) ->
     kernels and differ in attention's fp32 summation order, which can move an int8
     activation across a rounding boundary: logits within 5e-2 of max|logit| (as in the
     test above). The pools agree to fp32 rounding / one fp16 ulp / one int8 step."""
-    from tests.model_runner.oracle import plan, random_ids, seq
+    from tests.model_runner.oracle import random_ids
 
     fused, _ = quantized_pair(kind, "q4", fused_step=True, kv_dtype=kv_dtype)
     plain, _ = quantized_pair(kind, "q4", fused_step=False, kv_dtype=kv_dtype)
@@ -410,16 +433,7 @@ def test_fused_step_equals_the_torch_path(kind: str, kv_dtype: str, isa: str) ->
     assert plain.info.extra["fused_step"] == "false"
     prompts = {f"r{i}": random_ids(n, seed=i) for i, n in enumerate((3, 11, 17))}
     tables = {"r0": [5, 9], "r1": [1, 30, 2, 40, 41], "r2": [7, 8, 3, 4, 50, 51, 52]}
-    for runner in (fused, plain):
-        chunks = [seq(r, ids, 0, len(ids) - 1, tables[r]) for r, ids in prompts.items()]
-        runner.step_logits(plan(0, prefill=chunks))
-    for step in range(4):
-        rows = [seq(r, ids, len(ids) - 1, len(ids), tables[r]) for r, ids in prompts.items()]
-        got = fused.step_logits(plan(1 + step, decode=rows))
-        want = plain.step_logits(plan(1 + step, decode=rows))
-        for r in prompts:
-            assert_close(got[r], want[r], 5e-2)
-            prompts[r] = [*prompts[r], int(want[r][-1].argmax())]
+    decode_both(fused, plain, prompts, tables, 4)
     # Layer 0's K/V: the two paths' RMS norms round differently in fp32, which can move one
     # activation by one residual unit (d / 256): within 1e-4; deeper layers' within 5e-2 of
     # max, as the logits.
@@ -451,23 +465,14 @@ def test_fused_attention_over_many_chunks_equals_the_torch_path(
     scattered blocks span several chunks, a partial last one, the running maximum rescaled
     between them, and (mistral) a sliding window of 8 that starts inside a chunk. Each decode
     step's logits equal the torch path's within 5e-2 of max|logit| (as above)."""
-    from tests.model_runner.oracle import plan, random_ids, seq
+    from tests.model_runner.oracle import random_ids
 
     fused, _ = quantized_pair(kind, "q4", fused_step=True, kv_dtype=kv_dtype)
     plain, _ = quantized_pair(kind, "q4", fused_step=False, kv_dtype=kv_dtype)
     order = [int(b) for b in torch.randperm(64, generator=torch.Generator().manual_seed(3))]
     prompts = {"a": random_ids(45, seed=1), "b": random_ids(90, seed=2)}
     tables = {"a": order[:13], "b": order[13:37]}
-    for runner in (fused, plain):
-        chunks = [seq(r, ids, 0, len(ids) - 1, tables[r]) for r, ids in prompts.items()]
-        runner.step_logits(plan(0, prefill=chunks))
-    for step in range(3):
-        rows = [seq(r, ids, len(ids) - 1, len(ids), tables[r]) for r, ids in prompts.items()]
-        got = fused.step_logits(plan(1 + step, decode=rows))
-        want = plain.step_logits(plan(1 + step, decode=rows))
-        for r in prompts:
-            assert_close(got[r], want[r], 5e-2)
-            prompts[r] = [*prompts[r], int(want[r][-1].argmax())]
+    decode_both(fused, plain, prompts, tables, 3)
 
 
 @pytest.mark.parametrize("kind", ["llama-gqa", "mistral"])
