@@ -163,7 +163,8 @@ struct AttLanes {
   }
 };
 
-constexpr int ATT_CHUNK = 16;  // positions whose scores are taken before their exponentials (a multiple of 8)
+// Positions whose scores are taken before their exponentials (a multiple of 8: sums8).
+constexpr int ATT_CHUNK = 16;
 
 // The 8 sums of v[0..8)'s lanes, in order, in one vector: a tree of horizontal adds, ~1 op a
 // sum where each alone takes a chain of 5.
@@ -171,25 +172,6 @@ KV_INLINE __m256 sums8(const __m256* v) {
   const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
   const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
-// Asks for the key and value rows of KV head g at positions [from, to) of a row's table: the
-// loop reads a chunk's keys, then its values, two streams that a hardware prefetcher follows
-// too late (a task's 2 KB runs hop between blocks and between K and V).
-KV_INLINE void kv_prefetch(const StepArgs& st, const StepLayer& L, int g, const int32_t* table, int64_t from,
-                           int64_t to) {
-  const int64_t width = st.kv_dtype == KV_F32 ? 4 : st.kv_dtype == KV_F16 ? 2 : 1;
-  const int64_t row = st.head_dim * width, plane = (int64_t)st.num_blocks * st.block_size;
-  const char* base = static_cast<const char*>(L.kv);
-  for (int64_t t = from; t < to; ++t) {
-    const int64_t slot = (int64_t)table[t / st.block_size] * st.block_size + t % st.block_size;
-    const char* k = base + ((int64_t)g * plane + slot) * row;
-    const char* v = base + ((int64_t)(st.num_kv_heads + g) * plane + slot) * row;
-    for (int64_t o = 0; o < row; o += 64) {
-      _mm_prefetch(k + o, _MM_HINT_T0);
-      _mm_prefetch(v + o, _MM_HINT_T0);
-    }
-  }
 }
 
 // o[c .. c + W lanes) += sum_i w[i] v[i][c ..): W vectors of the output kept in registers
@@ -208,9 +190,9 @@ KV_INLINE void add_weighted(float* o, const float* const* v, const float* w, int
 
 // attend_group_scalar's result in vector lanes (the head size a multiple of the lanes): over
 // chunks of ATT_CHUNK positions, the chunk's keys and values converted once, each head's
-// scores (a dot product in lanes, summed once), the chunk's maximum (what was summed so far
-// rescaled once when it rises), its exponentials in lanes, then the weighted values with the
-// output in registers. Fused multiply-adds: the result differs from the scalar loop's by
+// scores (dot products in lanes, their lanes summed 8 scores at a time), the chunk's maximum
+// (what was summed so far rescaled once when it rises), its exponentials in lanes, then the
+// weighted values with the output in registers. Fused multiply-adds: the result differs from the scalar loop's by
 // rounding (the tests' torch comparisons hold either way). The chunks follow the positions
 // alone, so a row's result does not depend on the rows beside it.
 void attend_group_lanes(const StepArgs& st, const StepLayer& L, int b, int g, const float* q, int qstride,
@@ -231,11 +213,8 @@ void attend_group_lanes(const StepArgs& st, const StepLayer& L, int b, int g, co
     sum[j] = 0.f;
     for (int i = 0; i < D; ++i) out[(int64_t)j * D + i] = 0.f;
   }
-  kv_prefetch(st, L, g, table, t0, pos + 1 < t0 + ATT_CHUNK ? pos + 1 : t0 + ATT_CHUNK);
   for (int64_t c0 = t0; c0 <= pos; c0 += ATT_CHUNK) {
     const int n = pos + 1 - c0 < ATT_CHUNK ? (int)(pos + 1 - c0) : ATT_CHUNK;
-    const int64_t next = c0 + ATT_CHUNK, after = next + ATT_CHUNK;
-    if (next <= pos) kv_prefetch(st, L, g, table, next, after <= pos + 1 ? after : pos + 1);
     for (int i = 0; i < n; ++i) {
       const int64_t t = c0 + i, slot = (int64_t)table[t / bs] * bs + t % bs;
       keys[i] = kv_row(st, L, g, slot, conv + (int64_t)i * D);
