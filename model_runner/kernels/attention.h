@@ -87,18 +87,13 @@ void attend_group_scalar(const StepArgs& st, const StepLayer& L, int b, int g, c
 }
 
 #if defined(KV_USE_AVX512) || defined(KV_USE_AVX2)
-// The attention loop's float lanes: zmm in the avx512 family, ymm in avx2.
-struct AttLanes {
+// The attention loop's float lanes: the tiles' (qvec.h: load, store, set1, mul, fmadd) and
+// what softmax adds, zmm in the avx512 family, ymm in avx2.
 #ifdef KV_USE_AVX512
-  typedef __m512 F;
-  static constexpr int N = 16;
-  static KV_INLINE F load(const float* p) { return _mm512_loadu_ps(p); }
-  static KV_INLINE void store(float* p, F v) { _mm512_storeu_ps(p, v); }
-  static KV_INLINE F set1(float x) { return _mm512_set1_ps(x); }
+struct AttLanes : Z16 {
+  static constexpr int N = LANES;
   static KV_INLINE F add(F a, F b) { return _mm512_add_ps(a, b); }
   static KV_INLINE F sub(F a, F b) { return _mm512_sub_ps(a, b); }
-  static KV_INLINE F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static KV_INLINE F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static KV_INLINE F max(F a, F b) { return _mm512_max_ps(a, b); }  // b where either is NaN
   static KV_INLINE float first(F v) { return _mm512_cvtss_f32(v); }
   static KV_INLINE __m256 fold8(F v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
@@ -113,15 +108,10 @@ struct AttLanes {
     return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(x, _mm512_set1_ps(lim), _CMP_LT_OQ), _mm512_setzero_ps());
   }
 #else
-  typedef __m256 F;
-  static constexpr int N = 8;
-  static KV_INLINE F load(const float* p) { return _mm256_loadu_ps(p); }
-  static KV_INLINE void store(float* p, F v) { _mm256_storeu_ps(p, v); }
-  static KV_INLINE F set1(float x) { return _mm256_set1_ps(x); }
+struct AttLanes : Y8 {
+  static constexpr int N = LANES;
   static KV_INLINE F add(F a, F b) { return _mm256_add_ps(a, b); }
   static KV_INLINE F sub(F a, F b) { return _mm256_sub_ps(a, b); }
-  static KV_INLINE F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static KV_INLINE F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static KV_INLINE F max(F a, F b) { return _mm256_max_ps(a, b); }  // b where either is NaN
   static KV_INLINE float first(F v) { return _mm256_cvtss_f32(v); }
   static KV_INLINE __m256 fold8(F v) { return v; }
